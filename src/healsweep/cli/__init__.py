@@ -1,0 +1,45 @@
+"""Command-line interface: ``healsweep`` (console script) and ``python cli.py``.
+
+Library errors (:class:`healsweep.errors.HealsweepError`) become one line on stderr and exit
+code 1; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from healsweep.cli._apps import app, state
+
+# Each module decorates its commands onto the groups of ``_apps``.
+_COMMAND_MODULES = [
+    "healsweep.cli.model_cmd",
+]
+
+
+def _register() -> None:
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the console script; never shows a traceback unless ``--debug``."""
+    from healsweep.errors import HealsweepError
+
+    _register()
+    args = list(sys.argv[1:] if argv is None else argv)
+    state.debug = "--debug" in args
+    try:
+        # typer handles its own usage errors (exit code 2) and --help in standalone mode.
+        app(args=args, prog_name="healsweep", standalone_mode=True)
+    except HealsweepError as exc:
+        if state.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+__all__ = ["app", "main"]

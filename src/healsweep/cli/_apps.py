@@ -1,0 +1,47 @@
+"""The typer application and its command groups.
+
+Command modules import the group they extend from here and decorate functions onto it; heavy
+imports happen inside the commands so that ``healsweep --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="healsweep",
+    help="Sweeps of 2-bit quantization healing for GGUF Mixture-of-Experts models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _group(name: str, help_text: str) -> typer.Typer:
+    group = typer.Typer(name=name, help=help_text, no_args_is_help=True)
+    app.add_typer(group, name=name)
+    return group
+
+
+model_app = _group("model", "Inspect a GGUF MoE model and run its teacher-forced forward.")
+demo_app = _group("demo", "The embedded demo corpus, tokenizer and MoE model.")
+corpus_app = _group("corpus", "Import and inspect corpora.")
+split_app = _group("split", "Make and show dev/test split configs.")
+bench_app = _group("bench", "Benchmarks that print a table.")
+sweep_app = _group("sweep", "Run, resume and inspect sweeps.")
+ledger_app = _group("ledger", "Show and verify the tamper-evident ledger of test-split openings.")
+cluster_app = _group("cluster", "Inspect the Ray cluster.")
+
+
+class _State:
+    debug: bool = False
+
+
+state = _State()
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+) -> None:
+    state.debug = debug
