@@ -14,6 +14,16 @@ from healsweep.cli._apps import app, state
 # Each module decorates its commands onto the groups of ``_apps``.
 _COMMAND_MODULES = [
     "healsweep.cli.model_cmd",
+    "healsweep.cli.quant_cmd",
+    "healsweep.cli.corpus_cmd",
+    "healsweep.cli.demo_cmd",
+    "healsweep.cli.split_cmd",
+    "healsweep.cli.ledger_cmd",
+    "healsweep.cli.score_cmd",
+    "healsweep.cli.heal_cmd",
+    "healsweep.cli.sweep_cmd",
+    "healsweep.cli.report_cmd",
+    "healsweep.cli.cluster_cmd",
 ]
 
 

@@ -1,0 +1,5 @@
+"""`healsweep cluster` commands."""
+
+from __future__ import annotations
+
+from healsweep.cli._apps import cluster_app  # noqa: F401
