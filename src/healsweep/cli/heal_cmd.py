@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from healsweep.cli._apps import heal_app  # noqa: F401
+from healsweep.cli._apps import app  # noqa: F401
