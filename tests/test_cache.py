@@ -1,0 +1,70 @@
+"""The stage cache: content keys, atomic checksummed entries, corrupt entries recomputed."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from healsweep.cache import StageCache, content_key
+from healsweep.errors import CacheError
+
+
+def _compute(value: float):
+    def run():
+        return {"w": np.full((3, 4), value, dtype=np.float32)}, {"value": value}
+
+    return run
+
+
+def test_key_depends_on_exactly_its_inputs():
+    base = content_key("quantize", 1, {"model": "abc", "gain_d": 0.3})
+    assert base == content_key("quantize", 1, {"gain_d": 0.3, "model": "abc"})
+    assert base != content_key("quantize", 1, {"model": "abc", "gain_d": 0.31})
+    assert base != content_key("quantize", 2, {"model": "abc", "gain_d": 0.3})
+    assert base != content_key("part_b", 1, {"model": "abc", "gain_d": 0.3})
+
+
+def test_second_request_is_served_from_disk(tmp_path):
+    cache = StageCache(tmp_path)
+    key = content_key("stage", 1, {"x": 1})
+    arrays, meta = cache.get_or_compute("stage", key, _compute(2.0))
+    again, meta_again = StageCache(tmp_path).get_or_compute("stage", key, _compute(99.0))
+    np.testing.assert_array_equal(again["w"], arrays["w"])
+    assert meta_again == meta == {"value": 2.0}
+    assert cache.computed["stage"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_corrupt_entry_is_recomputed_never_used(tmp_path, damage):
+    cache = StageCache(tmp_path)
+    key = content_key("stage", 1, {"x": 2})
+    cache.get_or_compute("stage", key, _compute(1.0))
+    path = cache.path("stage", key)
+    blob = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(blob[: len(blob) // 2])
+    elif damage == "flip":
+        path.write_bytes(blob[:-10] + bytes([blob[-10] ^ 0xFF]) + blob[-9:])
+    else:
+        path.write_bytes(b"")
+    fresh = StageCache(tmp_path)
+    arrays, _ = fresh.get_or_compute("stage", key, _compute(5.0))
+    assert fresh.corrupt["stage"] == 1 and fresh.computed["stage"] == 1
+    assert float(arrays["w"][0, 0]) == 5.0
+    assert StageCache(tmp_path).get("stage", key)[1] == {"value": 5.0}
+
+
+def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
+    if os.geteuid() == 0:
+        # root ignores permission bits: use a path whose parent is a regular file instead
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        cache = StageCache(blocker / "cache")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        cache = StageCache(locked)
+    with pytest.raises(CacheError, match="cannot write cache entry"):
+        cache.put("stage", content_key("stage", 1, {}), {"w": np.zeros(2)})
