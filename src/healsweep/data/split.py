@@ -1,0 +1,289 @@
+"""The dev/test split of a corpus, and its lock id.
+
+A split config (YAML) says, per source, how documents are divided (the parity rule: odd index →
+dev, even → test), which documents are set aside by name (calibration, canary, burned) and which
+form the calibration pool. :func:`assign` maps one document to ``dev``, ``test``,
+``calibration``, ``canary`` or ``excluded``.
+
+The split lock id is sha256 over the sorted ``(doc_id, content_hash, assignment, reason)`` of
+every document of the corpus, so any edit that moves a document or changes its text yields a new
+id. Free-text ``note`` fields and YAML layout do not enter the id: they change nothing about
+which text is tuned on or tested on. Documents of the corpus's ``train`` pool are ``excluded``.
+
+Only ``test`` is sealed: materializing it needs a ledger grant (:func:`require_access`).
+Canary documents lie outside dev and test and may be scored at any time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from healsweep.errors import SplitError
+
+Assignment = Literal["dev", "test", "calibration", "canary", "excluded"]
+ASSIGNMENTS: tuple[str, ...] = ("dev", "test", "calibration", "canary", "excluded")
+EVAL_SPLITS: tuple[str, ...] = ("dev", "test", "canary")
+_LOCK_TAG = "healsweep-split-lock-v1"
+
+
+class SplitDocument(Protocol):
+    """What the split reads from a corpus document (``healsweep.data.corpus.Document``)."""
+
+    doc_id: str
+    source: str
+    index: int
+    stratum: str
+
+    @property
+    def content_hash(self) -> str: ...
+
+
+class Exclusion(BaseModel):
+    """A document set aside by name, with the reason and a free-text note."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    reason: Literal["calibration", "canary", "burned"]
+    note: str = ""
+
+
+class SourceRule(BaseModel):
+    """How one source's documents divide: ``parity`` (odd index → dev, even → test) or
+    ``exclude`` (the whole source stays out of dev and test)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rule: Literal["parity", "exclude"] = "parity"
+
+
+class CalibrationPool(BaseModel):
+    """The calibration pool: corpus documents with ``pool: calibration`` and/or listed doc ids."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    from_corpus_pool: bool = True
+    doc_ids: tuple[str, ...] = ()
+
+
+class SplitConfig(BaseModel):
+    """A validated split config; see the module docstring for the rules."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: Literal[1] = 1
+    corpus: str | None = Field(default=None, description="the corpus it was made for (or demo)")
+    sources: dict[str, SourceRule]
+    exclusions: dict[str, Exclusion] = {}
+    calibration: CalibrationPool = CalibrationPool()
+    canary: tuple[str, ...] = ()
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _rule_shorthand(cls, value: Any) -> Any:
+        # `py-code: parity` is shorthand for `py-code: {rule: parity}`.
+        if isinstance(value, dict):
+            return {k: {"rule": v} if isinstance(v, str) else v for k, v in value.items()}
+        return value
+
+    def assign(self, doc: SplitDocument) -> str:
+        """Where ``doc`` goes: ``dev|test|calibration|canary|excluded`` (see :func:`assign`)."""
+        return assign(self, doc)
+
+    def named_doc_ids(self) -> set[str]:
+        """Every doc id the config names explicitly."""
+        return set(self.exclusions) | set(self.canary) | set(self.calibration.doc_ids)
+
+
+def assign(config: SplitConfig, doc: SplitDocument) -> str:
+    """The split of one document.
+
+    Precedence: named canary, named exclusion, calibration pool, ``train`` pool (excluded), the
+    source rule (parity: odd index → dev, even → test). A source the config does not list raises
+    :class:`SplitError`, so a corpus that grew a new source cannot slip into dev or test unseen.
+    """
+    return _assign_with_reason(config, doc)[0]
+
+
+def _assign_with_reason(config: SplitConfig, doc: SplitDocument) -> tuple[str, str]:
+    if doc.doc_id in config.canary:
+        return "canary", "canary"
+    exclusion = config.exclusions.get(doc.doc_id)
+    if exclusion is not None:
+        target = {"calibration": "calibration", "canary": "canary", "burned": "excluded"}
+        return target[exclusion.reason], exclusion.reason
+    pool = getattr(doc, "pool", "eval") or "eval"
+    if doc.doc_id in config.calibration.doc_ids:
+        return "calibration", "calibration"
+    if pool == "calibration" and config.calibration.from_corpus_pool:
+        return "calibration", "calibration-pool"
+    if pool == "train":
+        return "excluded", "train-pool"
+    rule = config.sources.get(doc.source)
+    if rule is None:
+        raise SplitError(
+            f"document {doc.doc_id!r} has source {doc.source!r}, which the split config does not "
+            f"list (sources: {sorted(config.sources)}); add it or run `healsweep split make` again"
+        )
+    if rule.rule == "exclude":
+        return "excluded", "source-excluded"
+    return ("dev", "parity") if doc.index % 2 == 1 else ("test", "parity")
+
+
+@dataclass(frozen=True)
+class ResolvedSplit:
+    """A split config applied to one corpus: every document's split and the lock id."""
+
+    lock_id: str
+    assignments: Mapping[str, str]  # doc_id -> split
+    reasons: Mapping[str, str]  # doc_id -> why (parity, canary, burned, train-pool, ...)
+    documents: tuple[Any, ...]
+
+    def doc_ids(self, split: str) -> list[str]:
+        """The doc ids assigned to ``split``, in corpus order."""
+        return [d.doc_id for d in self.documents if self.assignments[d.doc_id] == split]
+
+    def counts(self) -> dict[tuple[str, str], Counter]:
+        """``{(source, stratum): Counter(split -> n)}``."""
+        table: dict[tuple[str, str], Counter] = {}
+        for doc in self.documents:
+            table.setdefault((doc.source, doc.stratum), Counter())[
+                self.assignments[doc.doc_id]
+            ] += 1
+        return table
+
+
+def resolve_split(config: SplitConfig, documents: Iterable[SplitDocument] | Any) -> ResolvedSplit:
+    """Apply ``config`` to a corpus (a ``Corpus`` or its documents) and compute the lock id.
+
+    Raises :class:`SplitError` when the config names a doc id the corpus lacks, names one doc
+    twice with different roles, or leaves the dev set empty.
+    """
+    docs = tuple(getattr(documents, "documents", documents))
+    present = {d.doc_id for d in docs}
+    missing = sorted(config.named_doc_ids() - present)
+    if missing:
+        raise SplitError(
+            f"the split config names doc ids the corpus does not contain: {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}; remove them or use the matching corpus"
+        )
+    _check_roles(config)
+    assignments, reasons = {}, {}
+    for doc in docs:
+        assignments[doc.doc_id], reasons[doc.doc_id] = _assign_with_reason(config, doc)
+    if not any(v == "dev" for v in assignments.values()):
+        raise SplitError(
+            f"the split leaves the dev set empty ({len(docs)} documents, sources "
+            f"{sorted(config.sources)}); sweeps tune on dev, so give it odd-index eval documents"
+        )
+    lock = _lock_id(docs, assignments, reasons)
+    return ResolvedSplit(lock, assignments, reasons, docs)
+
+
+def split_lock_id(config: SplitConfig, documents: Iterable[SplitDocument] | Any) -> str:
+    """The split lock id of ``config`` applied to a corpus (see the module docstring)."""
+    return resolve_split(config, documents).lock_id
+
+
+def _lock_id(docs: tuple, assignments: Mapping[str, str], reasons: Mapping[str, str]) -> str:
+    rows = sorted(
+        (d.doc_id, d.content_hash, assignments[d.doc_id], reasons[d.doc_id]) for d in docs
+    )
+    payload = json.dumps([_LOCK_TAG, rows], separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def _check_roles(config: SplitConfig) -> None:
+    roles: dict[str, set[str]] = {}
+    for doc_id in config.canary:
+        roles.setdefault(doc_id, set()).add("canary")
+    for doc_id, exclusion in config.exclusions.items():
+        roles.setdefault(doc_id, set()).add(exclusion.reason)
+    for doc_id in config.calibration.doc_ids:
+        roles.setdefault(doc_id, set()).add("calibration")
+    clashes = sorted(doc_id for doc_id, r in roles.items() if len(r) > 1)
+    if clashes:
+        raise SplitError(
+            f"doc id {clashes[0]!r} is given two roles ({sorted(roles[clashes[0]])}) in the split "
+            "config; keep one of canary / calibration / burned per document"
+        )
+
+
+def require_access(split: str, grant: Any, lock_id: str) -> None:
+    """Check that windows of ``split`` may be materialized.
+
+    ``dev`` and ``canary`` are always open; ``test`` needs a ledger grant for ``lock_id``
+    (raises ``TestSplitSealed`` otherwise); ``calibration`` and ``excluded`` are not eval splits
+    and raise :class:`SplitError`.
+    """
+    if split == "test":
+        from healsweep.ledger import require_grant
+
+        require_grant(grant, lock_id)
+        return
+    if split not in ("dev", "canary"):
+        raise SplitError(
+            f"{split!r} is not an eval split; windows come from one of {list(EVAL_SPLITS)}"
+        )
+
+
+def parity_split(
+    documents: Iterable[SplitDocument] | Any, corpus: str | None = None
+) -> SplitConfig:
+    """The default split of a corpus: every source under the parity rule, calibration from the
+    corpus's ``pool: calibration`` documents, no named exclusions (what ``split: auto`` means)."""
+    docs = getattr(documents, "documents", documents)
+    sources = sorted({d.source for d in docs})
+    return SplitConfig(corpus=corpus, sources={s: SourceRule() for s in sources})
+
+
+def load_split(path: str | Path) -> SplitConfig:
+    """Read and validate a split YAML; every problem is a one-line :class:`SplitError`."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SplitError(
+            f"cannot read split config {path}: {exc.strerror}; check the path"
+        ) from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "malformed YAML"
+        raise SplitError(f"{path}{where}: {problem}; fix the YAML syntax") from exc
+    if not isinstance(raw, dict):
+        raise SplitError(f"{path}: a split config is a YAML mapping; got {type(raw).__name__}")
+    return split_from_dict(raw, where=str(path))
+
+
+def split_from_dict(raw: Mapping[str, Any], where: str = "split config") -> SplitConfig:
+    """Validate a split config given as a mapping (the parsed YAML)."""
+    try:
+        return SplitConfig.model_validate(dict(raw))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field {loc!r}"
+        else:
+            msg = f"field {loc!r}: {err['msg']}"
+        allowed = "version, corpus, sources, exclusions, calibration, canary"
+        raise SplitError(f"{where}: {msg}; allowed top-level fields are {allowed}") from exc
+
+
+def dump_split(config: SplitConfig, lock_id: str | None = None) -> str:
+    """The YAML text of a split config (with the lock id as a comment when given)."""
+    body = config.model_dump(mode="json", exclude_defaults=False)
+    body["sources"] = {name: rule["rule"] for name, rule in body["sources"].items()}
+    body["canary"] = list(body["canary"])
+    body["calibration"]["doc_ids"] = list(body["calibration"]["doc_ids"])
+    header = "# healsweep split config: odd index -> dev, even -> test, per source.\n"
+    if lock_id:
+        header += f"# split lock id when written: {lock_id}\n"
+    return header + yaml.safe_dump(body, sort_keys=False, allow_unicode=True)

@@ -1,0 +1,169 @@
+"""The ledger's files: the JSON-lines chain, its head record and the lock file beside it.
+
+``ledger.jsonl`` holds the chain. ``ledger.jsonl.head`` records the entry count and the last hash,
+so removing whole lines from the end is detected (the chain alone cannot see that).
+``ledger.jsonl.lock`` is held with ``fcntl.flock``: exclusive while appending, shared while
+reading, so concurrent confirms in different processes are serialized and none is lost.
+
+An append writes the head with a ``pending`` record of the state it is about to create, appends
+and fsyncs the line, then writes the final head. A crash between the steps therefore leaves a
+ledger that matches either the head or its pending record, both of which verify.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from healsweep.errors import LedgerError
+from healsweep.ledger._chain import RESTORE_HINT, head_of, parse_lines, seal
+
+
+def head_path(path: Path) -> Path:
+    """The head record beside a ledger file."""
+    return path.with_name(path.name + ".head")
+
+
+def lock_path(path: Path) -> Path:
+    """The lock file beside a ledger file."""
+    return path.with_name(path.name + ".lock")
+
+
+@contextmanager
+def locked(path: Path, exclusive: bool, timeout: float) -> Iterator[None]:
+    """Hold the ledger's flock (exclusive or shared), polling up to ``timeout`` seconds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LedgerError(
+                        f"the ledger {path} stayed locked by another process for {timeout:.0f} s "
+                        f"(lock file {lock_path(path).name}); wait for the other confirm to finish"
+                    ) from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _read_head(path: Path) -> dict[str, Any] | None:
+    hp = head_path(path)
+    try:
+        head = json.loads(hp.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LedgerError(
+            f"the ledger head record {hp} is unreadable ({exc}); {RESTORE_HINT}"
+        ) from exc
+    if not isinstance(head, dict) or "entries" not in head or "hash" not in head:
+        raise LedgerError(f"the ledger head record {hp} is malformed; {RESTORE_HINT}")
+    return head
+
+
+def _same(state: Mapping[str, Any], record: Mapping[str, Any] | None) -> bool:
+    return bool(record) and (state["entries"], state["hash"]) == (record["entries"], record["hash"])
+
+
+def check_head(path: Path, entries: list[dict[str, Any]], head: dict[str, Any] | None) -> None:
+    """Compare the chain with its head record; raise naming the first line that is off."""
+    state = head_of(entries)
+    if head is None:
+        if entries:
+            raise LedgerError(
+                f"{path}: the head record {head_path(path).name} is missing while the ledger has "
+                f"{len(entries)} entries; {RESTORE_HINT}"
+            )
+        return
+    if _same(state, head) or _same(state, head.get("pending")):
+        return
+    n, expected = len(entries), int(head["entries"])
+    if n < expected:
+        problem = f"the ledger ends after {n} entries but its head records {expected}"
+        raise LedgerError(f"{path} line {n + 1}: {problem} (lines were removed); {RESTORE_HINT}")
+    if n == expected:
+        raise LedgerError(
+            f"{path} line {n}: the last entry is not the one its head records (edited); "
+            f"{RESTORE_HINT}"
+        )
+    raise LedgerError(
+        f"{path} line {expected + 1}: entries beyond the {expected} its head records were added "
+        f"outside healsweep; {RESTORE_HINT}"
+    )
+
+
+def read_verified(path: Path) -> list[dict[str, Any]]:
+    """The entries of a ledger after checking the chain and the head (no locking here)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        text = ""
+    except UnicodeDecodeError:
+        raise LedgerError(f"{path} is not UTF-8 text; {RESTORE_HINT}") from None
+    head = _read_head(path)
+    if not path.exists() and head is not None and int(head["entries"]) > 0:
+        raise LedgerError(
+            f"{path} is missing but its head record lists {head['entries']} entries; {RESTORE_HINT}"
+        )
+    entries = parse_lines(text, str(path))
+    check_head(path, entries, head)
+    return entries
+
+
+def _write_head(path: Path, record: Mapping[str, Any]) -> None:
+    hp = head_path(path)
+    fd, tmp = tempfile.mkstemp(prefix=hp.name + ".", suffix=".tmp", dir=hp.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(dict(record), fh, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, hp)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(hp.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_entry(path: Path, entries: list[dict[str, Any]], body: Mapping[str, Any]) -> dict:
+    """Seal ``body`` onto the verified ``entries`` and append it durably.
+
+    The caller holds the exclusive lock and has just read ``entries`` with :func:`read_verified`.
+    """
+    current = head_of(entries)
+    entry = seal(body, seq=current["entries"], prev_hash=current["hash"])
+    after = head_of([*entries, entry])
+    _write_head(path, {**current, "pending": after})
+    line = (json.dumps(entry, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(line)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _write_head(path, after)
+    return entry
