@@ -5,9 +5,9 @@ dev, even → test), which documents are set aside by name (calibration, canary,
 form the calibration pool. :func:`assign` maps one document to ``dev``, ``test``,
 ``calibration``, ``canary`` or ``excluded``.
 
-The split lock id is sha256 over the sorted ``(doc_id, content_hash, assignment, reason)`` of
-every document of the corpus, so any edit that moves a document or changes its text yields a new
-id. Free-text ``note`` fields and YAML layout do not enter the id: they change nothing about
+The split lock id is sha256 over the sorted ``(doc_id, source, index, stratum, content_hash,
+assignment, reason)`` of every document of the corpus, so any edit that moves a document, renames
+its stratum or changes its text yields a new id. Free-text ``note`` fields and YAML layout do not enter the id: they change nothing about
 which text is tuned on or tested on. Documents of the corpus's ``train`` pool are ``excluded``.
 
 Only ``test`` is sealed: materializing it needs a ledger grant (:func:`require_access`).
@@ -191,7 +191,16 @@ def split_lock_id(config: SplitConfig, documents: Iterable[SplitDocument] | Any)
 
 def _lock_id(docs: tuple, assignments: Mapping[str, str], reasons: Mapping[str, str]) -> str:
     rows = sorted(
-        (d.doc_id, d.content_hash, assignments[d.doc_id], reasons[d.doc_id]) for d in docs
+        (
+            d.doc_id,
+            d.source,
+            int(d.index),
+            d.stratum,
+            d.content_hash,
+            assignments[d.doc_id],
+            reasons[d.doc_id],
+        )
+        for d in docs
     )
     payload = json.dumps([_LOCK_TAG, rows], separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
@@ -239,6 +248,15 @@ def parity_split(
     docs = getattr(documents, "documents", documents)
     sources = sorted({d.source for d in docs})
     return SplitConfig(corpus=corpus, sources={s: SourceRule() for s in sources})
+
+
+def corpus_reference(config: SplitConfig, split_path: str | Path) -> str | None:
+    """The corpus a split file was made for: ``demo``, or its path resolved against the file's
+    folder (``split make`` stores it relative to the split file)."""
+    if config.corpus is None or config.corpus == "demo":
+        return config.corpus
+    ref = Path(config.corpus)
+    return str(ref if ref.is_absolute() else Path(split_path).parent / ref)
 
 
 def load_split(path: str | Path) -> SplitConfig:

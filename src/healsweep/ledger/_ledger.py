@@ -184,6 +184,8 @@ class Ledger:
                 "time": _now(),
                 "user": _user(user),
                 "open_hash": found.open_hash,
+                "split_lock_id": split_lock_id,
+                "milestone": milestone,
             }
             _store.append_entry(self.path, entries, body)
             opened = next(e for e in entries if e["hash"] == found.open_hash)
