@@ -1,0 +1,186 @@
+"""The knobs of one healing trial and the calibration settings, validated once at the edge.
+
+``Knobs`` is the contract table of ``docs/contracts.md``: defaults reproduce the audit's shipped
+healer, every value is range-checked, and an unknown knob or an out-of-range value raises
+:class:`~healsweep.errors.KnobError` naming the knob, the value and what is allowed.
+``Knobs.for_stage`` returns exactly the knobs a stage reads, so a stage's cache key changes only
+when something that stage depends on changes. Calibration settings are not knobs (a sweep does not
+tune them); they live in :class:`CalibrationConfig` and key the calibration-trace stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from healsweep.errors import KnobError
+
+STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "part_b")
+
+# What each knob accepts, in words, for error messages (mirrors the Field constraints below).
+ALLOWED = {
+    "importance": "one of none, norm_proxy, act",
+    "importance_down": "one of none, act",
+    "gain_gu": "a float in [0, 2]",
+    "gain_d": "a float in [0, 2]",
+    "alpha": "one of none, gaussian, mse",
+    "gamma": "a float in [0, 1]",
+    "ridge": "true or false",
+    "rho": "a float in (0, 1000]",
+    "eta": "a float in [0, 2]",
+}
+
+_CALIBRATION_ALLOWED = {
+    "corpus": "a corpus path or 'demo'",
+    "max_tokens": "a positive integer, or null for all calibration tokens",
+    "chunk_length": "an integer in [16, 65536]",
+    "min_tokens_per_expert": "an integer >= 1",
+    "exclude_doc_ids": "a list of document ids",
+}
+
+
+def _float(default: float, lo: float, hi: float, *, lo_open: bool = False) -> Any:
+    bounds = {"gt": lo} if lo_open else {"ge": lo}
+    return Field(default=default, le=hi, allow_inf_nan=False, **bounds)
+
+
+class Knobs(BaseModel):
+    """The knobs of one trial (frozen; ``Knobs(**values)`` validates and raises ``KnobError``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    importance: Literal["none", "norm_proxy", "act"] = "norm_proxy"
+    importance_down: Literal["none", "act"] = "none"
+    gain_gu: float = _float(0.3, 0.0, 2.0)
+    gain_d: float = _float(0.3, 0.0, 2.0)
+    alpha: Literal["none", "gaussian", "mse"] = "gaussian"
+    gamma: float = _float(0.75, 0.0, 1.0)
+    ridge: bool = Field(default=True, strict=True)
+    rho: float = _float(6.0, 0.0, 1000.0, lo_open=True)
+    eta: float = _float(0.15, 0.0, 2.0)
+
+    def __init__(self, **values: Any) -> None:
+        _reject_bools_as_numbers(values)
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise _knob_error(exc, values, ALLOWED, "knob") from None
+
+    def for_stage(self, stage: str) -> dict[str, Any]:
+        """Exactly the knobs ``stage`` reads (its cache-key contribution); {} for knob-free stages.
+
+        Knobs that cannot change a stage's output under the current setting are left out (gamma
+        when alpha is none, rho/eta when the ridge is off), so equal outputs share one cache entry.
+        """
+        if stage not in STAGES:
+            raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+        if stage == "quantize":
+            return {
+                "importance": self.importance,
+                "importance_down": self.importance_down,
+                "gain_gu": self.gain_gu,
+                "gain_d": self.gain_d,
+            }
+        if stage == "part_a":
+            if self.alpha == "none":
+                return {"alpha": "none"}
+            return {"alpha": self.alpha, "gamma": self.gamma}
+        if stage == "part_b":
+            if not self.ridge:
+                return {"ridge": False}
+            return {"ridge": True, "rho": self.rho, "eta": self.eta}
+        return {}
+
+    def replace(self, **changes: Any) -> Knobs:
+        """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""
+        return Knobs(**{**self.model_dump(), **changes})
+
+    def uses_activation_statistics(self) -> bool:
+        """True when quantization reads the calibration trace (``act`` importance anywhere)."""
+        return self.importance == "act" or self.importance_down == "act"
+
+
+class CalibrationConfig(BaseModel):
+    """Which calibration tokens the teacher trace uses and how ``act`` statistics are pooled.
+
+    ``max_tokens=None`` uses every token of the calibration pool; otherwise documents are taken in
+    corpus order until the budget is reached (the last one cut to fit, and the trace report says
+    so). ``chunk_length`` is the forward's sequence length: longer documents are split into
+    consecutive chunks, all of them traced. An expert with fewer than ``min_tokens_per_expert``
+    routed tokens uses the layer-wide statistic for ``act`` importance.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    corpus: str = "demo"
+    max_tokens: int | None = Field(default=None, ge=1)
+    chunk_length: int = Field(default=512, ge=16, le=65536)
+    min_tokens_per_expert: int = Field(default=16, ge=1)
+    exclude_doc_ids: tuple[str, ...] = ()
+
+    def __init__(self, **values: Any) -> None:
+        _reject_bools_as_numbers(values)
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise _knob_error(exc, values, _CALIBRATION_ALLOWED, "calibration setting") from None
+
+    def key_inputs(self) -> dict[str, Any]:
+        """The settings that change the trace (the corpus is keyed by content, not by path)."""
+        return {
+            "max_tokens": self.max_tokens,
+            "chunk_length": self.chunk_length,
+            "min_tokens_per_expert": self.min_tokens_per_expert,
+            "exclude_doc_ids": sorted(self.exclude_doc_ids),
+        }
+
+
+def load_knobs(path: str | Path) -> Knobs:
+    """Read a YAML mapping of knobs (missing knobs take their defaults); raise ``KnobError``."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise KnobError(f"cannot read knob file {path}: {exc.strerror or exc}") from None
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise KnobError(f"{where}: YAML syntax error ({problem}); fix the knob file") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, Mapping):
+        raise KnobError(
+            f"{path}: a knob file must be a mapping of knob: value, got {type(values).__name__}"
+        )
+    try:
+        return Knobs(**{str(k): v for k, v in values.items()})
+    except KnobError as exc:
+        raise KnobError(f"{path}: {exc}") from None
+
+
+def _reject_bools_as_numbers(values: Mapping[str, Any]) -> None:
+    # pydantic would read `gain_gu: true` as 1.0; a YAML slip like that must not pass silently.
+    for name, value in values.items():
+        if isinstance(value, bool) and name not in ("ridge",):
+            allowed = ALLOWED.get(name) or _CALIBRATION_ALLOWED.get(name, "see the knob table")
+            raise KnobError(f"knob {name!r} = {value!r} is not allowed: expected {allowed}")
+
+
+def _knob_error(
+    exc: ValidationError, values: Mapping[str, Any], allowed: Mapping[str, str], what: str
+) -> KnobError:
+    first = exc.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else "?"
+    if first["type"] == "extra_forbidden":
+        return KnobError(f"unknown {what} {name!r}; known: {', '.join(allowed)}")
+    value = values.get(name, first.get("input"))
+    return KnobError(
+        f"{what} {name!r} = {value!r} is not allowed: expected {allowed.get(name, first['msg'])}"
+    )

@@ -1,0 +1,155 @@
+"""Knobs: defaults match the contract table, every range is enforced, YAML errors carry lines."""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from healsweep.errors import HealsweepError, KnobError
+from healsweep.heal.knobs import STAGES, CalibrationConfig, Knobs, load_knobs
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "configs" / "knobs").glob("*.yaml"))
+
+
+def _contract_table() -> dict[str, str]:
+    """knob -> default, parsed from the knob table of docs/contracts.md."""
+    text = (ROOT / "docs" / "contracts.md").read_text().split("## Knobs", 1)[1]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip().strip("`") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) == 4 and cells[0] in Knobs.model_fields:
+            rows[cells[0]] = cells[2]
+    return rows
+
+
+def test_defaults_are_the_contract_table():
+    table = _contract_table()
+    assert set(table) == set(Knobs.model_fields)
+    knobs = Knobs()
+    for name, default in table.items():
+        value = getattr(knobs, name)
+        if isinstance(value, bool):
+            assert str(value).lower() == default
+        elif isinstance(value, float):
+            assert value == float(default)
+        else:
+            assert value == default
+
+
+@pytest.mark.parametrize(
+    ("name", "good", "bad"),
+    [
+        ("importance", ["none", "norm_proxy", "act"], ["awq", "", None]),
+        ("importance_down", ["none", "act"], ["norm_proxy"]),
+        ("gain_gu", [0, 0.0, 2.0, 1], [-0.01, 2.01, float("nan"), float("inf"), True, "x"]),
+        ("gain_d", [0, 2], [-1, 3, False]),
+        ("alpha", ["none", "gaussian", "mse"], ["MSE", 1]),
+        ("gamma", [0, 1, 0.5], [-0.1, 1.1]),
+        ("ridge", [True, False], ["yes", 1, 0, None]),
+        ("rho", [1e-6, 1000], [0, -1, 1000.5]),
+        ("eta", [0, 2], [-0.001, 2.5]),
+    ],
+)
+def test_every_range_is_enforced_with_knob_value_and_range_named(name, good, bad):
+    for value in good:
+        assert getattr(Knobs(**{name: value}), name) == value
+    for value in bad:
+        with pytest.raises(KnobError) as info:
+            Knobs(**{name: value})
+        message = str(info.value)
+        assert name in message and repr(value) in message and "expected" in message
+        assert "\n" not in message
+
+
+def test_unknown_knob_is_named_with_the_known_ones():
+    with pytest.raises(KnobError, match=r"unknown knob 'gain'.*gain_gu"):
+        Knobs(gain=0.3)
+
+
+def test_knobs_are_frozen_hashable_and_picklable():
+    knobs = Knobs(alpha="mse")
+    with pytest.raises(ValidationError):
+        knobs.alpha = "none"  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(knobs)) == knobs
+    assert hash(knobs) == hash(Knobs(alpha="mse"))
+    assert knobs.replace(eta=0.5).eta == 0.5 and knobs.eta == 0.15
+    with pytest.raises(KnobError):
+        knobs.replace(eta=5)
+
+
+def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
+    knobs = Knobs()
+    read = [set(knobs.for_stage(s)) for s in STAGES]
+    union = set().union(*read)
+    assert union == set(Knobs.model_fields)
+    assert sum(len(r) for r in read) == len(union)  # each knob is read by exactly one stage
+    assert knobs.for_stage("calib_trace") == {} and knobs.for_stage("routed_q") == {}
+    assert Knobs(alpha="none", gamma=0.1).for_stage("part_a") == Knobs(alpha="none").for_stage(
+        "part_a"
+    )
+    assert Knobs(ridge=False, rho=1).for_stage("part_b") == {"ridge": False}
+    assert Knobs(eta=0.3).for_stage("quantize") == knobs.for_stage("quantize")
+    with pytest.raises(KnobError, match="unknown stage"):
+        knobs.for_stage("score")
+
+
+def test_load_knobs_reads_yaml_and_fills_defaults(tmp_path):
+    path = tmp_path / "k.yaml"
+    path.write_text("alpha: mse\ngamma: 0\n")
+    assert load_knobs(path) == Knobs(alpha="mse", gamma=0.0)
+    path.write_text("")
+    assert load_knobs(path) == Knobs()
+
+
+def test_load_knobs_reports_syntax_errors_with_line_and_column(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("alpha: mse\ngamma: [0.5\nrho: 6\n")
+    with pytest.raises(KnobError) as info:
+        load_knobs(path)
+    assert f"{path}:" in str(info.value) and "syntax" in str(info.value)
+    line = int(str(info.value).split(f"{path}:", 1)[1].split(":", 1)[0])
+    assert line in (2, 3)
+
+
+def test_load_knobs_names_the_file_for_bad_values_and_shapes(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("eta: 7\n")
+    with pytest.raises(KnobError, match=r"bad.yaml: knob 'eta' = 7"):
+        load_knobs(path)
+    path.write_text("- alpha\n- mse\n")
+    with pytest.raises(KnobError, match="mapping"):
+        load_knobs(path)
+    with pytest.raises(KnobError, match="cannot read"):
+        load_knobs(tmp_path / "missing.yaml")
+    assert issubclass(KnobError, HealsweepError)
+
+
+def test_presets_load_and_differ_as_documented():
+    names = {p.stem for p in PRESETS}
+    assert {"shipped-audit", "mse-alpha", "no-heal"} <= names
+    presets = {p.stem: load_knobs(p) for p in PRESETS}
+    assert presets["shipped-audit"] == Knobs()
+    mse = presets["mse-alpha"]
+    assert (mse.alpha, mse.gamma) == ("mse", 0.0)
+    assert mse.for_stage("quantize") == Knobs().for_stage("quantize")
+    no_heal = presets["no-heal"]
+    assert no_heal.alpha == "none" and no_heal.ridge is False
+    assert no_heal.for_stage("quantize") == Knobs().for_stage("quantize")
+
+
+def test_calibration_config_validates_and_keys_only_what_changes_the_trace():
+    cfg = CalibrationConfig(max_tokens=4096, chunk_length=256)
+    assert cfg.key_inputs()["max_tokens"] == 4096
+    assert "corpus" not in cfg.key_inputs()  # the corpus enters the key by content hash
+    assert CalibrationConfig(exclude_doc_ids=("b", "a")).key_inputs() == CalibrationConfig(
+        exclude_doc_ids=("a", "b")
+    ).key_inputs()
+    for bad in ({"max_tokens": 0}, {"chunk_length": 8}, {"min_tokens_per_expert": 0},
+                {"tokens": 5}, {"max_tokens": True}):
+        with pytest.raises(KnobError):
+            CalibrationConfig(**bad)
