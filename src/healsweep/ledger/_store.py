@@ -36,11 +36,26 @@ def lock_path(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 
 
+def _open_lock_file(path: Path, exclusive: bool) -> int | None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if not exclusive:
+            return None  # a read-only results folder: nobody appends there, reading is safe
+        raise LedgerError(
+            f"cannot create the ledger lock file {lock_path(path)} ({exc.strerror}); "
+            "make the results folder writable"
+        ) from exc
+
+
 @contextmanager
 def locked(path: Path, exclusive: bool, timeout: float) -> Iterator[None]:
     """Hold the ledger's flock (exclusive or shared), polling up to ``timeout`` seconds."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(path, exclusive)
+    if fd is None:
+        yield
+        return
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     try:
         deadline = time.monotonic() + timeout
