@@ -1,0 +1,138 @@
+"""Per-window metrics of a student against its teacher.
+
+One :class:`WindowMetrics` summarises the scored tokens of one window: KL(teacher || student)
+(sum, count, mean and tail quantiles), top-1 agreement, the mean change in the probability of the
+actual next token, both perplexities, and router agreement (Jaccard index of the top-k expert sets
+per token, averaged per layer and overall). The arrays come from :mod:`healsweep.kernels.kld`;
+this module only reduces them on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from healsweep.kernels.kld import token_stats, topk_jaccard
+
+QUANTILES = {"kld_p50": 0.5, "kld_p90": 0.9, "kld_p99": 0.99, "kld_p999": 0.999}
+
+
+@dataclass(frozen=True)
+class WindowMetrics:
+    """Scores of one window (sums are over its ``kld_count`` scored tokens).
+
+    ``delta_p_mean`` is the mean of ``p_student(next) - p_teacher(next)``: negative when the
+    student is less sure of the token that actually came. ``router_jaccard`` is NaN when router
+    captures were not available; ``router_jaccard_layers`` then is empty.
+    """
+
+    kld_sum: float
+    kld_count: int
+    kld_mean: float
+    top1: float
+    top1_count: int
+    delta_p_mean: float
+    teacher_nll_sum: float
+    student_nll_sum: float
+    router_jaccard: float
+    kld_p50: float
+    kld_p90: float
+    kld_p99: float
+    kld_p999: float
+    kld_max: float
+    router_jaccard_layers: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+
+    @property
+    def teacher_ppl(self) -> float:
+        """Teacher perplexity over the scored tokens."""
+        return math.exp(self.teacher_nll_sum / self.kld_count)
+
+    @property
+    def student_ppl(self) -> float:
+        """Student perplexity over the scored tokens."""
+        return math.exp(self.student_nll_sum / self.kld_count)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready record (floats and ints; per-layer Jaccard as a list)."""
+        record = {
+            name: getattr(self, name)
+            for name in self.__dataclass_fields__
+            if name != "router_jaccard_layers"
+        }
+        record["router_jaccard_layers"] = [float(v) for v in self.router_jaccard_layers]
+        record["teacher_ppl"] = self.teacher_ppl
+        record["student_ppl"] = self.student_ppl
+        return record
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> WindowMetrics:
+        """Inverse of :meth:`to_dict` (extra keys such as perplexities are ignored)."""
+        names = [n for n in cls.__dataclass_fields__ if n != "router_jaccard_layers"]
+        layers = np.asarray(record.get("router_jaccard_layers", []), dtype=np.float32)
+        return cls(**{n: record[n] for n in names}, router_jaccard_layers=layers)
+
+
+def router_agreement(
+    teacher_topk: Sequence[np.ndarray], student_topk: Sequence[np.ndarray]
+) -> tuple[float, np.ndarray]:
+    """Mean Jaccard of top-k expert sets: (overall, per layer ``[L]``) from ``L x [T, k]`` ids."""
+    if len(teacher_topk) != len(student_topk):
+        raise ValueError(
+            f"router_agreement: {len(teacher_topk)} teacher layers vs {len(student_topk)} student"
+        )
+    if not teacher_topk:
+        return float("nan"), np.zeros(0, dtype=np.float32)
+    per_token = [
+        np.asarray(topk_jaccard(np.asarray(t), np.asarray(s)))  # [T]
+        for t, s in zip(teacher_topk, student_topk, strict=True)
+    ]
+    per_layer = np.array([float(j.mean()) for j in per_token], dtype=np.float32)  # [L]
+    return float(np.mean(np.concatenate(per_token))), per_layer
+
+
+def window_metrics(
+    teacher_logits: np.ndarray,
+    student_logits: np.ndarray,
+    next_ids: np.ndarray,
+    teacher_topk: Sequence[np.ndarray] = (),
+    student_topk: Sequence[np.ndarray] = (),
+) -> WindowMetrics:
+    """Metrics of one window from the logits (or log-probs) at its scored positions.
+
+    ``teacher_logits, student_logits [n, V]``: row i predicts ``next_ids[i]``.
+    ``teacher_topk, student_topk``: per layer ``[n, k]`` router top-k ids at the same positions
+    (empty sequences skip router agreement).
+    """
+    stats = token_stats(teacher_logits, student_logits, np.asarray(next_ids, dtype=np.int32))
+    kld = np.asarray(stats.kld, dtype=np.float32)  # [n]
+    logp_t = np.asarray(stats.teacher_logp_next, dtype=np.float32)  # [n]
+    logp_s = np.asarray(stats.student_logp_next, dtype=np.float32)  # [n]
+    agree = np.asarray(stats.top1_agree)
+    n = int(kld.shape[0])
+    if n == 0:
+        raise ValueError("window_metrics: a window needs at least one scored token")
+    jaccard, jaccard_layers = router_agreement(teacher_topk, student_topk)
+    quantiles = {name: float(np.quantile(kld, q)) for name, q in QUANTILES.items()}
+    top1_count = int(agree.sum())
+    kld_sum = float(kld.astype(np.float64).sum())
+    return WindowMetrics(
+        kld_sum=kld_sum,
+        kld_count=n,
+        kld_mean=kld_sum / n,
+        top1=top1_count / n,
+        top1_count=top1_count,
+        delta_p_mean=float(np.mean(np.exp(logp_s) - np.exp(logp_t))),
+        teacher_nll_sum=float(-logp_t.astype(np.float64).sum()),
+        student_nll_sum=float(-logp_s.astype(np.float64).sum()),
+        router_jaccard=jaccard,
+        router_jaccard_layers=jaccard_layers,
+        kld_max=float(kld.max()),
+        **quantiles,
+    )
+
+
+__all__ = ["QUANTILES", "WindowMetrics", "router_agreement", "window_metrics"]
