@@ -1,0 +1,26 @@
+"""Reading and writing GGUF MoE models: hparams, lazy per-layer tensors, tokenizer, writer."""
+
+from healsweep.gguf_io._hparams import SUPPORTED_ARCHS, ModelHparams, expected_tensor_shapes
+from healsweep.gguf_io._model import GGUFModel, file_fingerprint, open_model
+from healsweep.gguf_io._tokenizer import (
+    TokenizerMetadata,
+    build_tokenizer,
+    load_tokenizer_file,
+    tokenizer_metadata_from_tokenizer,
+)
+from healsweep.gguf_io._writer import encode_tensor, write_model
+
+__all__ = [
+    "SUPPORTED_ARCHS",
+    "GGUFModel",
+    "ModelHparams",
+    "TokenizerMetadata",
+    "build_tokenizer",
+    "encode_tensor",
+    "expected_tensor_shapes",
+    "file_fingerprint",
+    "load_tokenizer_file",
+    "open_model",
+    "tokenizer_metadata_from_tokenizer",
+    "write_model",
+]

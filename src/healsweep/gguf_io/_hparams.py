@@ -1,0 +1,168 @@
+"""Hyperparameters of the supported MoE architectures and the tensors each one must have.
+
+The metadata keys follow llama.cpp (``{arch}.block_count``, ``{arch}.attention.head_count``, ...),
+so a GGUF converted by llama.cpp opens here and a GGUF written here opens in llama.cpp and in
+Hugging Face transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHS = ("qwen2moe", "qwen3moe")
+
+
+@dataclass(frozen=True)
+class ModelHparams:
+    """Shape and numerics of one qwen2moe/qwen3moe model, read from GGUF metadata."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    n_vocab: int
+    rope_freq_base: float
+    rms_norm_eps: float
+    context_length: int
+    norm_topk_prob: bool
+
+    def replace(self, **changes: Any) -> ModelHparams:
+        """A copy with some fields changed (used to build variants of a model)."""
+        return dataclasses.replace(self, **changes)
+
+
+# Metadata key suffixes (after ``{arch}.``) per hparam field, and whether a file must have it.
+_REQUIRED_KEYS = {
+    "n_layer": "block_count",
+    "n_embd": "embedding_length",
+    "n_head": "attention.head_count",
+    "n_expert": "expert_count",
+    "n_expert_used": "expert_used_count",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "context_length": "context_length",
+}
+_OPTIONAL_KEYS = {
+    "n_head_kv": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "n_ff_exp": "expert_feed_forward_length",
+    "n_ff_shexp": "expert_shared_feed_forward_length",
+    "rope_freq_base": "rope.freq_base",
+    "n_vocab": "vocab_size",
+}
+_ROPE_FREQ_BASE_DEFAULT = 10000.0  # llama.cpp's default when the key is absent
+
+
+def missing_required_keys(arch: str, has_key: Callable[[str], bool]) -> list[str]:
+    """Full metadata keys this architecture needs that the file lacks."""
+    return [f"{arch}.{k}" for k in _REQUIRED_KEYS.values() if not has_key(f"{arch}.{k}")]
+
+
+def hparams_from_metadata(
+    arch: str,
+    get: Callable[[str], Any],
+    tensor_shapes: Mapping[str, tuple[int, ...]],
+) -> ModelHparams:
+    """Build :class:`ModelHparams` from metadata (``get(key)`` returns None when absent).
+
+    Sizes that llama.cpp treats as optional (expert FFN sizes, vocab) fall back to the shapes of
+    the tensors, exactly as llama.cpp does; call :func:`missing_required_keys` first.
+    """
+
+    def value(field: str, default: Any = None) -> Any:
+        suffix = _REQUIRED_KEYS.get(field) or _OPTIONAL_KEYS[field]
+        found = get(f"{arch}.{suffix}")
+        return default if found is None else found
+
+    n_embd = int(value("n_embd"))
+    n_head = int(value("n_head"))
+    exps = tensor_shapes.get("blk.0.ffn_gate_exps.weight", (0, 0, 0))
+    shexp = tensor_shapes.get("blk.0.ffn_gate_shexp.weight", (0, 0))
+    embd = tensor_shapes.get("token_embd.weight", (0, 0))
+    return ModelHparams(
+        arch=arch,
+        n_layer=int(value("n_layer")),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(value("n_head_kv", n_head)),
+        head_dim=int(value("head_dim", n_embd // n_head)),
+        n_expert=int(value("n_expert")),
+        n_expert_used=int(value("n_expert_used")),
+        n_ff_exp=int(value("n_ff_exp", exps[1])),
+        n_ff_shexp=int(value("n_ff_shexp", shexp[0])) if arch == "qwen2moe" else 0,
+        n_vocab=int(embd[0]) if embd[0] else int(value("n_vocab", 0)),
+        rope_freq_base=float(value("rope_freq_base", _ROPE_FREQ_BASE_DEFAULT)),
+        rms_norm_eps=float(value("rms_norm_eps")),
+        context_length=int(value("context_length")),
+        # llama.cpp: qwen2moe keeps the softmax top-k weights as they are, qwen3moe renormalizes.
+        norm_topk_prob=arch == "qwen3moe",
+    )
+
+
+def metadata_from_hparams(hp: ModelHparams) -> dict[str, int | float]:
+    """The ``{arch}.*`` metadata keys that describe ``hp`` (what :func:`write_model` writes)."""
+    a = hp.arch
+    keys: dict[str, int | float] = {
+        f"{a}.context_length": hp.context_length,
+        f"{a}.embedding_length": hp.n_embd,
+        f"{a}.block_count": hp.n_layer,
+        f"{a}.feed_forward_length": hp.n_ff_exp,
+        f"{a}.expert_feed_forward_length": hp.n_ff_exp,
+        f"{a}.expert_count": hp.n_expert,
+        f"{a}.expert_used_count": hp.n_expert_used,
+        f"{a}.vocab_size": hp.n_vocab,
+        f"{a}.attention.head_count": hp.n_head,
+        f"{a}.attention.head_count_kv": hp.n_head_kv,
+        f"{a}.attention.key_length": hp.head_dim,
+        f"{a}.attention.value_length": hp.head_dim,
+        f"{a}.attention.layer_norm_rms_epsilon": hp.rms_norm_eps,
+        f"{a}.rope.freq_base": hp.rope_freq_base,
+    }
+    if hp.arch == "qwen2moe":
+        keys[f"{a}.expert_shared_feed_forward_length"] = hp.n_ff_shexp
+    return keys
+
+
+def expected_tensor_shapes(hp: ModelHparams, *, tied_output: bool = False) -> dict[str, tuple]:
+    """Every tensor the forward reads, with its numpy shape (reversed ggml ``ne``)."""
+    d, v, hd = hp.n_embd, hp.n_vocab, hp.head_dim
+    q_dim, kv_dim = hp.n_head * hd, hp.n_head_kv * hd
+    e, f, fs = hp.n_expert, hp.n_ff_exp, hp.n_ff_shexp
+    shapes: dict[str, tuple] = {"token_embd.weight": (v, d), "output_norm.weight": (d,)}
+    if not tied_output:
+        shapes["output.weight"] = (v, d)
+    per_layer: dict[str, tuple] = {
+        "attn_norm.weight": (d,),
+        "attn_q.weight": (q_dim, d),
+        "attn_k.weight": (kv_dim, d),
+        "attn_v.weight": (kv_dim, d),
+        "attn_output.weight": (d, q_dim),
+        "ffn_norm.weight": (d,),
+        "ffn_gate_inp.weight": (e, d),
+        "ffn_gate_exps.weight": (e, f, d),
+        "ffn_up_exps.weight": (e, f, d),
+        "ffn_down_exps.weight": (e, d, f),
+    }
+    if hp.arch == "qwen2moe":
+        per_layer |= {
+            "attn_q.bias": (q_dim,),
+            "attn_k.bias": (kv_dim,),
+            "attn_v.bias": (kv_dim,),
+            "ffn_gate_inp_shexp.weight": (d,),
+            "ffn_gate_shexp.weight": (fs, d),
+            "ffn_up_shexp.weight": (fs, d),
+            "ffn_down_shexp.weight": (d, fs),
+        }
+    else:
+        per_layer |= {"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)}
+    for i in range(hp.n_layer):
+        shapes |= {f"blk.{i}.{suffix}": shape for suffix, shape in per_layer.items()}
+    return shapes

@@ -1,0 +1,286 @@
+"""Open and validate a GGUF MoE model; read its tensors lazily, one layer at a time.
+
+``gguf.GGUFReader`` maps the file and gives every tensor as a memmap view, so opening costs only
+the header. Dequantizing goes through ``os.pread``-style reads (``np.fromfile`` with an offset)
+into a fresh buffer instead of through the memmap: pages of a memmap stay in the process's RSS
+once touched, so a forward over every layer would end up holding the whole file; a plain read is
+freed with the array, and peak RSS follows one layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from healsweep.errors import GGUFFormatError, UnsupportedArchitectureError
+from healsweep.gguf_io._hparams import (
+    SUPPORTED_ARCHS,
+    ModelHparams,
+    expected_tensor_shapes,
+    hparams_from_metadata,
+    missing_required_keys,
+)
+from healsweep.gguf_io._tokenizer import (
+    build_tokenizer,
+    load_tokenizer_file,
+    tokenizer_metadata_from_gguf,
+)
+
+_GGUF_MAGIC = b"GGUF"
+_FULL_HASH_LIMIT = 2 << 30  # files above 2 GiB get the sampled fingerprint
+_SAMPLE_CHUNKS, _SAMPLE_BYTES = 64, 1 << 20
+_FINGERPRINTS: dict[tuple[str, int, int], str] = {}
+
+
+class GGUFModel:
+    """A validated qwen2moe/qwen3moe GGUF; tensors are read and dequantized on demand."""
+
+    def __init__(self, path: Path, reader: Any, hparams: ModelHparams, tokenizer_path=None):
+        self.path = path
+        self.arch = hparams.arch
+        self.hparams = hparams
+        self._reader = reader
+        self._tensors = {t.name: t for t in reader.tensors}
+        self._tokenizer_path = tokenizer_path
+
+    # --- metadata -------------------------------------------------------------------------
+    @property
+    def tensor_names(self) -> list[str]:
+        """Tensor names in file order."""
+        return list(self._tensors)
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """A metadata value (str, int, float, bool or list), or ``default`` when absent."""
+        field = self._reader.get_field(key)
+        return default if field is None else field.contents()
+
+    def metadata_keys(self) -> list[str]:
+        """All metadata keys of the file (``GGUF.*`` header fields excluded)."""
+        return [k for k in self._reader.fields if not k.startswith("GGUF.")]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256-based content fingerprint of the file (see :func:`file_fingerprint`)."""
+        return file_fingerprint(self.path, header_bytes=int(self._reader.data_offset))
+
+    def with_hparams(self, **changes: Any) -> GGUFModel:
+        """The same file seen with some hyperparameters overridden (for what-if forwards)."""
+        return GGUFModel(self.path, self._reader, self.hparams.replace(**changes),
+                         self._tokenizer_path)
+
+    # --- tensors --------------------------------------------------------------------------
+    def _info(self, name: str):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise GGUFFormatError(
+                f"tensor {name!r} is not in {self.path}; list them with `healsweep model info`"
+            ) from None
+
+    def tensor_type(self, name: str):
+        """The tensor's ``gguf.GGMLQuantizationType``."""
+        return self._info(name).tensor_type
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Numpy shape (reversed ggml ``ne``) of the dequantized tensor."""
+        return tuple(int(n) for n in reversed(self._info(name).shape.tolist()))
+
+    def tensor_nbytes(self, name: str) -> int:
+        """Bytes the tensor occupies in the file."""
+        return int(self._info(name).n_bytes)
+
+    def raw_tensor(self, name: str) -> tuple[Any, np.ndarray]:
+        """``(ggml_type, raw)``: the stored bytes/values as gguf-py maps them (a memmap view)."""
+        info = self._info(name)
+        return info.tensor_type, info.data
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The whole tensor, dequantized to float32, in numpy shape."""
+        return self.tensor_rows(name, 0, None)
+
+    def tensor_rows(self, name: str, start: int, stop: int | None) -> np.ndarray:
+        """Slice ``[start:stop]`` along the first numpy axis, dequantized to float32."""
+        from gguf.quants import dequantize
+
+        info = self._info(name)
+        shape = self.tensor_shape(name)
+        stop = shape[0] if stop is None else min(stop, shape[0])
+        raw_shape = info.data.shape
+        row_items = int(np.prod(raw_shape[1:], dtype=np.int64))
+        row_bytes = row_items * info.data.dtype.itemsize
+        raw = np.fromfile(
+            self.path,
+            dtype=info.data.dtype,
+            count=(stop - start) * row_items,
+            offset=int(info.data_offset) + start * row_bytes,
+        ).reshape((stop - start, *raw_shape[1:]))
+        out = np.asarray(dequantize(raw, info.tensor_type), dtype=np.float32)
+        return out.reshape((stop - start, *shape[1:]))
+
+    def tensor_take(self, name: str, rows: Iterable[int]) -> np.ndarray:
+        """Rows ``rows`` of a matrix (e.g. token embeddings), dequantized to float32."""
+        from gguf.quants import dequantize
+
+        info = self._info(name)
+        idx = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, np.int64)
+        raw = np.array(info.data[idx])  # touches only those rows' pages
+        out = np.asarray(dequantize(raw, info.tensor_type), dtype=np.float32)
+        return out.reshape((len(idx), *self.tensor_shape(name)[1:]))
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        """Every tensor of block ``i``, float32, keyed by suffix (``"ffn_gate_exps.weight"``)."""
+        if not 0 <= i < self.hparams.n_layer:
+            raise GGUFFormatError(
+                f"layer {i} is out of range for {self.path} ({self.hparams.n_layer} layers)"
+            )
+        prefix = f"blk.{i}."
+        return {n[len(prefix):]: self.tensor(n) for n in self._tensors if n.startswith(prefix)}
+
+    # --- tokenizer ------------------------------------------------------------------------
+    def tokenizer(self):
+        """The ``tokenizers.Tokenizer`` of this model (from a tokenizer.json if one was given)."""
+        if "_tokenizer_obj" not in self.__dict__:
+            if self._tokenizer_path is not None:
+                tok = load_tokenizer_file(self._tokenizer_path)
+            else:
+                meta = tokenizer_metadata_from_gguf(self.metadata, str(self.path))
+                tok = build_tokenizer(meta, str(self.path))
+            self.__dict__["_tokenizer_obj"] = tok
+        return self.__dict__["_tokenizer_obj"]
+
+    def __repr__(self) -> str:
+        hp = self.hparams
+        return (f"GGUFModel({str(self.path)!r}, arch={hp.arch}, layers={hp.n_layer}, "
+                f"experts={hp.n_expert}x top{hp.n_expert_used})")
+
+
+def file_fingerprint(path: str | Path, *, header_bytes: int = 0) -> str:
+    """A content fingerprint of a file, memoized per (path, size, mtime_ns) in this process.
+
+    Files up to 2 GiB: the sha256 of all bytes. Larger files: hashing tens of GiB before every
+    trial would dominate short sweeps, so the digest covers the size, the first ``header_bytes``
+    (the GGUF metadata and tensor infos: every name, shape, type and offset) and 64 evenly spaced
+    1 MiB chunks of tensor data; such fingerprints are prefixed ``sampled-sha256:`` so they are
+    never mistaken for (or collide with) a full-file hash.
+    """
+    path = Path(path).resolve()
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key in _FINGERPRINTS:
+        return _FINGERPRINTS[key]
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        if st.st_size <= _FULL_HASH_LIMIT:
+            for block in iter(lambda: fh.read(8 << 20), b""):
+                digest.update(block)
+            result = digest.hexdigest()
+        else:
+            digest.update(st.st_size.to_bytes(8, "little"))
+            digest.update(fh.read(header_bytes))
+            span = max(st.st_size - header_bytes - _SAMPLE_BYTES, 0)
+            for j in range(_SAMPLE_CHUNKS):
+                fh.seek(header_bytes + span * j // (_SAMPLE_CHUNKS - 1))
+                digest.update(fh.read(_SAMPLE_BYTES))
+            result = "sampled-sha256:" + digest.hexdigest()
+    _FINGERPRINTS[key] = result
+    return result
+
+
+def _read_reader(path: Path):
+    """``gguf.GGUFReader`` of ``path``, with gguf-py's failures turned into one-line errors."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != _GGUF_MAGIC:
+        raise GGUFFormatError(
+            f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf model"
+        )
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # gguf-py raises ValueError/IndexError/... on a cut header
+        raise GGUFFormatError(
+            f"{path} is truncated or corrupt in its header ({type(exc).__name__}); "
+            "re-download or re-export the file"
+        ) from exc
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise GGUFFormatError(
+                f"{path} is truncated: tensor {t.name} ends at byte {end} but the file has "
+                f"{size} bytes; re-download or re-export the file"
+            )
+    return reader
+
+
+def _check_tensors(path: Path, reader: Any, hp: ModelHparams) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    dequantizable = set(_type_traits) | {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
+    infos = {t.name: t for t in reader.tensors}
+    tied = "output.weight" not in infos
+    for name, shape in expected_tensor_shapes(hp, tied_output=tied).items():
+        if name not in infos:
+            raise GGUFFormatError(
+                f"{path} is missing tensor {name} required by {hp.arch}; the file is "
+                "incomplete, re-export it"
+            )
+        got = tuple(int(n) for n in reversed(infos[name].shape.tolist()))
+        if got != shape:
+            raise GGUFFormatError(
+                f"{path}: tensor {name} has shape {got}, expected {shape} from the hparams; "
+                "the file is inconsistent, re-export it"
+            )
+        if infos[name].tensor_type not in dequantizable:
+            raise GGUFFormatError(
+                f"{path}: tensor {name} has type {infos[name].tensor_type.name}, which gguf-py "
+                "cannot dequantize; requantize the model to a supported type"
+            )
+
+
+def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = None) -> GGUFModel:
+    """Open and validate a GGUF model (``"demo"`` is the packaged demo model).
+
+    Raises :class:`GGUFFormatError` (one line) for a missing, non-GGUF or truncated file, an
+    unsupported ``general.architecture`` (:class:`UnsupportedArchitectureError`), a missing
+    hyperparameter, and a missing or misshapen tensor. ``tokenizer_path`` replaces the GGUF's
+    own tokenizer metadata with a tokenizer.json.
+    """
+    from healsweep.demo.paths import resolve_model
+
+    path = resolve_model(path_or_demo)
+    if not path.is_file():
+        raise GGUFFormatError(f"model file {path} does not exist; pass a .gguf path or `demo`")
+    reader = _read_reader(path)
+
+    def get(key: str) -> Any:
+        field = reader.get_field(key)
+        return None if field is None else field.contents()
+
+    arch = get("general.architecture")
+    if arch is None:
+        raise GGUFFormatError(
+            f"{path} is missing hparam general.architecture; the file is incomplete, re-export it"
+        )
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedArchitectureError(
+            f"{path} has architecture {arch!r}; healsweep supports {', '.join(SUPPORTED_ARCHS)}"
+        )
+    missing = missing_required_keys(arch, lambda k: reader.get_field(k) is not None)
+    if missing:
+        raise GGUFFormatError(
+            f"{path} is missing hparam {missing[0]}; the file is incomplete, re-export it"
+        )
+    shapes = {
+        t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors
+    }
+    hp = hparams_from_metadata(arch, get, shapes)
+    _check_tensors(path, reader, hp)
+    return GGUFModel(path, reader, hp, tokenizer_path)

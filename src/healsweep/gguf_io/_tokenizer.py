@@ -1,0 +1,200 @@
+"""gpt2-style byte-level BPE tokenizers to and from GGUF ``tokenizer.ggml.*`` metadata.
+
+A GGUF stores the vocabulary (``tokens``, in id order), the merges (``"a b"`` strings in rank
+order), a token type per token (1 normal, 3 control, 4 user-defined, ...), the special ids and
+the name of the pre-tokenizer regex (``tokenizer.ggml.pre``). The tokenizer built here is a
+``tokenizers`` BPE model behind that regex and a byte-level pre-tokenizer, with a byte-level
+decoder; control tokens (``<|im_start|>``, ``<|endoftext|>``) become special added tokens and
+user-defined tokens (``<think>``) plain added tokens, which is how Qwen ships them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from healsweep.errors import TokenizerError
+
+# ``tokenizer.ggml.pre`` names and their split regexes (as llama.cpp and the HF tokenizers use).
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+PRE_PATTERNS = {"qwen2": QWEN2_PATTERN, "gpt-2": GPT2_PATTERN}
+
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+
+
+@dataclass(frozen=True)
+class TokenizerMetadata:
+    """The ``tokenizer.ggml.*`` content of a gpt2-style BPE tokenizer."""
+
+    tokens: list[str]
+    merges: list[str]
+    token_types: list[int]
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+    pre: str = "qwen2"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_gguf_fields(self) -> dict[str, Any]:
+        """Metadata key → value, as :func:`write_model` writes them."""
+        fields: dict[str, Any] = {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": self.pre,
+            "tokenizer.ggml.tokens": list(self.tokens),
+            "tokenizer.ggml.token_type": [int(t) for t in self.token_types],
+            "tokenizer.ggml.merges": list(self.merges),
+        }
+        for key, value in (
+            ("bos_token_id", self.bos_id),
+            ("eos_token_id", self.eos_id),
+            ("padding_token_id", self.pad_id),
+        ):
+            if value is not None:
+                fields[f"tokenizer.ggml.{key}"] = int(value)
+        return fields
+
+
+def tokenizer_metadata_from_gguf(get: Callable[[str], Any], where: str) -> TokenizerMetadata:
+    """Read ``tokenizer.ggml.*`` through ``get(key)`` (None when absent)."""
+    model = get("tokenizer.ggml.model")
+    if model is None:
+        raise TokenizerError(
+            f"{where} has no tokenizer.ggml.* metadata; pass a tokenizer.json with --tokenizer"
+        )
+    if model != "gpt2":
+        raise TokenizerError(
+            f"{where} has a {model!r} tokenizer; only gpt2-style byte-level BPE is supported "
+            "here, pass a tokenizer.json with --tokenizer"
+        )
+    tokens = get("tokenizer.ggml.tokens") or []
+    types = get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    return TokenizerMetadata(
+        tokens=list(tokens),
+        merges=list(get("tokenizer.ggml.merges") or []),
+        token_types=[int(t) for t in types],
+        bos_id=get("tokenizer.ggml.bos_token_id"),
+        eos_id=get("tokenizer.ggml.eos_token_id"),
+        pad_id=get("tokenizer.ggml.padding_token_id"),
+        pre=get("tokenizer.ggml.pre") or "default",
+    )
+
+
+def build_tokenizer(meta: TokenizerMetadata, where: str = "the GGUF"):
+    """A ``tokenizers.Tokenizer`` equivalent to ``meta`` (BPE + byte-level, Qwen/GPT-2 regex)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pattern = PRE_PATTERNS.get("gpt-2" if meta.pre == "default" else meta.pre)
+    if pattern is None:
+        raise TokenizerError(
+            f"{where}: pre-tokenizer {meta.pre!r} is not supported (known: "
+            f"{', '.join(PRE_PATTERNS)}); pass a tokenizer.json with --tokenizer"
+        )
+    if len(meta.token_types) != len(meta.tokens):
+        raise TokenizerError(
+            f"{where}: {len(meta.tokens)} tokens but {len(meta.token_types)} token types; "
+            "the tokenizer metadata is corrupt, re-export the GGUF"
+        )
+    vocab = {tok: i for i, tok in enumerate(meta.tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.merges]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    added = [
+        AddedToken(tok, special=kind == TOKEN_CONTROL, normalized=False)
+        for tok, kind in zip(meta.tokens, meta.token_types, strict=True)
+        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+    ]
+    # add_tokens/add_special_tokens keep the ids the vocabulary already gives these strings.
+    tokenizer.add_special_tokens([a for a in added if a.special])
+    tokenizer.add_tokens([a for a in added if not a.special])
+    return tokenizer
+
+
+def load_tokenizer_file(path: str | Path):
+    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json``; raises :class:`TokenizerError`."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise TokenizerError(f"tokenizer file {path} does not exist; pass a tokenizer.json path")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TokenizerError(
+            f"{path} is not a valid tokenizer.json ({first_line}); export it with tokenizers"
+        ) from exc
+
+
+def _pre_name(pre_tokenizer: dict | None) -> str:
+    """The ``tokenizer.ggml.pre`` name of a tokenizer.json pre-tokenizer section."""
+    if pre_tokenizer is None:
+        raise TokenizerError("tokenizer has no pre-tokenizer; only byte-level BPE is supported")
+    steps = pre_tokenizer.get("pretokenizers", [pre_tokenizer])
+    for step in steps:
+        if step.get("type") == "Split":
+            regex = step.get("pattern", {}).get("Regex")
+            for name, pattern in PRE_PATTERNS.items():
+                if regex == pattern:
+                    return name
+        if step.get("type") == "ByteLevel" and step.get("use_regex", True):
+            return "gpt-2"
+    raise TokenizerError(
+        "tokenizer's pre-tokenizer is neither the Qwen2 nor the GPT-2 byte-level regex; "
+        "only those can be stored as GGUF tokenizer metadata"
+    )
+
+
+def tokenizer_metadata_from_tokenizer(
+    tokenizer, *, bos: str | None = None, eos: str | None = None, pad: str | None = None
+) -> TokenizerMetadata:
+    """The GGUF tokenizer metadata of a byte-level BPE ``tokenizers.Tokenizer``.
+
+    ``bos``/``eos``/``pad`` name the special tokens to record as ids (e.g. ``"<|endoftext|>"``).
+    Special added tokens become CONTROL tokens, other added tokens USER_DEFINED.
+    """
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model", {})
+    if model.get("type") != "BPE":
+        raise TokenizerError(f"tokenizer model is {model.get('type')!r}; only BPE is supported")
+    vocab: dict[str, int] = dict(model["vocab"])
+    types: dict[int, int] = {}
+    for added in spec.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        types[added["id"]] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
+    n = max(vocab.values()) + 1
+    tokens = [""] * n
+    for tok, i in vocab.items():
+        tokens[i] = tok
+    if any(t == "" for t in tokens):
+        raise TokenizerError("tokenizer ids are not contiguous; GGUF needs ids 0..V-1")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+
+    def token_id(text: str | None) -> int | None:
+        if text is None:
+            return None
+        if text not in vocab:
+            raise TokenizerError(f"special token {text!r} is not in the tokenizer's vocabulary")
+        return vocab[text]
+
+    return TokenizerMetadata(
+        tokens=tokens,
+        merges=merges,
+        token_types=[types.get(i, TOKEN_NORMAL) for i in range(n)],
+        bos_id=token_id(bos),
+        eos_id=token_id(eos),
+        pad_id=token_id(pad),
+        pre=_pre_name(spec.get("pre_tokenizer")),
+    )

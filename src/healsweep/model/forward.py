@@ -1,0 +1,203 @@
+"""The teacher-forced forward of a GGUF MoE model, layer by layer, with capture points.
+
+Only one layer's weights are dequantized at a time (plus the next one, read ahead on a thread
+while the current one computes). Each layer runs as one jitted function of ``(weights, hidden)``;
+sequences are right-padded to a multiple of 64 tokens so that a handful of shapes cover every
+call and recompilation is rare. Causal attention makes the padding invisible to real tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from healsweep.gguf_io import GGUFModel, ModelHparams
+from healsweep.model import qwen2moe, qwen3moe
+from healsweep.model.layers import expert_tile_rows, rms_norm
+
+_ADAPTERS = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe}
+PAD_MULTIPLE = 64
+_LOGIT_CHUNK_BYTES = 64 << 20  # output-matrix rows dequantized at a time
+
+
+class LayerCapture(NamedTuple):
+    """What one layer's MoE block saw and produced, over the batch's real tokens (numpy)."""
+
+    ffn_input: np.ndarray  # [T, D] normed input of router and experts
+    router_logits: np.ndarray  # [T, E]
+    topk_ids: np.ndarray  # [T, k] int32
+    topk_weights: np.ndarray  # [T, k]
+    routed_output: np.ndarray  # [T, D] weighted sum over routed experts, before the shared one
+    shexp_down_input: np.ndarray  # [T, Fs] silu(x·Wg)*(x·Wu); shape (0, 0) for qwen3moe
+    shexp_gate: np.ndarray  # [T] sigmoid(x·w_gate_inp_shexp); shape (0,) for qwen3moe
+
+
+class LayerReplacement(NamedTuple):
+    """Weights that replace a layer's routed experts / shared-expert down projection."""
+
+    gate_exps: Any = None  # [E, F, D] dense or quantized pytree; None keeps the model's
+    up_exps: Any = None  # [E, F, D]
+    down_exps: Any = None  # [E, D, F]
+    down_shexp: Any = None  # [D, Fs] (qwen2moe only)
+
+
+class ForwardResult(NamedTuple):
+    """Logits per sequence, optional per-layer captures, and top-k expert ids per token."""
+
+    logits: list[np.ndarray]  # [T_b or len(logits_for[b]), V] float32
+    captures: list[LayerCapture] | None  # one per layer
+    router: list[np.ndarray]  # per sequence: [T_b, L, k] int32 top-k expert ids
+
+
+_REPLACED = {
+    "gate_exps": "ffn_gate_exps.weight",
+    "up_exps": "ffn_up_exps.weight",
+    "down_exps": "ffn_down_exps.weight",
+    "down_shexp": "ffn_down_shexp.weight",
+}
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _block(hp: ModelHparams, tile: int, capture: bool, w: dict[str, Any], h, positions):
+    """One transformer layer: ``h [B, T, D]`` → ``(h, capture dict over the B*T tokens)``."""
+    adapter = _ADAPTERS[hp.arch]
+    b, t, d = h.shape
+    x = rms_norm(h, w["attn_norm.weight"], hp.rms_norm_eps)
+    h = h + jax.vmap(lambda xs: adapter.attention(hp, w, xs, positions))(x)
+    x = rms_norm(h, w["ffn_norm.weight"], hp.rms_norm_eps).reshape(b * t, d)  # [B*T, D]
+    out, cap = adapter.moe_block(hp, w, x, tile)
+    h = h + out.reshape(b, t, d)
+    if not capture:
+        return h, {"topk_ids": cap["topk_ids"]}
+    return h, {**cap, "ffn_input": x}
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _final_norm(eps: float, h, weight, rows):
+    return rms_norm(h.reshape(-1, h.shape[-1])[rows], weight, eps)  # [N, D]
+
+
+def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | None) -> dict:
+    weights = model.layer(i)
+    if replacement is None:
+        return weights
+    for field, suffix in _REPLACED.items():
+        new = getattr(replacement, field)
+        if new is None:
+            continue
+        if suffix not in weights:
+            raise ValueError(f"forward: layer {i} of a {model.arch} model has no {suffix}")
+        if tuple(new.shape) != weights[suffix].shape:
+            raise ValueError(
+                f"forward: replacement {field} of layer {i} has shape {tuple(new.shape)}, "
+                f"expected {weights[suffix].shape}"
+            )
+        weights[suffix] = new
+    return weights
+
+
+def _pad_batch(sequences: Sequence[np.ndarray], n_vocab: int) -> tuple[np.ndarray, list[int]]:
+    lengths = [int(len(s)) for s in sequences]
+    if not sequences or min(lengths) == 0:
+        raise ValueError("forward: needs at least one sequence and no empty sequence")
+    padded_len = -(-max(lengths) // PAD_MULTIPLE) * PAD_MULTIPLE
+    tokens = np.zeros((len(sequences), padded_len), np.int32)
+    for b, seq in enumerate(sequences):
+        seq = np.asarray(seq)
+        if seq.min() < 0 or seq.max() >= n_vocab:
+            raise ValueError(f"forward: sequence {b} has token ids outside [0, {n_vocab})")
+        tokens[b, : len(seq)] = seq
+    return tokens, lengths
+
+
+def _embed(model: GGUFModel, tokens: np.ndarray) -> np.ndarray:
+    unique, inverse = np.unique(tokens, return_inverse=True)
+    rows = model.tensor_take("token_embd.weight", unique)  # [U, D]
+    return rows[inverse.reshape(tokens.shape)]  # [B, T, D]
+
+
+def _logits(model: GGUFModel, hidden: jax.Array) -> np.ndarray:
+    """``hidden [N, D] @ output.weightᵀ`` → ``[N, V]``, reading the vocab in chunks."""
+    name = "output.weight" if "output.weight" in model.tensor_names else "token_embd.weight"
+    n_vocab, n_embd = model.tensor_shape(name)
+    chunk = max(1, _LOGIT_CHUNK_BYTES // (4 * n_embd))
+    out = np.empty((hidden.shape[0], n_vocab), np.float32)
+    for start in range(0, n_vocab, chunk):
+        w = model.tensor_rows(name, start, start + chunk)  # [C, D]
+        out[:, start : start + len(w)] = np.asarray(hidden @ jnp.asarray(w).T)
+    return out
+
+
+def _gather_capture(cap: dict[str, jax.Array], real: np.ndarray) -> LayerCapture:
+    host = {k: np.asarray(v)[real] for k, v in cap.items()}
+    empty = {"shexp_down_input": np.zeros((0, 0), np.float32),
+             "shexp_gate": np.zeros((0,), np.float32)}
+    return LayerCapture(**{f: host.get(f, empty.get(f)) for f in LayerCapture._fields})
+
+
+def forward(
+    model: GGUFModel,
+    sequences: Sequence[np.ndarray],
+    *,
+    replacements: dict[int, LayerReplacement] | None = None,
+    capture: bool = False,
+    logits_for: Sequence[np.ndarray] | None = None,
+    prefetch: bool = True,
+) -> ForwardResult:
+    """Teacher-forced logits of ``sequences`` (int token ids), one layer at a time.
+
+    ``replacements[i]`` swaps layer i's routed experts and/or shared-expert down weight (dense
+    or quantized pytrees) — how a student runs. ``capture`` returns a :class:`LayerCapture` per
+    layer. ``logits_for[b]`` lists the positions of sequence b whose logits are wanted (all of
+    them when None), so a ``[T, V]`` matrix is built only for the rows asked for.
+    """
+    hp = model.hparams
+    tokens, lengths = _pad_batch(sequences, hp.n_vocab)
+    n_batch, padded_len = tokens.shape
+    real = np.concatenate([b * padded_len + np.arange(n) for b, n in enumerate(lengths)])
+    positions = jnp.arange(padded_len, dtype=jnp.int32)
+    tile = expert_tile_rows(n_batch * padded_len * hp.n_expert_used, hp.n_expert)
+    replacements = replacements or {}
+
+    h = jnp.asarray(_embed(model, tokens))  # [B, T, D]
+    captures: list[LayerCapture] = []
+    router: list[np.ndarray] = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        load = partial(_layer_weights, model)
+        pending = pool.submit(load, 0, replacements.get(0))
+        for i in range(hp.n_layer):
+            weights = pending.result()
+            if i + 1 < hp.n_layer:
+                if prefetch:
+                    pending = pool.submit(load, i + 1, replacements.get(i + 1))
+            h, cap = _block(hp, tile, capture, weights, h, positions)
+            del weights
+            if not prefetch and i + 1 < hp.n_layer:
+                pending = pool.submit(load, i + 1, replacements.get(i + 1))
+            router.append(np.asarray(cap["topk_ids"])[real])
+            if capture:
+                captures.append(_gather_capture(cap, real))
+
+    if logits_for is None:
+        wanted = [np.arange(n) for n in lengths]
+    else:
+        wanted = [np.asarray(p, np.int64) for p in logits_for]
+        for b, (pos, n) in enumerate(zip(wanted, lengths, strict=True)):
+            if pos.size and (pos.min() < 0 or pos.max() >= n):
+                raise ValueError(f"forward: logits_for[{b}] has positions outside [0, {n})")
+    rows = np.concatenate([b * padded_len + p for b, p in enumerate(wanted)]).astype(np.int32)
+    hidden = _final_norm(hp.rms_norm_eps, h, jnp.asarray(model.tensor("output_norm.weight")),
+                         jnp.asarray(rows))
+    logits = np.split(_logits(model, hidden), np.cumsum([len(p) for p in wanted])[:-1])
+    per_token = np.stack(router, axis=1)  # [T_real, L, k]
+    return ForwardResult(
+        logits=list(logits),
+        captures=captures if capture else None,
+        router=list(np.split(per_token, np.cumsum(lengths)[:-1])),
+    )
