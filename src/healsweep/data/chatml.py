@@ -1,0 +1,83 @@
+"""Parse the users' ChatML transcript files into documents of messages.
+
+A file holds ChatML documents joined by blank lines. Each message is
+``<|im_start|>{role}`` alone on a line, the content on the following lines, and ``<|im_end|>``
+right after the content (the rendering of :func:`healsweep.data.corpus.render_chatml`).
+
+Document boundaries: a ``system`` message always opens a new document; a ``user`` message opens
+one when at least one blank line separates it from the previous ``<|im_end|>`` (inside a
+document messages follow each other line by line, so a multi-turn transcript stays one
+document). ``assistant`` and ``tool`` messages continue the current document.
+"""
+
+from __future__ import annotations
+
+from healsweep.data.corpus import IM_END, IM_START, ROLES, Message
+from healsweep.errors import CorpusError
+
+
+def parse_chatml(text: str, where: str) -> list[list[Message]]:
+    """Split ChatML text into documents of messages; errors name ``where`` and the line.
+
+    Raises ``CorpusError`` for text outside any message, an ``<|im_start|>`` without its
+    ``<|im_end|>``, and an unknown role.
+    """
+    lines = text.replace("\r\n", "\n").split("\n")
+    documents: list[list[Message]] = []
+    current: list[Message] = []
+    role: str | None = None
+    opened_at = 0
+    body: list[str] = []
+    gap = False  # a blank line since the last <|im_end|>
+    for lineno, line in enumerate(lines, start=1):
+        if role is None:
+            if not line.strip():
+                gap = True
+                continue
+            if not line.startswith(IM_START):
+                raise CorpusError(
+                    f"{where}:{lineno}: text outside any message ({_clip(line)}); every line "
+                    "must belong to an <|im_start|>role ... <|im_end|> block"
+                )
+            role = line[len(IM_START) :].strip()
+            if role not in ROLES:
+                raise CorpusError(
+                    f"{where}:{lineno}: unknown role {_clip(role)}; use one of {', '.join(ROLES)}"
+                )
+            if current and (role == "system" or (role == "user" and gap)):
+                documents.append(current)
+                current = []
+            opened_at, body, gap = lineno, [], False
+            continue
+        if IM_START in line:
+            raise _unterminated(where, opened_at, f"a new <|im_start|> on line {lineno}")
+        end = line.find(IM_END)
+        if end < 0:
+            body.append(line)
+            continue
+        body.append(line[:end])
+        rest = line[end + len(IM_END) :]
+        if rest.strip():
+            raise CorpusError(
+                f"{where}:{lineno}: text outside any message after <|im_end|> ({_clip(rest)}); "
+                "start the next message on its own line"
+            )
+        current.append(Message(role, "\n".join(body)))
+        role = None
+    if role is not None:
+        raise _unterminated(where, opened_at, "the end of the file")
+    if current:
+        documents.append(current)
+    return documents
+
+
+def _unterminated(where: str, lineno: int, reached: str) -> CorpusError:
+    return CorpusError(
+        f"{where}:{lineno}: unterminated <|im_start|> (no <|im_end|> before {reached}); "
+        "close the message with <|im_end|>"
+    )
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    text = text.strip()
+    return repr(text if len(text) <= limit else text[:limit] + "...")
