@@ -1,13 +1,126 @@
-"""`healsweep model ...` commands."""
+"""`healsweep model ...` commands and `healsweep bench forward`."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from healsweep.cli._apps import model_app
+from healsweep.cli._apps import bench_app, model_app
+
+ModelArg = Annotated[str, typer.Argument(help="GGUF path, or `demo`.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 @model_app.command("info")
-def model_info(model: str = typer.Argument(..., help="GGUF path, or `demo`.")) -> None:
+def model_info(
+    model: ModelArg,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option("--tokenizer", help="tokenizer.json to use instead of the GGUF's own."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Architecture, layers, experts, dims, tensor types and bytes, tokenizer summary."""
-    raise NotImplementedError  # filled by the foundation work
+    from healsweep.gguf_io import open_model
+    from healsweep.gguf_io._summary import describe_model
+
+    info = describe_model(open_model(model, tokenizer_path=tokenizer))
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    typer.echo(f"model        {info['path']}  ({_mib(info['file_bytes'])})")
+    typer.echo(f"arch         {info['arch']}")
+    typer.echo(f"layers       {info['layers']}  (one layer: {_mib(info['layer_bytes'])} stored, "
+               f"{_mib(info['layer_bytes_f32'])} as float32)")
+    typer.echo(f"experts      {info['experts']}, top-{info['experts_used']} "
+               f"({'renormalized' if info['norm_topk_prob'] else 'softmax weights as is'})")
+    typer.echo(f"dims         n_embd {info['n_embd']}, heads {info['n_head']}/{info['n_head_kv']}"
+               f" kv, head_dim {info['head_dim']}, ff_exp {info['n_ff_exp']}, "
+               f"ff_shexp {info['n_ff_shexp']}, vocab {info['n_vocab']}")
+    typer.echo(f"numerics     rope base {info['rope_freq_base']:g}, rms eps "
+               f"{info['rms_norm_eps']:.3g}, context {info['context_length']}")
+    typer.echo("tensor types")
+    for name, row in info["tensor_types"].items():
+        typer.echo(f"  {name:<8} {row['tensors']:>5} tensors  {_mib(row['bytes']):>14}  "
+                   f"{row['elements']:>14,d} values")
+    tok = info["tokenizer"]
+    if "error" in tok:
+        typer.echo(f"tokenizer    none usable: {tok['error']}")
+    else:
+        typer.echo(f"tokenizer    {tok['model']}/{tok['pre']} BPE, vocab {tok['vocab']}, merges "
+                   f"{tok['merges']}, control {tok['control_tokens']}, user-defined "
+                   f"{tok['user_defined_tokens']}, bos {tok['bos']!r}, eos {tok['eos']!r}, "
+                   f"ChatML {'yes' if tok['chatml'] else 'no'}")
+
+
+@model_app.command("logits")
+def model_logits(
+    model: ModelArg,
+    tokens: Annotated[Path, typer.Option("--tokens", help="1-D integer token ids (.npy).")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write [T, vocab] float32 .npy.")],
+) -> None:
+    """Teacher-forced logits of one token sequence."""
+    import numpy as np
+
+    from healsweep.gguf_io import open_model
+    from healsweep.model import forward
+
+    if not tokens.is_file():
+        raise typer.BadParameter(f"{tokens} does not exist", param_hint="--tokens")
+    try:
+        ids = np.load(tokens, allow_pickle=False)
+    except ValueError as exc:
+        raise typer.BadParameter(
+            f"{tokens} is not a .npy array ({exc})", param_hint="--tokens"
+        ) from exc
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise typer.BadParameter(
+            f"{tokens} holds a {ids.dtype} array of shape {ids.shape}; need 1-D integer ids",
+            param_hint="--tokens",
+        )
+    m = open_model(model)
+    if ids.min() < 0 or ids.max() >= m.hparams.n_vocab:
+        raise typer.BadParameter(
+            f"token ids must lie in [0, {m.hparams.n_vocab}); got {ids.min()}..{ids.max()}",
+            param_hint="--tokens",
+        )
+    logits = forward(m, [ids.astype(np.int32)]).logits[0]
+    np.save(out, logits)
+    typer.echo(f"wrote {out} float32 {list(logits.shape)}")
+
+
+@bench_app.command("forward")
+def bench_forward_cmd(
+    model: ModelArg,
+    n_tokens: Annotated[int, typer.Option("--tokens", min=1, help="Tokens per forward.")] = 512,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=1, help="Tokens per sequence.")] = 256,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed calls; best kept.")] = 2,
+    layers_scaling: Annotated[
+        bool,
+        typer.Option(
+            "--layers-scaling",
+            help="Also bench random models of MODEL's shape with 4, 8, 16 layers, one process each.",
+        ),
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Teacher-forced tokens/s and peak RSS of the layer-by-layer forward."""
+    from healsweep.gguf_io import open_model
+    from healsweep.model.bench import bench_forward, format_table, layer_scaling
+
+    m = open_model(model)
+    row = bench_forward(m, n_tokens=n_tokens, seq_len=seq_len, repeats=repeats)
+    if as_json:
+        typer.echo(json.dumps(row))
+        return
+    typer.echo(format_table([row]))
+    if layers_scaling:
+        typer.echo("\npeak RSS against layer count (same shape, random weights, fresh process):")
+        typer.echo(format_table(layer_scaling(m, n_tokens=n_tokens, seq_len=seq_len)))

@@ -1,0 +1,95 @@
+"""A plain-data summary of a GGUF model: shape, storage by tensor type, tokenizer."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from healsweep.errors import TokenizerError
+from healsweep.gguf_io._model import GGUFModel
+from healsweep.gguf_io._tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED
+
+
+def tensor_storage(model: GGUFModel) -> dict[str, dict[str, int]]:
+    """Per ggml type name: number of tensors, stored bytes and element count."""
+    by_type: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0,
+                                                              "elements": 0})
+    for name in model.tensor_names:
+        row = by_type[model.tensor_type(name).name]
+        row["tensors"] += 1
+        row["bytes"] += model.tensor_nbytes(name)
+        shape = model.tensor_shape(name)
+        count = 1
+        for n in shape:
+            count *= n
+        row["elements"] += count
+    return dict(sorted(by_type.items()))
+
+
+def layer_bytes(model: GGUFModel, i: int = 0) -> tuple[int, int]:
+    """(stored bytes, float32 bytes once dequantized) of block ``i``'s tensors."""
+    prefix = f"blk.{i}."
+    stored = dequantized = 0
+    for name in model.tensor_names:
+        if name.startswith(prefix):
+            stored += model.tensor_nbytes(name)
+            count = 1
+            for n in model.tensor_shape(name):
+                count *= n
+            dequantized += 4 * count
+    return stored, dequantized
+
+
+def tokenizer_summary(model: GGUFModel) -> dict[str, Any]:
+    """Vocabulary size, merges, pre-tokenizer, special tokens (or the reason there is none)."""
+    try:
+        tok = model.tokenizer()
+    except TokenizerError as exc:
+        return {"error": str(exc)}
+    types = model.metadata("tokenizer.ggml.token_type") or []
+    tokens = model.metadata("tokenizer.ggml.tokens") or []
+
+    def name_of(key: str) -> str | None:
+        idx = model.metadata(key)
+        return tokens[idx] if idx is not None and idx < len(tokens) else None
+
+    return {
+        "model": model.metadata("tokenizer.ggml.model"),
+        "pre": model.metadata("tokenizer.ggml.pre"),
+        "vocab": tok.get_vocab_size(),
+        "merges": len(model.metadata("tokenizer.ggml.merges") or []),
+        "control_tokens": sum(1 for t in types if t == TOKEN_CONTROL),
+        "user_defined_tokens": sum(1 for t in types if t == TOKEN_USER_DEFINED),
+        "bos": name_of("tokenizer.ggml.bos_token_id"),
+        "eos": name_of("tokenizer.ggml.eos_token_id"),
+        "chatml": "<|im_start|>" in tokens and "<|im_end|>" in tokens,
+    }
+
+
+def describe_model(model: GGUFModel) -> dict[str, Any]:
+    """Everything ``healsweep model info`` prints, as plain data."""
+    hp = model.hparams
+    stored, dequantized = layer_bytes(model, 0)
+    return {
+        "path": str(model.path),
+        "arch": hp.arch,
+        "layers": hp.n_layer,
+        "experts": hp.n_expert,
+        "experts_used": hp.n_expert_used,
+        "norm_topk_prob": hp.norm_topk_prob,
+        "n_embd": hp.n_embd,
+        "n_head": hp.n_head,
+        "n_head_kv": hp.n_head_kv,
+        "head_dim": hp.head_dim,
+        "n_ff_exp": hp.n_ff_exp,
+        "n_ff_shexp": hp.n_ff_shexp,
+        "n_vocab": hp.n_vocab,
+        "context_length": hp.context_length,
+        "rope_freq_base": hp.rope_freq_base,
+        "rms_norm_eps": hp.rms_norm_eps,
+        "file_bytes": model.path.stat().st_size,
+        "layer_bytes": stored,
+        "layer_bytes_f32": dequantized,
+        "tensor_types": tensor_storage(model),
+        "tokenizer": tokenizer_summary(model),
+    }

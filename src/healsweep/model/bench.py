@@ -1,0 +1,114 @@
+"""Forward-pass benchmark: teacher-forced tokens/s and peak RSS, and RSS against layer count.
+
+Peak RSS is a process-lifetime high-water mark, so the layer-scaling study runs each model in a
+fresh interpreter (``python -m healsweep bench forward MODEL --json``) and collects one row each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (``VmHWM``; ``ru_maxrss`` where there is no /proc)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
+
+
+def bench_forward(
+    model: Any, *, n_tokens: int = 512, seq_len: int = 256, repeats: int = 2, seed: int = 0
+) -> dict[str, Any]:
+    """Time ``forward`` on random token ids: ``n_tokens`` split into sequences of ``seq_len``.
+
+    One untimed call compiles the layer function for this shape; the best of ``repeats`` timed
+    calls gives tokens/s. Every logit row is computed, as ``model logits`` does.
+    """
+    from healsweep.gguf_io._summary import layer_bytes
+    from healsweep.model.forward import forward
+
+    hp = model.hparams
+    rng = np.random.default_rng(seed)
+    lengths = [seq_len] * (n_tokens // seq_len) + ([n_tokens % seq_len] if n_tokens % seq_len
+                                                    else [])
+    sequences = [rng.integers(0, hp.n_vocab, n, dtype=np.int32) for n in lengths]
+    start = time.perf_counter()
+    forward(model, sequences)
+    first = time.perf_counter() - start
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        forward(model, sequences)
+        best = min(best, time.perf_counter() - start)
+    stored, dequantized = layer_bytes(model, 0)
+    return {
+        "model": str(model.path),
+        "layers": hp.n_layer,
+        "file_mib": model.path.stat().st_size / 2**20,
+        "layer_mib": stored / 2**20,
+        "layer_f32_mib": dequantized / 2**20,
+        "tokens": n_tokens,
+        "sequences": len(sequences),
+        "first_call_s": first,
+        "tokens_per_s": n_tokens / best,
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
+    }
+
+
+def layer_scaling(
+    model: Any, layer_counts: tuple[int, ...] = (4, 8, 16), *, n_tokens: int = 512,
+    seq_len: int = 256, workdir: str | Path | None = None,
+) -> list[dict[str, Any]]:
+    """Bench random models shaped like ``model`` with each layer count, one process each."""
+    from healsweep.gguf_io.synthetic import write_random_model
+
+    hp = model.hparams
+    types = {n.split(".", 2)[2] if n.startswith("blk.") else n: model.tensor_type(n)
+             for n in model.tensor_names}
+    rows = []
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        for n_layer in layer_counts:
+            path = write_random_model(
+                Path(tmp) / f"scaling-{n_layer}.gguf", hp.arch, n_layer=n_layer, n_embd=hp.n_embd,
+                n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+                n_expert=hp.n_expert, n_expert_used=hp.n_expert_used, n_ff_exp=hp.n_ff_exp,
+                n_ff_shexp=hp.n_ff_shexp, context_length=hp.context_length, types=types,
+            )
+            rows.append(_bench_in_subprocess(path, n_tokens, seq_len))
+            os.unlink(path)
+    return rows
+
+
+def _bench_in_subprocess(path: Path, n_tokens: int, seq_len: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "healsweep", "bench", "forward", str(path), "--tokens",
+           str(n_tokens), "--seq-len", str(seq_len), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"bench subprocess for {path.name} failed: {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Rows of :func:`bench_forward` as an aligned text table."""
+    cols = [("layers", "{:d}"), ("file_mib", "{:.1f}"), ("layer_mib", "{:.1f}"),
+            ("layer_f32_mib", "{:.1f}"), ("tokens", "{:d}"), ("first_call_s", "{:.2f}"),
+            ("tokens_per_s", "{:.1f}"), ("peak_rss_mib", "{:.0f}")]
+    cells = [[c for c, _ in cols]] + [[f.format(r[c]) for c, f in cols] for r in rows]
+    widths = [max(len(row[j]) for row in cells) for j in range(len(cols))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True))
+                     for row in cells)
