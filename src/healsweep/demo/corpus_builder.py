@@ -46,6 +46,7 @@ from healsweep.errors import CorpusError
 
 BUILT_WITH = "CPython 3.11.7"  # the interpreter that built the shipped assets
 STRATA: tuple[str, ...] = ("code", "docs", "json", "tool")
+MIN_CHARS = 1100  # documents shorter than this get another turn (about 300 tokens)
 SOURCE_PREFIX = {"eval": "py", "calibration": "cal", "train": "train"}
 
 
@@ -188,6 +189,33 @@ def _topic_draft(topic: Topic, part: int, rng: random.Random, family: str, turns
     return _Draft("docs", messages, {"units": [topic.unit], "topic": topic.key, "part": part})
 
 
+def _grown_draft(
+    stratum: str,
+    candidates: Sequence[StdlibObject],
+    wanted: int,
+    seed_text: str,
+    family: str,
+    members: dict[str, list[str]],
+) -> _Draft:
+    """A draft about ``wanted`` candidates, more (up to 4) while it is shorter than MIN_CHARS."""
+    count = min(wanted, len(candidates))
+    while True:
+        draft = _draft(stratum, candidates[:count], random.Random(seed_text), family, members)
+        if len(writers_render(draft)) >= MIN_CHARS or count >= min(4, len(candidates)):
+            return draft
+        count += 1
+
+
+def _grown_topic(topic: Topic, part: int, turns: int, seed_text: str, family: str) -> _Draft:
+    available = len(writers.topic_chunks(topic)) - part
+    turns = min(turns, available)
+    while True:
+        draft = _topic_draft(topic, part, random.Random(seed_text), family, turns)
+        if len(writers_render(draft)) >= MIN_CHARS or turns >= min(3, available):
+            return draft
+        turns += 1
+
+
 def _distinct_pool(
     pool: str, objects: list[StdlibObject], topics: list[Topic], per_stratum: int, seed: int
 ) -> list[_Draft]:
@@ -201,17 +229,20 @@ def _distinct_pool(
     drafts: list[_Draft] = []
     for number in range(per_stratum):
         for stratum in STRATA:
-            rng = random.Random(f"{seed}:{pool}:{stratum}:{number}")
+            seed_text = f"{seed}:{pool}:{stratum}:{number}"
+            rng = random.Random(seed_text)
             if stratum == "docs" and number % 3 == 2 and topic_queue:
                 topic = topic_queue.pop(0)
-                drafts.append(_topic_draft(topic, 0, rng, family, rng.choice((1, 1, 2))))
+                drafts.append(_grown_topic(topic, 0, rng.choice((1, 1, 2)), seed_text, family))
                 continue
-            wanted = rng.choice(_TURNS[stratum])
-            picked = [o for o in queue if o.qualname not in used and _ELIGIBLE[stratum](o)][:wanted]
-            if not picked:
+            free = [o for o in queue if o.qualname not in used and _ELIGIBLE[stratum](o)]
+            if not free:
                 raise CorpusError(f"demo {pool} part ran out of {stratum} objects; lower its size")
-            used.update(o.qualname for o in picked)
-            drafts.append(_draft(stratum, picked, rng, family, members))
+            draft = _grown_draft(
+                stratum, free, rng.choice(_TURNS[stratum]), seed_text, family, members
+            )
+            used.update(draft.meta["objects"])
+            drafts.append(draft)
     return drafts
 
 
@@ -227,21 +258,23 @@ def _train_pool(
         queues[stratum] = queue
     drafts: list[_Draft] = []
     for topic in topics:
-        chunks = writers.topic_chunks(topic)
-        for part in range(0, len(chunks), 2):
-            rng = random.Random(f"{seed}:train:topic:{topic.key}:{part}")
-            drafts.append(_topic_draft(topic, part, rng, rng.choice("AB"), 2))
+        for part in range(0, len(writers.topic_chunks(topic)), 2):
+            seed_text = f"{seed}:train:topic:{topic.key}:{part}"
+            family = random.Random(seed_text).choice("AB")
+            drafts.append(_topic_draft(topic, part, random.Random(seed_text), family, 2))
     size = sum(len(writers_render(d)) for d in drafts)
     number = 0
     while size < budget and any(queues.values()):
         for stratum in STRATA:
-            rng = random.Random(f"{seed}:train:{stratum}:{number}")
-            wanted = rng.choice(_TURNS[stratum])
-            picked, queues[stratum] = queues[stratum][:wanted], queues[stratum][wanted:]
-            if picked:
-                draft = _draft(stratum, picked, rng, rng.choice("AB"), members)
-                drafts.append(draft)
-                size += len(writers_render(draft))
+            if not queues[stratum]:
+                continue
+            seed_text = f"{seed}:train:{stratum}:{number}"
+            rng = random.Random(seed_text)
+            wanted, family = rng.choice(_TURNS[stratum]), rng.choice("AB")
+            draft = _grown_draft(stratum, queues[stratum], wanted, seed_text, family, members)
+            queues[stratum] = queues[stratum][len(draft.meta["objects"]) :]
+            drafts.append(draft)
+            size += len(writers_render(draft))
         number += 1
     return drafts
 

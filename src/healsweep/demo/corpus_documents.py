@@ -191,20 +191,24 @@ def code_document(objs: Sequence[StdlibObject], rng: random.Random, family: str)
 
 
 def docs_document(objs: Sequence[StdlibObject], rng: random.Random, family: str) -> list[Message]:
-    """Prose answer from an object's docstring, optionally with a follow-up on defaults."""
-    obj = objs[0]
-    slots = {"q": obj.qualname, "m": obj.module, "s": summary(obj.doc)}
-    answer = excerpt(obj.doc, 900) + "\n\n" + _say(rng, family, "docs_usage", call=call_form(obj))
-    messages = [
-        Message("user", _say(rng, family, "docs_ask", **slots)),
-        assistant(
-            " ".join([_say(rng, family, "docs_think", **slots), _say(rng, family, "docs_plan")]),
-            answer,
-        ),
-    ]
-    if len(objs) > 1 or (obj.public_params() and rng.random() < 0.5):
+    """Prose answers from docstrings, one object per user turn, maybe a follow-up on defaults."""
+    messages: list[Message] = []
+    for turn, obj in enumerate(objs):
+        slots = {"q": obj.qualname, "m": obj.module, "s": summary(obj.doc)}
+        answer = excerpt(obj.doc, 1000) + "\n\n"
+        answer += _say(rng, family, "docs_usage", call=call_form(obj))
+        messages.append(
+            Message("user", _say(rng, family, "docs_next" if turn else "docs_ask", **slots))
+        )
+        reasoning = [_say(rng, family, "docs_think", **slots), _say(rng, family, "docs_plan")]
+        messages.append(assistant(" ".join(reasoning), answer))
+    last = objs[-1]
+    if last.public_params() and rng.random() < 0.4:
+        slots = {"q": last.qualname, "m": last.module, "s": summary(last.doc)}
         messages.append(Message("user", _say(rng, family, "docs_more")))
-        messages.append(assistant(_say(rng, family, "docs_think", **slots), _defaults(obj, family)))
+        messages.append(
+            assistant(_say(rng, family, "docs_think", **slots), _defaults(last, family))
+        )
     return messages
 
 

@@ -62,6 +62,10 @@ PHRASES: dict[str, dict[str, tuple[str, ...]]] = {
             "Does it take any optional arguments?",
             "Which arguments have default values?",
         ),
+        "docs_next": (
+            "And what does `{q}` do?",
+            "Now explain `{q}`, please.",
+        ),
         "topic_ask": (
             'Explain the Python language topic "{t}".',
             "What does the language reference say about {t}?",
@@ -179,6 +183,10 @@ PHRASES: dict[str, dict[str, tuple[str, ...]]] = {
         "docs_more": (
             "Which parameters are optional?",
             "Any defaults I can leave out?",
+        ),
+        "docs_next": (
+            "Same for `{q}`?",
+            "Next: `{q}`.",
         ),
         "topic_ask": (
             "Summarize the reference entry on {t}.",
