@@ -175,3 +175,47 @@ def test_gguf_tensor_names_round_trip() -> None:
     assert tensors["blk.0.attn_k.weight"].shape == (32, 64)
     back = tr.from_gguf_tensors(tensors, SMALL.n_layer)
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer
+
+    from healsweep.demo.tokenizer import train_tokenizer
+
+    texts = [f"<|im_start|>user\nwhat is {w}?<|im_end|>\n<|im_start|>assistant\n<think>\nabout {w}"
+             f"\n</think>\n\n{w} is a word.<|im_end|>\n" for w in ("alpha", "beta", "gamma", "delta")]
+    tok = train_tokenizer(texts * 3, vocab_size=300)
+    assert isinstance(tok, Tokenizer)
+    return tok
+
+
+def test_written_gguf_runs_the_same_in_the_runtime_forward(tmp_path) -> None:
+    """Training forward == healsweep.model.forward on the GGUF written from the same params.
+
+    The GGUF stores matrices as F16, so the training forward gets the F16-rounded matrices.
+    """
+    from healsweep.demo.build import write_demo_model
+    from healsweep.gguf_io import open_model
+    from healsweep.model import forward
+
+    tokenizer = _tiny_tokenizer()
+    cfg = dataclasses.replace(SMALL, n_vocab=tokenizer.get_vocab_size())
+    params = jax.tree_util.tree_map(
+        lambda w: w.astype(jnp.float16).astype(jnp.float32) if w.ndim > 1 else w,
+        _scaled_params(cfg, seed=7, scale=8.0))
+    path = write_demo_model(tmp_path / "m.gguf", params, cfg, tokenizer)
+    model = open_model(path)
+    assert model.hparams.n_ff_shexp == cfg.n_ff_shexp and not model.hparams.norm_topk_prob
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(0, cfg.n_vocab, size=n).astype(np.int32) for n in (37, 20)]
+    runtime = forward(model, seqs)
+    for seq, logits in zip(seqs, runtime.logits, strict=True):
+        ours, moe = tr.forward(params, jnp.asarray(seq[None, :]), cfg)
+        ours = np.asarray(ours[0])
+        assert np.max(np.abs(ours - logits)) <= 2e-4 * np.max(np.abs(ours))
+    # the same experts are chosen, token by token and layer by layer
+    _, moe = tr.forward(params, jnp.asarray(seqs[0][None, :]), cfg)
+    for layer, m in enumerate(moe):
+        ours_ids = np.sort(np.asarray(jax.lax.top_k(m.router_probs[0], cfg.n_expert_used)[1]), -1)
+        assert np.array_equal(ours_ids, np.sort(runtime.router[0][:, layer], -1))
+    assert model.tokenizer().encode("what is beta?").ids == tokenizer.encode("what is beta?").ids

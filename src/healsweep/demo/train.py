@@ -311,11 +311,20 @@ def adam_update(
 # --- the loop -------------------------------------------------------------------------------
 
 
+class TrainLog(NamedTuple):
+    """One logged training step: total loss, next-token NLL (nats) and the balance loss."""
+
+    step: int
+    loss: float
+    nll: float
+    aux: float
+
+
 class TrainResult(NamedTuple):
-    """Trained float32 parameters and the logged history ``(step, loss, nll, aux)``."""
+    """Trained float32 parameters and the logged history."""
 
     params: Params
-    history: list[tuple[int, float, float, float]]
+    history: list[TrainLog]
 
 
 def batch_starts(n_tokens: int, tcfg: TrainConfig) -> np.ndarray:
@@ -347,22 +356,26 @@ def train(
     tcfg: TrainConfig,
     *,
     log_every: int = 50,
-    progress: Callable[[int, float, float, float], None] | None = None,
+    progress: Callable[[TrainLog, Params], None] | None = None,
 ) -> TrainResult:
-    """Train on random windows of the packed token ``stream [N]`` (deterministic in the seed)."""
+    """Train on random windows of the packed token ``stream [N]`` (deterministic in the seed).
+
+    Every ``log_every`` steps (and at the last) the step's losses are recorded and
+    ``progress(log, params)`` is called, e.g. to print or to evaluate held-out text.
+    """
     stream = np.asarray(stream, np.int32)
     starts = batch_starts(len(stream), tcfg)
     offsets = np.arange(tcfg.seq_len + 1)
     params = init_params(cfg, tcfg.seed)
     opt_state = adam_init(params)
     step_fn = make_train_step(cfg, tcfg, decay_mask(params))
-    history: list[tuple[int, float, float, float]] = []
+    history: list[TrainLog] = []
     for i in range(tcfg.steps):
         batch = jnp.asarray(stream[starts[i][:, None] + offsets[None, :]])  # [B, S+1]
         params, opt_state, loss, nll, aux = step_fn(params, opt_state, batch)
         if (i + 1) % log_every == 0 or i + 1 == tcfg.steps:
-            record = (i + 1, float(loss), float(nll), float(aux))
+            record = TrainLog(i + 1, float(loss), float(nll), float(aux))
             history.append(record)
             if progress is not None:
-                progress(*record)
+                progress(record, params)
     return TrainResult(params, history)

@@ -1,0 +1,283 @@
+"""Build the demo assets from a seed: corpus → tokenizer → trained qwen2moe → GGUF.
+
+The shipped ``assets/demo-moe.gguf`` is what :func:`build_demo` produces with the default seed and
+recipe on a GPU (``docs/demo-model.md`` gives the figures). Training is deterministic in the seed
+on a given JAX backend; a CPU build follows the same recipe and takes longer.
+
+The figures that show the model is usable as a teacher are computed here with the *runtime*
+forward (:func:`healsweep.model.forward` over the written GGUF), not with the training forward:
+perplexity on the dev documents against a unigram baseline, and the share of routed tokens each
+expert receives on the calibration pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from healsweep.demo.train import MoEConfig, Params, TrainConfig, TrainResult, to_gguf_tensors, train
+
+EOT = "<|endoftext|>"
+MODEL_FILE, CORPUS_FILE, TOKENIZER_FILE = (
+    "demo-moe.gguf",
+    "demo-corpus.jsonl",
+    "demo-tokenizer.json",
+)
+
+
+def demo_model_config(n_vocab: int) -> MoEConfig:
+    """The shipped architecture for a tokenizer of ``n_vocab`` tokens."""
+    return MoEConfig(n_vocab=n_vocab)
+
+
+def demo_train_config(seed: int = 0, steps: int | None = None) -> TrainConfig:
+    """The shipped training recipe, with the seed and optionally the step count changed."""
+    recipe = TrainConfig(seed=seed)
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"demo_train_config: steps must be >= 1, got {steps}")
+        recipe = dataclasses.replace(
+            recipe, steps=steps, warmup_steps=min(recipe.warmup_steps, max(steps // 10, 1))
+        )
+    return recipe
+
+
+def encode_documents(documents: Iterable[Any], tokenizer: Any) -> list[np.ndarray]:
+    """Token ids of each document's rendered ChatML text (int32)."""
+    texts = [doc.render() for doc in documents]
+    return [np.asarray(enc.ids, np.int32) for enc in tokenizer.encode_batch(texts)]
+
+
+def pack_documents(encoded: Sequence[np.ndarray], eot_id: int) -> np.ndarray:
+    """One training stream: every document followed by ``<|endoftext|>``."""
+    separator = np.asarray([eot_id], np.int32)
+    return np.concatenate([part for ids in encoded for part in (ids, separator)])
+
+
+def training_stream(corpus: Any, tokenizer: Any) -> np.ndarray:
+    """The packed token stream of the corpus's training pool."""
+    eot_id = tokenizer.token_to_id(EOT)
+    if eot_id is None:
+        raise ValueError(f"training_stream: tokenizer has no {EOT} token")
+    return pack_documents(encode_documents(corpus.pool("train"), tokenizer), eot_id)
+
+
+def dev_documents(corpus: Any) -> list[Any]:
+    """Eval-pool documents with an odd index: the dev half of the parity split."""
+    return [d for d in corpus.pool("eval") if d.index % 2 == 1]
+
+
+# --- the GGUF ---------------------------------------------------------------------------------
+
+
+def hparams_for(cfg: MoEConfig) -> Any:
+    """The GGUF hyperparameters of the training config (qwen2moe, top-k not renormalized)."""
+    from healsweep.gguf_io import ModelHparams
+
+    return ModelHparams(
+        arch="qwen2moe",
+        n_layer=cfg.n_layer,
+        n_embd=cfg.n_embd,
+        n_head=cfg.n_head,
+        n_head_kv=cfg.n_head_kv,
+        head_dim=cfg.head_dim,
+        n_expert=cfg.n_expert,
+        n_expert_used=cfg.n_expert_used,
+        n_ff_exp=cfg.n_ff_exp,
+        n_ff_shexp=cfg.n_ff_shexp,
+        n_vocab=cfg.n_vocab,
+        rope_freq_base=cfg.rope_freq_base,
+        rms_norm_eps=cfg.rms_norm_eps,
+        context_length=cfg.context_length,
+        norm_topk_prob=False,
+    )
+
+
+def write_demo_model(
+    path: str | Path,
+    tensors: dict[str, np.ndarray] | Params,
+    cfg: MoEConfig,
+    tokenizer: Any,
+    *,
+    types: dict[str, Any] | None = None,
+    description: str = "",
+) -> Path:
+    """Write trained parameters (a pytree or GGUF-named arrays) with the tokenizer into a GGUF.
+
+    Matrices are stored F16 and vectors (norms, biases, the shared-expert gate) F32 unless
+    ``types`` says otherwise.
+    """
+    from healsweep.gguf_io import tokenizer_metadata_from_tokenizer, write_model
+
+    if "blk" in tensors:
+        tensors = to_gguf_tensors(tensors)
+    meta = tokenizer_metadata_from_tokenizer(tokenizer, bos=EOT, eos="<|im_end|>", pad=EOT)
+    ordered = {name: tensors[name] for name in _tensor_order(cfg.n_layer) if name in tensors}
+    extra = {"general.description": description} if description else None
+    return write_model(
+        path,
+        "qwen2moe",
+        hparams_for(cfg),
+        ordered,
+        types,
+        meta,
+        name="healsweep-demo-moe",
+        extra_metadata=extra,
+    )
+
+
+def _tensor_order(n_layer: int) -> list[str]:
+    per_layer = [
+        "attn_norm.weight",
+        "attn_q.weight",
+        "attn_q.bias",
+        "attn_k.weight",
+        "attn_k.bias",
+        "attn_v.weight",
+        "attn_v.bias",
+        "attn_output.weight",
+        "ffn_norm.weight",
+        "ffn_gate_inp.weight",
+        "ffn_gate_exps.weight",
+        "ffn_up_exps.weight",
+        "ffn_down_exps.weight",
+        "ffn_gate_inp_shexp.weight",
+        "ffn_gate_shexp.weight",
+        "ffn_up_shexp.weight",
+        "ffn_down_shexp.weight",
+    ]
+    layers = [f"blk.{i}.{name}" for i in range(n_layer) for name in per_layer]
+    return ["token_embd.weight", *layers, "output_norm.weight", "output.weight"]
+
+
+# --- figures with the runtime forward -----------------------------------------------------------
+
+
+def unigram_nll(train_stream: np.ndarray, sequences: Sequence[np.ndarray], n_vocab: int) -> float:
+    """Mean NLL (nats) of tokens 1.. of each sequence under add-one unigram counts of the stream."""
+    counts = np.bincount(train_stream, minlength=n_vocab).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    scored = np.concatenate([seq[1:] for seq in sequences])
+    return float(-np.mean(logp[scored]))
+
+
+def model_nll(model: Any, sequences: Sequence[np.ndarray], batch: int = 8) -> float:
+    """Mean teacher-forced NLL (nats) of tokens 1.. of each sequence, by the runtime forward."""
+    from healsweep.model import forward
+
+    total, count = 0.0, 0
+    for start in range(0, len(sequences), batch):
+        chunk = [np.asarray(s, np.int32) for s in sequences[start : start + batch]]
+        result = forward(model, chunk, logits_for=[np.arange(len(s) - 1) for s in chunk])
+        for seq, logits in zip(chunk, result.logits, strict=True):
+            z = logits.astype(np.float64)
+            logz = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
+            total += float(np.sum(logz - z[np.arange(len(seq) - 1), seq[1:]]))
+            count += len(seq) - 1
+    return total / count
+
+
+def expert_load(model: Any, sequences: Sequence[np.ndarray], batch: int = 8) -> np.ndarray:
+    """Share of routed (token, slot) assignments per expert, ``[n_layer, n_expert]``; rows sum to 1."""
+    from healsweep.model import forward
+
+    hp = model.hparams
+    counts = np.zeros((hp.n_layer, hp.n_expert), np.int64)
+    for start in range(0, len(sequences), batch):
+        chunk = [np.asarray(s, np.int32) for s in sequences[start : start + batch]]
+        result = forward(model, chunk, logits_for=[np.zeros(0, np.int64) for _ in chunk])
+        for ids in result.router:  # [T, L, k]
+            for layer in range(hp.n_layer):
+                counts[layer] += np.bincount(ids[:, layer].ravel(), minlength=hp.n_expert)
+    return counts / counts.sum(axis=1, keepdims=True)
+
+
+class DemoFigures(NamedTuple):
+    """Acceptance figures of a demo model."""
+
+    dev_tokens: int
+    dev_perplexity: float
+    unigram_perplexity: float
+    calibration_tokens: int
+    expert_load: np.ndarray  # [L, E] share of routed assignments on the calibration pool
+
+
+def demo_figures(
+    model: Any, corpus: Any, tokenizer: Any, max_len: int | None = None
+) -> DemoFigures:
+    """Dev perplexity vs the unigram baseline and the calibration-pool expert load of ``model``."""
+    limit = max_len or model.hparams.context_length
+    dev = [s[:limit] for s in encode_documents(dev_documents(corpus), tokenizer)]
+    cal = [s[:limit] for s in encode_documents(corpus.pool("calibration"), tokenizer)]
+    stream = training_stream(corpus, tokenizer)
+    return DemoFigures(
+        dev_tokens=sum(len(s) - 1 for s in dev),
+        dev_perplexity=math.exp(model_nll(model, dev)),
+        unigram_perplexity=math.exp(unigram_nll(stream, dev, model.hparams.n_vocab)),
+        calibration_tokens=sum(len(s) for s in cal),
+        expert_load=expert_load(model, cal),
+    )
+
+
+# --- the whole build --------------------------------------------------------------------------
+
+
+class DemoBuild(NamedTuple):
+    """Paths of the built assets, the training history and the time each stage took."""
+
+    corpus_path: Path
+    tokenizer_path: Path
+    model_path: Path
+    history: list[Any]
+    seconds: dict[str, float]
+    backend: str
+
+
+def build_demo(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    steps: int | None = None,
+    progress: Callable[..., None] | None = None,
+) -> DemoBuild:
+    """Regenerate corpus, tokenizer and model under ``out_dir`` from ``seed``.
+
+    ``progress(log, params)`` is called at every logged training step (see :func:`train`).
+    """
+    import jax
+
+    from healsweep.data.corpus import load_corpus
+    from healsweep.demo.corpus_builder import DemoCorpusConfig, build_demo_corpus, write_demo_assets
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    built = build_demo_corpus(DemoCorpusConfig(seed=seed))
+    corpus_path, tokenizer_path = out / CORPUS_FILE, out / TOKENIZER_FILE
+    write_demo_assets(built, corpus_path, tokenizer_path)
+    seconds["corpus_and_tokenizer"] = time.perf_counter() - started
+
+    started = time.perf_counter()
+    corpus, tokenizer = load_corpus(corpus_path), built.tokenizer
+    cfg = demo_model_config(tokenizer.get_vocab_size())
+    result: TrainResult = train(
+        training_stream(corpus, tokenizer), cfg, demo_train_config(seed, steps), progress=progress
+    )
+    seconds["training"] = time.perf_counter() - started
+    backend = jax.default_backend()
+    model_path = write_demo_model(
+        out / MODEL_FILE,
+        result.params,
+        cfg,
+        tokenizer,
+        description=f"healsweep demo MoE, seed {seed}, {len(result.history) and result.history[-1].step}"
+        f" steps on {backend}",
+    )
+    return DemoBuild(corpus_path, tokenizer_path, model_path, result.history, seconds, backend)
