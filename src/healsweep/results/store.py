@@ -1,0 +1,169 @@
+"""Files of a sweep's results directory: atomic Parquet writes, the windows dataset, trials.
+
+Layout of ``RESULTS/<sweep>/``:
+
+- ``windows/part-<trial>-<seq>.parquet``: rows of a running trial, one small file per reported
+  window, each written to a dot-file and renamed, so a crash loses no finished window and
+  readers never see half a file (pyarrow skips dot-files);
+- ``windows/trial-<trial>.parquet``: a finished trial's rows consolidated into one file with the
+  final ``pruned`` flag (its part files are removed after the rename);
+- ``trials.parquet``: one row per trial; ``manifest.json`` and ``spec.json``: what ran.
+
+A row is identified by ``(config_hash, window_id)``; readers drop repeats (a crash between a
+consolidation's rename and the removal of its part files can leave one behind for a moment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from healsweep.errors import ResultsError
+from healsweep.results.schema import trial_schema, window_schema
+
+WINDOWS_DIR = "windows"
+TRIALS_FILE = "trials.parquet"
+MANIFEST_FILE = "manifest.json"
+SPEC_FILE = "spec.json"
+_PART = re.compile(r"^part-(?P<trial>.+)-(?P<seq>\d{6})\.parquet$")
+_TRIAL = re.compile(r"^trial-(?P<trial>.+)\.parquet$")
+
+
+def atomic_write_table(table: pa.Table, path: Path) -> None:
+    """Write ``table`` to ``path`` via a dot-file in the same folder, fsync, rename."""
+    tmp = path.parent / f".tmp-{uuid.uuid4().hex}.parquet"
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(text: str, path: Path) -> None:
+    """Write ``text`` to ``path`` via a dot-file and a rename."""
+    tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def part_files(windows_dir: Path) -> dict[str, list[Path]]:
+    """Part files per trial id, in sequence order."""
+    parts: dict[str, list[Path]] = {}
+    for path in sorted(windows_dir.glob("part-*.parquet")):
+        match = _PART.match(path.name)
+        if match:
+            parts.setdefault(match["trial"], []).append(path)
+    return parts
+
+
+def trial_file(windows_dir: Path, trial_id: str) -> Path:
+    """The consolidated file of a trial."""
+    return windows_dir / f"trial-{trial_id}.parquet"
+
+
+def next_seq(paths: list[Path]) -> int:
+    """The next free part sequence number after ``paths``."""
+    return 1 + max((int(_PART.match(p.name)["seq"]) for p in paths), default=-1)
+
+
+def tidy_windows_dir(windows_dir: Path) -> None:
+    """After a crash: remove temp files and part files already inside a consolidated file."""
+    for tmp in windows_dir.glob(".tmp-*"):
+        tmp.unlink(missing_ok=True)
+    for trial_id, paths in part_files(windows_dir).items():
+        consolidated = trial_file(windows_dir, trial_id)
+        if not consolidated.exists():
+            continue
+        have = set(pq.read_table(consolidated, columns=["window_id"])["window_id"].to_pylist())
+        for path in paths:
+            ids = set(pq.read_table(path, columns=["window_id"])["window_id"].to_pylist())
+            if ids <= have:
+                path.unlink()
+
+
+def consolidate_trial(windows_dir: Path, trial_id: str, pruned: bool) -> int:
+    """Merge a trial's part files (and an earlier consolidated file) into one file with the
+    final ``pruned`` flag; returns its row count."""
+    paths = part_files(windows_dir).get(trial_id, [])
+    target = trial_file(windows_dir, trial_id)
+    sources = ([target] if target.exists() else []) + paths
+    if not sources:
+        return 0
+    table = pa.concat_tables([pq.read_table(p, schema=window_schema()) for p in sources])
+    table = dedupe(table)
+    flag = pa.array([pruned] * table.num_rows, type=pa.bool_())
+    table = table.set_column(table.schema.get_field_index("pruned"), "pruned", flag)
+    atomic_write_table(table, target)
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return table.num_rows
+
+
+def dedupe(table: pa.Table) -> pa.Table:
+    """Keep the first row of each ``(config_hash, window_id)``."""
+    if table.num_rows == 0:
+        return table
+    keys = zip(table["config_hash"].to_pylist(), table["window_id"].to_pylist(), strict=True)
+    seen: set[tuple[str, str]] = set()
+    keep = []
+    for i, key in enumerate(keys):
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    return table if len(keep) == table.num_rows else table.take(pa.array(keep, type=pa.int64()))
+
+
+def read_windows(sweep_dir: str | Path) -> pa.Table:
+    """All window rows of a sweep (repeats dropped), in the windows schema."""
+    windows_dir = Path(sweep_dir) / WINDOWS_DIR
+    if not windows_dir.is_dir():
+        return window_schema().empty_table()
+    dataset = ds.dataset(windows_dir, format="parquet", schema=window_schema())
+    return dedupe(dataset.to_table())
+
+
+def read_trials(sweep_dir: str | Path) -> pa.Table:
+    """``trials.parquet`` of a sweep (empty when no trial has started)."""
+    path = Path(sweep_dir) / TRIALS_FILE
+    if not path.exists():
+        return trial_schema().empty_table()
+    return pq.read_table(path, schema=trial_schema())
+
+
+def read_manifest(sweep_dir: str | Path) -> dict[str, Any]:
+    """The sweep's manifest; ``ResultsError`` when the folder is not a sweep's results."""
+    path = Path(sweep_dir) / MANIFEST_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ResultsError(
+            f"{sweep_dir} holds no sweep results ({MANIFEST_FILE} missing); "
+            "pass RESULTS/<sweep name> of a sweep started with `healsweep sweep run`"
+        ) from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ResultsError(f"{path} is unreadable ({exc}); the results folder is damaged") from None
+
+
+__all__ = [
+    "MANIFEST_FILE",
+    "SPEC_FILE",
+    "TRIALS_FILE",
+    "WINDOWS_DIR",
+    "atomic_write_table",
+    "atomic_write_text",
+    "consolidate_trial",
+    "dedupe",
+    "part_files",
+    "read_manifest",
+    "read_trials",
+    "read_windows",
+    "tidy_windows_dir",
+    "trial_file",
+]

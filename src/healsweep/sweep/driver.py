@@ -1,0 +1,320 @@
+"""Running, resuming and inspecting a sweep: the Ray Tune experiment around the trainable.
+
+A sweep's folder ``RESULTS/<name>/`` is at once Tune's experiment directory (``storage_path`` =
+the results root, ``name`` = the sweep name) and the home of the Parquet results, the manifest
+and the pruning journal. A driver holds an exclusive lock on the folder while it runs, so a
+second driver (a second ``run`` of the same name, or a ``resume`` while it runs) is refused and
+sweeps in other folders of the same root are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from healsweep.errors import ResultsError, SpecError
+from healsweep.results.store import SPEC_FILE, read_trials, read_windows
+from healsweep.sweep.manifest import read_spec, start_manifest
+from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
+from healsweep.sweep.space import baseline_point, grid_configs, optuna_space, planned_trials
+from healsweep.sweep.spec import SweepSpec
+from healsweep.sweep.trial import TARGET_METRIC, sweep_trial
+from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
+
+LOCK_FILE = ".sweep.lock"
+_TUNE_RESERVED = {
+    "sweep",
+    "trial_id",
+    "config_hash",
+    "is_baseline",
+    "pruned",
+    "written_at",
+    "windows_done",
+    "running_kld_mean",
+    "running_top1",
+}
+_RAY_NAMES = {"cpu": "CPU", "gpu": "GPU"}  # spec/Tune spelling -> ray.cluster_resources()
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """What a finished (or interrupted) ``run``/``resume`` leaves: its folder and trial rows."""
+
+    sweep_dir: Path
+    trials: list[dict[str, Any]]
+
+
+def trial_dirname(trial: Any) -> str:
+    """Tune trial folder names: ``trial_<id>`` (the config lives in Parquet, not in the name)."""
+    return f"trial_{trial.trial_id}"
+
+
+@contextlib.contextmanager
+def sweep_lock(sweep_dir: Path) -> Iterator[None]:
+    """Hold the sweep folder's exclusive lock, or raise ``ResultsError`` if another holds it."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(sweep_dir / LOCK_FILE, "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            raise ResultsError(
+                f"sweep {sweep_dir.name} is being run by {owner}; wait for it to finish or stop "
+                "it before starting or resuming it again"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        yield
+    finally:
+        handle.close()
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, num_cpus: int | None) -> Iterator[None]:
+    """Use a running Ray, connect to ``address``, or start an embedded local one (and stop it)."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "logging_level": logging.WARNING,
+        "log_to_driver": False,
+    }
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus, **kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _quiet_tune() -> None:
+    # Tune's own console table: our progress view replaces it (a user can still set these
+    # variables to turn it back on).
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+
+
+def trial_resources(spec: SweepSpec) -> dict[str, float]:
+    """Per-trial resources for ``tune.with_resources`` (one CPU unless the spec says otherwise)."""
+    return {"cpu": 1.0, **spec.resources}
+
+
+def _check_resources(spec: SweepSpec) -> None:
+    import ray
+
+    available = ray.cluster_resources()
+    for name, amount in trial_resources(spec).items():
+        have = available.get(_RAY_NAMES.get(name, name), 0)
+        if amount > 0 and have < amount:
+            raise SpecError(
+                f"field 'resources.{name}' = {amount}: the Ray cluster offers {have} {name}; "
+                "join workers that provide it (see metal/README.md) or lower the request"
+            )
+
+
+def _local_cpus(spec: SweepSpec, num_cpus: int | None) -> int:
+    if num_cpus:
+        return num_cpus
+    per_trial = max(1, int(trial_resources(spec)["cpu"]))
+    return max(1, min(os.cpu_count() or 1, spec.max_concurrent * per_trial))
+
+
+def prior_windows(sweep_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """Finished windows per config hash, as trial records, from the sweep's Parquet rows."""
+    table = read_windows(sweep_dir)
+    prior: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in table.to_pylist():
+        record = {
+            k: v for k, v in row.items() if k not in _TUNE_RESERVED and not k.startswith("knob_")
+        }
+        record["scored_at"] = row["scored_at"].timestamp() if row["scored_at"] else None
+        prior.setdefault(row["config_hash"], {})[row["window_id"]] = record
+    return prior
+
+
+def _trainable(spec: SweepSpec, prior: dict, work_fn: WorkFn) -> Any:
+    from ray import tune
+
+    trainable = tune.with_parameters(sweep_trial, spec=spec, prior=prior, work_fn=work_fn)
+    return tune.with_resources(trainable, trial_resources(spec))
+
+
+def _search(spec: SweepSpec) -> tuple[Any, dict[str, Any], int]:
+    """(search algorithm or None, param space, num_samples)."""
+    from ray import tune
+
+    if spec.sampler.type == "grid":
+        return None, {"knobs": tune.grid_search(grid_configs(spec))}, 1
+    import optuna
+    from ray.tune.search.optuna import OptunaSearch
+
+    if spec.sampler.type == "tpe":
+        sampler = optuna.samplers.TPESampler(seed=spec.sampler.seed)
+    else:
+        sampler = optuna.samplers.RandomSampler(seed=spec.sampler.seed)
+    search = OptunaSearch(
+        space=optuna_space(spec),
+        metric=TARGET_METRIC,
+        mode="min",
+        points_to_evaluate=[baseline_point(spec)],
+        sampler=sampler,
+    )
+    return search, {}, int(spec.num_samples or 1)
+
+
+def _scheduler(spec: SweepSpec, sweep_dir: Path) -> Any:
+    from ray.tune.schedulers import FIFOScheduler
+
+    if spec.pruner.type == "none":
+        return FIFOScheduler()
+    return WindowPruningScheduler(
+        sweep_dir / JOURNAL_FILE,
+        spec.pruner.type,
+        spec.pruner.p_threshold,
+        spec.pruner.n_startup_steps,
+    )
+
+
+def _callbacks(spec: SweepSpec, sweep_dir: Path) -> list[Any]:
+    from healsweep.sweep.progress import ProgressCallback
+    from healsweep.sweep.recorder import ResultsRecorder
+
+    return [ResultsRecorder(sweep_dir, spec), ProgressCallback(sweep_dir, planned_trials(spec))]
+
+
+def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -> Any:
+    from ray import tune
+
+    search, space, samples = _search(spec)
+    return tune.Tuner(
+        _trainable(spec, prior, work_fn),
+        param_space=space,
+        tune_config=tune.TuneConfig(
+            metric=TARGET_METRIC,
+            mode="min",
+            search_alg=search,
+            scheduler=_scheduler(spec, sweep_dir),
+            num_samples=samples,
+            max_concurrent_trials=spec.max_concurrent,
+            trial_dirname_creator=trial_dirname,
+        ),
+        run_config=tune.RunConfig(
+            name=sweep_dir.name,
+            storage_path=str(sweep_dir.parent),
+            failure_config=tune.FailureConfig(max_failures=spec.max_failures),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
+            callbacks=_callbacks(spec, sweep_dir),
+            verbose=0,
+        ),
+    )
+
+
+def run_sweep(
+    spec: SweepSpec,
+    *,
+    results_root: str | Path | None = None,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    work_fn: WorkFn = run_trial_work,
+    identity_fn: Callable[[SweepSpec], dict[str, Any]] = sweep_identity,
+    on_progress: Callable[[Any], None] | None = None,
+) -> SweepRun:
+    """Run a new sweep into ``RESULTS/<spec.name>/``; refuse a folder that already holds one."""
+    from healsweep.sweep.progress import register_sink
+
+    root = Path(results_root or spec.results).resolve()
+    sweep_dir = root / spec.name
+    if (sweep_dir / SPEC_FILE).exists():
+        raise ResultsError(
+            f"{sweep_dir} already holds sweep {spec.name}; resume it with `healsweep sweep "
+            f"resume {sweep_dir}` or give the new sweep another name"
+        )
+    _quiet_tune()
+    with sweep_lock(sweep_dir):
+        start_manifest(sweep_dir, spec, identity_fn(spec), kind="run")
+        register_sink(sweep_dir, on_progress)
+        try:
+            with ray_session(address, _local_cpus(spec, num_cpus)):
+                _check_resources(spec)
+                _new_tuner(spec, sweep_dir, {}, work_fn).fit()
+        finally:
+            register_sink(sweep_dir, None)
+    return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
+
+
+def _has_experiment_state(sweep_dir: Path) -> bool:
+    return bool(glob.glob(str(sweep_dir / "experiment_state-*.json")))
+
+
+def resume_sweep(
+    sweep_dir: str | Path,
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    work_fn: WorkFn = run_trial_work,
+    on_progress: Callable[[Any], None] | None = None,
+) -> SweepRun:
+    """Finish an interrupted sweep: finished trials are not re-run, finished windows not
+    re-scored (they are replayed from the Parquet rows and the trials' checkpoints)."""
+    from ray import tune
+
+    from healsweep.sweep.progress import register_sink
+
+    sweep_dir = Path(sweep_dir).resolve()
+    spec = read_spec(sweep_dir)
+    _quiet_tune()
+    with sweep_lock(sweep_dir):
+        start_manifest(sweep_dir, spec, None, kind="resume")
+        repair_journal(sweep_dir / JOURNAL_FILE)
+        prior = prior_windows(sweep_dir)
+        register_sink(sweep_dir, on_progress)
+        try:
+            with ray_session(address, _local_cpus(spec, num_cpus)):
+                _check_resources(spec)
+                if _has_experiment_state(sweep_dir) and tune.Tuner.can_restore(str(sweep_dir)):
+                    tuner = tune.Tuner.restore(
+                        str(sweep_dir),
+                        trainable=_trainable(spec, prior, work_fn),
+                        resume_unfinished=True,
+                        resume_errored=True,
+                    )
+                else:  # killed before Tune saved any state: start over, replaying what is done
+                    tuner = _new_tuner(spec, sweep_dir, prior, work_fn)
+                tuner.fit()
+        finally:
+            register_sink(sweep_dir, None)
+    return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
+
+
+def wait_for_unlock(sweep_dir: Path, timeout_s: float) -> bool:
+    """True once no driver holds the sweep's lock (used by tests and ``status``)."""
+    deadline = time.time() + timeout_s
+    while True:
+        with open(sweep_dir / LOCK_FILE, "a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.time() > deadline:
+                    return False
+        time.sleep(0.2)
+
+
+__all__ = ["SweepRun", "prior_windows", "resume_sweep", "run_sweep", "sweep_lock", "trial_dirname"]

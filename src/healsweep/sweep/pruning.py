@@ -1,0 +1,189 @@
+"""Per-window pruning as a Ray Tune scheduler that owns an Optuna study.
+
+Ray's ``OptunaSearch`` has no pruner hook and keys intermediate values by
+``training_iteration``, so pruning lives here instead. Every Tune trial maps to one trial of an
+Optuna study kept in a journal file in the experiment directory; a resumed sweep reopens the same
+journal and keeps its pruning history (the Tune trial id is stored as a user attribute).
+
+- ``wilcoxon``: after each window the trial reports that window's mean KLD with ``step`` = the
+  window's index in the sweep's fixed global order. ``optuna.pruners.WilcoxonPruner`` pairs those
+  values with the best *completed* trial's values at the same steps (windows both have scored)
+  and prunes when the trial is significantly worse. Trials score windows in shuffled orders, so
+  the pairs are a random subset of windows that grows as the trial runs.
+- ``median``: ``optuna.pruners.MedianPruner`` on the running pooled KLD with ``step`` = windows
+  scored so far (it compares one step across trials, so it is given the running mean).
+
+The baseline is never pruned, and no trial is pruned on its last window (nothing left to save).
+A pruned trial is told ``PRUNED`` to the study at once; its windows stay in the results.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ray.tune.schedulers import FIFOScheduler, TrialScheduler
+
+from healsweep.sweep.trial import TARGET_METRIC
+
+STUDY_NAME = "healsweep-pruning"
+JOURNAL_FILE = "optuna-pruning.journal"
+
+
+def repair_journal(path: str | Path) -> None:
+    """Make a journal readable after a crash: drop a half-written last line and a stale lock.
+
+    Call only while no other process writes to the journal (the driver holds the sweep lock).
+    """
+    path = Path(path)
+    for lock in (Path(f"{path}.lock"),):
+        if lock.is_symlink() or lock.exists():
+            lock.unlink()
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class WindowPruningScheduler(FIFOScheduler):
+    """A FIFO scheduler that stops trials an Optuna pruner judges worse than the best trial."""
+
+    def __init__(
+        self, journal_path: str | Path, kind: str, p_threshold: float, n_startup_steps: int
+    ):
+        super().__init__()
+        if kind not in ("wilcoxon", "median"):
+            raise ValueError(
+                f"WindowPruningScheduler: kind must be wilcoxon or median, got {kind!r}"
+            )
+        self.journal_path = str(journal_path)
+        self.kind = kind
+        self.p_threshold = p_threshold
+        self.n_startup_steps = n_startup_steps
+        self._study: Any = None
+        self._ids: dict[str, int] = {}  # tune trial id -> optuna storage trial id
+        self.pruned: set[str] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_study"] = None  # reopened from the journal; never pickled
+        state["_ids"] = {}
+        return state
+
+    # The study -----------------------------------------------------------------------------
+
+    def _pruner(self) -> Any:
+        import optuna
+
+        if self.kind == "wilcoxon":
+            return optuna.pruners.WilcoxonPruner(
+                p_threshold=self.p_threshold, n_startup_steps=self.n_startup_steps
+            )
+        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=self.n_startup_steps)
+
+    @property
+    def study(self) -> Any:
+        """The Optuna study (opened lazily from the journal)."""
+        if self._study is None:
+            import optuna
+            from optuna.storages import JournalStorage
+            from optuna.storages.journal import JournalFileBackend
+
+            optuna.logging.set_verbosity(logging.WARNING)
+            storage = JournalStorage(JournalFileBackend(self.journal_path))
+            self._study = optuna.create_study(
+                storage=storage,
+                study_name=STUDY_NAME,
+                direction="minimize",
+                pruner=self._pruner(),
+                load_if_exists=True,
+            )
+            for frozen in self._study.get_trials(deepcopy=False):
+                tune_id = frozen.user_attrs.get("tune_trial_id")
+                if tune_id is not None:
+                    self._ids[tune_id] = frozen._trial_id
+                    if frozen.state.name == "PRUNED":
+                        self.pruned.add(tune_id)
+        return self._study
+
+    def _optuna_trial(self, trial: Any, result: dict[str, Any]) -> Any:
+        import optuna
+
+        study = self.study
+        if trial.trial_id not in self._ids:
+            created = study.ask()
+            created.set_user_attr("tune_trial_id", trial.trial_id)
+            created.set_user_attr("config_hash", str(result.get("config_hash", "")))
+            created.set_user_attr("is_baseline", bool(result.get("is_baseline", False)))
+            self._ids[trial.trial_id] = created._trial_id
+        return optuna.trial.Trial(study, self._ids[trial.trial_id])
+
+    def _state(self, ot_trial: Any) -> str:
+        return self.study._storage.get_trial(ot_trial._trial_id).state.name
+
+    # Tune hooks ----------------------------------------------------------------------------
+
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+        """Record the window's value and decide CONTINUE or STOP (pruned)."""
+        if "window_index" not in result or "kld_mean" not in result:
+            return TrialScheduler.CONTINUE
+        ot_trial = self._optuna_trial(trial, result)
+        state = self._state(ot_trial)
+        if state != "RUNNING":
+            return TrialScheduler.STOP if state == "PRUNED" else TrialScheduler.CONTINUE
+        if self.kind == "wilcoxon":
+            step, value = int(result["window_index"]), float(result["kld_mean"])
+        else:
+            step, value = int(result["windows_done"]), float(result[TARGET_METRIC])
+        frozen = self.study._storage.get_trial(ot_trial._trial_id)
+        if step not in frozen.intermediate_values:
+            ot_trial.report(value, step)
+        if result.get("is_baseline") or result["windows_done"] >= result["windows_total"]:
+            return TrialScheduler.CONTINUE
+        if ot_trial.should_prune():
+            self.study.tell(ot_trial, state=_trial_state("PRUNED"))
+            self.pruned.add(trial.trial_id)
+            return TrialScheduler.STOP
+        return TrialScheduler.CONTINUE
+
+    def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> None:
+        """Tell the study the trial's pooled KLD (a trial stopped by the pruner is already told)."""
+        super().on_trial_complete(tune_controller, trial, result)
+        if trial.trial_id not in self._ids or not result or TARGET_METRIC not in result:
+            return
+        ot_trial = self._optuna_trial(trial, result)
+        if self._state(ot_trial) != "RUNNING":
+            return
+        if result.get("windows_done", 0) >= result.get("windows_total", 1):
+            self.study.tell(ot_trial, float(result[TARGET_METRIC]))
+        else:
+            self.study.tell(ot_trial, state=_trial_state("PRUNED"))
+            self.pruned.add(trial.trial_id)
+
+    def on_trial_error(self, tune_controller: Any, trial: Any) -> None:
+        """A trial that will not be retried is told ``FAIL``; a retried one keeps its history."""
+        super().on_trial_error(tune_controller, trial)
+        if trial.trial_id in self._ids and not trial.should_recover():
+            ot_trial = self._optuna_trial(trial, {})
+            if self._state(ot_trial) == "RUNNING":
+                self.study.tell(ot_trial, state=_trial_state("FAIL"))
+
+    def debug_string(self) -> str:
+        """One line for Tune's status output."""
+        return f"WindowPruningScheduler({self.kind}): {len(self.pruned)} pruned"
+
+
+def _trial_state(name: str) -> Any:
+    from optuna.trial import TrialState
+
+    return TrialState[name]
+
+
+__all__ = ["JOURNAL_FILE", "STUDY_NAME", "WindowPruningScheduler", "repair_journal"]

@@ -1,0 +1,263 @@
+"""The search space of a sweep: checking it, expanding the grid, and turning a trial's config
+into validated knobs.
+
+Every trial's knobs are ``baseline ∪ fixed ∪ sampled point``. The baseline runs first and is
+itself a trial. For ``grid`` the trial configs are expanded here, in a fixed order (baseline
+first, then the grid in ``itertools.product`` order of the spec's keys, duplicates of the
+baseline dropped) and handed to Tune as one ``grid_search`` over full knob dicts, so the trial
+list is explicit, ordered and free of repeats. For ``tpe``/``random`` the searched knobs become
+Optuna distributions and the baseline is enqueued as the first point; a sampled point equal to
+the baseline's searched values is the baseline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from healsweep.cache import canonical_json
+from healsweep.errors import KnobError, SpecError
+from healsweep.heal.knobs import Knobs
+from healsweep.sweep.spec import ChoicesSpec, RangeSpec, SweepSpec, locate
+
+KNOB_NAMES: tuple[str, ...] = tuple(Knobs.model_fields)
+_DEFAULTS = Knobs().model_dump()
+
+
+def knob_kind(name: str) -> str:
+    """``float``, ``bool`` or ``categorical`` (from the knob's default value)."""
+    default = _DEFAULTS[name]
+    if isinstance(default, bool):
+        return "bool"
+    return "float" if isinstance(default, float) else "categorical"
+
+
+def config_hash(knobs: Knobs | Mapping[str, Any]) -> str:
+    """A short content hash of a full knob set (the identity of a config across trials/runs)."""
+    values = knobs.model_dump() if isinstance(knobs, Knobs) else Knobs(**knobs).model_dump()
+    return hashlib.sha256(canonical_json(values).encode()).hexdigest()[:16]
+
+
+def parse_dimension(spec: SweepSpec, knob: str) -> list[Any] | RangeSpec | ChoicesSpec:
+    """The dimension of ``knob`` as written (assumes :func:`check_space` passed)."""
+    raw = spec.search_space[knob]
+    if isinstance(raw, Mapping):
+        return ChoicesSpec(**raw) if "choices" in raw else RangeSpec(**raw)
+    return list(raw)
+
+
+def check_space(
+    spec: SweepSpec, *, where: str = "sweep spec", lines: Mapping | None = None
+) -> None:
+    """Check baseline, fixed knobs, search space and sample count; raise ``SpecError``."""
+    lines = lines or {}
+    baseline = _knobs_or_error(spec.baseline, ("baseline",), where, lines)
+    _knobs_or_error(spec.fixed, ("fixed",), where, lines)
+    for knob in spec.search_space:
+        at = locate(where, lines, ("search_space", knob))
+        if knob not in KNOB_NAMES:
+            raise SpecError(
+                f"{at}: field 'search_space.{knob}': unknown knob; knobs are {', '.join(KNOB_NAMES)}"
+            )
+        if knob in spec.fixed:
+            raise SpecError(
+                f"{at}: knob '{knob}' is both fixed and searched; remove it from one of them"
+            )
+        _check_dimension(spec, knob, where, lines)
+    kind = spec.sampler.type
+    if kind == "grid":
+        n = len(grid_configs(spec))
+        if spec.num_samples is not None and spec.num_samples != n:
+            raise SpecError(
+                f"{locate(where, lines, ('num_samples',))}: field 'num_samples' = "
+                f"{spec.num_samples} is not allowed; the grid has {n} configs (baseline included): "
+                "omit num_samples or set it to that"
+            )
+        return
+    if not spec.search_space:
+        raise SpecError(
+            f"{locate(where, lines, ('search_space',))}: field 'search_space' is empty; sampler "
+            f"{kind} needs at least one searched knob"
+        )
+    if spec.num_samples is None:
+        raise SpecError(
+            f"{where}: field 'num_samples' is missing; sampler {kind} needs an integer >= 1"
+        )
+    for knob, value in baseline.model_dump().items():
+        if knob in spec.search_space:
+            _check_baseline_inside(spec, knob, value, where, lines)
+        elif knob in spec.fixed and Knobs(**spec.fixed).model_dump()[knob] != value:
+            raise SpecError(
+                f"{locate(where, lines, ('fixed', knob))}: field 'fixed.{knob}' = "
+                f"{spec.fixed[knob]!r} differs from the baseline's {value!r}; with sampler {kind} "
+                "the baseline shares every knob outside the search space: drop it from fixed, "
+                "set the baseline to it, or search it"
+            )
+
+
+def _knobs_or_error(values: Mapping[str, Any], path: tuple, where: str, lines: Mapping) -> Knobs:
+    try:
+        return Knobs(**dict(values))
+    except KnobError as exc:
+        bad = next((k for k in values if f"'{k}'" in str(exc)), None)
+        at = locate(where, lines, (*path, bad) if bad else path)
+        raise SpecError(f"{at}: field '{path[0]}': {exc}") from None
+
+
+def _check_value(knob: str, value: Any, path: tuple, where: str, lines: Mapping) -> Any:
+    try:
+        return Knobs(**{knob: value}).model_dump()[knob]
+    except KnobError as exc:
+        name = ".".join(str(p) for p in path[:2]) + "".join(f"[{p}]" for p in path[2:])
+        raise SpecError(f"{locate(where, lines, path)}: field '{name}': {exc}") from None
+
+
+def _check_dimension(spec: SweepSpec, knob: str, where: str, lines: Mapping) -> None:
+    raw = spec.search_space[knob]
+    path = ("search_space", knob)
+    at = locate(where, lines, path)
+    sampler = spec.sampler.type
+    if sampler == "grid":
+        if not isinstance(raw, list) or not raw:
+            raise SpecError(
+                f"{at}: field 'search_space.{knob}' = {raw!r} is not allowed; with sampler grid "
+                "a dimension is a non-empty list of values"
+            )
+        values = [_check_value(knob, v, (*path, i), where, lines) for i, v in enumerate(raw)]
+        _no_repeats(knob, values, at)
+        return
+    if not isinstance(raw, Mapping):
+        raise SpecError(
+            f"{at}: field 'search_space.{knob}' = {raw!r} is not allowed; with sampler {sampler} "
+            "a dimension is {low, high, log} (float knobs) or {choices: [...]}"
+        )
+    keys = set(raw)
+    if "choices" in raw:
+        if keys != {"choices"} or not isinstance(raw["choices"], list) or not raw["choices"]:
+            raise SpecError(
+                f"{at}: field 'search_space.{knob}' = {dict(raw)!r} is not allowed; expected "
+                "{choices: [v1, v2, ...]} with a non-empty list and no other keys"
+            )
+        choices = raw["choices"]
+        values = [
+            _check_value(knob, v, (*path, "choices", i), where, lines)
+            for i, v in enumerate(choices)
+        ]
+        _no_repeats(knob, values, at)
+        return
+    if not keys <= {"low", "high", "log"} or not {"low", "high"} <= keys:
+        raise SpecError(
+            f"{at}: field 'search_space.{knob}' = {dict(raw)!r} is not allowed; a range is "
+            "{low: number, high: number, log: true|false}"
+        )
+    if knob_kind(knob) != "float":
+        raise SpecError(
+            f"{at}: field 'search_space.{knob}': a range needs a float knob; {knob} takes "
+            "discrete values, use {choices: [...]}"
+        )
+    low = _check_value(knob, raw["low"], (*path, "low"), where, lines)
+    high = _check_value(knob, raw["high"], (*path, "high"), where, lines)
+    log = raw.get("log", False)
+    if not isinstance(log, bool):
+        raise SpecError(f"{at}: field 'search_space.{knob}.log' = {log!r}; expected true or false")
+    if not low < high:
+        raise SpecError(f"{at}: field 'search_space.{knob}': low {low} must be below high {high}")
+    if log and low <= 0:
+        raise SpecError(f"{at}: field 'search_space.{knob}': a log range needs low > 0, got {low}")
+
+
+def _no_repeats(knob: str, values: list[Any], at: str) -> None:
+    if len(set(map(repr, values))) != len(values):
+        raise SpecError(f"{at}: field 'search_space.{knob}' lists a value twice: {values!r}")
+
+
+def _check_baseline_inside(
+    spec: SweepSpec, knob: str, value: Any, where: str, lines: Mapping
+) -> None:
+    dim = parse_dimension(spec, knob)
+    if isinstance(dim, ChoicesSpec):
+        inside = value in [Knobs(**{knob: c}).model_dump()[knob] for c in dim.choices]
+    else:
+        inside = dim.low <= value <= dim.high
+    if not inside:
+        raise SpecError(
+            f"{locate(where, lines, ('search_space', knob))}: the baseline's {knob} = {value!r} "
+            f"lies outside search_space.{knob}; the baseline runs through the sampler, so widen "
+            "the dimension or change the baseline"
+        )
+
+
+def baseline_knobs(spec: SweepSpec) -> Knobs:
+    """The baseline's full knob set."""
+    return Knobs(**spec.baseline)
+
+
+def grid_configs(spec: SweepSpec) -> list[dict[str, Any]]:
+    """Full knob dicts of a grid sweep: the baseline first, then the grid without repeats."""
+    base = baseline_knobs(spec).model_dump()
+    fixed = Knobs(**spec.fixed).model_dump(include=set(spec.fixed))
+    configs = [base]
+    seen = {config_hash(base)}
+    names = list(spec.search_space)
+    for point in itertools.product(*(spec.search_space[k] for k in names)):
+        knobs = Knobs(**{**base, **fixed, **dict(zip(names, point, strict=True))}).model_dump()
+        key = config_hash(knobs)
+        if key not in seen:
+            seen.add(key)
+            configs.append(knobs)
+    return configs
+
+
+def optuna_space(spec: SweepSpec) -> dict[str, Any]:
+    """Optuna distributions of the searched knobs (tpe/random)."""
+    import optuna
+
+    space: dict[str, Any] = {}
+    for knob in spec.search_space:
+        dim = parse_dimension(spec, knob)
+        if isinstance(dim, ChoicesSpec):
+            choices = [Knobs(**{knob: c}).model_dump()[knob] for c in dim.choices]
+            space[knob] = optuna.distributions.CategoricalDistribution(choices)
+        else:
+            space[knob] = optuna.distributions.FloatDistribution(
+                float(dim.low), float(dim.high), log=dim.log
+            )
+    return space
+
+
+def baseline_point(spec: SweepSpec) -> dict[str, Any]:
+    """The baseline's values of the searched knobs (the first point a tpe/random sweep runs)."""
+    base = baseline_knobs(spec).model_dump()
+    return {knob: base[knob] for knob in spec.search_space}
+
+
+def resolve_knobs(spec: SweepSpec, config: Mapping[str, Any]) -> Knobs:
+    """The full knobs of a trial from its Tune config (``{"knobs": {...}}`` or a sampled point)."""
+    if "knobs" in config:
+        return Knobs(**config["knobs"])
+    base = baseline_knobs(spec).model_dump()
+    fixed = Knobs(**spec.fixed).model_dump(include=set(spec.fixed))
+    point = {k: v for k, v in config.items() if k in KNOB_NAMES}
+    return Knobs(**{**base, **fixed, **point})
+
+
+def planned_trials(spec: SweepSpec) -> int:
+    """How many trials the sweep runs (grid size, or num_samples)."""
+    return len(grid_configs(spec)) if spec.sampler.type == "grid" else int(spec.num_samples or 0)
+
+
+__all__ = [
+    "KNOB_NAMES",
+    "baseline_knobs",
+    "baseline_point",
+    "check_space",
+    "config_hash",
+    "grid_configs",
+    "knob_kind",
+    "optuna_space",
+    "parse_dimension",
+    "planned_trials",
+    "resolve_knobs",
+]

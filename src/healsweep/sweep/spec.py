@@ -1,0 +1,277 @@
+"""The sweep spec: one YAML file that says what a sweep runs, validated once at the edge.
+
+Every problem raises :class:`~healsweep.errors.SpecError` with one line that names the field (and
+its YAML line when the spec came from a file), the bad value and what is allowed. Knob values are
+checked by :class:`healsweep.heal.knobs.Knobs` itself, so the spec and the healer agree on ranges.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from healsweep.errors import SpecError
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+# What each field accepts, in words, for error messages.
+ALLOWED = {
+    "name": "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+    "model": "a GGUF file path or 'demo'",
+    "corpus": "a corpus JSONL path or 'demo'",
+    "split": "a split YAML path or 'auto' (the parity split of the corpus)",
+    "calibration": "a mapping of calibration settings (corpus, max_tokens, chunk_length, ...)",
+    "baseline": "a mapping of knob: value",
+    "fixed": "a mapping of knob: value",
+    "search_space": "a mapping of knob: [grid values] | {low, high, log} | {choices: [...]}",
+    "sampler": "grid, tpe or random, or {type: grid|tpe|random, seed: int}",
+    "sampler.type": "grid, tpe or random",
+    "sampler.seed": "an integer",
+    "pruner": "wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps}",
+    "pruner.type": "wilcoxon, median or none",
+    "pruner.p_threshold": "a float in (0, 1)",
+    "pruner.n_startup_steps": "an integer >= 0",
+    "num_samples": "an integer >= 1 (tpe/random), or omitted for grid",
+    "resources": "a mapping of resource: amount >= 0, e.g. {cpu: 1} or {metal: 1}",
+    "max_concurrent": "an integer >= 1",
+    "max_failures": "an integer >= 0",
+    "results": "a directory path (the results root)",
+    "scoring": "a mapping with max_scored, max_context, max_windows, checkpoint_every",
+    "scoring.max_scored": "an integer in [1, 4096]",
+    "scoring.max_context": "an integer >= 1, or null for no cap",
+    "scoring.max_windows": "an integer >= 1, or null for every dev window",
+    "scoring.checkpoint_every": "an integer >= 1 (windows between trial checkpoints)",
+    "seed": "an integer (seeds each trial's window order)",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplerSpec(_Strict):
+    """How configs are chosen: the full grid in order, Optuna TPE, or Optuna random."""
+
+    type: Literal["grid", "tpe", "random"] = "grid"
+    seed: int = 0
+
+
+class PrunerSpec(_Strict):
+    """How losing trials are cut: paired Wilcoxon vs the best trial, median rule, or never."""
+
+    type: Literal["wilcoxon", "median", "none"] = "none"
+    p_threshold: float = Field(default=0.1, gt=0.0, lt=1.0)
+    n_startup_steps: int = Field(default=4, ge=0)
+
+
+class ScoringSpec(_Strict):
+    """Which dev windows every trial scores, and how often a trial checkpoints."""
+
+    max_scored: int = Field(default=128, ge=1, le=4096)
+    max_context: int | None = Field(default=None, ge=1)
+    max_windows: int | None = Field(default=None, ge=1)
+    checkpoint_every: int = Field(default=1, ge=1)
+
+
+class RangeSpec(_Strict):
+    """A continuous range for tpe/random: ``{low, high, log}``."""
+
+    low: float
+    high: float
+    log: bool = False
+
+
+class ChoicesSpec(_Strict):
+    """A categorical dimension for tpe/random: ``{choices: [...]}``."""
+
+    choices: list[Any] = Field(min_length=1)
+
+
+class SweepSpec(_Strict):
+    """A validated sweep spec (see ``sweeps/*.yaml`` for examples)."""
+
+    name: str
+    model: str = "demo"
+    corpus: str = "demo"
+    split: str = "auto"
+    calibration: dict[str, Any] = Field(default_factory=dict)
+    baseline: dict[str, Any] = Field(default_factory=dict)
+    fixed: dict[str, Any] = Field(default_factory=dict)
+    search_space: dict[str, Any] = Field(default_factory=dict)
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    num_samples: int | None = Field(default=None, ge=1)
+    resources: dict[str, float] = Field(default_factory=lambda: {"cpu": 1.0})
+    max_concurrent: int = Field(default=2, ge=1)
+    max_failures: int = Field(default=2, ge=0)
+    results: str = "results"
+    scoring: ScoringSpec = Field(default_factory=ScoringSpec)
+    seed: int = 0
+
+    @field_validator("sampler", mode="before")
+    @classmethod
+    def _sampler_shorthand(cls, value: Any) -> Any:
+        return {"type": value} if isinstance(value, str) else value
+
+    @field_validator("pruner", mode="before")
+    @classmethod
+    def _pruner_shorthand(cls, value: Any) -> Any:
+        return {"type": value} if isinstance(value, str) else value
+
+    def calibration_config(self) -> Any:
+        """The trial's :class:`~healsweep.heal.knobs.CalibrationConfig` (corpus defaults to the
+        sweep's corpus)."""
+        from healsweep.heal.knobs import CalibrationConfig
+
+        return CalibrationConfig(**{"corpus": self.corpus, **self.calibration})
+
+
+def spec_from_dict(
+    raw: Any, *, where: str = "sweep spec", lines: Mapping | None = None
+) -> SweepSpec:
+    """Validate a parsed spec mapping; raise ``SpecError`` naming field, value and what is allowed."""
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"{where}: a sweep spec is a YAML mapping, got {type(raw).__name__}")
+    lines = lines or {}
+    try:
+        spec = SweepSpec.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise _pydantic_error(exc, raw, where, lines) from None
+    from healsweep.sweep.space import check_space
+
+    check_space(spec, where=where, lines=lines)
+    return spec
+
+
+def load_spec(path: str | Path, *, check_paths: bool = True) -> SweepSpec:
+    """Read a spec YAML; relative model/corpus/split paths are resolved against its folder."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(
+            f"cannot read sweep spec {path}: {exc.strerror or exc}; check the path"
+        ) from None
+    try:
+        node = yaml.compose(text)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{path}{line}: YAML syntax error ({problem}); fix the spec") from None
+    spec = spec_from_dict(raw, where=str(path), lines=_key_lines(node))
+    spec = _resolve_paths(spec, path.parent)
+    if check_paths:
+        _check_paths(spec, str(path))
+    return spec
+
+
+def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
+    changes: dict[str, Any] = {}
+    for field, keep in (("model", "demo"), ("corpus", "demo"), ("split", "auto")):
+        value = getattr(spec, field)
+        if value != keep and not Path(value).is_absolute():
+            changes[field] = str((folder / value).resolve())
+    calib = dict(spec.calibration)
+    corpus = calib.get("corpus")
+    if isinstance(corpus, str) and corpus != "demo" and not Path(corpus).is_absolute():
+        calib["corpus"] = str((folder / corpus).resolve())
+        changes["calibration"] = calib
+    return spec.model_copy(update=changes) if changes else spec
+
+
+def _check_paths(spec: SweepSpec, where: str) -> None:
+    for field, keep in (("model", "demo"), ("corpus", "demo"), ("split", "auto")):
+        value = getattr(spec, field)
+        if value != keep and not Path(value).is_file():
+            raise SpecError(
+                f"{where}: field '{field}' = {value!r}: no such file; allowed: {ALLOWED[field]}"
+            )
+
+
+def _key_lines(node: Any, prefix: tuple = ()) -> dict[tuple, int]:
+    """Map every key path of a composed YAML mapping to its 1-based line number."""
+    lines: dict[tuple, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = (*prefix, key_node.value)
+            lines[path] = key_node.start_mark.line + 1
+            lines.update(_key_lines(value_node, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            path = (*prefix, i)
+            lines[path] = item.start_mark.line + 1
+            lines.update(_key_lines(item, path))
+    return lines
+
+
+def locate(where: str, lines: Mapping, path: tuple) -> str:
+    """``where:LINE`` for the deepest known prefix of ``path`` (``where`` alone if unknown)."""
+    for cut in range(len(path), 0, -1):
+        if path[:cut] in lines:
+            return f"{where}:{lines[path[:cut]]}"
+    return where
+
+
+def field_name(path: tuple) -> str:
+    """``search_space.gain_d[1]`` from ``("search_space", "gain_d", 1)``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _pydantic_error(exc: ValidationError, raw: Mapping, where: str, lines: Mapping) -> SpecError:
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    name = field_name(loc) or "(top level)"
+    at = locate(where, lines, loc)
+    if err["type"] == "extra_forbidden":
+        parent = field_name(loc[:-1])
+        known = _known_fields(parent)
+        return SpecError(f"{at}: unknown field '{name}'; known fields: {known}")
+    value = _lookup(raw, loc)
+    allowed = ALLOWED.get(_generic(loc)) or err["msg"]
+    return SpecError(f"{at}: field '{name}' = {value!r} is not allowed; expected {allowed}")
+
+
+def _known_fields(parent: str) -> str:
+    models = {"": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec, "scoring": ScoringSpec}
+    model = models.get(parent)
+    if model is None and parent.startswith("search_space."):
+        return "low, high, log (a range) or choices"
+    return ", ".join(model.model_fields) if model else "see the spec reference"
+
+
+def _generic(loc: tuple) -> str:
+    if loc and loc[0] == "search_space":
+        return "search_space"
+    return ".".join(str(p) for p in loc[:2] if isinstance(p, str))
+
+
+def _lookup(raw: Any, loc: tuple) -> Any:
+    value = raw
+    for part in loc:
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            return "(missing)"
+    return value
+
+
+__all__ = [
+    "ChoicesSpec",
+    "PrunerSpec",
+    "RangeSpec",
+    "SamplerSpec",
+    "ScoringSpec",
+    "SweepSpec",
+    "load_spec",
+    "spec_from_dict",
+]
