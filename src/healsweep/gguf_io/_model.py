@@ -171,31 +171,68 @@ def file_fingerprint(path: str | Path, *, header_bytes: int = 0) -> str:
     path = Path(path).resolve()
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
-    if key in _FINGERPRINTS:
-        return _FINGERPRINTS[key]
+    if key not in _FINGERPRINTS:
+        if st.st_size <= _FULL_HASH_LIMIT:
+            _FINGERPRINTS[key] = _full_digest(path)
+        else:
+            _FINGERPRINTS[key] = _sampled_digest(path, header_bytes)
+    return _FINGERPRINTS[key]
+
+
+def _full_digest(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
-        if st.st_size <= _FULL_HASH_LIMIT:
-            for block in iter(lambda: fh.read(8 << 20), b""):
-                digest.update(block)
-            result = digest.hexdigest()
-        else:
-            digest.update(st.st_size.to_bytes(8, "little"))
-            digest.update(fh.read(header_bytes))
-            span = max(st.st_size - header_bytes - _SAMPLE_BYTES, 0)
-            for j in range(_SAMPLE_CHUNKS):
-                fh.seek(header_bytes + span * j // (_SAMPLE_CHUNKS - 1))
-                digest.update(fh.read(_SAMPLE_BYTES))
-            result = "sampled-sha256:" + digest.hexdigest()
-    _FINGERPRINTS[key] = result
-    return result
+        for block in iter(lambda: fh.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sampled_digest(path: Path, header_bytes: int) -> str:
+    size = path.stat().st_size
+    digest = hashlib.sha256(b"healsweep-sampled-v1")
+    digest.update(size.to_bytes(8, "little"))
+    with path.open("rb") as fh:
+        digest.update(fh.read(header_bytes))
+        span = max(size - header_bytes - _SAMPLE_BYTES, 0)
+        for j in range(_SAMPLE_CHUNKS):
+            fh.seek(header_bytes + span * j // (_SAMPLE_CHUNKS - 1))
+            digest.update(fh.read(_SAMPLE_BYTES))
+    return "sampled-sha256:" + digest.hexdigest()
+
+
+class _TruncatedTensor(Exception):
+    """A tensor's data runs past the end of the file (raised before gguf-py maps it)."""
+
+    def __init__(self, name: str, end: int, size: int):
+        super().__init__(name, end, size)
+        self.name, self.end, self.size = name, end, size
+
+
+def _bounded_reader_class():
+    """``GGUFReader`` that checks every tensor's extent against the file size before mapping.
+
+    gguf-py would otherwise fail on a cut file with a bare reshape ``ValueError``; knowing
+    which tensor is cut makes the message say "truncated" rather than "corrupt".
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class BoundedReader(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            size = len(self.data)
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
+                end = int(start_offs) + int(offset[0]) + n_bytes
+                if end > size:
+                    raise _TruncatedTensor(bytes(name).decode("utf-8", "replace"), end, size)
+            super()._build_tensors(start_offs, fields)
+
+    return BoundedReader
 
 
 def _read_reader(path: Path):
     """``gguf.GGUFReader`` of ``path``, with gguf-py's failures turned into one-line errors."""
-    from gguf import GGUFReader
-
-    size = path.stat().st_size
     with path.open("rb") as fh:
         magic = fh.read(4)
     if magic != _GGUF_MAGIC:
@@ -203,20 +240,17 @@ def _read_reader(path: Path):
             f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf model"
         )
     try:
-        reader = GGUFReader(path)
+        return _bounded_reader_class()(path)
+    except _TruncatedTensor as cut:
+        raise GGUFFormatError(
+            f"{path} is truncated: tensor {cut.name} ends at byte {cut.end} but the file has "
+            f"{cut.size} bytes; re-download or re-export the file"
+        ) from None
     except Exception as exc:  # gguf-py raises ValueError/IndexError/... on a cut header
         raise GGUFFormatError(
             f"{path} is truncated or corrupt in its header ({type(exc).__name__}); "
             "re-download or re-export the file"
         ) from exc
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise GGUFFormatError(
-                f"{path} is truncated: tensor {t.name} ends at byte {end} but the file has "
-                f"{size} bytes; re-download or re-export the file"
-            )
-    return reader
 
 
 def _check_tensors(path: Path, reader: Any, hp: ModelHparams) -> None:

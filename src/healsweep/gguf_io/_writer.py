@@ -97,7 +97,8 @@ def write_model(
             _add_value(writer, key, value)
         for tensor_name in tensors:
             values = np.asarray(tensors[tensor_name], dtype=np.float32)
-            qtype = (types or {}).get(tensor_name) or default_type(values.ndim)
+            qtype = (types or {}).get(tensor_name)  # F32 is 0: test against None, not falsy
+            qtype = default_type(values.ndim) if qtype is None else qtype
             encoded = encode_tensor(tensor_name, values, qtype)
             raw_dtype = qtype if encoded.dtype == np.uint8 else None
             if qtype == GGMLQuantizationType.BF16:
@@ -107,7 +108,9 @@ def write_model(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
+        writer.close()
+        tmp.replace(path)
     finally:
         writer.close()
-    tmp.replace(path)
+        tmp.unlink(missing_ok=True)
     return path

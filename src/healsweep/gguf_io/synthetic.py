@@ -106,7 +106,7 @@ def _resolve_types(types: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[st
     out = {}
     for name in shapes:
         suffix = name.split(".", 2)[2] if name.startswith("blk.") else name
-        chosen = types.get(name, types.get(suffix))
+        chosen = types[name] if name in types else types.get(suffix)
         if chosen is not None:
             out[name] = as_type(chosen)
     return out

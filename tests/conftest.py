@@ -1,0 +1,36 @@
+"""Shared fixtures: a tiny trained byte-level BPE tokenizer and small random MoE GGUFs.
+
+``random_gguf(arch, **kwargs)`` writes (once per session and argument set) a random model with
+``healsweep.gguf_io.synthetic.write_random_model`` and returns its path; other test files use it
+to get real qwen2moe/qwen3moe GGUFs with a real tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from healsweep.gguf_io.synthetic import train_tiny_tokenizer, write_random_model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A byte-level BPE (Qwen2 regex) with ChatML control tokens and <think>/</think>."""
+    return train_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def random_gguf(tmp_path_factory, tiny_tokenizer):
+    """Factory ``random_gguf(arch="qwen2moe", **write_random_model_kwargs) -> Path``."""
+    made = {}
+    root = tmp_path_factory.mktemp("random-gguf")
+
+    def make(arch: str = "qwen2moe", **kwargs):
+        key = json.dumps([arch, kwargs], sort_keys=True, default=str)
+        if key not in made:
+            path = root / f"model-{len(made)}-{arch}.gguf"
+            made[key] = write_random_model(path, arch, tokenizer=tiny_tokenizer, **kwargs)
+        return made[key]
+
+    return make
