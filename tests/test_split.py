@@ -319,3 +319,27 @@ def test_cli_errors_are_one_line_with_exit_code_1(tmp_path, capsys, corpus):
     )
     assert code == 1 and "unknown field 'extra'" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_shipped_demo_split(tmp_path, capsys):
+    root = Path(__file__).resolve().parents[1]
+    shipped = load_split(root / "configs" / "splits" / "demo.yaml")
+    demo = load_corpus("demo")
+    resolved = resolve_split(shipped, demo)
+    dev, test, canary = (set(resolved.doc_ids(s)) for s in ("dev", "test", "canary"))
+    assert len(dev) >= 40 and len(test) >= 40 and len(canary) >= 1
+    assert not (dev & test) and not (canary & (dev | test))
+    for doc in demo.documents:
+        split = resolved.assignments[doc.doc_id]
+        if split in ("dev", "test"):
+            assert doc.pool == "eval" and doc.index % 2 == (1 if split == "dev" else 0)
+        if split == "calibration":
+            assert doc.pool == "calibration"
+    strata = {(d.stratum, resolved.assignments[d.doc_id]) for d in demo.documents}
+    for stratum in {d.stratum for d in demo.documents if d.pool == "eval"}:
+        assert (stratum, "dev") in strata and (stratum, "test") in strata
+    # `split make demo` with the same canaries reproduces the shipped config.
+    out = tmp_path / "demo.yaml"
+    canaries = [arg for doc_id in shipped.canary for arg in ("--canary", doc_id)]
+    assert _cli(capsys, "split", "make", "demo", "--out", str(out), *canaries)[0] == 0
+    assert load_split(out) == shipped
