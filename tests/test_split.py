@@ -22,7 +22,7 @@ from healsweep.data.split import (
     split_from_dict,
     split_lock_id,
 )
-from healsweep.errors import SplitError, TestSplitSealed
+from healsweep.errors import LedgerError, SplitError, TestSplitSealed
 from healsweep.ledger import Ledger
 
 SOURCES = {"ops": "code", "chat": "json", "ja": "docs"}
@@ -343,3 +343,15 @@ def test_shipped_demo_split(tmp_path, capsys):
     canaries = [arg for doc_id in shipped.canary for arg in ("--canary", doc_id)]
     assert _cli(capsys, "split", "make", "demo", "--out", str(out), *canaries)[0] == 0
     assert load_split(out) == shipped
+
+
+def test_editing_the_split_after_a_confirm_is_caught(tmp_path, corpus):
+    ledger = Ledger.in_results(tmp_path / "results")
+    before = split_lock_id(_config(), corpus)
+    grant = ledger.open_milestone(before, "m1", ["a" * 64], ["t0"])
+    # Burning a test document after seeing test results makes a new split, and a new lock id.
+    after = split_lock_id(_config(exclusions={"ops-2": {"reason": "burned"}}), corpus)
+    with pytest.raises(TestSplitSealed):
+        require_access("test", grant, after)
+    with pytest.raises(LedgerError, match="split changed after a confirm"):
+        ledger.open_milestone(after, "m2", ["a" * 64], ["t0"])
