@@ -1,0 +1,124 @@
+"""Per-input-channel importance weights for the Q2_0 search (knobs ``importance``, ``importance_down``).
+
+* ``none``: every channel weighs the same (the quantizer gets no importance).
+* ``norm_proxy`` (gate/up only): the audit's shipped proxy, the mean square of the layer's FFN-norm
+  gains per input channel. The shipped healer averaged ``w²`` over the 4 hyper-connection norms
+  of its architecture; qwen2moe/qwen3moe have a single ``ffn_norm``, so the proxy is ``w_d²``
+  (the variance an RMS-normalised input would have if every pre-norm channel had unit scale).
+* ``act``: measured statistics from the calibration trace. Gate/up: ``E[x²]`` per input channel
+  over the tokens routed to each expert; down: ``E[h²]`` with ``h = silu(x·Wg)*(x·Wu)`` of the
+  teacher expert over its routed tokens. An expert that received fewer than
+  ``min_tokens_per_expert`` tokens uses the layer-wide statistic instead (pooled over all
+  (token, expert) pairs), so a starved expert is not quantized with noise for weights.
+
+The moment kernels return sums and counts, not means, so chunks of a trace can be added up.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from healsweep.heal.knobs import Knobs
+
+ROW_PAD = 64  # routed-token rows are padded to a multiple of this to bound recompilations
+_FLOOR = 1e-6  # importance floor relative to the channel maximum: the Q2_0 search needs a > 0
+
+
+def norm_proxy(ffn_norm_weight: np.ndarray) -> np.ndarray:
+    """[D] float32: the mean square of the FFN-norm gains per channel (one norm: ``w²``)."""
+    w = np.asarray(ffn_norm_weight, np.float32)
+    return np.square(w).reshape(-1, w.shape[-1]).mean(axis=0)
+
+
+@jax.jit
+def expert_input_moments(x: jax.Array, topk_ids: jax.Array, n_expert_grid: jax.Array):
+    """(sum of x² [E, D], token counts [E]) over each expert's routed tokens.
+
+    ``x`` [T, D], ``topk_ids`` [T, k]; ``n_expert_grid`` is ``jnp.arange(E)`` (a traced array so
+    that E need not be a static argument).
+    """
+    routed = jnp.any(topk_ids[:, :, None] == n_expert_grid[None, None, :], axis=1)  # [T, E]
+    routed = routed.astype(jnp.float32)
+    sums = jnp.einsum("te,td->ed", routed, jnp.square(x.astype(jnp.float32)))  # [E, D]
+    return sums, jnp.sum(routed, axis=0)
+
+
+@jax.jit
+def _hidden_square_sum(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+    """sum over rows of h² [F]; zero padding rows give h = silu(0)*0 = 0 and add nothing."""
+    h = jax.nn.silu(x_rows @ w_gate.T) * (x_rows @ w_up.T)  # [P, F]
+    return jnp.sum(jnp.square(h), axis=0)
+
+
+def expert_hidden_moments(
+    x: np.ndarray, topk_ids: np.ndarray, gate_exps: np.ndarray, up_exps: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(sum of h² [E, F], token counts [E]) of each teacher expert over its routed tokens.
+
+    ``x`` [T, D], ``topk_ids`` [T, k], ``gate_exps``/``up_exps`` [E, F, D].
+    """
+    n_expert, n_ff, _ = gate_exps.shape
+    sums = np.zeros((n_expert, n_ff), np.float32)
+    counts = np.zeros(n_expert, np.float32)
+    for e in range(n_expert):
+        rows = np.nonzero(np.any(topk_ids == e, axis=1))[0]
+        counts[e] = len(rows)
+        if not len(rows):
+            continue
+        padded = -(-len(rows) // ROW_PAD) * ROW_PAD
+        x_rows = np.zeros((padded, x.shape[1]), np.float32)
+        x_rows[: len(rows)] = x[rows]
+        sums[e] = np.asarray(_hidden_square_sum(x_rows, gate_exps[e], up_exps[e]))
+    return sums, counts
+
+
+def pooled_means(sums: np.ndarray, counts: np.ndarray, min_tokens: int) -> np.ndarray:
+    """[E, C] per-expert means, the layer-wide mean for experts under ``min_tokens`` tokens."""
+    sums = np.asarray(sums, np.float64)
+    counts = np.asarray(counts, np.float64)
+    layer = sums.sum(axis=0) / max(counts.sum(), 1.0)  # [C]
+    enough = counts >= min_tokens
+    per_expert = sums / np.maximum(counts, 1.0)[:, None]
+    return np.where(enough[:, None], per_expert, layer[None, :]).astype(np.float32)
+
+
+def _floored(importance: np.ndarray) -> np.ndarray:
+    importance = np.asarray(importance, np.float32)
+    top = importance.max(axis=-1, keepdims=True)
+    floor = np.where(top > 0, top * _FLOOR, 1.0).astype(np.float32)
+    return np.maximum(importance, floor)
+
+
+def gate_up_importance(
+    knobs: Knobs,
+    ffn_norm_weight: np.ndarray,
+    x_sq_sums: np.ndarray | None,
+    counts: np.ndarray | None,
+    min_tokens: int,
+) -> np.ndarray | None:
+    """Importance of the gate/up input channels: None, [D] (norm proxy) or [E, D] (act)."""
+    if knobs.importance == "none":
+        return None
+    if knobs.importance == "norm_proxy":
+        return _floored(norm_proxy(ffn_norm_weight))
+    if x_sq_sums is None or counts is None:
+        raise ValueError("gate_up_importance: `act` needs the trace's E[x²] sums and counts")
+    return _floored(pooled_means(x_sq_sums, counts, min_tokens))
+
+
+def down_importance(
+    knobs: Knobs, h_sq_sums: np.ndarray | None, counts: np.ndarray | None, min_tokens: int
+) -> np.ndarray | None:
+    """Importance of the down-projection input channels: None or [E, F] (act)."""
+    if knobs.importance_down == "none":
+        return None
+    if h_sq_sums is None or counts is None:
+        raise ValueError("down_importance: `act` needs the trace's E[h²] sums and counts")
+    return _floored(pooled_means(h_sq_sums, counts, min_tokens))
+
+
+def gaussian_probe_scale(ffn_norm_weight: np.ndarray) -> np.ndarray:
+    """[D] the shipped Part A probe scale s = sqrt(norm proxy), so that E[x_d²] = proxy_d."""
+    return np.sqrt(norm_proxy(ffn_norm_weight)).astype(np.float32)

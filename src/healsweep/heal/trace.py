@@ -1,0 +1,260 @@
+"""Stage ``calib_trace``: the teacher's forward over the calibration pool, captured layer by layer.
+
+Calibration documents are the corpus's ``pool: calibration`` documents (minus any excluded ids),
+tokenized whole and cut into consecutive chunks of at most ``chunk_length`` tokens; every chunk
+is traced, so any number of tokens is used and nothing is dropped unless ``max_tokens`` asks for
+it (then the cut is recorded in the report). Per layer the trace keeps the expert inputs X, the
+routing, the routed output y_ref, the shared expert's down input Z and gate, and the sums behind
+``act`` importance (E[x²] and E[h²] per expert). The report counts tokens per stratum (with the
+tokens inside tool calls and tool turns) and the tokens each expert received per layer, so a
+calibration that starves a stratum or an expert is visible.
+
+Storage: one small summary entry (report + per-layer expert counts) keyed by the model
+fingerprint, the calibration settings and the content of the calibration documents; each layer's
+arrays are their own entry keyed by (summary key, layer), so later stages load one layer at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from healsweep.cache import StageCache, content_key
+from healsweep.errors import CacheError, CorpusError
+from healsweep.heal.importance import expert_hidden_moments, expert_input_moments
+from healsweep.heal.knobs import CalibrationConfig
+
+STAGE = "calib_trace"
+LAYER_STAGE = "calib_trace_layer"
+VERSION = 1
+BATCH_TOKENS = 4096  # padded tokens per teacher forward call
+_TOOL_SPAN = re.compile(r"<tool_call>.*?</tool_call>", re.S)
+
+
+@dataclass(frozen=True)
+class CalibrationChunk:
+    """One traced sequence: a piece of one document."""
+
+    doc_id: str
+    stratum: str
+    tokens: np.ndarray  # [n] int32
+    tool_tokens: int  # how many of them sit inside tool calls / tool turns
+
+
+def calibration_documents(corpus: Any, calibration: CalibrationConfig) -> list[Any]:
+    """The calibration pool in corpus order, minus ``exclude_doc_ids``; CorpusError if empty."""
+    excluded = set(calibration.exclude_doc_ids)
+    docs = [d for d in corpus.pool("calibration") if d.doc_id not in excluded]
+    if not docs:
+        where = getattr(corpus, "path", None) or calibration.corpus
+        raise CorpusError(
+            f"corpus {where} has no calibration documents left (pool: calibration, "
+            f"{len(excluded)} excluded); add documents with \"pool\": \"calibration\""
+        )
+    return docs
+
+
+def documents_digest(docs: list[Any]) -> str:
+    """sha256 over (doc_id, content hash) of the documents, in order."""
+    digest = hashlib.sha256()
+    for doc in docs:
+        digest.update(f"{doc.doc_id}\0{doc.content_hash}\n".encode())
+    return digest.hexdigest()
+
+
+def trace_key(model: Any, calibration: CalibrationConfig, docs: list[Any]) -> str:
+    """Content key of the trace: model fingerprint, calibration settings, document contents."""
+    return content_key(STAGE, VERSION, {
+        "model": model.fingerprint,
+        "calibration": calibration.key_inputs(),
+        "documents": documents_digest(docs),
+    })
+
+
+def layer_key(trace: str, layer: int) -> str:
+    """Content key of one layer's arrays of trace ``trace``."""
+    return content_key(LAYER_STAGE, VERSION, {"trace": trace, "layer": layer})
+
+
+def _tool_char_spans(doc: Any, text: str) -> list[tuple[int, int]]:
+    spans = [m.span() for m in _TOOL_SPAN.finditer(text)]
+    if doc.messages is not None:
+        cursor = 0
+        for message in doc.messages:
+            header = f"<|im_start|>{message.role}\n"
+            start = text.find(header + message.content, cursor)
+            if start < 0:
+                continue
+            body = start + len(header)
+            if message.role == "tool":
+                spans.append((body, body + len(message.content)))
+            cursor = body + len(message.content)
+    return spans
+
+
+def make_chunks(
+    docs: list[Any], tokenizer: Any, calibration: CalibrationConfig
+) -> tuple[list[CalibrationChunk], dict[str, Any]]:
+    """Tokenize and chunk the documents; returns the chunks and what was used or cut."""
+    budget = calibration.max_tokens
+    chunks: list[CalibrationChunk] = []
+    used = available = split_docs = 0
+    cut_doc = None
+    for doc in docs:
+        text = doc.render()
+        encoding = tokenizer.encode(text, add_special_tokens=False)
+        ids = np.asarray(encoding.ids, np.int32)
+        starts = np.asarray([a for a, _ in encoding.offsets], np.int64)
+        in_tool = np.zeros(len(ids), bool)
+        for a, b in _tool_char_spans(doc, text):
+            in_tool |= (starts >= a) & (starts < b)
+        available += len(ids)
+        take = len(ids) if budget is None else max(0, min(len(ids), budget - used))
+        if take < len(ids) and take > 0:
+            cut_doc = {"doc_id": doc.doc_id, "kept": take, "of": len(ids)}
+        if take == 0:
+            continue
+        if take > calibration.chunk_length:
+            split_docs += 1
+        for a in range(0, take, calibration.chunk_length):
+            b = min(a + calibration.chunk_length, take)
+            chunks.append(CalibrationChunk(doc.doc_id, doc.stratum, ids[a:b],
+                                           int(in_tool[a:b].sum())))
+        used += take
+    info = {"tokens_used": used, "tokens_available": available, "documents": len(docs),
+            "documents_split_into_chunks": split_docs, "document_cut_by_max_tokens": cut_doc}
+    return chunks, info
+
+
+def _batches(chunks: list[CalibrationChunk], budget: int = BATCH_TOKENS) -> list[list[int]]:
+    """Consecutive chunk indices grouped so that (batch size x longest chunk) stays in budget."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, chunk in enumerate(chunks):
+        longest_next = max(longest, len(chunk.tokens))
+        if current and longest_next * (len(current) + 1) > budget:
+            batches.append(current)
+            current, longest_next = [], len(chunk.tokens)
+        current.append(i)
+        longest = longest_next
+    if current:
+        batches.append(current)
+    return batches
+
+
+def run_trace(model: Any, chunks: list[CalibrationChunk]) -> list[dict[str, np.ndarray]]:
+    """Teacher forward with captures over every chunk; per layer the stage's arrays."""
+    from healsweep.model import forward
+
+    hp = model.hparams
+    per_layer: list[dict[str, list[np.ndarray]]] = [
+        {k: [] for k in ("x", "ids", "weights", "y_ref", "z", "gate")} for _ in range(hp.n_layer)
+    ]
+    for batch in _batches(chunks):
+        result = forward(model, [chunks[i].tokens for i in batch], capture=True)
+        for layer, cap in enumerate(result.captures):
+            store = per_layer[layer]
+            store["x"].append(cap.ffn_input)
+            store["ids"].append(cap.topk_ids.astype(np.int32))
+            store["weights"].append(cap.topk_weights)
+            store["y_ref"].append(cap.routed_output)
+            store["z"].append(cap.shexp_down_input)
+            store["gate"].append(cap.shexp_gate)
+    layers = []
+    grid = np.arange(hp.n_expert, dtype=np.int32)
+    for layer, store in enumerate(per_layer):
+        arrays = {k: np.concatenate(v).astype(v[0].dtype) for k, v in store.items()}
+        if hp.n_ff_shexp == 0:
+            arrays["z"] = np.zeros((0, 0), np.float32)
+            arrays["gate"] = np.zeros((0,), np.float32)
+        x_sq, counts = expert_input_moments(arrays["x"], arrays["ids"], grid)
+        weights = model.layer(layer)
+        h_sq, _ = expert_hidden_moments(
+            arrays["x"], arrays["ids"], weights["ffn_gate_exps.weight"],
+            weights["ffn_up_exps.weight"],
+        )
+        arrays.update(x_sq_sums=np.asarray(x_sq), h_sq_sums=h_sq, counts=np.asarray(counts))
+        layers.append(arrays)
+    return layers
+
+
+def _report(chunks: list[CalibrationChunk], info: dict, counts: np.ndarray,
+            calibration: CalibrationConfig) -> dict[str, Any]:
+    per_stratum: Counter[str] = Counter()
+    tool_per_stratum: Counter[str] = Counter()
+    for chunk in chunks:
+        per_stratum[chunk.stratum] += len(chunk.tokens)
+        tool_per_stratum[chunk.stratum] += chunk.tool_tokens
+    starved = (counts < calibration.min_tokens_per_expert).sum(axis=1)
+    return {
+        **info,
+        "chunks": len(chunks),
+        "chunk_length": calibration.chunk_length,
+        "tokens_per_stratum": dict(sorted(per_stratum.items())),
+        "tool_call_tokens_per_stratum": dict(sorted(tool_per_stratum.items())),
+        "tool_call_tokens": int(sum(tool_per_stratum.values())),
+        "tokens_per_expert_min": [int(c.min()) for c in counts],
+        "tokens_per_expert_max": [int(c.max()) for c in counts],
+        "experts_below_min_tokens": [int(s) for s in starved],
+        "chunk_doc_ids": [c.doc_id for c in chunks],
+        "chunk_lengths": [len(c.tokens) for c in chunks],
+    }
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A cached calibration trace: its key, report and per-layer loader."""
+
+    key: str
+    report: dict[str, Any]
+    tokens_per_expert: np.ndarray  # [L, E]
+    cache: StageCache
+    recompute: Callable[[], None]
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        """Layer i's arrays (x, ids, weights, y_ref, z, gate, x_sq_sums, h_sq_sums, counts).
+
+        A layer entry that was deleted or failed its checksum is rebuilt by re-running the trace.
+        """
+        found = self.cache.get(LAYER_STAGE, layer_key(self.key, i))
+        if found is None:
+            self.recompute()
+            found = self.cache.get(LAYER_STAGE, layer_key(self.key, i))
+        if found is None:
+            raise CacheError(f"calibration trace layer {i} could not be stored under "
+                             f"{self.cache.root}; check that the cache directory is writable")
+        return found[0]
+
+
+def calibration_trace(
+    model: Any, calibration: CalibrationConfig, cache: StageCache, corpus: Any | None = None
+) -> Trace:
+    """The cached teacher trace over the calibration pool (computed once per key)."""
+    from healsweep.data.corpus import load_corpus
+
+    corpus = corpus if corpus is not None else load_corpus(calibration.corpus)
+    docs = calibration_documents(corpus, calibration)
+    key = trace_key(model, calibration, docs)
+
+    def compute() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        chunks, info = make_chunks(docs, model.tokenizer(), calibration)
+        layers = run_trace(model, chunks)
+        for i, arrays in enumerate(layers):
+            cache.put(LAYER_STAGE, layer_key(key, i), arrays)
+        counts = np.stack([a["counts"] for a in layers]).astype(np.int64)  # [L, E]
+        return {"tokens_per_expert": counts}, _report(chunks, info, counts, calibration)
+
+    def recompute() -> None:
+        arrays, meta = compute()
+        cache.put(STAGE, key, arrays, meta)
+        cache.computed[STAGE] += 1
+
+    arrays, meta = cache.get_or_compute(STAGE, key, compute)
+    return Trace(key, meta, arrays["tokens_per_expert"], cache, recompute)

@@ -1,0 +1,140 @@
+"""The calibration trace: multi-chunk, nothing dropped, equal to direct captures, cached by content."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from healsweep.cache import StageCache
+from healsweep.data.corpus import load_corpus
+from healsweep.errors import CorpusError
+from healsweep.gguf_io import open_model
+from healsweep.gguf_io.synthetic import write_random_model
+from healsweep.heal.knobs import CalibrationConfig
+from healsweep.heal.trace import (
+    LAYER_STAGE,
+    calibration_trace,
+    layer_key,
+    make_chunks,
+    trace_key,
+)
+from healsweep.model import forward
+
+TOOL_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "json.dumps"}}\n</tool_call>'
+
+
+def write_corpus(path, extra_text=""):
+    docs = [
+        {"doc_id": "cal-a", "source": "cal", "index": 0, "stratum": "prose", "pool": "calibration",
+         "text": "The quick brown fox jumps over the lazy dog. " * 6 + extra_text},
+        {"doc_id": "ev-1", "source": "ev", "index": 1, "stratum": "prose",
+         "text": "An evaluation document that calibration must never read."},
+        {"doc_id": "cal-b", "source": "cal", "index": 1, "stratum": "tool", "pool": "calibration",
+         "messages": [
+             {"role": "user", "content": "Find json.dumps."},
+             {"role": "assistant", "content": TOOL_CALL},
+             {"role": "tool", "content": "json.dumps(obj) serializes obj to a JSON string."},
+             {"role": "assistant", "content": "It serializes an object to JSON."}]},
+        {"doc_id": "cal-c", "source": "cal", "index": 2, "stratum": "prose", "pool": "calibration",
+         "text": "Mixture-of-experts models route every token to a few experts. " * 3},
+    ]
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_random_model(tmp_path_factory.mktemp("m") / "tiny.gguf", n_layer=2)
+    return open_model(path)
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    return load_corpus(write_corpus(tmp_path / "corpus.jsonl"))
+
+
+def test_chunks_cover_every_calibration_token_and_count_tool_content(model, corpus):
+    tok = model.tokenizer()
+    cfg = CalibrationConfig(chunk_length=16)
+    chunks, info = make_chunks(corpus.pool("calibration"), tok, cfg)
+    lengths = {d.doc_id: len(tok.encode(d.render(), add_special_tokens=False).ids)
+               for d in corpus.pool("calibration")}
+    assert info["tokens_used"] == info["tokens_available"] == sum(lengths.values())
+    assert sum(len(c.tokens) for c in chunks) == info["tokens_used"]
+    assert all(len(c.tokens) <= 16 for c in chunks)
+    assert {c.doc_id for c in chunks} == {"cal-a", "cal-b", "cal-c"}  # never the eval document
+    for doc_id, n in lengths.items():
+        ids = np.concatenate([c.tokens for c in chunks if c.doc_id == doc_id])
+        assert len(ids) == n
+    tool = sum(c.tool_tokens for c in chunks if c.doc_id == "cal-b")
+    inside = len(tok.encode(TOOL_CALL, add_special_tokens=False).ids) + len(
+        tok.encode("json.dumps(obj) serializes obj to a JSON string.", add_special_tokens=False).ids)
+    assert abs(tool - inside) <= 4
+    assert sum(c.tool_tokens for c in chunks if c.doc_id != "cal-b") == 0
+
+
+def test_max_tokens_cut_is_reported(model, corpus):
+    chunks, info = make_chunks(corpus.pool("calibration"), model.tokenizer(),
+                               CalibrationConfig(max_tokens=50, chunk_length=16))
+    assert info["tokens_used"] == 50 == sum(len(c.tokens) for c in chunks)
+    assert info["document_cut_by_max_tokens"]["kept"] < info["document_cut_by_max_tokens"]["of"]
+
+
+def test_trace_equals_direct_captures_chunk_by_chunk(model, corpus, tmp_path):
+    cfg = CalibrationConfig(chunk_length=32, min_tokens_per_expert=4)
+    cache = StageCache(tmp_path / "cache")
+    trace = calibration_trace(model, cfg, cache, corpus)
+    chunks, _ = make_chunks(corpus.pool("calibration"), model.tokenizer(), cfg)
+    direct = [forward(model, [c.tokens], capture=True).captures for c in chunks]
+    n_tokens = sum(len(c.tokens) for c in chunks)
+    for layer in range(model.hparams.n_layer):
+        arrays = trace.layer(layer)
+        for name, field in (("x", "ffn_input"), ("y_ref", "routed_output"),
+                            ("z", "shexp_down_input"), ("gate", "shexp_gate"),
+                            ("weights", "topk_weights")):
+            want = np.concatenate([getattr(d[layer], field) for d in direct])
+            np.testing.assert_allclose(arrays[name], want, rtol=2e-4, atol=2e-5)
+        ids = np.concatenate([d[layer].topk_ids for d in direct])
+        np.testing.assert_array_equal(arrays["ids"], ids)
+        assert arrays["x"].shape[0] == n_tokens and arrays["x"].dtype == np.float32
+        assert arrays["counts"].sum() == n_tokens * model.hparams.n_expert_used
+    report = trace.report
+    assert report["tokens_used"] == n_tokens
+    assert sum(report["tokens_per_stratum"].values()) == n_tokens
+    assert report["tool_call_tokens_per_stratum"]["tool"] > 0
+    assert report["tool_call_tokens_per_stratum"]["prose"] == 0
+    assert trace.tokens_per_expert.shape == (2, model.hparams.n_expert)
+
+
+def test_trace_is_cached_by_content_and_rebuilt_when_a_layer_entry_is_damaged(model, tmp_path):
+    cache = StageCache(tmp_path / "cache")
+    cfg = CalibrationConfig(chunk_length=32, min_tokens_per_expert=4)
+    corpus = load_corpus(write_corpus(tmp_path / "c1.jsonl"))
+    first = calibration_trace(model, cfg, cache, corpus)
+    again = calibration_trace(model, cfg, cache, corpus)
+    assert cache.computed["calib_trace"] == 1 and again.key == first.key
+    assert calibration_trace(model, cfg.model_copy(update={"corpus": "elsewhere"}), cache,
+                             corpus).key == first.key  # the corpus path is not part of the key
+    docs = corpus.pool("calibration")
+    edited = load_corpus(write_corpus(tmp_path / "c2.jsonl", extra_text="One more sentence."))
+    assert trace_key(model, cfg, edited.pool("calibration")) != first.key
+    assert trace_key(model, CalibrationConfig(chunk_length=48), docs) != first.key
+    assert trace_key(model, cfg, docs[::-1]) != first.key
+    other = open_model(write_random_model(tmp_path / "other.gguf", n_layer=2, seed=1))
+    assert trace_key(other, cfg, docs) != first.key
+    before = first.layer(1)["y_ref"]
+    path = cache.path(LAYER_STAGE, layer_key(first.key, 1))
+    path.write_bytes(path.read_bytes()[:-10])  # a truncated entry fails its checksum
+    computed = cache.computed["calib_trace"]
+    np.testing.assert_array_equal(again.layer(1)["y_ref"], before)
+    assert cache.computed["calib_trace"] == computed + 1
+    assert cache.corrupt[LAYER_STAGE] == 1
+
+
+def test_empty_calibration_pool_is_a_corpus_error(model, tmp_path):
+    corpus = load_corpus(write_corpus(tmp_path / "c.jsonl"))
+    cfg = CalibrationConfig(exclude_doc_ids=("cal-a", "cal-b", "cal-c"))
+    with pytest.raises(CorpusError, match="no calibration documents"):
+        calibration_trace(model, cfg, StageCache(tmp_path / "cache"), corpus)
