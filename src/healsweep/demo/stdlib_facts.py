@@ -17,6 +17,7 @@ import importlib
 import inspect
 import re
 import textwrap
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -169,6 +170,13 @@ def collect_objects(
     groups: Sequence[tuple[str, Sequence[str]]] = MODULE_GROUPS,
 ) -> list[StdlibObject]:
     """Every documented public function, class and method of the listed modules, sorted."""
+    # Touching deprecated aliases (typing.io, typing.re) warns; the text is still what we want.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _collect_objects(groups)
+
+
+def _collect_objects(groups: Sequence[tuple[str, Sequence[str]]]) -> list[StdlibObject]:
     found: dict[str, StdlibObject] = {}
     for unit, modules in groups:
         for module_name in modules:
