@@ -1,5 +1,104 @@
-"""`healsweep score` commands."""
+"""`healsweep score`: KL divergence of one GGUF against a reference GGUF, window by window."""
 
 from __future__ import annotations
 
-from healsweep.cli._apps import app  # noqa: F401
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from healsweep.cli._apps import app
+
+
+def _progress(done: int, total: int, elapsed: float) -> None:
+    rate = done / elapsed if elapsed > 0 else 0.0
+    end = "\n" if done == total else ""
+    typer.echo(f"\rscored {done}/{total} windows ({rate:.2f}/s)", err=True, nl=False)
+    if end:
+        typer.echo("", err=True)
+
+
+@app.command("score")
+def score(
+    model: Annotated[str, typer.Option("--model", help="Student GGUF path, or `demo`.")],
+    ref: Annotated[str, typer.Option("--ref", help="Reference (teacher) GGUF path, or `demo`.")],
+    corpus: Annotated[str, typer.Option("--corpus", help="Corpus JSONL, or `demo`.")] = "demo",
+    split: Annotated[
+        str, typer.Option("--split", help="dev | canary | test (test needs a ledger grant).")
+    ] = "dev",
+    split_config: Annotated[
+        Path | None,
+        typer.Option("--split-config", help="Split YAML; default: parity split of the corpus."),
+    ] = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the full per-window record here.")
+    ] = None,
+    max_windows: Annotated[
+        int | None,
+        typer.Option(
+            "--max-windows", min=1, help="Score at most N windows (round-robin over strata)."
+        ),
+    ] = None,
+    max_scored: Annotated[
+        int, typer.Option("--max-scored", min=1, help="Scored tokens per window.")
+    ] = 128,
+    max_context: Annotated[
+        int | None,
+        typer.Option(
+            "--max-context", min=0, help="Context tokens per window (default: fits the model)."
+        ),
+    ] = None,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Windows per forward.")] = 8,
+    cache_dir: Annotated[
+        Path | None, typer.Option("--cache", help="Stage cache (default $HEALSWEEP_CACHE).")
+    ] = None,
+) -> None:
+    """Teacher-forced KLD(ref || model), top-1, delta-p, perplexity and router agreement."""
+    from healsweep.cache import StageCache
+    from healsweep.data.corpus import load_corpus
+    from healsweep.data.split import load_split, parity_split
+    from healsweep.data.windows import interleave_strata, make_windows
+    from healsweep.gguf_io import open_model
+    from healsweep.score.report import check_same_tokenizer, format_summary, score_report
+
+    teacher, student = open_model(ref), open_model(model)
+    n_vocab = check_same_tokenizer(teacher, student)
+    docs = load_corpus(corpus)
+    cfg = load_split(split_config) if split_config is not None else parity_split(docs)
+    context_length = min(teacher.hparams.context_length, student.hparams.context_length)
+    if max_context is None:
+        max_context = max(0, min(896, context_length - max_scored))
+    if max_context + max_scored > context_length:
+        raise typer.BadParameter(
+            f"--max-context {max_context} + --max-scored {max_scored} exceeds the models' "
+            f"context length {context_length}",
+            param_hint="--max-context",
+        )
+    every = make_windows(
+        docs, teacher.tokenizer(), cfg, split, max_scored=max_scored, max_context=max_context
+    )
+    windows = interleave_strata(every, max_windows)
+    typer.echo(f"ref        {teacher.path}  ({teacher.fingerprint[:16]})")
+    typer.echo(f"model      {student.path}  ({student.fingerprint[:16]})")
+    typer.echo(f"tokenizer  identical token lists ({n_vocab} tokens)")
+    typer.echo(f"windows    {len(windows)} of {len(every)} in split {split!r} of corpus {corpus}")
+    report = score_report(
+        teacher, student, windows, StageCache(cache_dir), batch=batch, progress=_progress
+    )
+    typer.echo(format_summary(report))
+    if json_out is not None:
+        record = {
+            "ref": str(teacher.path),
+            "ref_fingerprint": teacher.fingerprint,
+            "model": str(student.path),
+            "model_fingerprint": student.fingerprint,
+            "corpus": corpus,
+            "split": split,
+            "max_scored": max_scored,
+            "max_context": max_context,
+            **report,
+        }
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(record, indent=1, allow_nan=True) + "\n")
+        typer.echo(f"wrote {json_out}")

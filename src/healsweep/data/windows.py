@@ -23,7 +23,7 @@ it changes when the text, the tokenizer or the window limits change, and only th
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -222,6 +222,19 @@ def make_windows(
     return windows
 
 
+def interleave_strata(windows: Sequence[Window], limit: int | None = None) -> list[Window]:
+    """Up to ``limit`` windows taken round-robin over strata (sorted by name), each stratum in
+    its original order: a cut-down run keeps every stratum represented."""
+    by_stratum: dict[str, list[Window]] = {}
+    for window in windows:
+        by_stratum.setdefault(window.stratum, []).append(window)
+    queues = [by_stratum[name] for name in sorted(by_stratum)]
+    picked: list[Window] = []
+    for rank in range(max((len(q) for q in queues), default=0)):
+        picked += [q[rank] for q in queues if rank < len(q)]
+    return picked if limit is None else picked[:limit]
+
+
 def _tokenize(
     docs: list[Document], tokenizer: Any
 ) -> Iterator[tuple[Document, np.ndarray, np.ndarray]]:
@@ -233,4 +246,11 @@ def _tokenize(
         yield doc, ids, starts
 
 
-__all__ = ["Kind", "Window", "chat_regions", "document_windows", "make_windows"]
+__all__ = [
+    "Kind",
+    "Window",
+    "chat_regions",
+    "document_windows",
+    "interleave_strata",
+    "make_windows",
+]

@@ -1,0 +1,100 @@
+"""Score a student against its teacher window by window.
+
+:func:`score_windows` runs the forwards in batches (the teacher's only for windows missing from
+the cache) and yields ``(window, WindowMetrics)`` one window at a time, in input order, so a
+caller can report, checkpoint or prune after each.
+
+A student is either a ``GGUFModel`` (any model file with the teacher's vocabulary) or a healed
+student exposing ``base`` (the teacher's ``GGUFModel``) and ``replacements`` (per-layer
+``LayerReplacement``), which runs as ``forward(base, ..., replacements=replacements)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
+from typing import Any
+
+import numpy as np
+
+from healsweep.cache import StageCache
+from healsweep.errors import TokenizerError
+from healsweep.score.metrics import WindowMetrics, window_metrics
+from healsweep.score.teacher_cache import scored_positions, teacher_outputs
+
+
+def student_model(student: Any) -> tuple[Any, dict | None]:
+    """``(GGUFModel, replacements or None)`` that run the student's forward."""
+    if hasattr(student, "replacements") and hasattr(student, "base"):
+        return student.base, dict(student.replacements)
+    return student, None
+
+
+def check_same_vocab(teacher: Any, student: Any) -> None:
+    """Raise :class:`TokenizerError` unless both models have the same vocabulary size."""
+    model, _ = student_model(student)
+    n_t, n_s = teacher.hparams.n_vocab, model.hparams.n_vocab
+    if n_t != n_s:
+        raise TokenizerError(
+            f"teacher {teacher.path} has {n_t} tokens but student {model.path} has {n_s}; "
+            "KL needs the same tokenizer: score models exported from the same base"
+        )
+
+
+def run_student(student: Any, windows: Sequence[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One batched student forward: per window ``(logits [n, V], topk_ids [n, L, k])``."""
+    from healsweep.model import forward
+
+    model, replacements = student_model(student)
+    positions = [scored_positions(w) for w in windows]
+    result = forward(
+        model, [w.tokens for w in windows], replacements=replacements, logits_for=positions
+    )
+    return [
+        (logits, np.asarray(router[pos], dtype=np.int32))
+        for logits, router, pos in zip(result.logits, result.router, positions, strict=True)
+    ]
+
+
+def _per_layer(topk_ids: np.ndarray) -> list[np.ndarray]:
+    """``[n, L, k]`` → ``L x [n, k]``."""
+    return [topk_ids[:, layer, :] for layer in range(topk_ids.shape[1])]
+
+
+def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def score_windows(
+    teacher: Any,
+    student: Any,
+    windows: Iterable[Any],
+    cache: StageCache,
+    batch: int = 8,
+) -> Iterator[tuple[Any, WindowMetrics]]:
+    """Yield ``(window, WindowMetrics)`` for each window, in order.
+
+    Teacher outputs come from ``cache`` (computed and stored on a miss); the student runs in
+    batches of ``batch`` windows. Router agreement compares top-k expert sets at the positions
+    that predict the scored tokens.
+    """
+    if batch < 1:
+        raise ValueError(f"score_windows: batch must be >= 1, got {batch}")
+    check_same_vocab(teacher, student)
+    for group in _batches(windows, batch):
+        taught = teacher_outputs(teacher, group, cache)
+        studied = run_student(student, group)
+        for window, t_out, (s_logits, s_topk) in zip(group, taught, studied, strict=True):
+            metrics = window_metrics(
+                t_out.logprobs,
+                s_logits,
+                window.scored_tokens,
+                _per_layer(t_out.topk_ids),
+                _per_layer(s_topk),
+            )
+            yield window, metrics
+
+
+__all__ = ["check_same_vocab", "run_student", "score_windows", "student_model"]

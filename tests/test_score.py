@@ -1,0 +1,187 @@
+"""score_windows on small random GGUFs: independent float64 recomputation, cache reuse, students."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from healsweep.cache import StageCache
+from healsweep.data.corpus import Document, Message, load_corpus, write_corpus
+from healsweep.data.split import parity_split
+from healsweep.data.windows import make_windows
+from healsweep.errors import TokenizerError
+from healsweep.gguf_io import open_model
+from healsweep.gguf_io.synthetic import write_random_model
+from healsweep.model import LayerReplacement, forward
+from healsweep.score import pooled, score_windows
+from healsweep.score.report import check_same_tokenizer
+from healsweep.score.teacher_cache import STAGE
+
+BATCH = 4
+ANSWER = '<think>\nMixture-of-experts models route every token {i}.\n</think>\n\n{{"name": "{i}"}}'
+
+
+@dataclass
+class HealedStudent:
+    """What the heal pipeline hands the scorer: the teacher's GGUF plus layer replacements."""
+
+    base: object
+    replacements: dict
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    paths = {
+        "ref": write_random_model(root / "ref.gguf", seed=3),
+        "q8": write_random_model(root / "q8.gguf", seed=3, types="Q8_0"),
+        "q4": write_random_model(root / "q4.gguf", seed=3, types="Q4_0"),
+    }
+    return {name: open_model(path) for name, path in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def windows(models, tmp_path_factory):
+    docs = []
+    for i in range(1, 6, 2):  # odd index: dev
+        question = "The quick brown fox jumps over the lazy dog? " * (1 + i)
+        messages = (Message("user", question), Message("assistant", ANSWER.format(i=i)))
+        docs.append(Document(f"c{i}", "chat", i, "chat", messages=messages))
+        text = f"Numbers: {i} 2 3 4 5 6 7 8 9 {i}. " * 6
+        docs.append(Document(f"t{i}", "docs", i, "docs", text=text))
+    path = tmp_path_factory.mktemp("corpus") / "c.jsonl"
+    write_corpus(docs, path)
+    corpus = load_corpus(path)
+    tokenizer = models["ref"].tokenizer()
+    found = make_windows(
+        corpus,
+        tokenizer,
+        parity_split(corpus),
+        max_scored=24,
+        max_context=40,
+        max_windows_per_doc=2,
+    )
+    assert len(found) == 12
+    return found[:8]  # two batches of BATCH: few shapes to compile
+
+
+def _np_log_softmax(x):
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def _independent(teacher, student_model, window, replacements=None):
+    """KLD sum, top-1 count, NLL sums and router Jaccard from full forwards, in float64 numpy."""
+    t = forward(teacher, [window.tokens])
+    s = forward(student_model, [window.tokens], replacements=replacements)
+    pos = np.arange(window.n_scored) + window.scored_from - 1
+    lt, ls = _np_log_softmax(t.logits[0][pos]), _np_log_softmax(s.logits[0][pos])
+    nxt = window.scored_tokens
+    rows = np.arange(len(pos))
+    jac = [
+        len(set(a) & set(b)) / len(set(a) | set(b))
+        for a, b in zip(
+            t.router[0][pos].reshape(-1, t.router[0].shape[-1]),
+            s.router[0][pos].reshape(-1, s.router[0].shape[-1]),
+            strict=True,
+        )
+    ]
+    return {
+        "kld_sum": float((np.exp(lt) * (lt - ls)).sum()),
+        "top1_count": int((lt.argmax(1) == ls.argmax(1)).sum()),
+        "teacher_nll_sum": float(-lt[rows, nxt].sum()),
+        "student_nll_sum": float(-ls[rows, nxt].sum()),
+        "delta_p_mean": float((np.exp(ls[rows, nxt]) - np.exp(lt[rows, nxt])).mean()),
+        "router_jaccard": float(np.mean(jac)),
+    }
+
+
+def test_metrics_match_an_independent_float64_recomputation(models, windows, tmp_path):
+    cache = StageCache(tmp_path / "cache")
+    scored = list(score_windows(models["ref"], models["q4"], windows, cache, batch=BATCH))
+    assert [w.window_id for w, _ in scored] == [w.window_id for w in windows]
+    for window, m in scored[:3]:
+        ref = _independent(models["ref"], models["q4"], window)
+        assert m.kld_count == window.n_scored
+        assert m.kld_sum == pytest.approx(ref["kld_sum"], rel=1e-3)
+        assert m.top1_count == ref["top1_count"]
+        assert m.teacher_nll_sum == pytest.approx(ref["teacher_nll_sum"], rel=1e-4)
+        assert m.student_nll_sum == pytest.approx(ref["student_nll_sum"], rel=1e-4)
+        assert m.delta_p_mean == pytest.approx(ref["delta_p_mean"], rel=1e-3, abs=1e-7)
+        assert m.router_jaccard == pytest.approx(ref["router_jaccard"], rel=1e-6)
+        assert m.kld_p50 <= m.kld_p90 <= m.kld_p99 <= m.kld_p999 <= m.kld_max
+        assert m.router_jaccard_layers.shape == (models["ref"].hparams.n_layer,)
+
+
+def test_self_is_zero_and_quantization_orders_q8_below_q4(models, windows, tmp_path):
+    cache = StageCache(tmp_path / "cache")
+    results = {
+        name: pooled(
+            [m for _, m in score_windows(models["ref"], models[name], windows, cache, batch=BATCH)]
+        )
+        for name in ("ref", "q8", "q4")
+    }
+    assert results["ref"]["kld_mean"] < 1e-9
+    assert results["ref"]["top1"] == 1.0 and results["ref"]["router_jaccard"] == 1.0
+    assert 0 < results["q8"]["kld_mean"] < results["q4"]["kld_mean"]
+    assert results["q8"]["top1"] >= results["q4"]["top1"]
+
+
+def test_a_second_run_reuses_the_cached_teacher(models, windows, tmp_path):
+    first = StageCache(tmp_path / "cache")
+    a = [m for _, m in score_windows(models["ref"], models["q8"], windows, first, batch=BATCH)]
+    assert first.computed[STAGE] == len(windows) and first.hits[STAGE] == 0
+    second = StageCache(tmp_path / "cache")  # a new process would build a new one
+    b = [m for _, m in score_windows(models["ref"], models["q4"], windows, second, batch=BATCH)]
+    c = [m for _, m in score_windows(models["ref"], models["q8"], windows, second, batch=1)]
+    assert second.computed[STAGE] == 0 and second.hits[STAGE] == 2 * len(windows)
+    for x, y in zip(a, c, strict=True):
+        assert y.kld_sum == pytest.approx(x.kld_sum, rel=1e-4) and y.top1 == x.top1
+    assert sum(m.kld_sum for m in b) > sum(m.kld_sum for m in a)
+    # an entry holds exactly the scored positions, in float32
+    entry = second.get(STAGE, next(iter(_keys(models["ref"], windows[:1]))))[0]
+    assert entry["logprobs"].dtype == np.float32
+    assert entry["logprobs"].shape == (windows[0].n_scored, models["ref"].hparams.n_vocab)
+
+
+def _keys(model, ws):
+    from healsweep.score.teacher_cache import teacher_key
+
+    return [teacher_key(model, w) for w in ws]
+
+
+def test_a_corrupt_teacher_entry_is_recomputed(models, windows, tmp_path):
+    cache = StageCache(tmp_path / "cache")
+    list(score_windows(models["ref"], models["q8"], windows[:BATCH], cache, batch=BATCH))
+    path = cache.path(STAGE, _keys(models["ref"], windows[:1])[0])
+    path.write_bytes(path.read_bytes()[:-100])
+    again = StageCache(tmp_path / "cache")
+    list(score_windows(models["ref"], models["q8"], windows[:BATCH], again, batch=BATCH))
+    assert again.computed[STAGE] == 1 and again.corrupt[STAGE] == 1
+    assert again.hits[STAGE] == BATCH - 1
+
+
+def test_a_healed_student_runs_the_base_with_its_replacements(models, windows, tmp_path):
+    base = models["ref"]
+    down = base.layer(1)["ffn_down_exps.weight"]
+    same = HealedStudent(base, {1: LayerReplacement(down_exps=down)})
+    bent = HealedStudent(base, {1: LayerReplacement(down_exps=down * 1.5)})
+    cache = StageCache(tmp_path / "cache")
+    zero = [m for _, m in score_windows(base, same, windows[:BATCH], cache, batch=BATCH)]
+    assert max(m.kld_mean for m in zero) < 1e-9
+    window, m = next(score_windows(base, bent, windows[:BATCH], cache, batch=BATCH))
+    ref = _independent(base, base, window, replacements=bent.replacements)
+    assert m.kld_sum > 0 and m.kld_sum == pytest.approx(ref["kld_sum"], rel=1e-3)
+
+
+def test_models_with_other_tokenizers_are_refused(models, tmp_path):
+    from healsweep.gguf_io.synthetic import train_tiny_tokenizer
+
+    other = train_tiny_tokenizer(("completely different text for another vocabulary",) * 3)
+    stranger = open_model(write_random_model(tmp_path / "o.gguf", tokenizer=other))
+    with pytest.raises(TokenizerError, match="differ"):
+        check_same_tokenizer(models["ref"], stranger)
+    assert check_same_tokenizer(models["ref"], models["q4"]) == models["ref"].hparams.n_vocab
