@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import json
+import platform
 import re
+import subprocess
+import sys
 from collections import Counter
 from functools import cache
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
 from healsweep.data.chatml import parse_chatml
-from healsweep.data.corpus import demo_corpus_path, load_corpus
+from healsweep.data.corpus import load_corpus
 from healsweep.demo.corpus_builder import DemoCorpusConfig, build_demo_corpus, write_demo_assets
+from healsweep.demo.paths import demo_corpus_path, demo_tokenizer_path
 from healsweep.demo.stdlib_facts import MODULE_GROUPS
-from healsweep.demo.tokenizer import ADDED_TOKENS, SPECIAL_TOKENS, demo_tokenizer_path
+from healsweep.demo.tokenizer import ADDED_TOKENS, SPECIAL_TOKENS
 
+ROOT = Path(__file__).resolve().parents[1]
 THINK = re.compile(r"<think>\n(?P<reasoning>.+?)\n</think>\n\n(?P<answer>.*)", re.S)
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
 
@@ -244,12 +250,20 @@ def test_shipped_asset_paths():
 
 
 @pytest.mark.slow
-def test_full_build_reproduces_the_shipped_assets_in_this_interpreter(tmp_path):
+def test_demo_corpus_command_reproduces_the_shipped_assets(tmp_path):
     from healsweep.demo.corpus_builder import BUILT_WITH
 
-    build = build_demo_corpus()
-    write_demo_assets(build, tmp_path / "c.jsonl", tmp_path / "t.json")
-    if build.report["python"] == BUILT_WITH:
-        assert (tmp_path / "c.jsonl").read_bytes() == demo_corpus_path().read_bytes()
-        assert (tmp_path / "t.json").read_bytes() == demo_tokenizer_path().read_bytes()
-    assert build.report["tokens"]["calibration"] >= 8000
+    out = tmp_path / "corpus.jsonl"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), "demo", "corpus", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    rebuilt = load_corpus(out)
+    assert len(rebuilt.pool("eval")) >= 200
+    if "note: built with" not in run.stdout:  # same interpreter as the shipped build
+        assert BUILT_WITH in platform.python_implementation() + " " + platform.python_version()
+        assert out.read_bytes() == demo_corpus_path().read_bytes()
+        assert (tmp_path / "demo-tokenizer.json").read_bytes() == demo_tokenizer_path().read_bytes()

@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import healsweep
+from healsweep.demo.paths import demo_corpus_path
 from healsweep.errors import CorpusError
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -123,11 +123,6 @@ def split_think(content: str) -> tuple[str, str] | None:
     if end < 0:
         return None
     return content[len(THINK_OPEN) : end], content[end + len(THINK_CLOSE) :]
-
-
-def demo_corpus_path() -> Path:
-    """The packaged demo corpus."""
-    return Path(healsweep.__file__).parent / "assets" / "demo-corpus.jsonl"
 
 
 def load_corpus(path_or_demo: str | os.PathLike[str]) -> Corpus:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import healsweep
+from healsweep.demo.paths import demo_tokenizer_path
 from healsweep.errors import TokenizerError
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -31,11 +31,6 @@ QWEN2_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-
-
-def demo_tokenizer_path() -> Path:
-    """The packaged demo tokenizer.json."""
-    return Path(healsweep.__file__).parent / "assets" / "demo-tokenizer.json"
 
 
 def load_demo_tokenizer() -> Tokenizer:
