@@ -93,8 +93,8 @@ def expert_tile_rows(n_assignments: int, n_expert: int) -> int:
 def _expert(w: Any, e: jax.Array) -> Any:
     """Expert ``e`` of a stacked weight ``[E, out, in]`` (dense or a quantized pytree)."""
     if isinstance(w, (jax.Array, np.ndarray)):
-        return w[e]
-    return jax.tree_util.tree_map(lambda leaf: leaf[e], w)
+        return jnp.asarray(w)[e]
+    return jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf)[e], w)
 
 
 def routed_experts(

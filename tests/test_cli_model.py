@@ -1,0 +1,85 @@
+"""`healsweep model info|logits` and `bench forward` through the real entry point (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from healsweep.gguf_io import open_model
+from healsweep.model import forward
+
+
+def _run(*args, tmp_path):
+    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-m", "healsweep", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+
+
+def test_model_info_describes_arch_types_and_tokenizer(random_gguf, tmp_path):
+    path = random_gguf("qwen3moe", types={"ffn_down_exps.weight": "Q8_0"})
+    done = _run("model", "info", path, tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for expected in ("qwen3moe", "top-2 (renormalized)", "Q8_0", "F16", "F32", "ChatML yes",
+                     "'<|im_end|>'"):
+        assert expected in done.stdout
+    as_json = json.loads(_run("model", "info", path, "--json", tmp_path=tmp_path).stdout)
+    model = open_model(path)
+    assert as_json["tensor_types"]["Q8_0"]["bytes"] == sum(
+        model.tensor_nbytes(n) for n in model.tensor_names if model.tensor_type(n).name == "Q8_0"
+    )
+    assert as_json["layers"] == model.hparams.n_layer
+
+
+def test_model_logits_writes_the_forward_logits(random_gguf, tmp_path):
+    path = random_gguf("qwen2moe")
+    ids = np.arange(7, 90, dtype=np.int64)
+    np.save(tmp_path / "ids.npy", ids)
+    done = _run("model", "logits", path, "--tokens", tmp_path / "ids.npy", "--out",
+                tmp_path / "logits.npy", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    written = np.load(tmp_path / "logits.npy")
+    assert written.dtype == np.float32
+    expected = forward(open_model(path), [ids.astype(np.int32)]).logits[0]
+    np.testing.assert_allclose(written, expected, rtol=1e-5, atol=1e-5)
+    np.save(tmp_path / "bad.npy", ids.reshape(1, -1))
+    bad = _run("model", "logits", path, "--tokens", tmp_path / "bad.npy", "--out",
+               tmp_path / "x.npy", tmp_path=tmp_path)
+    assert bad.returncode == 2 and "1-D integer ids" in bad.stderr
+
+
+@pytest.mark.parametrize("broken", ["truncated", "not-gguf", "llama", "missing-tensor"])
+def test_broken_models_give_one_line_and_exit_1(random_gguf, tmp_path, broken):
+    path = tmp_path / "broken.gguf"
+    if broken == "truncated":
+        path.write_bytes(random_gguf("qwen2moe").read_bytes()[:-1000])
+    elif broken == "not-gguf":
+        path.write_text("just some text\n")
+    elif broken == "llama":
+        path = random_gguf("llama")
+    else:
+        path = random_gguf("qwen3moe", drop_tensors=("blk.0.attn_k_norm.weight",))
+    done = _run("model", "info", path, tmp_path=tmp_path)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(path) in lines[0]
+    assert "Traceback" not in done.stderr
+    debug = _run("--debug", "model", "info", path, tmp_path=tmp_path)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_bench_forward_reports_throughput_and_peak_rss(random_gguf, tmp_path):
+    path = random_gguf("qwen2moe")
+    done = _run("bench", "forward", path, "--tokens", 128, "--seq-len", 64, "--repeats", 1,
+                tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    header, row = done.stdout.strip().splitlines()[:2]
+    assert "tokens_per_s" in header and "peak_rss_mib" in header
+    as_json = json.loads(_run("bench", "forward", path, "--tokens", 64, "--repeats", 1, "--json",
+                              tmp_path=tmp_path).stdout)
+    assert as_json["tokens_per_s"] > 0 and as_json["sequences"] == 1
+    assert 50 < as_json["peak_rss_mib"] < 8192
