@@ -1,0 +1,113 @@
+"""`healsweep score` through the real entry point: the JSON contract, recomputed independently."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from healsweep.data.corpus import Document, Message, write_corpus
+from healsweep.gguf_io import open_model
+from healsweep.gguf_io.synthetic import train_tiny_tokenizer, write_random_model
+from healsweep.model import forward
+
+
+def _cli(tmp_path, *args):
+    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
+    return subprocess.run(
+        [sys.executable, "-m", "healsweep", "score", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("score-cli")
+    ref = write_random_model(root / "ref.gguf", seed=1)
+    q4 = write_random_model(root / "q4.gguf", seed=1, types="Q4_0")
+    docs = []
+    for i in range(1, 8, 2):
+        answer = f"<think>\nRoute token {i} to two experts.\n</think>\n\nThe answer is {i * 3}."
+        messages = (
+            Message("user", f"How many experts for token {i}? " * 3),
+            Message("assistant", answer),
+        )
+        docs.append(Document(f"c{i}", "chat", i, "chat" if i < 5 else "math", messages=messages))
+    write_corpus(docs, root / "corpus.jsonl")
+    return root, ref, q4
+
+
+def _np_log_softmax(x):
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def test_json_windows_can_be_recomputed_independently(setup, tmp_path):
+    root, ref, q4 = setup
+    out = tmp_path / "out.json"
+    run = _cli(
+        tmp_path,
+        "--model",
+        q4,
+        "--ref",
+        ref,
+        "--corpus",
+        root / "corpus.jsonl",
+        "--json",
+        out,
+        "--max-windows",
+        6,
+        "--batch",
+        3,
+        "--max-context",
+        40,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "identical token lists" in run.stdout and "pooled" in run.stdout
+    assert "6/6 windows" in run.stderr  # progress on stderr
+    record = json.loads(out.read_text())
+    windows = record["windows"]
+    assert len(windows) == 6 and {w["stratum"] for w in windows} == {"chat", "math"}
+    for key in ("window_id", "stratum", "tokens", "scored_from", "n_scored", "kld_mean", "top1"):
+        assert all(key in w for w in windows), key
+
+    # recompute one window from its JSON alone: a fresh forward of each model, float64 numpy
+    w = windows[1]
+    tokens = np.asarray(w["tokens"], dtype=np.int32)
+    pos = np.arange(w["n_scored"]) + w["scored_from"] - 1
+    lt = _np_log_softmax(forward(open_model(ref), [tokens]).logits[0][pos])
+    ls = _np_log_softmax(forward(open_model(q4), [tokens]).logits[0][pos])
+    kld = (np.exp(lt) * (lt - ls)).sum(axis=1)
+    assert w["kld_mean"] == pytest.approx(kld.mean(), rel=1e-3)
+    assert w["top1"] == pytest.approx((lt.argmax(1) == ls.argmax(1)).mean())
+
+    pooled = record["pooled"]
+    n = sum(x["n_scored"] for x in windows)
+    assert pooled["kld_mean"] == pytest.approx(sum(x["kld_sum"] for x in windows) / n)
+    math_windows = [x for x in windows if x["stratum"] == "math"]
+    assert pooled["per_stratum"]["math"]["kld_mean"] == pytest.approx(
+        sum(x["kld_sum"] for x in math_windows) / sum(x["n_scored"] for x in math_windows)
+    )
+    assert pooled["per_stratum"]["math"]["top1"] == pytest.approx(
+        sum(x["top1_count"] for x in math_windows) / sum(x["n_scored"] for x in math_windows)
+    )
+
+
+def test_different_tokenizers_fail_with_one_clear_line(setup, tmp_path):
+    root, ref, _ = setup
+    other = write_random_model(
+        tmp_path / "other.gguf", tokenizer=train_tiny_tokenizer(("another vocabulary",) * 5)
+    )
+    run = _cli(tmp_path, "--model", other, "--ref", ref, "--corpus", root / "corpus.jsonl")
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tokenizers" in lines[0] and "differ" in lines[0]
