@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,7 @@ class TokenizerMetadata:
     bos_id: int | None = None
     eos_id: int | None = None
     pad_id: int | None = None
-    pre: str = "qwen2"
-    extra: dict[str, Any] = field(default_factory=dict)
+    pre: str = "qwen2"  # tokenizer.ggml.pre: which split regex ("qwen2" or "gpt-2")
 
     def to_gguf_fields(self) -> dict[str, Any]:
         """Metadata key → value, as :func:`write_model` writes them."""
