@@ -20,7 +20,6 @@ def _window(wid: str, tokens, scored_from: int) -> Window:
         "s",
         "dev",
         "text",
-        0,
         tokens,
         scored_from,
         len(tokens) - scored_from,

@@ -162,7 +162,7 @@ def test_interleave_strata_keeps_every_stratum_in_a_cut():
     from healsweep.data.windows import Window, interleave_strata
 
     def w(wid, stratum):
-        return Window(wid, "d", "s", 1, stratum, "dev", "text", 0, np.zeros(3, np.int32), 1, 2)
+        return Window(wid, "d", "s", 1, stratum, "dev", "text", np.zeros(3, np.int32), 1, 2)
 
     windows = [w("a1", "a"), w("a2", "a"), w("a3", "a"), w("b1", "b"), w("c1", "c"), w("c2", "c")]
     assert [x.window_id for x in interleave_strata(windows, 4)] == ["a1", "b1", "c1", "a2"]

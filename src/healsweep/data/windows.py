@@ -48,10 +48,10 @@ class Window:
     stratum: str
     split: str
     kind: Kind
-    turn: int  # assistant turn (0-based) for think/answer, stretch number for text
     tokens: np.ndarray  # int32 [n_context + n_scored]
     scored_from: int
     n_scored: int
+    turn: int = 0  # assistant turn (0-based) for think/answer, stretch number for text
 
     @property
     def scored_tokens(self) -> np.ndarray:
@@ -162,10 +162,10 @@ def document_windows(
                 stratum=doc.stratum,
                 split=split,
                 kind=kind,
-                turn=turn,
                 tokens=tokens,
                 scored_from=scored_from,
                 n_scored=n_scored,
+                turn=turn,
             )
         )
     return windows
