@@ -95,8 +95,12 @@ def build_demo_corpus(config: DemoCorpusConfig | None = None) -> DemoCorpusBuild
     obj_parts = partition(
         sorted(weights), [config.eval_objects, config.calibration_objects], weights, config.seed
     )
+    topic_weights = Counter(t.unit for t in topics)
     topic_parts = partition(
-        [t.unit for t in topics], [config.eval_topics, config.calibration_topics], {}, config.seed
+        sorted(topic_weights),
+        [config.eval_topics, config.calibration_topics],
+        topic_weights,
+        config.seed,
     )
     pools = ("eval", "calibration", "train")
     part_objects = {p: [o for o in objects if o.unit in obj_parts[i]] for i, p in enumerate(pools)}
@@ -180,13 +184,18 @@ def _draft(
         messages = writers.json_document(objs, rng, family)
     else:
         messages = writers.tool_document(objs, rng, family, members)
-    meta = {"units": sorted({o.unit for o in objs}), "objects": [o.qualname for o in objs]}
+    meta = {
+        "units": sorted({o.unit for o in objs}),
+        "objects": [o.qualname for o in objs],
+        "wording": family,
+    }
     return _Draft(stratum, messages, meta)
 
 
 def _topic_draft(topic: Topic, part: int, rng: random.Random, family: str, turns: int) -> _Draft:
     messages = writers.topic_document(topic, part, rng, family, turns)
-    return _Draft("docs", messages, {"units": [topic.unit], "topic": topic.key, "part": part})
+    meta = {"units": [topic.unit], "topic": topic.key, "part": part, "wording": family}
+    return _Draft("docs", messages, meta)
 
 
 def _grown_draft(

@@ -91,7 +91,6 @@ MODULE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("string", ("string",)),
     ("subprocess", ("subprocess",)),
     ("tabnanny", ("tabnanny",)),
-    ("tarfile", ("tarfile",)),
     ("textwrap", ("textwrap",)),
     ("threading", ("threading",)),
     ("timeit", ("timeit",)),
@@ -109,7 +108,7 @@ MODULE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("wsgiref", ("wsgiref.util", "wsgiref.headers")),
     ("xml", ("xml.dom.minidom", "xml.etree.ElementTree")),
     ("xmlrpc", ("xmlrpc.client",)),
-    ("zipfile", ("zipfile", "zipapp")),
+    ("archives", ("tarfile", "zipfile", "zipapp")),
     ("zoneinfo", ("zoneinfo",)),
 )
 
@@ -159,11 +158,7 @@ class Topic:
     key: str
     title: str
     paragraphs: tuple[str, ...]
-
-    @property
-    def unit(self) -> str:
-        """The partition unit of the topic."""
-        return f"topic:{self.key}"
+    unit: str  # "topic:<first key>" of the topics that share text with this one
 
 
 def collect_objects(
@@ -257,20 +252,48 @@ def _short_source(obj: object) -> str | None:
 
 
 def collect_topics() -> list[Topic]:
-    """The pydoc reference topics, split into paragraphs, sorted by key."""
+    """The pydoc reference topics, split into paragraphs, sorted by key.
+
+    Several topics repeat each other's text (``compound`` holds ``if``, ``try``, ``with``...;
+    ``specialnames`` holds ``customization``...). Topics that share a line of 60+ characters
+    form one partition unit, so no repeated passage can land in two pools.
+    """
     from pydoc_data.topics import topics
 
-    result = []
+    parsed = []
     for key in sorted(topics):
         lines = topics[key].strip().split("\n")
         title = lines[0].strip()
-        body = (
-            lines[2:] if len(lines) > 1 and set(lines[1].strip()) <= {"*", "=", "-"} else lines[1:]
-        )
+        underlined = len(lines) > 1 and set(lines[1].strip()) <= {"*", "=", "-"}
+        body = lines[2:] if underlined else lines[1:]
         paragraphs = tuple(p.strip("\n") for p in "\n".join(body).split("\n\n") if p.strip())
         if paragraphs:
-            result.append(Topic(key=key, title=title, paragraphs=paragraphs))
-    return result
+            parsed.append((key, title, paragraphs))
+    units = _shared_text_units({key: paragraphs for key, _, paragraphs in parsed})
+    return [Topic(key, title, paragraphs, units[key]) for key, title, paragraphs in parsed]
+
+
+def _shared_text_units(texts: dict[str, tuple[str, ...]], min_line: int = 60) -> dict[str, str]:
+    parent = {key: key for key in texts}
+
+    def root(key: str) -> str:
+        while parent[key] != key:
+            key = parent[key]
+        return key
+
+    owner: dict[str, str] = {}
+    for key in sorted(texts):
+        for paragraph in texts[key]:
+            for line in paragraph.split("\n"):
+                line = " ".join(line.split())
+                if len(line) < min_line:
+                    continue
+                if line in owner:
+                    a, b = sorted((root(owner[line]), root(key)))
+                    parent[b] = a
+                else:
+                    owner[line] = key
+    return {key: f"topic:{root(key)}" for key in texts}
 
 
 def unit_rank(seed: int, unit: str) -> str:
