@@ -65,3 +65,21 @@ def test_a_16gram_hit_is_an_error_unless_allowed():
     assert report.leaking_windows(16) == ["leaky"]
     assert report.hits[16]["leaky"] == _brute(cal, windows[1], 16) == 5
     assert report.hits[16]["clean"] == 0
+
+
+def test_calibration_tokens_are_the_calibration_documents_of_the_split(tmp_path):
+    from healsweep.data.corpus import Document, load_corpus, write_corpus
+    from healsweep.data.leakage import calibration_tokens
+    from healsweep.data.split import parity_split
+    from healsweep.demo.tokenizer import load_demo_tokenizer
+
+    docs = [
+        Document("e1", "src", 1, "s", text="an eval text that is long enough"),
+        Document("k1", "cal", 0, "s", text="calibration words here", pool="calibration"),
+    ]
+    write_corpus(docs, tmp_path / "c.jsonl")
+    corpus = load_corpus(tmp_path / "c.jsonl")
+    tok = load_demo_tokenizer()
+    (got,) = calibration_tokens(corpus, parity_split(corpus), tok)
+    assert got.dtype == np.int32
+    assert tok.decode(got.tolist()) == "calibration words here"

@@ -111,3 +111,15 @@ def test_different_tokenizers_fail_with_one_clear_line(setup, tmp_path):
     assert "Traceback" not in run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "tokenizers" in lines[0] and "differ" in lines[0]
+
+
+def test_calibration_text_in_scored_windows_stops_the_run(setup, tmp_path):
+    root, ref, q4 = setup
+    from healsweep.data.corpus import load_corpus
+
+    docs = load_corpus(root / "corpus.jsonl").documents
+    leaked = Document("cal0", "cal", 0, "chat", messages=docs[0].messages, pool="calibration")
+    write_corpus([*docs, leaked], tmp_path / "leaky.jsonl")
+    run = _cli(tmp_path, "--model", q4, "--ref", ref, "--corpus", tmp_path / "leaky.jsonl")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "calibration text leaks" in run.stderr and "16-gram" in run.stderr

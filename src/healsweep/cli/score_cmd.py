@@ -50,6 +50,12 @@ def score(
         ),
     ] = None,
     batch: Annotated[int, typer.Option("--batch", min=1, help="Windows per forward.")] = 8,
+    allow_leakage: Annotated[
+        bool,
+        typer.Option(
+            "--allow-leakage", help="Score even if calibration 16-grams reach scored text."
+        ),
+    ] = False,
     cache_dir: Annotated[
         Path | None, typer.Option("--cache", help="Stage cache (default $HEALSWEEP_CACHE).")
     ] = None,
@@ -57,6 +63,7 @@ def score(
     """Teacher-forced KLD(ref || model), top-1, delta-p, perplexity and router agreement."""
     from healsweep.cache import StageCache
     from healsweep.data.corpus import load_corpus
+    from healsweep.data.leakage import calibration_tokens, check_leakage
     from healsweep.data.split import load_split, parity_split
     from healsweep.data.windows import interleave_strata, make_windows
     from healsweep.gguf_io import open_model
@@ -79,10 +86,13 @@ def score(
         docs, teacher.tokenizer(), cfg, split, max_scored=max_scored, max_context=max_context
     )
     windows = interleave_strata(every, max_windows)
+    calibration = calibration_tokens(docs, cfg, teacher.tokenizer())
+    leakage = check_leakage(calibration, windows, allow_leakage=allow_leakage)
     typer.echo(f"ref        {teacher.path}  ({teacher.fingerprint[:16]})")
     typer.echo(f"model      {student.path}  ({student.fingerprint[:16]})")
     typer.echo(f"tokenizer  identical token lists ({n_vocab} tokens)")
     typer.echo(f"windows    {len(windows)} of {len(every)} in split {split!r} of corpus {corpus}")
+    typer.echo(f"leakage    vs {len(calibration)} calibration documents: {leakage.summary()}")
     report = score_report(
         teacher, student, windows, StageCache(cache_dir), batch=batch, progress=_progress
     )
@@ -97,6 +107,7 @@ def score(
             "split": split,
             "max_scored": max_scored,
             "max_context": max_context,
+            "leakage": {str(n): leakage.total(n) for n in leakage.ns},
             **report,
         }
         json_out.parent.mkdir(parents=True, exist_ok=True)

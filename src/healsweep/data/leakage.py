@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +73,13 @@ class LeakageReport:
         return "; ".join(parts)
 
 
+def calibration_tokens(corpus: Any, split_cfg: Any, tokenizer: Any) -> list[np.ndarray]:
+    """Token ids of every document that ``split_cfg`` assigns to ``calibration``."""
+    docs = [d for d in getattr(corpus, "documents", corpus) if split_cfg.assign(d) == "calibration"]
+    encodings = tokenizer.encode_batch([d.render() for d in docs], add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+
 def check_leakage(
     calibration_tokens: Sequence[np.ndarray],
     windows: Sequence,
@@ -117,6 +125,7 @@ def check_leakage(
 __all__ = [
     "DEFAULT_NS",
     "LeakageReport",
+    "calibration_tokens",
     "check_leakage",
     "completed_ngram_hits",
     "ngram_set",
