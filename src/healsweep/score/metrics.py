@@ -19,6 +19,21 @@ import numpy as np
 from healsweep.kernels.kld import token_stats, topk_jaccard
 
 QUANTILES = {"kld_p50": 0.5, "kld_p90": 0.9, "kld_p99": 0.99, "kld_p999": 0.999}
+_MIN_ROWS = 8
+
+
+def _bucket(n: int) -> int:
+    """Rows padded to a power of two (>= 8): a handful of shapes for the jitted kernels."""
+    return max(_MIN_ROWS, 1 << max(0, n - 1).bit_length())
+
+
+def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+    """``x`` with zero rows appended up to ``rows`` (zero logits: a uniform row, KL 0)."""
+    x = np.asarray(x)
+    if x.shape[0] == rows:
+        return x
+    pad = np.zeros((rows - x.shape[0], *x.shape[1:]), dtype=x.dtype)
+    return np.concatenate([x, pad])
 
 
 @dataclass(frozen=True)
@@ -86,10 +101,12 @@ def router_agreement(
         )
     if not teacher_topk:
         return float("nan"), np.zeros(0, dtype=np.float32)
-    per_token = [
-        np.asarray(topk_jaccard(np.asarray(t), np.asarray(s)))  # [T]
-        for t, s in zip(teacher_topk, student_topk, strict=True)
-    ]
+    per_token = []
+    for t, s in zip(teacher_topk, student_topk, strict=True):
+        n = len(t)
+        rows = _bucket(n)
+        padded = topk_jaccard(_pad_rows(t, rows), _pad_rows(s, rows))  # [rows]
+        per_token.append(np.asarray(padded)[:n])
     per_layer = np.array([float(j.mean()) for j in per_token], dtype=np.float32)  # [L]
     return float(np.mean(np.concatenate(per_token))), per_layer
 
@@ -107,14 +124,19 @@ def window_metrics(
     ``teacher_topk, student_topk``: per layer ``[n, k]`` router top-k ids at the same positions
     (empty sequences skip router agreement).
     """
-    stats = token_stats(teacher_logits, student_logits, np.asarray(next_ids, dtype=np.int32))
-    kld = np.asarray(stats.kld, dtype=np.float32)  # [n]
-    logp_t = np.asarray(stats.teacher_logp_next, dtype=np.float32)  # [n]
-    logp_s = np.asarray(stats.student_logp_next, dtype=np.float32)  # [n]
-    agree = np.asarray(stats.top1_agree)
-    n = int(kld.shape[0])
+    n = len(next_ids)
     if n == 0:
         raise ValueError("window_metrics: a window needs at least one scored token")
+    rows = _bucket(n)
+    stats = token_stats(
+        _pad_rows(teacher_logits, rows),
+        _pad_rows(student_logits, rows),
+        _pad_rows(np.asarray(next_ids, dtype=np.int32), rows),
+    )
+    kld = np.asarray(stats.kld, dtype=np.float32)[:n]  # [n]
+    logp_t = np.asarray(stats.teacher_logp_next, dtype=np.float32)[:n]  # [n]
+    logp_s = np.asarray(stats.student_logp_next, dtype=np.float32)[:n]  # [n]
+    agree = np.asarray(stats.top1_agree)[:n]
     jaccard, jaccard_layers = router_agreement(teacher_topk, student_topk)
     quantiles = {name: float(np.quantile(kld, q)) for name, q in QUANTILES.items()}
     top1_count = int(agree.sum())
