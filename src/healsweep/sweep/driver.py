@@ -165,6 +165,8 @@ def _search(spec: SweepSpec) -> tuple[Any, dict[str, Any], int]:
     import optuna
     from ray.tune.search.optuna import OptunaSearch
 
+    optuna.logging.set_verbosity(logging.WARNING)  # no "study created" lines on the console
+
     if spec.sampler.type == "tpe":
         sampler = optuna.samplers.TPESampler(seed=spec.sampler.seed)
     else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +84,13 @@ class WindowPruningScheduler(FIFOScheduler):
         import optuna
 
         if self.kind == "wilcoxon":
-            return optuna.pruners.WilcoxonPruner(
-                p_threshold=self.p_threshold, n_startup_steps=self.n_startup_steps
-            )
+            with (
+                warnings.catch_warnings()
+            ):  # "experimental" since optuna 3.6; the API is what we use
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.pruners.WilcoxonPruner(
+                    p_threshold=self.p_threshold, n_startup_steps=self.n_startup_steps
+                )
         return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=self.n_startup_steps)
 
     @property

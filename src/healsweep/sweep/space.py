@@ -20,7 +20,7 @@ from typing import Any
 from healsweep.cache import canonical_json
 from healsweep.errors import KnobError, SpecError
 from healsweep.heal.knobs import Knobs
-from healsweep.sweep.spec import ChoicesSpec, RangeSpec, SweepSpec, locate
+from healsweep.sweep.spec import ChoicesSpec, RangeSpec, SweepSpec, field_name, locate
 
 KNOB_NAMES: tuple[str, ...] = tuple(Knobs.model_fields)
 _DEFAULTS = Knobs().model_dump()
@@ -110,8 +110,9 @@ def _check_value(knob: str, value: Any, path: tuple, where: str, lines: Mapping)
     try:
         return Knobs(**{knob: value}).model_dump()[knob]
     except KnobError as exc:
-        name = ".".join(str(p) for p in path[:2]) + "".join(f"[{p}]" for p in path[2:])
-        raise SpecError(f"{locate(where, lines, path)}: field '{name}': {exc}") from None
+        raise SpecError(
+            f"{locate(where, lines, path)}: field '{field_name(path)}': {exc}"
+        ) from None
 
 
 def _check_dimension(spec: SweepSpec, knob: str, where: str, lines: Mapping) -> None:

@@ -41,11 +41,12 @@ ALLOWED = {
     "max_concurrent": "an integer >= 1",
     "max_failures": "an integer >= 0",
     "results": "a directory path (the results root)",
-    "scoring": "a mapping with max_scored, max_context, max_windows, checkpoint_every",
+    "scoring": "a mapping with max_scored, max_context, max_windows, checkpoint_every, batch",
     "scoring.max_scored": "an integer in [1, 4096]",
     "scoring.max_context": "an integer >= 1, or null for no cap",
     "scoring.max_windows": "an integer >= 1, or null for every dev window",
     "scoring.checkpoint_every": "an integer >= 1 (windows between trial checkpoints)",
+    "scoring.batch": "an integer in [1, 256] (windows per student forward)",
     "seed": "an integer (seeds each trial's window order)",
 }
 
@@ -76,6 +77,7 @@ class ScoringSpec(_Strict):
     max_context: int | None = Field(default=None, ge=1)
     max_windows: int | None = Field(default=None, ge=1)
     checkpoint_every: int = Field(default=1, ge=1)
+    batch: int = Field(default=4, ge=1, le=256)
 
 
 class RangeSpec(_Strict):
@@ -95,7 +97,7 @@ class ChoicesSpec(_Strict):
 class SweepSpec(_Strict):
     """A validated sweep spec (see ``sweeps/*.yaml`` for examples)."""
 
-    name: str
+    name: str = Field(pattern=NAME_PATTERN.pattern)
     model: str = "demo"
     corpus: str = "demo"
     split: str = "auto"
@@ -236,8 +238,10 @@ def _pydantic_error(exc: ValidationError, raw: Mapping, where: str, lines: Mappi
         parent = field_name(loc[:-1])
         known = _known_fields(parent)
         return SpecError(f"{at}: unknown field '{name}'; known fields: {known}")
-    value = _lookup(raw, loc)
-    allowed = ALLOWED.get(_generic(loc)) or err["msg"]
+    if err["type"] == "missing":
+        return SpecError(f"{at}: field '{name}' is missing; expected {_allowed(loc) or err['msg']}")
+    value = err.get("input", _lookup(raw, loc))
+    allowed = _allowed(loc) or err["msg"]
     return SpecError(f"{at}: field '{name}' = {value!r} is not allowed; expected {allowed}")
 
 
@@ -249,10 +253,12 @@ def _known_fields(parent: str) -> str:
     return ", ".join(model.model_fields) if model else "see the spec reference"
 
 
-def _generic(loc: tuple) -> str:
-    if loc and loc[0] == "search_space":
-        return "search_space"
-    return ".".join(str(p) for p in loc[:2] if isinstance(p, str))
+def _allowed(loc: tuple) -> str | None:
+    names = [str(p) for p in loc if isinstance(p, str)]
+    for cut in (2, 1):
+        if len(names) >= cut and ".".join(names[:cut]) in ALLOWED:
+            return ALLOWED[".".join(names[:cut])]
+    return None
 
 
 def _lookup(raw: Any, loc: tuple) -> Any:

@@ -101,7 +101,7 @@ def run_trial_work(
     index = {w.window_id: i for i, w in enumerate(windows)}
     cache = StageCache()
     student = build_student(teacher, knobs, spec.calibration_config(), cache)
-    for window, metrics in score_windows(teacher, student, todo, cache):
+    for window, metrics in score_windows(teacher, student, todo, cache, batch=spec.scoring.batch):
         wi = index[window.window_id]
         yield WindowResult(
             window_id=window.window_id,

@@ -1,0 +1,140 @@
+"""The pruning scheduler: paired Wilcoxon decisions against the best completed trial (checked
+against scipy), the baseline never pruned, and a journal that outlives the scheduler object."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+import optuna
+from ray.tune.schedulers import TrialScheduler
+from scipy import stats
+
+from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
+
+
+@dataclass
+class _TuneTrial:
+    """The two attributes of a Tune trial the scheduler reads (a stand-in for Ray's class)."""
+
+    trial_id: str
+    recover: bool = False
+
+    def should_recover(self) -> bool:
+        return self.recover
+
+
+N_WINDOWS = 40
+RNG = np.random.default_rng(7)
+WINDOW_DIFFICULTY = RNG.uniform(0.02, 0.2, N_WINDOWS)
+
+
+def _result(index: int, kld: float, done: int, baseline: bool = False) -> dict:
+    return {
+        "window_id": f"w{index:03d}",
+        "window_index": index,
+        "kld_mean": kld,
+        "windows_done": done,
+        "windows_total": N_WINDOWS,
+        "running_kld_mean": kld,
+        "is_baseline": baseline,
+        "config_hash": "base" if baseline else "cand",
+    }
+
+
+def _run_complete(sched, trial, values, baseline=False):
+    for done, (index, value) in enumerate(values, start=1):
+        decision = sched.on_trial_result(None, trial, _result(index, value, done, baseline))
+        assert decision == TrialScheduler.CONTINUE
+    pooled = float(np.mean([v for _, v in values]))
+    sched.on_trial_complete(None, trial, {**_result(0, 0, N_WINDOWS), "running_kld_mean": pooled})
+
+
+def test_worse_trial_is_pruned_exactly_when_scipy_says_so(tmp_path):
+    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "wilcoxon", 0.05, n_startup_steps=5)
+    base = _TuneTrial("base")
+    _run_complete(sched, base, list(enumerate(WINDOW_DIFFICULTY)), baseline=True)
+
+    worse = _TuneTrial("worse")
+    order = RNG.permutation(N_WINDOWS)
+    noise = RNG.normal(0, 0.01, N_WINDOWS)
+    candidate = WINDOW_DIFFICULTY * 1.15 + noise
+    stopped_at = None
+    for done, index in enumerate(order, start=1):
+        decision = sched.on_trial_result(
+            None, worse, _result(int(index), float(candidate[index]), done)
+        )
+        seen = order[:done]
+        diffs = candidate[seen] - WINDOW_DIFFICULTY[seen]
+        # Optuna's rule: p < threshold on the paired differences, unless the best trial's mean
+        # over all its windows is no better than this trial's mean so far (its safety check).
+        expect_prune = (
+            done >= 5
+            and stats.wilcoxon(diffs, alternative="greater", zero_method="zsplit").pvalue < 0.05
+            and WINDOW_DIFFICULTY.mean() < candidate[seen].mean()
+        )
+        assert (decision == TrialScheduler.STOP) == expect_prune, done
+        if decision == TrialScheduler.STOP:
+            stopped_at = done
+            break
+    assert stopped_at is not None and stopped_at < N_WINDOWS // 2
+    assert "worse" in sched.pruned
+    study = sched.study
+    states = {t.user_attrs["tune_trial_id"]: t.state.name for t in study.get_trials()}
+    assert states == {"base": "COMPLETE", "worse": "PRUNED"}
+    # intermediate values are keyed by the window's global index, not by report count
+    worse_trial = next(t for t in study.get_trials() if t.user_attrs["tune_trial_id"] == "worse")
+    assert set(worse_trial.intermediate_values) == {int(i) for i in order[:stopped_at]}
+
+
+def test_baseline_is_never_pruned_and_last_window_never_pruned(tmp_path):
+    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "wilcoxon", 0.5, n_startup_steps=2)
+    _run_complete(sched, _TuneTrial("best"), list(enumerate(WINDOW_DIFFICULTY * 0.5)))
+    base = _TuneTrial("base")
+    for done, index in enumerate(range(N_WINDOWS), start=1):
+        decision = sched.on_trial_result(None, base, _result(index, 5.0, done, baseline=True))
+        assert decision == TrialScheduler.CONTINUE
+    late = _TuneTrial("late")
+    last = _result(0, 9.0, N_WINDOWS)  # first report of a resumed trial, already at the end
+    assert sched.on_trial_result(None, late, last) == TrialScheduler.CONTINUE
+
+
+def test_journal_keeps_the_history_across_a_restored_scheduler(tmp_path):
+    journal = tmp_path / JOURNAL_FILE
+    sched = WindowPruningScheduler(journal, "wilcoxon", 0.05, n_startup_steps=3)
+    _run_complete(sched, _TuneTrial("base"), list(enumerate(WINDOW_DIFFICULTY)), baseline=True)
+    running = _TuneTrial("running")
+    for done, index in enumerate(range(3), start=1):
+        sched.on_trial_result(None, running, _result(index, float(WINDOW_DIFFICULTY[index]), done))
+    restored = pickle.loads(pickle.dumps(sched))  # what Tune keeps in tuner.pkl
+    assert restored._study is None
+    # simulate a kill during an append: a half-written last line and a stale lock
+    with open(journal, "ab") as f:
+        f.write(b'{"op_code": 5, "worker_id": "x", "trial_id": 1, "ste')
+    (tmp_path / f"{JOURNAL_FILE}.lock").symlink_to(tmp_path / "nowhere")
+    repair_journal(journal)
+    study = restored.study
+    trials = {t.user_attrs["tune_trial_id"]: t for t in study.get_trials()}
+    assert trials["base"].state.name == "COMPLETE"
+    assert trials["running"].state.name == "RUNNING"
+    assert set(trials["running"].intermediate_values) == {0, 1, 2}
+    # the resumed trial's reports go to the same Optuna trial; a repeated step is not re-added
+    restored.on_trial_result(None, running, _result(2, 99.0, 3))
+    restored.on_trial_result(None, running, _result(3, float(WINDOW_DIFFICULTY[3]), 4))
+    again = optuna.load_study(study_name="healsweep-pruning", storage=study._storage)
+    values = next(t for t in again.get_trials() if t.user_attrs["tune_trial_id"] == "running")
+    assert values.intermediate_values[2] == float(WINDOW_DIFFICULTY[2])
+    assert set(values.intermediate_values) == {0, 1, 2, 3}
+
+
+def test_median_pruner_uses_running_mean(tmp_path):
+    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "median", 0.1, n_startup_steps=3)
+    _run_complete(sched, _TuneTrial("a"), list(enumerate(WINDOW_DIFFICULTY)))
+    bad = _TuneTrial("bad")
+    decisions = [
+        sched.on_trial_result(None, bad, {**_result(i, 1.0, i + 1), "running_kld_mean": 1.0})
+        for i in range(4)
+    ]
+    # steps 1-2 are warm-up; at step 3 the trial is pruned and stays pruned
+    assert decisions == [TrialScheduler.CONTINUE] * 2 + [TrialScheduler.STOP] * 2

@@ -1,0 +1,196 @@
+"""The sweep spec: every error names field, value and what is allowed; the search space expands
+into the trials the sweep will run (baseline first, no repeats); shipped specs are valid."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from healsweep.errors import SpecError
+from healsweep.heal.knobs import Knobs
+from healsweep.sweep.space import (
+    baseline_point,
+    config_hash,
+    grid_configs,
+    optuna_space,
+    planned_trials,
+    resolve_knobs,
+)
+from healsweep.sweep.spec import load_spec, spec_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_ablation_spec_is_the_audits_twelve_configs():
+    spec = load_spec(ROOT / "sweeps" / "demo-ablation.yaml")
+    configs = grid_configs(spec)
+    assert len(configs) == 12 == planned_trials(spec)
+    assert configs[0] == Knobs().model_dump()  # the shipped healer is the baseline, run first
+    expected = set(itertools.product(["gaussian", "mse", "none"], [True, False], [0.3, 0.0]))
+    assert {(c["alpha"], c["ridge"], c["gain_d"]) for c in configs} == expected
+    assert spec.pruner.type == "none" and spec.model == "demo" and spec.corpus == "demo"
+    assert Path(spec.split).is_file()  # resolved against the spec's folder
+
+
+def test_shipped_tune_spec_searches_five_knobs_with_wilcoxon():
+    spec = load_spec(ROOT / "sweeps" / "demo-tune.yaml")
+    assert set(spec.search_space) == {"gamma", "gain_gu", "gain_d", "rho", "eta"}
+    assert spec.sampler.type == "tpe" and spec.pruner.type == "wilcoxon"
+    space = optuna_space(spec)
+    assert space["rho"].log and space["rho"].low == 0.5
+    base = Knobs()
+    for knob, value in baseline_point(spec).items():  # the baseline is a legal first point
+        assert space[knob].low <= value <= space[knob].high
+        assert value == getattr(base, knob)
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = _write(tmp_path, "name: x\nsearch_space:\n  alpha: [gaussian, mse\n")
+    with pytest.raises(SpecError, match=r"spec\.yaml:\d+: YAML syntax error"):
+        load_spec(path)
+
+
+def test_unknown_field_names_it_its_line_and_the_known_fields(tmp_path):
+    path = _write(tmp_path, "name: x\nsampler: grid\nprunner: none\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    message = str(err.value)
+    assert "spec.yaml:3" in message and "'prunner'" in message and "pruner" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("raw", "pieces"),
+    [
+        ({"name": "../escape"}, ["'name'", "'../escape'", "letters, digits"]),
+        ({"name": "x", "sampler": "bayes"}, ["'sampler.type'", "'bayes'", "grid, tpe or random"]),
+        (
+            {"name": "x", "pruner": {"type": "wilcoxon", "p_threshold": 1.5}},
+            ["'pruner.p_threshold'", "1.5", "(0, 1)"],
+        ),
+        ({"name": "x", "max_concurrent": 0}, ["'max_concurrent'", "0", ">= 1"]),
+        ({"name": "x", "scoring": {"max_scored": 0}}, ["'scoring.max_scored'", "0", "[1, 4096]"]),
+        ({"name": "x", "resources": {"cpu": "many"}}, ["'resources.cpu'", "'many'", "amount"]),
+    ],
+)
+def test_field_errors_name_field_value_and_allowed(raw, pieces):
+    with pytest.raises(SpecError) as err:
+        spec_from_dict(raw)
+    for piece in pieces:
+        assert piece in str(err.value), (piece, str(err.value))
+
+
+@pytest.mark.parametrize(
+    ("space", "pieces"),
+    [
+        ({"gain_q": [0.1]}, ["search_space.gain_q", "unknown knob", "gain_d"]),
+        ({"gain_d": [0.3, 5.0]}, ["search_space.gain_d[1]", "5.0", "[0, 2]"]),
+        ({"alpha": ["gaussian", "cubic"]}, ["search_space.alpha[1]", "'cubic'", "gaussian, mse"]),
+        ({"ridge": ["yes"]}, ["search_space.ridge[0]", "'yes'", "true or false"]),
+        ({"gain_d": [0.3, 0.3]}, ["search_space.gain_d", "twice"]),
+        ({"gain_d": {"low": 0, "high": 1}}, ["search_space.gain_d", "with sampler grid"]),
+    ],
+)
+def test_grid_dimensions_are_checked_with_the_knob_rules(space, pieces):
+    with pytest.raises(SpecError) as err:
+        spec_from_dict({"name": "x", "search_space": space})
+    for piece in pieces:
+        assert piece in str(err.value), (piece, str(err.value))
+
+
+@pytest.mark.parametrize(
+    ("space", "extra", "pieces"),
+    [
+        ({"gamma": [0.1, 0.5]}, {}, ["search_space.gamma", "with sampler tpe", "choices"]),
+        ({"alpha": {"low": 0, "high": 1}}, {}, ["needs a float knob", "choices"]),
+        ({"gamma": {"low": 0.9, "high": 0.1}}, {}, ["low 0.9 must be below high 0.1"]),
+        ({"gain_d": {"low": 0.0, "high": 1.0, "log": True}}, {}, ["log range needs low > 0"]),
+        ({"rho": {"low": 0.0, "high": 10.0}}, {}, ["search_space.rho.low", "0.0", "(0, 1000]"]),
+        ({"gamma": {"low": 0.0, "high": 0.5}}, {}, ["baseline's gamma = 0.75", "outside"]),
+        ({"gamma": {"low": 0.0, "high": 1.0}}, {"num_samples": None}, ["'num_samples' is missing"]),
+        (
+            {"gamma": {"low": 0.0, "high": 1.0}},
+            {"fixed": {"ridge": False}},
+            ["fixed.ridge", "differs from the baseline"],
+        ),
+        (
+            {"gamma": {"low": 0.0, "high": 1.0}},
+            {"fixed": {"gamma": 0.5}},
+            ["both fixed and searched"],
+        ),
+    ],
+)
+def test_tpe_dimensions_and_baseline_consistency(space, extra, pieces):
+    raw = {"name": "x", "sampler": "tpe", "num_samples": 4, "search_space": space, **extra}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(SpecError) as err:
+        spec_from_dict(raw)
+    for piece in pieces:
+        assert piece in str(err.value), (piece, str(err.value))
+
+
+def test_grid_num_samples_must_match_the_grid():
+    with pytest.raises(SpecError, match="the grid has 4 configs"):
+        spec_from_dict({"name": "x", "num_samples": 6, "search_space": {"gain_d": [0.3, 0, 1, 2]}})
+
+
+def test_bad_baseline_knob_names_the_field_and_line(tmp_path):
+    path = _write(tmp_path, "name: x\nbaseline:\n  gamma: 3\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert (
+        "spec.yaml:3" in str(err.value) and "gamma" in str(err.value) and "[0, 1]" in str(err.value)
+    )
+
+
+def test_missing_model_file_is_reported(tmp_path):
+    path = _write(tmp_path, "name: x\nmodel: nowhere.gguf\n")
+    with pytest.raises(SpecError, match=r"'model' = .*nowhere\.gguf.*no such file"):
+        load_spec(path)
+
+
+def test_grid_puts_baseline_first_applies_fixed_and_drops_repeats():
+    spec = spec_from_dict(
+        {
+            "name": "x",
+            "baseline": {"gamma": 0.5},
+            "fixed": {"eta": 0.3},
+            "search_space": {"gain_d": [0.3, 0.0], "alpha": ["gaussian", "none"]},
+        }
+    )
+    configs = grid_configs(spec)
+    assert configs[0] == Knobs(gamma=0.5).model_dump()
+    # baseline (eta 0.15) differs from every grid point (eta 0.3): 1 + 4 trials, all distinct
+    assert len(configs) == 5 == len({config_hash(c) for c in configs})
+    assert all(c["eta"] == 0.3 and c["gamma"] == 0.5 for c in configs[1:])
+    # without fixed knobs, the grid point equal to the baseline is not run twice
+    plain = spec_from_dict({"name": "x", "search_space": {"gain_d": [0.3, 0.0]}})
+    assert [c["gain_d"] for c in grid_configs(plain)] == [0.3, 0.0]
+
+
+def test_resolve_knobs_from_tune_configs():
+    spec = spec_from_dict(
+        {
+            "name": "x",
+            "sampler": "random",
+            "num_samples": 3,
+            "fixed": {"alpha": "gaussian"},
+            "search_space": {"gamma": {"low": 0.0, "high": 1.0}},
+        }
+    )
+    assert resolve_knobs(spec, {"gamma": 0.75}) == Knobs()
+    assert resolve_knobs(spec, {"gamma": 0.2}) == Knobs(gamma=0.2)
+    assert resolve_knobs(spec, {"knobs": Knobs(eta=0.5).model_dump()}) == Knobs(eta=0.5)
+
+
+def test_config_hash_is_canonical():
+    assert config_hash(Knobs(gain_d=0)) == config_hash({"gain_d": 0.0})
+    assert config_hash(Knobs()) != config_hash(Knobs(gain_d=0.31))
