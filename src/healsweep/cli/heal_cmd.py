@@ -1,5 +1,173 @@
-"""`healsweep heal` commands."""
+"""`healsweep heal` (one config, no sweep) and `healsweep bench heal` (the routed-residual table)."""
 
 from __future__ import annotations
 
-from healsweep.cli._apps import app  # noqa: F401
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from healsweep.cli._apps import app, bench_app
+
+ModelArg = Annotated[str, typer.Argument(help="GGUF path, or `demo`.")]
+CorpusOpt = Annotated[str, typer.Option(
+    "--corpus", help="Corpus JSONL whose `pool: calibration` documents calibrate, or `demo`.")]
+MaxTokensOpt = Annotated[int | None, typer.Option(
+    "--max-tokens", min=1, help="Use at most this many calibration tokens (default: all).")]
+ChunkOpt = Annotated[int, typer.Option(
+    "--chunk-length", min=16, help="Tokens per traced sequence; longer documents are chunked.")]
+MinTokensOpt = Annotated[int, typer.Option(
+    "--min-tokens-per-expert", min=1,
+    help="Experts with fewer routed tokens use the layer-wide `act` statistic.")]
+CacheOpt = Annotated[Path | None, typer.Option(
+    "--cache", help="Stage cache directory (default: $HEALSWEEP_CACHE or ~/.cache/healsweep).")]
+
+
+def _calibration(corpus: str, max_tokens: int | None, chunk_length: int, min_tokens: int):
+    from healsweep.heal.knobs import CalibrationConfig
+
+    return CalibrationConfig(corpus=corpus, max_tokens=max_tokens, chunk_length=chunk_length,
+                             min_tokens_per_expert=min_tokens)
+
+
+def _progress(stage: str, message: str) -> None:
+    typer.echo(f"[{stage}] {message}")
+
+
+@app.command("heal")
+def heal(
+    model: ModelArg,
+    knobs: Annotated[Path, typer.Option("--knobs", help="Knob file (YAML); see configs/knobs/.")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the healed GGUF.")],
+    q2: Annotated[Path | None, typer.Option(
+        "--q2", help="Also write the packed Q2_0 blocks and alphas to this .npz sidecar.")] = None,
+    report: Annotated[Path | None, typer.Option(
+        "--report", help="Also write the stage report (alphas, residuals, ridge) as JSON.")] = None,
+    corpus: CorpusOpt = "demo",
+    max_tokens: MaxTokensOpt = None,
+    chunk_length: ChunkOpt = 512,
+    min_tokens_per_expert: MinTokensOpt = 16,
+    cache: CacheOpt = None,
+) -> None:
+    """Quantize the routed experts to Q2_0 and heal them under one knob file; write a GGUF.
+
+    The GGUF holds the healed experts dequantized to F16 (loadable by any GGUF tool) and every
+    other tensor as the model stores it; a ridge-healed shared-expert down projection keeps its
+    storage type.
+    """
+    from healsweep.cache import StageCache
+    from healsweep.gguf_io import open_model
+    from healsweep.heal.export import write_healed_gguf, write_q2_sidecar
+    from healsweep.heal.knobs import load_knobs
+    from healsweep.heal.pipeline import build_student
+
+    chosen = load_knobs(knobs)
+    calibration = _calibration(corpus, max_tokens, chunk_length, min_tokens_per_expert)
+    teacher = open_model(model)
+    stage_cache = StageCache(cache)
+    typer.echo(f"[heal] {teacher!r}")
+    typer.echo(f"[knobs] {' '.join(f'{k}={v}' for k, v in chosen.model_dump().items())}")
+    student = build_student(teacher, chosen, calibration, stage_cache, progress=_progress)
+    _print_calibration(student.report.get("calibration"))
+    timings = ", ".join(f"{k} {v:.2f}s" for k, v in student.report["timings_s"].items())
+    executed = ", ".join(f"{k} x{v}" for k, v in sorted(student.report["executed"].items()))
+    typer.echo(f"[stages] {timings}; computed (not from cache): {executed or 'nothing'}")
+    for warning in {(r.get("ridge") or {}).get("warning") for r in student.report["layers"]}:
+        if warning:
+            typer.echo(f"[warning] {warning}")
+    write_healed_gguf(student, out)
+    typer.echo(f"[write] {out}")
+    if q2 is not None:
+        write_q2_sidecar(student, q2)
+        typer.echo(f"[write] {q2}")
+    if report is not None:
+        report.write_text(json.dumps(student.report, indent=2, default=str))
+        typer.echo(f"[write] {report}")
+
+
+def _print_calibration(calibration: dict | None) -> None:
+    if not calibration:
+        typer.echo("[calib_trace] not needed by these knobs (no teacher pass)")
+        return
+    strata = ", ".join(f"{k} {v}" for k, v in calibration["tokens_per_stratum"].items())
+    typer.echo(f"[calib_trace] tokens per stratum: {strata}; inside tool calls: "
+               f"{calibration['tool_call_tokens']}")
+    lows = calibration["tokens_per_expert_min"]
+    starved = calibration["experts_below_min_tokens"]
+    typer.echo(f"[calib_trace] fewest tokens an expert got per layer: {lows}; experts below the "
+               f"act minimum per layer: {starved}")
+    cut = calibration.get("document_cut_by_max_tokens")
+    if cut:
+        typer.echo(f"[calib_trace] --max-tokens cut {cut['doc_id']} to {cut['kept']} of "
+                   f"{cut['of']} tokens; {calibration['tokens_available']} were available")
+
+
+@bench_app.command("heal")
+def bench_heal(
+    model: ModelArg = "demo",
+    knobs: Annotated[Path | None, typer.Option(
+        "--knobs", help="Base knobs (quantization and ridge); default: the shipped healer.")] = None,
+    corpus: CorpusOpt = "demo",
+    heldout_every: Annotated[int, typer.Option(
+        "--heldout-every", min=2, help="Hold out every n-th calibration document per stratum.")] = 4,
+    max_tokens: MaxTokensOpt = None,
+    chunk_length: ChunkOpt = 512,
+    cache: Annotated[Path | None, typer.Option(
+        "--cache", help="Stage cache directory (default: a fresh temporary one, so the first "
+        "trial's timings are cold).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Per-layer routed residual for alpha in {1, gaussian, mse} (+ ridge), cal and held-out."""
+    import tempfile
+
+    from healsweep.cache import StageCache
+    from healsweep.data.corpus import load_corpus
+    from healsweep.gguf_io import open_model
+    from healsweep.heal.evaluate import residual_table
+    from healsweep.heal.knobs import Knobs, load_knobs
+
+    base = load_knobs(knobs) if knobs else Knobs()
+    calibration = _calibration(corpus, max_tokens, chunk_length, 16)
+    with tempfile.TemporaryDirectory(prefix="healsweep-bench-") as scratch:
+        table = residual_table(open_model(model), load_corpus(corpus),
+                               StageCache(cache if cache is not None else scratch),
+                               calibration, base, heldout_every)
+    if as_json:
+        typer.echo(json.dumps(table, indent=2, default=str))
+        return
+    _print_table(table)
+
+
+def _pct(x: float | None) -> str:
+    return "    -  " if x is None else f"{100 * x:6.2f}%"
+
+
+def _print_table(table: dict) -> None:
+    from healsweep.heal.evaluate import VARIANTS
+
+    tokens = table["tokens"]
+    typer.echo(f"relative routed residual |y_ref - a*y_q|^2/|y_ref|^2; cal = {tokens['cal']} "
+               f"fit tokens (in-sample), held-out = {tokens['heldout']} tokens")
+    typer.echo("pooled over layers:")
+    typer.echo("  split    " + "".join(f"{v:>16}" for v in VARIANTS))
+    for split in ("cal", "heldout"):
+        typer.echo(f"  {split:<8} " + "".join(
+            f"{_pct(table['pooled'][f'{split}.{v}']):>16}" for v in VARIANTS))
+    typer.echo("per layer (cal | held-out):")
+    typer.echo("  layer  a_gauss  a_mse  a_oracle_ho   a=1 cal|ho        gauss cal|ho"
+               "        mse cal|ho         gauss+ridge cal|ho  rank  dof   ridge LOBO")
+    for row in table["rows"]:
+        cells = "".join(f"  {_pct(row[f'cal.{v}'])}|{_pct(row[f'heldout.{v}'])}"
+                        for v in ("alpha_1", "gaussian", "mse", "gaussian_ridge"))
+        dof = row.get("ridge.dof")
+        typer.echo(f"  {row['layer']:>5}  {row['alpha_gaussian']:7.4f} {row['alpha_mse']:6.4f} "
+                   f"{row['alpha_oracle_heldout']:9.4f}  {cells}  {row.get('ridge.rank') or '-':>4}"
+                   f"  {'-' if dof is None else f'{dof:5.1f}'}  {_pct(row.get('ridge.heldout_change'))}")
+    for warning in table["ridge_warnings"]:
+        typer.echo(f"warning: {warning}")
+    cold, warm = table["trial_cold"], table["trial_eta_only"]
+    typer.echo(f"one trial, cold cache: {cold['seconds']:.2f}s; stages: " + ", ".join(
+        f"{k} {v:.2f}s" for k, v in cold["timings_s"].items()))
+    typer.echo(f"same trial with only eta changed: {warm['seconds']:.2f}s; recomputed: "
+               + (", ".join(f"{k} x{v}" for k, v in warm["executed"].items()) or "nothing"))

@@ -1,0 +1,129 @@
+"""Routed-residual figures of Part A and Part B, in-sample and on a held-out calibration slice.
+
+The audit's §1.2 table: per layer, the relative routed residual ``|y_ref - alpha*y_q|² / |y_ref|²``
+for alpha = 1, the shipped Gaussian alpha and the MSE alpha fitted on the calibration trace, and
+with the shipped ridge on top, each on the calibration tokens (in-sample) and on calibration
+documents held out of the fit. With the ridge, the residual counts the shared expert's change:
+``|y_ref - alpha*y_q - gate * z·ΔWᵀ|² / |y_ref|²`` with ΔW the stored (requantized) update.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from healsweep.cache import StageCache
+from healsweep.heal import stages
+from healsweep.heal.knobs import CalibrationConfig, Knobs
+from healsweep.heal.pipeline import Student, build_student
+from healsweep.heal.trace import calibration_documents, calibration_trace
+
+VARIANTS = ("alpha_1", "gaussian", "mse", "gaussian_ridge", "mse_ridge")
+
+
+def heldout_split(corpus: Any, calibration: CalibrationConfig, every: int = 4
+                  ) -> tuple[CalibrationConfig, CalibrationConfig]:
+    """(fit, held-out) configs: every ``every``-th calibration document of each stratum is held out."""
+    docs = calibration_documents(corpus, calibration)
+    position: dict[str, int] = {}
+    held = []
+    for doc in docs:
+        n = position.get(doc.stratum, 0)
+        position[doc.stratum] = n + 1
+        if n % every == every - 1:
+            held.append(doc.doc_id)
+    kept = [d.doc_id for d in docs if d.doc_id not in set(held)]
+    excluded = tuple(calibration.exclude_doc_ids)
+    fit = calibration.model_copy(update={"exclude_doc_ids": excluded + tuple(held)})
+    heldout = calibration.model_copy(update={"exclude_doc_ids": excluded + tuple(kept)})
+    return fit, heldout
+
+
+def _energies(y_ref: np.ndarray, y_q: np.ndarray, alpha: float,
+              shared_change: np.ndarray | None = None) -> tuple[float, float]:
+    """(|y_ref - alpha*y_q - shared_change|², |y_ref|²) in float64 on host."""
+    residual = y_ref.astype(np.float64) - alpha * y_q.astype(np.float64)
+    if shared_change is not None:
+        residual -= shared_change
+    return float(np.sum(residual**2)), float(np.sum(y_ref.astype(np.float64) ** 2))
+
+
+def _shared_change(student: Student, layer: int, trace_layer: dict[str, np.ndarray]):
+    new = student.replacements[layer].down_shexp
+    if new is None:
+        return None
+    old = student.base.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # [D, Fs]
+    z_gated = trace_layer["z"].astype(np.float64) * trace_layer["gate"][:, None]
+    return z_gated @ (np.asarray(new, np.float64) - old).T  # [T, D]
+
+
+def residual_table(
+    model: Any, corpus: Any, cache: StageCache, calibration: CalibrationConfig,
+    base: Knobs | None = None, every: int = 4,
+) -> dict[str, Any]:
+    """Per-layer and pooled residuals of every variant, in-sample and held-out, plus timings."""
+    base = base or Knobs()
+    fit_cfg, held_cfg = heldout_split(corpus, calibration, every)
+    start = time.perf_counter()
+    shipped = build_student(model, base.replace(alpha="gaussian"), fit_cfg, cache, corpus=corpus)
+    cold = {"seconds": time.perf_counter() - start, "timings_s": shipped.report["timings_s"],
+            "executed": shipped.report["executed"]}
+    start = time.perf_counter()
+    eta_only = build_student(model, base.replace(alpha="gaussian", eta=base.eta * 2), fit_cfg,
+                             cache, corpus=corpus)
+    warm = {"seconds": time.perf_counter() - start, "executed": eta_only.report["executed"]}
+    mse = build_student(model, base.replace(alpha="mse", gamma=0.0), fit_cfg, cache, corpus=corpus)
+    fit_trace = calibration_trace(model, fit_cfg, cache, corpus)
+    held_trace = calibration_trace(model, held_cfg, cache, corpus)
+
+    rows, totals = [], {}
+    for layer in range(model.hparams.n_layer):
+        qkey = stages.quantize_key(model, base, fit_trace.key, layer)
+        experts = stages.q2_weights(cache.get_or_compute("quantize", qkey, _missing)[0])
+        row: dict[str, Any] = {"layer": layer, "alpha_gaussian": shipped.alphas[layer],
+                               "alpha_mse": mse.alphas[layer]}
+        for split, trace in (("cal", fit_trace), ("heldout", held_trace)):
+            arrays = trace.layer(layer)
+            rkey = stages.routed_q_key(qkey, trace.key, layer)
+            y_q = cache.get_or_compute("routed_q", rkey, lambda arrays=arrays, experts=experts: (
+                {"y_q": stages.routed_output(experts, arrays, model.hparams.n_expert)}, {}))[0]["y_q"]
+            y_ref = arrays["y_ref"]
+            variants = {
+                "alpha_1": _energies(y_ref, y_q, 1.0),
+                "gaussian": _energies(y_ref, y_q, shipped.alphas[layer]),
+                "mse": _energies(y_ref, y_q, mse.alphas[layer]),
+                "gaussian_ridge": _energies(y_ref, y_q, shipped.alphas[layer],
+                                            _shared_change(shipped, layer, arrays)),
+                "mse_ridge": _energies(y_ref, y_q, mse.alphas[layer],
+                                       _shared_change(mse, layer, arrays)),
+            }
+            if split == "heldout":
+                row["alpha_oracle_heldout"] = float(
+                    np.sum(y_ref.astype(np.float64) * y_q) / np.sum(y_q.astype(np.float64) ** 2))
+            for name, (res, ref) in variants.items():
+                row[f"{split}.{name}"] = res / ref if ref > 0 else 0.0
+                acc = totals.setdefault(f"{split}.{name}", [0.0, 0.0])
+                acc[0] += res
+                acc[1] += ref
+        ridge = shipped.report["layers"][layer].get("ridge") or {}
+        row.update({f"ridge.{k}": ridge.get(k) for k in
+                    ("rank", "dof", "in_sample_change", "heldout_change",
+                     "realized_in_sample_change")})
+        rows.append(row)
+    return {
+        "rows": rows,
+        "pooled": {k: res / ref if ref > 0 else 0.0 for k, (res, ref) in totals.items()},
+        "tokens": {"cal": fit_trace.report["tokens_used"],
+                   "heldout": held_trace.report["tokens_used"]},
+        "calibration_report": fit_trace.report,
+        "ridge_warnings": sorted({(r.get("ridge") or {}).get("warning") or ""
+                                  for r in shipped.report["layers"]} - {""}),
+        "trial_cold": cold,
+        "trial_eta_only": warm,
+    }
+
+
+def _missing():
+    raise RuntimeError("residual_table: the quantized experts should already be cached")

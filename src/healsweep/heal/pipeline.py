@@ -1,0 +1,187 @@
+"""``build_student``: one trial's healed student, composed from cached stages.
+
+The stages run layer by layer (only one layer's teacher weights and trace in memory at a time):
+
+    calib_trace ─► quantize ─► routed_q ─► part_a ─► part_b
+    (teacher)      (Q2_0)      (y_q on the     (alpha)   (ridge on ffn_down_shexp,
+                               same inputs)              requantized to its type)
+
+Stages that a knob setting does not need are skipped: with ``alpha: none`` (or ``gaussian``),
+``ridge: false`` and no ``act`` importance the teacher is never traced. Each stage is served from
+the cache when its key (DESIGN.md) is present, so a sweep over ``eta`` re-uses the quantized
+experts and their routed outputs, and a sweep over ``gain_d`` re-uses the teacher trace.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from healsweep.cache import StageCache, content_key
+from healsweep.heal import stages
+from healsweep.heal.knobs import CalibrationConfig, Knobs
+from healsweep.heal.trace import Trace, calibration_trace
+from healsweep.kernels import alpha as alpha_kernels
+
+STUDENT_VERSION = 1
+Progress = Callable[[str, str], None]
+
+
+@dataclass
+class Student:
+    """A healed student: the base model plus per-layer replacements, and what built it."""
+
+    base: Any  # the teacher's GGUFModel
+    replacements: dict[int, Any]  # layer → LayerReplacement (Q2Weight experts, healed shexp)
+    report: dict[str, Any]
+    key: str
+    knobs: Knobs
+    alphas: list[float] = field(default_factory=list)
+    shexp_raw: dict[int, np.ndarray] = field(default_factory=dict)  # requantized bytes/values
+
+
+def needs_trace(knobs: Knobs, model: Any) -> bool:
+    """Whether any stage of this trial reads the calibration trace."""
+    ridge = knobs.ridge and model.hparams.n_ff_shexp > 0
+    return knobs.alpha == "mse" or ridge or knobs.uses_activation_statistics()
+
+
+def scaled_down(down: Any, alpha: float) -> Any:
+    """The down experts with every scale d multiplied by alpha (stored back as fp16)."""
+    if alpha == 1.0:
+        return down
+    from healsweep.kernels.q2_0 import Q2Weight
+
+    if hasattr(down, "scale_d"):
+        return down.scale_d(alpha)
+    d = (np.asarray(down.d, np.float32) * np.float32(alpha)).astype(np.float16)
+    return Q2Weight(d=d, q=down.q)
+
+
+class _Timer:
+    """Wall seconds per stage, summed over layers (cache hits included: that is what a trial pays)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def run(self, stage: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+def build_student(
+    model: Any,
+    knobs: Knobs,
+    calibration: CalibrationConfig,
+    cache: StageCache,
+    *,
+    corpus: Any | None = None,
+    progress: Progress | None = None,
+) -> Student:
+    """Quantize and heal every layer of ``model`` under ``knobs``; stages come from ``cache``.
+
+    ``corpus`` overrides loading ``calibration.corpus`` (tests and benchmarks pass one they
+    built); ``progress(stage, message)`` is called as stages finish (the CLI prints it).
+    """
+    from healsweep.model import LayerReplacement
+
+    say = progress or (lambda stage, message: None)
+    hp = model.hparams
+    timer = _Timer()
+    computed_before = dict(cache.computed)
+    trace: Trace | None = None
+    if needs_trace(knobs, model):
+        trace = timer.run("calib_trace", lambda: calibration_trace(model, calibration, cache, corpus))
+        say("calib_trace", f"{trace.report['tokens_used']} calibration tokens in "
+                           f"{trace.report['chunks']} chunks")
+    replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
+    for i in range(hp.n_layer):
+        weights = model.layer(i)
+        trace_layer = timer.run("calib_trace", lambda i=i: trace.layer(i)) if trace else None
+        built = _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache, timer)
+        experts, alpha, shexp, report, layer_keys = built
+        replacements[i] = LayerReplacement(
+            gate_exps=experts["gate"], up_exps=experts["up"],
+            down_exps=scaled_down(experts["down"], alpha),
+            down_shexp=None if shexp is None else shexp["dense"],
+        )
+        if shexp is not None:
+            shexp_raw[i] = shexp["raw"]
+        alphas.append(alpha)
+        layer_reports.append(report)
+        keys.append(layer_keys)
+        say(f"layer {i + 1}/{hp.n_layer}", _layer_line(report))
+    report = {
+        "knobs": knobs.model_dump(),
+        "calibration": trace.report if trace else None,
+        "trace_key": trace.key if trace else None,
+        "layers": layer_reports,
+        "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
+        "executed": {k: v - computed_before.get(k, 0) for k, v in cache.computed.items()
+                     if v != computed_before.get(k, 0)},
+    }
+    key = content_key("student", STUDENT_VERSION, {"layers": keys})
+    return Student(model, replacements, report, key, knobs, alphas, shexp_raw)
+
+
+def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache, timer):
+    """One layer through quantize → routed_q → part_a → part_b (each cached)."""
+    act = knobs.uses_activation_statistics()
+    qkey = stages.quantize_key(model, knobs, trace.key if trace else None, i)
+    q_arrays, _ = timer.run("quantize", lambda: cache.get_or_compute(
+        "quantize", qkey, lambda: (stages.quantize_layer(
+            weights, knobs, trace_layer if act else None, calibration), {})))
+    experts = stages.q2_weights(q_arrays)
+
+    rkey, y_q = None, None
+    if trace_layer is not None:
+        rkey = stages.routed_q_key(qkey, trace.key, i)
+        y_q = timer.run("routed_q", lambda: cache.get_or_compute("routed_q", rkey, lambda: (
+            {"y_q": stages.routed_output(experts, trace_layer, model.hparams.n_expert)}, {}))
+        )[0]["y_q"]
+
+    akey = stages.part_a_key(knobs, model, qkey, rkey if knobs.alpha == "mse" else None, i)
+
+    def compute_alpha():
+        if knobs.alpha == "gaussian":
+            value = stages.gaussian_alpha(weights, experts, knobs.gamma)
+        elif knobs.alpha == "mse":
+            value = float(alpha_kernels.alpha_mse(trace_layer["y_ref"], y_q, knobs.gamma))
+        else:
+            value = 1.0
+        return {"alpha": np.float32(value)}, {}
+
+    alpha = float(timer.run("part_a", lambda: cache.get_or_compute("part_a", akey, compute_alpha)
+                            )[0]["alpha"])
+    report: dict[str, Any] = {"layer": i, "alpha": alpha}
+    if y_q is not None:
+        report.update(stages.residual_report(trace_layer["y_ref"], y_q, alpha))
+
+    shexp, bkey = None, None
+    if knobs.ridge and model.hparams.n_ff_shexp > 0:
+        bkey = stages.part_b_key(knobs, model, akey, rkey, i)
+        shexp, stats = timer.run("part_b", lambda: cache.get_or_compute("part_b", bkey, lambda: (
+            stages.ridge_layer(model, i, trace_layer, y_q, alpha, knobs))))
+        stats = dict(stats)
+        stats["residual_after_ridge"] = report["residual"] * (1 + stats["realized_in_sample_change"])
+        report["ridge"] = stats
+    return experts, alpha, shexp, report, {"quantize": qkey, "part_a": akey, "part_b": bkey}
+
+
+def _layer_line(report: dict[str, Any]) -> str:
+    line = f"alpha {report['alpha']:.4f}"
+    if "residual" in report:
+        line += (f", routed residual {100 * report['residual_alpha_1']:.2f}% at alpha=1 → "
+                 f"{100 * report['residual']:.2f}%")
+    if "ridge" in report:
+        ridge = report["ridge"]
+        line += (f", ridge rank {ridge['rank']} dof {ridge['dof']:.1f} "
+                 f"held-out {100 * ridge['heldout_change']:+.2f}%")
+    return line
