@@ -50,3 +50,59 @@ def demo_corpus(
         f"calibration candidates dropped for a shared 16-gram: {report['calibration_dropped']}; "
         f"vocab {report['vocab_size']}; {report['seconds']} s"
     )
+
+
+def _deterministic_gpu_ops() -> None:
+    """Ask XLA for deterministic GPU kernels; must run before jax starts a backend."""
+    import os
+
+    flag = "--xla_gpu_deterministic_ops=true"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_deterministic_ops" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+@demo_app.command("build")
+def demo_build(
+    seed: Annotated[int, typer.Option("--seed", help="Seed of corpus, tokenizer and model.")] = 0,
+    out_dir: Annotated[
+        Path, typer.Option("--out-dir", help="Folder for demo-corpus.jsonl, "
+                           "demo-tokenizer.json and demo-moe.gguf.")
+    ] = Path("demo-build"),
+    steps: Annotated[
+        int | None,
+        typer.Option("--steps", min=1, help="Training steps (default: the shipped recipe's)."),
+    ] = None,
+    figures: Annotated[
+        bool, typer.Option("--figures/--no-figures",
+                           help="Afterwards, score dev perplexity and the expert load.")
+    ] = True,
+) -> None:
+    """Regenerate the demo corpus, tokenizer and trained MoE model from a seed."""
+    _deterministic_gpu_ops()
+    from healsweep.data.corpus import load_corpus
+    from healsweep.demo.build import build_demo, demo_figures, demo_train_config
+    from healsweep.gguf_io import open_model
+
+    recipe = demo_train_config(seed, steps)
+    typer.echo(f"building corpus and tokenizer, then training {recipe.steps} steps of "
+               f"{recipe.batch_size}x{recipe.seq_len} tokens (seed {seed}) into {out_dir}")
+
+    def progress(log, _params) -> None:
+        typer.echo(f"step {log.step:>6}  loss {log.loss:.4f}  nll {log.nll:.4f}  "
+                   f"balance {log.aux:.4f}")
+
+    built = build_demo(out_dir, seed=seed, steps=steps, progress=progress)
+    times = ", ".join(f"{stage} {sec:.0f} s" for stage, sec in built.seconds.items())
+    typer.echo(f"wrote {built.model_path} (trained on {built.backend}; {times})")
+    if not figures:
+        return
+    model = open_model(built.model_path)
+    found = demo_figures(model, load_corpus(built.corpus_path), model.tokenizer())
+    typer.echo(f"dev perplexity {found.dev_perplexity:.2f} over {found.dev_tokens} tokens; "
+               f"unigram baseline {found.unigram_perplexity:.2f}")
+    share = found.expert_load * 100
+    typer.echo(f"routed share per expert on the calibration pool ({found.calibration_tokens} "
+               f"tokens), %: min {share.min():.2f}, max {share.max():.2f}")
+    for layer, row in enumerate(share):
+        typer.echo(f"  layer {layer}: " + " ".join(f"{s:4.1f}" for s in row))

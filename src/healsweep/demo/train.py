@@ -59,8 +59,8 @@ class TrainConfig:
     """Optimization recipe (defaults: the recipe of the shipped model)."""
 
     steps: int = 1500
-    batch_size: int = 16
-    seq_len: int = 512
+    batch_size: int = 8
+    seq_len: int = 1024
     learning_rate: float = 3e-3
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
@@ -379,3 +379,39 @@ def train(
             if progress is not None:
                 progress(record, params)
     return TrainResult(params, history)
+
+
+# --- held-out evaluation ------------------------------------------------------------------------
+
+
+class Evaluation(NamedTuple):
+    """Mean next-token NLL over held-out sequences and the routed share of every expert."""
+
+    nll: float
+    tokens: int
+    expert_share: np.ndarray  # [L, E] share of routed (token, slot) assignments; rows sum to 1
+
+
+def evaluate(params: Params, sequences: list[np.ndarray], cfg: MoEConfig,
+             batch_size: int = 8) -> Evaluation:
+    """Score each sequence from its first token (as an eval window would be), padded in batches."""
+    length = -(-max(len(s) for s in sequences) // 128) * 128
+
+    @jax.jit
+    def score(params: Params, tokens: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits, moe = forward(params, tokens, cfg)  # [B, T, V]
+        nll = jnp.sum(token_nll(logits[:, :-1], tokens[:, 1:]) * valid[:, 1:])
+        load = jnp.stack([jnp.sum(m.routed_mask * valid[..., None], axis=(0, 1)) for m in moe])
+        return nll, load  # load [L, E]
+
+    nll_sum, load = 0.0, np.zeros((cfg.n_layer, cfg.n_expert))
+    for start in range(0, len(sequences), batch_size):
+        chunk = sequences[start:start + batch_size]
+        tokens = np.zeros((batch_size, length), np.int32)
+        valid = np.zeros((batch_size, length), np.float32)
+        for row, seq in enumerate(chunk):
+            tokens[row, :len(seq)], valid[row, :len(seq)] = seq, 1.0
+        nll, counts = score(params, jnp.asarray(tokens), jnp.asarray(valid))
+        nll_sum, load = nll_sum + float(nll), load + np.asarray(counts, np.float64)
+    n_scored = sum(len(s) - 1 for s in sequences)
+    return Evaluation(nll_sum / n_scored, n_scored, load / load.sum(axis=1, keepdims=True))
