@@ -216,6 +216,7 @@ def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -
             num_samples=samples,
             max_concurrent_trials=spec.max_concurrent,
             trial_dirname_creator=trial_dirname,
+            reuse_actors=True,  # a new trial keeps the worker's imports (jax) and warm caches
         ),
         run_config=tune.RunConfig(
             name=sweep_dir.name,

@@ -1,0 +1,157 @@
+"""Crash safety: a driver killed with SIGKILL mid-sweep is resumed without re-running finished
+trials or re-scoring finished windows; two sweeps in one results root do not disturb each other.
+
+Drivers run as real subprocesses attached to this module's Ray cluster (as ``--address`` would);
+the trial work is ``toy_work`` from ``test_sweep_tune`` (see there).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from healsweep.errors import ResultsError
+from healsweep.sweep.driver import resume_sweep
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_sweep_tune import N_WINDOWS, toy_work  # noqa: E402
+
+_DRIVER = """
+import functools, json, sys
+sys.path.insert(0, {tests!r})
+import ray
+from test_sweep_tune import toy_identity, toy_work
+from healsweep.sweep.driver import run_sweep
+from healsweep.sweep.spec import spec_from_dict
+ray.init(address={address!r}, logging_level="WARNING", log_to_driver=False)
+spec = spec_from_dict(json.loads({spec!r}))
+work = functools.partial(toy_work, log={log!r}, delay={delay})
+run_sweep(spec, results_root={root!r}, work_fn=work, identity_fn=toy_identity)
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def _spawn(address: str, spec: dict, root: Path, log: Path, delay: float) -> subprocess.Popen:
+    code = _DRIVER.format(
+        tests=str(Path(__file__).resolve().parent),
+        address=address,
+        spec=json.dumps(spec),
+        log=str(log),
+        delay=delay,
+        root=str(root),
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _lines(log: Path) -> list[tuple[str, str]]:
+    return [tuple(line.split()) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _wait(predicate, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"driver exited early:\n{proc.stdout.read().decode()[-3000:]}")
+        if time.time() > deadline:
+            raise AssertionError("timed out waiting for the sweep")
+        time.sleep(0.2)
+
+
+def _completed(sweep_dir: Path) -> set[str]:
+    path = sweep_dir / "trials.parquet"
+    if not path.exists():
+        return set()
+    rows = pq.read_table(path).to_pylist()
+    return {r["config_hash"] for r in rows if r["status"] == "completed"}
+
+
+def test_sigkilled_driver_resumes_without_rescoring(ray_address, tmp_path):
+    spec = {
+        "name": "crash",
+        "search_space": {"alpha": ["gaussian", "none"], "gain_d": [0.3, 0.0]},
+        "max_concurrent": 2,
+    }
+    log = tmp_path / "scored.log"
+    sweep_dir = tmp_path / "crash"
+    proc = _spawn(ray_address, spec, tmp_path, log, delay=0.25)
+    try:
+        _wait(lambda: _completed(sweep_dir) and len(_lines(log)) >= N_WINDOWS + 6, 240, proc)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    recorded = {
+        (r["config_hash"], r["window_id"])
+        for r in pq.read_table(sweep_dir / "windows").to_pylist()
+    }
+    finished_trials = _completed(sweep_dir)
+    scored_before = len(_lines(log))
+    assert finished_trials and len(recorded) < 4 * N_WINDOWS
+
+    run = resume_sweep(sweep_dir, work_fn=functools.partial(toy_work, log=str(log)))
+
+    rescored = _lines(log)[scored_before:]
+    assert rescored, "the resume scored nothing"
+    assert not set(rescored) & recorded, "a finished window was scored again"
+    assert not {chash for chash, _ in rescored} & finished_trials, "a finished trial re-ran"
+    assert [t["status"] for t in run.trials] == ["completed"] * 4
+    rows = pq.read_table(sweep_dir / "windows").to_pylist()
+    keys = [(r["config_hash"], r["window_id"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 4 * N_WINDOWS  # raw files: no duplicate rows
+    manifest = json.loads((sweep_dir / "manifest.json").read_text())
+    assert [r["kind"] for r in manifest["runs"]] == ["run", "resume"]
+
+
+@pytest.mark.slow
+def test_two_sweeps_in_one_root_do_not_disturb_each_other(ray_address, tmp_path):
+    specs = {
+        name: {"name": name, "search_space": {"gain_d": gains}, "max_concurrent": 1}
+        for name, gains in (("first", [0.3, 0.0]), ("second", [0.3, 1.0]))
+    }
+    logs = {name: tmp_path / f"{name}.log" for name in specs}
+    procs = {name: _spawn(ray_address, spec, tmp_path, logs[name], 0.05) for name, spec in specs.items()}
+    try:
+        _wait(lambda: (tmp_path / "first" / "spec.json").exists(), 120, procs["first"])
+        if procs["first"].poll() is None:  # a second driver on a running sweep is refused
+            with pytest.raises(ResultsError, match="being run by"):
+                resume_sweep(tmp_path / "first", work_fn=toy_work)
+        for proc in procs.values():
+            assert proc.wait(timeout=300) == 0, proc.stdout.read().decode()[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+    for name in specs:
+        sweep_dir = tmp_path / name
+        rows = pq.read_table(sweep_dir / "windows").to_pylist()
+        assert len(rows) == 2 * N_WINDOWS and {r["sweep"] for r in rows} == {name}
+        assert sorted((r["config_hash"], r["window_id"]) for r in rows) == sorted(_lines(logs[name]))
+        trials = pq.read_table(sweep_dir / "trials.parquet").to_pylist()
+        assert [t["status"] for t in trials] == ["completed", "completed"]
+        assert json.loads((sweep_dir / "manifest.json").read_text())["sweep"] == name
+    gains = {
+        name: sorted(r["knob_gain_d"] for r in pq.read_table(tmp_path / name / "trials.parquet").to_pylist())
+        for name in specs
+    }
+    assert gains == {"first": [0.0, 0.3], "second": [0.3, 1.0]}

@@ -1,0 +1,219 @@
+"""The sweep machinery on a real Ray cluster with real Tune and Optuna.
+
+The trial work here is the test's own: a deterministic function of the knobs and the window
+(``toy_work``) with the signature of ``healsweep.sweep.work.run_trial_work``, so these tests
+exercise the orchestration (trainable, checkpoints, retries, search, pruning, Parquet results,
+resume) independently of the healer and the scorer. Every scored window is appended to a log
+file, which is how "never scored twice" is checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from healsweep.errors import ResultsError
+from healsweep.sweep.driver import resume_sweep, run_sweep
+from healsweep.sweep.space import config_hash, resolve_knobs
+from healsweep.sweep.spec import spec_from_dict
+from healsweep.sweep.trial import trial_seed
+from healsweep.sweep.work import WindowResult, trial_order
+
+N_WINDOWS = 12
+STRATA = ("ops", "chat", "ja")
+HERE = Path(__file__).resolve().parent
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _u(*parts: object) -> float:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64
+
+
+WINDOW_IDS = sorted(hashlib.sha256(f"win{i}".encode()).hexdigest()[:16] for i in range(N_WINDOWS))
+
+
+def toy_kld(knobs, window_id: str) -> float:
+    """Window KLD of a config: worse away from gain_d 0.3 and without alpha; window-dependent."""
+    base = 0.05 + 0.3 * (knobs.gain_d - 0.3) ** 2 + (0.03 if knobs.alpha == "none" else 0.0)
+    return base * (0.5 + _u("w", window_id)) * (1 + 0.02 * _u("n", window_id, knobs.gain_d))
+
+
+def toy_tokens(window_id: str) -> int:
+    return 20 + int(30 * _u("len", window_id))
+
+
+def toy_work(spec, knobs, done, seed, *, log: str, delay: float = 0.0, fail_after: int = 0):
+    """Score the toy windows not in ``done`` in the trial's order; log each one."""
+    chash = config_hash(knobs)
+    marker = Path(f"{log}.failed-{chash}")
+    scored = 0
+    for position, wi in enumerate(trial_order(N_WINDOWS, seed)):
+        window_id = WINDOW_IDS[wi]
+        if window_id in done:
+            continue
+        if fail_after and scored == fail_after and not marker.exists():
+            marker.write_text("x")
+            raise RuntimeError("injected worker failure")
+        time.sleep(delay)
+        n, kld = toy_tokens(window_id), toy_kld(knobs, window_id)
+        with open(log, "a") as f:
+            f.write(f"{chash} {window_id}\n")
+        scored += 1
+        metrics = {
+            "kld_sum": kld * n,
+            "kld_count": n,
+            "kld_mean": kld,
+            "top1": 0.9,
+            "top1_count": int(0.9 * n),
+            "delta_p_mean": -0.01,
+            "teacher_nll_sum": 1.0 * n,
+            "student_nll_sum": 1.1 * n,
+            "router_jaccard": 0.8,
+            "router_jaccard_layers": [0.8, 0.8],
+        }
+        stratum = STRATA[wi % 3]
+        yield WindowResult(window_id, wi, position, N_WINDOWS, stratum, "toy", f"d{wi}", "text", metrics)
+
+
+def toy_identity(spec):
+    return {"model_fingerprint": "toy-model", "split_lock_id": "toy-split"}
+
+
+def _log_lines(log: Path) -> list[tuple[str, str]]:
+    if not log.exists():
+        return []
+    return [tuple(line.split()) for line in log.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+GRID = {"alpha": ["gaussian", "none"], "gain_d": [0.3, 0.0]}
+
+
+def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_path):
+    spec = spec_from_dict({"name": "grid", "search_space": GRID, "max_concurrent": 2})
+    log = tmp_path / "scored.log"
+    seen = []
+    run = run_sweep(
+        spec,
+        results_root=tmp_path,
+        work_fn=functools.partial(toy_work, log=str(log)),
+        identity_fn=toy_identity,
+        on_progress=seen.append,
+    )
+    sweep_dir = tmp_path / "grid"
+    rows = pq.read_table(sweep_dir / "windows").to_pylist()
+    assert len(rows) == 4 * N_WINDOWS
+    assert len({(r["config_hash"], r["window_id"]) for r in rows}) == len(rows)
+    assert sorted(_log_lines(log)) == sorted((r["config_hash"], r["window_id"]) for r in rows)
+    for row in rows:  # every knob column says which config scored the row; metrics are its own
+        knobs = resolve_knobs(spec, {"knobs": {k[5:]: v for k, v in row.items() if k.startswith("knob_")}})
+        assert config_hash(knobs) == row["config_hash"]
+        assert row["kld_mean"] == pytest.approx(toy_kld(knobs, row["window_id"]), rel=1e-12)
+        assert row["window_index"] == WINDOW_IDS.index(row["window_id"])
+        assert not row["pruned"] and row["stratum"] == STRATA[row["window_index"] % 3]
+        assert row["scored_node_ip"] and row["scored_at"] <= row["written_at"]
+    # each trial scored its windows in its own seeded order
+    by_trial: dict[str, list] = {}
+    for row in sorted(rows, key=lambda r: r["position"]):
+        by_trial.setdefault(row["config_hash"], []).append(row["window_index"])
+    for chash, indices in by_trial.items():
+        assert indices == trial_order(N_WINDOWS, trial_seed(spec.seed, chash))
+    assert len({tuple(v) for v in by_trial.values()}) == 4
+    # trials.parquet: pooled KLD recomputed independently in float64 from the toy formula
+    trials = {t["config_hash"]: t for t in run.trials}
+    assert [t["status"] for t in run.trials] == ["completed"] * 4
+    assert sum(t["is_baseline"] for t in run.trials) == 1
+    for chash, trial in trials.items():
+        knobs = resolve_knobs(spec, {"knobs": {k[5:]: v for k, v in trial.items() if k.startswith("knob_")}})
+        n = np.array([toy_tokens(w) for w in WINDOW_IDS], dtype=np.float64)
+        k = np.array([toy_kld(knobs, w) for w in WINDOW_IDS], dtype=np.float64)
+        assert trial["kld_mean"] == pytest.approx((k * n).sum() / n.sum(), rel=1e-9)
+        assert trial["windows_scored"] == N_WINDOWS == trial["windows_total"]
+    manifest = json.loads((sweep_dir / "manifest.json").read_text())
+    assert manifest["model_fingerprint"] == "toy-model" and manifest["split_lock_id"] == "toy-split"
+    assert manifest["planned_trials"] == 4 and manifest["seeds"] == {"window_order": 0, "sampler": 0}
+    assert seen and seen[-1].final and seen[-1].completed == 4 and seen[-1].windows_scored == 48
+    # the same name again is refused: resume it instead
+    with pytest.raises(ResultsError, match="already holds sweep grid"):
+        run_sweep(spec, results_root=tmp_path, work_fn=toy_work, identity_fn=toy_identity)
+
+
+def test_a_failed_trial_is_retried_from_its_checkpoint(ray_cluster, tmp_path):
+    spec = spec_from_dict(
+        {"name": "retry", "search_space": {"gain_d": [0.3]}, "max_failures": 1, "max_concurrent": 1}
+    )
+    log = tmp_path / "scored.log"
+    run = run_sweep(
+        spec,
+        results_root=tmp_path,
+        work_fn=functools.partial(toy_work, log=str(log), fail_after=5),
+        identity_fn=toy_identity,
+    )
+    (trial,) = run.trials
+    assert trial["status"] == "completed" and trial["n_failures"] == 1
+    lines = _log_lines(log)
+    assert len(lines) == len(set(lines)) == N_WINDOWS  # the retry scored only the 7 left
+    assert pq.read_table(tmp_path / "retry" / "windows").num_rows == N_WINDOWS
+
+
+def test_tpe_with_wilcoxon_prunes_losers_but_never_the_baseline(ray_cluster, tmp_path):
+    spec = spec_from_dict(
+        {
+            "name": "tune",
+            "search_space": {"gain_d": {"low": 0.0, "high": 1.5}},
+            "sampler": {"type": "tpe", "seed": 3},
+            "pruner": {"type": "wilcoxon", "p_threshold": 0.1, "n_startup_steps": 4},
+            "num_samples": 6,
+            "max_concurrent": 1,
+        }
+    )
+    log = tmp_path / "scored.log"
+    run = run_sweep(
+        spec,
+        results_root=tmp_path,
+        work_fn=functools.partial(toy_work, log=str(log)),
+        identity_fn=toy_identity,
+    )
+    trials = run.trials
+    assert len(trials) == 6
+    (baseline,) = [t for t in trials if t["is_baseline"]]
+    assert baseline["status"] == "completed" and baseline["knob_gain_d"] == 0.3
+    assert trials[0]["is_baseline"]  # enqueued as the first point, and run alone first
+    pruned = [t for t in trials if t["status"] == "pruned"]
+    assert pruned, "no trial was pruned"
+    rows = pq.read_table(tmp_path / "tune" / "windows").to_pylist()
+    for trial in trials:
+        mine = [r for r in rows if r["trial_id"] == trial["trial_id"]]
+        assert len(mine) == trial["windows_scored"]
+        assert all(r["pruned"] == (trial["status"] == "pruned") for r in mine)
+        if trial["status"] == "pruned":
+            assert 4 <= trial["windows_scored"] < N_WINDOWS
+            # pruned only when worse than the best finished trial on the shared windows
+            best = min((t for t in trials if t["status"] == "completed"), key=lambda t: t["kld_mean"])
+            best_rows = {r["window_id"]: r["kld_mean"] for r in rows if r["trial_id"] == best["trial_id"]}
+            diffs = [r["kld_mean"] - best_rows[r["window_id"]] for r in mine]
+            assert np.mean(diffs) > 0
+    assert sum(t["windows_scored"] for t in trials) < 6 * N_WINDOWS
+    assert len(_log_lines(log)) == len(rows)
+    assert (tmp_path / "tune" / "optuna-pruning.journal").stat().st_size > 0
