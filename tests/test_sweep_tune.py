@@ -13,9 +13,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +23,7 @@ import pytest
 import ray
 
 from healsweep.errors import ResultsError
-from healsweep.sweep.driver import resume_sweep, run_sweep
+from healsweep.sweep.driver import run_sweep
 from healsweep.sweep.space import config_hash, resolve_knobs
 from healsweep.sweep.spec import spec_from_dict
 from healsweep.sweep.trial import trial_seed
@@ -87,7 +84,9 @@ def toy_work(spec, knobs, done, seed, *, log: str, delay: float = 0.0, fail_afte
             "router_jaccard_layers": [0.8, 0.8],
         }
         stratum = STRATA[wi % 3]
-        yield WindowResult(window_id, wi, position, N_WINDOWS, stratum, "toy", f"d{wi}", "text", metrics)
+        yield WindowResult(
+            window_id, wi, position, N_WINDOWS, stratum, "toy", f"d{wi}", "text", metrics
+        )
 
 
 def toy_identity(spec):
@@ -102,7 +101,9 @@ def _log_lines(log: Path) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    ray.init(
+        num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
+    )
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
@@ -127,7 +128,9 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
     assert len({(r["config_hash"], r["window_id"]) for r in rows}) == len(rows)
     assert sorted(_log_lines(log)) == sorted((r["config_hash"], r["window_id"]) for r in rows)
     for row in rows:  # every knob column says which config scored the row; metrics are its own
-        knobs = resolve_knobs(spec, {"knobs": {k[5:]: v for k, v in row.items() if k.startswith("knob_")}})
+        knobs = resolve_knobs(
+            spec, {"knobs": {k[5:]: v for k, v in row.items() if k.startswith("knob_")}}
+        )
         assert config_hash(knobs) == row["config_hash"]
         assert row["kld_mean"] == pytest.approx(toy_kld(knobs, row["window_id"]), rel=1e-12)
         assert row["window_index"] == WINDOW_IDS.index(row["window_id"])
@@ -144,15 +147,20 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
     trials = {t["config_hash"]: t for t in run.trials}
     assert [t["status"] for t in run.trials] == ["completed"] * 4
     assert sum(t["is_baseline"] for t in run.trials) == 1
-    for chash, trial in trials.items():
-        knobs = resolve_knobs(spec, {"knobs": {k[5:]: v for k, v in trial.items() if k.startswith("knob_")}})
+    for trial in trials.values():
+        knobs = resolve_knobs(
+            spec, {"knobs": {k[5:]: v for k, v in trial.items() if k.startswith("knob_")}}
+        )
         n = np.array([toy_tokens(w) for w in WINDOW_IDS], dtype=np.float64)
         k = np.array([toy_kld(knobs, w) for w in WINDOW_IDS], dtype=np.float64)
         assert trial["kld_mean"] == pytest.approx((k * n).sum() / n.sum(), rel=1e-9)
         assert trial["windows_scored"] == N_WINDOWS == trial["windows_total"]
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
     assert manifest["model_fingerprint"] == "toy-model" and manifest["split_lock_id"] == "toy-split"
-    assert manifest["planned_trials"] == 4 and manifest["seeds"] == {"window_order": 0, "sampler": 0}
+    assert manifest["planned_trials"] == 4 and manifest["seeds"] == {
+        "window_order": 0,
+        "sampler": 0,
+    }
     assert seen and seen[-1].final and seen[-1].completed == 4 and seen[-1].windows_scored == 48
     # the same name again is refused: resume it instead
     with pytest.raises(ResultsError, match="already holds sweep grid"):
@@ -210,8 +218,12 @@ def test_tpe_with_wilcoxon_prunes_losers_but_never_the_baseline(ray_cluster, tmp
         if trial["status"] == "pruned":
             assert 4 <= trial["windows_scored"] < N_WINDOWS
             # pruned only when worse than the best finished trial on the shared windows
-            best = min((t for t in trials if t["status"] == "completed"), key=lambda t: t["kld_mean"])
-            best_rows = {r["window_id"]: r["kld_mean"] for r in rows if r["trial_id"] == best["trial_id"]}
+            best = min(
+                (t for t in trials if t["status"] == "completed"), key=lambda t: t["kld_mean"]
+            )
+            best_rows = {
+                r["window_id"]: r["kld_mean"] for r in rows if r["trial_id"] == best["trial_id"]
+            }
             diffs = [r["kld_mean"] - best_rows[r["window_id"]] for r in mine]
             assert np.mean(diffs) > 0
     assert sum(t["windows_scored"] for t in trials) < 6 * N_WINDOWS
