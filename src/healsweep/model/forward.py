@@ -84,7 +84,13 @@ def _final_norm(eps: float, h, weight, rows):
 
 
 def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | None) -> dict:
-    weights = model.layer(i)
+    """Layer i's weights as device arrays (the numpy copies are dropped right away)."""
+    prefix = f"blk.{i}."
+    weights = {
+        name[len(prefix):]: jax.device_put(model.tensor(name))  # one numpy tensor at a time
+        for name in model.tensor_names
+        if name.startswith(prefix)
+    }
     if replacement is None:
         return weights
     for field, suffix in _REPLACED.items():
@@ -98,7 +104,7 @@ def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | Non
                 f"forward: replacement {field} of layer {i} has shape {tuple(new.shape)}, "
                 f"expected {weights[suffix].shape}"
             )
-        weights[suffix] = new
+        weights[suffix] = jax.device_put(new)
     return weights
 
 
