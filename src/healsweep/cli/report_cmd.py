@@ -1,5 +1,29 @@
-"""`healsweep report` commands."""
+"""`healsweep report`: the Markdown/HTML report of a sweep with its plots."""
 
 from __future__ import annotations
 
-from healsweep.cli._apps import app  # noqa: F401
+from pathlib import Path
+
+import typer
+
+from healsweep.cli._apps import app
+
+_SWEEP_DIR = typer.Argument(..., help="A sweep's results folder, RESULTS/<sweep name>.")
+_BOOT = typer.Option(10_000, "--n-boot", min=100, help="Paired-bootstrap resamples per config.")
+_SEED = typer.Option(0, "--seed", help="Seed of the bootstrap.")
+
+
+@app.command("report")
+def report(sweep_dir: Path = _SWEEP_DIR, n_boot: int = _BOOT, seed: int = _SEED) -> None:
+    """Leaderboard vs the baseline with CIs and verdicts, strata, knob effects, pruning, plots."""
+    from healsweep.results.aggregate import summarize
+    from healsweep.results.report import leaderboard, write_report
+
+    summary = summarize(sweep_dir, n_boot=n_boot, seed=seed)
+    paths = write_report(sweep_dir, summary=summary)
+    header, rows = leaderboard(summary)
+    keep = [header.index(h) for h in ("#", "config", "status", "pooled KLD", header[5], "verdict")]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in keep]
+    for row in [header, *rows]:
+        typer.echo("  ".join(row[i].ljust(w) for i, w in zip(keep, widths, strict=True)))
+    typer.echo(f"wrote {paths['markdown']} and {paths['html']}")

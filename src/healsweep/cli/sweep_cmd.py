@@ -1,5 +1,110 @@
-"""`healsweep sweep` commands."""
+"""`healsweep sweep` commands: run a sweep spec, resume an interrupted sweep, show its status."""
 
 from __future__ import annotations
 
-from healsweep.cli._apps import sweep_app  # noqa: F401
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from healsweep.cli._apps import sweep_app
+
+_SPEC = typer.Argument(..., help="Sweep spec YAML (see sweeps/).")
+_SWEEP_DIR = typer.Argument(..., help="A sweep's results folder, RESULTS/<sweep name>.")
+_ADDRESS = typer.Option(
+    None,
+    "--address",
+    help="Ray cluster HEAD:PORT (default: an embedded local Ray on this machine).",
+)
+_RESULTS = typer.Option(None, "--results", help="Results root (default: the spec's `results`).")
+_CPUS = typer.Option(
+    None, "--num-cpus", help="CPUs of the embedded local Ray (default: enough for max_concurrent)."
+)
+
+
+class _Printer:
+    """The live progress view: one rewritten line on a terminal, a line per trial event in logs."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.last_finished = -1
+
+    def __call__(self, progress: Any) -> None:
+        line = progress.line()
+        if self.tty:
+            typer.echo("\r\033[K" + line, err=True, nl=progress.final)
+            return
+        finished = progress.completed + progress.pruned + progress.failed
+        if finished != self.last_finished or progress.final:
+            self.last_finished = finished
+            typer.echo(line, err=True)
+
+
+def _finish(run: Any) -> None:
+    counts: dict[str, int] = {}
+    for trial in run.trials:
+        counts[trial["status"]] = counts.get(trial["status"], 0) + 1
+    summary = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    typer.echo(f"sweep {run.sweep_dir.name}: {len(run.trials)} trials ({summary})")
+    typer.echo(f"results: {run.sweep_dir}")
+    if counts.get("error"):
+        typer.echo(f"failed trials keep their error in {run.sweep_dir}/trial_<id>/error.txt")
+    unfinished = sum(counts.get(s, 0) for s in ("running", "retrying", "pending"))
+    if unfinished:
+        typer.echo(f"interrupted: finish it with `healsweep sweep resume {run.sweep_dir}`")
+    typer.echo(f"next: healsweep report {run.sweep_dir}")
+
+
+@sweep_app.command("run")
+def run(
+    spec: Path = _SPEC,
+    address: str | None = _ADDRESS,
+    results: Path | None = _RESULTS,
+    num_cpus: int | None = _CPUS,
+) -> None:
+    """Run every trial of a sweep spec; results land in RESULTS/<name>/ as they arrive."""
+    from healsweep.sweep.driver import run_sweep
+    from healsweep.sweep.spec import load_spec
+
+    loaded = load_spec(spec)
+    root = results or Path(loaded.results)
+    typer.echo(f"sweep {loaded.name}: {loaded.sampler.type} sampler, pruner {loaded.pruner.type}, "
+               f"results in {root / loaded.name}")  # fmt: skip
+    outcome = run_sweep(
+        loaded, results_root=root, address=address, num_cpus=num_cpus, on_progress=_Printer()
+    )
+    _finish(outcome)
+
+
+@sweep_app.command("resume")
+def resume(
+    sweep_dir: Path = _SWEEP_DIR,
+    address: str | None = _ADDRESS,
+    num_cpus: int | None = _CPUS,
+) -> None:
+    """Finish an interrupted sweep without re-running finished trials or re-scoring windows."""
+    from healsweep.sweep.driver import resume_sweep
+
+    outcome = resume_sweep(sweep_dir, address=address, num_cpus=num_cpus, on_progress=_Printer())
+    _finish(outcome)
+
+
+@sweep_app.command("status")
+def status(sweep_dir: Path = _SWEEP_DIR) -> None:
+    """Trials by status, windows recorded, best config so far, and whether a driver is running."""
+    from healsweep.sweep.status import sweep_status
+
+    info = sweep_status(sweep_dir)
+    trials = ", ".join(f"{n} {s}" for s, n in sorted(info["trials"].items())) or "none started"
+    typer.echo(f"sweep {info['sweep']} ({info['folder']})")
+    typer.echo(f"driver: {info['driver'] or 'not running'}; runs so far: {info['runs']}")
+    typer.echo(f"trials: {sum(info['trials'].values())}/{info['planned_trials']} ({trials})")
+    typer.echo(f"windows recorded: {info['windows_recorded']}")
+    if info["best"]:
+        rel = info["best_vs_baseline"]
+        vs = "" if math.isnan(rel) else f", {rel:+.2%} vs baseline"
+        typer.echo(
+            f"best: trial {info['best']['trial_id']} pooled KLD {info['best']['kld_mean']:.5f}{vs}"
+        )

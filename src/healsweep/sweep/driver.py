@@ -14,7 +14,6 @@ import fcntl
 import glob
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,20 +303,6 @@ def resume_sweep(
         finally:
             register_sink(sweep_dir, None)
     return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
-
-
-def wait_for_unlock(sweep_dir: Path, timeout_s: float) -> bool:
-    """True once no driver holds the sweep's lock (used by tests and ``status``)."""
-    deadline = time.time() + timeout_s
-    while True:
-        with open(sweep_dir / LOCK_FILE, "a+") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.time() > deadline:
-                    return False
-        time.sleep(0.2)
 
 
 __all__ = ["SweepRun", "prior_windows", "resume_sweep", "run_sweep", "sweep_lock", "trial_dirname"]

@@ -1,0 +1,212 @@
+"""A sweep's results as tables: leaderboard vs the baseline, strata, knob main effects, pruning.
+
+Nothing is recomputed from logits: every figure comes from the per-window rows, pooled and
+compared with :mod:`healsweep.score.stats` (token-pooled means, paired bootstrap over windows,
+the decision rule). A config is identified by its ``config_hash``; a config run by more than one
+trial contributes each window once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from healsweep.errors import ResultsError
+from healsweep.results.schema import KNOB_PREFIX
+from healsweep.results.store import read_manifest, read_trials, read_windows
+
+MAX_LEVELS = 6
+
+_STAT_FIELDS = (
+    "kld_sum",
+    "kld_count",
+    "top1_count",
+    "delta_p_mean",
+    "teacher_nll_sum",
+    "student_nll_sum",
+    "router_jaccard",
+)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The fields of a window row that :mod:`healsweep.score.stats` reads."""
+
+    kld_sum: float
+    kld_count: int
+    top1_count: int
+    delta_p_mean: float
+    teacher_nll_sum: float
+    student_nll_sum: float
+    router_jaccard: float
+
+
+def _window(row: dict[str, Any]) -> _Window:
+    values = {k: row.get(k) for k in _STAT_FIELDS}
+    if values["top1_count"] is None:
+        values["top1_count"] = round((row.get("top1") or 0.0) * row["kld_count"])
+    for key in ("delta_p_mean", "teacher_nll_sum", "student_nll_sum", "router_jaccard"):
+        values[key] = math.nan if values[key] is None else float(values[key])
+    return _Window(**values)
+
+
+@dataclass
+class ConfigResult:
+    """One config: its knobs, trials, windows and (for non-baselines) the paired comparison."""
+
+    config_hash: str
+    knobs: dict[str, Any]
+    is_baseline: bool
+    status: str
+    trial_ids: list[str]
+    windows: dict[str, dict[str, Any]] = field(repr=False)
+    pooled: dict[str, Any] = field(default_factory=dict)
+    comparison: Any = None
+    verdict: Any = None
+
+    @property
+    def n_windows(self) -> int:
+        """Windows scored."""
+        return len(self.windows)
+
+
+@dataclass
+class SweepSummary:
+    """Everything the report shows."""
+
+    name: str
+    manifest: dict[str, Any]
+    baseline: ConfigResult
+    configs: list[ConfigResult]  # baseline first, then by pooled KLD
+    strata: list[str]
+    windows_total: int
+    effects: list[dict[str, Any]]
+    pruning: dict[str, Any]
+    rule: Any
+
+
+def _configs(rows: list[dict[str, Any]], trials: list[dict[str, Any]]) -> dict[str, ConfigResult]:
+    configs: dict[str, ConfigResult] = {}
+    rank = {"completed": 0, "pruned": 1, "running": 2, "retrying": 2, "error": 3, "pending": 4}
+    for trial in trials:
+        chash = trial["config_hash"]
+        knobs = {k[len(KNOB_PREFIX) :]: v for k, v in trial.items() if k.startswith(KNOB_PREFIX)}
+        config = configs.setdefault(
+            chash, ConfigResult(chash, knobs, bool(trial["is_baseline"]), trial["status"], [], {})
+        )
+        config.trial_ids.append(trial["trial_id"])
+        if rank.get(trial["status"], 9) < rank.get(config.status, 9):
+            config.status = trial["status"]
+    for row in rows:
+        config = configs.get(row["config_hash"])
+        if config is not None:
+            config.windows.setdefault(row["window_id"], row)
+    return configs
+
+
+def summarize(
+    sweep_dir: str | Path, n_boot: int = 10_000, seed: int = 0, rule: Any = None
+) -> SweepSummary:
+    """Pool, compare and rank every config of a sweep against its baseline."""
+    from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
+
+    sweep_dir = Path(sweep_dir)
+    manifest = read_manifest(sweep_dir)
+    rows = read_windows(sweep_dir).to_pylist()
+    trials = read_trials(sweep_dir).to_pylist()
+    configs = _configs(rows, trials)
+    baselines = [c for c in configs.values() if c.is_baseline and c.windows]
+    if not baselines:
+        raise ResultsError(
+            f"{sweep_dir}: the baseline has no scored windows yet; let the sweep run (or resume "
+            "it) until the baseline trial has finished"
+        )
+    baseline = baselines[0]
+    rule = rule or DecisionRule()
+    strata = sorted({r["stratum"] for r in baseline.windows.values()})
+    for config in configs.values():
+        if not config.windows:
+            continue
+        ids = sorted(config.windows)
+        config.pooled = pooled(
+            [_window(config.windows[w]) for w in ids], [config.windows[w]["stratum"] for w in ids]
+        )
+        shared = [w for w in ids if w in baseline.windows]
+        if config is baseline or not shared:
+            continue
+        config.comparison = paired_compare(
+            [_window(baseline.windows[w]) for w in shared],
+            [_window(config.windows[w]) for w in shared],
+            [baseline.windows[w]["stratum"] for w in shared],
+            n_boot=n_boot,
+            seed=seed,
+        )
+        config.verdict = decision(config.comparison, rule)
+    ranked = sorted(
+        (c for c in configs.values() if c is not baseline and c.windows),
+        key=lambda c: (c.status != "completed", c.pooled["kld_mean"]),
+    )
+    windows_total = max((int(r["windows_total"]) for r in rows if r["windows_total"]), default=0)
+    return SweepSummary(
+        name=manifest.get("sweep", sweep_dir.name),
+        manifest=manifest,
+        baseline=baseline,
+        configs=[baseline, *ranked],
+        strata=strata,
+        windows_total=windows_total,
+        effects=main_effects([baseline, *ranked], windows_total),
+        pruning=pruning_summary(trials, windows_total),
+        rule=rule,
+    )
+
+
+def main_effects(configs: list[ConfigResult], windows_total: int) -> list[dict[str, Any]]:
+    """Per knob that varies among fully scored configs: per value, the mean pooled KLD and the
+    mean relative change vs the baseline over the configs with that value (the ablation view).
+
+    Knobs with more than ``MAX_LEVELS`` distinct values (continuous knobs of a tpe/random
+    sweep) are left out: one config per value says nothing about a main effect.
+    """
+    full = [c for c in configs if c.windows and c.n_windows == windows_total]
+    if not full:
+        return []
+    base_kld = configs[0].pooled["kld_mean"]
+    effects = []
+    for knob in full[0].knobs:
+        values = sorted({c.knobs[knob] for c in full}, key=str)
+        if not 2 <= len(values) <= MAX_LEVELS:
+            continue
+        for value in values:
+            group = [c for c in full if c.knobs[knob] == value]
+            klds = [c.pooled["kld_mean"] for c in group]
+            effects.append(
+                {
+                    "knob": knob,
+                    "value": value,
+                    "configs": len(group),
+                    "kld_mean": sum(klds) / len(klds),
+                    "rel_change": sum(k / base_kld - 1 for k in klds) / len(klds),
+                }
+            )
+    return effects
+
+
+def pruning_summary(trials: list[dict[str, Any]], windows_total: int) -> dict[str, Any]:
+    """Trials pruned, windows they scored, and windows saved against scoring every trial fully."""
+    pruned = [t for t in trials if t["status"] == "pruned"]
+    scored = sum(int(t["windows_scored"] or 0) for t in trials)
+    saved = sum(windows_total - int(t["windows_scored"] or 0) for t in pruned)
+    full = windows_total * len(trials)
+    return {
+        "trials": len(trials),
+        "pruned": len(pruned),
+        "windows_scored": scored,
+        "windows_saved": saved,
+        "saved_fraction": saved / full if full else 0.0,
+        "pruned_windows_scored": sum(int(t["windows_scored"] or 0) for t in pruned),
+    }
+
+
+__all__ = ["ConfigResult", "SweepSummary", "main_effects", "pruning_summary", "summarize"]

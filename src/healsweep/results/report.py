@@ -1,0 +1,251 @@
+"""``report/report.md`` and ``report/report.html`` of a sweep, with PNG plots beside them.
+
+The same tables feed both files: the leaderboard against the baseline (pooled KLD, relative
+change with its paired-bootstrap CI, top-1 change, window wins, the decision-rule verdict), the
+verdict reasons, per-stratum KLD, knob main effects, the pruning summary and the manifest.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+from typing import Any
+
+from healsweep.results.aggregate import ConfigResult, SweepSummary, summarize
+
+Table = tuple[list[str], list[list[str]]]
+
+
+def describe(config: ConfigResult, baseline: ConfigResult) -> str:
+    """``alpha=mse, ridge=False`` — the knobs where a config differs from the baseline."""
+    if config is baseline:
+        return "baseline"
+    changed = [f"{k}={_value(v)}" for k, v in config.knobs.items() if v != baseline.knobs.get(k)]
+    return ", ".join(changed) or "= baseline"
+
+
+def _value(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _pct(value: float) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:+.2%}"
+
+
+def _verdict(config: ConfigResult) -> str:
+    if config.verdict is None:
+        return "reference" if config.is_baseline else "-"
+    if config.status == "pruned":
+        return "pruned (not judged)"
+    return "ACCEPT" if config.verdict.accepted else "reject"
+
+
+def leaderboard(summary: SweepSummary) -> Table:
+    """Rank, config, status, windows, pooled KLD, Δ KLD [CI], top-1 Δ, wins/losses, verdict."""
+    level = summary.rule.ci_level
+    header = ["#", "config", "status", "windows", "pooled KLD", f"Δ KLD [{level:.0%} CI]",
+              "top-1", "Δ top-1 (pt)", "wins/losses", "verdict"]  # fmt: skip
+    rows = []
+    for rank, config in enumerate(summary.configs):
+        comp = config.comparison
+        if comp is None:
+            delta, top1_delta, wins = "-", "-", "-"
+        else:
+            lo, hi = comp.rel_change_ci(level)
+            delta = f"{_pct(comp.rel_change)} [{_pct(lo)}, {_pct(hi)}]"
+            top1_delta = f"{comp.top1_delta_points:+.2f}"
+            wins = f"{comp.wins}/{comp.losses}"
+        rows.append(
+            [
+                str(rank),
+                describe(config, summary.baseline),
+                config.status,
+                f"{config.n_windows}/{summary.windows_total}",
+                f"{config.pooled['kld_mean']:.5f}",
+                delta,
+                f"{config.pooled['top1']:.2%}",
+                top1_delta,
+                wins,
+                _verdict(config),
+            ]
+        )
+    return header, rows
+
+
+def strata_table(summary: SweepSummary) -> Table:
+    """Token-pooled KLD per stratum, with the paired relative change vs the baseline."""
+    header = ["config", *summary.strata]
+    base = summary.baseline.pooled.get("per_stratum", {})
+    rows = []
+    for config in summary.configs:
+        per = config.pooled.get("per_stratum", {})
+        cells = []
+        for stratum in summary.strata:
+            if stratum not in per:
+                cells.append("-")
+                continue
+            kld = per[stratum]["kld_mean"]
+            paired = config.comparison.per_stratum if config.comparison is not None else {}
+            if stratum in paired:  # on the windows both scored (all of them unless pruned)
+                rel = paired[stratum].rel_change
+            else:
+                rel = kld / base[stratum]["kld_mean"] - 1 if stratum in base else math.nan
+            cells.append(f"{kld:.5f}" + ("" if config is summary.baseline else f" ({_pct(rel)})"))
+        rows.append([describe(config, summary.baseline), *cells])
+    return header, rows
+
+
+def effects_table(summary: SweepSummary) -> Table:
+    """Main effect of each varied knob: mean pooled KLD and mean Δ vs baseline per value."""
+    header = ["knob", "value", "configs", "mean pooled KLD", "mean Δ vs baseline"]
+    rows = [
+        [
+            e["knob"],
+            _value(e["value"]),
+            str(e["configs"]),
+            f"{e['kld_mean']:.5f}",
+            _pct(e["rel_change"]),
+        ]
+        for e in summary.effects
+    ]
+    return header, rows
+
+
+def pruning_table(summary: SweepSummary) -> Table:
+    """Trials pruned and windows saved."""
+    p = summary.pruning
+    header = ["trials", "pruned", "windows scored", "windows saved", "saved"]
+    row = [str(p["trials"]), str(p["pruned"]), str(p["windows_scored"]), str(p["windows_saved"]),
+           f"{p['saved_fraction']:.1%}"]  # fmt: skip
+    return header, [row]
+
+
+def _md(table: Table) -> str:
+    header, rows = table
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _html(table: Table) -> str:
+    header, rows = table
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _sections(summary: SweepSummary, plots: dict[str, str]) -> list[tuple[str, Any]]:
+    m = summary.manifest
+    reasons = [
+        (describe(c, summary.baseline), list(c.verdict.reasons))
+        for c in summary.configs
+        if c.verdict is not None and c.status == "completed"
+    ]
+    identity = (
+        ["spec hash", "split lock id", "model fingerprint", "package", "seeds (window order, sampler)"],
+        [[m.get("spec_hash", "-")[:16], str(m.get("split_lock_id", "-"))[:16],
+          str(m.get("model_fingerprint", "-"))[:16], str(m.get("package_version", "-")),
+          f"{m.get('seeds', {}).get('window_order')}, {m.get('seeds', {}).get('sampler')}"]],
+    )  # fmt: skip
+    return [
+        ("Leaderboard against the baseline", leaderboard(summary)),
+        ("Decision-rule reasons", reasons),
+        ("Per-stratum pooled KLD", strata_table(summary)),
+        ("Main effects per knob", effects_table(summary)),
+        ("Pruning", pruning_table(summary)),
+        ("Plots", plots),
+        ("Manifest", identity),
+    ]
+
+
+def _intro(summary: SweepSummary) -> str:
+    base = summary.baseline
+    return (
+        f"{len(summary.configs)} configs on {summary.windows_total} dev windows; baseline pooled "
+        f"KLD {base.pooled['kld_mean']:.5f}, top-1 {base.pooled['top1']:.2%}. Δ KLD is the "
+        "relative change of token-pooled KLD vs the baseline on the same windows (negative = "
+        "better), with a paired bootstrap CI over windows. A config is accepted when the CI lies "
+        "below 0, no stratum regresses by more than "
+        f"{summary.rule.max_stratum_regression:.0%}, and top-1 drops by at most "
+        f"{summary.rule.max_top1_drop_points:.1f} pt."
+    )
+
+
+def render_markdown(summary: SweepSummary, plots: dict[str, str]) -> str:
+    """The Markdown report."""
+    out = [f"# Sweep report: {summary.name}", "", _intro(summary), ""]
+    for title, content in _sections(summary, plots):
+        out += [f"## {title}", ""]
+        if title == "Decision-rule reasons":
+            for name, lines in content:
+                out += [f"- **{name}**"] + [f"  - {line}" for line in lines]
+        elif title == "Plots":
+            out += [f"![{caption}]({path})" for caption, path in content.items()]
+        else:
+            out.append(_md(content))
+        out.append("")
+    return "\n".join(out)
+
+
+def render_html(summary: SweepSummary, plots: dict[str, str]) -> str:
+    """The HTML report (same content as the Markdown one)."""
+    style = (
+        "body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:"
+        "collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+        "td:nth-child(2),th:nth-child(2){text-align:left}img{max-width:100%}"
+    )
+    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(summary.name)}",
+           f"</title><style>{style}</style></head><body>",
+           f"<h1>Sweep report: {html.escape(summary.name)}</h1><p>{html.escape(_intro(summary))}</p>"]  # fmt: skip
+    for title, content in _sections(summary, plots):
+        out.append(f"<h2>{html.escape(title)}</h2>")
+        if title == "Decision-rule reasons":
+            items = "".join(
+                f"<li><b>{html.escape(n)}</b><ul>"
+                + "".join(f"<li>{html.escape(x)}</li>" for x in lines)
+                + "</ul></li>"
+                for n, lines in content
+            )
+            out.append(f"<ul>{items}</ul>")
+        elif title == "Plots":
+            out += [
+                f"<p><img src='{html.escape(p)}' alt='{html.escape(c)}'></p>"
+                for c, p in content.items()
+            ]
+        else:
+            out.append(_html(content))
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def write_report(
+    sweep_dir: str | Path, n_boot: int = 10_000, seed: int = 0, summary: SweepSummary | None = None
+) -> dict[str, Path]:
+    """Write ``report/report.md``, ``report/report.html`` and the PNG plots; return their paths
+    (``summary`` = an already computed :func:`summarize` of the same folder)."""
+    from healsweep.results.plots import write_plots
+    from healsweep.results.store import atomic_write_text
+
+    sweep_dir = Path(sweep_dir)
+    summary = summary or summarize(sweep_dir, n_boot=n_boot, seed=seed)
+    out = sweep_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(summary, out, label=lambda c: describe(c, summary.baseline))
+    relative = {caption: path.name for caption, path in plots.items()}
+    md, page = out / "report.md", out / "report.html"
+    atomic_write_text(render_markdown(summary, relative), md)
+    atomic_write_text(render_html(summary, relative), page)
+    return {"markdown": md, "html": page, **{c: p for c, p in plots.items()}}
+
+
+__all__ = [
+    "describe",
+    "leaderboard",
+    "render_html",
+    "render_markdown",
+    "strata_table",
+    "write_report",
+]

@@ -1,0 +1,60 @@
+"""``sweep status``: what a sweep folder says about its progress, read without Ray."""
+
+from __future__ import annotations
+
+import fcntl
+import math
+from pathlib import Path
+from typing import Any
+
+from healsweep.results.store import read_manifest, read_trials, read_windows
+from healsweep.sweep.driver import LOCK_FILE
+
+
+def driver_running(sweep_dir: Path) -> str | None:
+    """``"pid N"`` of the driver holding the sweep's lock, or ``None`` when none does."""
+    path = sweep_dir / LOCK_FILE
+    if not path.exists():
+        return None
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            return handle.read().strip() or "another process"
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
+def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
+    """Counts of trials by status, windows recorded, the best completed config and the baseline."""
+    sweep_dir = Path(sweep_dir)
+    manifest = read_manifest(sweep_dir)
+    trials = read_trials(sweep_dir).to_pylist()
+    counts: dict[str, int] = {}
+    for trial in trials:
+        counts[trial["status"]] = counts.get(trial["status"], 0) + 1
+    done = [t for t in trials if t["status"] == "completed" and t["kld_mean"] is not None]
+    best = min(done, key=lambda t: t["kld_mean"], default=None)
+    baseline = next((t for t in trials if t["is_baseline"] and t["kld_mean"] is not None), None)
+    return {
+        "sweep": manifest.get("sweep", sweep_dir.name),
+        "folder": str(sweep_dir),
+        "planned_trials": manifest.get("planned_trials"),
+        "runs": len(manifest.get("runs", [])),
+        "driver": driver_running(sweep_dir),
+        "trials": counts,
+        "windows_recorded": read_windows(sweep_dir).num_rows,
+        "best": None
+        if best is None
+        else {k: best[k] for k in ("trial_id", "config_hash", "kld_mean")},
+        "baseline_kld": None if baseline is None else baseline["kld_mean"],
+        "best_vs_baseline": (
+            best["kld_mean"] / baseline["kld_mean"] - 1
+            if best is not None and baseline is not None and baseline["kld_mean"]
+            else math.nan
+        ),
+    }
+
+
+__all__ = ["driver_running", "sweep_status"]
