@@ -58,13 +58,13 @@ class MoEConfig:
 class TrainConfig:
     """Optimization recipe (defaults: the recipe of the shipped model)."""
 
-    steps: int = 1500
+    steps: int = 1300
     batch_size: int = 8
     seq_len: int = 1024
     learning_rate: float = 3e-3
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
+    weight_decay: float = 0.3
     beta1: float = 0.9
     beta2: float = 0.95
     adam_eps: float = 1e-8
