@@ -10,6 +10,7 @@ from typing import Any
 import typer
 
 from healsweep.cli._apps import sweep_app
+from healsweep.errors import ResultsError
 
 _SPEC = typer.Argument(..., help="Sweep spec YAML (see sweeps/).")
 _SWEEP_DIR = typer.Argument(..., help="A sweep's results folder, RESULTS/<sweep name>.")
@@ -49,12 +50,16 @@ def _finish(run: Any) -> None:
     summary = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
     typer.echo(f"sweep {run.sweep_dir.name}: {len(run.trials)} trials ({summary})")
     typer.echo(f"results: {run.sweep_dir}")
-    if counts.get("error"):
-        typer.echo(f"failed trials keep their error in {run.sweep_dir}/trial_<id>/error.txt")
     unfinished = sum(counts.get(s, 0) for s in ("running", "retrying", "pending"))
     if unfinished:
         typer.echo(f"interrupted: finish it with `healsweep sweep resume {run.sweep_dir}`")
     typer.echo(f"next: healsweep report {run.sweep_dir}")
+    if counts.get("error"):
+        raise ResultsError(
+            f"{counts['error']} of {len(run.trials)} trials failed (their errors are in "
+            f"{run.sweep_dir}/trial_<id>/error.txt); fix the cause, then `healsweep sweep resume "
+            f"{run.sweep_dir}` retries them"
+        )
 
 
 @sweep_app.command("run")
