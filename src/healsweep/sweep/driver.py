@@ -29,6 +29,7 @@ from healsweep.sweep.trial import TARGET_METRIC, sweep_trial
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
 LOCK_FILE = ".sweep.lock"
+KEEP_CHECKPOINTS = 8
 _TUNE_RESERVED = {
     "sweep",
     "trial_id",
@@ -221,7 +222,9 @@ def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -
             name=sweep_dir.name,
             storage_path=str(sweep_dir.parent),
             failure_config=tune.FailureConfig(max_failures=spec.max_failures),
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
+            # Each checkpoint holds every finished window of its trial, so only the newest few
+            # are kept; Tune snapshots the experiment before deleting one it may still name.
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=KEEP_CHECKPOINTS),
             callbacks=_callbacks(spec, sweep_dir),
             verbose=0,
         ),

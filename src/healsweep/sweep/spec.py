@@ -144,8 +144,14 @@ def spec_from_dict(
         spec = SweepSpec.model_validate(dict(raw))
     except ValidationError as exc:
         raise _pydantic_error(exc, raw, where, lines) from None
+    from healsweep.errors import KnobError
     from healsweep.sweep.space import check_space
 
+    try:
+        spec.calibration_config()
+    except KnobError as exc:
+        at = locate(where, lines, ("calibration",))
+        raise SpecError(f"{at}: field 'calibration': {exc}") from None
     check_space(spec, where=where, lines=lines)
     return spec
 

@@ -102,13 +102,16 @@ class RunningPool:
 
 
 def _read_checkpoint(checkpoint: Any) -> dict[str, dict[str, Any]]:
+    """Finished windows of a trial's checkpoint; {} when it is missing or unreadable (e.g. it
+    was written on another node without shared storage): those windows are then scored again
+    and the results writer keeps the first row of each."""
     if checkpoint is None:
         return {}
-    with checkpoint.as_directory() as folder:
-        path = Path(folder) / CHECKPOINT_FILE
-        if not path.exists():
-            return {}
-        return dict(json.loads(path.read_text())["done"])
+    try:
+        with checkpoint.as_directory() as folder:
+            return dict(json.loads((Path(folder) / CHECKPOINT_FILE).read_text())["done"])
+    except (OSError, ValueError, KeyError):
+        return {}
 
 
 def _checkpoint(done: Mapping[str, Any], chash: str) -> tuple[Any, str]:
