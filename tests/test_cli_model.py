@@ -73,13 +73,17 @@ def test_broken_models_give_one_line_and_exit_1(random_gguf, tmp_path, broken):
 
 
 def test_bench_forward_reports_throughput_and_peak_rss(random_gguf, tmp_path):
+    from healsweep.model.bench import format_table
+
     path = random_gguf("qwen2moe")
-    done = _run("bench", "forward", path, "--tokens", 128, "--seq-len", 64, "--repeats", 1,
-                tmp_path=tmp_path)
+    done = _run("bench", "forward", path, "--tokens", 96, "--seq-len", 64, "--repeats", 1,
+                "--json", tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
-    header, row = done.stdout.strip().splitlines()[:2]
-    assert "tokens_per_s" in header and "peak_rss_mib" in header
-    as_json = json.loads(_run("bench", "forward", path, "--tokens", 64, "--repeats", 1, "--json",
-                              tmp_path=tmp_path).stdout)
-    assert as_json["tokens_per_s"] > 0 and as_json["sequences"] == 1
-    assert 50 < as_json["peak_rss_mib"] < 8192
+    row = json.loads(done.stdout)
+    assert row["tokens"] == 96 and row["sequences"] == 2 and row["tokens_per_s"] > 0
+    assert row["layers"] == open_model(path).hparams.n_layer
+    assert 50 < row["peak_rss_mib"] < 8192
+    header, line = format_table([row]).splitlines()
+    assert header.split() == ["layers", "file_mib", "layer_mib", "layer_f32_mib", "tokens",
+                              "first_call_s", "tokens_per_s", "peak_rss_mib"]
+    assert line.split()[0] == str(row["layers"])
