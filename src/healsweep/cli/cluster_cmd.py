@@ -1,5 +1,105 @@
-"""`healsweep cluster` commands."""
+"""`healsweep cluster status` and `healsweep doctor`."""
 
 from __future__ import annotations
 
-from healsweep.cli._apps import cluster_app  # noqa: F401
+import typer
+
+from healsweep.cli._apps import app, cluster_app
+
+_ADDRESS = typer.Option(
+    None, "--address", help="Ray cluster HOST:PORT (default: a local cluster, if any)."
+)
+
+
+@cluster_app.command("status")
+def cluster_status(address: str | None = _ADDRESS) -> None:
+    """List the cluster's nodes, their resources and JAX backends."""
+    from healsweep import cluster
+
+    if not cluster.connect(address):
+        raise cluster.ClusterError(
+            "no Ray cluster is running here; start one with metal/head.sh or pass "
+            "--address HOST:PORT"
+        )
+    found = cluster.nodes(census=True)
+    for line in node_lines(found):
+        typer.echo(line)
+    alive = sum(node.alive for node in found)
+    typer.echo(f"{len(found)} node(s), {alive} alive")
+
+
+_BYTE_RESOURCES = ("memory", "object_store_memory")
+
+
+def format_resources(resources: dict[str, float]) -> str:
+    """``CPU=1, memory=21.5GiB, metal=1`` (byte-valued resources in GiB)."""
+    parts = []
+    for name, value in sorted(resources.items()):
+        shown = f"{value / 2**30:.1f}GiB" if name in _BYTE_RESOURCES else f"{value:g}"
+        parts.append(f"{name}={shown}")
+    return ", ".join(parts)
+
+
+def node_lines(nodes) -> list[str]:
+    """A table of nodes: short id, address, alive, JAX backend (version), resources."""
+    lines = [f"{'node':<10} {'address':<16} {'alive':<6} {'jax backend':<22} resources"]
+    for node in nodes:
+        resources = format_resources(node.resources)
+        backend = node.jax_backend
+        if node.jax_version != "?":
+            backend = f"{backend} (jax {node.jax_version})"
+        lines.append(
+            f"{node.node_id[:8]:<10} {node.address:<16} {str(node.alive):<6} {backend:<22} "
+            f"{resources}"
+        )
+    return lines
+
+
+def _cluster_line(address: str | None) -> str:
+    from healsweep import cluster
+
+    if not cluster.connect(address):
+        return "ray cluster: none running here (sweeps start an embedded local Ray)"
+    found = cluster.nodes(census=False)
+    totals: dict[str, float] = {}
+    for node in found:
+        if node.alive:
+            for name, value in node.resources.items():
+                totals[name] = totals.get(name, 0.0) + value
+    offered = format_resources(totals)
+    alive = sum(node.alive for node in found)
+    return f"ray cluster: {alive} alive node(s) of {len(found)}, offers {offered}"
+
+
+@app.command("doctor")
+def doctor(
+    address: str | None = _ADDRESS,
+    no_ray: bool = typer.Option(False, "--no-ray", help="Skip the Ray cluster check."),
+) -> None:
+    """JAX backend and devices, the Ray cluster, and the kernel conformance suite."""
+    from healsweep import cluster
+    from healsweep.kernels.conformance import run_conformance
+
+    info = cluster.jax_info()
+    typer.echo(
+        f"jax {info.jax_version} (jaxlib {info.jaxlib_version}), default backend: {info.backend}"
+    )
+    for device in info.devices:
+        typer.echo(f"  device {device}")
+    if not no_ray:
+        typer.echo(_cluster_line(address))
+    typer.echo("kernel conformance (default backend vs CPU):")
+    results = run_conformance()
+    for r in results:
+        status = "ok" if r.ok else "MISMATCH"
+        where = r.backend if r.lowered else "cpu (routed)"
+        note = f"  {r.note}" if r.note else ""
+        typer.echo(f"  {r.name:<28} {where:<14} max rel err {r.max_rel_err:.2e}  {status}{note}")
+    bad = [r.name for r in results if not r.ok]
+    if bad:
+        typer.echo(
+            f"doctor: {len(bad)} kernel(s) disagree with CPU beyond tolerance: {', '.join(bad)}",
+            err=True,
+        )
+        raise typer.Exit(1)
+    typer.echo(f"doctor: all {len(results)} kernels conformant")
