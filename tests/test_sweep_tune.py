@@ -112,7 +112,14 @@ GRID = {"alpha": ["gaussian", "none"], "gain_d": [0.3, 0.0]}
 
 
 def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_path):
-    spec = spec_from_dict({"name": "grid", "search_space": GRID, "max_concurrent": 2})
+    spec = spec_from_dict(
+        {
+            "name": "grid",
+            "search_space": GRID,
+            "max_concurrent": 2,
+            "scoring": {"checkpoint_every": 1},
+        }
+    )
     log = tmp_path / "scored.log"
     seen = []
     run = run_sweep(
@@ -155,6 +162,11 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
         k = np.array([toy_kld(knobs, w) for w in WINDOW_IDS], dtype=np.float64)
         assert trial["kld_mean"] == pytest.approx((k * n).sum() / n.sum(), rel=1e-9)
         assert trial["windows_scored"] == N_WINDOWS == trial["windows_total"]
+    for trial in run.trials:  # the newest checkpoint of a trial holds all its windows
+        newest = max((sweep_dir / f"trial_{trial['trial_id']}").glob("checkpoint_*"))
+        done = json.loads((newest / "windows.json").read_text())["done"]
+        assert sorted(done) == WINDOW_IDS
+        assert len(list(newest.parent.glob("checkpoint_*"))) <= 8  # older ones are dropped
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
     assert manifest["model_fingerprint"] == "toy-model" and manifest["split_lock_id"] == "toy-split"
     assert manifest["planned_trials"] == 4 and manifest["seeds"] == {
@@ -167,9 +179,18 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
         run_sweep(spec, results_root=tmp_path, work_fn=toy_work, identity_fn=toy_identity)
 
 
-def test_a_failed_trial_is_retried_from_its_checkpoint(ray_cluster, tmp_path):
+@pytest.mark.parametrize("every", [2, 100])
+def test_a_failed_trial_is_retried_without_rescoring(ray_cluster, tmp_path, every):
+    # every=2: a checkpoint holds 4 of the 5 finished windows; every=100: no checkpoint at all.
+    # Either way the driver's window book knows all 5 and the retry scores only the 7 left.
     spec = spec_from_dict(
-        {"name": "retry", "search_space": {"gain_d": [0.3]}, "max_failures": 1, "max_concurrent": 1}
+        {
+            "name": "retry",
+            "search_space": {"gain_d": [0.3]},
+            "max_failures": 1,
+            "max_concurrent": 1,
+            "scoring": {"checkpoint_every": every},
+        }
     )
     log = tmp_path / "scored.log"
     run = run_sweep(
@@ -181,7 +202,7 @@ def test_a_failed_trial_is_retried_from_its_checkpoint(ray_cluster, tmp_path):
     (trial,) = run.trials
     assert trial["status"] == "completed" and trial["n_failures"] == 1
     lines = _log_lines(log)
-    assert len(lines) == len(set(lines)) == N_WINDOWS  # the retry scored only the 7 left
+    assert len(lines) == len(set(lines)) == N_WINDOWS
     assert pq.read_table(tmp_path / "retry" / "windows").num_rows == N_WINDOWS
 
 

@@ -43,7 +43,7 @@ class _Window:
     router_jaccard: float
 
 
-def _window(row: dict[str, Any]) -> _Window:
+def window_stats(row: dict[str, Any]) -> _Window:
     values = {k: row.get(k) for k in _STAT_FIELDS}
     if values["top1_count"] is None:
         values["top1_count"] = round((row.get("top1") or 0.0) * row["kld_count"])
@@ -131,14 +131,15 @@ def summarize(
             continue
         ids = sorted(config.windows)
         config.pooled = pooled(
-            [_window(config.windows[w]) for w in ids], [config.windows[w]["stratum"] for w in ids]
+            [window_stats(config.windows[w]) for w in ids],
+            [config.windows[w]["stratum"] for w in ids],
         )
         shared = [w for w in ids if w in baseline.windows]
         if config is baseline or not shared:
             continue
         config.comparison = paired_compare(
-            [_window(baseline.windows[w]) for w in shared],
-            [_window(config.windows[w]) for w in shared],
+            [window_stats(baseline.windows[w]) for w in shared],
+            [window_stats(config.windows[w]) for w in shared],
             [baseline.windows[w]["stratum"] for w in shared],
             n_boot=n_boot,
             seed=seed,

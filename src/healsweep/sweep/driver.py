@@ -152,7 +152,9 @@ def prior_windows(sweep_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
 def _trainable(spec: SweepSpec, prior: dict, work_fn: WorkFn) -> Any:
     from ray import tune
 
-    trainable = tune.with_parameters(sweep_trial, spec=spec, prior=prior, work_fn=work_fn)
+    from healsweep.sweep.book import open_book
+
+    trainable = tune.with_parameters(sweep_trial, spec=spec, book=open_book(prior), work_fn=work_fn)
     return tune.with_resources(trainable, trial_resources(spec))
 
 

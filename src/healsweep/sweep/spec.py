@@ -76,7 +76,7 @@ class ScoringSpec(_Strict):
     max_scored: int = Field(default=128, ge=1, le=4096)
     max_context: int | None = Field(default=None, ge=1)
     max_windows: int | None = Field(default=None, ge=1)
-    checkpoint_every: int = Field(default=1, ge=1)
+    checkpoint_every: int = Field(default=8, ge=1)
     batch: int = Field(default=4, ge=1, le=256)
 
 

@@ -2,13 +2,15 @@
 
 A trial scores its dev windows in a seeded per-trial order and calls ``tune.report`` after each
 one with the window's metrics, its index in the sweep's fixed global order (the pruner's step),
-and the running token-pooled KLD and top-1. The report carries a small JSON checkpoint of every
-finished window (``{window_id: record}``), so a retried trial resumes where it stopped.
+and the running token-pooled KLD and top-1. Every ``scoring.checkpoint_every`` windows the report
+carries a small JSON checkpoint of every finished window (``{window_id: record}``).
 
-Windows finished in an earlier run of the sweep reach the trial through ``prior`` (read by the
-driver from the Parquet results on resume). Finished windows, from either source, are *replayed*
-(reported again with their stored metrics, flagged ``replayed``) and never scored twice; the
-results writer drops rows it already holds, so a replay adds no duplicate.
+A trial that starts or restarts learns the windows its config has already finished from three
+places: the driver's :mod:`~healsweep.sweep.book` (filled from the Parquet results when a sweep is
+resumed, and by every trial as it goes, so this works across machines without shared storage),
+and its Tune checkpoint. Finished windows are *replayed* (reported again with their stored
+metrics, flagged ``replayed``), never scored twice; the results writer drops rows it already
+holds, so a replay adds no duplicate.
 """
 
 from __future__ import annotations
@@ -127,16 +129,18 @@ def sweep_trial(
     config: Mapping[str, Any],
     *,
     spec: Any,
-    prior: Mapping[str, Mapping[str, dict[str, Any]]],
+    book: Any,
     work_fn: WorkFn,
 ) -> None:
-    """The function trainable (wrap with ``tune.with_parameters``); see the module docstring."""
+    """The function trainable (wrap with ``tune.with_parameters``); ``book`` is the handle of
+    the sweep's :class:`~healsweep.sweep.book.WindowBook`. See the module docstring."""
+    import ray
     from ray import tune
 
     knobs = resolve_knobs(spec, config)
     chash = config_hash(knobs)
     is_baseline = chash == config_hash(baseline_knobs(spec))
-    done: dict[str, dict[str, Any]] = dict(prior.get(chash, {}))
+    done: dict[str, dict[str, Any]] = dict(ray.get(book.done.remote(chash)))
     from_checkpoint = _read_checkpoint(tune.get_checkpoint())
     done.update(from_checkpoint)
     pool = RunningPool()
@@ -170,6 +174,7 @@ def sweep_trial(
     for result in work_fn(spec, knobs, frozenset(done), trial_seed(spec.seed, chash)):
         record = window_record(result, node)
         done[result.window_id] = record
+        book.add.remote(chash, record)
         fresh += 1
         last = pool.windows + 1 == result.windows_total
         report(record, replayed=False, save=fresh % every == 0 or last)

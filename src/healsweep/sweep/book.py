@@ -1,0 +1,43 @@
+"""The driver-side book of finished windows, shared by every trial of one sweep run.
+
+Trials record each window they finish (``add``) and a trial that starts or restarts asks for
+the windows its config already has (``done``), so a trial retried on another machine, which
+cannot read a checkpoint left on the first machine's disk, still scores no window twice. The
+book lives as a small Ray actor on the driver's node and dies with the driver; a resumed sweep
+fills a new book from the Parquet rows before any trial starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class WindowBook:
+    """``{config_hash: {window_id: record}}`` behind two remote methods."""
+
+    def __init__(self, prior: Mapping[str, Mapping[str, dict[str, Any]]]) -> None:
+        self._done = {chash: dict(windows) for chash, windows in prior.items()}
+
+    def add(self, chash: str, record: dict[str, Any]) -> None:
+        """Record one finished window of config ``chash``."""
+        self._done.setdefault(chash, {})[record["window_id"]] = record
+
+    def done(self, chash: str) -> dict[str, dict[str, Any]]:
+        """Every finished window of config ``chash`` (by window id)."""
+        return self._done.get(chash, {})
+
+
+def open_book(prior: Mapping[str, Mapping[str, dict[str, Any]]]) -> Any:
+    """Start the book on the driver's node (soft affinity) with the windows finished so far."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    strategy = NodeAffinitySchedulingStrategy(node_id=here, soft=True)
+    return WindowBook.options(scheduling_strategy=strategy).remote(dict(prior))
+
+
+__all__ = ["WindowBook", "open_book"]
