@@ -1,0 +1,89 @@
+"""Example inputs for every kernel, for ``healsweep doctor`` and the backend-rule tests.
+
+Shapes are small so the whole suite runs in seconds on any backend; values are drawn from a
+seeded generator so CPU and accelerator see the same inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from healsweep.kernels import alpha, iq4_nl, kld, q2_0, ridge
+from healsweep.kernels.conformance import KernelCase
+
+
+def _f32(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _q2_inputs(rng):
+    return _f32(rng, 96, 64), np.abs(_f32(rng, 96, 64)) + 0.1
+
+
+def _q2_matrix_inputs(rng):
+    return _f32(rng, 2, 32, 128), np.abs(_f32(rng, 128)) + 0.1
+
+
+def _logits_pair(rng):
+    teacher = _f32(rng, 24, 300, scale=3.0)
+    student = teacher + _f32(rng, 24, 300, scale=0.3)
+    return teacher, student, rng.integers(0, 300, 24).astype(np.int32)
+
+
+def _outputs_pair(rng):
+    y_ref = _f32(rng, 64, 32)
+    return y_ref, 0.9 * y_ref + _f32(rng, 64, 32, scale=0.2)
+
+
+def _experts(rng):
+    x = _f32(rng, 16, 64)
+    dense = (_f32(rng, 2, 64, 64, scale=0.1), _f32(rng, 2, 64, 64, scale=0.1), _f32(rng, 2, 64, 64, scale=0.1))
+    noisy = tuple(w + _f32(rng, *w.shape, scale=0.01) for w in dense)
+    return x, dense, noisy
+
+
+def _ridge_inputs(rng):
+    return _f32(rng, 200, 32), _f32(rng, 200, 16)
+
+
+def _ridge_solve_inputs(rng):
+    z = _f32(rng, 200, 32)
+    return z.T @ z, z.T @ _f32(rng, 200, 16)
+
+
+def _q2_dequant_inputs(rng):
+    d, q = q2_0.quantize(*_q2_inputs(rng), 0.3)
+    return np.asarray(d), np.asarray(q)
+
+
+def _jaccard_inputs(rng):
+    a = np.stack([rng.permutation(8)[:2] for _ in range(20)]).astype(np.int32)
+    b = np.stack([rng.permutation(8)[:2] for _ in range(20)]).astype(np.int32)
+    return a, b
+
+
+CASES: tuple[KernelCase, ...] = (
+    KernelCase("q2_0.quantize", lambda w, a: q2_0.quantize(w, a, 0.3), _q2_inputs, rtol=0.0),
+    KernelCase("q2_0.dequantize", q2_0.dequantize, _q2_dequant_inputs, rtol=0.0),
+    KernelCase(
+        "q2_0.quantize_matrix",
+        lambda w, a: q2_0.quantize_matrix(w, a, 0.3).dequantize(),
+        _q2_matrix_inputs,
+        rtol=0.0,
+    ),
+    KernelCase("iq4_nl.quantize", lambda w: iq4_nl.quantize(w), lambda rng: (_f32(rng, 64, 32),), rtol=0.0),
+    KernelCase("kld.token_stats", lambda t, s, n: kld.token_stats(t, s, n, chunk=128), _logits_pair, rtol=1e-5),
+    KernelCase("kld.log_softmax", lambda t: kld.log_softmax(t, 128), lambda rng: (_f32(rng, 8, 300),), rtol=1e-5),
+    KernelCase("kld.topk_jaccard", kld.topk_jaccard, _jaccard_inputs, rtol=0.0),
+    KernelCase("alpha.alpha_mse", lambda r, q: alpha.alpha_mse(r, q, 0.75), _outputs_pair, rtol=1e-5),
+    KernelCase("alpha.expert_outputs", alpha.expert_outputs, lambda rng: (_experts(rng)[0], *_experts(rng)[1]), rtol=1e-4),
+    KernelCase("alpha.alpha_gaussian", lambda x, d, q: alpha.alpha_gaussian(x, d, q, 0.75), _experts, rtol=1e-4),
+    KernelCase("ridge.normal_equations", ridge.normal_equations, _ridge_inputs, rtol=1e-4),
+    KernelCase(
+        "ridge.solve",
+        lambda g, b: ridge._solve(g, b, ridge.ridge_lambda(g, 6.0)),
+        _ridge_solve_inputs,
+        rtol=1e-4,
+        cpu_placed=True,
+    ),
+)
