@@ -36,8 +36,8 @@ def _pct(value: float) -> str:
 def _verdict(config: ConfigResult) -> str:
     if config.verdict is None:
         return "reference" if config.is_baseline else "-"
-    if config.status == "pruned":
-        return "pruned (not judged)"
+    if config.status != "completed":
+        return f"{config.status} (not judged)"
     return "ACCEPT" if config.verdict.accepted else "reject"
 
 

@@ -1,0 +1,148 @@
+"""The sweep report on a results folder with known effects: leaderboard numbers against an
+independent float64 computation, verdicts of the decision rule, main effects, pruning, files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from healsweep.errors import ResultsError
+from healsweep.heal.knobs import Knobs
+from healsweep.results.aggregate import summarize
+from healsweep.results.report import leaderboard, write_report
+from healsweep.results.schema import knob_columns, to_table, trial_schema, window_schema
+from healsweep.results.store import atomic_write_table
+from healsweep.sweep.space import config_hash
+
+N = 60
+STRATA = ("code", "docs", "json")
+RNG = np.random.default_rng(11)
+TOKENS = RNG.integers(20, 120, N)
+BASE_KLD = RNG.uniform(0.05, 0.3, N)
+
+# (knobs, per-window factor on the baseline's KLD, status, windows scored)
+CONFIGS = {
+    "base": (Knobs(), np.ones(N), "completed", N),
+    "better": (Knobs(gain_d=0.0), 0.8 * np.exp(RNG.normal(0, 0.02, N)), "completed", N),
+    "worse": (Knobs(alpha="none"), 1.3 * np.exp(RNG.normal(0, 0.02, N)), "completed", N),
+    # better overall, but the json stratum regresses by ~30%: rejected by check (ii)
+    "uneven": (
+        Knobs(alpha="none", gain_d=0.0),
+        np.where(np.arange(N) % 3 == 2, 1.3, 0.6),
+        "completed",
+        N,
+    ),
+    "pruned": (Knobs(ridge=False), 1.5 * np.ones(N), "pruned", 8),
+}
+
+
+def _folder(tmp_path):
+    windows = tmp_path / "windows"
+    windows.mkdir()
+    trials = []
+    for name, (knobs, factor, status, scored) in CONFIGS.items():
+        chash = config_hash(knobs)
+        kld = BASE_KLD * factor
+        rows = [
+            {
+                "sweep": "s",
+                "trial_id": name,
+                "config_hash": chash,
+                "is_baseline": name == "base",
+                **knob_columns(knobs.model_dump()),
+                "window_id": f"w{i:03d}",
+                "window_index": i,
+                "windows_total": N,
+                "stratum": STRATA[i % 3],
+                "kld_sum": float(kld[i] * TOKENS[i]),
+                "kld_count": int(TOKENS[i]),
+                "kld_mean": float(kld[i]),
+                "top1": 0.9,
+                "top1_count": int(0.9 * TOKENS[i]),
+                "pruned": status == "pruned",
+            }
+            for i in range(scored)
+        ]
+        atomic_write_table(to_table(rows, window_schema()), windows / f"trial-{name}.parquet")
+        trials.append(
+            {
+                "sweep": "s",
+                "trial_id": name,
+                "config_hash": chash,
+                "is_baseline": name == "base",
+                **knob_columns(knobs.model_dump()),
+                "status": status,
+                "windows_scored": scored,
+                "windows_total": N,
+            }
+        )
+    atomic_write_table(to_table(trials, trial_schema()), tmp_path / "trials.parquet")
+    manifest = {"sweep": "s", "spec_hash": "ab" * 32, "split_lock_id": "cd" * 32,
+                "model_fingerprint": "ef" * 32, "package_version": "0", "seeds": {}}  # fmt: skip
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    return tmp_path
+
+
+def test_leaderboard_numbers_and_verdicts(tmp_path):
+    summary = summarize(_folder(tmp_path), n_boot=2000)
+    by_trial = {c.trial_ids[0]: c for c in summary.configs}
+    assert summary.configs[0] is summary.baseline is by_trial["base"]
+    order = [c.trial_ids[0] for c in summary.configs]
+    pooled = {n: (BASE_KLD * CONFIGS[n][1] * TOKENS).sum() for n in ("better", "worse", "uneven")}
+    assert order == ["base", *sorted(pooled, key=pooled.get), "pruned"]  # finished before pruned
+    for name in ("better", "worse", "uneven"):
+        factor = CONFIGS[name][1]
+        expected = (BASE_KLD * factor * TOKENS).sum() / (BASE_KLD * TOKENS).sum() - 1
+        comp = by_trial[name].comparison
+        assert comp.rel_change == pytest.approx(expected, rel=1e-9)
+        lo, hi = comp.rel_change_ci()
+        assert lo <= comp.rel_change <= hi
+    assert by_trial["better"].verdict.accepted
+    assert not by_trial["worse"].verdict.accepted
+    uneven = by_trial["uneven"].verdict
+    assert not uneven.accepted and uneven.checks == {
+        "kld_improves": True, "no_stratum_regression": False, "top1_noninferior": True
+    }  # fmt: skip
+    header, rows = leaderboard(summary)
+    verdicts = {row[1]: row[-1] for row in rows}
+    assert verdicts["gain_d=0"] == "ACCEPT" and verdicts["alpha=none"] == "reject"
+    assert verdicts["ridge=False"] == "pruned (not judged)" and rows[-1][3] == f"8/{N}"
+
+
+def test_main_effects_and_pruning_summary(tmp_path):
+    summary = summarize(_folder(tmp_path), n_boot=200)
+    effects = {(e["knob"], e["value"]): e for e in summary.effects}
+    # fully scored configs: base, better (gain_d 0), worse (alpha none), uneven (both)
+    pooled = {
+        name: (BASE_KLD * CONFIGS[name][1] * TOKENS).sum() / TOKENS.sum()
+        for name in ("base", "better", "worse", "uneven")
+    }
+    rel = {name: pooled[name] / pooled["base"] - 1 for name in pooled}
+    assert effects[("gain_d", 0.0)]["rel_change"] == pytest.approx(
+        (rel["better"] + rel["uneven"]) / 2
+    )
+    assert effects[("alpha", "none")]["configs"] == 2
+    assert ("ridge", False) not in effects  # only the pruned config changed it
+    assert summary.pruning == {
+        "trials": 5, "pruned": 1, "windows_scored": 4 * N + 8, "windows_saved": N - 8,
+        "saved_fraction": (N - 8) / (5 * N), "pruned_windows_scored": 8,
+    }  # fmt: skip
+
+
+def test_report_files(tmp_path):
+    paths = write_report(_folder(tmp_path), n_boot=200)
+    text = paths["markdown"].read_text()
+    for piece in ("Leaderboard", "95% CI", "Per-stratum", "Main effects", "Pruning", "ACCEPT"):
+        assert piece in text
+    assert "<table>" in paths["html"].read_text()
+    for name in ("paired_windows.png", "strata.png", "knob_effects.png"):
+        assert (tmp_path / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_needs_a_scored_baseline(tmp_path):
+    folder = _folder(tmp_path)
+    (folder / "windows" / "trial-base.parquet").unlink()
+    with pytest.raises(ResultsError, match="baseline has no scored windows"):
+        summarize(folder)
