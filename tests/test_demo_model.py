@@ -1,221 +1,137 @@
-"""The demo model: its training forward against transformers, the optimizer, determinism."""
+"""The shipped demo model: shape, tokenizer, transformers cross-check, acceptance figures, CLI."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-from healsweep.demo import train as tr
-
-SMALL = tr.MoEConfig(
-    n_vocab=96, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=8,
-    n_expert_used=2, n_ff_exp=64, n_ff_shexp=32, rope_freq_base=10000.0, context_length=64,
-)
 
 
-def _scaled_params(cfg: tr.MoEConfig, seed: int, scale: float) -> tr.Params:
-    """Random parameters, enlarged so attention, routing and gates are far from uniform."""
-    params = tr.init_params(cfg, seed)
-    rng = np.random.default_rng(seed)
+@pytest.fixture(scope="module")
+def demo():
+    from healsweep.data.corpus import load_corpus
+    from healsweep.demo.paths import demo_corpus_path, demo_model_path
+    from healsweep.gguf_io import open_model
 
-    def grow(name: str, value: jax.Array) -> jax.Array:
-        if name.endswith("norm.weight"):
-            return jnp.asarray(1.0 + 0.1 * rng.standard_normal(value.shape), jnp.float32)
-        if name.endswith(".bias"):
-            return jnp.asarray(0.1 * rng.standard_normal(value.shape), jnp.float32)
-        return value * scale
-
-    out = {n: grow(n, v) for n, v in params.items() if n != "blk"}
-    out["blk"] = [{n: grow(n, v) for n, v in layer.items()} for layer in params["blk"]]
-    return out
+    return open_model(demo_model_path()), load_corpus(demo_corpus_path())
 
 
-def _hf_model(params: tr.Params, cfg: tr.MoEConfig) -> Qwen2MoeForCausalLM:
-    """A transformers Qwen2-MoE holding the same weights (an independent forward)."""
-    hf_cfg = Qwen2MoeConfig(
-        vocab_size=cfg.n_vocab, hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
-        head_dim=cfg.head_dim, intermediate_size=cfg.n_ff_shexp,
-        moe_intermediate_size=cfg.n_ff_exp, shared_expert_intermediate_size=cfg.n_ff_shexp,
-        num_experts=cfg.n_expert, num_experts_per_tok=cfg.n_expert_used, norm_topk_prob=False,
-        rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.context_length,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_freq_base},
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, qkv_bias=True,
-    )
-    model = Qwen2MoeForCausalLM(hf_cfg).eval()
-    model.config._attn_implementation = "eager"
+def test_demo_model_has_the_promised_shape(demo) -> None:
+    from healsweep.demo.paths import demo_model_path
 
-    def t(x: jax.Array) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(x, np.float32).copy())
-
-    state = {
-        "model.embed_tokens.weight": t(params["token_embd.weight"]),
-        "model.norm.weight": t(params["output_norm.weight"]),
-        "lm_head.weight": t(params["output.weight"]),
-    }
-    for i, p in enumerate(params["blk"]):
-        pre = f"model.layers.{i}."
-        state.update({
-            pre + "input_layernorm.weight": t(p["attn_norm.weight"]),
-            pre + "post_attention_layernorm.weight": t(p["ffn_norm.weight"]),
-            pre + "self_attn.o_proj.weight": t(p["attn_output.weight"]),
-            pre + "mlp.gate.weight": t(p["ffn_gate_inp.weight"]),
-            pre + "mlp.experts.gate_up_proj": t(np.concatenate(
-                [p["ffn_gate_exps.weight"], p["ffn_up_exps.weight"]], axis=1)),
-            pre + "mlp.experts.down_proj": t(p["ffn_down_exps.weight"]),
-            pre + "mlp.shared_expert.gate_proj.weight": t(p["ffn_gate_shexp.weight"]),
-            pre + "mlp.shared_expert.up_proj.weight": t(p["ffn_up_shexp.weight"]),
-            pre + "mlp.shared_expert.down_proj.weight": t(p["ffn_down_shexp.weight"]),
-            pre + "mlp.shared_expert_gate.weight": t(p["ffn_gate_inp_shexp.weight"][None, :]),
-        })
-        for proj in "qkv":
-            state[pre + f"self_attn.{proj}_proj.weight"] = t(p[f"attn_{proj}.weight"])
-            state[pre + f"self_attn.{proj}_proj.bias"] = t(p[f"attn_{proj}.bias"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
-    return model
+    model, _ = demo
+    hp = model.hparams
+    assert hp.arch == "qwen2moe" and not hp.norm_topk_prob
+    assert hp.n_layer >= 4 and hp.n_expert >= 16 and hp.n_expert_used >= 2
+    assert hp.n_embd % 64 == 0 and hp.n_ff_exp % 64 == 0 and hp.n_ff_shexp % 32 == 0
+    assert hp.n_head_kv < hp.n_head  # GQA
+    assert demo_model_path().stat().st_size <= 24 * 2**20
+    for name in model.tensor_names:
+        expected = "F32" if name.endswith((".bias", "norm.weight", "gate_inp_shexp.weight")) else "F16"
+        assert model.tensor_type(name).name == expected, name
 
 
-def test_training_forward_matches_transformers_qwen2moe() -> None:
-    params = _scaled_params(SMALL, seed=3, scale=8.0)
-    tokens = np.random.default_rng(0).integers(0, SMALL.n_vocab, size=(2, 40)).astype(np.int32)
-    ours, moe = tr.forward(params, jnp.asarray(tokens), SMALL)
-    with torch.no_grad():
-        ref = _hf_model(params, SMALL)(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-    ours = np.asarray(ours)
-    assert np.max(np.abs(ours - ref)) <= 2e-4 * np.max(np.abs(ref))
-    # The comparison is not vacuous: routing is far from uniform and logits are spread out.
-    assert np.std(ref) > 0.5
-    assert float(jnp.max(moe[0].router_probs)) > 0.5
-
-
-def test_renormalized_topk_would_be_detected() -> None:
-    """Renormalizing the top-k weights (the qwen3moe rule) changes the logits measurably."""
-    params = _scaled_params(SMALL, seed=3, scale=8.0)
-    tokens = jnp.asarray(np.arange(30, dtype=np.int32)[None, :] % SMALL.n_vocab)
-    logits, moe = tr.forward(params, tokens, SMALL)
-    weights = moe[0].router_probs * moe[0].routed_mask
-    renorm_factor = jnp.sum(weights, axis=-1)
-    assert float(jnp.min(renorm_factor)) < 0.95  # so renormalizing would change every layer
-
-
-def test_load_balance_loss_is_one_when_uniform_and_larger_when_collapsed() -> None:
-    e, k = 8, 2
-    uniform_probs = jnp.full((1, e, e), 1.0 / e)
-    mask = jnp.stack([jax.nn.one_hot(jnp.array([i, (i + 1) % e]), e).sum(0) for i in range(e)])
-    balanced = tr.MoEOutput(jnp.zeros(1), uniform_probs, mask[None])
-    assert float(tr.load_balance_loss(balanced, k)) == pytest.approx(1.0, rel=1e-6)
-    collapsed_probs = jnp.zeros((1, e, e)).at[..., :2].set(0.5)
-    collapsed_mask = jnp.zeros((1, e, e)).at[..., :2].set(1.0)
-    collapsed = tr.MoEOutput(jnp.zeros(1), collapsed_probs, collapsed_mask)
-    assert float(tr.load_balance_loss(collapsed, k)) == pytest.approx(e / 2, rel=1e-6)
-
-
-def test_adam_update_matches_numpy_float64() -> None:
-    """One AdamW step, checked against a float64 numpy re-implementation."""
-    tcfg = tr.TrainConfig(steps=10, warmup_steps=0, learning_rate=1e-2, grad_clip=1e9,
-                          weight_decay=0.1)
-    rng = np.random.default_rng(1)
-    params = {"w.weight": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
-              "b.bias": jnp.asarray(rng.standard_normal(4), jnp.float32), "blk": []}
-    grads = {"w.weight": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
-             "b.bias": jnp.asarray(rng.standard_normal(4), jnp.float32), "blk": []}
-    state = tr.adam_init(params)
-    new, state = tr.adam_update(grads, state, params, tr.decay_mask(params), tcfg)
-    new, state = tr.adam_update(grads, state, new, tr.decay_mask(params), tcfg)
-    for name, decay in (("w.weight", True), ("b.bias", False)):
-        p, g = np.float64(params[name]), np.float64(grads[name])
-        m = v = np.zeros_like(p)
-        for t in (1, 2):
-            lr = 1e-2 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * (t - 1) / 10)))
-            m, v = 0.9 * m + 0.1 * g, 0.95 * v + 0.05 * g * g
-            upd = (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.95**t)) + 1e-8)
-            p = p - lr * (upd + (0.1 * p if decay else 0.0))
-        np.testing.assert_allclose(np.asarray(new[name]), p, rtol=1e-5, atol=1e-6)
-    assert int(state.step) == 2
-
-
-def _synthetic_stream(n_vocab: int, seed: int) -> np.ndarray:
-    """Documents made of repeated phrases: learnable, unlike uniform noise."""
-    rng = np.random.default_rng(seed)
-    phrases = [rng.integers(1, n_vocab, size=rng.integers(4, 9)) for _ in range(12)]
-    docs = [np.concatenate([phrases[i] for i in rng.integers(0, 12, size=10)] + [[0]])
-            for _ in range(300)]
-    return np.concatenate(docs).astype(np.int32)
-
-
-def test_training_learns_and_is_deterministic_in_the_seed() -> None:
-    tiny = tr.MoEConfig(n_vocab=48, n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16,
-                        n_expert=4, n_expert_used=2, n_ff_exp=32, n_ff_shexp=32)
-    stream = _synthetic_stream(tiny.n_vocab, seed=0)
-    tcfg = tr.TrainConfig(steps=80, batch_size=4, seq_len=32, warmup_steps=10, seed=5)
-    first = tr.train(stream, tiny, tcfg, log_every=20)
-    again = tr.train(stream, tiny, tcfg, log_every=20)
-    assert first.history == again.history
-    for a, b in zip(jax.tree_util.tree_leaves(first.params),
-                    jax.tree_util.tree_leaves(again.params), strict=True):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
-    assert first.history[-1][2] < 0.6 * np.log(tiny.n_vocab)  # well below a uniform guess
-    other = dataclasses.replace(tcfg, seed=6)
-    assert not np.array_equal(tr.batch_starts(len(stream), other), tr.batch_starts(len(stream), tcfg))
-    assert not np.array_equal(tr.init_params(tiny, 6)["output.weight"],
-                              tr.init_params(tiny, 5)["output.weight"])
-
-
-def test_gguf_tensor_names_round_trip() -> None:
-    params = tr.init_params(SMALL, seed=0)
-    tensors = tr.to_gguf_tensors(params)
-    assert tensors["blk.1.ffn_down_exps.weight"].shape == (8, 64, 64)
-    assert tensors["blk.0.attn_k.weight"].shape == (32, 64)
-    back = tr.from_gguf_tensors(tensors, SMALL.n_layer)
-    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
-
-
-def _tiny_tokenizer():
+def test_demo_gguf_tokenizer_is_the_demo_tokenizer_on_the_whole_corpus(demo) -> None:
     from tokenizers import Tokenizer
 
-    from healsweep.demo.tokenizer import train_tokenizer
+    from healsweep.demo.paths import demo_tokenizer_path
 
-    texts = [f"<|im_start|>user\nwhat is {w}?<|im_end|>\n<|im_start|>assistant\n<think>\nabout {w}"
-             f"\n</think>\n\n{w} is a word.<|im_end|>\n" for w in ("alpha", "beta", "gamma", "delta")]
-    tok = train_tokenizer(texts * 3, vocab_size=300)
-    assert isinstance(tok, Tokenizer)
-    return tok
+    model, corpus = demo
+    ours, shipped = model.tokenizer(), Tokenizer.from_file(str(demo_tokenizer_path()))
+    assert ours.get_vocab(with_added_tokens=True) == shipped.get_vocab(with_added_tokens=True)
+    texts = [doc.render() for doc in corpus.documents]
+    for a, b in zip(ours.encode_batch(texts), shipped.encode_batch(texts), strict=True):
+        assert a.ids == b.ids
+    sample = texts[0]
+    assert ours.decode(shipped.encode(sample).ids, skip_special_tokens=False) == sample
 
 
-def test_written_gguf_runs_the_same_in_the_runtime_forward(tmp_path) -> None:
-    """Training forward == healsweep.model.forward on the GGUF written from the same params.
+def test_demo_gguf_matches_transformers_on_a_dev_document(demo) -> None:
+    """transformers loading the shipped GGUF agrees with healsweep.model.forward."""
+    from transformers import AutoModelForCausalLM
 
-    The GGUF stores matrices as F16, so the training forward gets the F16-rounded matrices.
-    """
-    from healsweep.demo.build import write_demo_model
-    from healsweep.gguf_io import open_model
+    from healsweep.demo.build import dev_documents, encode_documents
+    from healsweep.demo.paths import demo_model_path
     from healsweep.model import forward
 
-    tokenizer = _tiny_tokenizer()
-    cfg = dataclasses.replace(SMALL, n_vocab=tokenizer.get_vocab_size())
-    params = jax.tree_util.tree_map(
-        lambda w: w.astype(jnp.float16).astype(jnp.float32) if w.ndim > 1 else w,
-        _scaled_params(cfg, seed=7, scale=8.0))
-    path = write_demo_model(tmp_path / "m.gguf", params, cfg, tokenizer)
-    model = open_model(path)
-    assert model.hparams.n_ff_shexp == cfg.n_ff_shexp and not model.hparams.norm_topk_prob
-    rng = np.random.default_rng(2)
-    seqs = [rng.integers(0, cfg.n_vocab, size=n).astype(np.int32) for n in (37, 20)]
-    runtime = forward(model, seqs)
-    for seq, logits in zip(seqs, runtime.logits, strict=True):
-        ours, moe = tr.forward(params, jnp.asarray(seq[None, :]), cfg)
-        ours = np.asarray(ours[0])
-        assert np.max(np.abs(ours - logits)) <= 2e-4 * np.max(np.abs(ours))
-    # the same experts are chosen, token by token and layer by layer
-    _, moe = tr.forward(params, jnp.asarray(seqs[0][None, :]), cfg)
-    for layer, m in enumerate(moe):
-        ours_ids = np.sort(np.asarray(jax.lax.top_k(m.router_probs[0], cfg.n_expert_used)[1]), -1)
-        assert np.array_equal(ours_ids, np.sort(runtime.router[0][:, layer], -1))
-    assert model.tokenizer().encode("what is beta?").ids == tokenizer.encode("what is beta?").ids
+    model, corpus = demo
+    hp = model.hparams
+    ids = encode_documents(dev_documents(corpus)[:1], model.tokenizer())[0][:300]
+    assert len(ids) == 300
+    path = demo_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32,
+        moe_intermediate_size=hp.n_ff_exp, shared_expert_intermediate_size=hp.n_ff_shexp,
+    ).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
+    ours = forward(model, [ids]).logits[0]
+    assert np.max(np.abs(ours - ref)) <= 2e-3 * np.max(np.abs(ref))
+    assert np.mean(np.argmax(ours, -1) == np.argmax(ref, -1)) > 0.99
+
+
+def test_demo_model_is_far_better_than_unigram_on_dev_documents(demo) -> None:
+    """Six dev documents (512 tokens each): perplexity far below the unigram baseline, and
+    peaked output distributions (the full dev half is in the slow test below)."""
+    from healsweep.demo.build import dev_documents, encode_documents, training_stream, unigram_nll
+    from healsweep.model import forward
+
+    model, corpus = demo
+    tok = model.tokenizer()
+    dev = [ids[:512] for ids in encode_documents(dev_documents(corpus)[::20], tok)]
+    logits = forward(model, dev).logits
+    nll, top1 = [], []
+    for ids, z in zip(dev, logits, strict=True):
+        z = z[:-1].astype(np.float64)
+        logz = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+        nll.append(logz - z[np.arange(len(ids) - 1), ids[1:]])
+        top1.append(np.exp(z.max(-1) - logz))
+    baseline = unigram_nll(training_stream(corpus, tok), dev, model.hparams.n_vocab)
+    assert np.exp(np.mean(np.concatenate(nll))) < np.exp(baseline) / 5
+    assert np.mean(np.concatenate(top1)) > 0.5
+
+
+def test_model_info_demo_cli() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "healsweep", "model", "info", "demo"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "qwen2moe" in done.stdout and "16" in done.stdout
+
+
+@pytest.mark.slow
+def test_demo_figures_full_dev_and_calibration(demo) -> None:
+    """Acceptance figures on the whole dev half and the whole calibration pool."""
+    from healsweep.demo.build import demo_figures
+
+    model, corpus = demo
+    found = demo_figures(model, corpus, model.tokenizer())
+    assert found.calibration_tokens >= 8000
+    assert found.dev_perplexity < found.unigram_perplexity / 5
+    assert found.expert_load.shape == (model.hparams.n_layer, model.hparams.n_expert)
+    np.testing.assert_allclose(found.expert_load.sum(axis=1), 1.0, rtol=1e-9)
+    assert found.expert_load.min() >= 0.01  # every routed expert gets >= 1% of routed tokens
+
+
+@pytest.mark.slow
+def test_demo_build_cli_end_to_end(tmp_path) -> None:
+    """`healsweep demo build --steps 2` writes corpus, tokenizer and a GGUF that opens."""
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer
+
+    from healsweep.gguf_io import open_model
+
+    out = tmp_path / "build"
+    done = subprocess.run(
+        [sys.executable, "-m", "healsweep", "demo", "build", "--steps", "2", "--no-figures",
+         "--out-dir", str(out)], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr
+    model = open_model(out / "demo-moe.gguf")
+    shipped = Tokenizer.from_file(str(out / "demo-tokenizer.json"))
+    text = "<|im_start|>user\nShow `json.dumps`.<|im_end|>\n"
+    assert model.tokenizer().encode(text).ids == shipped.encode(text).ids
+    assert model.hparams.n_vocab == shipped.get_vocab_size()

@@ -16,6 +16,7 @@ This module imports only jax and numpy: it runs unchanged on a bare accelerator 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -335,11 +336,14 @@ def batch_starts(n_tokens: int, tcfg: TrainConfig) -> np.ndarray:
     return rng.integers(0, n_tokens - tcfg.seq_len - 1, size=(tcfg.steps, tcfg.batch_size))
 
 
-def make_train_step(cfg: MoEConfig, tcfg: TrainConfig, mask: Params) -> Callable[..., Any]:
+@functools.lru_cache(maxsize=8)
+def make_train_step(cfg: MoEConfig, tcfg: TrainConfig) -> Callable[..., Any]:
     """The jitted ``(params, opt_state, batch) -> (params, opt_state, loss, nll, aux)``.
 
-    ``mask`` (from :func:`decay_mask`) holds Python booleans and is closed over, not traced.
+    Cached per configuration, so a second run of the same recipe reuses the compiled step. The
+    weight-decay mask holds Python booleans and is closed over, not traced.
     """
+    mask = decay_mask(jax.eval_shape(functools.partial(init_params, cfg, 0)))
 
     def step(params: Params, opt_state: AdamState, batch: jax.Array) -> Any:
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -368,7 +372,7 @@ def train(
     offsets = np.arange(tcfg.seq_len + 1)
     params = init_params(cfg, tcfg.seed)
     opt_state = adam_init(params)
-    step_fn = make_train_step(cfg, tcfg, decay_mask(params))
+    step_fn = make_train_step(cfg, tcfg)
     history: list[TrainLog] = []
     for i in range(tcfg.steps):
         batch = jnp.asarray(stream[starts[i][:, None] + offsets[None, :]])  # [B, S+1]
