@@ -5,7 +5,9 @@ and the head offers no CPU, so a trial that asks for ``{metal: 1}`` can only run
 two concurrent trials must run on different workers. Checked from outside the product:
 
 - `healsweep cluster status --address` lists the three node ids that ``ray.nodes()`` reports,
-  each worker's custom resources, and the JAX backend and version of every node;
+  each worker's custom resources, and the JAX backend and version of every node; a driver with
+  another token is refused (token auth is on) with one line; `doctor --address` sums what the
+  alive nodes offer;
 - `healsweep sweep run --address` with a 4-trial grid runs trials on both workers (the
   ``scored_node_id`` of the Parquet rows, matched to the workers' node ids) and every window of
   every trial reaches the driver's results exactly once.
@@ -14,6 +16,7 @@ two concurrent trials must run on different workers. Checked from outside the pr
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,6 +72,29 @@ def test_cluster_status_lists_every_node_its_resources_and_jax_backend(cluster):
     head = [n["node_id"] for n in cluster.nodes if n["node_id"] not in workers.values()]
     assert len(head) == 1
     assert "metal" not in rows[head[0][:8]] and "CPU" not in rows[head[0][:8]]
+
+
+def test_a_driver_without_the_clusters_token_is_refused_with_one_line(cluster):
+    wrong = {**cluster.env, "RAY_AUTH_TOKEN": "0" * 64}
+    done = subprocess.run(
+        [sys.executable, "-m", "healsweep", "cluster", "status", "--address", cluster.address],
+        env=wrong,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot join the Ray cluster"), lines
+    assert "auth token" in lines[0]
+
+
+def test_doctor_with_address_reports_what_the_cluster_offers(cluster):
+    done = _healsweep(cluster, "doctor", "--address", cluster.address, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("ray cluster:"))
+    assert line.startswith("ray cluster: 3 alive node(s) of 3, offers CPU=2, ")
+    assert "metal=2" in line and "node_a=1" in line and "node_b=1" in line
 
 
 def _spec(tmp_path: Path) -> Path:

@@ -3,11 +3,13 @@
 Used by ``healsweep doctor`` and ``healsweep cluster status``. Connecting to a cluster is
 read-only here: nothing is scheduled except, for the backend census, one tiny task per node.
 
-Two Ray behaviours shape :func:`connect`: ``ray.init`` retries forever (printing a warning every
+Three Ray behaviours shape :func:`connect`: ``ray.init`` retries forever (printing a warning every
 few seconds) when nothing listens at the address, so the address is first checked with a plain
-TCP connection; and ``address="auto"`` attaches to *any* Ray found by scanning the process
+TCP connection; ``address="auto"`` attaches to *any* Ray found by scanning the process
 table, including another program's embedded instance, so without an address only ``RAY_ADDRESS``
-or the cluster recorded by the last ``ray start`` on this machine is used.
+or the cluster recorded by the last ``ray start`` on this machine is used; a refused join
+(wrong token) logs a warning per retry straight to file descriptor 2, so that output is collected
+and summarized in one line.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import platform
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 from healsweep.errors import HealsweepError
@@ -132,17 +135,56 @@ def connect(address: str | None) -> bool:
             f"nothing answers at {target} (from {source}); check the address and that the head "
             "runs (metal/head.sh)"
         )
-    # Ray's C++ core logs each failed attempt on stderr; the error below already says it once.
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
-    try:
-        ray.init(address=target, logging_level="ERROR", log_to_driver=False)
-    except Exception as exc:  # Ray raises several unrelated types (auth, version, connection)
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ClusterError(
-            f"cannot join the Ray cluster at {target}: {first}; check that this machine has the "
-            "pool's auth token (RAY_AUTH_TOKEN or ~/.ray/auth_token) and the head's Ray version"
-        ) from exc
-    return True
+    with _RayStderr() as ray_stderr:
+        try:
+            ray.init(address=target, logging_level="ERROR", log_to_driver=False)
+            failure = None
+        except Exception as exc:  # Ray raises unrelated types (auth, version, connection)
+            failure = exc
+    if failure is None:
+        sys.stderr.write(ray_stderr.text)  # a successful join's warnings are not hidden
+        return True
+    raise ClusterError(
+        f"cannot join the Ray cluster at {target}: {_join_failure(failure, ray_stderr.text)}"
+    ) from failure
+
+
+class _RayStderr:
+    """Collects what Ray's C++ core writes to file descriptor 2 while joining a cluster.
+
+    A refused join makes it log one warning per retry for about 20 s; the caller turns that into
+    one line (and writes the text through unchanged when the join succeeds).
+    """
+
+    text = ""
+
+    def __enter__(self) -> _RayStderr:
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        self._sink = tempfile.TemporaryFile()
+        os.dup2(self._sink.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._sink.seek(0)
+        self.text = self._sink.read().decode(errors="replace")
+        self._sink.close()
+
+
+def _join_failure(exc: Exception, ray_stderr: str) -> str:
+    if "InvalidAuthToken" in ray_stderr or "Unauthenticated" in ray_stderr:
+        return (
+            "the cluster refused this machine's auth token; use the head's token "
+            "(RAY_AUTH_TOKEN, or ~/.ray/auth_token copied from the head)"
+        )
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return (
+        f"{first}; check that this machine has the pool's auth token (RAY_AUTH_TOKEN or "
+        "~/.ray/auth_token) and the same Ray and Python versions as the head"
+    )
 
 
 def nodes(census: bool = True) -> list[NodeInfo]:
