@@ -76,11 +76,15 @@ def _folder(tmp_path):
                 "status": status,
                 "windows_scored": scored,
                 "windows_total": N,
+                "kld_sum": float((kld * TOKENS)[:scored].sum()),
+                "kld_count": int(TOKENS[:scored].sum()),
+                "kld_mean": float((kld * TOKENS)[:scored].sum() / TOKENS[:scored].sum()),
             }
         )
     atomic_write_table(to_table(trials, trial_schema()), tmp_path / "trials.parquet")
     manifest = {"sweep": "s", "spec_hash": "ab" * 32, "split_lock_id": "cd" * 32,
-                "model_fingerprint": "ef" * 32, "package_version": "0", "seeds": {}}  # fmt: skip
+                "model_fingerprint": "ef" * 32, "package_version": "0", "seeds": {},
+                "planned_trials": 5}  # fmt: skip
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     return tmp_path
 
