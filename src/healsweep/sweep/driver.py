@@ -94,8 +94,10 @@ def ray_session(address: str | None, num_cpus: int | None) -> Iterator[None]:
         "logging_level": logging.WARNING,
         "log_to_driver": False,
     }
-    if address:
-        ray.init(address=address, **kwargs)
+    if address:  # one-line errors for an unreachable head or a refused join
+        from healsweep.cluster import connect
+
+        connect(address)
     else:
         ray.init(num_cpus=num_cpus, **kwargs)
     try:
@@ -248,22 +250,29 @@ def run_sweep(
 
     root = Path(results_root or spec.results).resolve()
     sweep_dir = root / spec.name
+    _refuse_existing(sweep_dir, spec.name)
+    identity = identity_fn(spec)
+    _quiet_tune()
+    # Connect and check resources before the folder is created, so a refused start leaves none.
+    with ray_session(address, _local_cpus(spec, num_cpus)):
+        _check_resources(spec)
+        with sweep_lock(sweep_dir):
+            _refuse_existing(sweep_dir, spec.name)  # another `run` of this name got here first
+            start_manifest(sweep_dir, spec, identity, kind="run")
+            register_sink(sweep_dir, on_progress)
+            try:
+                _new_tuner(spec, sweep_dir, {}, work_fn).fit()
+            finally:
+                register_sink(sweep_dir, None)
+    return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
+
+
+def _refuse_existing(sweep_dir: Path, name: str) -> None:
     if (sweep_dir / SPEC_FILE).exists():
         raise ResultsError(
-            f"{sweep_dir} already holds sweep {spec.name}; resume it with `healsweep sweep "
-            f"resume {sweep_dir}` or give the new sweep another name"
+            f"{sweep_dir} already holds sweep {name}; resume it with `healsweep sweep resume "
+            f"{sweep_dir}` or give the new sweep another name"
         )
-    _quiet_tune()
-    with sweep_lock(sweep_dir):
-        start_manifest(sweep_dir, spec, identity_fn(spec), kind="run")
-        register_sink(sweep_dir, on_progress)
-        try:
-            with ray_session(address, _local_cpus(spec, num_cpus)):
-                _check_resources(spec)
-                _new_tuner(spec, sweep_dir, {}, work_fn).fit()
-        finally:
-            register_sink(sweep_dir, None)
-    return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
 
 
 def _has_experiment_state(sweep_dir: Path) -> bool:
@@ -287,24 +296,23 @@ def resume_sweep(
     sweep_dir = Path(sweep_dir).resolve()
     spec = read_spec(sweep_dir)
     _quiet_tune()
-    with sweep_lock(sweep_dir):
+    with sweep_lock(sweep_dir), ray_session(address, _local_cpus(spec, num_cpus)):
+        _check_resources(spec)
         start_manifest(sweep_dir, spec, None, kind="resume")
         repair_journal(sweep_dir / JOURNAL_FILE)
         prior = prior_windows(sweep_dir)
         register_sink(sweep_dir, on_progress)
         try:
-            with ray_session(address, _local_cpus(spec, num_cpus)):
-                _check_resources(spec)
-                if _has_experiment_state(sweep_dir) and tune.Tuner.can_restore(str(sweep_dir)):
-                    tuner = tune.Tuner.restore(
-                        str(sweep_dir),
-                        trainable=_trainable(spec, prior, work_fn),
-                        resume_unfinished=True,
-                        resume_errored=True,
-                    )
-                else:  # killed before Tune saved any state: start over, replaying what is done
-                    tuner = _new_tuner(spec, sweep_dir, prior, work_fn)
-                tuner.fit()
+            if _has_experiment_state(sweep_dir) and tune.Tuner.can_restore(str(sweep_dir)):
+                tuner = tune.Tuner.restore(
+                    str(sweep_dir),
+                    trainable=_trainable(spec, prior, work_fn),
+                    resume_unfinished=True,
+                    resume_errored=True,
+                )
+            else:  # killed before Tune saved any state: start over, replaying what is done
+                tuner = _new_tuner(spec, sweep_dir, prior, work_fn)
+            tuner.fit()
         finally:
             register_sink(sweep_dir, None)
     return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
