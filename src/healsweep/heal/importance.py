@@ -22,7 +22,7 @@ import numpy as np
 
 from healsweep.heal.knobs import Knobs
 
-ROW_PAD = 64  # routed-token rows are padded to a multiple of this to bound recompilations
+ROW_CHUNK = 256  # routed-token rows per call, zero-padded, so every call has one shape
 _FLOOR = 1e-6  # importance floor relative to the channel maximum: the Q2_0 search needs a > 0
 
 
@@ -65,12 +65,11 @@ def expert_hidden_moments(
     for e in range(n_expert):
         rows = np.nonzero(np.any(topk_ids == e, axis=1))[0]
         counts[e] = len(rows)
-        if not len(rows):
-            continue
-        padded = -(-len(rows) // ROW_PAD) * ROW_PAD
-        x_rows = np.zeros((padded, x.shape[1]), np.float32)
-        x_rows[: len(rows)] = x[rows]
-        sums[e] = np.asarray(_hidden_square_sum(x_rows, gate_exps[e], up_exps[e]))
+        for a in range(0, len(rows), ROW_CHUNK):  # one shape for every call: one compile
+            x_rows = np.zeros((ROW_CHUNK, x.shape[1]), np.float32)
+            part = rows[a : a + ROW_CHUNK]
+            x_rows[: len(part)] = x[part]
+            sums[e] += np.asarray(_hidden_square_sum(x_rows, gate_exps[e], up_exps[e]))
     return sums, counts
 
 

@@ -34,6 +34,7 @@ STAGE = "calib_trace"
 LAYER_STAGE = "calib_trace_layer"
 VERSION = 1
 BATCH_TOKENS = 4096  # padded tokens per teacher forward call
+LENGTH_BUCKET = 64  # smallest padded chunk length; buckets double from here
 _TOOL_SPAN = re.compile(r"<tool_call>.*?</tool_call>", re.S)
 
 
@@ -132,41 +133,58 @@ def make_chunks(
     return chunks, info
 
 
+def _bucket(length: int) -> int:
+    """Padded length of a chunk: 64 * 2^k, the smallest that holds it (few distinct shapes)."""
+    padded = LENGTH_BUCKET
+    while padded < length:
+        padded *= 2
+    return padded
+
+
 def _batches(chunks: list[CalibrationChunk], budget: int = BATCH_TOKENS) -> list[list[int]]:
-    """Consecutive chunk indices grouped so that (batch size x longest chunk) stays in budget."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
+    """Chunk indices grouped by padded length into batches of one shape per length bucket.
+
+    A bucket of padded length P is cut into batches of ``budget // P - 1`` chunks; :func:`run_trace`
+    adds filler sequences (one of exactly P tokens) so every batch of a bucket has the same
+    [B, P] shape and the jitted forward compiles once per bucket instead of once per batch.
+    """
+    buckets: dict[int, list[int]] = {}
     for i, chunk in enumerate(chunks):
-        longest_next = max(longest, len(chunk.tokens))
-        if current and longest_next * (len(current) + 1) > budget:
-            batches.append(current)
-            current, longest_next = [], len(chunk.tokens)
-        current.append(i)
-        longest = longest_next
-    if current:
-        batches.append(current)
+        buckets.setdefault(_bucket(len(chunk.tokens)), []).append(i)
+    batches = []
+    for padded, members in sorted(buckets.items()):
+        size = max(1, budget // padded - 1)
+        batches += [members[a : a + size] for a in range(0, len(members), size)]
     return batches
 
 
 def run_trace(model: Any, chunks: list[CalibrationChunk]) -> list[dict[str, np.ndarray]]:
-    """Teacher forward with captures over every chunk; per layer the stage's arrays."""
+    """Teacher forward with captures over every chunk; per layer the stage's arrays.
+
+    Arrays are in chunk order (document order), whatever order the batches ran in.
+    """
     from healsweep.model import forward
 
     hp = model.hparams
-    per_layer: list[dict[str, list[np.ndarray]]] = [
-        {k: [] for k in ("x", "ids", "weights", "y_ref", "z", "gate")} for _ in range(hp.n_layer)
-    ]
+    fields = ("x", "ids", "weights", "y_ref", "z", "gate")
+    per_chunk: list[list[dict[str, np.ndarray]]] = [[{}] * len(chunks) for _ in range(hp.n_layer)]
     for batch in _batches(chunks):
-        result = forward(model, [chunks[i].tokens for i in batch], capture=True)
+        padded = _bucket(max(len(chunks[i].tokens) for i in batch))
+        filler = np.resize(chunks[batch[0]].tokens, padded)  # sets the batch's length to P
+        fillers = max(1, BATCH_TOKENS // padded - len(batch))
+        sequences = [chunks[i].tokens for i in batch] + [filler] + [filler[:1]] * (fillers - 1)
+        # Only the captures are needed: ask for one logit row per sequence, not [T, V].
+        result = forward(model, sequences, capture=True,
+                         logits_for=[np.zeros(1, np.int64)] * len(sequences))
+        bounds = np.cumsum([0] + [len(chunks[i].tokens) for i in batch])
         for layer, cap in enumerate(result.captures):
-            store = per_layer[layer]
-            store["x"].append(cap.ffn_input)
-            store["ids"].append(cap.topk_ids.astype(np.int32))
-            store["weights"].append(cap.topk_weights)
-            store["y_ref"].append(cap.routed_output)
-            store["z"].append(cap.shexp_down_input)
-            store["gate"].append(cap.shexp_gate)
+            values = dict(zip(fields, (cap.ffn_input, cap.topk_ids.astype(np.int32),
+                                       cap.topk_weights, cap.routed_output,
+                                       cap.shexp_down_input, cap.shexp_gate), strict=True))
+            for j, i in enumerate(batch):
+                per_chunk[layer][i] = {
+                    k: v[bounds[j] : bounds[j + 1]] if v.size else v for k, v in values.items()}
+    per_layer = [{k: [c[k] for c in layer] for k in fields} for layer in per_chunk]
     layers = []
     grid = np.arange(hp.n_expert, dtype=np.int32)
     for layer, store in enumerate(per_layer):
