@@ -1,0 +1,338 @@
+"""Q2_0: 2-bit blocks of 64 weights with one signed fp16 scale, and its exact scale search.
+
+A block ``w[0..63]`` (64 consecutive weights along the input dimension) with importance
+``a[0..63] > 0`` is stored as ``d`` (fp16) and codes ``c = q + 1`` with ``q`` in {-1, 0, 1, 2};
+its value is ``q * d``, so a negative ``d`` gives the mirrored grid. The search (issue 4):
+
+- ``amax = max|w|``; ``amax == 0`` gives ``d = 0`` and every ``q = 0``;
+- for each seed ``s`` in ``SEEDS`` (in that order): ``d0 = s*amax``,
+  ``q = clip(round_half_even(w/d0), -1, 2)``, ``d1 = Σaqw/Σaq²`` (``d0`` when ``Σaq² = 0``),
+  ``q = clip(round_half_even(w/d1), -1, 2)``, ``score = (Σaqw)²/Σaq²`` (0 when ``Σaq² = 0``);
+- the first seed with the strictly highest score wins; ``d_ls = Σaqw/Σaq²`` for its ``q``;
+- ``r² = score/Σaw²`` (taken as 1 when ``Σaw² = 0``) and the stored
+  ``d = fp16(d_ls * max(r², 0.25)^(-gain/2))``.
+
+Float32 choices, each a source of the rare near-ties the tests document: ``w/d`` is evaluated as
+``w * (1/d)`` (XLA rewrites a division by a broadcast scalar that way regardless); every block is
+first scaled by a power of two so that its ``amax`` lies in [1, 2), and its importance likewise
+so that ``max a`` does — exact operations that keep tiny blocks (``amax ~ 1e-30``) from
+underflowing ``score``; subnormal inputs may be flushed to zero by the backend.
+
+Layout, for speed (see ``benchmarks/bench_quant.py``): blocks are regrouped into tiles
+``[T, 64, L]`` whose ``L`` lanes are ``L`` blocks, so that every sum over a block is a chain of
+64 vector adds along the lane axis; each seed's two passes run as their own loop fusion.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QK = 64
+SEEDS = (0.42, 0.55, 0.68, 0.81, 0.94, -0.42, -0.55, -0.68, -0.81, -0.94)
+BYTES_PER_BLOCK = 18
+LANES = 16
+_CHUNK_WEIGHTS = {"cpu": 1 << 18, "gpu": 1 << 24}
+
+
+def round_code(x: jax.Array) -> jax.Array:
+    """``clip(round_half_even(x), -1, 2)``.
+
+    (The two-add "magic number" rounding is not usable: XLA reassociates it away.)
+    """
+    return jnp.clip(jnp.round(x), -1.0, 2.0)
+
+
+def _pow2_inverse(amax: jax.Array) -> jax.Array:
+    """``2**-e`` with ``amax = m * 2**e``, ``m`` in [1, 2); 1 where ``amax`` is 0 (exact scaling)."""
+    bits = jax.lax.bitcast_convert_type(amax, jnp.int32) & 0x7F800000
+    inv = jax.lax.bitcast_convert_type(0x7F000000 - bits, jnp.float32)
+    return jnp.where(amax > 0, inv, 1.0)
+
+
+def _row_sums(rows, arows, step: jax.Array):
+    """``Σaqw`` and ``Σaq²`` over the 64 rows of each tile, ``q = round_code(w * step)``.
+
+    ``rows[i]`` is [T, L], ``arows[i]`` [T, L] or [T, 1], ``step`` [..., T, L]: a chain of 64
+    vector multiply-adds along the lane axis, which XLA emits as one vectorized loop fusion.
+    """
+    sqw = sqq = None
+    for w_i, a_i in zip(rows, arows, strict=True):
+        q = round_code(w_i * step)
+        aq = a_i * q
+        sqw = aq * w_i if sqw is None else sqw + aq * w_i
+        sqq = aq * q if sqq is None else sqq + aq * q
+    return sqw, sqq
+
+
+def _safe_ratio(num: jax.Array, den: jax.Array, fallback) -> jax.Array:
+    ok = den > 0
+    return jnp.where(ok, num / jnp.where(ok, den, 1.0), fallback)
+
+
+def _max_rows(rows) -> jax.Array:
+    out = None
+    for r in rows:
+        out = r if out is None else jnp.maximum(out, r)
+    return out
+
+
+def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array):
+    """The seed search on tiles ``w`` [T, 64, L] (blocks along axis 1) with importance ``a``
+    [T, 64, L] or [T, 64, 1]; returns float32 ``(d, scale, best_d1, (d1, score))``.
+
+    Each block is normalized by ``scale`` [T, L], a power of two that puts its ``amax`` in
+    [1, 2) (1 for an all-zero block): ``y = w * scale``. ``d`` and ``best_d1`` [T, L] are in those
+    units: the stored scale is ``fp16(d / scale)``, the codes ``round_code(w * scale / best_d1)``
+    (0 for an all-zero block, whose ``d`` is 0). The scaling is folded into each pass's step
+    (``w * (scale/d)`` rounds exactly like ``y * (1/d)``) and into its sums (``Σaqy = scale·Σaqw``)
+    so that it costs no extra pass. All ten seeds run side by side on a leading axis; the
+    per-seed ``(d1, score)`` [10, T, L] are returned so that XLA materializes them instead of
+    re-deriving them inside later fusions (which repeats passes in loops LLVM does not vectorize).
+    """
+    rows = [w[:, i, :] for i in range(QK)]  # 64 x [T, L]
+    arows = [a[:, i, :] for i in range(QK)]  # 64 x [T, L] or [T, 1]
+    amax = _max_rows([jnp.abs(r) for r in rows])  # [T, L]
+    live = amax > 0
+    scale = _pow2_inverse(amax)
+    d0 = jnp.asarray(SEEDS, jnp.float32)[:, None, None] * jnp.where(live, amax * scale, 1.0)
+    sqw, sqq = _row_sums(rows, arows, scale / d0)  # [S, T, L]
+    d1 = _safe_ratio(sqw * scale, sqq, d0)
+    sqw, sqq = _row_sums(rows, arows, scale / d1)
+    sqw = sqw * scale
+    score = _safe_ratio(sqw * sqw, sqq, 0.0)  # [S, T, L]
+    best_score = jnp.full(amax.shape, -1.0, jnp.float32)
+    best_d1 = jnp.ones_like(amax)
+    for s in range(len(SEEDS)):
+        better = score[s] > best_score  # strictly: the first seed wins a tie
+        best_score = jnp.where(better, score[s], best_score)
+        best_d1 = jnp.where(better, d1[s], best_d1)
+    step = scale / best_d1  # [T, L]
+    sqw = sqq = saw2 = None
+    for w_i, a_i in zip(rows, arows, strict=True):
+        y_i = w_i * scale  # normalized here so that Σay² cannot underflow for tiny blocks
+        q = round_code(w_i * step)
+        aq = a_i * q
+        sqw = aq * y_i if sqw is None else sqw + aq * y_i
+        sqq = aq * q if sqq is None else sqq + aq * q
+        saw2 = a_i * y_i * y_i if saw2 is None else saw2 + a_i * y_i * y_i
+    d_ls = _safe_ratio(sqw, sqq, 0.0)
+    r2 = _safe_ratio(_safe_ratio(sqw * sqw, sqq, 0.0), saw2, 1.0)
+    d = jnp.where(live, d_ls * jnp.power(jnp.maximum(r2, 0.25), -0.5 * gain), 0.0)
+    return d, scale, best_d1, (d1, score)
+
+
+def _to_tiles(x: jax.Array, lanes: int) -> jax.Array:
+    """``[R, nb, k]`` -> ``[nb * R/lanes, k, lanes]``: lane ``l`` of tile ``(j, g)`` is row ``g*lanes+l``."""
+    n_rows, nb, k = x.shape
+    x = x.reshape(n_rows // lanes, lanes, nb, k).transpose(2, 0, 3, 1)
+    return x.reshape(nb * (n_rows // lanes), k, lanes)
+
+
+def _from_tiles(x: jax.Array, n_rows: int, nb: int) -> jax.Array:
+    """Inverse of :func:`_to_tiles`: ``[nb * R/lanes, k, lanes]`` -> ``[R, nb, k]``."""
+    _, k, lanes = x.shape
+    x = x.reshape(nb, n_rows // lanes, k, lanes).transpose(1, 3, 0, 2)
+    return x.reshape(n_rows, nb, k)
+
+
+@partial(jax.jit, static_argnames=("lanes", "keep_extras"))
+def _quantize_rows(w, importance, gain, lanes: int = LANES, keep_extras: bool = True):
+    """Quantize ``w`` [R, in] (``R % lanes == 0``) with ``importance`` [R, in] or [R/lanes, in]
+    (one importance row shared by each group of ``lanes`` rows).
+
+    Returns ``(d [T, 1, L] float16 in tile order, q [R, in] int8, extras)``; ``_untile_np`` puts
+    ``d`` in row order (outside, so that XLA keeps the final pass in the vectorized layout).
+    ``keep_extras=False`` drops the per-seed arrays and leaves XLA free to fuse across seeds,
+    which suits a GPU (one thread per block, its weights in registers).
+    """
+    n_rows, n_in = w.shape
+    nb = n_in // QK
+    wb = w.reshape(n_rows, nb, QK)  # [R, nb, 64]
+    ab = importance.reshape(importance.shape[0], nb, QK)
+    ab = ab * _pow2_inverse(jnp.max(ab, axis=2))[:, :, None]  # max a in [1, 2), exactly
+    if importance.shape[0] == n_rows:
+        a = _to_tiles(ab, lanes)  # [T, 64, L]
+    else:  # [R/L, nb, 64] -> [T, 64, 1]
+        a = ab.transpose(1, 0, 2).reshape(nb * (n_rows // lanes), QK, 1)
+    d, scale, best_d1, extras = search_tiles(_to_tiles(wb, lanes), a, gain)  # [T, L] each
+    d = (d / scale)[:, None, :].astype(jnp.float16)  # [T, 1, L]
+    # q in row order, straight from w: the same products as inside the search.
+    step = _from_tiles((scale / best_d1)[:, None, :], n_rows, nb)  # [R, nb, 1]
+    q = round_code(wb * step).astype(jnp.int8)  # all-zero blocks: finite step, q = 0
+    return d, q.reshape(n_rows, n_in), (extras if keep_extras else ())
+
+
+def _untile_np(d: np.ndarray, n_rows: int) -> np.ndarray:
+    """``[nb * R/L, 1, L]`` tile order -> ``[R, nb]`` row order (numpy twin of _from_tiles)."""
+    n_tiles, _, lanes = d.shape
+    nb = n_tiles // (n_rows // lanes)
+    return d.reshape(nb, n_rows // lanes, lanes).transpose(1, 2, 0).reshape(n_rows, nb)
+
+
+def _chunk_rows(n_rows: int, n_in: int) -> int:
+    """Rows per jitted call: about a backend-dependent number of weights, a multiple of LANES;
+    small inputs get the next power of two, so that few distinct shapes are ever compiled."""
+    target = _CHUNK_WEIGHTS.get(jax.default_backend(), _CHUNK_WEIGHTS["gpu"])
+    rows = max(LANES, (target // n_in) // LANES * LANES)
+    small = 1 << max(int(n_rows) - 1, LANES - 1).bit_length()
+    return min(rows, small)
+
+
+def _pad_rows(x: np.ndarray, n_rows: int, value: float) -> np.ndarray:
+    if x.shape[0] == n_rows:
+        return x
+    return np.concatenate([x, np.full((n_rows - x.shape[0], x.shape[1]), value, np.float32)])
+
+
+def quantize_rows(w, importance, gain: float) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize rows ``w`` [R, in] (``R % LANES == 0``, ``in % 64 == 0``) in fixed-shape chunks.
+
+    ``importance`` is [R, in] (one row per weight row) or [R / LANES, in] (one row per group of
+    LANES consecutive rows). Returns ``(d [R, in/64] float16, q [R, in] int8)`` as numpy arrays.
+    The chunk shape depends only on ``in`` and the backend, so each is compiled once.
+    """
+    n_rows, n_in = w.shape
+    per_row = importance.shape[0] == n_rows
+    chunk = _chunk_rows(n_rows, n_in)
+    imp_chunk = chunk if per_row else chunk // LANES
+    n_chunks = -(-n_rows // chunk)
+    w = _pad_rows(np.asarray(w, np.float32), n_chunks * chunk, 0.0)
+    importance = _pad_rows(np.asarray(importance, np.float32), n_chunks * imp_chunk, 1.0)
+    gain32 = jnp.float32(gain)
+    keep = jax.default_backend() == "cpu"
+    d_out = np.empty((n_chunks * chunk, n_in // QK), np.float16)
+    q_out = np.empty((n_chunks * chunk, n_in), np.int8)
+    for c in range(n_chunks):
+        rows, imp_rows = (
+            slice(c * chunk, (c + 1) * chunk),
+            slice(c * imp_chunk, (c + 1) * imp_chunk),
+        )
+        d, q, _ = _quantize_rows(w[rows], importance[imp_rows], gain32, keep_extras=keep)
+        d_out[rows] = _untile_np(np.asarray(d), chunk)
+        q_out[rows] = np.asarray(q)
+    return d_out[:n_rows], q_out[:n_rows]
+
+
+def quantize(w, importance, gain: float) -> tuple[np.ndarray, np.ndarray]:
+    """Q2_0-quantize blocks ``w`` [N, 64] float32 with ``importance`` [N, 64] or [64] (> 0).
+
+    Returns ``(d [N] float16, q [N, 64] int8)`` with ``q`` in {-1, 0, 1, 2}, value ``q * d``.
+    ``importance=None`` means uniform importance.
+    """
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2 or w.shape[1] != QK:
+        raise ValueError(f"q2_0.quantize: expected w of shape [N, {QK}], got {w.shape}")
+    imp = np.ones(QK, np.float32) if importance is None else np.asarray(importance, np.float32)
+    if imp.shape not in ((QK,), w.shape):
+        raise ValueError(f"q2_0.quantize: importance must be [{QK}] or {w.shape}, got {imp.shape}")
+    n = w.shape[0]
+    padded = -(-n // LANES) * LANES
+    w = _pad_rows(w, padded, 0.0)
+    if imp.ndim == 1:
+        imp = np.broadcast_to(imp, (padded // LANES, QK))
+    else:
+        imp = _pad_rows(imp, padded, 1.0)
+    d, q = quantize_rows(w, imp, gain)
+    return d[:n, 0], q[:n]
+
+
+def quantize_matrix(w, importance, gain: float) -> Q2Weight:
+    """Q2_0-quantize ``w`` [..., out, in] along ``in`` (a multiple of 64).
+
+    ``importance`` is per input channel: [in] (shared), [..., in] (one row per matrix, e.g. per
+    expert) or None (uniform).
+    """
+    w = np.asarray(w, np.float32)
+    if w.ndim < 2 or w.shape[-1] % QK != 0:
+        raise ValueError(
+            f"q2_0.quantize_matrix: expected w [..., out, in] with in % {QK} == 0, got {w.shape}"
+        )
+    *lead, n_out, n_in = w.shape
+    n_mat = int(np.prod(lead, dtype=np.int64))
+    imp = np.ones(n_in, np.float32) if importance is None else np.asarray(importance, np.float32)
+    if imp.shape not in ((n_in,), (*lead, n_in)):
+        raise ValueError(
+            f"q2_0.quantize_matrix: importance must be [{n_in}] or {(*lead, n_in)}, got {imp.shape}"
+        )
+    out_pad = -(-n_out // LANES) * LANES
+    rows = w.reshape(n_mat, n_out, n_in)
+    if out_pad != n_out:
+        rows = np.concatenate([rows, np.zeros((n_mat, out_pad - n_out, n_in), np.float32)], 1)
+    groups = out_pad // LANES
+    if imp.ndim == 1:
+        imp_groups = np.broadcast_to(imp, (n_mat * groups, n_in))
+    else:
+        imp_groups = np.repeat(imp.reshape(n_mat, n_in), groups, axis=0)
+    d, q = quantize_rows(rows.reshape(n_mat * out_pad, n_in), imp_groups, gain)
+    d = d.reshape(n_mat, out_pad, -1)[:, :n_out].reshape(*lead, n_out, n_in // QK)
+    q = q.reshape(n_mat, out_pad, n_in)[:, :n_out].reshape(*lead, n_out, n_in)
+    return Q2Weight(d, q)
+
+
+def dequantize(d, q) -> jax.Array:
+    """Values ``q * d`` as float32: ``d`` [..., N] float16, ``q`` [..., N, 64] int8."""
+    return jnp.asarray(q).astype(jnp.float32) * jnp.asarray(d).astype(jnp.float32)[..., None]
+
+
+@jax.tree_util.register_pytree_node_class
+class Q2Weight:
+    """A Q2_0 matrix: ``d`` [..., out, in/64] float16 and ``q`` [..., out, in] int8 in {-1..2}."""
+
+    __slots__ = ("d", "q")
+
+    def __init__(self, d, q):
+        self.d = d
+        self.q = q
+
+    def tree_flatten(self):
+        return (self.d, self.q), None
+
+    @classmethod
+    def tree_unflatten(cls, _aux, children) -> Q2Weight:
+        return cls(*children)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the dense matrix, ``[..., out, in]``."""
+        return tuple(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed Q2_0 encoding (18 per block of 64 weights)."""
+        return int(np.prod(self.q.shape, dtype=np.int64)) // QK * BYTES_PER_BLOCK
+
+    def dequantize(self) -> jax.Array:
+        """The dense float32 matrix ``[..., out, in]``."""
+        *lead, n_out, n_in = self.q.shape
+        q = jnp.asarray(self.q).reshape(*lead, n_out, n_in // QK, QK)
+        return dequantize(self.d, q).reshape(*lead, n_out, n_in)
+
+    def scale_d(self, factor) -> Q2Weight:
+        """A new Q2Weight whose scales are multiplied by ``factor`` (scalar or broadcastable)."""
+        d = (jnp.asarray(self.d).astype(jnp.float32) * factor).astype(jnp.float16)
+        return Q2Weight(d, self.q)
+
+    def __repr__(self) -> str:
+        return f"Q2Weight(shape={self.shape})"
+
+
+def pack(d, q) -> jax.Array:
+    """Q2_0 blocks as bytes ``uint8 [N, 18]``: fp16 ``d`` (little-endian), then 16 bytes whose
+    bits ``2*(i%4)`` of byte ``i//4`` hold code ``c_i = q_i + 1``."""
+    codes = (jnp.asarray(q).astype(jnp.int32) + 1).reshape(-1, QK // 4, 4)  # [N, 16, 4]
+    packed = codes[..., 0] | (codes[..., 1] << 2) | (codes[..., 2] << 4) | (codes[..., 3] << 6)
+    d_bytes = jax.lax.bitcast_convert_type(jnp.asarray(d, jnp.float16).reshape(-1), jnp.uint8)
+    return jnp.concatenate([d_bytes, packed.astype(jnp.uint8)], axis=1)
+
+
+def unpack(packed) -> tuple[jax.Array, jax.Array]:
+    """Inverse of :func:`pack`: ``uint8 [N, 18]`` -> ``(d [N] float16, q [N, 64] int8)``."""
+    packed = jnp.asarray(packed, jnp.uint8)
+    d = jax.lax.bitcast_convert_type(packed[:, :2], jnp.float16)
+    body = packed[:, 2:].astype(jnp.int32)  # [N, 16]
+    codes = jnp.stack([(body >> (2 * k)) & 3 for k in range(4)], axis=-1)  # [N, 16, 4]
+    return d, (codes.reshape(-1, QK) - 1).astype(jnp.int8)
