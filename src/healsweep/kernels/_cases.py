@@ -16,12 +16,21 @@ def _f32(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarra
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def _q2_inputs(rng):
-    return _f32(rng, 96, 64), np.abs(_f32(rng, 96, 64)) + 0.1
+def _q2_rows_inputs(rng):
+    """Rows [32, 128] with one importance row per weight row."""
+    return _f32(rng, 32, 128), np.abs(_f32(rng, 32, 128)) + 0.1
 
 
-def _q2_matrix_inputs(rng):
-    return _f32(rng, 2, 32, 128), np.abs(_f32(rng, 128)) + 0.1
+def _q2_grouped_inputs(rng):
+    """Rows [32, 128] with one importance row per group of ``LANES`` rows (per expert)."""
+    return _f32(rng, 32, 128), np.abs(_f32(rng, 32 // q2_0.LANES, 128)) + 0.1
+
+
+def _q2_rows(w, importance):
+    # q2_0.quantize / quantize_matrix are host-side drivers (numpy in and out, fixed-shape
+    # chunks); the kernel that runs on the device, and so the one checked here, is this one.
+    d, q, _ = q2_0._quantize_rows(w, importance, np.float32(0.3), keep_extras=False)
+    return d, q
 
 
 def _logits_pair(rng):
@@ -37,7 +46,11 @@ def _outputs_pair(rng):
 
 def _experts(rng):
     x = _f32(rng, 16, 64)
-    dense = (_f32(rng, 2, 64, 64, scale=0.1), _f32(rng, 2, 64, 64, scale=0.1), _f32(rng, 2, 64, 64, scale=0.1))
+    dense = (
+        _f32(rng, 2, 64, 64, scale=0.1),
+        _f32(rng, 2, 64, 64, scale=0.1),
+        _f32(rng, 2, 64, 64, scale=0.1),
+    )
     noisy = tuple(w + _f32(rng, *w.shape, scale=0.01) for w in dense)
     return x, dense, noisy
 
@@ -51,9 +64,22 @@ def _ridge_solve_inputs(rng):
     return z.T @ z, z.T @ _f32(rng, 200, 16)
 
 
-def _q2_dequant_inputs(rng):
-    d, q = q2_0.quantize(*_q2_inputs(rng), 0.3)
-    return np.asarray(d), np.asarray(q)
+def _q2_codes(rng, *shape: int) -> np.ndarray:
+    return rng.integers(-1, 3, shape).astype(np.int8)  # q in {-1, 0, 1, 2}
+
+
+def _q2_blocks(rng):
+    """``(d [N] f16, q [N, 64] int8)``: signed scales (the mirrored grid too) and codes."""
+    return _f32(rng, 96, scale=0.05).astype(np.float16), _q2_codes(rng, 96, 64)
+
+
+def _q2_matrix(rng):
+    """``(d [2, 32, 2] f16, q [2, 32, 128] int8)`` of a Q2Weight (two experts)."""
+    return _f32(rng, 2, 32, 2, scale=0.05).astype(np.float16), _q2_codes(rng, 2, 32, 128)
+
+
+def _q2_packed(rng):
+    return (np.asarray(q2_0.pack(*_q2_blocks(rng))),)
 
 
 def _jaccard_inputs(rng):
@@ -63,21 +89,48 @@ def _jaccard_inputs(rng):
 
 
 CASES: tuple[KernelCase, ...] = (
-    KernelCase("q2_0.quantize", lambda w, a: q2_0.quantize(w, a, 0.3), _q2_inputs, rtol=0.0),
-    KernelCase("q2_0.dequantize", q2_0.dequantize, _q2_dequant_inputs, rtol=0.0),
+    KernelCase("q2_0.quantize_rows", _q2_rows, _q2_rows_inputs, rtol=0.0),
+    KernelCase("q2_0.quantize_rows_grouped", _q2_rows, _q2_grouped_inputs, rtol=0.0),
+    KernelCase("q2_0.dequantize", q2_0.dequantize, _q2_blocks, rtol=0.0),
     KernelCase(
-        "q2_0.quantize_matrix",
-        lambda w, a: q2_0.quantize_matrix(w, a, 0.3).dequantize(),
-        _q2_matrix_inputs,
+        "q2_0.Q2Weight.dequantize",
+        lambda d, q: q2_0.Q2Weight(d, q).dequantize(),
+        _q2_matrix,
         rtol=0.0,
     ),
-    KernelCase("iq4_nl.quantize", lambda w: iq4_nl.quantize(w), lambda rng: (_f32(rng, 64, 32),), rtol=0.0),
-    KernelCase("kld.token_stats", lambda t, s, n: kld.token_stats(t, s, n, chunk=128), _logits_pair, rtol=1e-5),
-    KernelCase("kld.log_softmax", lambda t: kld.log_softmax(t, 128), lambda rng: (_f32(rng, 8, 300),), rtol=1e-5),
+    KernelCase("q2_0.pack", q2_0.pack, _q2_blocks, rtol=0.0),
+    KernelCase("q2_0.unpack", q2_0.unpack, _q2_packed, rtol=0.0),
+    KernelCase(
+        "iq4_nl.quantize", lambda w: iq4_nl.quantize(w), lambda rng: (_f32(rng, 64, 32),), rtol=0.0
+    ),
+    KernelCase(
+        "kld.token_stats",
+        lambda t, s, n: kld.token_stats(t, s, n, chunk=128),
+        _logits_pair,
+        rtol=1e-5,
+    ),
+    KernelCase(
+        "kld.log_softmax",
+        lambda t: kld.log_softmax(t, 128),
+        lambda rng: (_f32(rng, 8, 300),),
+        rtol=1e-5,
+    ),
     KernelCase("kld.topk_jaccard", kld.topk_jaccard, _jaccard_inputs, rtol=0.0),
-    KernelCase("alpha.alpha_mse", lambda r, q: alpha.alpha_mse(r, q, 0.75), _outputs_pair, rtol=1e-5),
-    KernelCase("alpha.expert_outputs", alpha.expert_outputs, lambda rng: (_experts(rng)[0], *_experts(rng)[1]), rtol=1e-4),
-    KernelCase("alpha.alpha_gaussian", lambda x, d, q: alpha.alpha_gaussian(x, d, q, 0.75), _experts, rtol=1e-4),
+    KernelCase(
+        "alpha.alpha_mse", lambda r, q: alpha.alpha_mse(r, q, 0.75), _outputs_pair, rtol=1e-5
+    ),
+    KernelCase(
+        "alpha.expert_outputs",
+        alpha.expert_outputs,
+        lambda rng: (_experts(rng)[0], *_experts(rng)[1]),
+        rtol=1e-4,
+    ),
+    KernelCase(
+        "alpha.alpha_gaussian",
+        lambda x, d, q: alpha.alpha_gaussian(x, d, q, 0.75),
+        _experts,
+        rtol=1e-4,
+    ),
     KernelCase("ridge.normal_equations", ridge.normal_equations, _ridge_inputs, rtol=1e-4),
     KernelCase(
         "ridge.solve",

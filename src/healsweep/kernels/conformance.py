@@ -85,7 +85,9 @@ def backend_violations(fn: Callable, *args, cpu_placed: bool = False) -> list[st
         problems += _dtype_problem(var, "argument, constant or result")
     for eqn in iter_eqns(closed.jaxpr):
         if eqn.primitive.name in FORBIDDEN_PRIMITIVES and not cpu_placed:
-            problems.append(f"primitive {eqn.primitive.name} cannot be lowered by the Metal plugins")
+            problems.append(
+                f"primitive {eqn.primitive.name} cannot be lowered by the Metal plugins"
+            )
         for var in list(eqn.invars) + list(eqn.outvars):
             problems += _dtype_problem(var, f"value of {eqn.primitive.name}")
     return sorted(set(problems))
