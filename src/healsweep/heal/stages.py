@@ -70,8 +70,6 @@ def quantize_layer(
                 f"ffn_{name}_exps.weight rows hold {w.shape[-1]} values, not a multiple of the "
                 "Q2_0 block of 64; this model cannot be quantized to Q2_0"
             )
-        if importance is not None and importance.ndim == 2:
-            importance = importance[:, None, :]  # [E, 1, in]: one row of weights per expert
         q2 = q2_0.quantize_matrix(w, importance, gain)
         arrays[f"{name}.d"] = np.asarray(q2.d, np.float16)
         arrays[f"{name}.codes"] = pack_codes(np.asarray(q2.q))

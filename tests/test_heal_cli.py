@@ -1,0 +1,112 @@
+"""`healsweep heal` end to end: the healed GGUF read back by gguf-py, the sidecar, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from healsweep.cli import _register
+from healsweep.cli._apps import app
+from healsweep.gguf_io import open_model
+from healsweep.gguf_io.synthetic import write_random_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = ROOT / "configs" / "knobs"
+
+
+def _corpus(path: Path) -> Path:
+    texts = ["The quick brown fox jumps over the lazy dog. " * 5,
+             "Mixture-of-experts models route every token to a few experts. " * 4,
+             '{"name": "launch retro", "items": [1, 2, 3]} ' * 6]
+    rows = [{"doc_id": f"cal-{i}", "source": "cal", "index": i, "stratum": "s",
+             "pool": "calibration", "text": t} for i, t in enumerate(texts)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def healed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model = write_random_model(root / "teacher.gguf", n_layer=2, n_ff_exp=64,
+                               types={"ffn_down_shexp.weight": "Q8_0", "attn_q.weight": "Q8_0"})
+    _register()
+    result = CliRunner().invoke(app, [
+        "heal", str(model), "--knobs", str(PRESETS / "shipped-audit.yaml"),
+        "--out", str(root / "healed.gguf"), "--q2", str(root / "side.npz"),
+        "--report", str(root / "report.json"), "--corpus", str(_corpus(root / "c.jsonl")),
+        "--chunk-length", "64", "--cache", str(root / "cache"),
+    ])
+    assert result.exit_code == 0, result.output
+    return root, result.output
+
+
+def test_progress_is_printed_per_stage(healed):
+    _, output = healed
+    for marker in ("[calib_trace]", "[layer 1/2]", "[layer 2/2]", "[stages]", "[write]"):
+        assert marker in output
+    assert "tokens per stratum: s " in output
+
+
+def test_healed_gguf_copies_the_teacher_and_replaces_only_healed_tensors(healed):
+    root, _ = healed
+    teacher = gguf.GGUFReader(root / "teacher.gguf")
+    student = gguf.GGUFReader(root / "healed.gguf")
+    t_fields = {k: f for k, f in teacher.fields.items() if not k.startswith("GGUF.")}
+    s_fields = {k: f for k, f in student.fields.items() if not k.startswith("GGUF.")}
+    assert set(s_fields) - set(t_fields) == {"healsweep.knobs", "healsweep.student_key",
+                                             "healsweep.alphas"}
+    for key, field in t_fields.items():
+        assert s_fields[key].types == field.types, key
+        assert s_fields[key].contents() == field.contents(), key
+    s_tensors = {t.name: t for t in student.tensors}
+    assert [t.name for t in student.tensors] == [t.name for t in teacher.tensors]
+    for tensor in teacher.tensors:
+        got = s_tensors[tensor.name]
+        if tensor.name.endswith(("_exps.weight",)):
+            assert got.tensor_type == gguf.GGMLQuantizationType.F16
+            assert tuple(got.shape) == tuple(tensor.shape)
+        elif tensor.name.endswith("ffn_down_shexp.weight"):
+            assert got.tensor_type == tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            assert not np.array_equal(got.data, tensor.data)  # the ridge moved it
+        else:
+            assert got.tensor_type == tensor.tensor_type
+            np.testing.assert_array_equal(np.asarray(got.data), np.asarray(tensor.data))
+    assert open_model(root / "healed.gguf").hparams == open_model(root / "teacher.gguf").hparams
+
+
+def test_sidecar_blocks_decode_to_the_f16_experts_and_alphas_fold_into_down(healed):
+    root, _ = healed
+    side = np.load(root / "side.npz")
+    report = json.loads((root / "report.json").read_text())
+    alphas = [layer["alpha"] for layer in report["layers"]]
+    np.testing.assert_allclose(side["alphas"], alphas, rtol=1e-6)
+    student = open_model(root / "healed.gguf")
+    np.testing.assert_allclose(student.metadata("healsweep.alphas"), alphas, rtol=1e-6)
+    for layer in range(2):
+        for suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
+            packed = side[f"blk.{layer}.{suffix}"]  # [E, out, in/64, 18]
+            d = packed[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+            codes = np.unpackbits(packed[..., 2:, None], axis=-1, bitorder="little")
+            codes = codes.reshape(*codes.shape[:-2], 64, 2)
+            values = (codes[..., 0] + 2 * codes[..., 1]).astype(np.float32) - 1  # (c - 1)
+            dense = (values * d[..., None]).reshape(*packed.shape[:-2], -1)
+            want = student.tensor(f"blk.{layer}.{suffix}")
+            np.testing.assert_allclose(dense.astype(np.float16).astype(np.float32), want)
+
+
+def test_bad_knob_file_is_one_line_and_exit_1(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("alpha: mse\ngain_d: 5\n")
+    run = subprocess.run([sys.executable, "-m", "healsweep", "heal", "x.gguf", "--knobs", str(bad),
+                          "--out", str(tmp_path / "o.gguf")], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr
+    assert "gain_d" in run.stderr and "[0, 2]" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
