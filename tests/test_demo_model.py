@@ -110,6 +110,8 @@ def test_demo_figures_full_dev_and_calibration(demo) -> None:
     found = demo_figures(model, corpus, model.tokenizer())
     assert found.calibration_tokens >= 8000
     assert found.dev_perplexity < found.unigram_perplexity / 5
+    assert found.window_tokens > 10_000
+    assert found.window_perplexity < found.window_unigram_perplexity / 5
     assert found.expert_load.shape == (model.hparams.n_layer, model.hparams.n_expert)
     np.testing.assert_allclose(found.expert_load.sum(axis=1), 1.0, rtol=1e-9)
     assert found.expert_load.min() >= 0.01  # every routed expert gets >= 1% of routed tokens

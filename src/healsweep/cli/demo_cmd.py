@@ -99,8 +99,10 @@ def demo_build(
         return
     model = open_model(built.model_path)
     found = demo_figures(model, load_corpus(built.corpus_path), model.tokenizer())
-    typer.echo(f"dev perplexity {found.dev_perplexity:.2f} over {found.dev_tokens} tokens; "
-               f"unigram baseline {found.unigram_perplexity:.2f}")
+    typer.echo(f"dev windows: perplexity {found.window_perplexity:.2f} over "
+               f"{found.window_tokens} scored tokens; unigram {found.window_unigram_perplexity:.2f}")
+    typer.echo(f"dev documents: perplexity {found.dev_perplexity:.2f} over {found.dev_tokens} "
+               f"tokens; unigram {found.unigram_perplexity:.2f}")
     share = found.expert_load * 100
     typer.echo(f"routed share per expert on the calibration pool ({found.calibration_tokens} "
                f"tokens), %: min {share.min():.2f}, max {share.max():.2f}")

@@ -183,6 +183,26 @@ def model_nll(model: Any, sequences: Sequence[np.ndarray], batch: int = 8) -> fl
     return total / count
 
 
+def window_nll(model: Any, windows: Sequence[Any], batch: int = 8) -> tuple[float, int]:
+    """Mean NLL (nats) of the scored tokens of scoring windows, and how many tokens were scored.
+
+    Scored token ``j`` is predicted from the logits at ``j - 1`` (the windows' convention).
+    """
+    from healsweep.model import forward
+
+    total, count = 0.0, 0
+    for start in range(0, len(windows), batch):
+        chunk = windows[start:start + batch]
+        wanted = [np.arange(w.scored_from - 1, w.scored_from + w.n_scored - 1) for w in chunk]
+        result = forward(model, [w.tokens for w in chunk], logits_for=wanted)
+        for win, logits in zip(chunk, result.logits, strict=True):
+            z = logits.astype(np.float64)
+            logz = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
+            total += float(np.sum(logz - z[np.arange(win.n_scored), win.scored_tokens]))
+            count += win.n_scored
+    return total / count, count
+
+
 def expert_load(model: Any, sequences: Sequence[np.ndarray], batch: int = 8) -> np.ndarray:
     """Share of routed (token, slot) assignments per expert, ``[n_layer, n_expert]``; rows sum to 1."""
     from healsweep.model import forward
@@ -201,7 +221,10 @@ def expert_load(model: Any, sequences: Sequence[np.ndarray], batch: int = 8) -> 
 class DemoFigures(NamedTuple):
     """Acceptance figures of a demo model."""
 
-    dev_tokens: int
+    window_tokens: int  # scored tokens of the dev windows
+    window_perplexity: float
+    window_unigram_perplexity: float
+    dev_tokens: int  # every token of the dev documents (each read from its start)
     dev_perplexity: float
     unigram_perplexity: float
     calibration_tokens: int
@@ -211,12 +234,25 @@ class DemoFigures(NamedTuple):
 def demo_figures(
     model: Any, corpus: Any, tokenizer: Any, max_len: int | None = None
 ) -> DemoFigures:
-    """Dev perplexity vs the unigram baseline and the calibration-pool expert load of ``model``."""
+    """Dev perplexity vs the unigram baseline and the calibration-pool expert load of ``model``.
+
+    Perplexities are over the dev windows' scored tokens (as the sweeps score them) and over the
+    whole dev documents; the unigram baseline counts tokens of the training pool (add-one).
+    """
+    from healsweep.data.split import parity_split
+    from healsweep.data.windows import make_windows
+
     limit = max_len or model.hparams.context_length
     dev = [s[:limit] for s in encode_documents(dev_documents(corpus), tokenizer)]
     cal = [s[:limit] for s in encode_documents(corpus.pool("calibration"), tokenizer)]
     stream = training_stream(corpus, tokenizer)
+    windows = make_windows(corpus, tokenizer, parity_split(corpus), "dev")
+    win_nll, win_tokens = window_nll(model, windows)
+    scored = [np.concatenate([[0], w.scored_tokens]) for w in windows]  # unigram_nll skips [0]
     return DemoFigures(
+        window_tokens=win_tokens,
+        window_perplexity=math.exp(win_nll),
+        window_unigram_perplexity=math.exp(unigram_nll(stream, scored, model.hparams.n_vocab)),
         dev_tokens=sum(len(s) - 1 for s in dev),
         dev_perplexity=math.exp(model_nll(model, dev)),
         unigram_perplexity=math.exp(unigram_nll(stream, dev, model.hparams.n_vocab)),
