@@ -174,12 +174,12 @@ def _untile_np(d: np.ndarray, n_rows: int) -> np.ndarray:
 
 
 def _chunk_rows(n_rows: int, n_in: int) -> int:
-    """Rows per jitted call: about a backend-dependent number of weights, a multiple of LANES;
-    small inputs get the next power of two, so that few distinct shapes are ever compiled."""
+    """Rows per jitted call: about a backend-dependent number of weights, a multiple of LANES.
+    Smaller inputs get a power of two of at least 2**16 weights, so that few shapes compile."""
     target = _CHUNK_WEIGHTS.get(jax.default_backend(), _CHUNK_WEIGHTS["gpu"])
     rows = max(LANES, (target // n_in) // LANES * LANES)
-    small = 1 << max(int(n_rows) - 1, LANES - 1).bit_length()
-    return min(rows, small)
+    small = max(n_rows, (1 << 16) // n_in, LANES)
+    return min(rows, 1 << (small - 1).bit_length())
 
 
 def _pad_rows(x: np.ndarray, n_rows: int, value: float) -> np.ndarray:
