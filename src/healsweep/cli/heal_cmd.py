@@ -69,7 +69,6 @@ def heal(
     typer.echo(f"[heal] {teacher!r}")
     typer.echo(f"[knobs] {' '.join(f'{k}={v}' for k, v in chosen.model_dump().items())}")
     student = build_student(teacher, chosen, calibration, stage_cache, progress=_progress)
-    _print_calibration(student.report.get("calibration"))
     timings = ", ".join(f"{k} {v:.2f}s" for k, v in student.report["timings_s"].items())
     executed = ", ".join(f"{k} x{v}" for k, v in sorted(student.report["executed"].items()))
     typer.echo(f"[stages] {timings}; computed (not from cache): {executed or 'nothing'}")
@@ -84,23 +83,6 @@ def heal(
     if report is not None:
         report.write_text(json.dumps(student.report, indent=2, default=str))
         typer.echo(f"[write] {report}")
-
-
-def _print_calibration(calibration: dict | None) -> None:
-    if not calibration:
-        typer.echo("[calib_trace] not needed by these knobs (no teacher pass)")
-        return
-    strata = ", ".join(f"{k} {v}" for k, v in calibration["tokens_per_stratum"].items())
-    typer.echo(f"[calib_trace] tokens per stratum: {strata}; inside tool calls: "
-               f"{calibration['tool_call_tokens']}")
-    lows = calibration["tokens_per_expert_min"]
-    starved = calibration["experts_below_min_tokens"]
-    typer.echo(f"[calib_trace] fewest tokens an expert got per layer: {lows}; experts below the "
-               f"act minimum per layer: {starved}")
-    cut = calibration.get("document_cut_by_max_tokens")
-    if cut:
-        typer.echo(f"[calib_trace] --max-tokens cut {cut['doc_id']} to {cut['kept']} of "
-                   f"{cut['of']} tokens; {calibration['tokens_available']} were available")
 
 
 @bench_app.command("heal")

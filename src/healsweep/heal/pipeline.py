@@ -24,7 +24,7 @@ import numpy as np
 from healsweep.cache import StageCache, content_key
 from healsweep.heal import stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
-from healsweep.heal.trace import Trace, calibration_trace
+from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
 
 STUDENT_VERSION = 1
@@ -99,8 +99,10 @@ def build_student(
     trace: Trace | None = None
     if needs_trace(knobs, model):
         trace = timer.run("calib_trace", lambda: calibration_trace(model, calibration, cache, corpus))
-        say("calib_trace", f"{trace.report['tokens_used']} calibration tokens in "
-                           f"{trace.report['chunks']} chunks")
+        for line in report_lines(trace.report):
+            say("calib_trace", line)
+    else:
+        say("calib_trace", "not needed by these knobs (no teacher pass)")
     replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
     for i in range(hp.n_layer):
         weights = model.layer(i)

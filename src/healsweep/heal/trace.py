@@ -226,6 +226,24 @@ def _report(chunks: list[CalibrationChunk], info: dict, counts: np.ndarray,
     }
 
 
+def report_lines(report: dict[str, Any]) -> list[str]:
+    """The trace report in a few lines: tokens used, per stratum, tool calls, per expert."""
+    strata = ", ".join(f"{k} {v}" for k, v in report["tokens_per_stratum"].items())
+    lines = [
+        f"{report['tokens_used']} calibration tokens from {report['documents']} documents in "
+        f"{report['chunks']} chunks of <= {report['chunk_length']}",
+        f"tokens per stratum: {strata}; inside tool calls and tool turns: "
+        f"{report['tool_call_tokens']}",
+        f"fewest tokens an expert received, per layer: {report['tokens_per_expert_min']}; "
+        f"experts below the act minimum, per layer: {report['experts_below_min_tokens']}",
+    ]
+    cut = report.get("document_cut_by_max_tokens")
+    if cut:
+        lines.append(f"max_tokens cut {cut['doc_id']} to {cut['kept']} of {cut['of']} tokens; "
+                     f"{report['tokens_available']} tokens were available")
+    return lines
+
+
 @dataclass(frozen=True)
 class Trace:
     """A cached calibration trace: its key, report and per-layer loader."""
