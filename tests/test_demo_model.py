@@ -27,7 +27,9 @@ def test_demo_model_has_the_promised_shape(demo) -> None:
     assert hp.n_head_kv < hp.n_head  # GQA
     assert demo_model_path().stat().st_size <= 24 * 2**20
     for name in model.tensor_names:
-        expected = "F32" if name.endswith((".bias", "norm.weight", "gate_inp_shexp.weight")) else "F16"
+        expected = (
+            "F32" if name.endswith((".bias", "norm.weight", "gate_inp_shexp.weight")) else "F16"
+        )
         assert model.tensor_type(name).name == expected, name
 
 
@@ -60,8 +62,11 @@ def test_demo_gguf_matches_transformers_on_a_dev_document(demo) -> None:
     assert len(ids) == 300
     path = demo_model_path()
     hf = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32,
-        moe_intermediate_size=hp.n_ff_exp, shared_expert_intermediate_size=hp.n_ff_shexp,
+        path.parent,
+        gguf_file=path.name,
+        dtype=torch.float32,
+        moe_intermediate_size=hp.n_ff_exp,
+        shared_expert_intermediate_size=hp.n_ff_shexp,
     ).eval()
     with torch.no_grad():
         ref = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
@@ -95,8 +100,12 @@ def test_model_info_demo_cli() -> None:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "healsweep", "model", "info", "demo"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "healsweep", "model", "info", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "qwen2moe" in done.stdout and "16" in done.stdout
 
@@ -129,8 +138,22 @@ def test_demo_build_cli_end_to_end(tmp_path) -> None:
 
     out = tmp_path / "build"
     done = subprocess.run(
-        [sys.executable, "-m", "healsweep", "demo", "build", "--steps", "2", "--no-figures",
-         "--out-dir", str(out)], capture_output=True, text=True, timeout=1800)
+        [
+            sys.executable,
+            "-m",
+            "healsweep",
+            "demo",
+            "build",
+            "--steps",
+            "2",
+            "--no-figures",
+            "--out-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stderr
     model = open_model(out / "demo-moe.gguf")
     shipped = Tokenizer.from_file(str(out / "demo-tokenizer.json"))

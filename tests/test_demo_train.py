@@ -15,8 +15,18 @@ from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 from healsweep.demo import train as tr
 
 SMALL = tr.MoEConfig(
-    n_vocab=96, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=8,
-    n_expert_used=2, n_ff_exp=64, n_ff_shexp=32, rope_freq_base=10000.0, context_length=64,
+    n_vocab=96,
+    n_layer=2,
+    n_embd=64,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=16,
+    n_expert=8,
+    n_expert_used=2,
+    n_ff_exp=64,
+    n_ff_shexp=32,
+    rope_freq_base=10000.0,
+    context_length=64,
 )
 
 
@@ -37,18 +47,30 @@ def _scaled_params(cfg: tr.MoEConfig, seed: int, scale: float) -> tr.Params:
     return out
 
 
-def _hf_model(params: tr.Params, cfg: tr.MoEConfig, renormalize: bool = False
-              ) -> Qwen2MoeForCausalLM:
+def _hf_model(
+    params: tr.Params, cfg: tr.MoEConfig, renormalize: bool = False
+) -> Qwen2MoeForCausalLM:
     """A transformers Qwen2-MoE holding the same weights (an independent forward)."""
     hf_cfg = Qwen2MoeConfig(
-        vocab_size=cfg.n_vocab, hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
-        head_dim=cfg.head_dim, intermediate_size=cfg.n_ff_shexp,
-        moe_intermediate_size=cfg.n_ff_exp, shared_expert_intermediate_size=cfg.n_ff_shexp,
-        num_experts=cfg.n_expert, num_experts_per_tok=cfg.n_expert_used, norm_topk_prob=renormalize,
-        rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.context_length,
+        vocab_size=cfg.n_vocab,
+        hidden_size=cfg.n_embd,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_head_kv,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.n_ff_shexp,
+        moe_intermediate_size=cfg.n_ff_exp,
+        shared_expert_intermediate_size=cfg.n_ff_shexp,
+        num_experts=cfg.n_expert,
+        num_experts_per_tok=cfg.n_expert_used,
+        norm_topk_prob=renormalize,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.context_length,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_freq_base},
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, qkv_bias=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        qkv_bias=True,
     )
     model = Qwen2MoeForCausalLM(hf_cfg).eval()
     model.config._attn_implementation = "eager"
@@ -63,19 +85,22 @@ def _hf_model(params: tr.Params, cfg: tr.MoEConfig, renormalize: bool = False
     }
     for i, p in enumerate(params["blk"]):
         pre = f"model.layers.{i}."
-        state.update({
-            pre + "input_layernorm.weight": t(p["attn_norm.weight"]),
-            pre + "post_attention_layernorm.weight": t(p["ffn_norm.weight"]),
-            pre + "self_attn.o_proj.weight": t(p["attn_output.weight"]),
-            pre + "mlp.gate.weight": t(p["ffn_gate_inp.weight"]),
-            pre + "mlp.experts.gate_up_proj": t(np.concatenate(
-                [p["ffn_gate_exps.weight"], p["ffn_up_exps.weight"]], axis=1)),
-            pre + "mlp.experts.down_proj": t(p["ffn_down_exps.weight"]),
-            pre + "mlp.shared_expert.gate_proj.weight": t(p["ffn_gate_shexp.weight"]),
-            pre + "mlp.shared_expert.up_proj.weight": t(p["ffn_up_shexp.weight"]),
-            pre + "mlp.shared_expert.down_proj.weight": t(p["ffn_down_shexp.weight"]),
-            pre + "mlp.shared_expert_gate.weight": t(p["ffn_gate_inp_shexp.weight"][None, :]),
-        })
+        state.update(
+            {
+                pre + "input_layernorm.weight": t(p["attn_norm.weight"]),
+                pre + "post_attention_layernorm.weight": t(p["ffn_norm.weight"]),
+                pre + "self_attn.o_proj.weight": t(p["attn_output.weight"]),
+                pre + "mlp.gate.weight": t(p["ffn_gate_inp.weight"]),
+                pre + "mlp.experts.gate_up_proj": t(
+                    np.concatenate([p["ffn_gate_exps.weight"], p["ffn_up_exps.weight"]], axis=1)
+                ),
+                pre + "mlp.experts.down_proj": t(p["ffn_down_exps.weight"]),
+                pre + "mlp.shared_expert.gate_proj.weight": t(p["ffn_gate_shexp.weight"]),
+                pre + "mlp.shared_expert.up_proj.weight": t(p["ffn_up_shexp.weight"]),
+                pre + "mlp.shared_expert.down_proj.weight": t(p["ffn_down_shexp.weight"]),
+                pre + "mlp.shared_expert_gate.weight": t(p["ffn_gate_inp_shexp.weight"][None, :]),
+            }
+        )
         for proj in "qkv":
             state[pre + f"self_attn.{proj}_proj.weight"] = t(p[f"attn_{proj}.weight"])
             state[pre + f"self_attn.{proj}_proj.bias"] = t(p[f"attn_{proj}.bias"])
@@ -98,7 +123,8 @@ def test_training_forward_matches_transformers_qwen2moe() -> None:
     assert float(jnp.max(moe[0].router_probs)) > 0.5
     with torch.no_grad():
         wrong = _hf_model(params, SMALL, renormalize=True)(
-            torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+            torch.from_numpy(tokens.astype(np.int64))
+        ).logits.numpy()
     assert np.max(np.abs(ours - wrong)) > 1e-2 * np.max(np.abs(ref))
 
 
@@ -116,13 +142,20 @@ def test_load_balance_loss_is_one_when_uniform_and_larger_when_collapsed() -> No
 
 def test_adam_update_matches_numpy_float64() -> None:
     """One AdamW step, checked against a float64 numpy re-implementation."""
-    tcfg = tr.TrainConfig(steps=10, warmup_steps=0, learning_rate=1e-2, grad_clip=1e9,
-                          weight_decay=0.1)
+    tcfg = tr.TrainConfig(
+        steps=10, warmup_steps=0, learning_rate=1e-2, grad_clip=1e9, weight_decay=0.1
+    )
     rng = np.random.default_rng(1)
-    params = {"w.weight": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
-              "b.bias": jnp.asarray(rng.standard_normal(4), jnp.float32), "blk": []}
-    grads = {"w.weight": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
-             "b.bias": jnp.asarray(rng.standard_normal(4), jnp.float32), "blk": []}
+    params = {
+        "w.weight": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+        "b.bias": jnp.asarray(rng.standard_normal(4), jnp.float32),
+        "blk": [],
+    }
+    grads = {
+        "w.weight": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+        "b.bias": jnp.asarray(rng.standard_normal(4), jnp.float32),
+        "blk": [],
+    }
     state = tr.adam_init(params)
     new, state = tr.adam_update(grads, state, params, tr.decay_mask(params), tcfg)
     new, state = tr.adam_update(grads, state, new, tr.decay_mask(params), tcfg)
@@ -142,27 +175,45 @@ def _synthetic_stream(n_vocab: int, seed: int) -> np.ndarray:
     """Documents made of repeated phrases: learnable, unlike uniform noise."""
     rng = np.random.default_rng(seed)
     phrases = [rng.integers(1, n_vocab, size=rng.integers(4, 9)) for _ in range(12)]
-    docs = [np.concatenate([phrases[i] for i in rng.integers(0, 12, size=10)] + [[0]])
-            for _ in range(300)]
+    docs = [
+        np.concatenate([phrases[i] for i in rng.integers(0, 12, size=10)] + [[0]])
+        for _ in range(300)
+    ]
     return np.concatenate(docs).astype(np.int32)
 
 
 def test_training_learns_and_is_deterministic_in_the_seed() -> None:
-    tiny = tr.MoEConfig(n_vocab=48, n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16,
-                        n_expert=4, n_expert_used=2, n_ff_exp=32, n_ff_shexp=32)
+    tiny = tr.MoEConfig(
+        n_vocab=48,
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        n_head_kv=1,
+        head_dim=16,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_exp=32,
+        n_ff_shexp=32,
+    )
     stream = _synthetic_stream(tiny.n_vocab, seed=0)
     tcfg = tr.TrainConfig(steps=80, batch_size=4, seq_len=32, warmup_steps=10, seed=5)
     first = tr.train(stream, tiny, tcfg, log_every=20)
     again = tr.train(stream, tiny, tcfg, log_every=20)
     assert first.history == again.history
-    for a, b in zip(jax.tree_util.tree_leaves(first.params),
-                    jax.tree_util.tree_leaves(again.params), strict=True):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(first.params),
+        jax.tree_util.tree_leaves(again.params),
+        strict=True,
+    ):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert first.history[-1][2] < 0.6 * np.log(tiny.n_vocab)  # well below a uniform guess
     other = dataclasses.replace(tcfg, seed=6)
-    assert not np.array_equal(tr.batch_starts(len(stream), other), tr.batch_starts(len(stream), tcfg))
-    assert not np.array_equal(tr.init_params(tiny, 6)["output.weight"],
-                              tr.init_params(tiny, 5)["output.weight"])
+    assert not np.array_equal(
+        tr.batch_starts(len(stream), other), tr.batch_starts(len(stream), tcfg)
+    )
+    assert not np.array_equal(
+        tr.init_params(tiny, 6)["output.weight"], tr.init_params(tiny, 5)["output.weight"]
+    )
 
 
 def test_gguf_tensor_names_round_trip() -> None:
@@ -179,8 +230,11 @@ def _tiny_tokenizer():
 
     from healsweep.demo.tokenizer import train_tokenizer
 
-    texts = [f"<|im_start|>user\nwhat is {w}?<|im_end|>\n<|im_start|>assistant\n<think>\nabout {w}"
-             f"\n</think>\n\n{w} is a word.<|im_end|>\n" for w in ("alpha", "beta", "gamma", "delta")]
+    texts = [
+        f"<|im_start|>user\nwhat is {w}?<|im_end|>\n<|im_start|>assistant\n<think>\nabout {w}"
+        f"\n</think>\n\n{w} is a word.<|im_end|>\n"
+        for w in ("alpha", "beta", "gamma", "delta")
+    ]
     tok = train_tokenizer(texts * 3, vocab_size=300)
     assert isinstance(tok, Tokenizer)
     return tok
@@ -199,7 +253,8 @@ def test_written_gguf_runs_the_same_in_the_runtime_forward(tmp_path) -> None:
     cfg = dataclasses.replace(SMALL, n_vocab=tokenizer.get_vocab_size())
     params = jax.tree_util.tree_map(
         lambda w: w.astype(jnp.float16).astype(jnp.float32) if w.ndim > 1 else w,
-        _scaled_params(cfg, seed=7, scale=8.0))
+        _scaled_params(cfg, seed=7, scale=8.0),
+    )
     path = write_demo_model(tmp_path / "m.gguf", params, cfg, tokenizer)
     model = open_model(path)
     assert model.hparams.n_ff_shexp == cfg.n_ff_shexp and not model.hparams.norm_topk_prob

@@ -66,16 +66,20 @@ def _deterministic_gpu_ops() -> None:
 def demo_build(
     seed: Annotated[int, typer.Option("--seed", help="Seed of corpus, tokenizer and model.")] = 0,
     out_dir: Annotated[
-        Path, typer.Option("--out-dir", help="Folder for demo-corpus.jsonl, "
-                           "demo-tokenizer.json and demo-moe.gguf.")
+        Path,
+        typer.Option(
+            "--out-dir", help="Folder for demo-corpus.jsonl, demo-tokenizer.json and demo-moe.gguf."
+        ),
     ] = Path("demo-build"),
     steps: Annotated[
         int | None,
         typer.Option("--steps", min=1, help="Training steps (default: the shipped recipe's)."),
     ] = None,
     figures: Annotated[
-        bool, typer.Option("--figures/--no-figures",
-                           help="Afterwards, score dev perplexity and the expert load.")
+        bool,
+        typer.Option(
+            "--figures/--no-figures", help="Afterwards, score dev perplexity and the expert load."
+        ),
     ] = True,
 ) -> None:
     """Regenerate the demo corpus, tokenizer and trained MoE model from a seed."""
@@ -85,12 +89,15 @@ def demo_build(
     from healsweep.gguf_io import open_model
 
     recipe = demo_train_config(seed, steps)
-    typer.echo(f"building corpus and tokenizer, then training {recipe.steps} steps of "
-               f"{recipe.batch_size}x{recipe.seq_len} tokens (seed {seed}) into {out_dir}")
+    typer.echo(
+        f"building corpus and tokenizer, then training {recipe.steps} steps of "
+        f"{recipe.batch_size}x{recipe.seq_len} tokens (seed {seed}) into {out_dir}"
+    )
 
     def progress(log, _params) -> None:
-        typer.echo(f"step {log.step:>6}  loss {log.loss:.4f}  nll {log.nll:.4f}  "
-                   f"balance {log.aux:.4f}")
+        typer.echo(
+            f"step {log.step:>6}  loss {log.loss:.4f}  nll {log.nll:.4f}  balance {log.aux:.4f}"
+        )
 
     built = build_demo(out_dir, seed=seed, steps=steps, progress=progress)
     times = ", ".join(f"{stage} {sec:.0f} s" for stage, sec in built.seconds.items())
@@ -99,12 +106,18 @@ def demo_build(
         return
     model = open_model(built.model_path)
     found = demo_figures(model, load_corpus(built.corpus_path), model.tokenizer())
-    typer.echo(f"dev windows: perplexity {found.window_perplexity:.2f} over "
-               f"{found.window_tokens} scored tokens; unigram {found.window_unigram_perplexity:.2f}")
-    typer.echo(f"dev documents: perplexity {found.dev_perplexity:.2f} over {found.dev_tokens} "
-               f"tokens; unigram {found.unigram_perplexity:.2f}")
+    typer.echo(
+        f"dev windows: perplexity {found.window_perplexity:.2f} over "
+        f"{found.window_tokens} scored tokens; unigram {found.window_unigram_perplexity:.2f}"
+    )
+    typer.echo(
+        f"dev documents: perplexity {found.dev_perplexity:.2f} over {found.dev_tokens} "
+        f"tokens; unigram {found.unigram_perplexity:.2f}"
+    )
     share = found.expert_load * 100
-    typer.echo(f"routed share per expert on the calibration pool ({found.calibration_tokens} "
-               f"tokens), %: min {share.min():.2f}, max {share.max():.2f}")
+    typer.echo(
+        f"routed share per expert on the calibration pool ({found.calibration_tokens} "
+        f"tokens), %: min {share.min():.2f}, max {share.max():.2f}"
+    )
     for layer, row in enumerate(share):
         typer.echo(f"  layer {layer}: " + " ".join(f"{s:4.1f}" for s in row))

@@ -42,9 +42,9 @@ def demo_train_config(seed: int = 0, steps: int | None = None) -> TrainConfig:
     if steps is not None:
         if steps < 1:
             raise ValueError(f"demo_train_config: steps must be >= 1, got {steps}")
-        recipe = dataclasses.replace(
-            recipe, steps=steps, warmup_steps=min(recipe.warmup_steps, max(steps // 10, 1))
-        )
+        # the warm-up stays as shipped unless it would take over half of a short run
+        warmup = min(recipe.warmup_steps, max(steps // 2, 1))
+        recipe = dataclasses.replace(recipe, steps=steps, warmup_steps=warmup)
     return recipe
 
 
@@ -192,7 +192,7 @@ def window_nll(model: Any, windows: Sequence[Any], batch: int = 8) -> tuple[floa
 
     total, count = 0.0, 0
     for start in range(0, len(windows), batch):
-        chunk = windows[start:start + batch]
+        chunk = windows[start : start + batch]
         wanted = [np.arange(w.scored_from - 1, w.scored_from + w.n_scored - 1) for w in chunk]
         result = forward(model, [w.tokens for w in chunk], logits_for=wanted)
         for win, logits in zip(chunk, result.logits, strict=True):

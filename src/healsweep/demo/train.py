@@ -142,9 +142,7 @@ def moe_block(x: jax.Array, p: Params, cfg: MoEConfig) -> MoEOutput:
     return MoEOutput(routed + shared_gate * shared, probs, mask)
 
 
-def forward(
-    params: Params, tokens: jax.Array, cfg: MoEConfig
-) -> tuple[jax.Array, list[MoEOutput]]:
+def forward(params: Params, tokens: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, list[MoEOutput]]:
     """Logits ``[B, T, V]`` for ``tokens [B, T]`` and each layer's MoE routing statistics."""
     embd = params["token_embd.weight"]  # [V, D]
     x = jax.nn.one_hot(tokens, cfg.n_vocab, dtype=embd.dtype) @ embd  # [B, T, D]
@@ -225,8 +223,9 @@ def init_params(cfg: MoEConfig, seed: int) -> Params:
 
 def to_gguf_tensors(params: Params) -> dict[str, np.ndarray]:
     """Flatten the pytree into GGUF tensor names (``blk.{i}.<suffix>``) as float32 numpy."""
-    tensors = {name: np.asarray(value, np.float32) for name, value in params.items()
-               if name != "blk"}
+    tensors = {
+        name: np.asarray(value, np.float32) for name, value in params.items() if name != "blk"
+    }
     for i, layer in enumerate(params["blk"]):
         tensors.update({f"blk.{i}.{name}": np.asarray(v, np.float32) for name, v in layer.items()})
     return tensors
@@ -234,8 +233,9 @@ def to_gguf_tensors(params: Params) -> dict[str, np.ndarray]:
 
 def from_gguf_tensors(tensors: dict[str, np.ndarray], n_layer: int) -> Params:
     """Inverse of :func:`to_gguf_tensors` (float32 jax arrays)."""
-    params: Params = {n: jnp.asarray(v, jnp.float32) for n, v in tensors.items()
-                      if not n.startswith("blk.")}
+    params: Params = {
+        n: jnp.asarray(v, jnp.float32) for n, v in tensors.items() if not n.startswith("blk.")
+    }
     params["blk"] = [{} for _ in range(n_layer)]
     for name, value in tensors.items():
         if name.startswith("blk."):
@@ -246,8 +246,11 @@ def from_gguf_tensors(tensors: dict[str, np.ndarray], n_layer: int) -> Params:
 
 def is_decayed(name: str) -> bool:
     """AdamW decays matrices only (not norms, biases or the shared-expert gate vector)."""
-    return not (name.endswith("norm.weight") or name.endswith(".bias")
-                or name == "ffn_gate_inp_shexp.weight")
+    return not (
+        name.endswith("norm.weight")
+        or name.endswith(".bias")
+        or name == "ffn_gate_inp_shexp.weight"
+    )
 
 
 def decay_mask(params: Params) -> Params:
@@ -271,7 +274,9 @@ class AdamState(NamedTuple):
 def adam_init(params: Params) -> AdamState:
     """Zero moments for every parameter."""
     zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-    return AdamState(jnp.zeros((), jnp.int32), zeros, jax.tree_util.tree_map(jnp.zeros_like, params))
+    return AdamState(
+        jnp.zeros((), jnp.int32), zeros, jax.tree_util.tree_map(jnp.zeros_like, params)
+    )
 
 
 def learning_rate(step: jax.Array, tcfg: TrainConfig) -> jax.Array:
@@ -396,8 +401,9 @@ class Evaluation(NamedTuple):
     expert_share: np.ndarray  # [L, E] share of routed (token, slot) assignments; rows sum to 1
 
 
-def evaluate(params: Params, sequences: list[np.ndarray], cfg: MoEConfig,
-             batch_size: int = 8) -> Evaluation:
+def evaluate(
+    params: Params, sequences: list[np.ndarray], cfg: MoEConfig, batch_size: int = 8
+) -> Evaluation:
     """Score each sequence from its first token (as an eval window would be), padded in batches."""
     length = -(-max(len(s) for s in sequences) // 128) * 128
 
@@ -410,11 +416,11 @@ def evaluate(params: Params, sequences: list[np.ndarray], cfg: MoEConfig,
 
     nll_sum, load = 0.0, np.zeros((cfg.n_layer, cfg.n_expert))
     for start in range(0, len(sequences), batch_size):
-        chunk = sequences[start:start + batch_size]
+        chunk = sequences[start : start + batch_size]
         tokens = np.zeros((batch_size, length), np.int32)
         valid = np.zeros((batch_size, length), np.float32)
         for row, seq in enumerate(chunk):
-            tokens[row, :len(seq)], valid[row, :len(seq)] = seq, 1.0
+            tokens[row, : len(seq)], valid[row, : len(seq)] = seq, 1.0
         nll, counts = score(params, jnp.asarray(tokens), jnp.asarray(valid))
         nll_sum, load = nll_sum + float(nll), load + np.asarray(counts, np.float64)
     n_scored = sum(len(s) - 1 for s in sequences)
