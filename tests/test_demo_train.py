@@ -271,3 +271,10 @@ def test_written_gguf_runs_the_same_in_the_runtime_forward(tmp_path) -> None:
         ours_ids = np.sort(np.asarray(jax.lax.top_k(m.router_probs[0], cfg.n_expert_used)[1]), -1)
         assert np.array_equal(ours_ids, np.sort(runtime.router[0][:, layer], -1))
     assert model.tokenizer().encode("what is beta?").ids == tokenizer.encode("what is beta?").ids
+    # held-out scoring by the training forward == by the runtime forward (NLL and expert load)
+    from healsweep.demo.build import expert_load, model_nll
+
+    held_out = tr.evaluate(params, seqs, cfg, batch_size=2)
+    assert held_out.tokens == sum(len(s) - 1 for s in seqs)
+    assert held_out.nll == pytest.approx(model_nll(model, seqs), rel=1e-4)
+    np.testing.assert_allclose(held_out.expert_share, expert_load(model, seqs), atol=1e-12)
