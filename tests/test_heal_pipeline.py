@@ -44,6 +44,12 @@ def setup(tmp_path_factory):
     return model, load_corpus(_corpus_file(root / "corpus.jsonl"))
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One cache for the tests that do not count executions, so they share the trace."""
+    return StageCache(tmp_path_factory.mktemp("shared") / "cache")
+
+
 def _delta(cache, before):
     return {s: cache.computed[s] - before.get(s, 0) for s in STAGES}
 
@@ -107,9 +113,9 @@ def _routed_float64(x, ids, weights, gate, up, down):
     return out
 
 
-def test_healed_layers_match_independent_computations(setup, tmp_path):
+def test_healed_layers_match_independent_computations(setup, shared_cache):
     model, corpus = setup
-    cache = StageCache(tmp_path / "cache")
+    cache = shared_cache
     knobs = Knobs(alpha="mse", gamma=0.0)
     student = build_student(model, knobs, CAL, cache, corpus=corpus)
     trace_key = student.report["trace_key"]
@@ -145,9 +151,9 @@ def test_healed_layers_match_independent_computations(setup, tmp_path):
         assert report["ridge"]["in_sample_change"] <= 0
 
 
-def test_student_forward_reproduces_alpha_times_y_q_in_layer_0(setup, tmp_path):
+def test_student_forward_reproduces_alpha_times_y_q_in_layer_0(setup, shared_cache):
     model, corpus = setup
-    cache = StageCache(tmp_path / "cache")
+    cache = shared_cache
     student = build_student(model, Knobs(alpha="mse", ridge=False), CAL, cache, corpus=corpus)
     from healsweep.heal.trace import make_chunks
 
@@ -168,9 +174,9 @@ def test_student_forward_reproduces_alpha_times_y_q_in_layer_0(setup, tmp_path):
     assert rep.down_shexp is None and not student.shexp_raw
 
 
-def test_gaussian_alpha_is_the_shipped_probe(setup, tmp_path):
+def test_gaussian_alpha_is_the_shipped_probe(setup, shared_cache):
     model, corpus = setup
-    cache = StageCache(tmp_path / "cache")
+    cache = shared_cache
     knobs = Knobs(alpha="gaussian", gamma=0.75, ridge=False)
     student = build_student(model, knobs, CAL, cache, corpus=corpus)
     weights = model.layer(1)
@@ -200,12 +206,12 @@ def test_qwen3moe_has_no_ridge_stage(tmp_path):
     assert "ridge" not in student.report["layers"][0]
 
 
-def test_act_quantization_uses_per_expert_input_statistics(setup, tmp_path):
+def test_act_quantization_uses_per_expert_input_statistics(setup, shared_cache):
     from healsweep.heal.trace import LAYER_STAGE, layer_key
     from healsweep.kernels import q2_0
 
     model, corpus = setup
-    cache = StageCache(tmp_path / "cache")
+    cache = shared_cache
     knobs = Knobs(importance="act", importance_down="act", ridge=False, alpha="none")
     student = build_student(model, knobs, CAL, cache, corpus=corpus)
     arrays = cache.get(LAYER_STAGE, layer_key(student.report["trace_key"], 0))[0]
