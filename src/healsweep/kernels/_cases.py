@@ -82,6 +82,25 @@ def _q2_packed(rng):
     return (np.asarray(q2_0.pack(*_q2_blocks(rng))),)
 
 
+def _iq4_blocks(rng):
+    return (_f32(rng, 64, 32),)
+
+
+def _iq4_weighted(rng):
+    return _f32(rng, 64, 32), np.abs(_f32(rng, 64, 32)) + 0.1
+
+
+def _iq4_codes(rng):
+    """``(d [N] f16, idx [N, 32] int8)`` with indices 0..15 into the codebook."""
+    return _f32(rng, 64, scale=0.01).astype(np.float16), rng.integers(0, 16, (64, 32)).astype(
+        np.int8
+    )
+
+
+def _iq4_packed(rng):
+    return (np.asarray(iq4_nl.pack(*_iq4_codes(rng))),)
+
+
 def _jaccard_inputs(rng):
     a = np.stack([rng.permutation(8)[:2] for _ in range(20)]).astype(np.int32)
     b = np.stack([rng.permutation(8)[:2] for _ in range(20)]).astype(np.int32)
@@ -100,9 +119,11 @@ CASES: tuple[KernelCase, ...] = (
     ),
     KernelCase("q2_0.pack", q2_0.pack, _q2_blocks, rtol=0.0),
     KernelCase("q2_0.unpack", q2_0.unpack, _q2_packed, rtol=0.0),
-    KernelCase(
-        "iq4_nl.quantize", lambda w: iq4_nl.quantize(w), lambda rng: (_f32(rng, 64, 32),), rtol=0.0
-    ),
+    KernelCase("iq4_nl.quantize", iq4_nl.quantize, _iq4_blocks, rtol=0.0),
+    KernelCase("iq4_nl.quantize_weighted", iq4_nl.quantize, _iq4_weighted, rtol=0.0),
+    KernelCase("iq4_nl.dequantize", iq4_nl.dequantize, _iq4_codes, rtol=0.0),
+    KernelCase("iq4_nl.pack", iq4_nl.pack, _iq4_codes, rtol=0.0),
+    KernelCase("iq4_nl.unpack", iq4_nl.unpack, _iq4_packed, rtol=0.0),
     KernelCase(
         "kld.token_stats",
         lambda t, s, n: kld.token_stats(t, s, n, chunk=128),
