@@ -156,6 +156,24 @@ def test_low_captured_energy_blocks_hit_the_r2_clamp():
     check_against_reference(w, a, 1.0, max_tie_fraction=0.0)
 
 
+def test_both_roundings_agree_everywhere_including_ties():
+    x = np.concatenate([np.linspace(-4, 4, 20001), [-1.5, -0.5, 0.5, 1.5, 2.5, -0.0]])
+    x = np.concatenate([x, np.nextafter(x, np.inf), np.nextafter(x, -np.inf)]).astype(np.float32)
+    ref = np.clip(np.rint(x.astype(np.float64)), -1, 2)
+    np.testing.assert_array_equal(np.asarray(jax.jit(q2_0.round_code)(x)), ref)
+    np.testing.assert_array_equal(np.asarray(jax.jit(q2_0.round_code_by_compare)(x)), ref)
+
+
+def test_compare_rounding_kernel_gives_identical_codes_and_scales():
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal((32, 128)).astype(np.float32)
+    imp = rng.uniform(0.1, 2.0, (32 // q2_0.LANES, 128)).astype(np.float32)
+    plain = q2_0._quantize_rows(w, imp, np.float32(0.3), keep_extras=False)
+    compare = q2_0._quantize_rows(w, imp, np.float32(0.3), keep_extras=False, compare_round=True)
+    for got, want in zip(compare[:2], plain[:2], strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_all_zero_block_gives_zero_scale_and_zero_codes():
     d, q = q2_0.quantize(np.zeros((3, 64), np.float32), None, 0.3)
     assert (d == 0).all() and (q == 0).all()

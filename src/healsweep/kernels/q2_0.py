@@ -46,6 +46,14 @@ def round_code(x: jax.Array) -> jax.Array:
     return jnp.clip(jnp.round(x), -1.0, 2.0)
 
 
+def round_code_by_compare(x: jax.Array) -> jax.Array:
+    """The same function as :func:`round_code` for every non-NaN ``x``, ties included, built
+    from three comparisons (full-rate on a GPU, where a float round is a slow conversion)."""
+    one = jnp.float32(1.0)
+    up = jnp.where(x >= -0.5, one, 0.0) + jnp.where(x > 0.5, one, 0.0)
+    return up + jnp.where(x >= 1.5, one, 0.0) - one
+
+
 def _pow2_inverse(amax: jax.Array) -> jax.Array:
     """``2**-e`` with ``amax = m * 2**e``, ``m`` in [1, 2); 1 where ``amax`` is 0 (exact scaling)."""
     bits = jax.lax.bitcast_convert_type(amax, jnp.int32) & 0x7F800000
@@ -53,7 +61,7 @@ def _pow2_inverse(amax: jax.Array) -> jax.Array:
     return jnp.where(amax > 0, inv, 1.0)
 
 
-def _row_sums(rows, arows, step: jax.Array):
+def _row_sums(rows, arows, step: jax.Array, rnd=round_code):
     """``Σaqw`` and ``Σaq²`` over the 64 rows of each tile, ``q = round_code(w * step)``.
 
     ``rows[i]`` is [T, L], ``arows[i]`` [T, L] or [T, 1], ``step`` [..., T, L]: a chain of 64
@@ -61,7 +69,7 @@ def _row_sums(rows, arows, step: jax.Array):
     """
     sqw = sqq = None
     for w_i, a_i in zip(rows, arows, strict=True):
-        q = round_code(w_i * step)
+        q = rnd(w_i * step)
         aq = a_i * q
         sqw = aq * w_i if sqw is None else sqw + aq * w_i
         sqq = aq * q if sqq is None else sqq + aq * q
@@ -80,7 +88,7 @@ def _max_rows(rows) -> jax.Array:
     return out
 
 
-def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array):
+def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array, rnd=round_code):
     """The seed search on tiles ``w`` [T, 64, L] (blocks along axis 1) with importance ``a``
     [T, 64, L] or [T, 64, 1]; returns float32 ``(d, scale, best_d1, (d1, score))``.
 
@@ -99,9 +107,9 @@ def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array):
     live = amax > 0
     scale = _pow2_inverse(amax)
     d0 = jnp.asarray(SEEDS, jnp.float32)[:, None, None] * jnp.where(live, amax * scale, 1.0)
-    sqw, sqq = _row_sums(rows, arows, scale / d0)  # [S, T, L]
+    sqw, sqq = _row_sums(rows, arows, scale / d0, rnd)  # [S, T, L]
     d1 = _safe_ratio(sqw * scale, sqq, d0)
-    sqw, sqq = _row_sums(rows, arows, scale / d1)
+    sqw, sqq = _row_sums(rows, arows, scale / d1, rnd)
     sqw = sqw * scale
     score = _safe_ratio(sqw * sqw, sqq, 0.0)  # [S, T, L]
     best_score = jnp.full(amax.shape, -1.0, jnp.float32)
@@ -114,7 +122,7 @@ def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array):
     sqw = sqq = saw2 = None
     for w_i, a_i in zip(rows, arows, strict=True):
         y_i = w_i * scale  # normalized here so that Σay² cannot underflow for tiny blocks
-        q = round_code(w_i * step)
+        q = rnd(w_i * step)
         aq = a_i * q
         sqw = aq * y_i if sqw is None else sqw + aq * y_i
         sqq = aq * q if sqq is None else sqq + aq * q
@@ -139,15 +147,18 @@ def _from_tiles(x: jax.Array, n_rows: int, nb: int) -> jax.Array:
     return x.reshape(n_rows, nb, k)
 
 
-@partial(jax.jit, static_argnames=("lanes", "keep_extras"))
-def _quantize_rows(w, importance, gain, lanes: int = LANES, keep_extras: bool = True):
+@partial(jax.jit, static_argnames=("lanes", "keep_extras", "compare_round"))
+def _quantize_rows(
+    w, importance, gain, lanes: int = LANES, keep_extras: bool = True, compare_round: bool = False
+):
     """Quantize ``w`` [R, in] (``R % lanes == 0``) with ``importance`` [R, in] or [R/lanes, in]
     (one importance row shared by each group of ``lanes`` rows).
 
     Returns ``(d [T, 1, L] float16 in tile order, q [R, in] int8, extras)``; ``_untile_np`` puts
     ``d`` in row order (outside, so that XLA keeps the final pass in the vectorized layout).
     ``keep_extras=False`` drops the per-seed arrays and leaves XLA free to fuse across seeds,
-    which suits a GPU (one thread per block, its weights in registers).
+    which suits a GPU (one thread per block, its weights in registers); ``compare_round``
+    rounds with :func:`round_code_by_compare` (same results).
     """
     n_rows, n_in = w.shape
     nb = n_in // QK
@@ -158,11 +169,12 @@ def _quantize_rows(w, importance, gain, lanes: int = LANES, keep_extras: bool = 
         a = _to_tiles(ab, lanes)  # [T, 64, L]
     else:  # [R/L, nb, 64] -> [T, 64, 1]
         a = ab.transpose(1, 0, 2).reshape(nb * (n_rows // lanes), QK, 1)
-    d, scale, best_d1, extras = search_tiles(_to_tiles(wb, lanes), a, gain)  # [T, L] each
+    rnd = round_code_by_compare if compare_round else round_code
+    d, scale, best_d1, extras = search_tiles(_to_tiles(wb, lanes), a, gain, rnd)  # [T, L] each
     d = (d / scale)[:, None, :].astype(jnp.float16)  # [T, 1, L]
     # q in row order, straight from w: the same products as inside the search.
     step = _from_tiles((scale / best_d1)[:, None, :], n_rows, nb)  # [R, nb, 1]
-    q = round_code(wb * step).astype(jnp.int8)  # all-zero blocks: finite step, q = 0
+    q = rnd(wb * step).astype(jnp.int8)  # all-zero blocks: finite step, q = 0
     return d, q.reshape(n_rows, n_in), (extras if keep_extras else ())
 
 
@@ -207,11 +219,9 @@ def quantize_rows(w, importance, gain: float) -> tuple[np.ndarray, np.ndarray]:
     d_out = np.empty((n_chunks * chunk, n_in // QK), np.float16)
     q_out = np.empty((n_chunks * chunk, n_in), np.int8)
     for c in range(n_chunks):
-        rows, imp_rows = (
-            slice(c * chunk, (c + 1) * chunk),
-            slice(c * imp_chunk, (c + 1) * imp_chunk),
-        )
-        d, q, _ = _quantize_rows(w[rows], importance[imp_rows], gain32, keep_extras=keep)
+        rows = slice(c * chunk, (c + 1) * chunk)
+        imp_c = importance[c * imp_chunk : (c + 1) * imp_chunk]
+        d, q, _ = _quantize_rows(w[rows], imp_c, gain32, keep_extras=keep)
         d_out[rows] = _untile_np(np.asarray(d), chunk)
         q_out[rows] = np.asarray(q)
     return d_out[:n_rows], q_out[:n_rows]
