@@ -237,3 +237,15 @@ def test_act_quantization_uses_per_expert_input_statistics(setup, shared_cache):
     assert np.mean(np.asarray(student.replacements[0].down_exps.q) == np.asarray(down.q)) > 0.999
     plain = q2_0.quantize_matrix(weights["ffn_down_exps.weight"], None, 0.3)
     assert np.mean(np.asarray(plain.q) != np.asarray(down.q)) > 0.005  # importance mattered
+
+
+def test_stage_keys_hold_a_digest_of_the_code_they_run(tmp_path, monkeypatch):
+    module = tmp_path / "healsweep_probe_codec.py"
+    module.write_text("SCALE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = stages.code_digest(("healsweep_probe_codec",))
+    module.write_text("SCALE = 2  # a fix in a codec\n")
+    stages.code_digest.cache_clear()
+    assert stages.code_digest(("healsweep_probe_codec",)) != first
+    assert stages.code_digest(stages.STAGE_CODE["quantize"]) != stages.code_digest(
+        stages.STAGE_CODE["part_a"])

@@ -13,7 +13,10 @@ Each stage is a function of explicit inputs whose cache key is built from exactl
 
 from __future__ import annotations
 
-from functools import partial
+import hashlib
+import importlib
+from functools import cache, partial
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -31,9 +34,29 @@ EXPERT_TENSORS = ("gate", "up", "down")
 ROUTED_CHUNK = 2048  # tokens per routed-output call (padded), bounds memory and recompiles
 
 
+# The code a stage runs is one of its inputs: a fix in the codec or the forward must not be
+# served stale results from the cache, so each key holds a digest of the modules' sources.
+STAGE_CODE = {
+    "quantize": ("healsweep.kernels.q2_0", "healsweep.heal.importance"),
+    "routed_q": ("healsweep.model.layers",),
+    "part_a": ("healsweep.kernels.alpha",),
+    "part_b": ("healsweep.kernels.ridge", "healsweep.kernels.iq4_nl", "healsweep.heal.requant"),
+}
+
+
+@cache
+def code_digest(modules: tuple[str, ...]) -> str:
+    """sha256 over the source files of ``modules`` (first 16 hex digits)."""
+    digest = hashlib.sha256()
+    for name in modules:
+        digest.update(name.encode() + b"\0")
+        digest.update(Path(importlib.import_module(name).__file__).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def stage_key(stage: str, inputs: dict[str, Any]) -> str:
-    """Content key of ``stage`` over ``inputs`` (the stage's version is part of it)."""
-    return content_key(stage, VERSIONS[stage], inputs)
+    """Content key of ``stage`` over ``inputs`` plus its version and its code digest."""
+    return content_key(stage, VERSIONS[stage], {**inputs, "code": code_digest(STAGE_CODE[stage])})
 
 
 # --- quantize ----------------------------------------------------------------------------------

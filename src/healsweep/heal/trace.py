@@ -29,12 +29,15 @@ from healsweep.cache import StageCache, content_key
 from healsweep.errors import CacheError, CorpusError
 from healsweep.heal.importance import expert_hidden_moments, expert_input_moments
 from healsweep.heal.knobs import CalibrationConfig
+from healsweep.heal.stages import code_digest
 
 STAGE = "calib_trace"
 LAYER_STAGE = "calib_trace_layer"
 VERSION = 1
 BATCH_TOKENS = 4096  # padded tokens per teacher forward call
 LENGTH_BUCKET = 64  # smallest padded chunk length; buckets double from here
+TRACE_CODE = ("healsweep.model.forward", "healsweep.model.layers", "healsweep.model.qwen2moe",
+              "healsweep.model.qwen3moe", "healsweep.heal.trace", "healsweep.heal.importance")
 _TOOL_SPAN = re.compile(r"<tool_call>.*?</tool_call>", re.S)
 
 
@@ -72,6 +75,7 @@ def documents_digest(docs: list[Any]) -> str:
 def trace_key(model: Any, calibration: CalibrationConfig, docs: list[Any]) -> str:
     """Content key of the trace: model fingerprint, calibration settings, document contents."""
     return content_key(STAGE, VERSION, {
+        "code": code_digest(TRACE_CODE),
         "model": model.fingerprint,
         "calibration": calibration.key_inputs(),
         "documents": documents_digest(docs),
