@@ -23,6 +23,7 @@ _COMMAND_MODULES = [
     "healsweep.cli.heal_cmd",
     "healsweep.cli.sweep_cmd",
     "healsweep.cli.report_cmd",
+    "healsweep.cli.confirm_cmd",
     "healsweep.cli.cluster_cmd",
 ]
 

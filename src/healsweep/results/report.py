@@ -137,7 +137,9 @@ def _html(table: Table) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _sections(summary: SweepSummary, plots: dict[str, str]) -> list[tuple[str, Any]]:
+def _sections(
+    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
+) -> list[tuple[str, Any]]:
     m = summary.manifest
     reasons = [
         (describe(c, summary.baseline), list(c.verdict.reasons))
@@ -152,6 +154,7 @@ def _sections(summary: SweepSummary, plots: dict[str, str]) -> list[tuple[str, A
     )  # fmt: skip
     return [
         ("Leaderboard against the baseline", leaderboard(summary)),
+        *confirmed_sections(summary, confirmed or []),  # `healsweep confirm`: dev next to test
         ("Decision-rule reasons", reasons),
         ("Per-stratum pooled KLD", strata_table(summary)),
         ("Main effects per knob", effects_table(summary)),
@@ -174,10 +177,12 @@ def _intro(summary: SweepSummary) -> str:
     )
 
 
-def render_markdown(summary: SweepSummary, plots: dict[str, str]) -> str:
+def render_markdown(
+    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
+) -> str:
     """The Markdown report."""
     out = [f"# Sweep report: {summary.name}", "", _intro(summary), ""]
-    for title, content in _sections(summary, plots):
+    for title, content in _sections(summary, plots, confirmed):
         out += [f"## {title}", ""]
         if title == "Decision-rule reasons":
             for name, lines in content:
@@ -190,7 +195,9 @@ def render_markdown(summary: SweepSummary, plots: dict[str, str]) -> str:
     return "\n".join(out)
 
 
-def render_html(summary: SweepSummary, plots: dict[str, str]) -> str:
+def render_html(
+    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
+) -> str:
     """The HTML report (same content as the Markdown one)."""
     style = (
         "body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:"
@@ -200,7 +207,7 @@ def render_html(summary: SweepSummary, plots: dict[str, str]) -> str:
     out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(summary.name)}",
            f"</title><style>{style}</style></head><body>",
            f"<h1>Sweep report: {html.escape(summary.name)}</h1><p>{html.escape(_intro(summary))}</p>"]  # fmt: skip
-    for title, content in _sections(summary, plots):
+    for title, content in _sections(summary, plots, confirmed):
         out.append(f"<h2>{html.escape(title)}</h2>")
         if title == "Decision-rule reasons":
             items = "".join(
@@ -226,6 +233,7 @@ def write_report(
 ) -> dict[str, Path]:
     """Write ``report/report.md``, ``report/report.html`` and the PNG plots; return their paths
     (``summary`` = an already computed :func:`summarize` of the same folder)."""
+    from healsweep.confirm import read_confirmed
     from healsweep.results.plots import write_plots
     from healsweep.results.store import atomic_write_text
 
@@ -236,9 +244,62 @@ def write_report(
     plots = write_plots(summary, out, label=lambda c: describe(c, summary.baseline))
     relative = {caption: path.name for caption, path in plots.items()}
     md, page = out / "report.md", out / "report.html"
-    atomic_write_text(render_markdown(summary, relative), md)
-    atomic_write_text(render_html(summary, relative), page)
+    confirmed = read_confirmed(sweep_dir)  # milestones opened by `healsweep confirm`
+    atomic_write_text(render_markdown(summary, relative, confirmed), md)
+    atomic_write_text(render_html(summary, relative, confirmed), page)
     return {"markdown": md, "html": page, **{c: p for c, p in plots.items()}}
+
+
+# The test split (`healsweep confirm`) --------------------------------------------------------
+
+
+def confirmed_sections(summary: SweepSummary, confirmed: list[dict]) -> list[tuple[str, Table]]:
+    """One table per confirmed milestone: each frozen config's dev figures next to its test
+    figures (pooled KLD, relative change vs the baseline with its CI, top-1 change, verdict)."""
+    return [
+        (f"Dev and test (milestone {m['milestone']})", confirmed_table(summary, m))
+        for m in confirmed
+    ]
+
+
+def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
+    """The dev/test table of one ``confirm.json`` summary (see :func:`confirmed_sections`)."""
+    level = summary.rule.ci_level
+    header = ["config", "dev pooled KLD", f"dev Δ KLD [{level:.0%} CI]", "dev verdict",
+              f"test pooled KLD ({milestone['windows']} windows)", f"test Δ KLD [{level:.0%} CI]",
+              "test Δ top-1 (pt)", "test verdict", "ledger"]  # fmt: skip
+    dev = {c.config_hash: c for c in summary.configs}
+    rows = []
+    for entry in milestone["configs"]:
+        config = dev.get(entry["config_hash"])
+        name = describe(config, summary.baseline) if config else entry["config_hash"][:12]
+        dev_delta = "-"
+        if config is not None and config.comparison is not None:
+            lo, hi = config.comparison.rel_change_ci(level)
+            dev_delta = f"{_pct(config.comparison.rel_change)} [{_pct(lo)}, {_pct(hi)}]"
+        comp, verdict = entry["comparison"], entry["verdict"]
+        test_delta = test_top1 = "-"
+        if comp is not None:
+            lo, hi = (math.nan if v is None else v for v in comp["rel_change_ci"])
+            test_delta = f"{_pct(comp['rel_change'])} [{_pct(lo)}, {_pct(hi)}]"
+            test_top1 = f"{comp['top1_delta_points']:+.2f}"
+        test_verdict = (
+            "reference" if verdict is None else ("ACCEPT" if verdict["accepted"] else "reject")
+        )
+        rows.append(
+            [
+                name,
+                "-" if config is None else f"{config.pooled['kld_mean']:.5f}",
+                dev_delta,
+                "-" if config is None else _verdict(config),
+                f"{entry['pooled']['kld_mean']:.5f}",
+                test_delta,
+                test_top1,
+                test_verdict,
+                milestone.get("integrity", "-"),
+            ]
+        )
+    return header, rows
 
 
 __all__ = [
@@ -247,5 +308,7 @@ __all__ = [
     "render_html",
     "render_markdown",
     "strata_table",
+    "confirmed_sections",
+    "confirmed_table",
     "write_report",
 ]

@@ -1,0 +1,83 @@
+"""`healsweep confirm`: open the sealed test split once per milestone and score frozen configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from healsweep.cli._apps import app
+
+_SWEEP_DIR = typer.Argument(..., help="A finished sweep's results folder, RESULTS/<sweep name>.")
+_MILESTONE = typer.Option(
+    ..., "--milestone", help="Milestone name (letters, digits, . _ -); opens the test split once."
+)
+_TRIAL = typer.Option(
+    None,
+    "--trial",
+    help="Trial id to confirm (repeatable). Default: the best completed dev trial. The baseline "
+    "is always confirmed too.",
+)
+_ROOT = typer.Option(
+    None, "--results-root", help="Folder holding ledger.jsonl (default: the sweep folder's parent)."
+)
+_MAX = typer.Option(
+    None, "--max-windows", min=1, help="Score at most N test windows (round-robin over strata)."
+)
+_RESUME = typer.Option(
+    False,
+    "--resume",
+    help="Continue a confirm of this milestone that stopped before recording its result "
+    "(same frozen configs; appends a confirm-resume entry).",
+)
+_NEW_SPLIT = typer.Option(
+    False, "--new-split", help="Record a deliberate new split (the ledger's latest differs)."
+)
+_BOOT = typer.Option(10_000, "--n-boot", min=100, help="Paired-bootstrap resamples.")
+_QUIET = typer.Option(False, "--quiet", help="No per-window progress lines.")
+
+
+@app.command("confirm")
+def confirm(
+    sweep_dir: Path = _SWEEP_DIR,
+    milestone: str = _MILESTONE,
+    trial: list[str] | None = _TRIAL,
+    results_root: Path | None = _ROOT,
+    max_windows: int | None = _MAX,
+    resume: bool = _RESUME,
+    new_split: bool = _NEW_SPLIT,
+    n_boot: int = _BOOT,
+    quiet: bool = _QUIET,
+) -> None:
+    """Freeze configs, record the opening in the ledger, score them on the test split, record the
+    result hash; prints pooled KLD per config and the verdict of each config vs the baseline."""
+    from healsweep.confirm import confirm as run_confirm
+
+    def progress(message: str) -> None:
+        if not (quiet and message.startswith("  window")):
+            typer.echo(message)
+
+    summary = run_confirm(
+        sweep_dir,
+        milestone,
+        trial_ids=trial or None,
+        results_root=results_root,
+        max_windows=max_windows,
+        resume=resume,
+        allow_split_change=new_split,
+        n_boot=n_boot,
+        progress=progress,
+    )
+    typer.echo(f"milestone {milestone!r}: {summary['windows']} test windows")
+    for config in summary["configs"]:
+        name = "baseline" if config["is_baseline"] else f"trial {config['trial_id']}"
+        line = (
+            f"  {name:<24} pooled KLD {config['pooled']['kld_mean']:.5f}  "
+            f"top-1 {config['pooled']['top1']:.2%}"
+        )
+        comp = config["comparison"]
+        if comp is not None:
+            lo, hi = comp["rel_change_ci"]
+            verdict = "ACCEPT" if config["verdict"]["accepted"] else "reject"
+            line += f"  Δ {comp['rel_change']:+.2%} [{lo:+.2%}, {hi:+.2%}]  {verdict}"
+        typer.echo(line)

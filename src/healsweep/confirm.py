@@ -1,0 +1,458 @@
+"""``confirm``: score frozen configs of a finished sweep on the sealed test split, once per milestone.
+
+The order of events is the discipline (audit section 3.2):
+
+1. read the sweep's manifest and spec; refuse when the model or the split changed since the
+   sweep (the split lock id is rebuilt from the corpus and compared with the manifest's), and
+   when the ledger (``RESULTS_ROOT/ledger.jsonl``) does not verify;
+2. freeze the chosen configs: sha256 of the canonical JSON of the full knob set, the model
+   fingerprint and the calibration settings with the calibration corpus's content;
+3. append the ``confirm-open`` entry *before* any test window exists (a second confirm of the same
+   split lock id and milestone is refused there, atomically, under the ledger's file lock);
+4. build the test windows with the grant in this process, score every frozen config (baseline
+   included) on every window, write ``RESULTS/<sweep>/test/<milestone>/windows.parquet``;
+5. record the sha256 of that file as the milestone's ``confirm-result``, then write
+   ``confirm.json`` (pooled figures per config, paired comparisons vs the baseline, verdicts).
+
+A crash after step 3 leaves the milestone open without a result. Rerunning the same command with
+``resume=True`` (``--resume``) appends a ``confirm-resume`` entry, which re-issues the grant only
+for exactly the config hashes frozen at the opening, and scores them again from the start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from healsweep.cache import canonical_json
+from healsweep.errors import LedgerError, ResultsError, SplitError
+
+TEST_DIR = "test"
+WINDOWS_FILE = "windows.parquet"
+SUMMARY_FILE = "confirm.json"
+_FREEZE_TAG = "healsweep-frozen-config-v1"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class FrozenConfig:
+    """One config chosen for the test split: its sweep identity and its frozen hash."""
+
+    trial_id: str
+    config_hash: str  # the sweep's short knob hash (joins test rows with dev rows)
+    knobs: dict[str, Any]
+    is_baseline: bool
+    frozen_hash: str  # what the ledger records
+
+
+def frozen_hash(knobs: dict[str, Any], model_fingerprint: str, calibration: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of the full knobs, model fingerprint and calibration."""
+    from healsweep.heal.knobs import Knobs
+
+    body = {
+        "tag": _FREEZE_TAG,
+        "knobs": Knobs(**knobs).model_dump(),
+        "model_fingerprint": model_fingerprint,
+        "calibration": calibration,
+    }
+    return hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
+
+
+def calibration_identity(calibration: Any) -> dict[str, Any]:
+    """The calibration settings that change a student, with the calibration corpus's content."""
+    from healsweep.data.corpus import load_corpus
+
+    corpus = load_corpus(calibration.corpus)
+    rows = sorted((d.doc_id, d.content_hash) for d in corpus.documents)
+    digest = hashlib.sha256(canonical_json(rows).encode("utf-8")).hexdigest()
+    return {**calibration.key_inputs(), "corpus_content": digest}
+
+
+def choose_configs(
+    trials: list[dict[str, Any]], trial_ids: Sequence[str] | None, where: Path
+) -> list[tuple[dict[str, Any], bool]]:
+    """``(trial row, is_baseline)`` to confirm: the baseline first, then the given trials, or the
+    best completed non-baseline trial by dev pooled KLD; one row per config."""
+    baseline = next((t for t in trials if t["is_baseline"]), None)
+    if baseline is None:
+        raise ResultsError(f"{where}: the sweep has no baseline trial; nothing to compare on test")
+    if trial_ids:
+        by_id = {t["trial_id"]: t for t in trials}
+        unknown = [t for t in trial_ids if t not in by_id]
+        if unknown:
+            raise ResultsError(
+                f"{where}: no trial {unknown[0]!r} in trials.parquet; pick from "
+                f"{sorted(by_id)[:8]} (see `healsweep sweep status`)"
+            )
+        chosen = [by_id[t] for t in trial_ids]
+    else:
+        done = [
+            t
+            for t in trials
+            if t["status"] == "completed" and not t["is_baseline"] and t["kld_mean"] is not None
+        ]
+        if not done:
+            raise ResultsError(
+                f"{where}: no completed non-baseline trial to confirm; let the sweep finish or "
+                "name trials with --trial"
+            )
+        chosen = [min(done, key=lambda t: t["kld_mean"])]
+    picked: dict[str, tuple[dict[str, Any], bool]] = {baseline["config_hash"]: (baseline, True)}
+    for row in chosen:
+        picked.setdefault(row["config_hash"], (row, False))
+    return list(picked.values())
+
+
+def _knobs_of(row: dict[str, Any]) -> dict[str, Any]:
+    from healsweep.results.schema import KNOB_PREFIX
+
+    return {k[len(KNOB_PREFIX) :]: v for k, v in row.items() if k.startswith(KNOB_PREFIX)}
+
+
+def milestone_dir(sweep_dir: str | Path, milestone: str) -> Path:
+    """``RESULTS/<sweep>/test/<milestone>``."""
+    return Path(sweep_dir) / TEST_DIR / milestone
+
+
+def result_schema() -> pa.Schema:
+    """The windows schema of the sweep plus the milestone, frozen hash and split lock id."""
+    from healsweep.results.schema import window_schema
+
+    extra = [pa.field(n, pa.string()) for n in ("milestone", "frozen_hash", "split_lock_id")]
+    return pa.schema([*window_schema(), *extra])
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass
+class _Context:
+    """What confirm reads from the sweep folder and rebuilds from its inputs."""
+
+    sweep_dir: Path
+    manifest: dict[str, Any]
+    spec: Any
+    teacher: Any
+    corpus: Any
+    split_cfg: Any
+    lock_id: str
+
+
+def load_context(sweep_dir: str | Path) -> _Context:
+    """Manifest, spec, teacher, corpus and split of a sweep; refuses a changed model or split."""
+    from healsweep.data.corpus import load_corpus
+    from healsweep.data.split import load_split, parity_split, split_lock_id
+    from healsweep.gguf_io import open_model
+    from healsweep.results.store import read_manifest
+    from healsweep.sweep.manifest import read_spec
+
+    sweep_dir = Path(sweep_dir)
+    manifest = read_manifest(sweep_dir)
+    spec = read_spec(sweep_dir)
+    teacher = open_model(spec.model)
+    if manifest.get("model_fingerprint") not in (None, teacher.fingerprint):
+        raise ResultsError(
+            f"{sweep_dir}: the model {spec.model} changed after the sweep (fingerprint "
+            f"{teacher.fingerprint[:12]}... vs the manifest's {manifest['model_fingerprint'][:12]}"
+            "...); restore the model the sweep tuned on, or run a new sweep"
+        )
+    corpus = load_corpus(spec.corpus)
+    split_cfg = parity_split(corpus) if spec.split == "auto" else load_split(spec.split)
+    lock_id = split_lock_id(split_cfg, corpus.documents)
+    if manifest.get("split_lock_id") != lock_id:
+        raise SplitError(
+            f"{sweep_dir}: the split changed after the sweep (split lock {lock_id[:12]}... now, "
+            f"{str(manifest.get('split_lock_id'))[:12]}... in the manifest); the configs were "
+            "tuned on another dev set: restore that split and corpus, or run a new sweep"
+        )
+    return _Context(sweep_dir, manifest, spec, teacher, corpus, split_cfg, lock_id)
+
+
+def freeze_configs(ctx: _Context, trial_ids: Sequence[str] | None) -> list[FrozenConfig]:
+    """The configs to confirm (baseline first), each with its frozen hash."""
+    from healsweep.results.store import read_trials
+
+    trials = read_trials(ctx.sweep_dir).to_pylist()
+    calibration = calibration_identity(ctx.spec.calibration_config())
+    return [
+        FrozenConfig(
+            trial_id=row["trial_id"],
+            config_hash=row["config_hash"],
+            knobs=_knobs_of(row),
+            is_baseline=is_base,
+            frozen_hash=frozen_hash(_knobs_of(row), ctx.teacher.fingerprint, calibration),
+        )
+        for row, is_base in choose_configs(trials, trial_ids, ctx.sweep_dir)
+    ]
+
+
+def open_grant(
+    ledger: Any, ctx: _Context, milestone: str, configs: list[FrozenConfig], *,
+    resume: bool, allow_split_change: bool,
+) -> Any:  # fmt: skip
+    """Append ``confirm-open`` (or ``confirm-resume``) and return the grant."""
+    hashes = [c.frozen_hash for c in configs]
+    if resume:
+        return ledger.resume_milestone(ctx.lock_id, milestone, hashes)
+    stalled = [
+        m for m in ledger.milestones_for(ctx.lock_id) if m.milestone == milestone and not m.closed
+    ]
+    if stalled:
+        raise LedgerError(
+            f"milestone {milestone!r} was opened at {stalled[0].time} by {stalled[0].user} and has "
+            f"no result in {ledger.path}: another confirm is running, or one stopped before it "
+            "finished; if none is running, rerun with --resume (same configs, recorded as a resume)"
+        )
+    trial_ids = [c.trial_id for c in configs]
+    return ledger.open_milestone(
+        ctx.lock_id, milestone, hashes, trial_ids, allow_split_change=allow_split_change
+    )
+
+
+def sealed_windows(ctx: _Context, grant: Any, max_windows: int | None) -> list[Any]:
+    """The test windows (needs the grant), sorted by id, cut round-robin over strata when capped."""
+    from healsweep.data.windows import interleave_strata, make_windows
+
+    scoring = ctx.spec.scoring
+    extra = {} if scoring.max_context is None else {"max_context": scoring.max_context}
+    windows = make_windows(
+        ctx.corpus, ctx.teacher.tokenizer(), ctx.split_cfg, split="test", grant=grant,
+        max_scored=scoring.max_scored, **extra,
+    )  # fmt: skip
+    windows = sorted(windows, key=lambda w: w.window_id)
+    if max_windows is not None:
+        windows = sorted(interleave_strata(windows, max_windows), key=lambda w: w.window_id)
+    return windows
+
+
+def score_config(
+    ctx: _Context, config: FrozenConfig, windows: list[Any], cache: Any, say: Progress
+) -> list[dict[str, Any]]:
+    """Build one frozen config's student through the caches and score it on every window."""
+    from healsweep.heal.knobs import Knobs
+    from healsweep.heal.pipeline import build_student
+    from healsweep.results.schema import knob_columns
+    from healsweep.score.runner import score_windows
+
+    knobs = Knobs(**config.knobs)
+    student = build_student(ctx.teacher, knobs, ctx.spec.calibration_config(), cache)
+    rows: list[dict[str, Any]] = []
+    batch = ctx.spec.scoring.batch
+    for i, (window, metrics) in enumerate(
+        score_windows(ctx.teacher, student, windows, cache, batch=batch)
+    ):
+        row = metrics.to_dict()
+        say(f"  window {i + 1}/{len(windows)} {window.window_id}: KLD {row['kld_mean']:.5f}")
+        rows.append(
+            {
+                "sweep": ctx.spec.name,
+                "trial_id": config.trial_id,
+                "config_hash": config.config_hash,
+                "is_baseline": config.is_baseline,
+                **knob_columns(config.knobs),
+                "window_id": window.window_id,
+                "window_index": i,
+                "position": i,
+                "windows_total": len(windows),
+                "stratum": window.stratum,
+                "source": window.source,
+                "doc_id": window.doc_id,
+                "kind": window.kind,
+                **row,
+                "teacher_ppl": metrics.teacher_ppl,
+                "student_ppl": metrics.student_ppl,
+                "pruned": False,
+                "frozen_hash": config.frozen_hash,
+            }
+        )
+    return rows
+
+
+def summarize_test(
+    rows: list[dict[str, Any]], configs: list[FrozenConfig], n_boot: int, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Pooled figures per config and, for every non-baseline config, the paired comparison with
+    the baseline on the same test windows and the decision rule's verdict."""
+    from healsweep.results.aggregate import window_stats
+    from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
+
+    rule = DecisionRule()
+    by_config: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        by_config.setdefault(row["config_hash"], {})[row["window_id"]] = row
+    base = by_config[configs[0].config_hash]
+    ids = sorted(base)
+    strata = [base[w]["stratum"] for w in ids]
+    out = []
+    for config in configs:
+        mine = by_config[config.config_hash]
+        entry: dict[str, Any] = {
+            "trial_id": config.trial_id,
+            "config_hash": config.config_hash,
+            "frozen_hash": config.frozen_hash,
+            "is_baseline": config.is_baseline,
+            "knobs": config.knobs,
+            "pooled": pooled([window_stats(mine[w]) for w in ids], strata),
+            "comparison": None,
+            "verdict": None,
+        }
+        if not config.is_baseline:
+            comp = paired_compare(
+                [window_stats(base[w]) for w in ids],
+                [window_stats(mine[w]) for w in ids],
+                strata,
+                n_boot=n_boot,
+                seed=seed,
+            )
+            verdict = decision(comp, rule)
+            entry["comparison"] = comp.to_dict(rule.ci_level)
+            entry["verdict"] = {
+                "accepted": verdict.accepted,
+                "checks": verdict.checks,
+                "reasons": list(verdict.reasons),
+            }
+        out.append(entry)
+    return out
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf become null so that confirm.json is strict JSON."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def confirm(
+    sweep_dir: str | Path,
+    milestone: str,
+    *,
+    trial_ids: Sequence[str] | None = None,
+    results_root: str | Path | None = None,
+    max_windows: int | None = None,
+    resume: bool = False,
+    allow_split_change: bool = False,
+    n_boot: int = 10_000,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Open milestone ``milestone`` of a sweep's split and score its frozen configs on test.
+
+    Returns the ``confirm.json`` summary (also written under ``RESULTS/<sweep>/test/<milestone>``).
+    The ledger is ``results_root/ledger.jsonl`` (default: the sweep folder's parent). Refusals
+    (before anything is written): a changed model or split, a ledger that does not verify, a
+    milestone already opened on this split (``--resume`` continues one without a result), and a
+    split other than the ledger's latest unless ``allow_split_change``.
+    """
+    from healsweep.cache import StageCache
+    from healsweep.ledger import Ledger
+    from healsweep.results.schema import to_table
+    from healsweep.results.store import atomic_write_table, atomic_write_text
+
+    say = progress or (lambda message: None)
+    if max_windows is not None and max_windows < 1:
+        raise ResultsError(f"max_windows must be >= 1, got {max_windows}")
+    sweep_dir = Path(sweep_dir)
+    ledger = Ledger.in_results(Path(results_root) if results_root else sweep_dir.parent)
+    ledger.verify()
+    ctx = load_context(sweep_dir)
+    configs = freeze_configs(ctx, trial_ids)
+    grant = open_grant(
+        ledger, ctx, milestone, configs, resume=resume, allow_split_change=allow_split_change
+    )
+    verb = "resumed" if resume else "opened"
+    say(f"{verb} milestone {milestone!r} in {ledger.path} (split lock {ctx.lock_id[:12]}...)")
+    windows = sealed_windows(ctx, grant, max_windows)
+    cache = StageCache()
+    rows: list[dict[str, Any]] = []
+    for n, config in enumerate(configs, start=1):
+        label = "baseline" if config.is_baseline else f"trial {config.trial_id}"
+        say(f"config {n}/{len(configs)} ({label}, {config.frozen_hash[:12]}...): healing")
+        rows += score_config(ctx, config, windows, cache, say)
+    for row in rows:
+        row.update(milestone=milestone, split_lock_id=ctx.lock_id)
+    out = milestone_dir(sweep_dir, milestone)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_table(to_table(rows, result_schema()), out / WINDOWS_FILE)
+    result_hash = file_sha256(out / WINDOWS_FILE)
+    summary = {
+        "sweep": ctx.spec.name,
+        "milestone": milestone,
+        "split_lock_id": ctx.lock_id,
+        "model_fingerprint": ctx.teacher.fingerprint,
+        "ledger": str(ledger.path.resolve()),
+        "open_hash": grant.entry_hash,
+        "resumed": resume,
+        "windows": len(windows),
+        "max_windows": max_windows,
+        "result_file": WINDOWS_FILE,
+        "result_hash": result_hash,
+        "configs": summarize_test(rows, configs, n_boot),
+    }
+    entry = ledger.record_result(grant, result_hash)
+    summary.update(result_entry_hash=entry["hash"], confirmed_at=entry["time"])
+    text = json.dumps(_json_safe(summary), indent=2, sort_keys=True, allow_nan=False)
+    atomic_write_text(text, out / SUMMARY_FILE)
+    say(f"recorded result {result_hash[:12]}... in {ledger.path}; wrote {out / SUMMARY_FILE}")
+    return summary
+
+
+def read_confirmed(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """Every milestone confirmed for a sweep (``test/*/confirm.json``), oldest first.
+
+    Each summary gains ``integrity``: ``"recorded"`` when its windows file still hashes to the
+    result hash and the sweep's ledger holds that result for the milestone's opening,
+    ``"file changed"`` or ``"not in ledger"`` otherwise (the report shows it).
+    """
+    from healsweep.ledger import LEDGER_NAME
+
+    found = []
+    for path in sorted(Path(sweep_dir).glob(f"{TEST_DIR}/*/{SUMMARY_FILE}")):
+        try:
+            summary = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ResultsError(
+                f"{path} is unreadable ({exc}); restore it or rerun confirm"
+            ) from None
+        results = path.parent / summary.get("result_file", WINDOWS_FILE)
+        if not results.exists() or file_sha256(results) != summary.get("result_hash"):
+            summary["integrity"] = "file changed"
+        else:
+            entries = _ledger_entries([summary.get("ledger", ""), path.parents[3] / LEDGER_NAME])
+            recorded = any(
+                e["kind"] == "confirm-result"
+                and e["open_hash"] == summary.get("open_hash")
+                and e["result_hash"] == summary["result_hash"]
+                for e in entries
+            )
+            summary["integrity"] = "recorded" if recorded else "not in ledger"
+        found.append(summary)
+    return sorted(found, key=lambda s: (s.get("confirmed_at", ""), s["milestone"]))
+
+
+def _ledger_entries(candidates: list[Any]) -> list[dict[str, Any]]:
+    """The entries of the first ledger file that exists ([] when none does or it is tampered)."""
+    from healsweep.ledger import Ledger
+
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            try:
+                return Ledger(candidate).entries()
+            except LedgerError:
+                return []
+    return []
