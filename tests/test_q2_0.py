@@ -164,14 +164,30 @@ def test_both_roundings_agree_everywhere_including_ties():
     np.testing.assert_array_equal(np.asarray(jax.jit(q2_0.round_code_by_compare)(x)), ref)
 
 
-def test_compare_rounding_kernel_gives_identical_codes_and_scales():
+def _layouts_agree(per_row: bool, variants) -> None:
     rng = np.random.default_rng(12)
     w = rng.standard_normal((32, 128)).astype(np.float32)
-    imp = rng.uniform(0.1, 2.0, (32 // q2_0.LANES, 128)).astype(np.float32)
-    plain = q2_0._quantize_rows(w, imp, np.float32(0.3), keep_extras=False)
-    compare = q2_0._quantize_rows(w, imp, np.float32(0.3), keep_extras=False, compare_round=True)
-    for got, want in zip(compare[:2], plain[:2], strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    n_imp = 32 if per_row else 32 // q2_0.LANES
+    imp = rng.uniform(0.1, 2.0, (n_imp, 128)).astype(np.float32)
+    gain = np.float32(0.3)
+    d_ref, q_ref, _ = q2_0._quantize_rows(w, imp, gain)
+    d_ref = q2_0._untile_np(np.asarray(d_ref), 32)
+    for opts in variants:
+        d, q, _ = q2_0._quantize_rows(w, imp, gain, **opts)
+        d = np.asarray(d) if not opts.get("tiles", True) else q2_0._untile_np(np.asarray(d), 32)
+        np.testing.assert_array_equal(d, d_ref)
+        np.testing.assert_array_equal(np.asarray(q), np.asarray(q_ref))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_kernel_layouts_give_identical_codes_and_scales(per_row):
+    _layouts_agree(per_row, [{"compare_round": True, "keep_extras": False}, {"tiles": False}])
+
+
+@pytest.mark.slow
+def test_unrolled_gpu_layout_gives_identical_codes_and_scales():
+    # One fusion for the whole search: slow to compile with LLVM on a CPU, hence the slow tier.
+    _layouts_agree(False, [{"tiles": False, "unroll": True, "compare_round": True}])
 
 
 def test_all_zero_block_gives_zero_scale_and_zero_codes():

@@ -88,7 +88,7 @@ def _max_rows(rows) -> jax.Array:
     return out
 
 
-def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array, rnd=round_code):
+def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array, rnd=round_code, unroll=False):
     """The seed search on tiles ``w`` [T, 64, L] (blocks along axis 1) with importance ``a``
     [T, 64, L] or [T, 64, 1]; returns float32 ``(d, scale, best_d1, (d1, score))``.
 
@@ -100,24 +100,29 @@ def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array, rnd=round_code):
     so that it costs no extra pass. All ten seeds run side by side on a leading axis; the
     per-seed ``(d1, score)`` [10, T, L] are returned so that XLA materializes them instead of
     re-deriving them inside later fusions (which repeats passes in loops LLVM does not vectorize).
+    ``unroll=True`` runs the seeds one after the other instead, with the same arithmetic, so
+    that XLA can fuse the whole search into one loop (one GPU thread per block); no extras then.
     """
     rows = [w[:, i, :] for i in range(QK)]  # 64 x [T, L]
     arows = [a[:, i, :] for i in range(QK)]  # 64 x [T, L] or [T, 1]
     amax = _max_rows([jnp.abs(r) for r in rows])  # [T, L]
     live = amax > 0
     scale = _pow2_inverse(amax)
-    d0 = jnp.asarray(SEEDS, jnp.float32)[:, None, None] * jnp.where(live, amax * scale, 1.0)
-    sqw, sqq = _row_sums(rows, arows, scale / d0, rnd)  # [S, T, L]
-    d1 = _safe_ratio(sqw * scale, sqq, d0)
-    sqw, sqq = _row_sums(rows, arows, scale / d1, rnd)
-    sqw = sqw * scale
-    score = _safe_ratio(sqw * sqw, sqq, 0.0)  # [S, T, L]
+    amax_n = jnp.where(live, amax * scale, 1.0)
     best_score = jnp.full(amax.shape, -1.0, jnp.float32)
     best_d1 = jnp.ones_like(amax)
-    for s in range(len(SEEDS)):
-        better = score[s] > best_score  # strictly: the first seed wins a tie
-        best_score = jnp.where(better, score[s], best_score)
-        best_d1 = jnp.where(better, d1[s], best_d1)
+    seeds = [jnp.float32(s) for s in SEEDS] if unroll else [jnp.asarray(SEEDS)[:, None, None]]
+    for seed in seeds:
+        d0 = seed * amax_n  # [T, L], or [S, T, L] with the seeds on an axis
+        sqw, sqq = _row_sums(rows, arows, scale / d0, rnd)
+        d1 = _safe_ratio(sqw * scale, sqq, d0)
+        sqw, sqq = _row_sums(rows, arows, scale / d1, rnd)
+        sqw = sqw * scale
+        score = _safe_ratio(sqw * sqw, sqq, 0.0)
+        for d1_s, score_s in [(d1, score)] if unroll else zip(d1, score, strict=True):
+            better = score_s > best_score  # strictly: the first seed wins a tie
+            best_score = jnp.where(better, score_s, best_score)
+            best_d1 = jnp.where(better, d1_s, best_d1)
     step = scale / best_d1  # [T, L]
     sqw = sqq = saw2 = None
     for w_i, a_i in zip(rows, arows, strict=True):
@@ -130,7 +135,7 @@ def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array, rnd=round_code):
     d_ls = _safe_ratio(sqw, sqq, 0.0)
     r2 = _safe_ratio(_safe_ratio(sqw * sqw, sqq, 0.0), saw2, 1.0)
     d = jnp.where(live, d_ls * jnp.power(jnp.maximum(r2, 0.25), -0.5 * gain), 0.0)
-    return d, scale, best_d1, (d1, score)
+    return d, scale, best_d1, (() if unroll else (d1, score))
 
 
 def _to_tiles(x: jax.Array, lanes: int) -> jax.Array:
@@ -147,33 +152,55 @@ def _from_tiles(x: jax.Array, n_rows: int, nb: int) -> jax.Array:
     return x.reshape(n_rows, nb, k)
 
 
-@partial(jax.jit, static_argnames=("lanes", "keep_extras", "compare_round"))
+@partial(jax.jit, static_argnames=("lanes", "keep_extras", "compare_round", "tiles", "unroll"))
 def _quantize_rows(
-    w, importance, gain, lanes: int = LANES, keep_extras: bool = True, compare_round: bool = False
+    w,
+    importance,
+    gain,
+    lanes: int = LANES,
+    keep_extras: bool = True,
+    compare_round: bool = False,
+    tiles: bool = True,
+    unroll: bool = False,
 ):
     """Quantize ``w`` [R, in] (``R % lanes == 0``) with ``importance`` [R, in] or [R/lanes, in]
     (one importance row shared by each group of ``lanes`` rows).
 
-    Returns ``(d [T, 1, L] float16 in tile order, q [R, in] int8, extras)``; ``_untile_np`` puts
-    ``d`` in row order (outside, so that XLA keeps the final pass in the vectorized layout).
-    ``keep_extras=False`` drops the per-seed arrays and leaves XLA free to fuse across seeds,
-    which suits a GPU (one thread per block, its weights in registers); ``compare_round``
-    rounds with :func:`round_code_by_compare` (same results).
+    Returns ``(d, q [R, in] int8, extras)``. With ``tiles`` (the CPU layout) ``d`` is float16
+    ``[T, 1, L]`` in tile order, put in row order by ``_untile_np`` outside (so that XLA keeps the
+    final pass in the vectorized layout); without, blocks stay where they are (one per row of
+    a ``[R*in/64, 64, 1]`` view, no transposes: a GPU thread per block) and ``d`` is [R, in/64].
+    ``keep_extras=False`` drops the per-seed arrays, ``unroll`` runs the seeds one by one (see
+    :func:`search_tiles`), ``compare_round`` rounds with :func:`round_code_by_compare`. Every
+    combination computes the same codes and scales.
     """
     n_rows, n_in = w.shape
     nb = n_in // QK
     wb = w.reshape(n_rows, nb, QK)  # [R, nb, 64]
     ab = importance.reshape(importance.shape[0], nb, QK)
     ab = ab * _pow2_inverse(jnp.max(ab, axis=2))[:, :, None]  # max a in [1, 2), exactly
-    if importance.shape[0] == n_rows:
-        a = _to_tiles(ab, lanes)  # [T, 64, L]
-    else:  # [R/L, nb, 64] -> [T, 64, 1]
-        a = ab.transpose(1, 0, 2).reshape(nb * (n_rows // lanes), QK, 1)
+    per_row = importance.shape[0] == n_rows
+    if tiles:
+        blocks = _to_tiles(wb, lanes)  # [T, 64, L]
+        if per_row:
+            a = _to_tiles(ab, lanes)  # [T, 64, L]
+        else:  # [R/L, nb, 64] -> [T, 64, 1]
+            a = ab.transpose(1, 0, 2).reshape(nb * (n_rows // lanes), QK, 1)
+    else:
+        blocks = wb.reshape(n_rows * nb, QK, 1)  # [R*nb, 64, 1], a free view
+        if not per_row:
+            ab = jnp.broadcast_to(ab[:, None], (n_rows // lanes, lanes, nb, QK))
+        a = ab.reshape(n_rows * nb, QK, 1)
     rnd = round_code_by_compare if compare_round else round_code
-    d, scale, best_d1, extras = search_tiles(_to_tiles(wb, lanes), a, gain, rnd)  # [T, L] each
-    d = (d / scale)[:, None, :].astype(jnp.float16)  # [T, 1, L]
+    d, scale, best_d1, extras = search_tiles(blocks, a, gain, rnd, unroll)  # [T, L] each
+    d = (d / scale).astype(jnp.float16)
+    step = scale / best_d1
+    if tiles:
+        d = d[:, None, :]  # [T, 1, L]
+        step = _from_tiles(step[:, None, :], n_rows, nb)  # [R, nb, 1]
+    else:
+        d, step = d.reshape(n_rows, nb), step.reshape(n_rows, nb, 1)
     # q in row order, straight from w: the same products as inside the search.
-    step = _from_tiles((scale / best_d1)[:, None, :], n_rows, nb)  # [R, nb, 1]
     q = rnd(wb * step).astype(jnp.int8)  # all-zero blocks: finite step, q = 0
     return d, q.reshape(n_rows, n_in), (extras if keep_extras else ())
 
