@@ -14,6 +14,7 @@ import fcntl
 import glob
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,11 +58,31 @@ def trial_dirname(trial: Any) -> str:
     return f"trial_{trial.trial_id}"
 
 
+def _unwritable(folder: Path, exc: OSError) -> ResultsError:
+    return ResultsError(
+        f"cannot write to {folder}: {exc.strerror or exc}; pass a writable "
+        "results root with --results (or fix its permissions or free space)"
+    )
+
+
+def require_writable(folder: Path) -> None:
+    """Create ``folder`` and write a probe file in it, or raise ``ResultsError`` (one line)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise _unwritable(folder, exc) from None
+
+
 @contextlib.contextmanager
 def sweep_lock(sweep_dir: Path) -> Iterator[None]:
     """Hold the sweep folder's exclusive lock, or raise ``ResultsError`` if another holds it."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(sweep_dir / LOCK_FILE, "a+")
+    try:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(sweep_dir / LOCK_FILE, "a+")
+    except OSError as exc:
+        raise _unwritable(sweep_dir, exc) from None
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -251,6 +272,7 @@ def run_sweep(
     root = Path(results_root or spec.results).resolve()
     sweep_dir = root / spec.name
     _refuse_existing(sweep_dir, spec.name)
+    require_writable(root)  # before Ray starts: a read-only or full root is refused at once
     identity = identity_fn(spec)
     _quiet_tune()
     # Connect and check resources before the folder is created, so a refused start leaves none.
