@@ -144,6 +144,12 @@ def spec_from_dict(
         spec = SweepSpec.model_validate(dict(raw))
     except ValidationError as exc:
         raise _pydantic_error(exc, raw, where, lines) from None
+    if spec.split.strip().lower() == "test":
+        raise SpecError(
+            f"{locate(where, lines, ('split',))}: field 'split' = {spec.split!r}: a sweep tunes "
+            "on dev windows only and never opens the test split; score test windows once per "
+            "milestone with `healsweep confirm` (it records a ledger grant)"
+        )
     from healsweep.errors import KnobError
     from healsweep.sweep.space import check_space
 
