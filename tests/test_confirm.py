@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from healsweep.confirm import confirm, file_sha256, frozen_hash
+from healsweep.confirm import confirm
 from healsweep.data.corpus import Document, Message, load_corpus, write_corpus
 from healsweep.errors import LedgerError, SpecError, SplitError, TestSplitSealed
 from healsweep.ledger import Ledger
@@ -182,3 +181,146 @@ def test_confirm_opens_before_scoring_records_the_result_and_refuses_a_second(
     pq.write_table(pq.read_table(out / "windows.parquet").slice(1), out / "windows.parquet")
     report = (write_report(sweep_copy, n_boot=500)["markdown"]).read_text()
     assert "| file changed |" in report  # the result no longer matches its ledger hash
+
+
+def _edited_corpus(sweep_dir: Path, source: Path, doc_id: str) -> str:
+    """Point the sweep's stored spec at a copy of its corpus in which ``doc_id`` was edited (as if
+    the corpus had been edited after the sweep); return the new split lock id."""
+    from healsweep.data.split import parity_split, split_lock_id
+
+    docs = [
+        Document(d.doc_id, d.source, d.index, d.stratum, messages=d.messages,
+                 text=(d.text + " Edited.") if d.doc_id == doc_id else d.text, pool=d.pool)
+        for d in load_corpus(source).documents
+    ]  # fmt: skip
+    edited = write_corpus(docs, sweep_dir.parent / f"edited-{sweep_dir.name}.jsonl")
+    spec = json.loads((sweep_dir / "spec.json").read_text())
+    spec["corpus"] = str(edited)
+    (sweep_dir / "spec.json").write_text(json.dumps(spec))
+    corpus = load_corpus(edited)
+    return split_lock_id(parity_split(corpus), corpus.documents)
+
+
+def test_a_tampered_ledger_refuses_confirm_before_anything_is_written(sweep_copy):
+    results = sweep_copy.parent
+    lock = json.loads((sweep_copy / "manifest.json").read_text())["split_lock_id"]
+    ledger = Ledger.in_results(results)
+    grant = ledger.open_milestone(lock, "m0", ["ab" * 32], ["t0"], user="ana")
+    ledger.record_result(grant, "cd" * 32, user="ana")
+    lines = (results / "ledger.jsonl").read_text().splitlines(keepends=True)
+    lines[0] = lines[0].replace('"user": "ana"', '"user": "bo"')
+    (results / "ledger.jsonl").write_text("".join(lines))
+    tampered = (results / "ledger.jsonl").read_bytes()
+    with pytest.raises(LedgerError, match=r"ledger.jsonl line 1: .*edited.*restore the ledger"):
+        confirm(sweep_copy, "m1")
+    assert (results / "ledger.jsonl").read_bytes() == tampered
+    assert not (sweep_copy / "test").exists()
+
+
+def test_a_split_changed_after_the_sweep_is_refused(sweep_copy, swept):
+    _edited_corpus(sweep_copy, Path(swept["spec"]["corpus"]), "docs-2")
+    with pytest.raises(SplitError, match="the split changed after the sweep.*restore that split"):
+        confirm(sweep_copy, "m1")
+    assert _ledger_lines(sweep_copy.parent) == [] and not (sweep_copy / "test").exists()
+
+
+def test_a_split_changed_after_a_confirm_is_refused_unless_declared(sweep_copy, swept):
+    old = confirm(sweep_copy, "m1", max_windows=2, n_boot=500)["split_lock_id"]
+    # a second sweep of the same configs on an edited corpus: its manifest records the new lock
+    second = sweep_copy.parent / "tiny2"
+    shutil.copytree(sweep_copy, second, ignore=shutil.ignore_patterns("test"))
+    new = _edited_corpus(second, Path(swept["spec"]["corpus"]), "docs-4")
+    manifest = json.loads((second / "manifest.json").read_text())
+    (second / "manifest.json").write_text(json.dumps({**manifest, "split_lock_id": new}))
+    assert new != old
+    with pytest.raises(LedgerError, match="the split changed after a confirm: milestone 'm1'"):
+        confirm(second, "m2", max_windows=2)
+    assert len(_ledger_lines(sweep_copy.parent)) == 2 and not (second / "test").exists()
+    confirm(second, "m2", max_windows=2, n_boot=500, allow_split_change=True)
+    opened = _ledger_lines(sweep_copy.parent)[2]
+    assert (opened["milestone"], opened["replaces_split_lock_id"]) == ("m2", old)
+    assert opened["split_lock_id"] == new and Ledger.in_results(sweep_copy.parent).verify() == 4
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_a_crashed_confirm_resumes_only_for_the_same_frozen_configs(sweep_copy):
+    results = sweep_copy.parent
+
+    def crash(message: str) -> None:
+        if message.startswith("  window"):
+            raise _Crash("killed while scoring")
+
+    with pytest.raises(_Crash):
+        confirm(sweep_copy, "m1", max_windows=2, progress=crash)
+    assert [e["kind"] for e in _ledger_lines(results)] == ["confirm-open"]
+    with pytest.raises(LedgerError, match="'m1' was opened at .* no result.*--resume"):
+        confirm(sweep_copy, "m1", max_windows=2)
+    baseline = next(t["trial_id"] for t in _trials(sweep_copy) if t["is_baseline"])
+    with pytest.raises(LedgerError, match="opened for other configs"):
+        confirm(sweep_copy, "m1", trial_ids=[baseline], resume=True)
+    summary = confirm(sweep_copy, "m1", max_windows=2, n_boot=500, resume=True)
+    entries = _ledger_lines(results)
+    assert [e["kind"] for e in entries] == ["confirm-open", "confirm-resume", "confirm-result"]
+    assert entries[1]["open_hash"] == entries[2]["open_hash"] == entries[0]["hash"]
+    assert summary["resumed"] and summary["open_hash"] == entries[0]["hash"]
+    with pytest.raises(LedgerError, match="'m1' is closed"):
+        confirm(sweep_copy, "m1", resume=True)
+
+
+def sealed_work(spec, knobs, done, seed, *, log: str, grant=None):
+    """A trainable body that asks for the test windows (what a hand-written sweep might try)."""
+    from healsweep.data.split import load_split
+    from healsweep.data.windows import make_windows
+    from healsweep.gguf_io import open_model
+
+    corpus = load_corpus(spec.corpus)
+    try:
+        make_windows(corpus, open_model(spec.model).tokenizer(), load_split(spec.split),
+                     split="test", grant=grant)  # fmt: skip
+    except TestSplitSealed as exc:
+        Path(log).write_text(str(exc))
+        raise
+    yield from ()
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # ray.init after JAX loaded
+def test_a_sweep_can_never_open_the_test_split(swept, tmp_path):
+    import functools
+
+    from healsweep.data.split import dump_split, parity_split
+    from healsweep.sweep.driver import run_sweep
+    from healsweep.sweep.spec import load_spec, spec_from_dict
+
+    base = {"model": swept["spec"]["model"], "corpus": swept["spec"]["corpus"]}
+    (tmp_path / "named.yaml").write_text(json.dumps({"name": "named", "split": "test", **base}))
+    with pytest.raises(SpecError, match="field 'split'"):
+        load_spec(tmp_path / "named.yaml")
+    with pytest.raises(SpecError, match="unknown field 'scoring.split'"):
+        spec_from_dict({"name": "s", "scoring": {"split": "test"}})
+
+    corpus = load_corpus(base["corpus"])
+    split_path = tmp_path / "split.yaml"
+    split_path.write_text(dump_split(parity_split(corpus)))
+    spec = spec_from_dict({"name": "sealed", "split": str(split_path), "max_failures": 0, **base})
+    log = tmp_path / "sealed.log"
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=1, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=False)  # fmt: skip
+    try:
+        run = run_sweep(spec, results_root=tmp_path / "res",
+                        work_fn=functools.partial(sealed_work, log=str(log)))  # fmt: skip
+        assert [t["status"] for t in run.trials] == ["error"]
+        message = log.read_text()
+        assert message.startswith("the test split is sealed") and "healsweep confirm" in message
+
+        lock = json.loads((run.sweep_dir / "manifest.json").read_text())["split_lock_id"]
+        grant = Ledger.in_results(tmp_path / "res").open_milestone(lock, "m1", ["ab" * 32], ["t"])
+        work = functools.partial(sealed_work, log=str(log), grant=grant)
+        with pytest.raises(TestSplitSealed, match="cannot be pickled or sent to another process"):
+            run_sweep(spec.model_copy(update={"name": "sealed2"}), results_root=tmp_path / "res",
+                      work_fn=work)  # fmt: skip
+    finally:
+        ray.shutdown()
