@@ -1,0 +1,303 @@
+"""Fault injection with real processes (marker ``faults``; `.ci/run` runs it in its second tier).
+
+Every case runs the real CLI on the demo model (a few dev windows of 32 scored tokens) as a
+subprocess, injects one fault, and checks from the Parquet results that no window is lost or
+double-counted: the raw rows of ``windows/`` (every file, before any de-duplication) hold each
+``(config hash, window id)`` exactly once, with metrics.
+
+- a Ray worker node SIGKILLed (its whole ``ray start`` process tree) mid-trial: the trial is
+  retried on the other node from its checkpoint and the window book, finished windows are not
+  scored again;
+- the driver SIGKILLed mid-sweep: ``sweep resume`` finishes, and the rows equal those of an
+  uninterrupted run of the same spec (KLD to 1e-6 relative);
+- cache entries truncated or with a flipped payload byte: detected (checksum) and recomputed,
+  the numbers are those of the first run; a read-only or full cache dir: one-line error;
+- a results dir that fills up mid-sweep (a small tmpfs, filled by another writer): one-line
+  error, the rows written so far intact, and ``sweep resume`` completes once space is freed.
+
+Read-only and full disks need root (a read-only bind mount, a tmpfs); without root a read-only
+dir is ``chmod 555`` and "full" is a ``RLIMIT_FSIZE`` limit on the CLI process.
+Recovery times are recorded with ``record_property`` (see ``--junitxml``) for
+``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow.parquet as pq
+import pytest
+
+from healsweep.cache import StageCache
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = ("kld_sum", "kld_count", "kld_mean", "top1", "top1_count", "delta_p_mean",
+           "teacher_nll_sum", "student_nll_sum")  # fmt: skip
+
+
+# Helpers ------------------------------------------------------------------------------------
+
+
+def spec_file(folder: Path, name: str, *, windows: int, gains: list[float], **extra) -> Path:
+    """A grid sweep over ``gain_d`` on the demo model, scoring ``windows`` small dev windows."""
+    spec = {
+        "name": name,
+        "model": "demo",
+        "corpus": "demo",
+        "split": str(ROOT / "configs" / "splits" / "demo.yaml"),
+        "calibration": {"max_tokens": 1024, "chunk_length": 256},
+        "search_space": {"gain_d": gains},
+        "sampler": "grid",
+        "pruner": "none",
+        "max_concurrent": 1,
+        "max_failures": 1,
+        "scoring": {"max_scored": 32, "max_context": 64, "max_windows": windows,
+                    "checkpoint_every": 1, "batch": 1},
+        **extra,
+    }  # fmt: skip
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(spec))  # JSON is YAML
+    return path
+
+
+def cli_env(cache: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "HEALSWEEP_CACHE": str(cache), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def cli(*args: object, env: dict, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """Run the real CLI to completion."""
+    return subprocess.run(
+        [sys.executable, "-m", "healsweep", *map(str, args)],
+        capture_output=True, text=True, env=env, timeout=timeout, **kwargs,
+    )  # fmt: skip
+
+
+def spawn(*args: object, env: dict, log: Path, **kwargs) -> subprocess.Popen:
+    """Start the real CLI in its own session (so whatever it starts can be found and stopped)."""
+    with open(log, "w") as handle:
+        return subprocess.Popen(
+            [sys.executable, "-m", "healsweep", *map(str, args)],
+            stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True, **kwargs,
+        )  # fmt: skip
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the process and then every process left in its session (its embedded Ray)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for other in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(other.pid) == proc.pid:
+                other.kill()
+
+
+def raw_rows(sweep_dir: Path) -> list[dict]:
+    """Every window row as the files hold it (no de-duplication); [] before the first."""
+    folder = sweep_dir / "windows"
+    if not folder.is_dir() or not any(folder.glob("*.parquet")):
+        return []
+    return pq.read_table(folder).to_pylist()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, proc=None, log=None) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log else ""
+            raise AssertionError(f"the driver exited early ({proc.returncode}):\n{tail}")
+        if time.time() > deadline:
+            raise AssertionError("timed out waiting for the sweep")
+        time.sleep(0.1)
+
+
+def assert_complete(sweep_dir: Path, n_configs: int, n_windows: int) -> dict[tuple, dict]:
+    """No window lost or double-counted: every (config, window) once, with metrics."""
+    rows = raw_rows(sweep_dir)
+    keys = [(r["config_hash"], r["window_id"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a window was recorded twice"
+    assert len({k[0] for k in keys}) == n_configs
+    assert len(keys) == n_configs * n_windows, f"{len(keys)} rows, not {n_configs}x{n_windows}"
+    for row in rows:
+        assert row["kld_count"] > 0 and math.isfinite(row["kld_sum"]) and row["kld_sum"] >= 0
+        assert row["windows_total"] == n_windows
+    trials = pq.read_table(sweep_dir / "trials.parquet").to_pylist()
+    assert [t["status"] for t in trials] == ["completed"] * n_configs
+    assert all(t["windows_scored"] == n_windows for t in trials)
+    return {key: row for key, row in zip(keys, rows, strict=True)}
+
+
+def one_line_error(run: subprocess.CompletedProcess) -> str:
+    assert run.returncode == 1, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    lines = [line for line in run.stderr.strip().splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, run.stderr[-3000:]
+    return lines[0][len("error: ") :]
+
+
+def can_mount() -> bool:
+    return os.geteuid() == 0
+
+
+@contextlib.contextmanager
+def mounted(folder: Path, *, readonly: bool = False, size: str | None = None) -> Iterator[Path]:
+    """``folder`` as a read-only bind mount or a tmpfs of ``size``, unmounted afterwards."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if size is not None:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                       check=True)  # fmt: skip
+    else:
+        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+        if readonly:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory) -> Path:
+    """A stage cache holding the demo's calibration trace (each test copies what it needs)."""
+    return tmp_path_factory.mktemp("fault-cache")
+
+
+# Driver killed --------------------------------------------------------------------------------
+
+
+def test_sigkilled_driver_resume_equals_an_uninterrupted_run(tmp_path, warm_cache, record_property):
+    spec = spec_file(tmp_path, "crash", windows=6, gains=[0.3, 0.0, 1.0])
+    env = cli_env(warm_cache)
+    killed_root, clean_root = tmp_path / "killed", tmp_path / "clean"
+    clean = cli("sweep", "run", spec, "--results", clean_root, env=env)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    expected = assert_complete(clean_root / "crash", 3, 6)
+
+    sweep_dir = killed_root / "crash"
+    log = tmp_path / "killed.log"
+    proc = spawn("sweep", "run", spec, "--results", killed_root, env=env, log=log)
+    try:
+        wait_for(lambda: 3 <= len(raw_rows(sweep_dir)) < 12, 300, proc, log)
+    finally:
+        kill_session(proc)
+    killed_at = time.time()
+    before = {(r["config_hash"], r["window_id"]): r for r in raw_rows(sweep_dir)}
+    assert 3 <= len(before) < 18
+
+    resume = cli("sweep", "resume", sweep_dir, env=env)
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    assert "3 trials (3 completed)" in resume.stdout
+    got = assert_complete(sweep_dir, 3, 6)
+    assert set(got) == set(expected)
+    for key, row in got.items():
+        for name in METRICS:
+            assert row[name] == pytest.approx(expected[key][name], rel=1e-6, abs=1e-9), (key, name)
+    for key, row in before.items():  # rows recorded before the kill are kept, not re-scored
+        assert got[key]["scored_at"] == row["scored_at"]
+    first_new = min(r["written_at"].timestamp() for k, r in got.items() if k not in before)
+    record_property("recover_s", round(first_new - killed_at, 1))
+    record_property("rows_before_kill", len(before))
+
+
+# Cache faults ---------------------------------------------------------------------------------
+
+
+def _score(cache: Path, out: Path, **env_extra: str) -> subprocess.CompletedProcess:
+    return cli("score", "--model", "demo", "--ref", "demo", "--max-windows", "4",
+               "--max-scored", "32", "--max-context", "64", "--json", out,
+               env=cli_env(cache, **env_extra))  # fmt: skip
+
+
+def _window_klds(path: Path) -> dict[str, float]:
+    record = json.loads(path.read_text())
+    return {w["window_id"]: w["kld_sum"] for w in record["windows"]}
+
+
+def test_corrupt_cache_entries_are_recomputed_never_used(tmp_path, record_property):
+    cache = tmp_path / "cache"
+    first = _score(cache, tmp_path / "first.json")
+    assert first.returncode == 0, first.stderr[-3000:]
+    entries = sorted((cache / "teacher_logits").rglob("*.hsc"))
+    assert len(entries) >= 2
+    truncated, flipped = entries[0], entries[1]
+    originals = {p: StageCache(cache).get("teacher_logits", p.stem) for p in (truncated, flipped)}
+    blob = truncated.read_bytes()
+    truncated.write_bytes(blob[: len(blob) // 2])
+    blob = bytearray(flipped.read_bytes())
+    for offset in range(len(blob) // 2, len(blob) // 2 + 16):  # array bytes, checksum untouched
+        blob[offset] ^= 0xFF
+    flipped.write_bytes(bytes(blob))
+
+    start = time.time()
+    second = _score(cache, tmp_path / "second.json")
+    record_property("recover_s", round(time.time() - start, 1))
+    assert second.returncode == 0, second.stderr[-3000:]
+    klds = _window_klds(tmp_path / "second.json")
+    assert klds == pytest.approx(_window_klds(tmp_path / "first.json"), rel=1e-6, abs=1e-9)
+    # Student == teacher: every window's KLD is 0; a used corrupt teacher row would not be.
+    assert max(klds.values()) == pytest.approx(0.0, abs=1e-3 * 32)
+    for path, (arrays, meta) in originals.items():
+        again = StageCache(cache).get("teacher_logits", path.stem)
+        assert again is not None, f"{path.name} was not rewritten"
+        assert again[1] == meta and set(again[0]) == set(arrays)
+        for name, array in arrays.items():  # recomputed (in another batch): equal to rounding
+            if array.dtype.kind == "f":
+                np.testing.assert_allclose(again[0][name], array, rtol=1e-4, atol=1e-3)
+            else:
+                assert (again[0][name] == array).mean() >= 0.99, name
+
+
+def test_read_only_cache_dir_is_one_line(tmp_path):
+    cache = tmp_path / "cache"
+    if can_mount():
+        with mounted(cache, readonly=True):
+            run = _score(cache, tmp_path / "out.json")
+        reason = "Read-only file system"
+    else:
+        cache.mkdir()
+        cache.chmod(0o555)
+        run = _score(cache, tmp_path / "out.json")
+        reason = "Permission denied"
+    message = one_line_error(run)
+    assert message.startswith(f"cannot write cache entry under {cache}: {reason}")
+    assert message.endswith("free disk space or point HEALSWEEP_CACHE at a writable directory")
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_full_cache_dir_is_one_line(tmp_path):
+    if can_mount():
+        with mounted(tmp_path / "cache", size="64k") as cache:
+            run = _score(cache, tmp_path / "out.json")
+        reason = "No space left on device"
+    else:
+        cache = tmp_path / "cache"
+        run = _score_with_fsize_limit(cache, tmp_path / "out.json", 64 * 1024)
+        reason = "File too large"
+    message = one_line_error(run)
+    assert message.startswith(f"cannot write cache entry under {cache}: {reason}")
+    assert not (tmp_path / "out.json").exists()
+
+
+def _score_with_fsize_limit(cache: Path, out: Path, limit: int) -> subprocess.CompletedProcess:
+    import resource
+
+    def limit_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return cli("score", "--model", "demo", "--ref", "demo", "--max-windows", "4",
+               "--max-scored", "32", "--max-context", "64", "--json", out,
+               env=cli_env(cache), preexec_fn=limit_files)  # fmt: skip
