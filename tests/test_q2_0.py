@@ -184,6 +184,16 @@ def test_kernel_layouts_give_identical_codes_and_scales(per_row):
     _layouts_agree(per_row, [{"compare_round": True, "keep_extras": False}, {"tiles": False}])
 
 
+def test_row_driver_with_the_accelerator_layout_gives_the_same_matrix():
+    rng = np.random.default_rng(13)
+    w = rng.standard_normal((48, 192)).astype(np.float32)
+    imp = np.broadcast_to(rng.uniform(0.1, 3.0, 192).astype(np.float32), (48 // q2_0.LANES, 192))
+    d_cpu, q_cpu = q2_0.quantize_rows(w, imp, 0.3)
+    d_acc, q_acc = q2_0.quantize_rows(w, imp, 0.3, options={"tiles": False, "keep_extras": False})
+    np.testing.assert_array_equal(d_acc, d_cpu)
+    np.testing.assert_array_equal(q_acc, q_cpu)
+
+
 @pytest.mark.slow
 def test_unrolled_gpu_layout_gives_identical_codes_and_scales():
     # One fusion for the whole search: slow to compile with LLVM on a CPU, hence the slow tier.
