@@ -324,3 +324,81 @@ def test_a_sweep_can_never_open_the_test_split(swept, tmp_path):
                       work_fn=work)  # fmt: skip
     finally:
         ray.shutdown()
+
+
+def _launch(sweep_dir: Path, milestone: str, env: dict) -> subprocess.Popen:
+    args = ["confirm", str(sweep_dir), "--milestone", milestone, "--max-windows", "2",
+            "--n-boot", "200", "--quiet"]  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "cli.py"), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+
+
+def test_concurrent_confirms_in_two_processes_are_serialized(swept, tmp_path):
+    for name in ("a", "b"):
+        shutil.copytree(swept["sweep"], tmp_path / name / SWEEP)
+    env = swept["env"]
+
+    procs = [_launch(tmp_path / "a" / SWEEP, m, env) for m in ("m1", "m2")]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    entries = _ledger_lines(tmp_path / "a")
+    assert Ledger.in_results(tmp_path / "a").verify() == 4
+    opens = {e["hash"]: e["milestone"] for e in entries if e["kind"] == "confirm-open"}
+    results = [opens[e["open_hash"]] for e in entries if e["kind"] == "confirm-result"]
+    assert sorted(opens.values()) == sorted(results) == ["m1", "m2"]
+    for milestone in ("m1", "m2"):
+        summary = json.loads(
+            (tmp_path / "a" / SWEEP / "test" / milestone / "confirm.json").read_text()
+        )
+        assert summary["milestone"] == milestone and summary["windows"] == 2
+
+    procs = [_launch(tmp_path / "b" / SWEEP, "m1", env) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert sorted(p.returncode for p in procs) == [0, 1], outs
+    loser = outs[[p.returncode for p in procs].index(1)][1]
+    assert loser.count("\n") == 1 and loser.startswith("error: milestone 'm1'")
+    kinds = [e["kind"] for e in _ledger_lines(tmp_path / "b")]
+    assert kinds == ["confirm-open", "confirm-result"]
+    assert Ledger.in_results(tmp_path / "b").verify() == 2
+
+
+@pytest.mark.slow
+def test_demo_ablation_then_confirm_then_report_with_dev_and_test(tmp_path):
+    spec = {
+        "name": "demo-confirm",
+        "split": str(ROOT / "configs" / "splits" / "demo.yaml"),
+        "calibration": {"max_tokens": 4096},
+        "search_space": {"alpha": ["gaussian", "mse"], "ridge": [True, False]},
+        "max_concurrent": 1,
+        "scoring": {"max_windows": 8, "max_scored": 64, "batch": 4},
+    }
+    (tmp_path / "spec.yaml").write_text(json.dumps(spec))
+    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
+    results = tmp_path / "results"
+    run = _cli("sweep", "run", str(tmp_path / "spec.yaml"), "--results", str(results), env=env)
+    assert run.returncode == 0 and "4 trials (4 completed)" in run.stdout, run.stdout + run.stderr
+    sweep_dir = results / "demo-confirm"
+    done = _cli("confirm", str(sweep_dir), "--milestone", "v1", "--max-windows", "8", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "opened milestone 'v1'" in done.stdout and "window 8/8" in done.stdout
+    summary = json.loads((sweep_dir / "test" / "v1" / "confirm.json").read_text())
+    rows = pq.read_table(sweep_dir / "test" / "v1" / "windows.parquet").to_pylist()
+    assert len(rows) == 16 and all(r["split_lock_id"] == summary["split_lock_id"] for r in rows)
+    demo = {d.doc_id: d for d in load_corpus("demo").documents}
+    assert all(demo[r["doc_id"]].index % 2 == 0 for r in rows)  # test = even index
+    for config in summary["configs"]:
+        mine = [r for r in rows if r["config_hash"] == config["config_hash"]]
+        assert config["pooled"]["kld_mean"] == pytest.approx(_pooled_kld(mine), rel=1e-9)
+
+    report = _cli("report", str(sweep_dir), "--n-boot", "500", env=env)
+    assert report.returncode == 0, report.stderr
+    text = (sweep_dir / "report" / "report.md").read_text()
+    assert "## Leaderboard against the baseline" in text
+    section = text.split("## Dev and test (milestone v1)")[1].split("## ")[0]
+    table = [line for line in section.splitlines() if line.startswith("| ") and "recorded" in line]
+    assert len(table) == 2 and table[0].startswith("| baseline |")
+    assert "test pooled KLD (8 windows)" in section
+    verify = _cli("ledger", "verify", "--results", str(results), env=env)
+    assert verify.returncode == 0 and "ledger OK: 2 entries" in verify.stdout
