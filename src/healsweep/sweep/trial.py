@@ -103,6 +103,20 @@ class RunningPool:
         }
 
 
+def enable_compilation_cache() -> None:
+    """Keep JAX's compiled forwards on disk (``$HEALSWEEP_CACHE/jax``) so that a new worker
+    process, e.g. of a re-run or resumed sweep, does not compile every window shape again.
+    A cache directory the user configured (``JAX_COMPILATION_CACHE_DIR``) is left alone."""
+    import jax
+
+    from healsweep.cache import default_cache_dir
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def _read_checkpoint(checkpoint: Any) -> dict[str, dict[str, Any]]:
     """Finished windows of a trial's checkpoint; {} when it is missing or unreadable (e.g. it
     was written on another node without shared storage): those windows are then scored again
@@ -137,6 +151,7 @@ def sweep_trial(
     import ray
     from ray import tune
 
+    enable_compilation_cache()
     knobs = resolve_knobs(spec, config)
     chash = config_hash(knobs)
     is_baseline = chash == config_hash(baseline_knobs(spec))
@@ -184,6 +199,7 @@ __all__ = [
     "CHECKPOINT_FILE",
     "TARGET_METRIC",
     "RunningPool",
+    "enable_compilation_cache",
     "sweep_trial",
     "trial_seed",
     "window_record",
