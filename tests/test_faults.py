@@ -39,6 +39,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
+from _raycluster import ray_cluster
 from healsweep.cache import StageCache
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]
@@ -173,6 +174,75 @@ def mounted(folder: Path, *, readonly: bool = False, size: str | None = None) ->
 def warm_cache(tmp_path_factory) -> Path:
     """A stage cache holding the demo's calibration trace (each test copies what it needs)."""
     return tmp_path_factory.mktemp("fault-cache")
+
+
+# Worker node killed ---------------------------------------------------------------------------
+
+WORKERS = [{"metal": 1, "node_a": 1}, {"metal": 1, "node_b": 1}]
+# Fast node-death detection (defaults take ~30 s): the GCS health-checks every raylet.
+FAST_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a node's ``ray start`` process and every descendant (raylet, workers)."""
+    try:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for member in family:
+        with contextlib.suppress(psutil.Error):
+            member.kill()
+    psutil.wait_procs(family, timeout=10)
+
+
+def test_worker_node_killed_mid_trial_is_retried_on_the_other_node(
+    tmp_path, warm_cache, record_property
+):
+    spec = spec_file(tmp_path, "nodekill", windows=12, gains=[0.3, 0.0],
+                     resources={"metal": 1}, max_failures=2)  # fmt: skip
+    extra = {"HEALSWEEP_CACHE": str(warm_cache), **FAST_HEALTH}
+    with ray_cluster(WORKERS, extra_env=extra) as cluster:
+        node_of = {
+            node["node_id"]: j
+            for node in cluster.nodes
+            for j, wanted in enumerate(WORKERS)
+            if next(k for k in wanted if k.startswith("node_")) in node["resources"]
+        }
+        sweep_dir = tmp_path / "results" / "nodekill"
+        log = tmp_path / "driver.log"
+        driver = spawn("sweep", "run", spec, "--address", cluster.address, "--results",
+                       tmp_path / "results", env={**cluster.env, "PYTHONUNBUFFERED": "1"},
+                       log=log)  # fmt: skip
+        try:
+            wait_for(lambda: len(raw_rows(sweep_dir)) >= 2, 600, driver, log)
+            before = {r["window_id"]: r for r in raw_rows(sweep_dir)}
+            victim_trial = next(iter(before.values()))["trial_id"]
+            victim_node = next(iter(before.values()))["scored_node_id"]
+            assert len(before) < 12, "the first trial finished before the kill"
+            _kill_tree(cluster.processes[1 + node_of[victim_node]])
+            killed_at = time.time()
+            assert driver.wait(timeout=600) == 0, log.read_text()[-5000:]
+        finally:
+            if driver.poll() is None:
+                kill_session(driver)
+    out = log.read_text()
+    assert "2 trials (2 completed)" in out, out[-3000:]
+    rows = assert_complete(sweep_dir, 2, 12)
+    retried = [r for r in rows.values() if r["trial_id"] == victim_trial]
+    assert len(retried) == 12
+    on_victim = [r for r in retried if r["scored_node_id"] == victim_node]
+    elsewhere = [r for r in retried if r["scored_node_id"] != victim_node]
+    assert on_victim and elsewhere, "the trial did not move to the other node"
+    assert all(r["scored_at"].timestamp() <= killed_at for r in on_victim)
+    assert all(r["scored_at"].timestamp() > killed_at for r in elsewhere)
+    assert {node_of[r["scored_node_id"]] for r in elsewhere} == {1 - node_of[victim_node]}
+    for window_id, row in before.items():  # finished before the kill: kept, not re-scored
+        assert rows[(row["config_hash"], window_id)]["scored_at"] == row["scored_at"]
+    trials = {t["trial_id"]: t for t in pq.read_table(sweep_dir / "trials.parquet").to_pylist()}
+    assert trials[victim_trial]["n_failures"] >= 1
+    resumed = min(r["written_at"].timestamp() for r in elsewhere)
+    record_property("recover_s", round(resumed - killed_at, 1))
+    record_property("windows_before_kill", len(on_victim))
 
 
 # Driver killed --------------------------------------------------------------------------------
