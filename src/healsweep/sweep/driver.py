@@ -10,6 +10,7 @@ sweeps in other folders of the same root are never touched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import logging
@@ -256,6 +257,42 @@ def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -
     )
 
 
+_DISK_ERRORS = {
+    errno.ENOSPC: "No space left on device",
+    errno.EDQUOT: "Disk quota exceeded",
+    errno.EROFS: "Read-only file system",
+}
+
+
+def _disk_error(exc: BaseException | None) -> str | None:
+    """The full or read-only disk behind a failed ``fit`` (Tune wraps it in a TuneError whose
+    text holds the original traceback), or None when the failure was something else."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _DISK_ERRORS:
+            return _DISK_ERRORS[exc.errno]
+        reason = next((r for r in _DISK_ERRORS.values() if r in str(exc)), None)
+        if reason is not None:
+            return reason
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _fit(tuner: Any, sweep_dir: Path) -> None:
+    """``tuner.fit()``; a disk that fills up or turns read-only mid-sweep is one ResultsError."""
+    try:
+        tuner.fit()
+    except Exception as exc:
+        reason = _disk_error(exc)
+        if reason is None:
+            raise
+        raise ResultsError(
+            f"cannot write to {sweep_dir}: {reason}; the windows recorded so far are kept: "
+            f"free space (or fix the folder), then `healsweep sweep resume {sweep_dir}`"
+        ) from None
+
+
 def run_sweep(
     spec: SweepSpec,
     *,
@@ -283,7 +320,7 @@ def run_sweep(
             start_manifest(sweep_dir, spec, identity, kind="run")
             register_sink(sweep_dir, on_progress)
             try:
-                _new_tuner(spec, sweep_dir, {}, work_fn).fit()
+                _fit(_new_tuner(spec, sweep_dir, {}, work_fn), sweep_dir)
             finally:
                 register_sink(sweep_dir, None)
     return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
@@ -334,7 +371,7 @@ def resume_sweep(
                 )
             else:  # killed before Tune saved any state: start over, replaying what is done
                 tuner = _new_tuner(spec, sweep_dir, prior, work_fn)
-            tuner.fit()
+            _fit(tuner, sweep_dir)
         finally:
             register_sink(sweep_dir, None)
     return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
