@@ -371,3 +371,58 @@ def _score_with_fsize_limit(cache: Path, out: Path, limit: int) -> subprocess.Co
     return cli("score", "--model", "demo", "--ref", "demo", "--max-windows", "4",
                "--max-scored", "32", "--max-context", "64", "--json", out,
                env=cli_env(cache), preexec_fn=limit_files)  # fmt: skip
+
+
+# Results dir full ------------------------------------------------------------------------------
+
+
+def _fill(folder: Path) -> Path:
+    """Another writer takes every free byte of ``folder``'s filesystem."""
+    filler = folder / "filler.bin"
+    with open(filler, "wb") as handle, contextlib.suppress(OSError):
+        while True:
+            handle.write(b"\0" * 65536)
+            handle.flush()
+    return filler
+
+
+def test_results_dir_filling_up_mid_sweep(tmp_path, warm_cache, record_property):
+    spec = spec_file(tmp_path, "full", windows=12, gains=[0.3, 0.0])
+    env = cli_env(warm_cache)
+    log = tmp_path / "driver.log"
+    with mounted(tmp_path / "results", size="32m") as results:
+        sweep_dir = results / "full"
+        proc = spawn("sweep", "run", spec, "--results", results, env=env, log=log)
+        try:
+            wait_for(lambda: len(raw_rows(sweep_dir)) >= 3, 600, proc, log)
+            filler = _fill(results)
+            filled_at = time.time()
+            proc.wait(timeout=600)
+            stopped_at = time.time()
+        finally:
+            if proc.poll() is None:
+                kill_session(proc)
+        # Ray Tune logs the failed trial task (with its traceback) before the driver stops;
+        # what healsweep itself prints is the last line, and it is the only error line.
+        lines = log.read_text().strip().splitlines()
+        assert proc.returncode == 1, lines[-40:]
+        assert [x for x in lines if x.startswith("error: ")] == [lines[-1]], lines[-40:]
+        assert lines[-1] == (
+            f"error: cannot write to {sweep_dir}: No space left on device; the windows recorded "
+            f"so far are kept: free space (or fix the folder), then `healsweep sweep resume "
+            f"{sweep_dir}`"
+        )
+        kept = {(r["config_hash"], r["window_id"]): r for r in raw_rows(sweep_dir)}
+        assert len(kept) >= 3
+
+        filler.unlink()
+        start = time.time()
+        resume = cli("sweep", "resume", sweep_dir, env=env)
+        resumed_at = time.time()
+        assert resume.returncode == 0, resume.stderr[-3000:]
+        rows = assert_complete(sweep_dir, 2, 12)
+    for key, row in kept.items():  # the rows written before the disk filled are intact
+        for name in ("scored_at", *METRICS):
+            assert rows[key][name] == row[name], (key, name)
+    record_property("stopped_after_s", round(stopped_at - filled_at, 1))
+    record_property("resume_s", round(resumed_at - start, 1))
