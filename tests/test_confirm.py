@@ -217,6 +217,15 @@ def test_a_tampered_ledger_refuses_confirm_before_anything_is_written(sweep_copy
     assert not (sweep_copy / "test").exists()
 
 
+def test_a_running_sweep_is_not_confirmed(sweep_copy):
+    from healsweep.errors import ResultsError
+    from healsweep.sweep.driver import sweep_lock
+
+    with sweep_lock(sweep_copy), pytest.raises(ResultsError, match="the sweep is still running"):
+        confirm(sweep_copy, "m1")
+    assert _ledger_lines(sweep_copy.parent) == []
+
+
 def test_a_split_changed_after_the_sweep_is_refused(sweep_copy, swept):
     _edited_corpus(sweep_copy, Path(swept["spec"]["corpus"]), "docs-2")
     with pytest.raises(SplitError, match="the split changed after the sweep.*restore that split"):

@@ -152,15 +152,23 @@ class _Context:
 
 
 def load_context(sweep_dir: str | Path) -> _Context:
-    """Manifest, spec, teacher, corpus and split of a sweep; refuses a changed model or split."""
+    """Manifest, spec, teacher, corpus and split of a finished sweep; refuses a sweep whose
+    driver still runs, and a model or split that changed since the sweep."""
     from healsweep.data.corpus import load_corpus
     from healsweep.data.split import load_split, parity_split, split_lock_id
     from healsweep.gguf_io import open_model
     from healsweep.results.store import read_manifest
     from healsweep.sweep.manifest import read_spec
+    from healsweep.sweep.status import driver_running
 
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
+    running = driver_running(sweep_dir)
+    if running:
+        raise ResultsError(
+            f"{sweep_dir}: the sweep is still running ({running}); its best dev trial is not "
+            "final yet: confirm once `healsweep sweep status` shows no driver"
+        )
     spec = read_spec(sweep_dir)
     teacher = open_model(spec.model)
     if manifest.get("model_fingerprint") not in (None, teacher.fingerprint):
