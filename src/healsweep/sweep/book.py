@@ -3,7 +3,7 @@
 Trials record each window they finish (``add``) and a trial that starts or restarts asks for
 the windows its config already has (``done``), so a trial retried on another machine, which
 cannot read a checkpoint left on the first machine's disk, still scores no window twice. The
-book lives as a small Ray actor on the driver's node and dies with the driver; a resumed sweep
+book lives as a small Ray actor on the head node and dies with the driver; a resumed sweep
 fills a new book from the Parquet rows before any trial starts.
 """
 
@@ -31,13 +31,18 @@ class WindowBook:
         return self._done.get(chash, {})
 
 
-def open_book(prior: Mapping[str, Mapping[str, dict[str, Any]]]) -> Any:
-    """Start the book on the driver's node (soft affinity) with the windows finished so far."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+# Ray gives the head node this resource; Ray Train pins its own state actor the same way.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 
-    here = ray.get_runtime_context().get_node_id()
-    strategy = NodeAffinitySchedulingStrategy(node_id=here, soft=True)
-    return WindowBook.options(scheduling_strategy=strategy).remote(dict(prior))
+
+def open_book(prior: Mapping[str, Mapping[str, dict[str, Any]]]) -> Any:
+    """Start the book on the head node with the windows finished so far.
+
+    Not on "the driver's node": a driver on a machine that hosts several nodes (or a worker)
+    may be attached to a worker node, and a book there dies with that worker, failing every
+    retry of the trials it was meant to rescue. The cluster cannot outlive its head anyway.
+    """
+    return WindowBook.options(resources={HEAD_NODE_RESOURCE: 0.001}).remote(dict(prior))
 
 
 __all__ = ["WindowBook", "open_book"]
