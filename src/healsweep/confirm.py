@@ -2,17 +2,21 @@
 
 The order of events is the discipline (audit section 3.2):
 
-1. read the sweep's manifest and spec; refuse when the model or the split changed since the
-   sweep (the split lock id is rebuilt from the corpus and compared with the manifest's), and
-   when the ledger (``RESULTS_ROOT/ledger.jsonl``) does not verify;
-2. freeze the chosen configs: sha256 of the canonical JSON of the full knob set, the model
-   fingerprint and the calibration settings with the calibration corpus's content;
+1. read the sweep's manifest and spec; refuse while the sweep's driver still runs, when the
+   model or the split changed since the sweep (the split lock id is rebuilt from the corpus and
+   compared with the manifest's), and when the ledger (``RESULTS_ROOT/ledger.jsonl``) does not
+   verify;
+2. freeze the chosen configs (the baseline, plus the given trials or else the completed
+   non-baseline trial with the lowest dev pooled KLD): sha256 of the canonical JSON of the full
+   knob set, the model fingerprint and the calibration settings with the calibration corpus's
+   content;
 3. append the ``confirm-open`` entry *before* any test window exists (a second confirm of the same
    split lock id and milestone is refused there, atomically, under the ledger's file lock);
 4. build the test windows with the grant in this process, score every frozen config (baseline
    included) on every window, write ``RESULTS/<sweep>/test/<milestone>/windows.parquet``;
-5. record the sha256 of that file as the milestone's ``confirm-result``, then write
-   ``confirm.json`` (pooled figures per config, paired comparisons vs the baseline, verdicts).
+5. write ``confirm.json`` (pooled figures per config, paired comparisons vs the baseline with
+   CIs, decision-rule verdicts), then record the sha256 of the windows file as the milestone's
+   ``confirm-result`` (``confirm.json`` then also names that entry).
 
 A crash after step 3 leaves the milestone open without a result. Rerunning the same command with
 ``resume=True`` (``--resume``) appends a ``confirm-resume`` entry, which re-issues the grant only
@@ -347,6 +351,10 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _dumps(summary: dict[str, Any]) -> str:
+    return json.dumps(_json_safe(summary), indent=2, sort_keys=True, allow_nan=False)
+
+
 def confirm(
     sweep_dir: str | Path,
     milestone: str,
@@ -412,10 +420,12 @@ def confirm(
         "result_hash": result_hash,
         "configs": summarize_test(rows, configs, n_boot),
     }
+    # The summary is on disk before the result is recorded, so a crash in between leaves it
+    # readable (the report marks it "not in ledger") rather than a recorded result with no summary.
+    atomic_write_text(_dumps(summary), out / SUMMARY_FILE)
     entry = ledger.record_result(grant, result_hash)
     summary.update(result_entry_hash=entry["hash"], confirmed_at=entry["time"])
-    text = json.dumps(_json_safe(summary), indent=2, sort_keys=True, allow_nan=False)
-    atomic_write_text(text, out / SUMMARY_FILE)
+    atomic_write_text(_dumps(summary), out / SUMMARY_FILE)
     say(f"recorded result {result_hash[:12]}... in {ledger.path}; wrote {out / SUMMARY_FILE}")
     return summary
 
