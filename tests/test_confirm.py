@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from healsweep.confirm import confirm
+from healsweep.confirm import confirm, frozen_hash
 from healsweep.data.corpus import Document, Message, load_corpus, write_corpus
 from healsweep.errors import LedgerError, SpecError, SplitError, TestSplitSealed
 from healsweep.ledger import Ledger
@@ -199,6 +199,20 @@ def _edited_corpus(sweep_dir: Path, source: Path, doc_id: str) -> str:
     (sweep_dir / "spec.json").write_text(json.dumps(spec))
     corpus = load_corpus(edited)
     return split_lock_id(parity_split(corpus), corpus.documents)
+
+
+def test_the_frozen_hash_covers_the_full_knobs_the_model_and_the_calibration():
+    calib = {"chunk_length": 64, "corpus_content": "ab" * 32}
+    first = frozen_hash({"alpha": "mse"}, "model-a", calib)
+    assert len(first) == 64 and int(first, 16) >= 0
+    assert frozen_hash({"alpha": "mse", "gain_d": 0.3}, "model-a", calib) == first  # defaults
+    others = {
+        frozen_hash({"alpha": "mse", "gain_d": 0.0}, "model-a", calib),
+        frozen_hash({"alpha": "mse"}, "model-b", calib),
+        frozen_hash({"alpha": "mse"}, "model-a", {**calib, "chunk_length": 128}),
+        frozen_hash({"alpha": "mse"}, "model-a", {**calib, "corpus_content": "cd" * 32}),
+    }
+    assert len(others) == 4 and first not in others
 
 
 def test_a_tampered_ledger_refuses_confirm_before_anything_is_written(sweep_copy):
