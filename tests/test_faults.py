@@ -15,8 +15,9 @@ double-counted: the raw rows of ``windows/`` (every file, before any de-duplicat
 - a results dir that fills up mid-sweep (a small tmpfs, filled by another writer): one-line
   error, the rows written so far intact, and ``sweep resume`` completes once space is freed.
 
-Read-only and full disks need root (a read-only bind mount, a tmpfs); without root a read-only
-dir is ``chmod 555`` and "full" is a ``RLIMIT_FSIZE`` limit on the CLI process.
+Read-only and full disks are made with ``mount`` as root (a read-only bind mount, a tmpfs).
+Without root the cache cases use a ``chmod 555`` dir and a ``RLIMIT_FSIZE`` limit on the CLI
+process; the results-dir-full case needs root.
 Recovery times are recorded with ``record_property`` (see ``--junitxml``) for
 ``docs/reliability.md``.
 """
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -109,8 +111,13 @@ def kill_session(proc: subprocess.Popen) -> None:
 def raw_rows(sweep_dir: Path) -> list[dict]:
     """Every window row as the files hold it (no de-duplication); [] before the first."""
     folder = sweep_dir / "windows"
-    if not folder.is_dir() or not any(folder.glob("*.parquet")):
-        return []
+    for _ in range(20):  # a live sweep renames and removes part files while we list them
+        if not folder.is_dir() or not any(folder.glob("*.parquet")):
+            return []
+        try:
+            return pq.read_table(folder).to_pylist()
+        except (OSError, pa.ArrowInvalid):
+            time.sleep(0.05)
     return pq.read_table(folder).to_pylist()
 
 
@@ -172,7 +179,8 @@ def mounted(folder: Path, *, readonly: bool = False, size: str | None = None) ->
 
 @pytest.fixture(scope="module")
 def warm_cache(tmp_path_factory) -> Path:
-    """A stage cache holding the demo's calibration trace (each test copies what it needs)."""
+    """One stage cache for the sweeps of this module: the first fills it with the demo's
+    calibration trace, the others reuse it (cached stages do not change any number)."""
     return tmp_path_factory.mktemp("fault-cache")
 
 
