@@ -84,9 +84,10 @@ class RunningPool:
         self.windows += 1
         self.kld_sum += float(record["kld_sum"])
         self.count += int(record["kld_count"])
-        self.top1_count += int(
-            record.get("top1_count", round(record["top1"] * record["kld_count"]))
-        )
+        top1 = record.get("top1_count")
+        if top1 is None:
+            top1 = round(float(record["top1"]) * int(record["kld_count"]))
+        self.top1_count += int(top1)
 
     def summary(self) -> dict[str, float]:
         """``windows_done``, ``running_kld_mean`` and ``running_top1`` (NaN before a token)."""

@@ -1,0 +1,102 @@
+"""What would Wilcoxon pruning have saved on a sweep that ran without it? Prints a table.
+
+Replays the per-window results of an unpruned sweep (``RESULTS/<name>/windows``) through the real
+pruning scheduler (``healsweep.sweep.pruning.WindowPruningScheduler`` on a scratch journal): trials
+in their start order (baseline first), ``--concurrency`` at a time with their windows interleaved,
+each in the order it actually scored them. For each threshold: windows saved, when each pruned
+trial would have stopped, and whether the sweep's best config would have been pruned. (A live
+TPE sweep adapts to what pruning tells it, so its configs would differ a little.)
+
+    .venv/bin/python benchmarks/pruning_replay.py results/tune-unpruned --p 0.1 0.05 0.02
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray.tune.schedulers import TrialScheduler
+
+from healsweep.results.store import read_trials, read_windows
+from healsweep.sweep.pruning import WindowPruningScheduler
+
+
+@dataclass
+class _Trial:
+    trial_id: str
+
+    def should_recover(self) -> bool:
+        return False
+
+
+def replay(sweep_dir: Path, p: float, startup: int, concurrency: int) -> dict:
+    """Windows scored and pruned trials had the sweep been pruned at ``p``."""
+    trials = [t for t in read_trials(sweep_dir).to_pylist() if t["status"] == "completed"]
+    trials.sort(key=lambda t: (not t["is_baseline"], t["started_at"]))
+    rows = read_windows(sweep_dir).to_pylist()
+    total = max(t["windows_total"] for t in trials)
+    scored, pruned = 0, []
+    with tempfile.TemporaryDirectory() as tmp:
+        sched = WindowPruningScheduler(Path(tmp) / "journal", "wilcoxon", p, startup)
+        for start in range(0, len(trials), concurrency):
+            group = trials[start : start + concurrency]
+            orders = {
+                t["trial_id"]: sorted(
+                    (r for r in rows if r["trial_id"] == t["trial_id"]), key=lambda r: r["position"]
+                )
+                for t in group
+            }
+            alive = {t["trial_id"] for t in group}
+            for step in range(total):
+                for t in group:
+                    if t["trial_id"] not in alive:
+                        continue
+                    row = orders[t["trial_id"]][step]
+                    scored += 1
+                    result = {"window_index": row["window_index"], "kld_mean": row["kld_mean"],
+                              "windows_done": step + 1, "windows_total": total,
+                              "is_baseline": t["is_baseline"], "config_hash": t["config_hash"]}  # fmt: skip
+                    if (
+                        sched.on_trial_result(None, _Trial(t["trial_id"]), result)
+                        == TrialScheduler.STOP
+                    ):
+                        alive.discard(t["trial_id"])
+                        pruned.append((t, step + 1))
+            for t in group:
+                if t["trial_id"] in alive:
+                    final = {"running_kld_mean": t["kld_mean"], "windows_done": total,
+                             "windows_total": total}  # fmt: skip
+                    sched.on_trial_complete(None, _Trial(t["trial_id"]), final)
+    best = min(trials, key=lambda t: t["kld_mean"])
+    return {
+        "saved": 1 - scored / (total * len(trials)),
+        "pruned": [(t["kld_mean"] / best["kld_mean"] - 1, at) for t, at in pruned],
+        "best_pruned": any(t["trial_id"] == best["trial_id"] for t, _ in pruned),
+        "trials": len(trials),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path)
+    parser.add_argument("--p", type=float, nargs="+", default=[0.1, 0.05, 0.02])
+    parser.add_argument("--startup", type=int, nargs="+", default=[6])
+    parser.add_argument("--concurrency", type=int, default=2)
+    args = parser.parse_args()
+    print(
+        f"{'p':>6} {'startup':>7} {'saved':>7} {'pruned':>6}  best pruned  pruned at (window: final KLD vs best)"
+    )
+    for p in args.p:
+        for startup in args.startup:
+            r = replay(args.sweep_dir, p, startup, args.concurrency)
+            stops = ", ".join(
+                f"{at}: {rel:+.1%}" for rel, at in sorted(r["pruned"], key=lambda x: x[1])
+            )
+            print(f"{p:>6} {startup:>7} {r['saved']:>7.1%} {len(r['pruned']):>6}  "
+                  f"{'YES' if r['best_pruned'] else 'no':>11}  {stops}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
