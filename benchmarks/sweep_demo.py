@@ -9,6 +9,10 @@ config is the same as, or statistically indistinguishable from (paired-bootstrap
 relative change includes 0), the unpruned sweep's best.
 
     .venv/bin/python benchmarks/sweep_demo.py ablation pruning [--samples 20] [--workdir DIR]
+
+The pruned sweep runs first with cold caches and the unpruned one after it with warm ones, so
+compare their windows, not their wall times. ``benchmarks/pruning_replay.py`` answers the same
+question for any threshold from one unpruned sweep.
 """
 
 from __future__ import annotations
