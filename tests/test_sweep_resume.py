@@ -43,7 +43,9 @@ run_sweep(spec, results_root={root!r}, work_fn=work, identity_fn=toy_identity)
 
 @pytest.fixture(scope="module")
 def ray_address():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    ray.init(
+        num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
+    )
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
@@ -102,8 +104,7 @@ def test_sigkilled_driver_resumes_without_rescoring(ray_address, tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     recorded = {
-        (r["config_hash"], r["window_id"])
-        for r in pq.read_table(sweep_dir / "windows").to_pylist()
+        (r["config_hash"], r["window_id"]) for r in pq.read_table(sweep_dir / "windows").to_pylist()
     }
     finished_trials = _completed(sweep_dir)
     scored_before = len(_lines(log))
@@ -130,7 +131,9 @@ def test_two_sweeps_in_one_root_do_not_disturb_each_other(ray_address, tmp_path)
         for name, gains in (("first", [0.3, 0.0]), ("second", [0.3, 1.0]))
     }
     logs = {name: tmp_path / f"{name}.log" for name in specs}
-    procs = {name: _spawn(ray_address, spec, tmp_path, logs[name], 0.05) for name, spec in specs.items()}
+    procs = {
+        name: _spawn(ray_address, spec, tmp_path, logs[name], 0.05) for name, spec in specs.items()
+    }
     try:
         _wait(lambda: (tmp_path / "first" / "spec.json").exists(), 120, procs["first"])
         if procs["first"].poll() is None:  # a second driver on a running sweep is refused
@@ -146,12 +149,16 @@ def test_two_sweeps_in_one_root_do_not_disturb_each_other(ray_address, tmp_path)
         sweep_dir = tmp_path / name
         rows = pq.read_table(sweep_dir / "windows").to_pylist()
         assert len(rows) == 2 * N_WINDOWS and {r["sweep"] for r in rows} == {name}
-        assert sorted((r["config_hash"], r["window_id"]) for r in rows) == sorted(_lines(logs[name]))
+        assert sorted((r["config_hash"], r["window_id"]) for r in rows) == sorted(
+            _lines(logs[name])
+        )
         trials = pq.read_table(sweep_dir / "trials.parquet").to_pylist()
         assert [t["status"] for t in trials] == ["completed", "completed"]
         assert json.loads((sweep_dir / "manifest.json").read_text())["sweep"] == name
     gains = {
-        name: sorted(r["knob_gain_d"] for r in pq.read_table(tmp_path / name / "trials.parquet").to_pylist())
+        name: sorted(
+            r["knob_gain_d"] for r in pq.read_table(tmp_path / name / "trials.parquet").to_pylist()
+        )
         for name in specs
     }
     assert gains == {"first": [0.0, 0.3], "second": [0.3, 1.0]}

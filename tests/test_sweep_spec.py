@@ -79,7 +79,10 @@ def test_unknown_field_names_it_its_line_and_the_known_fields(tmp_path):
         ({"name": "x", "max_concurrent": 0}, ["'max_concurrent'", "0", ">= 1"]),
         ({"name": "x", "scoring": {"max_scored": 0}}, ["'scoring.max_scored'", "0", "[1, 4096]"]),
         ({"name": "x", "resources": {"cpu": "many"}}, ["'resources.cpu'", "'many'", "amount"]),
-        ({"name": "x", "calibration": {"chunk_length": 4}}, ["'calibration'", "chunk_length", "16"]),
+        (
+            {"name": "x", "calibration": {"chunk_length": 4}},
+            ["'calibration'", "chunk_length", "16"],
+        ),
         ({"name": "x", "calibration": {"tokens": 4}}, ["'calibration'", "unknown", "max_tokens"]),
     ],
 )
