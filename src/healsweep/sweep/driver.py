@@ -174,10 +174,15 @@ def prior_windows(sweep_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def _trainable(spec: SweepSpec, prior: dict, work_fn: WorkFn) -> Any:
+    import ray
     from ray import tune
 
     from healsweep.sweep.book import open_book
 
+    # Serialize the work function before Tune registers it: an unpicklable one (a ledger grant
+    # inside, say) must fail here, not linger in Tune's process-wide parameter registry and
+    # break every later ray.init in this process.
+    ray.cloudpickle.dumps(work_fn)
     trainable = tune.with_parameters(sweep_trial, spec=spec, book=open_book(prior), work_fn=work_fn)
     return tune.with_resources(trainable, trial_resources(spec))
 
