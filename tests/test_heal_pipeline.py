@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
-import pytest
-
+from _heal_fixtures import heal_setup
 from healsweep.cache import StageCache
-from healsweep.data.corpus import load_corpus
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.heal import stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
@@ -18,26 +12,7 @@ CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "part_b")
 
 
-def _corpus_file(path):
-    lines = []
-    texts = ["The quick brown fox jumps over the lazy dog. " * 5,
-             "Mixture-of-experts models route every token to a few experts. " * 4,
-             '{"name": "launch retro", "items": [1, 2, 3]} ' * 6,
-             "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 " * 4]
-    for i, text in enumerate(texts):
-        lines.append({"doc_id": f"cal-{i}", "source": "cal", "index": i,
-                      "stratum": "a" if i % 2 else "b", "pool": "calibration", "text": text})
-    lines.append({"doc_id": "ev-0", "source": "ev", "index": 0, "stratum": "a", "text": "eval"})
-    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    return path
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("heal")
-    model = open_model(write_random_model(root / "m.gguf", n_layer=2, n_ff_exp=64,
-                                          types={"ffn_down_shexp.weight": "Q8_0"}))
-    return model, load_corpus(_corpus_file(root / "corpus.jsonl"))
+setup = heal_setup
 
 
 def _delta(cache, before):
