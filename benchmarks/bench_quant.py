@@ -1,6 +1,6 @@
 """Q2_0 quantize throughput: the jitted kernel side by side with C loops, numpy and naive jnp.
 
-    python benchmarks/bench_quant.py [--rows 2048] [--cols 2048] [--repeats 5]
+    python benchmarks/bench_quant.py [--rows 2048] [--cols 2048] [--repeats 5] [--experiments]
     healsweep bench quant                      (the same table)
 
 On a CPU backend the contenders run interleaved, round after round, on the same weights
@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--cols", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--experiments", action="store_true", help="GPU: also time the Pallas experiment kernel"
+    )
     args = parser.parse_args(argv)
     import jax
 
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from bench_quant_gpu import gpu_table  # noqa: PLC0415 (sibling script)
 
-        table, notes = gpu_table(args.repeats)
+        table, notes = gpu_table(args.repeats, args.experiments)
     print(format_table(table, notes))
 
 

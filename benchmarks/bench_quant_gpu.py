@@ -1,30 +1,40 @@
-"""Q2_0 kernel on a GPU: weights/s of several chunk layouts against the two ceilings.
+"""Q2_0 kernel on a GPU: weights/s of the kernel variants against the two ceilings.
 
 Run by ``bench_quant.py`` when JAX's default backend is not the CPU. Every variant is timed on
-device-resident chunks (``q2_0._quantize_rows``, what ``quantize_matrix`` calls per chunk), best
-of ``repeats`` after a warm-up, and its codes are compared with the CPU backend's on one chunk.
-Ceilings: fp32 arithmetic = peak FLOP/s / FLOPS_PER_WEIGHT; memory = bandwidth /
-BYTES_PER_WEIGHT, with the bandwidth both from the datasheet and measured here (a copy).
+device-resident chunks (what ``quantize_matrix`` feeds the device per call), best of ``repeats``
+after a warm-up, and the codes and scales of the best are compared with the CPU backend's on one
+chunk. Ceilings: fp32 arithmetic = peak FLOP/s / the variant's flops per weight; memory =
+bandwidth / BYTES_PER_WEIGHT (read fp32 once, write 2.25 bits), with the bandwidth measured
+here (a copy) and from the datasheet.
+
+Variants: layouts of the product's kernel (``q2_0._quantize_rows``, one XLA computation); with
+``--experiments`` also the Pallas kernel of ``q2_0_pallas_experiment.py``. Each variant runs in
+a child process with a time limit, so a compile that runs away costs one row, not the table.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from functools import partial
 
 import numpy as np
-from bench_quant import BYTES_PER_WEIGHT, FLOPS_PER_WEIGHT, GAIN, make_inputs
+from bench_quant import BYTES_PER_WEIGHT, FLOPS_PER_WEIGHT, GAIN, format_table, make_inputs
 
 # H200 SXM: 132 SMs x 128 fp32 lanes x 2 flops (FMA) x 1.98 GHz boost; HBM3e 4.8 TB/s.
 DATASHEET = {"fp32_flops": 132 * 128 * 2 * 1.98e9, "bytes_per_s": 4.8e12}
 COLS = 2048
-VARIANTS = (  # _quantize_rows options; lanes also sets the importance grouping
-    {"lanes": 32, "tiles": False, "unroll": True, "compare_round": True},
-    {"lanes": 32, "tiles": False, "unroll": True, "compare_round": False},
-    {"lanes": 32, "tiles": True, "keep_extras": False, "compare_round": False},
+VARIANTS = (  # ("xla", q2_0._quantize_rows flags); lanes: rows sharing one importance row
+    ("xla", {"lanes": 32, "tiles": False, "unroll": True, "keep_extras": False}),
+    ("xla", {"lanes": 32, "tiles": False, "unroll": True, "compare_round": True}),
+    ("xla", {"lanes": 32, "tiles": True, "keep_extras": False}),
 )
+EXPERIMENTS = (("pallas", {"lanes": 16, "k": 2, "num_warps": 1}),)  # 3+ min to compile
 CHUNK_WEIGHTS = (1 << 24, 1 << 22, 1 << 26)  # every variant at the first, the best at the rest
-TIME_BUDGET_S = 270.0
+TIME_BUDGET_S = 300.0
+VARIANT_TIMEOUT_S = {"xla": 120.0, "pallas": 300.0}
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -50,88 +60,148 @@ def measured_bandwidth(repeats: int) -> float:
     return 2 * x.nbytes / seconds
 
 
-def _row_order(d, opts: dict, n_rows: int) -> np.ndarray:
+def _kernel(kind: str, opts: dict):
+    """``(w, importance_rows, gain) -> (d, q)`` on device arrays; ``importance_rows`` holds
+    identical rows here, so each variant takes one per ``lanes`` rows. ``d`` is in tile order
+    for ``tiles=True`` (see :func:`_agreement`)."""
     from healsweep.kernels import q2_0
 
-    d = np.asarray(d)
-    return q2_0._untile_np(d, n_rows) if opts.get("tiles", True) else d
+    opts = dict(opts)
+    lanes = opts.pop("lanes")
+    if kind == "pallas":
+        from q2_0_pallas_experiment import quantize_rows_pallas  # noqa: PLC0415 (sibling)
+
+        return lambda w, imp, gain: quantize_rows_pallas(
+            w, imp[: w.shape[0] // lanes], gain, rows=lanes, **opts
+        )
+
+    def run(w, imp, gain):
+        d, q, _ = q2_0._quantize_rows(w, imp[: w.shape[0] // lanes], gain, lanes=lanes, **opts)
+        return d, q
+
+    return run
 
 
-def _agreement(opts: dict) -> tuple[float, float]:
-    """Fractions of blocks whose codes, and whose fp16 scales, equal the CPU backend's (its
-    default layout) on one chunk."""
+def _flops(kind: str) -> int:
+    if kind == "pallas":
+        from q2_0_pallas_experiment import flops_per_weight  # noqa: PLC0415 (sibling)
+
+        return flops_per_weight()
+    return FLOPS_PER_WEIGHT
+
+
+def _agreement(kind: str, opts: dict) -> tuple[float, float]:
+    """Fractions of blocks whose codes, and whose fp16 scales, equal the CPU backend's default
+    kernel on one chunk of 256 x COLS."""
     import jax
 
     from healsweep.kernels import q2_0
 
     n_rows = 256
     w, imp = make_inputs(n_rows, COLS, seed=1)
-    outs = []
-    for device, o in ((jax.devices()[0], opts), (jax.devices("cpu")[0], {})):
-        lanes = o.get("lanes", q2_0.LANES)
-        groups = np.ascontiguousarray(np.broadcast_to(imp, (n_rows // lanes, COLS)))
-        args = jax.device_put((w, groups, np.float32(GAIN)), device)
-        d, q, _ = q2_0._quantize_rows(*args, **o)
-        outs.append((_row_order(d, o, n_rows).reshape(-1), np.asarray(q).reshape(-1, 64)))
-    (d_dev, q_dev), (d_cpu, q_cpu) = outs
-    return float((q_dev == q_cpu).all(axis=1).mean()), float((d_dev == d_cpu).mean())
+    groups = np.ascontiguousarray(np.broadcast_to(imp, (n_rows // 16, COLS)))
+    d_dev, q_dev = _kernel(kind, opts)(*jax.device_put((w, groups, np.float32(GAIN))))
+    if kind == "xla" and opts.get("tiles"):
+        d_dev = q2_0._untile_np(np.asarray(d_dev), n_rows)
+    cpu = jax.devices("cpu")[0]
+    d_cpu, q_cpu, _ = q2_0._quantize_rows(*jax.device_put((w, groups, np.float32(GAIN)), cpu))
+    d_cpu = q2_0._untile_np(np.asarray(d_cpu), n_rows)
+    same_q = (np.asarray(q_dev).reshape(-1, 64) == np.asarray(q_cpu).reshape(-1, 64)).all(axis=1)
+    return float(same_q.mean()), float((np.asarray(d_dev).reshape(-1) == d_cpu.reshape(-1)).mean())
 
 
-def gpu_table(repeats: int) -> tuple[list[dict], list[str]]:
+def _measure(chunk: int, kind: str, opts: dict, repeats: int) -> dict:
+    """Compile and time one variant on a device-resident chunk: weights/s and compile seconds."""
     import jax
 
-    from healsweep.kernels import q2_0
+    w, imp = make_inputs(chunk // COLS, COLS, seed=0)
+    groups = np.ascontiguousarray(np.broadcast_to(imp, (w.shape[0] // 16, COLS)))
+    call = partial(_kernel(kind, opts), jax.device_put(w), jax.device_put(groups), np.float32(GAIN))
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())
+    compile_s = time.perf_counter() - t0
+    return {"weights_per_s": w.size / _best_of(call, repeats), "compile_s": compile_s}
+
+
+def _measure_isolated(chunk: int, kind: str, opts: dict, repeats: int, timeout: float) -> dict:
+    """:func:`_measure` in a child process, so that a compile that runs away (or crashes the
+    compiler) costs one row and ``timeout`` seconds, not the whole table."""
+    job = json.dumps({"chunk": chunk, "kind": kind, "opts": opts, "repeats": repeats})
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, job], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout:.0f} s (compile included)"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        errors = [ln for ln in done.stderr.splitlines() if "Error" in ln.split(":")[0]]
+        return {"error": (errors or [f"exit {done.returncode}"])[-1]}
+    return json.loads(lines[-1])
+
+
+def gpu_table(repeats: int, experiments: bool = False) -> tuple[list[dict], list[str]]:
+    import jax
 
     start_all = time.perf_counter()
     bandwidth = measured_bandwidth(repeats)
-    compute_ceiling = DATASHEET["fp32_flops"] / FLOPS_PER_WEIGHT
     memory_ceiling = bandwidth / BYTES_PER_WEIGHT
     table, notes = [], []
-    gain = np.float32(GAIN)
-    plan = [(CHUNK_WEIGHTS[0], v) for v in VARIANTS]
-    inputs = {}
+    variants = VARIANTS + (EXPERIMENTS if experiments else ())
+    plan = [(CHUNK_WEIGHTS[0], kind, opts) for kind, opts in variants]
     while plan:
-        chunk, opts = plan.pop(0)
-        if time.perf_counter() - start_all > TIME_BUDGET_S:
-            notes.append(f"time budget reached: skipped {opts} at chunk {chunk}")
+        chunk, kind, opts = plan.pop(0)
+        name = f"2^{chunk.bit_length() - 1} {kind} " + " ".join(f"{k}={v}" for k, v in opts.items())
+        budget = TIME_BUDGET_S + (VARIANT_TIMEOUT_S["pallas"] if experiments else 0.0)
+        left = budget - (time.perf_counter() - start_all)
+        if left < 20:
+            notes.append(f"time budget reached: skipped {name}")
             continue
-        if chunk not in inputs:
-            inputs = {chunk: make_inputs(chunk // COLS, COLS, seed=0)}
-        w, imp = inputs[chunk]
-        groups = np.ascontiguousarray(np.broadcast_to(imp, (w.shape[0] // opts["lanes"], COLS)))
-        call = partial(q2_0._quantize_rows, jax.device_put(w), jax.device_put(groups), gain, **opts)
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        compile_s = time.perf_counter() - t0
-        rate = w.size / _best_of(call, repeats)
-        name = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in opts.items())
+        got = _measure_isolated(chunk, kind, opts, repeats, min(VARIANT_TIMEOUT_S[kind], left))
+        if "error" in got:
+            notes.append(f"{name}: {got['error'][:300]}")
+            continue
+        rate = got["weights_per_s"]
+        compute_ceiling = DATASHEET["fp32_flops"] / _flops(kind)
         table.append(
             {
-                "contender": f"2^{chunk.bit_length() - 1} {name}",
+                "contender": name,
                 "weights_per_s": rate,
                 "of_fp32_ceiling": rate / compute_ceiling,
                 "of_memory_ceiling": rate / memory_ceiling,
-                "compile_s": compile_s,
-                "options": opts,
+                "compile_s": got["compile_s"],
+                "variant": (kind, opts),
             }
         )
-        if not plan and chunk == CHUNK_WEIGHTS[0]:
-            top = max(table, key=lambda r: r["weights_per_s"])["options"]
-            plan = [(c, top) for c in CHUNK_WEIGHTS[1:]]
+        print(format_table(table[-1:], []).splitlines()[-1], flush=True)
+        if not plan and chunk == CHUNK_WEIGHTS[0] and table:
+            top = max(table, key=lambda r: r["weights_per_s"])["variant"]
+            plan = [(c, *top) for c in CHUNK_WEIGHTS[1:]]
+    if not table:
+        return table, notes
     best = max(table, key=lambda r: r["weights_per_s"])
+    kind = best["variant"][0]
+    compute_ceiling = DATASHEET["fp32_flops"] / _flops(kind)
     notes += [
-        f"device {jax.devices()[0].device_kind}; {FLOPS_PER_WEIGHT} flops/weight (FMA = 2); "
-        f"{BYTES_PER_WEIGHT:.3f} bytes/weight",
-        f"fp32 ceiling {compute_ceiling / 1e9:.0f} G weights/s "
+        f"device {jax.devices()[0].device_kind}; flops/weight (FMA = 2): xla {_flops('xla')}"
+        + (f", pallas {_flops('pallas')}" if experiments else "")
+        + f"; {BYTES_PER_WEIGHT:.3f} bytes/weight",
+        f"fp32 ceiling of the best ({kind}) {compute_ceiling / 1e9:.0f} G weights/s "
         f"({DATASHEET['fp32_flops'] / 1e12:.1f} TFLOP/s datasheet); memory ceiling "
         f"{memory_ceiling / 1e9:.0f} G weights/s (copy measured {bandwidth / 1e12:.2f} TB/s; "
         f"datasheet {DATASHEET['bytes_per_s'] / BYTES_PER_WEIGHT / 1e9:.0f} G weights/s)",
         f"binding ceiling: {'fp32' if compute_ceiling < memory_ceiling else 'memory'}; best "
-        f"{best['contender']} at {best['weights_per_s'] / 1e9:.1f} G weights/s",
+        f"{best['contender']} at {best['weights_per_s'] / 1e9:.1f} G weights/s = "
+        f"{100 * best['weights_per_s'] / min(compute_ceiling, memory_ceiling):.1f}% of it",
     ]
-    same_q, same_d = _agreement(best["options"])
+    same_q, same_d = _agreement(*best["variant"])
     notes.append(
-        f"best variant vs the CPU backend's default layout on 256x{COLS}: codes equal in "
+        f"best variant vs the CPU backend's kernel on 256x{COLS}: codes equal in "
         f"{100 * same_q:.2f}% of blocks, fp16 scales in {100 * same_d:.2f}%"
     )
     return table, notes
+
+
+if __name__ == "__main__":  # one isolated measurement (see _measure_isolated): a JSON job
+    job = json.loads(sys.argv[1])
+    print(json.dumps(_measure(job["chunk"], job["kind"], job["opts"], job["repeats"])))
