@@ -31,10 +31,14 @@ VARIANTS = (  # ("xla", q2_0._quantize_rows flags); lanes: rows sharing one impo
     ("xla", {"lanes": 32, "tiles": False, "unroll": True, "compare_round": True}),
     ("xla", {"lanes": 32, "tiles": True, "keep_extras": False}),
 )
-EXPERIMENTS = (("pallas", {"lanes": 16, "k": 2, "num_warps": 1}),)  # 3+ min to compile
+EXPERIMENTS = (  # q2_0_pallas_experiment.py: registers (3+ min to compile), then streaming
+    ("stream", {"lanes": 16, "kj": 2, "num_warps": 1}),
+    ("stream", {"lanes": 16, "kj": 4, "num_warps": 2}),
+    ("pallas", {"lanes": 16, "k": 2, "num_warps": 1}),
+)
 CHUNK_WEIGHTS = (1 << 24, 1 << 22, 1 << 26)  # every variant at the first, the best at the rest
 TIME_BUDGET_S = 300.0
-VARIANT_TIMEOUT_S = {"xla": 120.0, "pallas": 300.0}
+VARIANT_TIMEOUT_S = {"xla": 120.0, "stream": 120.0, "pallas": 300.0}
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -74,6 +78,12 @@ def _kernel(kind: str, opts: dict):
         return lambda w, imp, gain: quantize_rows_pallas(
             w, imp[: w.shape[0] // lanes], gain, rows=lanes, **opts
         )
+    if kind == "stream":
+        from q2_0_pallas_experiment import quantize_rows_stream  # noqa: PLC0415 (sibling)
+
+        return lambda w, imp, gain: quantize_rows_stream(
+            w, imp[: w.shape[0] // lanes], gain, **opts
+        )
 
     def run(w, imp, gain):
         d, q, _ = q2_0._quantize_rows(w, imp[: w.shape[0] // lanes], gain, lanes=lanes, **opts)
@@ -83,10 +93,12 @@ def _kernel(kind: str, opts: dict):
 
 
 def _flops(kind: str) -> int:
-    if kind == "pallas":
-        from q2_0_pallas_experiment import flops_per_weight  # noqa: PLC0415 (sibling)
+    if kind in ("pallas", "stream"):
+        import q2_0_pallas_experiment as experiment  # noqa: PLC0415 (sibling)
 
-        return flops_per_weight()
+        return (
+            experiment.flops_per_weight if kind == "pallas" else experiment.stream_flops_per_weight
+        )()
     return FLOPS_PER_WEIGHT
 
 
@@ -152,7 +164,8 @@ def gpu_table(repeats: int, experiments: bool = False) -> tuple[list[dict], list
     while plan:
         chunk, kind, opts = plan.pop(0)
         name = f"2^{chunk.bit_length() - 1} {kind} " + " ".join(f"{k}={v}" for k, v in opts.items())
-        budget = TIME_BUDGET_S + (VARIANT_TIMEOUT_S["pallas"] if experiments else 0.0)
+        extra = sum(VARIANT_TIMEOUT_S[kind] for kind, _ in EXPERIMENTS) if experiments else 0.0
+        budget = TIME_BUDGET_S + extra
         left = budget - (time.perf_counter() - start_all)
         if left < 20:
             notes.append(f"time budget reached: skipped {name}")
@@ -184,7 +197,7 @@ def gpu_table(repeats: int, experiments: bool = False) -> tuple[list[dict], list
     compute_ceiling = DATASHEET["fp32_flops"] / _flops(kind)
     notes += [
         f"device {jax.devices()[0].device_kind}; flops/weight (FMA = 2): xla {_flops('xla')}"
-        + (f", pallas {_flops('pallas')}" if experiments else "")
+        + (f", pallas {_flops('pallas')}, stream {_flops('stream')}" if experiments else "")
         + f"; {BYTES_PER_WEIGHT:.3f} bytes/weight",
         f"fp32 ceiling of the best ({kind}) {compute_ceiling / 1e9:.0f} G weights/s "
         f"({DATASHEET['fp32_flops'] / 1e12:.1f} TFLOP/s datasheet); memory ceiling "

@@ -10,7 +10,11 @@ tricks (rounding by two adds; seeds s and -s sharing a first pass) both made tha
 slower when put into it: 21.5 and 15.8 G weights/s. Kept here so that the next
 attempt starts from a kernel that lowers, whose interpreted run equals the CPU kernel bit for
 bit (``python benchmarks/q2_0_pallas_experiment.py`` checks that on any machine), and which
-``bench_quant.py --experiments`` times on a GPU.
+``bench_quant.py --experiments`` times on a GPU (about 10 minutes with both designs).
+
+A second design at the end of the file, :func:`quantize_rows_stream`, not yet timed, trades the
+registers for small code: it streams each block from L1 on every pass (coalesced, after an XLA
+transpose), so that it compiles in seconds.
 
 The design. Same search, same float32 operations and the same summation order as
 :func:`healsweep.kernels.q2_0.search_tiles`, so its codes and scales equal the CPU kernel's
@@ -235,6 +239,149 @@ def flops_per_weight() -> int:
     return 2 + 2 + N_MAGNITUDES * (first + 2 * second) + final  # + |w| max, a max and a*inv
 
 
+# ---- second design, not yet timed: stream the block from L1 on every pass, small code ----
+#
+# The weights are first transposed (by XLA) to ``[64, G, nb, 16]``: weight ``i`` of the 16
+# blocks of one importance group and column block sits in 16 consecutive floats, so a program
+# covering ``kj`` column blocks of one group reads weight ``i`` of its ``kj * 16`` blocks with
+# one coalesced load. Each pass loops over ``i`` (``UNROLL`` weights an iteration) and loads
+# again, from L1, instead of holding 64 weights in registers: few registers, small code, a
+# compile of seconds. Importance is expanded to one row per weight row (same layout as w).
+
+UNROLL = 4
+
+
+def _stream_kernel(magic_ref, gain_ref, w_ref, a_ref, d_ref, q_ref):
+    magic = magic_ref[0]
+    gain = gain_ref[0]
+
+    def rint(x):
+        return (x + magic) - magic
+
+    def code(x):
+        return rint(jnp.minimum(jnp.maximum(x, -1.0), 2.0))
+
+    def loop(body, init):
+        """``body(i, carry)`` for i = 0..63, UNROLL of them per loop iteration, in order."""
+
+        def step(j, carry):
+            for u in range(UNROLL):
+                carry = body(j * UNROLL + u, carry)
+            return carry
+
+        return jax.lax.fori_loop(0, QK // UNROLL, step, init)
+
+    zero = jnp.zeros(d_ref.shape, jnp.float32)
+    amax, a_top = loop(
+        lambda i, c: (jnp.maximum(c[0], jnp.abs(w_ref[i])), jnp.maximum(c[1], a_ref[i])),
+        (zero, zero),
+    )
+    a_inv = _pow2_inverse(a_top)  # importance scaled so that its max is in [1, 2), exactly
+    live = amax > 0
+    scale = _pow2_inverse(amax)
+    amax_n = jnp.where(live, amax * scale, 1.0)
+
+    def first(step):
+        def body(i, c):
+            w, a = w_ref[i], a_ref[i] * a_inv
+            r = rint(w * step)
+            qp, qn = jnp.maximum(r, -1.0), jnp.minimum(r, 1.0)
+            ap, an = a * qp, a * qn
+            return (c[0] + ap * w, c[1] + ap * qp, c[2] + an * w, c[3] + an * qn)
+
+        return loop(body, (zero, zero, zero, zero))
+
+    def second(step_p, step_n):
+        def body(i, c):
+            w, a = w_ref[i], a_ref[i] * a_inv
+            qp, qn = code(w * step_p), code(w * step_n)
+            ap, an = a * qp, a * qn
+            return (c[0] + ap * w, c[1] + ap * qp, c[2] + an * w, c[3] + an * qn)
+
+        return loop(body, (zero, zero, zero, zero))
+
+    def magnitude(m, carry):
+        pos_score, pos_d1, neg_score, neg_d1 = carry
+        s = jnp.float32(SEEDS[N_MAGNITUDES - 1])
+        for j in range(N_MAGNITUDES - 2, -1, -1):
+            s = jnp.where(m == j, jnp.float32(SEEDS[j]), s)
+        d0 = s * amax_n
+        sqw_p, sqq_p, sqw_n, sqq_n = first(scale / d0)
+        d1_p = _ratio(sqw_p * scale, sqq_p, d0)
+        d1_n = _ratio(-sqw_n * scale, sqq_n, -d0)
+        sqw_p, sqq_p, sqw_n, sqq_n = second(scale / d1_p, scale / d1_n)
+        sqw_p, sqw_n = sqw_p * scale, sqw_n * scale
+        score_p, score_n = _ratio(sqw_p * sqw_p, sqq_p, 0.0), _ratio(sqw_n * sqw_n, sqq_n, 0.0)
+        better_p, better_n = score_p > pos_score, score_n > neg_score
+        return (
+            jnp.where(better_p, score_p, pos_score),
+            jnp.where(better_p, d1_p, pos_d1),
+            jnp.where(better_n, score_n, neg_score),
+            jnp.where(better_n, d1_n, neg_d1),
+        )
+
+    start, one = zero - 1.0, zero + 1.0
+    pos_score, pos_d1, neg_score, neg_d1 = jax.lax.fori_loop(
+        0, N_MAGNITUDES, magnitude, (start, one, start, one)
+    )
+    step = scale / jnp.where(neg_score > pos_score, neg_d1, pos_d1)
+
+    def final(i, c):
+        w, a = w_ref[i], a_ref[i] * a_inv
+        y = w * scale
+        q = code(w * step)
+        q_ref[i] = q.astype(jnp.int8)
+        aq = a * q
+        return (c[0] + aq * y, c[1] + aq * q, c[2] + a * y * y)
+
+    sqw, sqq, saw2 = loop(final, (zero, zero, zero))
+    d_ls = _ratio(sqw, sqq, 0.0)
+    r2 = _ratio(_ratio(sqw * sqw, sqq, 0.0), saw2, 1.0)
+    d = jnp.where(live, d_ls * jnp.power(jnp.maximum(r2, 0.25), -0.5 * gain), 0.0)
+    d_ref[...] = (d / scale).astype(jnp.float16)
+
+
+def stream_flops_per_weight() -> int:
+    """:func:`flops_per_weight` plus the importance rescaling it repeats on every pass."""
+    return flops_per_weight() + 2 * N_MAGNITUDES + 1
+
+
+def quantize_rows_stream(w, importance, gain, kj: int = 2, num_warps: int = 1, interpret=False):
+    """The streaming design on ``w`` [R, in] (``R % 16 == 0``, ``in/64 % kj == 0``) with
+    ``importance`` [R, in] or [R/16, in]; returns ``(d [R, in/64] float16, q [R, in] int8)``."""
+    return _call_stream(_magic(), w, importance, gain, kj, num_warps, interpret)
+
+
+@partial(jax.jit, static_argnums=(4, 5, 6))
+def _call_stream(magic, w, importance, gain, kj, num_warps, interpret):
+    n_rows, n_in = w.shape
+    nb, groups = n_in // QK, n_rows // LANES
+    if importance.shape[0] != n_rows:  # one row per group of LANES rows -> one per row
+        importance = jnp.repeat(importance, LANES, axis=0)
+
+    def lead(x):  # [R, in] -> [64, G, nb, 16]
+        return x.astype(jnp.float32).reshape(groups, LANES, nb, QK).transpose(3, 0, 2, 1)
+
+    tile = pl.BlockSpec((QK, None, kj, LANES), lambda g, j: (0, g, j, 0))
+    scalar = pl.BlockSpec((1,), lambda g, j: (0,))
+    call = pl.pallas_call(
+        _stream_kernel,
+        grid=(groups, nb // kj),
+        in_specs=[scalar, scalar, tile, tile],
+        out_specs=[pl.BlockSpec((None, kj, LANES), lambda g, j: (g, j, 0)), tile],
+        out_shape=[
+            jax.ShapeDtypeStruct((groups, nb, LANES), jnp.float16),
+            jax.ShapeDtypeStruct((QK, groups, nb, LANES), jnp.int8),
+        ],
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(num_warps),
+        name="q2_0_stream",
+    )
+    gain = jnp.reshape(jnp.asarray(gain, jnp.float32), (1,))
+    d, qt = call(magic, gain, lead(w), lead(importance))
+    return d.transpose(0, 2, 1).reshape(n_rows, nb), qt.transpose(1, 3, 2, 0).reshape(n_rows, n_in)
+
+
 def _self_check() -> None:
     """Interpreted kernel against the CPU kernel on 32 rows of 128 weights, odd blocks included."""
     from healsweep.kernels import q2_0
@@ -245,9 +392,11 @@ def _self_check() -> None:
     for n_imp in (32, 2):  # per row, then per group of 16 rows
         imp = rng.uniform(0.1, 4.0, (n_imp, 128)).astype(np.float32)
         d_cpu, q_cpu = q2_0.quantize_rows(w, imp, 0.3, options={"tiles": True})
-        d, q = quantize_rows_pallas(w, imp, np.float32(0.3), interpret=True)
-        assert (np.asarray(d) == d_cpu).all() and (np.asarray(q) == q_cpu).all(), n_imp
-    print("interpreted Pallas kernel == CPU kernel, bit for bit (per-row and grouped importance)")
+        for kernel in (quantize_rows_pallas, quantize_rows_stream):
+            d, q = kernel(w, imp, np.float32(0.3), interpret=True)
+            same = (np.asarray(d) == d_cpu).all() and (np.asarray(q) == q_cpu).all()
+            assert same, (kernel.__name__, n_imp)
+    print("interpreted Pallas kernels == CPU kernel, bit for bit (per-row and grouped importance)")
 
 
 if __name__ == "__main__":
