@@ -125,10 +125,17 @@ def test_expert_dims_not_multiples_of_64_refused_by_heal(tmp_path, tiny_tokenize
     )  # fmt: skip
     message = one_line_error(run)
     assert message == (
-        "ffn_down_exps.weight rows hold 32 values, not a multiple of the Q2_0 block of 64; "
-        "this model cannot be quantized to Q2_0"
+        f"{path}: the rows of ffn_down_exps hold 32 values, not a multiple of the Q2_0 block of "
+        "64; this model's routed experts cannot be quantized to Q2_0"
     )
+    assert "calib_trace" not in run.stdout  # refused before any teacher pass
     assert not (tmp_path / "healed.gguf").exists()
+    # A sweep over the same model is refused before Ray starts, leaving no results folder.
+    spec = tmp_path / "ff32.yaml"
+    spec.write_text(f"name: ff32\nmodel: {path}\nsearch_space:\n  gain_d: [0.3]\n")
+    run = healsweep("sweep", "run", spec, "--results", tmp_path / "results", tmp_path=tmp_path)
+    assert one_line_error(run) == message
+    assert not (tmp_path / "results" / "ff32").exists()
 
 
 def test_malformed_yaml_spec(tmp_path):

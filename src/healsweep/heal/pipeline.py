@@ -92,6 +92,7 @@ def build_student(
     """
     from healsweep.model import LayerReplacement
 
+    stages.check_quantizable(model)
     say = progress or (lambda stage, message: None)
     hp = model.hparams
     timer = _Timer()

@@ -70,6 +70,19 @@ def quantize_key(model: Any, knobs: Knobs, trace_key: str | None, layer: int) ->
     })
 
 
+def check_quantizable(model: Any) -> None:
+    """Raise :class:`GGUFFormatError` unless every routed expert's rows split into Q2_0 blocks
+    of 64: gate/up rows hold ``n_embd`` values, down rows ``n_ff_exp``. Called before any
+    teacher pass, so that such a model fails in seconds, naming its file."""
+    hp = model.hparams
+    for tensors, width in (("ffn_gate_exps/ffn_up_exps", hp.n_embd), ("ffn_down_exps", hp.n_ff_exp)):
+        if width % 64:
+            raise GGUFFormatError(
+                f"{model.path}: the rows of {tensors} hold {width} values, not a multiple of the "
+                "Q2_0 block of 64; this model's routed experts cannot be quantized to Q2_0"
+            )
+
+
 def quantize_layer(
     weights: dict[str, np.ndarray], knobs: Knobs, trace_layer: dict[str, np.ndarray] | None,
     calibration: CalibrationConfig,
@@ -87,12 +100,7 @@ def quantize_layer(
         ("gate", gate_up_imp, knobs.gain_gu), ("up", gate_up_imp, knobs.gain_gu),
         ("down", down_imp, knobs.gain_d),
     ):
-        w = weights[f"ffn_{name}_exps.weight"]  # [E, out, in]
-        if w.shape[-1] % 64:
-            raise GGUFFormatError(
-                f"ffn_{name}_exps.weight rows hold {w.shape[-1]} values, not a multiple of the "
-                "Q2_0 block of 64; this model cannot be quantized to Q2_0"
-            )
+        w = weights[f"ffn_{name}_exps.weight"]  # [E, out, in]; in checked by check_quantizable
         q2 = q2_0.quantize_matrix(w, importance, gain)
         arrays[f"{name}.d"] = np.asarray(q2.d, np.float16)
         arrays[f"{name}.codes"] = pack_codes(np.asarray(q2.q))

@@ -121,8 +121,10 @@ def sweep_identity(spec: Any) -> dict[str, Any]:
     from healsweep.data.corpus import load_corpus
     from healsweep.data.split import load_split, parity_split, split_lock_id
     from healsweep.gguf_io import open_model
+    from healsweep.heal.stages import check_quantizable
 
     model = open_model(spec.model)
+    check_quantizable(model)  # before any trial starts
     corpus = load_corpus(spec.corpus)
     split_cfg = parity_split(corpus) if spec.split == "auto" else load_split(spec.split)
     return {
