@@ -52,16 +52,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from healsweep.kernels.q2_0 import LANES, QK, SEEDS, _pow2_inverse
+from healsweep.kernels.q2_0 import LANES, QK, SEEDS, _pow2_inverse, _row_sums, stored_scale
+from healsweep.kernels.q2_0 import _safe_ratio as _ratio
 
 MAGIC = 12582912.0  # 1.5 * 2**23: x + MAGIC - MAGIC rounds x half to even for |x| < 2**22
 N_MAGNITUDES = len(SEEDS) // 2
 assert SEEDS[N_MAGNITUDES:] == tuple(-s for s in SEEDS[:N_MAGNITUDES])
 
 
-def _ratio(num, den, fallback):
-    ok = den > 0
-    return jnp.where(ok, num / jnp.where(ok, den, 1.0), fallback)
+def _seed(m):
+    """``SEEDS[m]`` for a traced magnitude index ``m`` in [0, 5), as a chain of selects."""
+    s = jnp.float32(SEEDS[N_MAGNITUDES - 1])
+    for j in range(N_MAGNITUDES - 2, -1, -1):
+        s = jnp.where(m == j, jnp.float32(SEEDS[j]), s)
+    return s
 
 
 def _q2_kernel(magic_ref, gain_ref, w_ref, a_ref, d_ref, q_ref, *, k: int):
@@ -91,28 +95,16 @@ def _q2_kernel(magic_ref, gain_ref, w_ref, a_ref, d_ref, q_ref, *, k: int):
     scale = _pow2_inverse(amax)
     amax_n = jnp.where(live, amax * scale, 1.0)
 
-    def sums(step, rnd):
-        sqw = sqq = None
-        for w_i, a_i in zip(w, a, strict=True):
-            q = rnd(w_i * step)
-            aq = a_i * q
-            sqw = aq * w_i if sqw is None else sqw + aq * w_i
-            sqq = aq * q if sqq is None else sqq + aq * q
-        return sqw, sqq
-
     def refit(d0, step0, sqw, sqq):
         """The second pass of a seed from its first pass's sums: (d1, score)."""
         d1 = _ratio(sqw * scale, sqq, d0)
-        sqw, sqq = sums(scale / d1, code)
+        sqw, sqq = _row_sums(w, a, scale / d1, code)
         sqw = sqw * scale
         return d1, _ratio(sqw * sqw, sqq, 0.0)
 
     def magnitude(m, carry):
         pos_score, pos_d1, neg_score, neg_d1 = carry
-        s = jnp.float32(SEEDS[N_MAGNITUDES - 1])
-        for j in range(N_MAGNITUDES - 2, -1, -1):
-            s = jnp.where(m == j, jnp.float32(SEEDS[j]), s)
-        d0 = s * amax_n
+        d0 = _seed(m) * amax_n
         step = scale / d0
         sqw_p = sqq_p = sqw_n = sqq_n = None
         for w_i, a_i in zip(w, a, strict=True):
@@ -148,9 +140,7 @@ def _q2_kernel(magic_ref, gain_ref, w_ref, a_ref, d_ref, q_ref, *, k: int):
         sqw = aq * y_i if sqw is None else sqw + aq * y_i
         sqq = aq * q if sqq is None else sqq + aq * q
         saw2 = a_i * y_i * y_i if saw2 is None else saw2 + a_i * y_i * y_i
-    d_ls = _ratio(sqw, sqq, 0.0)
-    r2 = _ratio(_ratio(sqw * sqw, sqq, 0.0), saw2, 1.0)
-    d = jnp.where(live, d_ls * jnp.power(jnp.maximum(r2, 0.25), -0.5 * gain), 0.0)
+    d = stored_scale(sqw, sqq, saw2, live, gain)
     d_ref[...] = (d / scale).astype(jnp.float16)
 
 
@@ -302,10 +292,7 @@ def _stream_kernel(magic_ref, gain_ref, w_ref, a_ref, d_ref, q_ref):
 
     def magnitude(m, carry):
         pos_score, pos_d1, neg_score, neg_d1 = carry
-        s = jnp.float32(SEEDS[N_MAGNITUDES - 1])
-        for j in range(N_MAGNITUDES - 2, -1, -1):
-            s = jnp.where(m == j, jnp.float32(SEEDS[j]), s)
-        d0 = s * amax_n
+        d0 = _seed(m) * amax_n
         sqw_p, sqq_p, sqw_n, sqq_n = first(scale / d0)
         d1_p = _ratio(sqw_p * scale, sqq_p, d0)
         d1_n = _ratio(-sqw_n * scale, sqq_n, -d0)
@@ -335,9 +322,7 @@ def _stream_kernel(magic_ref, gain_ref, w_ref, a_ref, d_ref, q_ref):
         return (c[0] + aq * y, c[1] + aq * q, c[2] + a * y * y)
 
     sqw, sqq, saw2 = loop(final, (zero, zero, zero))
-    d_ls = _ratio(sqw, sqq, 0.0)
-    r2 = _ratio(_ratio(sqw * sqw, sqq, 0.0), saw2, 1.0)
-    d = jnp.where(live, d_ls * jnp.power(jnp.maximum(r2, 0.25), -0.5 * gain), 0.0)
+    d = stored_scale(sqw, sqq, saw2, live, gain)
     d_ref[...] = (d / scale).astype(jnp.float16)
 
 

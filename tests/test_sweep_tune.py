@@ -250,3 +250,34 @@ def test_tpe_with_wilcoxon_prunes_losers_but_never_the_baseline(ray_cluster, tmp
     assert sum(t["windows_scored"] for t in trials) < 6 * N_WINDOWS
     assert len(_log_lines(log)) == len(rows)
     assert (tmp_path / "tune" / "optuna-pruning.journal").stat().st_size > 0
+
+
+
+def test_only_a_finished_trial_reaches_the_sampler_with_a_final_value():
+    # The sampler's study (TPE's history) must not take a pruned trial's running mean over a
+    # few windows (or a failed trial's) for a final value; only a trial that scored every window is.
+    import optuna
+
+    from healsweep.sweep.driver import PruneAwareOptunaSearch
+    from healsweep.sweep.trial import TARGET_METRIC
+
+    search = PruneAwareOptunaSearch(
+        space={"gain_d": optuna.distributions.FloatDistribution(0.0, 1.5)},
+        metric=TARGET_METRIC,
+        mode="min",
+        sampler=optuna.samplers.RandomSampler(seed=0),
+    )
+    runs = {"finished": (12, 0.21), "pruned": (5, 0.35), "failed": (3, 0.30)}
+    for trial_id, (done, mean) in runs.items():
+        assert "gain_d" in search.suggest(trial_id)
+        for step in range(1, done + 1):
+            result = {TARGET_METRIC: mean, "training_iteration": step}
+            search.on_trial_result(trial_id, {**result, "windows_done": step})
+        last = {TARGET_METRIC: mean, "windows_done": done, "windows_total": 12}
+        search.on_trial_complete(trial_id, last, error=trial_id == "failed")
+    by_id = dict(zip(runs, search._ot_study.get_trials(deepcopy=False), strict=True))
+    assert by_id["finished"].state.name == "COMPLETE" and by_id["finished"].value == 0.21
+    # PRUNED, so TPE ranks it after every finished trial, by its last step and intermediate value
+    assert by_id["pruned"].state.name == "PRUNED"
+    assert max(by_id["pruned"].intermediate_values) == 5
+    assert by_id["failed"].state.name == "FAIL"

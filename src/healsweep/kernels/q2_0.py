@@ -135,10 +135,16 @@ def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array, rnd=round_code, un
         sqw = aq * y_i if sqw is None else sqw + aq * y_i
         sqq = aq * q if sqq is None else sqq + aq * q
         saw2 = a_i * y_i * y_i if saw2 is None else saw2 + a_i * y_i * y_i
+    d = stored_scale(sqw, sqq, saw2, live, gain)
+    return d, scale, best_d1, (() if unroll else (d1, score))
+
+
+def stored_scale(sqw, sqq, saw2, live, gain) -> jax.Array:
+    """``d_ls * max(r², 0.25)^(-gain/2)`` from the winner's ``Σaqy``, ``Σaq²`` and ``Σay²``
+    (``y`` the normalized block), 0 for all-zero blocks: the search's last step."""
     d_ls = _safe_ratio(sqw, sqq, 0.0)
     r2 = _safe_ratio(_safe_ratio(sqw * sqw, sqq, 0.0), saw2, 1.0)
-    d = jnp.where(live, d_ls * jnp.power(jnp.maximum(r2, 0.25), -0.5 * gain), 0.0)
-    return d, scale, best_d1, (() if unroll else (d1, score))
+    return jnp.where(live, d_ls * jnp.power(jnp.maximum(r2, 0.25), -0.5 * gain), 0.0)
 
 
 def _to_tiles(x: jax.Array, lanes: int) -> jax.Array:

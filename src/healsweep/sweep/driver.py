@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ray.tune.search.optuna import OptunaSearch
+
 from healsweep.errors import ResultsError, SpecError
 from healsweep.results.store import SPEC_FILE, read_trials, read_windows
 from healsweep.sweep.manifest import read_spec, start_manifest
@@ -44,6 +46,20 @@ _TUNE_RESERVED = {
     "running_top1",
 }
 _RAY_NAMES = {"cpu": "CPU", "gpu": "GPU"}  # spec/Tune spelling -> ray.cluster_resources()
+
+
+class PruneAwareOptunaSearch(OptunaSearch):
+    """Ray's ``OptunaSearch``, except that only a trial that scored every window is told to the
+    sampler's study as ``COMPLETE`` with its pooled KLD. Ray's class tells a trial's last running
+    mean as its final value even when the trial was pruned after a few windows or failed; here a
+    pruned trial is told ``PRUNED`` (TPE ranks it below the finished trials by its last
+    intermediate value, as Optuna intends) and a failed one ``FAIL``."""
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+        """Tell the study how the trial ended (see the class)."""
+        if result and (error or result.get("windows_done", 0) < result.get("windows_total", 0)):
+            result = None  # OptunaSearch tells a valueless trial FAIL with error, else PRUNED
+        super().on_trial_complete(trial_id, result, error)
 
 
 @dataclass(frozen=True)
@@ -194,7 +210,6 @@ def _search(spec: SweepSpec) -> tuple[Any, dict[str, Any], int]:
     if spec.sampler.type == "grid":
         return None, {"knobs": tune.grid_search(grid_configs(spec))}, 1
     import optuna
-    from ray.tune.search.optuna import OptunaSearch
 
     optuna.logging.set_verbosity(logging.WARNING)  # no "study created" lines on the console
 
@@ -202,7 +217,7 @@ def _search(spec: SweepSpec) -> tuple[Any, dict[str, Any], int]:
         sampler = optuna.samplers.TPESampler(seed=spec.sampler.seed)
     else:
         sampler = optuna.samplers.RandomSampler(seed=spec.sampler.seed)
-    search = OptunaSearch(
+    search = PruneAwareOptunaSearch(
         space=optuna_space(spec),
         metric=TARGET_METRIC,
         mode="min",
