@@ -8,7 +8,7 @@ bandwidth / BYTES_PER_WEIGHT (read fp32 once, write 2.25 bits), with the bandwid
 here (a copy) and from the datasheet.
 
 Variants: layouts of the product's kernel (``q2_0._quantize_rows``, one XLA computation); with
-``--experiments`` also the Pallas kernel of ``q2_0_pallas_experiment.py``. Each variant runs in
+``--experiments`` also the two Pallas designs of ``q2_0_pallas_experiment.py``. Each variant runs in
 a child process with a time limit, so a compile that runs away costs one row, not the table.
 """
 
