@@ -75,7 +75,8 @@ def check_quantizable(model: Any) -> None:
     of 64: gate/up rows hold ``n_embd`` values, down rows ``n_ff_exp``. Called before any
     teacher pass, so that such a model fails in seconds, naming its file."""
     hp = model.hparams
-    for tensors, width in (("ffn_gate_exps/ffn_up_exps", hp.n_embd), ("ffn_down_exps", hp.n_ff_exp)):
+    widths = (("ffn_gate_exps/ffn_up_exps", hp.n_embd), ("ffn_down_exps", hp.n_ff_exp))
+    for tensors, width in widths:
         if width % 64:
             raise GGUFFormatError(
                 f"{model.path}: the rows of {tensors} hold {width} values, not a multiple of the "
