@@ -22,28 +22,16 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
+from _tiny_corpus import write_tiny_corpus
 from healsweep.confirm import confirm, frozen_hash
-from healsweep.data.corpus import Document, Message, load_corpus, write_corpus
+from healsweep.data.corpus import Document, load_corpus, write_corpus
 from healsweep.errors import LedgerError, SpecError, SplitError, TestSplitSealed
 from healsweep.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[1]
-ANSWER = '<think>\nExperts route token {i} to a few places.\n</think>\n\n{{"name": "{i}"}}'
 SWEEP = "tiny"
 
 
-def _corpus(path: Path) -> Path:
-    docs = []
-    for i in range(4):
-        text = "Mixture-of-experts models route every token to a few experts. " * (3 + i)
-        docs.append(Document(f"cal-{i}", "cal", i, "cal", text=text, pool="calibration"))
-    for i in range(6):
-        question = "The quick brown fox jumps over the lazy dog? " * (2 + i)
-        messages = (Message("user", question), Message("assistant", ANSWER.format(i=i)))
-        docs.append(Document(f"chat-{i}", "chat", i, "chat", messages=messages))
-        docs.append(Document(f"docs-{i}", "docs", i, "docs", text=f"Numbers {i} 2 3 4 5. " * 8))
-    write_corpus(docs, path)
-    return path
 
 
 def _cli(*args: str, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -65,7 +53,7 @@ def swept(tmp_path_factory, tiny_tokenizer):
     spec = {
         "name": SWEEP,
         "model": str(model),
-        "corpus": str(_corpus(root / "corpus.jsonl")),
+        "corpus": str(write_tiny_corpus(root / "corpus.jsonl")),
         "calibration": {"chunk_length": 64, "min_tokens_per_expert": 4},
         "search_space": {"gain_d": [0.3, 0.0]},
         "max_concurrent": 1,

@@ -17,8 +17,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from _tiny_corpus import write_tiny_corpus
 from healsweep.cache import StageCache
-from healsweep.data.corpus import Document, Message, load_corpus, write_corpus
+from healsweep.data.corpus import load_corpus
 from healsweep.data.split import parity_split
 from healsweep.data.windows import make_windows
 from healsweep.gguf_io import open_model
@@ -28,21 +29,6 @@ from healsweep.heal.pipeline import build_student
 from healsweep.model import forward
 
 ROOT = Path(__file__).resolve().parents[1]
-ANSWER = '<think>\nExperts route token {i} to a few places.\n</think>\n\n{{"name": "{i}"}}'
-
-
-def _corpus(path: Path) -> Path:
-    docs = []
-    for i in range(4):
-        text = "Mixture-of-experts models route every token to a few experts. " * (3 + i)
-        docs.append(Document(f"cal-{i}", "cal", i, "cal", text=text, pool="calibration"))
-    for i in range(6):
-        question = "The quick brown fox jumps over the lazy dog? " * (2 + i)
-        messages = (Message("user", question), Message("assistant", ANSWER.format(i=i)))
-        docs.append(Document(f"chat-{i}", "chat", i, "chat", messages=messages))
-        docs.append(Document(f"docs-{i}", "docs", i, "docs", text=f"Numbers {i} 2 3 4 5. " * 8))
-    write_corpus(docs, path)
-    return path
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -65,7 +51,7 @@ def test_cli_sweep_on_the_real_pipeline_then_status_and_report(tmp_path, tiny_to
     model_path = write_random_model(
         tmp_path / "m.gguf", n_layer=2, n_ff_exp=64, seed=5, tokenizer=tiny_tokenizer
     )
-    corpus_path = _corpus(tmp_path / "corpus.jsonl")
+    corpus_path = write_tiny_corpus(tmp_path / "corpus.jsonl")
     spec = {
         "name": "e2e",
         "model": str(model_path),
