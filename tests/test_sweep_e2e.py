@@ -67,6 +67,7 @@ def test_cli_sweep_on_the_real_pipeline_then_status_and_report(tmp_path, tiny_to
     run = _cli("sweep", "run", str(spec_path), "--results", str(tmp_path / "results"), env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "2 trials (2 completed)" in run.stdout
+    assert "Token authentication" not in run.stdout + run.stderr  # the embedded Ray's notice
 
     sweep_dir = tmp_path / "results" / "e2e"
     rows = pq.read_table(sweep_dir / "windows").to_pylist()

@@ -137,11 +137,30 @@ def ray_session(address: str | None, num_cpus: int | None) -> Iterator[None]:
 
         connect(address)
     else:
-        ray.init(num_cpus=num_cpus, **kwargs)
+        # An embedded cluster is this process's own: Ray's notice that it enabled token
+        # authentication by default (it did; nothing to act on) is noise on the sweep's console.
+        auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+        notice = _DropRecords("Token authentication is enabled for this Ray cluster")
+        auth_log.addFilter(notice)
+        try:
+            ray.init(num_cpus=num_cpus, **kwargs)
+        finally:
+            auth_log.removeFilter(notice)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+class _DropRecords(logging.Filter):
+    """Drops the log records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 def _quiet_tune() -> None:
