@@ -21,9 +21,11 @@ underflowing ``score``; subnormal inputs may be flushed to zero by the backend.
 Layout, for speed (see ``benchmarks/bench_quant.py``): on a CPU, blocks are regrouped into
 tiles ``[T, 64, L]`` whose ``L`` lanes are ``L`` blocks, so that every sum over a block is a
 chain of 64 vector adds along the lane axis, and the ten seeds' passes run as loop fusions over
-a seed axis. On an accelerator the blocks stay in place and the seeds are unrolled into one
-fusion: a thread per block. ``quantize`` and ``quantize_matrix`` are host drivers that feed the
-jitted chunk kernel ``_quantize_rows`` fixed-shape chunks, so each shape compiles once.
+a seed axis. On an NVIDIA GPU the search is one Pallas kernel (:mod:`q2_0_gpu`: a thread per
+block, its weights in registers); on other accelerators the blocks stay in place and the seeds
+are unrolled into one XLA fusion, also a thread per block. ``quantize`` and ``quantize_matrix``
+are host drivers that feed the jitted chunk kernel fixed-shape chunks, so each shape compiles
+once.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ QK = 64
 SEEDS = (0.42, 0.55, 0.68, 0.81, 0.94, -0.42, -0.55, -0.68, -0.81, -0.94)
 BYTES_PER_BLOCK = 18
 LANES = 16
-_CHUNK_WEIGHTS = {"cpu": 1 << 18, "gpu": 1 << 24}
+_CHUNK_WEIGHTS = {"cpu": 1 << 18, "gpu": 1 << 24, "pallas": 1 << 26}
 
 
 def round_code(x: jax.Array) -> jax.Array:
@@ -222,18 +224,23 @@ def _untile_np(d: np.ndarray, n_rows: int) -> np.ndarray:
 
 
 def _backend_options() -> dict:
-    """Kernel layout for the default backend: vector tiles with the seeds on an axis on a CPU;
-    on accelerators blocks in place and the seeds unrolled into one fusion (one thread per
-    block), measured about 5x faster on an H200 (``benchmarks/bench_quant_gpu.py``)."""
+    """Kernel for the default backend: on a CPU, vector tiles with the seeds on an axis; on an
+    NVIDIA GPU the Pallas kernel of :mod:`q2_0_gpu` (a thread per block, its weights in
+    registers); on other accelerators blocks in place and the seeds unrolled into one XLA
+    fusion (one thread per block). Measured on an H200 (``benchmarks/bench_quant.py``): the
+    Pallas kernel about 2x the fusion, the fusion about 5x the CPU layout."""
     if jax.default_backend() == "cpu":
         return {"tiles": True, "keep_extras": True}
+    from healsweep.kernels import q2_0_gpu
+
+    if q2_0_gpu.on_cuda() and q2_0_gpu.lowers():
+        return {"pallas": True}
     return {"tiles": False, "unroll": True, "keep_extras": False}
 
 
-def _chunk_rows(n_rows: int, n_in: int) -> int:
-    """Rows per jitted call: about a backend-dependent number of weights, a multiple of LANES.
-    Smaller inputs get a power of two of at least 2**16 weights, so that few shapes compile."""
-    target = _CHUNK_WEIGHTS.get(jax.default_backend(), _CHUNK_WEIGHTS["gpu"])
+def _chunk_rows(n_rows: int, n_in: int, target: int) -> int:
+    """Rows per jitted call: about ``target`` weights, a multiple of LANES. Smaller inputs get
+    a power of two of at least 2**16 weights, so that few shapes compile."""
     rows = max(LANES, (target // n_in) // LANES * LANES)
     small = max(n_rows, (1 << 16) // n_in, LANES)
     return min(rows, 1 << (small - 1).bit_length())
@@ -251,24 +258,34 @@ def quantize_rows(w, importance, gain: float, options=None) -> tuple[np.ndarray,
     ``importance`` is [R, in] (one row per weight row) or [R / LANES, in] (one row per group of
     LANES consecutive rows). Returns ``(d [R, in/64] float16, q [R, in] int8)`` as numpy arrays.
     The chunk shape depends only on ``in`` and the backend, so each is compiled once;
-    ``options`` (``_quantize_rows`` layout flags) default to the backend's.
+    ``options`` (``_quantize_rows`` layout flags, or ``{"pallas": True}`` for the GPU kernel of
+    :mod:`q2_0_gpu`, with ``"interpret": True`` for its interpreter) default to the backend's.
     """
     n_rows, n_in = w.shape
     per_row = importance.shape[0] == n_rows
-    chunk = _chunk_rows(n_rows, n_in)
+    opts = options or _backend_options()
+    pallas = opts.get("pallas", False)
+    backend = "pallas" if pallas else jax.default_backend()
+    chunk = _chunk_rows(n_rows, n_in, _CHUNK_WEIGHTS.get(backend, _CHUNK_WEIGHTS["gpu"]))
     imp_chunk = chunk if per_row else chunk // LANES
     n_chunks = -(-n_rows // chunk)
     w = _pad_rows(np.asarray(w, np.float32), n_chunks * chunk, 0.0)
     importance = _pad_rows(np.asarray(importance, np.float32), n_chunks * imp_chunk, 1.0)
     gain32 = jnp.float32(gain)
-    opts = {"tiles": True, **(options or _backend_options())}
+    opts = {"tiles": True, **opts}
     d_out = np.empty((n_chunks * chunk, n_in // QK), np.float16)
     q_out = np.empty((n_chunks * chunk, n_in), np.int8)
     for c in range(n_chunks):
         rows = slice(c * chunk, (c + 1) * chunk)
         imp_c = importance[c * imp_chunk : (c + 1) * imp_chunk]
-        d, q, _ = _quantize_rows(w[rows], imp_c, gain32, **opts)
-        d_out[rows] = _untile_np(np.asarray(d), chunk) if opts["tiles"] else np.asarray(d)
+        if pallas:
+            from healsweep.kernels import q2_0_gpu
+
+            d, q = q2_0_gpu.quantize_rows(w[rows], imp_c, gain32, opts.get("interpret", False))
+            d_out[rows] = np.asarray(d)
+        else:
+            d, q, _ = _quantize_rows(w[rows], imp_c, gain32, **opts)
+            d_out[rows] = _untile_np(np.asarray(d), chunk) if opts["tiles"] else np.asarray(d)
         q_out[rows] = np.asarray(q)
     return d_out[:n_rows], q_out[:n_rows]
 
