@@ -273,14 +273,14 @@ def quantize_rows(w, importance, gain: float, options=None) -> tuple[np.ndarray,
     importance = _pad_rows(np.asarray(importance, np.float32), n_chunks * imp_chunk, 1.0)
     gain32 = jnp.float32(gain)
     opts = {"tiles": True, **opts}
+    if pallas:
+        from healsweep.kernels import q2_0_gpu
     d_out = np.empty((n_chunks * chunk, n_in // QK), np.float16)
     q_out = np.empty((n_chunks * chunk, n_in), np.int8)
     for c in range(n_chunks):
         rows = slice(c * chunk, (c + 1) * chunk)
         imp_c = importance[c * imp_chunk : (c + 1) * imp_chunk]
         if pallas:
-            from healsweep.kernels import q2_0_gpu
-
             d, q = q2_0_gpu.quantize_rows(w[rows], imp_c, gain32, opts.get("interpret", False))
             d_out[rows] = np.asarray(d)
         else:

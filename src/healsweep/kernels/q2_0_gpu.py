@@ -262,9 +262,7 @@ def lowers() -> bool:
         shape((), jnp.float32),
     )
     try:
-        jax.jit(partial(_call, k=1, interpret=False)).trace(*args).lower(
-            lowering_platforms=("cuda",)
-        )
+        _call.trace(*args, 1, False).lower(lowering_platforms=("cuda",))
     except Exception as err:  # noqa: BLE001 (any lowering failure means: use the XLA kernel)
         log.warning(
             "Q2_0: the Pallas GPU kernel does not lower on jax %s (%s); using the XLA kernel",
