@@ -64,8 +64,7 @@ def measured_bandwidth(repeats: int) -> float:
 
 def _kernel(kind: str, opts: dict):
     """``(w, importance_rows, gain) -> (d, q)`` on device arrays, with one importance row per
-    ``opts["lanes"]`` weight rows (see :func:`_inputs`). ``d`` is in tile order for
-    ``tiles=True`` (see :func:`_agreement`)."""
+    ``opts["lanes"]`` weight rows (see :func:`_inputs`); ``d`` in row order (no ``tiles``)."""
     from healsweep.kernels import q2_0
 
     opts = dict(opts)
@@ -108,8 +107,6 @@ def _agreement(kind: str, opts: dict) -> tuple[float, float]:
 
     n_rows = 256
     d_dev, q_dev = _kernel(kind, opts)(*_inputs(n_rows, opts, seed=1))
-    if kind == "xla" and opts.get("tiles"):
-        d_dev = q2_0._untile_np(np.asarray(d_dev), n_rows)
     cpu = jax.devices("cpu")[0]
     d_cpu, q_cpu, _ = q2_0._quantize_rows(*_inputs(n_rows, {"lanes": 16}, 1, cpu))
     d_cpu = q2_0._untile_np(np.asarray(d_cpu), n_rows)

@@ -237,8 +237,7 @@ def _call(w, importance, gain, k: int, interpret: bool):
         name="q2_0_search",
     )
     gain = jnp.reshape(jnp.asarray(gain, jnp.float32), (1,))
-    d, q = call(gain, w.astype(jnp.float32), importance.astype(jnp.float32))
-    return d, q
+    return tuple(call(gain, w.astype(jnp.float32), importance.astype(jnp.float32)))
 
 
 def on_cuda() -> bool:
