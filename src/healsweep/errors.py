@@ -55,3 +55,7 @@ class CacheError(HealsweepError):
 
 class ResultsError(HealsweepError):
     """A results directory is missing, unwritable or inconsistent."""
+
+
+class SliceError(HealsweepError):
+    """A layer range or output path of ``healsweep model slice`` is invalid."""

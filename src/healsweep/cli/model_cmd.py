@@ -1,4 +1,4 @@
-"""`healsweep model ...` commands and `healsweep bench forward`."""
+"""`healsweep model info|logits|slice` and `healsweep bench forward`."""
 
 from __future__ import annotations
 
@@ -94,6 +94,32 @@ def model_logits(
     logits = forward(m, [ids.astype(np.int32)]).logits[0]
     np.save(out, logits)
     typer.echo(f"wrote {out} float32 {list(logits.shape)}")
+
+
+@model_app.command("slice")
+def model_slice(
+    model: ModelArg,
+    layers: Annotated[
+        str,
+        typer.Option(
+            "--layers",
+            help="Layers A:B to keep (A to B-1, renumbered from 0); A: and :B leave an end open.",
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the sliced .gguf.")],
+) -> None:
+    """A smaller GGUF of layers A..B-1 with the embeddings, head, tokenizer and all metadata."""
+    import time
+
+    from healsweep.gguf_io import open_model, parse_layer_range, slice_model
+
+    started = time.perf_counter()
+    written = open_model(slice_model(model, parse_layer_range(layers), out))
+    typer.echo(
+        f"wrote {out}: {written.hparams.n_layer} layers ({layers.strip()}) of {model}, "
+        f"{len(written.tensor_names)} tensors, {_mib(out.stat().st_size)} in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
 
 
 @bench_app.command("forward")

@@ -1,7 +1,8 @@
-"""Reading and writing GGUF MoE models: hparams, lazy per-layer tensors, tokenizer, writer."""
+"""Reading and writing GGUF MoE models: hparams, lazy tensors, tokenizer, writer, layer slices."""
 
 from healsweep.gguf_io._hparams import SUPPORTED_ARCHS, ModelHparams, expected_tensor_shapes
 from healsweep.gguf_io._model import GGUFModel, file_fingerprint, open_model
+from healsweep.gguf_io._slice import parse_layer_range, slice_model
 from healsweep.gguf_io._tokenizer import (
     TokenizerMetadata,
     build_tokenizer,
@@ -21,6 +22,8 @@ __all__ = [
     "file_fingerprint",
     "load_tokenizer_file",
     "open_model",
+    "parse_layer_range",
+    "slice_model",
     "tokenizer_metadata_from_tokenizer",
     "write_model",
 ]
