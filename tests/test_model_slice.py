@@ -97,7 +97,7 @@ def test_slice_renumbers_blocks_and_keeps_everything_else(random_gguf, tmp_path,
 def test_slice_0_2_gives_the_logits_of_the_source_cut_after_two_layers(random_gguf, tmp_path):
     src = open_model(random_gguf("qwen2moe", n_layer=4, types={"ffn_down_exps.weight": "Q8_0"}))
     ids = [np.arange(3, 60, dtype=np.int32), np.arange(100, 131, dtype=np.int32)]
-    head = open_model(slice_model(src.path, (0, 2), tmp_path / "head.gguf"))
+    head = open_model(slice_model(src, (0, 2), tmp_path / "head.gguf"))  # an open model
     expected = forward(src.with_hparams(n_layer=2), ids).logits
     got = forward(head, ids).logits
     for e, g in zip(expected, got, strict=True):
@@ -232,7 +232,7 @@ def test_cli_slice_writes_a_model_and_one_line(random_gguf, tmp_path):
     done = _run("model", "slice", src, "--layers", "1:3", "--out", out, tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"wrote {out}: 2 layers (1:3) of {src}")
+    assert len(lines) == 1 and lines[0].startswith(f"wrote {out}: layers 1:3 of {src} (2 of 4), ")
     assert open_model(out).hparams.n_layer == 2
     missing = _run(
         "model",

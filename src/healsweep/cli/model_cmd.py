@@ -114,11 +114,14 @@ def model_slice(
     from healsweep.gguf_io import open_model, parse_layer_range, slice_model
 
     started = time.perf_counter()
-    written = open_model(slice_model(model, parse_layer_range(layers), out))
+    start, stop = parse_layer_range(layers)  # checks the form before the model is opened
+    source = open_model(model)
+    slice_model(source, (start, stop), out)
+    n_layer = source.hparams.n_layer
+    start, stop = start or 0, n_layer if stop is None else stop
     typer.echo(
-        f"wrote {out}: {written.hparams.n_layer} layers ({layers.strip()}) of {model}, "
-        f"{len(written.tensor_names)} tensors, {_mib(out.stat().st_size)} in "
-        f"{time.perf_counter() - started:.1f} s"
+        f"wrote {out}: layers {start}:{stop} of {model} ({stop - start} of {n_layer}), "
+        f"{_mib(out.stat().st_size)} in {time.perf_counter() - started:.1f} s"
     )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from healsweep.errors import HealsweepError, SliceError
+from healsweep.gguf_io._model import GGUFModel, open_model
 
 PROVENANCE_FINGERPRINT = "healsweep.slice.source_fingerprint"
 PROVENANCE_LAYERS = "healsweep.slice.layers"
@@ -96,7 +97,9 @@ class _Encoder:
 _SCALAR_FORMATS = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True))
 
 
-def _metadata_bytes(model: Any, enc: _Encoder, start: int, stop: int) -> tuple[list[bytes], int]:
+def _metadata_bytes(
+    model: GGUFModel, enc: _Encoder, start: int, stop: int
+) -> tuple[list[bytes], int]:
     """Every metadata field of the source, as stored, with the slice's changes applied.
 
     Returns the encoded fields and their count. Fields are copied byte for byte from the mapped
@@ -146,7 +149,7 @@ def _metadata_bytes(model: Any, enc: _Encoder, start: int, stop: int) -> tuple[l
     return out, len(out)
 
 
-def _sliced_tensors(model: Any, start: int, stop: int) -> list[tuple[str, Any]]:
+def _sliced_tensors(model: GGUFModel, start: int, stop: int) -> list[tuple[str, Any]]:
     """``(new name, reader tensor)`` in file order: non-block tensors and blocks start..stop-1."""
     kept = []
     for tensor in model._reader.tensors:
@@ -172,7 +175,9 @@ def _copy_range(src_fh: Any, dst_fh: Any, offset: int, n_bytes: int, buffer: mem
         left -= got
 
 
-def slice_model(src: str | Path, layers: tuple[int | None, int | None], out: str | Path) -> Path:
+def slice_model(
+    src: str | Path | GGUFModel, layers: tuple[int | None, int | None], out: str | Path
+) -> Path:
     """Write layers ``A..B-1`` of the model ``src`` to ``out`` as a valid GGUF; return ``out``.
 
     ``layers`` is ``(A, B)``; ``None`` for A or B means the first layer or one past the last.
@@ -186,14 +191,13 @@ def slice_model(src: str | Path, layers: tuple[int | None, int | None], out: str
     stored bytes (any ggml type) in 16 MiB chunks. The file is written to a temp name in the
     destination folder and renamed; on any error no output is left behind.
 
-    Raises :class:`SliceError` for a bad range or output path, and ``open_model``'s errors for
-    a source that is not a valid model.
+    ``src`` may be an open :class:`GGUFModel` (opening a model with a 150k-entry vocabulary
+    parses its metadata for seconds). Raises :class:`SliceError` for a bad range or output path,
+    and ``open_model``'s errors for a source that is not a valid model.
     """
     from gguf import GGUFEndian
 
-    from healsweep.gguf_io._model import open_model
-
-    model = open_model(src)
+    model = src if isinstance(src, GGUFModel) else open_model(src)
     src_path, out = model.path, Path(out)
     _check_out(src_path, out)
     start, stop = _resolve_range(layers, model.hparams.n_layer, src_path)
