@@ -246,3 +246,6 @@ def test_cli_slice_writes_a_model_and_one_line(random_gguf, tmp_path):
     )
     assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
     assert "output folder" in missing.stderr and "Traceback" not in missing.stderr
+    over = _run("model", "slice", src, "--layers", "0:2", "--out", src, tmp_path=tmp_path)
+    assert over.returncode == 1 and len(over.stderr.strip().splitlines()) == 1
+    assert "is the source model itself" in over.stderr and open_model(src).hparams.n_layer == 4
