@@ -15,6 +15,7 @@ import numpy as np
 
 from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io._hparams import ModelHparams, metadata_from_hparams
+from healsweep.gguf_io._kquant import KQUANT_TYPES, quantize_kquant
 from healsweep.gguf_io._tokenizer import TokenizerMetadata
 
 
@@ -37,6 +38,8 @@ def encode_tensor(name: str, values: np.ndarray, qtype) -> np.ndarray:
             f"{values.shape[-1]} values are not a multiple of its block size {block}; "
             "choose another type for this tensor"
         )
+    if int(qtype) in KQUANT_TYPES:  # gguf-py cannot write these: our round-to-nearest
+        return quantize_kquant(values, int(qtype))
     try:
         return quantize(np.ascontiguousarray(values, dtype=np.float32), qtype)
     except NotImplementedError as exc:
