@@ -9,7 +9,7 @@ from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
-STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "part_b")
+STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "ridge_basis", "ridge_fit", "part_b")
 
 
 setup = heal_setup
@@ -24,15 +24,25 @@ def test_each_knob_recomputes_only_the_stages_that_read_it(setup, tmp_path):
     cache = StageCache(tmp_path / "cache")
     n = model.hparams.n_layer
     build_student(model, Knobs(), CAL, cache, corpus=corpus)
-    assert dict(cache.computed) == {"calib_trace": 1, "quantize": n, "routed_q": n,
-                                    "part_a": n, "part_b": n}
+    assert dict(cache.computed) == {
+        "calib_trace": 1,
+        "quantize": n,
+        "routed_q": n,
+        "part_a": n,
+        "ridge_basis": n,
+        "ridge_fit": n,
+        "part_b": n,
+    }
+    heal = {"ridge_fit": n, "part_b": n}  # a new target dY: dW from the cached basis
+    requant = {"quantize": n, "routed_q": n, "part_a": n, **heal}
     steps = [
         (Knobs(), {}),  # same knobs: everything from the cache
-        (Knobs(eta=0.3), {"part_b": n}),  # eta re-uses the quantized experts and y_q
-        (Knobs(rho=2.0, eta=0.3), {"part_b": n}),
-        (Knobs(gamma=0.5), {"part_a": n, "part_b": n}),
-        (Knobs(gain_d=0.1), {"quantize": n, "routed_q": n, "part_a": n, "part_b": n}),
-        (Knobs(importance="act"), {"quantize": n, "routed_q": n, "part_a": n, "part_b": n}),
+        (Knobs(eta=0.3), {"part_b": n}),  # eta re-uses the quantized experts, y_q and dW
+        (Knobs(rho=2.0, eta=0.3), heal),  # rho: two matrix products, no new factorization
+        (Knobs(rho=2.0, eta=0.15), {"part_b": n}),
+        (Knobs(gamma=0.5), {"part_a": n, **heal}),
+        (Knobs(gain_d=0.1), requant),
+        (Knobs(importance="act"), requant),
         (Knobs(alpha="none", gamma=0.1, ridge=False, rho=3.0), {"part_a": n}),
         (Knobs(alpha="none", gamma=0.9, ridge=False, rho=5.0), {}),  # inert knobs share entries
     ]
@@ -43,8 +53,13 @@ def test_each_knob_recomputes_only_the_stages_that_read_it(setup, tmp_path):
     # gain_d never re-runs the teacher; neither does a knob set that needs no trace at all.
     assert cache.computed["calib_trace"] == 1
     before = dict(cache.computed)
-    fresh = build_student(model, Knobs(alpha="gaussian", ridge=False), CAL,
-                          StageCache(tmp_path / "other"), corpus=corpus)
+    fresh = build_student(
+        model,
+        Knobs(alpha="gaussian", ridge=False),
+        CAL,
+        StageCache(tmp_path / "other"),
+        corpus=corpus,
+    )
     assert fresh.report["calibration"] is None and cache.computed == before
 
 
@@ -53,8 +68,9 @@ def test_act_importance_keys_quantization_by_the_trace(setup, tmp_path):
     cache = StageCache(tmp_path / "cache")
     build_student(model, Knobs(importance="act"), CAL, cache, corpus=corpus)
     before = dict(cache.computed)
-    other_cal = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4,
-                                  exclude_doc_ids=("cal-3",))
+    other_cal = CalibrationConfig(
+        chunk_length=64, min_tokens_per_expert=4, exclude_doc_ids=("cal-3",)
+    )
     build_student(model, Knobs(importance="act"), other_cal, cache, corpus=corpus)
     assert _delta(cache, before)["quantize"] == model.hparams.n_layer
     build_student(model, Knobs(), CAL, cache, corpus=corpus)
@@ -63,9 +79,11 @@ def test_act_importance_keys_quantization_by_the_trace(setup, tmp_path):
     assert _delta(cache, before)["quantize"] == 0
     assert _delta(cache, before)["routed_q"] == model.hparams.n_layer  # new inputs, same experts
     assert stages.quantize_key(model, Knobs(), "trace-a", 0) == stages.quantize_key(
-        model, Knobs(), "trace-b", 0)
+        model, Knobs(), "trace-b", 0
+    )
     assert stages.quantize_key(model, Knobs(importance="act"), "trace-a", 0) != stages.quantize_key(
-        model, Knobs(importance="act"), "trace-b", 0)
+        model, Knobs(importance="act"), "trace-b", 0
+    )
 
 
 def test_stage_keys_hold_a_digest_of_the_code_they_run(tmp_path, monkeypatch):
@@ -77,4 +95,5 @@ def test_stage_keys_hold_a_digest_of_the_code_they_run(tmp_path, monkeypatch):
     stages.code_digest.cache_clear()
     assert stages.code_digest(("healsweep_probe_codec",)) != first
     assert stages.code_digest(stages.STAGE_CODE["quantize"]) != stages.code_digest(
-        stages.STAGE_CODE["part_a"])
+        stages.STAGE_CODE["part_a"]
+    )

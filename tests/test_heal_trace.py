@@ -12,12 +12,14 @@ from healsweep.data.corpus import load_corpus
 from healsweep.errors import CorpusError
 from healsweep.gguf_io import open_model
 from healsweep.gguf_io.synthetic import write_random_model
+from healsweep.heal import ridge
 from healsweep.heal.knobs import CalibrationConfig
 from healsweep.heal.trace import (
     LAYER_STAGE,
     calibration_trace,
     layer_key,
     make_chunks,
+    run_trace,
     trace_key,
 )
 from healsweep.model import forward
@@ -27,18 +29,42 @@ TOOL_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "json.dumps"}}\n
 
 def write_corpus(path, extra_text=""):
     docs = [
-        {"doc_id": "cal-a", "source": "cal", "index": 0, "stratum": "prose", "pool": "calibration",
-         "text": "The quick brown fox jumps over the lazy dog. " * 6 + extra_text},
-        {"doc_id": "ev-1", "source": "ev", "index": 1, "stratum": "prose",
-         "text": "An evaluation document that calibration must never read."},
-        {"doc_id": "cal-b", "source": "cal", "index": 1, "stratum": "tool", "pool": "calibration",
-         "messages": [
-             {"role": "user", "content": "Find json.dumps."},
-             {"role": "assistant", "content": TOOL_CALL},
-             {"role": "tool", "content": "json.dumps(obj) serializes obj to a JSON string."},
-             {"role": "assistant", "content": "It serializes an object to JSON."}]},
-        {"doc_id": "cal-c", "source": "cal", "index": 2, "stratum": "prose", "pool": "calibration",
-         "text": "Mixture-of-experts models route every token to a few experts. " * 3},
+        {
+            "doc_id": "cal-a",
+            "source": "cal",
+            "index": 0,
+            "stratum": "prose",
+            "pool": "calibration",
+            "text": "The quick brown fox jumps over the lazy dog. " * 6 + extra_text,
+        },
+        {
+            "doc_id": "ev-1",
+            "source": "ev",
+            "index": 1,
+            "stratum": "prose",
+            "text": "An evaluation document that calibration must never read.",
+        },
+        {
+            "doc_id": "cal-b",
+            "source": "cal",
+            "index": 1,
+            "stratum": "tool",
+            "pool": "calibration",
+            "messages": [
+                {"role": "user", "content": "Find json.dumps."},
+                {"role": "assistant", "content": TOOL_CALL},
+                {"role": "tool", "content": "json.dumps(obj) serializes obj to a JSON string."},
+                {"role": "assistant", "content": "It serializes an object to JSON."},
+            ],
+        },
+        {
+            "doc_id": "cal-c",
+            "source": "cal",
+            "index": 2,
+            "stratum": "prose",
+            "pool": "calibration",
+            "text": "Mixture-of-experts models route every token to a few experts. " * 3,
+        },
     ]
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))
     return path
@@ -59,8 +85,10 @@ def test_chunks_cover_every_calibration_token_and_count_tool_content(model, corp
     tok = model.tokenizer()
     cfg = CalibrationConfig(chunk_length=16)
     chunks, info = make_chunks(corpus.pool("calibration"), tok, cfg)
-    lengths = {d.doc_id: len(tok.encode(d.render(), add_special_tokens=False).ids)
-               for d in corpus.pool("calibration")}
+    lengths = {
+        d.doc_id: len(tok.encode(d.render(), add_special_tokens=False).ids)
+        for d in corpus.pool("calibration")
+    }
     assert info["tokens_used"] == info["tokens_available"] == sum(lengths.values())
     assert sum(len(c.tokens) for c in chunks) == info["tokens_used"]
     assert all(len(c.tokens) <= 16 for c in chunks)
@@ -70,14 +98,18 @@ def test_chunks_cover_every_calibration_token_and_count_tool_content(model, corp
         assert len(ids) == n
     tool = sum(c.tool_tokens for c in chunks if c.doc_id == "cal-b")
     inside = len(tok.encode(TOOL_CALL, add_special_tokens=False).ids) + len(
-        tok.encode("json.dumps(obj) serializes obj to a JSON string.", add_special_tokens=False).ids)
+        tok.encode("json.dumps(obj) serializes obj to a JSON string.", add_special_tokens=False).ids
+    )
     assert abs(tool - inside) <= 4
     assert sum(c.tool_tokens for c in chunks if c.doc_id != "cal-b") == 0
 
 
 def test_max_tokens_cut_is_reported(model, corpus):
-    chunks, info = make_chunks(corpus.pool("calibration"), model.tokenizer(),
-                               CalibrationConfig(max_tokens=50, chunk_length=16))
+    chunks, info = make_chunks(
+        corpus.pool("calibration"),
+        model.tokenizer(),
+        CalibrationConfig(max_tokens=50, chunk_length=16),
+    )
     assert info["tokens_used"] == 50 == sum(len(c.tokens) for c in chunks)
     assert info["document_cut_by_max_tokens"]["kept"] < info["document_cut_by_max_tokens"]["of"]
 
@@ -91,21 +123,61 @@ def test_trace_equals_direct_captures_chunk_by_chunk(model, corpus, tmp_path):
     n_tokens = sum(len(c.tokens) for c in chunks)
     for layer in range(model.hparams.n_layer):
         arrays = trace.layer(layer)
-        for name, field in (("x", "ffn_input"), ("y_ref", "routed_output"),
-                            ("z", "shexp_down_input"), ("gate", "shexp_gate"),
-                            ("weights", "topk_weights")):
+        for name, field in (
+            ("x", "ffn_input"),
+            ("y_ref", "routed_output"),
+            ("gate", "shexp_gate"),
+            ("weights", "topk_weights"),
+        ):
             want = np.concatenate([getattr(d[layer], field) for d in direct])
             np.testing.assert_allclose(arrays[name], want, rtol=2e-4, atol=2e-5)
         ids = np.concatenate([d[layer].topk_ids for d in direct])
         np.testing.assert_array_equal(arrays["ids"], ids)
         assert arrays["x"].shape[0] == n_tokens and arrays["x"].dtype == np.float32
         assert arrays["counts"].sum() == n_tokens * model.hparams.n_expert_used
+        assert "z" not in arrays  # the shared expert's down input is recomputed from x
+        # Part B's Z' from the stored x equals silu(x·Wgᵀ)·(x·Wuᵀ)·gate of the direct captures.
+        x = np.concatenate([d[layer].ffn_input for d in direct]).astype(np.float64)
+        wg, wu = (
+            model.tensor(f"blk.{layer}.ffn_{n}_shexp.weight").astype(np.float64)
+            for n in ("gate", "up")
+        )
+        gate = np.concatenate([d[layer].shexp_gate for d in direct]).astype(np.float64)
+        want = (x @ wg.T) / (1 + np.exp(-(x @ wg.T))) * (x @ wu.T) * gate[:, None]
+        got = ridge.layer_design(model, layer, arrays)(0, n_tokens)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     report = trace.report
     assert report["tokens_used"] == n_tokens
     assert sum(report["tokens_per_stratum"].values()) == n_tokens
     assert report["tool_call_tokens_per_stratum"]["tool"] > 0
     assert report["tool_call_tokens_per_stratum"]["prose"] == 0
     assert trace.tokens_per_expert.shape == (2, model.hparams.n_expert)
+
+
+def test_trace_streams_layers_in_chunk_order_whatever_the_batching(model, corpus, tmp_path):
+    chunks, _ = make_chunks(
+        corpus.pool("calibration"), model.tokenizer(), CalibrationConfig(chunk_length=40)
+    )
+    runs = []
+    for budget in (4096, 128):  # one batch; then one or two chunks per batch, buckets interleaved
+        layers: list[int] = []
+        got: dict[int, dict] = {}
+
+        def sink(layer, arrays, layers=layers, got=got):
+            layers.append(layer)
+            got[layer] = arrays
+
+        spill = tmp_path / f"spill-{budget}"
+        spill.mkdir()
+        counts = run_trace(model, chunks, sink, str(spill), batch_tokens=budget)
+        assert layers == [0, 1] and list(spill.iterdir()) == []  # streamed, spill cleaned
+        runs.append((got, counts))
+    (one, counts_one), (many, counts_many) = runs
+    np.testing.assert_array_equal(counts_one, counts_many)
+    for layer in (0, 1):
+        assert set(one[layer]) == set(many[layer])
+        for name in one[layer]:
+            np.testing.assert_allclose(many[layer][name], one[layer][name], rtol=2e-4, atol=2e-5)
 
 
 def test_trace_is_cached_by_content_and_rebuilt_when_a_layer_entry_is_damaged(model, tmp_path):
@@ -115,8 +187,10 @@ def test_trace_is_cached_by_content_and_rebuilt_when_a_layer_entry_is_damaged(mo
     first = calibration_trace(model, cfg, cache, corpus)
     again = calibration_trace(model, cfg, cache, corpus)
     assert cache.computed["calib_trace"] == 1 and again.key == first.key
-    assert calibration_trace(model, cfg.model_copy(update={"corpus": "elsewhere"}), cache,
-                             corpus).key == first.key  # the corpus path is not part of the key
+    assert (
+        calibration_trace(model, cfg.model_copy(update={"corpus": "elsewhere"}), cache, corpus).key
+        == first.key
+    )  # the corpus path is not part of the key
     docs = corpus.pool("calibration")
     edited = load_corpus(write_corpus(tmp_path / "c2.jsonl", extra_text="One more sentence."))
     assert trace_key(model, cfg, edited.pool("calibration")) != first.key

@@ -1,31 +1,38 @@
-"""Part B ridge against a float64 numpy re-implementation, plus its provable properties."""
+"""Part B ridge in the eigenbasis of G against a float64 numpy direct solve, plus its properties."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from healsweep.heal import ridge
+from healsweep.kernels import ridge as kr
 from healsweep.kernels.conformance import backend_violations
-from healsweep.kernels.ridge import (
-    _solve,
-    apply_ridge,
-    fit_ridge,
-    gated_design,
-    normal_equations,
-    solve_ridge,
-)
 
 
-def _problem(rng, t=200, fs=24, d=16, noise=0.5):
-    z = rng.standard_normal((t, fs)).astype(np.float32)
+def _problem(rng, t=200, fs=24, d=16, noise=0.5, decay=0.0):
+    """Random Z, gate, dY; ``decay`` > 0 makes Z's columns span many orders of magnitude."""
+    z = rng.standard_normal((t, fs)) * np.exp(-decay * np.arange(fs))[None, :]
+    z = z.astype(np.float32)
     gate = (1 / (1 + np.exp(-rng.standard_normal(t)))).astype(np.float32)
     true_dw = rng.standard_normal((fs, d)).astype(np.float32) * 0.3
     dy = (z * gate[:, None]) @ true_dw + noise * rng.standard_normal((t, d))
     return z, gate, dy.astype(np.float32)
 
 
+def _fit(z, gate, dy, rho, eta):
+    """The stages' arithmetic on given arrays: basis, fit at rho, figures at eta (step eta*dW)."""
+    zg = z * gate[:, None]
+    design = lambda a, b: jnp.asarray(zg[a:b])  # noqa: E731
+    basis, basis_meta = ridge.basis_from_design(design, len(z))
+    fit, fit_meta = ridge.fit_from_design(design, dy, basis, basis_meta, rho)
+    stats = ridge.ridge_stats(basis, fit, fit_meta, eta, eta * fit["delta"])
+    return fit["delta"], stats
+
+
 def _ref_fit(z, gate, dy, rho, eta, n_blocks=4):
-    """float64 reference: ridge, rank, dof, in-sample and leave-one-block-out changes."""
+    """float64 direct solve: ridge, rank, dof, in-sample and leave-one-block-out changes."""
     zg = z.astype(np.float64) * gate.astype(np.float64)[:, None]
     dy = dy.astype(np.float64)
 
@@ -54,30 +61,63 @@ def _ref_fit(z, gate, dy, rho, eta, n_blocks=4):
     return dw, lam, rank, dof, after / before - 1, after_out / before_out - 1
 
 
-@pytest.mark.parametrize(("t", "rho", "eta"), [(200, 6.0, 0.15), (200, 0.25, 1.0), (64, 1.0, 0.5)])
-def test_fit_matches_float64_reference(t, rho, eta):
+@pytest.mark.parametrize(
+    ("t", "rho", "eta"), [(200, 6.0, 0.15), (200, 0.25, 1.0), (64, 1.0, 0.5), (40, 0.05, 1.0)]
+)
+def test_eigen_path_matches_float64_direct_solve(t, rho, eta):
+    # t=40, 4 blocks of 10 < Fs=24 tokens: the held-out solve takes the n×n branch; t=200 the Fs×Fs.
     rng = np.random.default_rng(t)
     z, gate, dy = _problem(rng, t=t)
-    fit = fit_ridge(z, gate, dy, rho, eta)
+    delta, stats = _fit(z, gate, dy, rho, eta)
     dw, lam, rank, dof, in_sample, heldout = _ref_fit(z, gate, dy, rho, eta)
-    np.testing.assert_allclose(fit.delta, dw, rtol=2e-4, atol=2e-5 * np.abs(dw).max())
-    assert fit.lam == pytest.approx(lam, rel=1e-5)
-    assert fit.rank == rank
-    assert fit.dof == pytest.approx(dof, rel=1e-4)
-    assert fit.in_sample_change == pytest.approx(in_sample, rel=1e-3, abs=1e-6)
-    assert fit.heldout_change == pytest.approx(heldout, rel=1e-3, abs=1e-6)
-    assert len(fit.fold_changes) == 4 and fit.n_tokens == t
-    assert fit.delta.dtype == np.float32
+    np.testing.assert_allclose(delta, dw, rtol=2e-4, atol=2e-5 * np.abs(dw).max())
+    assert stats["lambda"] == pytest.approx(lam, rel=1e-5)
+    assert stats["rank"] == rank
+    assert stats["dof"] == pytest.approx(dof, rel=1e-4)
+    assert stats["in_sample_change"] == pytest.approx(in_sample, rel=1e-3, abs=1e-6)
+    assert stats["heldout_change"] == pytest.approx(heldout, rel=1e-3, abs=1e-6)
+    # The realized change of the step eta*dW, from B and the basis alone, is the in-sample one.
+    assert stats["realized_in_sample_change"] == pytest.approx(in_sample, rel=1e-3, abs=1e-6)
+    assert len(stats["fold_changes"]) == 4 and stats["n_tokens"] == t
+    assert delta.dtype == np.float32
+
+
+@pytest.mark.parametrize("rho", [0.01, 0.3, 6.0, 100.0])
+def test_eigen_path_on_an_ill_conditioned_gram(rho):
+    # Column scales over e^-0.5*23 ≈ 1e-5: cond(G) ≈ 1e10, far past float32's 1/eps.
+    z, gate, dy = _problem(np.random.default_rng(7), t=300, fs=24, decay=0.5)
+    delta, stats = _fit(z, gate, dy, rho, 1.0)
+    dw, lam, _, dof, in_sample, heldout = _ref_fit(z, gate, dy, rho, 1.0)
+    err = np.linalg.norm(delta - dw) / np.linalg.norm(dw)
+    assert err < 1e-4, err
+    assert stats["dof"] == pytest.approx(dof, rel=1e-4)
+    assert stats["in_sample_change"] == pytest.approx(in_sample, rel=1e-3, abs=1e-6)
+    assert stats["heldout_change"] == pytest.approx(heldout, rel=2e-3, abs=1e-6)
+
+
+def test_one_basis_serves_every_rho_and_eta():
+    z, gate, dy = _problem(np.random.default_rng(8), t=150)
+    zg = z * gate[:, None]
+    design = lambda a, b: jnp.asarray(zg[a:b])  # noqa: E731
+    basis, meta = ridge.basis_from_design(design, len(z))
+    for rho in (0.1, 2.0, 30.0):
+        fit, fit_meta = ridge.fit_from_design(design, dy, basis, meta, rho)
+        for eta in (0.15, 0.7, 2.0):
+            stats = ridge.ridge_stats(basis, fit, fit_meta, eta, eta * fit["delta"])
+            dw, _, _, _, in_sample, heldout = _ref_fit(z, gate, dy, rho, eta)
+            np.testing.assert_allclose(fit["delta"], dw, rtol=2e-4, atol=2e-5 * np.abs(dw).max())
+            assert stats["in_sample_change"] == pytest.approx(in_sample, rel=1e-3, abs=1e-6)
+            assert stats["heldout_change"] == pytest.approx(heldout, rel=1e-3, abs=1e-6)
 
 
 def test_too_few_tokens_warns_and_rank_is_t():
     rng = np.random.default_rng(1)
     z, gate, dy = _problem(rng, t=10, fs=24)
-    fit = fit_ridge(z, gate, dy, rho=6.0, eta=0.15)
-    assert fit.rank == 10
-    assert fit.warning is not None and "T=10" in fit.warning and "Fs=24" in fit.warning
-    assert 0 < fit.dof < fit.rank
-    assert fit_ridge(*_problem(rng, t=48, fs=24), rho=6.0, eta=0.15).warning is None
+    _, stats = _fit(z, gate, dy, rho=6.0, eta=0.15)
+    assert stats["rank"] == 10
+    assert stats["warning"] is not None and "T=10" in stats["warning"]
+    assert "Fs=24" in stats["warning"] and 0 < stats["dof"] < stats["rank"]
+    assert _fit(*_problem(rng, t=48, fs=24), rho=6.0, eta=0.15)[1]["warning"] is None
 
 
 def test_in_sample_change_never_positive_for_eta_in_knob_range():
@@ -86,13 +126,13 @@ def test_in_sample_change_never_positive_for_eta_in_knob_range():
     for _ in range(6):
         z, gate, dy = _problem(rng, t=120, noise=float(rng.uniform(0.1, 5)))
         for eta in (0.0, 0.15, 1.0, 2.0):
-            fit = fit_ridge(z, gate, dy, rho=float(rng.uniform(0.05, 50)), eta=eta)
-            assert fit.in_sample_change <= 1e-6
+            stats = _fit(z, gate, dy, rho=float(rng.uniform(0.05, 50)), eta=eta)[1]
+            assert stats["in_sample_change"] <= 1e-6
 
 
 def test_more_shrinkage_means_fewer_degrees_of_freedom():
     z, gate, dy = _problem(np.random.default_rng(3))
-    dofs = [fit_ridge(z, gate, dy, rho=rho, eta=0.15).dof for rho in (0.1, 1.0, 6.0, 24.0)]
+    dofs = [_fit(z, gate, dy, rho=rho, eta=0.15)[1]["dof"] for rho in (0.1, 1.0, 6.0, 24.0)]
     assert all(a > b for a, b in zip(dofs[:-1], dofs[1:], strict=True))
     assert dofs[0] < 24
 
@@ -101,29 +141,33 @@ def test_applied_update_moves_the_layer_output_by_eta_z_dw():
     rng = np.random.default_rng(4)
     z, gate, dy = _problem(rng, t=50, fs=24, d=16)
     w = rng.standard_normal((16, 24)).astype(np.float32)  # GGUF [D, Fs]
-    fit = fit_ridge(z, gate, dy, rho=6.0, eta=0.15)
-    w_new = apply_ridge(w, fit.delta, 0.15)
+    delta, _ = _fit(z, gate, dy, rho=6.0, eta=0.15)
+    w_new = kr.apply_ridge(w, delta, 0.15)
     assert w_new.shape == w.shape and w_new.dtype == np.float32
     moved = (z * gate[:, None]) @ (w_new - w).T.astype(np.float64)
-    want = 0.15 * (z * gate[:, None]).astype(np.float64) @ fit.delta
+    want = 0.15 * (z * gate[:, None]).astype(np.float64) @ delta
     np.testing.assert_allclose(moved, want, rtol=1e-4, atol=1e-5)
 
 
 def test_zero_inputs_give_zero_update():
     z = np.zeros((30, 8), np.float32)
-    fit = fit_ridge(z, np.ones(30, np.float32), np.ones((30, 4), np.float32), 6.0, 0.15)
-    assert not fit.delta.any() and fit.rank == 0 and fit.in_sample_change == 0.0
+    delta, stats = _fit(z, np.ones(30, np.float32), np.ones((30, 4), np.float32), 6.0, 0.15)
+    assert not delta.any() and stats["rank"] == 0 and stats["in_sample_change"] == 0.0
 
 
-def test_solve_runs_on_cpu_and_normal_equations_are_backend_clean():
+def test_per_rho_and_per_eta_kernels_are_backend_clean():
     rng = np.random.default_rng(5)
     z, gate, dy = _problem(rng, t=40)
-    zg = np.asarray(gated_design(z, gate))
+    zg = np.asarray(kr.gated_design(z, gate))
     np.testing.assert_allclose(zg, z * gate[:, None], rtol=1e-6)
-    assert backend_violations(normal_equations, zg, dy) == []
-    gram, rhs = normal_equations(zg, dy)
-    delta, lam = solve_ridge(gram, rhs, 6.0)
-    assert isinstance(delta, np.ndarray) and lam > 0
-    # The solve itself is CPU-placed by design: exempt from the primitive rule, not the dtype rule.
-    assert backend_violations(lambda g, b: _solve(g, b, lam), gram, rhs, cpu_placed=True) == []
-    np.testing.assert_allclose(np.asarray(gram), zg.T.astype(np.float64) @ zg, rtol=1e-4, atol=1e-3)
+    assert backend_violations(kr.normal_equations, zg, dy) == []
+    gram, rhs = (np.asarray(a) for a in kr.normal_equations(zg, dy))
+    np.testing.assert_allclose(gram, zg.T.astype(np.float64) @ zg, rtol=1e-4, atol=1e-3)
+    v, sigma = ridge.eigen_basis(gram)
+    assert v.dtype == sigma.dtype == np.float32
+    np.testing.assert_allclose((v * sigma) @ v.T, gram, rtol=1e-4, atol=1e-4 * np.abs(gram).max())
+    weights = np.asarray(kr.shrink(sigma, 1.5))
+    # What runs per rho and per eta: matrix products only, no solve or eigh primitive.
+    assert backend_violations(kr.eigen_solve, v, weights, rhs) == []
+    assert backend_violations(kr.gram_quadratic, v, sigma, rhs) == []
+    assert backend_violations(kr.fold_terms, zg[:10] @ v, weights, v.T @ rhs, dy[:10]) == []

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from healsweep.cache import StageCache
-from healsweep.heal import stages
+from healsweep.heal import ridge, stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import Student, build_student
 from healsweep.heal.trace import calibration_documents, calibration_trace
@@ -23,8 +23,9 @@ from healsweep.heal.trace import calibration_documents, calibration_trace
 VARIANTS = ("alpha_1", "gaussian", "mse", "gaussian_ridge", "mse_ridge")
 
 
-def heldout_split(corpus: Any, calibration: CalibrationConfig, every: int = 4
-                  ) -> tuple[CalibrationConfig, CalibrationConfig]:
+def heldout_split(
+    corpus: Any, calibration: CalibrationConfig, every: int = 4
+) -> tuple[CalibrationConfig, CalibrationConfig]:
     """(fit, held-out) configs: every ``every``-th calibration document of each stratum is held out."""
     docs = calibration_documents(corpus, calibration)
     position: dict[str, int] = {}
@@ -41,8 +42,9 @@ def heldout_split(corpus: Any, calibration: CalibrationConfig, every: int = 4
     return fit, heldout
 
 
-def _energies(y_ref: np.ndarray, y_q: np.ndarray, alpha: float,
-              shared_change: np.ndarray | None = None) -> tuple[float, float]:
+def _energies(
+    y_ref: np.ndarray, y_q: np.ndarray, alpha: float, shared_change: np.ndarray | None = None
+) -> tuple[float, float]:
     """(|y_ref - alpha*y_q - shared_change|², |y_ref|²) in float64 on host."""
     residual = y_ref.astype(np.float64) - alpha * y_q.astype(np.float64)
     if shared_change is not None:
@@ -54,25 +56,31 @@ def _shared_change(student: Student, layer: int, trace_layer: dict[str, np.ndarr
     new = student.replacements[layer].down_shexp
     if new is None:
         return None
-    old = student.base.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # [D, Fs]
-    z_gated = trace_layer["z"].astype(np.float64) * trace_layer["gate"][:, None]
-    return z_gated @ (np.asarray(new, np.float64) - old).T  # [T, D]
+    return ridge.shared_change(student.base, layer, trace_layer, new)  # [T, D]
 
 
 def residual_table(
-    model: Any, corpus: Any, cache: StageCache, calibration: CalibrationConfig,
-    base: Knobs | None = None, every: int = 4,
+    model: Any,
+    corpus: Any,
+    cache: StageCache,
+    calibration: CalibrationConfig,
+    base: Knobs | None = None,
+    every: int = 4,
 ) -> dict[str, Any]:
     """Per-layer and pooled residuals of every variant, in-sample and held-out, plus timings."""
     base = base or Knobs()
     fit_cfg, held_cfg = heldout_split(corpus, calibration, every)
     start = time.perf_counter()
     shipped = build_student(model, base.replace(alpha="gaussian"), fit_cfg, cache, corpus=corpus)
-    cold = {"seconds": time.perf_counter() - start, "timings_s": shipped.report["timings_s"],
-            "executed": shipped.report["executed"]}
+    cold = {
+        "seconds": time.perf_counter() - start,
+        "timings_s": shipped.report["timings_s"],
+        "executed": shipped.report["executed"],
+    }
     start = time.perf_counter()
-    eta_only = build_student(model, base.replace(alpha="gaussian", eta=base.eta * 2), fit_cfg,
-                             cache, corpus=corpus)
+    eta_only = build_student(
+        model, base.replace(alpha="gaussian", eta=base.eta * 2), fit_cfg, cache, corpus=corpus
+    )
     warm = {"seconds": time.perf_counter() - start, "executed": eta_only.report["executed"]}
     mse = build_student(model, base.replace(alpha="mse", gamma=0.0), fit_cfg, cache, corpus=corpus)
     fit_trace = calibration_trace(model, fit_cfg, cache, corpus)
@@ -82,44 +90,68 @@ def residual_table(
     for layer in range(model.hparams.n_layer):
         qkey = stages.quantize_key(model, base, fit_trace.key, layer)
         experts = stages.q2_weights(cache.get_or_compute("quantize", qkey, _missing)[0])
-        row: dict[str, Any] = {"layer": layer, "alpha_gaussian": shipped.alphas[layer],
-                               "alpha_mse": mse.alphas[layer]}
+        row: dict[str, Any] = {
+            "layer": layer,
+            "alpha_gaussian": shipped.alphas[layer],
+            "alpha_mse": mse.alphas[layer],
+        }
         for split, trace in (("cal", fit_trace), ("heldout", held_trace)):
             arrays = trace.layer(layer)
             rkey = stages.routed_q_key(qkey, trace.key, layer)
-            y_q = cache.get_or_compute("routed_q", rkey, lambda arrays=arrays, experts=experts: (
-                {"y_q": stages.routed_output(experts, arrays, model.hparams.n_expert)}, {}))[0]["y_q"]
+            y_q = cache.get_or_compute(
+                "routed_q",
+                rkey,
+                lambda arrays=arrays, experts=experts: (
+                    {"y_q": stages.routed_output(experts, arrays, model.hparams.n_expert)},
+                    {},
+                ),
+            )[0]["y_q"]
             y_ref = arrays["y_ref"]
             variants = {
                 "alpha_1": _energies(y_ref, y_q, 1.0),
                 "gaussian": _energies(y_ref, y_q, shipped.alphas[layer]),
                 "mse": _energies(y_ref, y_q, mse.alphas[layer]),
-                "gaussian_ridge": _energies(y_ref, y_q, shipped.alphas[layer],
-                                            _shared_change(shipped, layer, arrays)),
-                "mse_ridge": _energies(y_ref, y_q, mse.alphas[layer],
-                                       _shared_change(mse, layer, arrays)),
+                "gaussian_ridge": _energies(
+                    y_ref, y_q, shipped.alphas[layer], _shared_change(shipped, layer, arrays)
+                ),
+                "mse_ridge": _energies(
+                    y_ref, y_q, mse.alphas[layer], _shared_change(mse, layer, arrays)
+                ),
             }
             if split == "heldout":
                 row["alpha_oracle_heldout"] = float(
-                    np.sum(y_ref.astype(np.float64) * y_q) / np.sum(y_q.astype(np.float64) ** 2))
+                    np.sum(y_ref.astype(np.float64) * y_q) / np.sum(y_q.astype(np.float64) ** 2)
+                )
             for name, (res, ref) in variants.items():
                 row[f"{split}.{name}"] = res / ref if ref > 0 else 0.0
                 acc = totals.setdefault(f"{split}.{name}", [0.0, 0.0])
                 acc[0] += res
                 acc[1] += ref
         ridge = shipped.report["layers"][layer].get("ridge") or {}
-        row.update({f"ridge.{k}": ridge.get(k) for k in
-                    ("rank", "dof", "in_sample_change", "heldout_change",
-                     "realized_in_sample_change")})
+        row.update(
+            {
+                f"ridge.{k}": ridge.get(k)
+                for k in (
+                    "rank",
+                    "dof",
+                    "in_sample_change",
+                    "heldout_change",
+                    "realized_in_sample_change",
+                )
+            }
+        )
         rows.append(row)
     return {
         "rows": rows,
         "pooled": {k: res / ref if ref > 0 else 0.0 for k, (res, ref) in totals.items()},
-        "tokens": {"cal": fit_trace.report["tokens_used"],
-                   "heldout": held_trace.report["tokens_used"]},
+        "tokens": {
+            "cal": fit_trace.report["tokens_used"],
+            "heldout": held_trace.report["tokens_used"],
+        },
         "calibration_report": fit_trace.report,
-        "ridge_warnings": sorted({(r.get("ridge") or {}).get("warning") or ""
-                                  for r in shipped.report["layers"]} - {""}),
+        "ridge_warnings": sorted(
+            {(r.get("ridge") or {}).get("warning") or "" for r in shipped.report["layers"]} - {""}
+        ),
         "trial_cold": cold,
         "trial_eta_only": warm,
     }

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from healsweep.errors import KnobError
 
-STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "part_b")
+STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "ridge_basis", "ridge_fit", "part_b")
 
 # What each knob accepts, in words, for error messages (mirrors the Field constraints below).
 ALLOWED = {
@@ -89,10 +89,12 @@ class Knobs(BaseModel):
             if self.alpha == "none":
                 return {"alpha": "none"}
             return {"alpha": self.alpha, "gamma": self.gamma}
+        if stage == "ridge_fit":
+            return {"rho": self.rho} if self.ridge else {}
         if stage == "part_b":
             if not self.ridge:
                 return {"ridge": False}
-            return {"ridge": True, "rho": self.rho, "eta": self.eta}
+            return {"ridge": True, "eta": self.eta}
         return {}
 
     def replace(self, **changes: Any) -> Knobs:

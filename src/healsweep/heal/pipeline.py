@@ -2,14 +2,17 @@
 
 The stages run layer by layer (only one layer's teacher weights and trace in memory at a time):
 
-    calib_trace ─► quantize ─► routed_q ─► part_a ─► part_b
-    (teacher)      (Q2_0)      (y_q on the     (alpha)   (ridge on ffn_down_shexp,
-                               same inputs)              requantized to its type)
+    calib_trace ─► quantize ─► routed_q ─► part_a ─► ridge_fit ─► part_b
+    (teacher)      (Q2_0)      (y_q on the   (alpha)   (dW at rho)  (W + eta·dW,
+        │                      same inputs)               ▲         requantized)
+        └──────────────────► ridge_basis (G = V Λ Vᵀ) ────┘
 
 Stages that a knob setting does not need are skipped: with ``alpha: none`` (or ``gaussian``),
 ``ridge: false`` and no ``act`` importance the teacher is never traced. Each stage is served from
 the cache when its key (DESIGN.md) is present, so a sweep over ``eta`` re-uses the quantized
-experts and their routed outputs, and a sweep over ``gain_d`` re-uses the teacher trace.
+experts, their routed outputs and dW (only W + eta·dW is requantized), a sweep over ``rho``
+re-uses the factored Gram (matrix products per layer), and a sweep over ``gain_d`` re-uses the
+teacher trace and the factored Gram.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
-from healsweep.heal import stages
+from healsweep.heal import ridge, stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
@@ -99,7 +102,9 @@ def build_student(
     computed_before = dict(cache.computed)
     trace: Trace | None = None
     if needs_trace(knobs, model):
-        trace = timer.run("calib_trace", lambda: calibration_trace(model, calibration, cache, corpus))
+        trace = timer.run(
+            "calib_trace", lambda: calibration_trace(model, calibration, cache, corpus)
+        )
         for line in report_lines(trace.report):
             say("calib_trace", line)
     else:
@@ -111,7 +116,8 @@ def build_student(
         built = _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache, timer)
         experts, alpha, shexp, report, layer_keys = built
         replacements[i] = LayerReplacement(
-            gate_exps=experts["gate"], up_exps=experts["up"],
+            gate_exps=experts["gate"],
+            up_exps=experts["up"],
             down_exps=scaled_down(experts["down"], alpha),
             down_shexp=None if shexp is None else shexp["dense"],
         )
@@ -127,8 +133,11 @@ def build_student(
         "trace_key": trace.key if trace else None,
         "layers": layer_reports,
         "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
-        "executed": {k: v - computed_before.get(k, 0) for k, v in cache.computed.items()
-                     if v != computed_before.get(k, 0)},
+        "executed": {
+            k: v - computed_before.get(k, 0)
+            for k, v in cache.computed.items()
+            if v != computed_before.get(k, 0)
+        },
     }
     key = content_key("student", STUDENT_VERSION, {"layers": keys})
     return Student(model, replacements, report, key, knobs, alphas, shexp_raw)
@@ -138,16 +147,32 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
     """One layer through quantize → routed_q → part_a → part_b (each cached)."""
     act = knobs.uses_activation_statistics()
     qkey = stages.quantize_key(model, knobs, trace.key if trace else None, i)
-    q_arrays, _ = timer.run("quantize", lambda: cache.get_or_compute(
-        "quantize", qkey, lambda: (stages.quantize_layer(
-            weights, knobs, trace_layer if act else None, calibration), {})))
+    q_arrays, _ = timer.run(
+        "quantize",
+        lambda: cache.get_or_compute(
+            "quantize",
+            qkey,
+            lambda: (
+                stages.quantize_layer(weights, knobs, trace_layer if act else None, calibration),
+                {},
+            ),
+        ),
+    )
     experts = stages.q2_weights(q_arrays)
 
     rkey, y_q = None, None
     if trace_layer is not None:
         rkey = stages.routed_q_key(qkey, trace.key, i)
-        y_q = timer.run("routed_q", lambda: cache.get_or_compute("routed_q", rkey, lambda: (
-            {"y_q": stages.routed_output(experts, trace_layer, model.hparams.n_expert)}, {}))
+        y_q = timer.run(
+            "routed_q",
+            lambda: cache.get_or_compute(
+                "routed_q",
+                rkey,
+                lambda: (
+                    {"y_q": stages.routed_output(experts, trace_layer, model.hparams.n_expert)},
+                    {},
+                ),
+            ),
         )[0]["y_q"]
 
     akey = stages.part_a_key(knobs, model, qkey, rkey if knobs.alpha == "mse" else None, i)
@@ -161,30 +186,68 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
             value = 1.0
         return {"alpha": np.float32(value)}, {}
 
-    alpha = float(timer.run("part_a", lambda: cache.get_or_compute("part_a", akey, compute_alpha)
-                            )[0]["alpha"])
+    alpha = float(
+        timer.run("part_a", lambda: cache.get_or_compute("part_a", akey, compute_alpha))[0]["alpha"]
+    )
     report: dict[str, Any] = {"layer": i, "alpha": alpha}
     if y_q is not None:
         report.update(stages.residual_report(trace_layer["y_ref"], y_q, alpha))
 
     shexp, bkey = None, None
     if knobs.ridge and model.hparams.n_ff_shexp > 0:
-        bkey = stages.part_b_key(knobs, model, akey, rkey, i)
-        shexp, stats = timer.run("part_b", lambda: cache.get_or_compute("part_b", bkey, lambda: (
-            stages.ridge_layer(model, i, trace_layer, y_q, alpha, knobs))))
+        shexp, stats, bkey = _part_b(
+            model, i, trace, trace_layer, y_q, alpha, knobs, (akey, rkey), cache, timer
+        )
         stats = dict(stats)
-        stats["residual_after_ridge"] = report["residual"] * (1 + stats["realized_in_sample_change"])
+        stats["residual_after_ridge"] = report["residual"] * (
+            1 + stats["realized_in_sample_change"]
+        )
         report["ridge"] = stats
     return experts, alpha, shexp, report, {"quantize": qkey, "part_a": akey, "part_b": bkey}
+
+
+def _part_b(model, i, trace, trace_layer, y_q, alpha, knobs, upstream, cache, timer):
+    """ridge_basis (once per trace) → ridge_fit (per rho) → part_b (per eta), each cached."""
+    akey, rkey = upstream
+    nkey = ridge.basis_key(model, trace.key, i)
+    basis, basis_meta = timer.run(
+        "ridge_basis",
+        lambda: cache.get_or_compute(
+            "ridge_basis", nkey, lambda: ridge.compute_basis(model, i, trace_layer)
+        ),
+    )
+    fkey = ridge.fit_key(knobs, nkey, akey, rkey, i)
+    fit, fit_meta = timer.run(
+        "ridge_fit",
+        lambda: cache.get_or_compute(
+            "ridge_fit",
+            fkey,
+            lambda: ridge.compute_fit(
+                model, i, trace_layer, y_q, alpha, basis, basis_meta, knobs.rho
+            ),
+        ),
+    )
+    bkey = ridge.part_b_key(knobs, model, fkey, i)
+    shexp, stats = timer.run(
+        "part_b",
+        lambda: cache.get_or_compute(
+            "part_b", bkey, lambda: ridge.ridge_layer(model, i, basis, fit, fit_meta, knobs.eta)
+        ),
+    )
+    return shexp, stats, bkey
 
 
 def _layer_line(report: dict[str, Any]) -> str:
     line = f"alpha {report['alpha']:.4f}"
     if "residual" in report:
-        line += (f", routed residual {100 * report['residual_alpha_1']:.2f}% at alpha=1 → "
-                 f"{100 * report['residual']:.2f}%")
+        line += (
+            f", routed residual {100 * report['residual_alpha_1']:.2f}% at alpha=1 → "
+            f"{100 * report['residual']:.2f}%"
+        )
     if "ridge" in report:
         ridge = report["ridge"]
-        line += (f", ridge rank {ridge['rank']} dof {ridge['dof']:.1f} "
-                 f"held-out {100 * ridge['heldout_change']:+.2f}%")
+        line += (
+            f", ridge rank {ridge['rank']} dof {ridge['dof']:.1f} "
+            f"held-out {100 * ridge['heldout_change']:+.2f}%"
+        )
     return line

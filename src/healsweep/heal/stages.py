@@ -1,4 +1,4 @@
-"""The per-layer stages after the calibration trace: quantize, routed_q, part_a, part_b.
+"""The per-layer stages after the calibration trace: quantize, routed_q, part_a (Part B: ridge).
 
 Each stage is a function of explicit inputs whose cache key is built from exactly those inputs
 (DESIGN.md): the model fingerprint, the keys of the upstream entries it reads and the knobs of
@@ -8,7 +8,8 @@ Each stage is a function of explicit inputs whose cache key is built from exactl
   trace only when an importance is ``act`` — a gain sweep never re-runs the teacher.
 * ``routed_q``: the quantized experts' routed output on the trace's inputs and routing.
 * ``part_a``: the layer's alpha (``none`` | ``gaussian`` | ``mse``) and the in-sample residuals.
-* ``part_b``: the ridge on ``ffn_down_shexp`` and its requantization to the tensor's own type.
+* ``ridge_basis`` / ``ridge_fit`` / ``part_b``: the ridge on ``ffn_down_shexp`` and its
+  requantization to the tensor's own type, in :mod:`healsweep.heal.ridge`.
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ from healsweep.errors import GGUFFormatError
 from healsweep.heal import importance as imp
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.kernels import alpha as alpha_kernels
-from healsweep.kernels import ridge as ridge_kernels
 
-VERSIONS = {"quantize": 1, "routed_q": 1, "part_a": 1, "part_b": 1}
+VERSIONS = {
+    "quantize": 1,
+    "routed_q": 1,
+    "part_a": 1,
+    "ridge_basis": 1,
+    "ridge_fit": 1,
+    "part_b": 2,
+}
 EXPERT_TENSORS = ("gate", "up", "down")
 ROUTED_CHUNK = 2048  # tokens per routed-output call (padded), bounds memory and recompiles
 
@@ -40,7 +47,14 @@ STAGE_CODE = {
     "quantize": ("healsweep.kernels.q2_0", "healsweep.heal.importance"),
     "routed_q": ("healsweep.model.layers",),
     "part_a": ("healsweep.kernels.alpha",),
-    "part_b": ("healsweep.kernels.ridge", "healsweep.kernels.iq4_nl", "healsweep.heal.requant"),
+    "ridge_basis": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
+    "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
+    "part_b": (
+        "healsweep.kernels.ridge",
+        "healsweep.heal.ridge",
+        "healsweep.kernels.iq4_nl",
+        "healsweep.heal.requant",
+    ),
 }
 
 
@@ -61,13 +75,19 @@ def stage_key(stage: str, inputs: dict[str, Any]) -> str:
 
 # --- quantize ----------------------------------------------------------------------------------
 
+
 def quantize_key(model: Any, knobs: Knobs, trace_key: str | None, layer: int) -> str:
     """Key of the quantized experts of ``layer``: the trace enters only for ``act`` importance."""
     uses_trace = knobs.uses_activation_statistics()
-    return stage_key("quantize", {
-        "model": model.fingerprint, "knobs": knobs.for_stage("quantize"),
-        "trace": trace_key if uses_trace else None, "layer": layer,
-    })
+    return stage_key(
+        "quantize",
+        {
+            "model": model.fingerprint,
+            "knobs": knobs.for_stage("quantize"),
+            "trace": trace_key if uses_trace else None,
+            "layer": layer,
+        },
+    )
 
 
 def check_quantizable(model: Any) -> None:
@@ -85,7 +105,9 @@ def check_quantizable(model: Any) -> None:
 
 
 def quantize_layer(
-    weights: dict[str, np.ndarray], knobs: Knobs, trace_layer: dict[str, np.ndarray] | None,
+    weights: dict[str, np.ndarray],
+    knobs: Knobs,
+    trace_layer: dict[str, np.ndarray] | None,
     calibration: CalibrationConfig,
 ) -> dict[str, np.ndarray]:
     """Q2_0 codes and scales of the layer's routed experts, as cache arrays."""
@@ -94,11 +116,13 @@ def quantize_layer(
     min_tokens = calibration.min_tokens_per_expert
     get = (lambda k: trace_layer[k]) if trace_layer is not None else (lambda k: None)
     gate_up_imp = imp.gate_up_importance(
-        knobs, weights["ffn_norm.weight"], get("x_sq_sums"), get("counts"), min_tokens)
+        knobs, weights["ffn_norm.weight"], get("x_sq_sums"), get("counts"), min_tokens
+    )
     down_imp = imp.down_importance(knobs, get("h_sq_sums"), get("counts"), min_tokens)
     arrays: dict[str, np.ndarray] = {}
     for name, importance, gain in (
-        ("gate", gate_up_imp, knobs.gain_gu), ("up", gate_up_imp, knobs.gain_gu),
+        ("gate", gate_up_imp, knobs.gain_gu),
+        ("up", gate_up_imp, knobs.gain_gu),
         ("down", down_imp, knobs.gain_d),
     ):
         w = weights[f"ffn_{name}_exps.weight"]  # [E, out, in]; in checked by check_quantizable
@@ -125,11 +149,14 @@ def q2_weights(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     """{gate, up, down}: ``Q2Weight`` pytrees rebuilt from a ``quantize`` entry."""
     from healsweep.kernels.q2_0 import Q2Weight
 
-    return {n: Q2Weight(d=arrays[f"{n}.d"], q=unpack_codes(arrays[f"{n}.codes"]))
-            for n in EXPERT_TENSORS}
+    return {
+        n: Q2Weight(d=arrays[f"{n}.d"], q=unpack_codes(arrays[f"{n}.codes"]))
+        for n in EXPERT_TENSORS
+    }
 
 
 # --- routed_q ----------------------------------------------------------------------------------
+
 
 def routed_q_key(quantize: str, trace_key: str, layer: int) -> str:
     """Key of the quantized experts' routed output on the trace of ``layer``."""
@@ -144,8 +171,9 @@ def _routed(x, ids, weights, experts, n_expert: int, tile: int):
     return routed_experts(x, ids, weights, gate, up, down, n_expert, tile)
 
 
-def routed_output(experts: dict[str, Any], trace_layer: dict[str, np.ndarray],
-                  n_expert: int) -> np.ndarray:
+def routed_output(
+    experts: dict[str, Any], trace_layer: dict[str, np.ndarray], n_expert: int
+) -> np.ndarray:
     """y_q [T, D]: routing-weighted sum of the given experts on the trace's inputs and routing."""
     from healsweep.model.layers import expert_tile_rows
 
@@ -167,12 +195,19 @@ def routed_output(experts: dict[str, Any], trace_layer: dict[str, np.ndarray],
 
 # --- part_a ------------------------------------------------------------------------------------
 
+
 def part_a_key(knobs: Knobs, model: Any, quantize: str, routed_q: str | None, layer: int) -> str:
     """Key of the layer's alpha: mse reads routed_q (and through it the trace)."""
-    return stage_key("part_a", {
-        "knobs": knobs.for_stage("part_a"), "model": model.fingerprint, "quantize": quantize,
-        "routed_q": routed_q, "layer": layer,
-    })
+    return stage_key(
+        "part_a",
+        {
+            "knobs": knobs.for_stage("part_a"),
+            "model": model.fingerprint,
+            "quantize": quantize,
+            "routed_q": routed_q,
+            "layer": layer,
+        },
+    )
 
 
 def gaussian_alpha(weights: dict[str, np.ndarray], experts: dict[str, Any], gamma: float) -> float:
@@ -181,8 +216,11 @@ def gaussian_alpha(weights: dict[str, np.ndarray], experts: dict[str, Any], gamm
     x = alpha_kernels.gaussian_probe_inputs(imp.gaussian_probe_scale(weights["ffn_norm.weight"]))
     dense = tuple(weights[f"ffn_{n}_exps.weight"][probe] for n in EXPERT_TENSORS)
     quantized = tuple(
-        np.asarray(jax.tree_util.tree_map(lambda leaf: leaf[np.asarray(probe)], experts[n])
-                   .dequantize()) for n in EXPERT_TENSORS)
+        np.asarray(
+            jax.tree_util.tree_map(lambda leaf: leaf[np.asarray(probe)], experts[n]).dequantize()
+        )
+        for n in EXPERT_TENSORS
+    )
     return float(alpha_kernels.alpha_gaussian(x, dense, quantized, gamma))
 
 
@@ -193,39 +231,3 @@ def residual_report(y_ref: np.ndarray, y_q: np.ndarray, alpha: float) -> dict[st
         "residual": float(alpha_kernels.residual_fraction(y_ref, y_q, alpha)),
         "alpha_mse_optimal": float(alpha_kernels.alpha_mse(y_ref, y_q, 0.0)),
     }
-
-
-# --- part_b ------------------------------------------------------------------------------------
-
-def part_b_key(knobs: Knobs, model: Any, part_a: str, routed_q: str, layer: int) -> str:
-    """Key of the healed shared-expert down weight (reads the trace through routed_q)."""
-    return stage_key("part_b", {
-        "knobs": knobs.for_stage("part_b"), "model": model.fingerprint, "part_a": part_a,
-        "routed_q": routed_q, "layer": layer,
-    })
-
-
-def ridge_layer(
-    model: Any, layer: int, trace_layer: dict[str, np.ndarray], y_q: np.ndarray, alpha: float,
-    knobs: Knobs,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Fit, apply and requantize the ridge on ``blk.{layer}.ffn_down_shexp.weight``."""
-    from healsweep.heal.requant import requantize
-
-    name = f"blk.{layer}.ffn_down_shexp.weight"
-    z, gate = trace_layer["z"], trace_layer["gate"]
-    target = (trace_layer["y_ref"] - np.float32(alpha) * y_q).astype(np.float32)  # dY [T, D]
-    fit = ridge_kernels.fit_ridge(z, gate, target, knobs.rho, knobs.eta)
-    w = model.tensor(name)  # [D, Fs] as the teacher stores it
-    raw, stored = requantize(name, ridge_kernels.apply_ridge(w, fit.delta, knobs.eta),
-                             model.tensor_type(name))
-    realized = ridge_kernels.residual_change(
-        ridge_kernels.gated_design(z, gate), target, (stored - w).T, 1.0)
-    stats = {
-        "rank": fit.rank, "dof": fit.dof, "lambda": fit.lam, "n_tokens": fit.n_tokens,
-        "in_sample_change": fit.in_sample_change, "heldout_change": fit.heldout_change,
-        "fold_changes": list(fit.fold_changes), "realized_in_sample_change": realized,
-        "relative_update": float(np.linalg.norm(stored - w) / max(np.linalg.norm(w), 1e-30)),
-        "storage_type": model.tensor_type(name).name, "warning": fit.warning,
-    }
-    return {"raw": raw, "dense": stored}, stats

@@ -3,24 +3,28 @@
 Calibration documents are the corpus's ``pool: calibration`` documents (minus any excluded ids),
 tokenized whole and cut into consecutive chunks of at most ``chunk_length`` tokens; every chunk
 is traced, so any number of tokens is used and nothing is dropped unless ``max_tokens`` asks for
-it (then the cut is recorded in the report). Per layer the trace keeps the expert inputs X, the
-routing, the routed output y_ref, the shared expert's down input Z and gate, and the sums behind
-``act`` importance (E[x²] and E[h²] per expert). The report counts tokens per stratum (with the
+it (then the cut is recorded in the report). Per layer the trace keeps the FFN input X [T, D]
+(float32), the routing, the routed output y_ref, the shared expert's gate [T], and the sums behind
+``act`` importance (E[x²] and E[h²] per expert): its size does not grow with the shared expert's
+width (Part B recomputes that expert's down input from X, :mod:`healsweep.heal.ridge`). The report counts tokens per stratum (with the
 tokens inside tool calls and tool turns) and the tokens each expert received per layer, so a
 calibration that starves a stratum or an expert is visible.
 
 Storage: one small summary entry (report + per-layer expert counts) keyed by the model
 fingerprint, the calibration settings and the content of the calibration documents; each layer's
 arrays are their own entry keyed by (summary key, layer), so later stages load one layer at a time.
+Each layer's entry is written as soon as that layer is assembled (batches spill to disk first).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,11 +37,18 @@ from healsweep.heal.stages import code_digest
 
 STAGE = "calib_trace"
 LAYER_STAGE = "calib_trace_layer"
-VERSION = 1
+VERSION = 2
 BATCH_TOKENS = 4096  # padded tokens per teacher forward call
 LENGTH_BUCKET = 64  # smallest padded chunk length; buckets double from here
-TRACE_CODE = ("healsweep.model.forward", "healsweep.model.layers", "healsweep.model.qwen2moe",
-              "healsweep.model.qwen3moe", "healsweep.heal.trace", "healsweep.heal.importance")
+TRACE_CODE = (
+    "healsweep.model.forward",
+    "healsweep.model.layers",
+    "healsweep.model.qwen2moe",
+    "healsweep.model.qwen3moe",
+    "healsweep.heal.trace",
+    "healsweep.heal.importance",
+)
+FIELDS = ("x", "ids", "weights", "y_ref", "gate")  # per token, as captured
 _TOOL_SPAN = re.compile(r"<tool_call>.*?</tool_call>", re.S)
 
 
@@ -59,7 +70,7 @@ def calibration_documents(corpus: Any, calibration: CalibrationConfig) -> list[A
         where = getattr(corpus, "path", None) or calibration.corpus
         raise CorpusError(
             f"corpus {where} has no calibration documents left (pool: calibration, "
-            f"{len(excluded)} excluded); add documents with \"pool\": \"calibration\""
+            f'{len(excluded)} excluded); add documents with "pool": "calibration"'
         )
     return docs
 
@@ -74,12 +85,16 @@ def documents_digest(docs: list[Any]) -> str:
 
 def trace_key(model: Any, calibration: CalibrationConfig, docs: list[Any]) -> str:
     """Content key of the trace: model fingerprint, calibration settings, document contents."""
-    return content_key(STAGE, VERSION, {
-        "code": code_digest(TRACE_CODE),
-        "model": model.fingerprint,
-        "calibration": calibration.key_inputs(),
-        "documents": documents_digest(docs),
-    })
+    return content_key(
+        STAGE,
+        VERSION,
+        {
+            "code": code_digest(TRACE_CODE),
+            "model": model.fingerprint,
+            "calibration": calibration.key_inputs(),
+            "documents": documents_digest(docs),
+        },
+    )
 
 
 def layer_key(trace: str, layer: int) -> str:
@@ -129,11 +144,17 @@ def make_chunks(
             split_docs += 1
         for a in range(0, take, calibration.chunk_length):
             b = min(a + calibration.chunk_length, take)
-            chunks.append(CalibrationChunk(doc.doc_id, doc.stratum, ids[a:b],
-                                           int(in_tool[a:b].sum())))
+            chunks.append(
+                CalibrationChunk(doc.doc_id, doc.stratum, ids[a:b], int(in_tool[a:b].sum()))
+            )
         used += take
-    info = {"tokens_used": used, "tokens_available": available, "documents": len(docs),
-            "documents_split_into_chunks": split_docs, "document_cut_by_max_tokens": cut_doc}
+    info = {
+        "tokens_used": used,
+        "tokens_available": available,
+        "documents": len(docs),
+        "documents_split_into_chunks": split_docs,
+        "document_cut_by_max_tokens": cut_doc,
+    }
     return chunks, info
 
 
@@ -162,53 +183,95 @@ def _batches(chunks: list[CalibrationChunk], budget: int = BATCH_TOKENS) -> list
     return batches
 
 
-def run_trace(model: Any, chunks: list[CalibrationChunk]) -> list[dict[str, np.ndarray]]:
-    """Teacher forward with captures over every chunk; per layer the stage's arrays.
+def run_trace(
+    model: Any,
+    chunks: list[CalibrationChunk],
+    sink: Callable[[int, dict], None],
+    spill: str,
+    batch_tokens: int = BATCH_TOKENS,
+) -> np.ndarray:
+    """Teacher forward with captures over every chunk; hands each layer's arrays to ``sink``.
 
-    Arrays are in chunk order (document order), whatever order the batches ran in.
+    Arrays are in chunk order (document order), whatever order the batches ran in. Each batch's
+    captures are spilled to ``spill`` (a scratch directory) layer by layer as soon as the forward
+    returns them, and each layer is assembled, given its importance sums and passed to
+    ``sink(layer, arrays)`` one at a time, so the host holds one batch's captures or one layer's
+    trace, never every layer's. Returns the tokens each expert received, [L, E].
     """
     from healsweep.model import forward
 
     hp = model.hparams
-    fields = ("x", "ids", "weights", "y_ref", "z", "gate")
-    per_chunk: list[list[dict[str, np.ndarray]]] = [[{}] * len(chunks) for _ in range(hp.n_layer)]
-    for batch in _batches(chunks):
+    order: list[int] = []  # chunk index of each spilled piece, per layer the same
+    batches = _batches(chunks, batch_tokens)
+    for n, batch in enumerate(batches):
         padded = _bucket(max(len(chunks[i].tokens) for i in batch))
         filler = np.resize(chunks[batch[0]].tokens, padded)  # sets the batch's length to P
-        fillers = max(1, BATCH_TOKENS // padded - len(batch))
+        fillers = max(1, batch_tokens // padded - len(batch))
         sequences = [chunks[i].tokens for i in batch] + [filler] + [filler[:1]] * (fillers - 1)
         # Only the captures are needed: ask for one logit row per sequence, not [T, V].
-        result = forward(model, sequences, capture=True,
-                         logits_for=[np.zeros(1, np.int64)] * len(sequences))
-        bounds = np.cumsum([0] + [len(chunks[i].tokens) for i in batch])
+        result = forward(
+            model, sequences, capture=True, logits_for=[np.zeros(1, np.int64)] * len(sequences)
+        )
+        rows = int(sum(len(chunks[i].tokens) for i in batch))
         for layer, cap in enumerate(result.captures):
-            values = dict(zip(fields, (cap.ffn_input, cap.topk_ids.astype(np.int32),
-                                       cap.topk_weights, cap.routed_output,
-                                       cap.shexp_down_input, cap.shexp_gate), strict=True))
-            for j, i in enumerate(batch):
-                per_chunk[layer][i] = {
-                    k: v[bounds[j] : bounds[j + 1]] if v.size else v for k, v in values.items()}
-    per_layer = [{k: [c[k] for c in layer] for k in fields} for layer in per_chunk]
-    layers = []
+            values = dict(
+                zip(
+                    FIELDS,
+                    (
+                        cap.ffn_input,
+                        cap.topk_ids.astype(np.int32),
+                        cap.topk_weights,
+                        cap.routed_output,
+                        cap.shexp_gate,
+                    ),
+                    strict=True,
+                )
+            )
+            np.savez(
+                Path(spill) / f"{layer}-{n}.npz",
+                **{k: v[:rows] if v.size else v for k, v in values.items()},
+            )
+        order += batch
+    bounds = np.cumsum([0] + [len(chunks[i].tokens) for i in order])
+    lengths = {i: (bounds[j], bounds[j + 1]) for j, i in enumerate(order)}
+    n_batches = len(batches)
     grid = np.arange(hp.n_expert, dtype=np.int32)
-    for layer, store in enumerate(per_layer):
-        arrays = {k: np.concatenate(v).astype(v[0].dtype) for k, v in store.items()}
+    counts = []
+    for layer in range(hp.n_layer):
+        pieces = [np.load(Path(spill) / f"{layer}-{n}.npz") for n in range(n_batches)]
+        stacked = {
+            k: np.concatenate([p[k] for p in pieces]) if pieces[0][k].size else pieces[0][k]
+            for k in FIELDS
+        }
+        arrays = {
+            k: v
+            if not v.size
+            else np.concatenate(
+                [v[lengths[i][0] : lengths[i][1]] for i in range(len(chunks))]
+            ).astype(v.dtype)
+            for k, v in stacked.items()
+        }
+        for n in range(n_batches):
+            (Path(spill) / f"{layer}-{n}.npz").unlink()
         if hp.n_ff_shexp == 0:
-            arrays["z"] = np.zeros((0, 0), np.float32)
             arrays["gate"] = np.zeros((0,), np.float32)
-        x_sq, counts = expert_input_moments(arrays["x"], arrays["ids"], grid)
+        x_sq, layer_counts = expert_input_moments(arrays["x"], arrays["ids"], grid)
         weights = model.layer(layer)
         h_sq, _ = expert_hidden_moments(
-            arrays["x"], arrays["ids"], weights["ffn_gate_exps.weight"],
+            arrays["x"],
+            arrays["ids"],
+            weights["ffn_gate_exps.weight"],
             weights["ffn_up_exps.weight"],
         )
-        arrays.update(x_sq_sums=np.asarray(x_sq), h_sq_sums=h_sq, counts=np.asarray(counts))
-        layers.append(arrays)
-    return layers
+        arrays.update(x_sq_sums=np.asarray(x_sq), h_sq_sums=h_sq, counts=np.asarray(layer_counts))
+        sink(layer, arrays)
+        counts.append(np.asarray(layer_counts))
+    return np.stack(counts).astype(np.int64)
 
 
-def _report(chunks: list[CalibrationChunk], info: dict, counts: np.ndarray,
-            calibration: CalibrationConfig) -> dict[str, Any]:
+def _report(
+    chunks: list[CalibrationChunk], info: dict, counts: np.ndarray, calibration: CalibrationConfig
+) -> dict[str, Any]:
     per_stratum: Counter[str] = Counter()
     tool_per_stratum: Counter[str] = Counter()
     for chunk in chunks:
@@ -243,8 +306,10 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     ]
     cut = report.get("document_cut_by_max_tokens")
     if cut:
-        lines.append(f"max_tokens cut {cut['doc_id']} to {cut['kept']} of {cut['of']} tokens; "
-                     f"{report['tokens_available']} tokens were available")
+        lines.append(
+            f"max_tokens cut {cut['doc_id']} to {cut['kept']} of {cut['of']} tokens; "
+            f"{report['tokens_available']} tokens were available"
+        )
     return lines
 
 
@@ -259,7 +324,7 @@ class Trace:
     recompute: Callable[[], None]
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
-        """Layer i's arrays (x, ids, weights, y_ref, z, gate, x_sq_sums, h_sq_sums, counts).
+        """Layer i's arrays (x, ids, weights, y_ref, gate, x_sq_sums, h_sq_sums, counts).
 
         A layer entry that was deleted or failed its checksum is rebuilt by re-running the trace.
         """
@@ -268,9 +333,18 @@ class Trace:
             self.recompute()
             found = self.cache.get(LAYER_STAGE, layer_key(self.key, i))
         if found is None:
-            raise CacheError(f"calibration trace layer {i} could not be stored under "
-                             f"{self.cache.root}; check that the cache directory is writable")
+            raise CacheError(
+                f"calibration trace layer {i} could not be stored under "
+                f"{self.cache.root}; check that the cache directory is writable"
+            )
         return found[0]
+
+
+def _scratch(cache: StageCache) -> str:
+    """A scratch directory next to the cache entries (same disk, cleaned up by the caller)."""
+    root = Path(cache.root)
+    root.mkdir(parents=True, exist_ok=True)
+    return str(root)
 
 
 def calibration_trace(
@@ -285,10 +359,13 @@ def calibration_trace(
 
     def compute() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         chunks, info = make_chunks(docs, model.tokenizer(), calibration)
-        layers = run_trace(model, chunks)
-        for i, arrays in enumerate(layers):
-            cache.put(LAYER_STAGE, layer_key(key, i), arrays)
-        counts = np.stack([a["counts"] for a in layers]).astype(np.int64)  # [L, E]
+        with tempfile.TemporaryDirectory(prefix="trace-spill-", dir=_scratch(cache)) as spill:
+            counts = run_trace(
+                model,
+                chunks,
+                lambda i, arrays: cache.put(LAYER_STAGE, layer_key(key, i), arrays),
+                spill,
+            )  # [L, E]
         return {"tokens_per_expert": counts}, _report(chunks, info, counts, calibration)
 
     def recompute() -> None:

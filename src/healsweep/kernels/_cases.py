@@ -59,9 +59,17 @@ def _ridge_inputs(rng):
     return _f32(rng, 200, 32), _f32(rng, 200, 16)
 
 
-def _ridge_solve_inputs(rng):
+def _ridge_eigen_inputs(rng):
+    """(V, 1/(sigma + lambda), B): an orthonormal basis, ridge weights, a right-hand side."""
     z = _f32(rng, 200, 32)
-    return z.T @ z, z.T @ _f32(rng, 200, 16)
+    sigma, v = np.linalg.eigh(z.T.astype(np.float64) @ z)
+    weights = 1.0 / (np.clip(sigma, 0, None) + 6.0 * sigma.mean())
+    return v.astype(np.float32), weights.astype(np.float32), z.T @ _f32(rng, 200, 16)
+
+
+def _ridge_fold_inputs(rng):
+    v, weights, rhs = _ridge_eigen_inputs(rng)
+    return _f32(rng, 20, 32) @ v, weights, v.T @ rhs, _f32(rng, 20, 16)
 
 
 def _q2_codes(rng, *shape: int) -> np.ndarray:
@@ -153,11 +161,7 @@ CASES: tuple[KernelCase, ...] = (
         rtol=1e-4,
     ),
     KernelCase("ridge.normal_equations", ridge.normal_equations, _ridge_inputs, rtol=1e-4),
-    KernelCase(
-        "ridge.solve",
-        lambda g, b: ridge._solve(g, b, ridge.ridge_lambda(g, 6.0)),
-        _ridge_solve_inputs,
-        rtol=1e-4,
-        cpu_placed=True,
-    ),
+    KernelCase("ridge.eigen_solve", ridge.eigen_solve, _ridge_eigen_inputs, rtol=1e-4),
+    KernelCase("ridge.gram_quadratic", ridge.gram_quadratic, _ridge_eigen_inputs, rtol=1e-4),
+    KernelCase("ridge.fold_terms", ridge.fold_terms, _ridge_fold_inputs, rtol=1e-4),
 )

@@ -1,4 +1,4 @@
-"""Part B: a ridge correction of the shared expert's down projection.
+"""Part B: a ridge correction of the shared expert's down projection, in an eigenbasis of G.
 
 The shared expert adds ``gate_t * (z_t · W_downᵀ)`` to the layer output, where ``z_t`` [Fs] is its
 down input and ``gate_t = sigmoid(x_t · w_gate_inp_shexp)``. With ``Z' = z * gate`` [T, Fs], a
@@ -8,36 +8,19 @@ fit of the remaining routed residual ``dY = y_ref - alpha * y_q`` [T, D] is
     G = Z'ᵀ Z'  [Fs, Fs],  lambda = rho * tr(G) / Fs,  dW = (G + lambda I)^-1 Z'ᵀ dY  [Fs, D].
 
 lambda is rho times the mean eigenvalue of G (the audit's ``ridge_rel * tr(G)/D``, where its D
-was G's dimension). G and Z'ᵀ dY are built with jnp on whatever device is the default; the solve
-(and the eigenvalues for the report) run on the CPU device, in float32, because accelerator
-plugins cannot lower linear solves. Diagnostics follow the audit (§1.3): rank(G), effective
-degrees of freedom ``sum sigma / (sigma + lambda)``, the in-sample change of the residual and the
-leave-one-block-out held-out change (negative = the ridge removes residual).
+was G's dimension). G is factored once per layer and trace, ``G = V diag(sigma) Vᵀ`` (on the host
+CPU, see ``healsweep.heal.ridge``); after that every rho costs two matrix products,
+``dW = V diag(1/(sigma + lambda)) Vᵀ B``, and every eta none. The kernels here are those products
+and the normal equations, float32 jnp on whatever device is the default (no solve, no eigh).
+Diagnostics follow the audit (§1.3): rank(G), effective degrees of freedom
+``sum sigma / (sigma + lambda)``, and residual changes (negative = the ridge removes residual).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-LOBO_BLOCKS = 4
-
-
-class RidgeFit(NamedTuple):
-    """A fitted correction and its diagnostics (changes are relative: -0.04 = 4% less residual)."""
-
-    delta: np.ndarray  # [Fs, D] float32: dW before the eta step
-    lam: float
-    rank: int
-    dof: float
-    in_sample_change: float
-    heldout_change: float
-    fold_changes: tuple[float, ...]
-    n_tokens: int
-    warning: str | None
 
 
 def gated_design(shexp_down_input: jax.Array, shexp_gate: jax.Array) -> jax.Array:
@@ -56,33 +39,40 @@ def normal_equations(z_gated: jax.Array, target: jax.Array) -> tuple[jax.Array, 
     return gram, rhs
 
 
-def ridge_lambda(gram: jax.Array, rho: float) -> jax.Array:
+def ridge_lambda(trace_g: float, width: int, rho: float) -> float:
     """lambda = rho * tr(G) / Fs (rho times G's mean eigenvalue)."""
-    return jnp.float32(rho) * jnp.trace(gram) / gram.shape[0]
+    return float(np.float32(rho) * np.float32(trace_g) / np.float32(width))
+
+
+def shrink(sigma: jax.Array, lam: float) -> jax.Array:
+    """The ridge's eigenvalue weights 1 / (sigma + lambda) [Fs], float32."""
+    sigma = jnp.asarray(sigma, jnp.float32)
+    return 1.0 / (jnp.maximum(sigma, 0.0) + jnp.float32(lam))
 
 
 @jax.jit
-def _solve(gram: jax.Array, rhs: jax.Array, lam: jax.Array) -> jax.Array:
-    eye = jnp.eye(gram.shape[0], dtype=jnp.float32)
-    return jnp.linalg.solve(gram + lam * eye, rhs)  # [Fs, D]
+def eigen_solve(basis: jax.Array, weights: jax.Array, rhs: jax.Array) -> jax.Array:
+    """dW = V diag(weights) Vᵀ B [Fs, D]: the ridge solve as two matrix products (float32)."""
+    basis = jnp.asarray(basis, jnp.float32)  # [Fs, Fs] columns = eigenvectors
+    coef = jnp.einsum("fk,fd->kd", basis, jnp.asarray(rhs, jnp.float32))  # Vᵀ B [Fs, D]
+    return basis @ (coef * jnp.asarray(weights, jnp.float32)[:, None])  # [Fs, D]
 
 
-def solve_ridge(gram: jax.Array, rhs: jax.Array, rho: float) -> tuple[np.ndarray, float]:
-    """dW = (G + lambda I)^-1 B on the CPU device, float32; returns (dW [Fs, D], lambda)."""
-    cpu = jax.devices("cpu")[0]
-    gram = jax.device_put(jnp.asarray(gram, jnp.float32), cpu)
-    rhs = jax.device_put(jnp.asarray(rhs, jnp.float32), cpu)
-    lam = ridge_lambda(gram, rho)
-    if not float(lam) > 0.0:  # Z' is all zeros: there is nothing to fit
-        return np.zeros(rhs.shape, np.float32), 0.0
-    return np.asarray(_solve(gram, rhs, lam)), float(lam)
+@jax.jit
+def gram_quadratic(basis: jax.Array, sigma: jax.Array, delta: jax.Array) -> jax.Array:
+    """tr(Δᵀ G Δ) = |diag(sigma)^½ Vᵀ Δ|² for Δ [Fs, D], float32 (= |Z' Δ|² without Z')."""
+    coef = jnp.einsum(
+        "fk,fd->kd", jnp.asarray(basis, jnp.float32), jnp.asarray(delta, jnp.float32)
+    )  # [Fs, D]
+    energy = jnp.einsum("kd,kd->k", coef, coef)  # [Fs]
+    return jnp.sum(jnp.maximum(jnp.asarray(sigma, jnp.float32), 0.0) * energy)
 
 
-def spectrum_stats(gram: np.ndarray, lam: float) -> tuple[int, float]:
-    """(rank(G), effective dof sum sigma/(sigma+lambda)) from G's eigenvalues, float32 on host."""
-    sigma = np.linalg.eigvalsh(np.asarray(gram, np.float32)).astype(np.float32)
+def spectrum_stats(sigma: np.ndarray, lam: float) -> tuple[int, float]:
+    """(rank(G), effective dof sum sigma/(sigma+lambda)) from G's eigenvalues (float32 tolerance)."""
+    sigma = np.asarray(sigma, np.float64)
     top = float(sigma.max(initial=0.0))
-    tol = top * gram.shape[0] * float(np.finfo(np.float32).eps)
+    tol = top * sigma.shape[0] * float(np.finfo(np.float32).eps)
     sigma = np.clip(sigma, 0.0, None)
     rank = int(np.sum(sigma > tol)) if top > 0 else 0
     dof = float(np.sum(sigma / (sigma + lam))) if lam > 0 else float(rank)
@@ -105,52 +95,29 @@ def _residual_sums(z_gated, target, delta, eta) -> tuple[jax.Array, jax.Array]:
     return before, after
 
 
-def fit_ridge(
-    shexp_down_input: np.ndarray,
-    shexp_gate: np.ndarray,
-    target: np.ndarray,
-    rho: float,
-    eta: float,
-    n_blocks: int = LOBO_BLOCKS,
-) -> RidgeFit:
-    """Fit dW on all tokens and report rank, dof, in-sample and leave-one-block-out changes.
+def eta_change(sums: tuple[float, float, float], eta: float) -> float:
+    """Relative change ``(|Y - eta P|² - |Y|²) / |Y|²`` from the sums (|Y|², <Y, P>, |P|²).
 
-    ``target`` is dY = y_ref - alpha * y_q [T, D]. The T tokens are cut into ``n_blocks``
-    contiguous blocks (calibration documents are contiguous, so a block is roughly a domain); each
-    fold refits on the other blocks (G and B minus that block's share) and is scored on its block.
+    Any eta costs nothing once the fit's prediction P and these three sums are known.
     """
-    z_gated = gated_design(shexp_down_input, shexp_gate)  # [T, Fs]
-    n_tokens, width = z_gated.shape
-    bounds = np.linspace(0, n_tokens, min(n_blocks, n_tokens) + 1).astype(int)
-    blocks = list(zip(bounds[:-1], bounds[1:], strict=True))
-    parts = [normal_equations(z_gated[a:b], target[a:b]) for a, b in blocks]
-    gram = sum(p[0] for p in parts)
-    rhs = sum(p[1] for p in parts)
-    delta, lam = solve_ridge(gram, rhs, rho)
-    rank, dof = spectrum_stats(np.asarray(gram), lam)
-    in_sample = residual_change(z_gated, target, delta, eta)
+    yy, yp, pp = sums
+    return (-2.0 * eta * yp + eta * eta * pp) / yy if yy > 0 else 0.0
 
-    folds, before_total, after_total = [], 0.0, 0.0
-    if len(parts) > 1:
-        for fold, (a, b) in enumerate(blocks):
-            # Summing the other blocks (not G minus this one) avoids float32 cancellation.
-            rest = [p for i, p in enumerate(parts) if i != fold]
-            gram_rest = sum(p[0] for p in rest)
-            rhs_rest = sum(p[1] for p in rest)
-            delta_out, _ = solve_ridge(gram_rest, rhs_rest, rho)
-            before, after = _residual_sums(z_gated[a:b], target[a:b], delta_out, jnp.float32(eta))
-            before_total += float(before)
-            after_total += float(after)
-            folds.append(float((after - before) / before) if float(before) > 0 else 0.0)
-    heldout = (after_total - before_total) / before_total if before_total > 0 else 0.0
 
-    warning = None
-    if n_tokens < width:
-        warning = (
-            f"ridge fitted on T={n_tokens} calibration tokens < Fs={width} shared-expert inputs: "
-            f"G is rank-deficient (rank {rank}); use more calibration tokens (T >> Fs)"
-        )
-    return RidgeFit(delta, lam, rank, dof, in_sample, heldout, tuple(folds), n_tokens, warning)
+@jax.jit
+def fold_terms(
+    u_fold: jax.Array, weights: jax.Array, coef: jax.Array, target: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """For one block: its leverage ``H = U diag(w) Uᵀ`` [n, n] and residual ``e = Y - U (w∘C)``.
+
+    ``u_fold = Z'_k V`` [n, Fs], ``coef = Vᵀ B`` [Fs, D]; ``e`` is the block's residual under the
+    fit on all tokens, and ``(I - H)^-1 e`` its residual under the fit without the block.
+    """
+    u = jnp.asarray(u_fold, jnp.float32)
+    w = jnp.asarray(weights, jnp.float32)
+    leverage = (u * w[None, :]) @ u.T  # [n, n]
+    fitted = u @ (jnp.asarray(coef, jnp.float32) * w[:, None])  # [n, D]
+    return leverage, jnp.asarray(target, jnp.float32) - fitted
 
 
 def apply_ridge(down_shexp: np.ndarray, delta: np.ndarray, eta: float) -> np.ndarray:

@@ -1,0 +1,338 @@
+"""Part B as three cached stages: ``ridge_basis`` → ``ridge_fit`` (rho) → ``part_b`` (eta).
+
+The trace keeps the FFN input X, not the shared expert's down input Z (whose width Fs can be
+several times D); Z' = silu(X·Wgᵀ)·(X·Wuᵀ)·gate is recomputed here, chunk by chunk, from X and the
+layer's shared-expert weights.
+
+* ``ridge_basis`` (per trace and layer, no knobs): the Gram G = Z'ᵀZ' in float32 on the default
+  device, then ``G = V diag(sigma) Vᵀ`` by ``eigh`` in float64 on the host CPU (never on an
+  accelerator), stored as float32. Paid once per sweep and layer.
+* ``ridge_fit`` (adds part_a, routed_q and rho): B = Z'ᵀdY and dW = V diag(1/(sigma+lambda)) VᵀB
+  — matrix products; plus the leave-one-block-out diagnostic without refactoring G: the fit
+  without block k predicts block k with residual ``(I - H_k)^-1 e_k`` (H_k = Z'_k (G + lambda_k
+  I)^-1 Z'_kᵀ, ``e_k`` the block's residual under the full fit at lambda_k), a system of
+  min(block tokens, Fs) unknowns solved on the host. It stores dW, B, and per block the sums
+  (|Y|², <Y, P>, |P|²) from which any eta's residual change follows without Z'.
+* ``part_b`` (adds eta): W + eta·dWᵀ, requantized to the tensor's storage type; its realized
+  residual change is ``(-2<B, Δ> + |diag(sigma)^½ VᵀΔ|²) / |dY|²`` — again no Z'.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from healsweep.heal.stages import stage_key
+from healsweep.kernels import ridge as kr
+
+LOBO_BLOCKS = 4
+CHUNK = 2048  # tokens of Z' alive at a time (padded to a multiple of 64)
+
+
+def shexp_weights(model: Any, layer: int) -> tuple[jax.Array, jax.Array]:
+    """The layer's shared-expert gate and up weights [Fs, D] as device arrays."""
+    return tuple(
+        jax.device_put(np.asarray(model.tensor(f"blk.{layer}.ffn_{n}_shexp.weight"), np.float32))
+        for n in ("gate", "up")
+    )
+
+
+@jax.jit
+def _design(x, gate, w_gate, w_up):
+    from healsweep.model.layers import swiglu_hidden
+
+    z = swiglu_hidden(jnp.asarray(x, jnp.float32), w_gate, w_up)  # [n, Fs]
+    return z * jnp.asarray(gate, jnp.float32)[:, None]
+
+
+def gated_design(
+    x: np.ndarray, gate: np.ndarray, weights: tuple[jax.Array, jax.Array], a: int, b: int
+) -> jax.Array:
+    """Z' [b - a, Fs] of tokens a..b, computed in padded chunks (zero gate on padded rows)."""
+    pieces = []
+    size = min(CHUNK, -(-(b - a) // 64) * 64)
+    for start in range(a, b, size):
+        stop = min(start + size, b)
+        pad = size - (stop - start)
+        xs = np.pad(np.asarray(x[start:stop], np.float32), ((0, pad), (0, 0)))
+        gs = np.pad(np.asarray(gate[start:stop], np.float32), (0, pad))
+        pieces.append(_design(xs, gs, *weights)[: stop - start])
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+
+
+def fold_blocks(n_tokens: int, n_blocks: int = LOBO_BLOCKS) -> list[tuple[int, int]]:
+    """Contiguous token blocks of the leave-one-block-out diagnostic (a block ≈ a domain)."""
+    bounds = np.linspace(0, n_tokens, min(n_blocks, n_tokens) + 1).astype(int)
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
+
+
+def _pieces(n_tokens: int) -> list[tuple[int, int]]:
+    """Chunks of at most CHUNK tokens that never cross a fold block's edge."""
+    return [(s, min(s + CHUNK, b)) for a, b in fold_blocks(n_tokens) for s in range(a, b, CHUNK)]
+
+
+@jax.jit
+def _gram(z_gated):
+    return z_gated.T @ z_gated
+
+
+# --- ridge_basis -------------------------------------------------------------------------------
+
+
+def basis_key(model: Any, trace_key: str, layer: int) -> str:
+    """Key of the eigenbasis of layer ``layer``'s gated Gram: the trace and the shexp weights."""
+    return stage_key(
+        "ridge_basis", {"model": model.fingerprint, "trace": trace_key, "layer": layer}
+    )
+
+
+def eigen_basis(gram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(V [Fs, Fs], sigma [Fs]) with G = V diag(sigma) Vᵀ: float64 ``eigh`` on the host CPU."""
+    import scipy.linalg
+
+    sigma, basis = scipy.linalg.eigh(np.asarray(gram, np.float64), driver="evd", check_finite=False)
+    return basis.astype(np.float32), sigma.astype(np.float32)
+
+
+Design = Callable[[int, int], jax.Array]  # (a, b) → Z' of tokens a..b [b - a, Fs]
+
+
+def layer_design(model: Any, layer: int, trace_layer: dict[str, np.ndarray]) -> Design:
+    """Z' of the layer's trace tokens, recomputed from X and the shared-expert weights."""
+    x, gate = trace_layer["x"], trace_layer["gate"]
+    weights = shexp_weights(model, layer)
+    return lambda a, b: gated_design(x, gate, weights, a, b)
+
+
+def compute_basis(
+    model: Any, layer: int, trace_layer: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The ``ridge_basis`` entry of a trace layer."""
+    return basis_from_design(layer_design(model, layer, trace_layer), len(trace_layer["x"]))
+
+
+def basis_from_design(
+    design: Design, n_tokens: int
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """V, sigma (float32) and tr(G) of the float32 Gram G = Z'ᵀZ' accumulated over chunks."""
+    gram = None
+    for a, b in _pieces(n_tokens):
+        z_gated = design(a, b)
+        gram = _gram(z_gated) if gram is None else gram + _gram(z_gated)
+    gram = np.asarray(gram)
+    start = time.perf_counter()
+    basis, sigma = eigen_basis(gram)
+    meta = {
+        "trace_g": float(np.trace(gram)),
+        "n_tokens": int(n_tokens),
+        "eigh_seconds": round(time.perf_counter() - start, 3),
+    }
+    return {"basis": basis, "sigma": sigma}, meta
+
+
+# --- ridge_fit ---------------------------------------------------------------------------------
+
+
+def fit_key(knobs: Any, basis: str, part_a: str, routed_q: str, layer: int) -> str:
+    """Key of dW at one rho: the basis, the target dY (part_a, routed_q) and rho."""
+    return stage_key(
+        "ridge_fit",
+        {
+            "knobs": knobs.for_stage("ridge_fit"),
+            "basis": basis,
+            "part_a": part_a,
+            "routed_q": routed_q,
+            "layer": layer,
+        },
+    )
+
+
+@jax.jit
+def _rhs_sums(z_gated, target):
+    return z_gated.T @ target, jnp.sum(z_gated * z_gated), jnp.sum(target * target)
+
+
+def _heldout_residual(
+    u: jax.Array, weights: jax.Array, coef: jax.Array, target: np.ndarray
+) -> np.ndarray:
+    """Block residual under the fit without the block: (I - U W Uᵀ)^-1 e, solved on the host.
+
+    The system has min(n, Fs) unknowns: n×n directly, or Fs×Fs by Woodbury,
+    ``e + U (W^-1 - UᵀU)^-1 Uᵀe``. float64 numpy on the host CPU (never an accelerator).
+    """
+    n, width = u.shape
+    leverage, resid = kr.fold_terms(u, weights, coef, target)
+    resid = np.asarray(resid, np.float64)
+    if n <= width:
+        system = np.eye(n) - np.asarray(leverage, np.float64)
+        return np.linalg.solve(system, resid)
+    u64 = np.asarray(u, np.float64)
+    system = np.diag(1.0 / np.asarray(weights, np.float64)) - u64.T @ u64
+    return resid + u64 @ np.linalg.solve(system, u64.T @ resid)
+
+
+def _sums(y: np.ndarray, p: np.ndarray) -> list[float]:
+    y, p = np.asarray(y, np.float64), np.asarray(p, np.float64)
+    return [float(np.sum(y * y)), float(np.sum(y * p)), float(np.sum(p * p))]
+
+
+def compute_fit(
+    model: Any,
+    layer: int,
+    trace_layer: dict[str, np.ndarray],
+    y_q: np.ndarray,
+    alpha: float,
+    basis: dict[str, np.ndarray],
+    basis_meta: dict[str, Any],
+    rho: float,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The ``ridge_fit`` entry of a layer: its target is dY = y_ref - alpha * y_q."""
+    target = (trace_layer["y_ref"] - np.float32(alpha) * y_q).astype(np.float32)  # dY [T, D]
+    design = layer_design(model, layer, trace_layer)
+    return fit_from_design(design, target, basis, basis_meta, rho)
+
+
+def fit_from_design(
+    design: Design,
+    target: np.ndarray,
+    basis: dict[str, np.ndarray],
+    basis_meta: dict[str, Any],
+    rho: float,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """dW [Fs, D], B [Fs, D] and the residual sums (all tokens, each held-out block)."""
+    v, sigma = jnp.asarray(basis["basis"]), jnp.asarray(basis["sigma"])
+    width, n_tokens = int(v.shape[0]), int(target.shape[0])
+    blocks = fold_blocks(n_tokens)
+    rhs = jnp.zeros((width, target.shape[1]), jnp.float32)
+    block_trace, total = [0.0] * len(blocks), 0.0
+    for a, b in _pieces(n_tokens):
+        part, zz, yy = _rhs_sums(design(a, b), target[a:b])
+        rhs = rhs + part
+        block_trace[next(k for k, (s, e) in enumerate(blocks) if s <= a < e)] += float(zz)
+        total += float(yy)
+    trace_g = basis_meta["trace_g"]
+    lam = kr.ridge_lambda(trace_g, width, rho)
+    meta: dict[str, Any] = {"lambda": lam, "n_tokens": n_tokens, "width": width}
+    if not lam > 0.0:  # Z' is all zeros: there is nothing to fit
+        zero = np.zeros((width, target.shape[1]), np.float32)
+        meta.update(in_sample=[total, 0.0, 0.0], folds=[])
+        return {"delta": zero, "rhs": np.asarray(rhs)}, meta
+    delta = kr.eigen_solve(v, kr.shrink(sigma, lam), rhs)
+    meta["in_sample"] = [
+        total,
+        float(jnp.vdot(rhs, delta)),
+        float(kr.gram_quadratic(v, sigma, delta)),
+    ]
+    folds = []
+    if len(blocks) > 1:
+        coef = v.T @ rhs  # Vᵀ B [Fs, D]
+        for k, (a, b) in enumerate(blocks):
+            lam_k = kr.ridge_lambda(trace_g - block_trace[k], width, rho)
+            if not lam_k > 0.0:  # the other blocks are all zeros: the refit predicts nothing
+                folds.append(_sums(target[a:b], np.zeros_like(target[a:b])))
+                continue
+            u = design(a, b) @ v  # Z'_k V [n, Fs]
+            left = _heldout_residual(u, kr.shrink(sigma, lam_k), coef, target[a:b])
+            folds.append(_sums(target[a:b], target[a:b] - left))
+    meta["folds"] = folds
+    return {"delta": np.asarray(delta), "rhs": np.asarray(rhs)}, meta
+
+
+# --- part_b ------------------------------------------------------------------------------------
+
+
+def part_b_key(knobs: Any, model: Any, fit: str, layer: int) -> str:
+    """Key of the healed shared-expert down weight: the fit at its rho, and eta."""
+    return stage_key(
+        "part_b",
+        {
+            "knobs": knobs.for_stage("part_b"),
+            "model": model.fingerprint,
+            "ridge_fit": fit,
+            "layer": layer,
+        },
+    )
+
+
+def ridge_layer(
+    model: Any,
+    layer: int,
+    basis: dict[str, np.ndarray],
+    fit: dict[str, np.ndarray],
+    fit_meta: dict[str, Any],
+    eta: float,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Apply eta·dW to ``blk.{layer}.ffn_down_shexp.weight`` and requantize it to its type."""
+    from healsweep.heal.requant import requantize
+
+    name = f"blk.{layer}.ffn_down_shexp.weight"
+    w = model.tensor(name)  # [D, Fs] as the teacher stores it
+    raw, stored = requantize(name, kr.apply_ridge(w, fit["delta"], eta), model.tensor_type(name))
+    step = (np.asarray(stored, np.float32) - w).T  # realized Δ [Fs, D]
+    stats = ridge_stats(basis, fit, fit_meta, eta, step)
+    stats.update(
+        relative_update=float(np.linalg.norm(stored - w) / max(np.linalg.norm(w), 1e-30)),
+        storage_type=model.tensor_type(name).name,
+    )
+    return {"raw": raw, "dense": stored}, stats
+
+
+def ridge_stats(
+    basis: dict[str, np.ndarray],
+    fit: dict[str, np.ndarray],
+    fit_meta: dict[str, Any],
+    eta: float,
+    step: np.ndarray,
+) -> dict[str, Any]:
+    """rank, dof, in-sample and held-out changes at ``eta``; realized change of ``step`` [Fs, D].
+
+    Every figure comes from the basis and the fit's sums: no Z', no solve.
+    """
+    total = fit_meta["in_sample"][0]
+    realized = 0.0
+    if total > 0:
+        quad = float(kr.gram_quadratic(basis["basis"], basis["sigma"], step))
+        realized = (-2.0 * float(np.vdot(fit["rhs"], step)) + quad) / total
+    lam, n_tokens, width = fit_meta["lambda"], fit_meta["n_tokens"], fit_meta["width"]
+    rank, dof = kr.spectrum_stats(basis["sigma"], lam)
+    folds = [kr.eta_change(tuple(s), eta) for s in fit_meta["folds"]]
+    before = sum(s[0] for s in fit_meta["folds"])
+    moved = sum(-2.0 * eta * s[1] + eta * eta * s[2] for s in fit_meta["folds"])
+    warning = None
+    if n_tokens < width:
+        warning = (
+            f"ridge fitted on T={n_tokens} calibration tokens < Fs={width} shared-expert "
+            f"inputs: G is rank-deficient (rank {rank}); use more calibration tokens "
+            "(T >> Fs)"
+        )
+    return {
+        "rank": rank,
+        "dof": dof,
+        "lambda": lam,
+        "n_tokens": n_tokens,
+        "in_sample_change": kr.eta_change(tuple(fit_meta["in_sample"]), eta),
+        "heldout_change": moved / before if before > 0 else 0.0,
+        "fold_changes": folds,
+        "realized_in_sample_change": realized,
+        "warning": warning,
+    }
+
+
+def shared_change(
+    model: Any, layer: int, trace_layer: dict[str, np.ndarray], new_down: np.ndarray
+) -> np.ndarray:
+    """gate·z·(W_new - W)ᵀ [T, D] in float64: how the healed shared expert moves the output."""
+    old = model.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # [D, Fs]
+    z_gated = gated_design(
+        trace_layer["x"],
+        trace_layer["gate"],
+        shexp_weights(model, layer),
+        0,
+        trace_layer["x"].shape[0],
+    )
+    return np.asarray(z_gated, np.float64) @ (np.asarray(new_down, np.float64) - old).T
