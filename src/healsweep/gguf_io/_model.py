@@ -122,6 +122,35 @@ class GGUFModel:
         out = np.asarray(dequantize(raw, info.tensor_type), dtype=np.float32)
         return out.reshape((stop - start, *shape[1:]))
 
+    def row_bytes(self, name: str) -> int:
+        """Stored bytes of one row (the last numpy axis) of the tensor."""
+        from gguf import GGML_QUANT_SIZES
+
+        block, type_size = GGML_QUANT_SIZES[self.tensor_type(name)]
+        return self.tensor_shape(name)[-1] // block * type_size
+
+    def raw_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The stored bytes of rows ``[start:stop]`` (first numpy axis): uint8 ``[n, ..., row]``.
+
+        Read with one positioned read into a fresh buffer (never through the memmap, whose pages
+        would stay resident), so a layer's bytes are freed with the array. This is what goes to
+        the device for in-graph decoding: no float32 copy is made on the host.
+        """
+        info = self._info(name)
+        shape = self.tensor_shape(name)
+        if len(shape) < 2:
+            raise ValueError(f"raw_rows: {name} is a vector; read it with tensor()")
+        stop = shape[0] if stop is None else min(stop, shape[0])
+        inner = (*shape[1:-1], self.row_bytes(name))
+        first_bytes = int(np.prod(inner, dtype=np.int64))
+        raw = np.fromfile(
+            self.path,
+            dtype=np.uint8,
+            count=(stop - start) * first_bytes,
+            offset=int(info.data_offset) + start * first_bytes,
+        )
+        return raw.reshape((stop - start, *inner))
+
     def tensor_take(self, name: str, rows: Iterable[int]) -> np.ndarray:
         """Rows ``rows`` of a matrix (e.g. token embeddings), dequantized to float32."""
         from gguf.quants import dequantize

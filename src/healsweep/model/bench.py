@@ -42,10 +42,7 @@ def bench_forward(
     from healsweep.model.forward import forward
 
     hp = model.hparams
-    rng = np.random.default_rng(seed)
-    lengths = [seq_len] * (n_tokens // seq_len) + ([n_tokens % seq_len] if n_tokens % seq_len
-                                                    else [])
-    sequences = [rng.integers(0, hp.n_vocab, n, dtype=np.int32) for n in lengths]
+    sequences = bench_sequences(hp.n_vocab, n_tokens, seq_len, seed)
     start = time.perf_counter()
     forward(model, sequences)
     first = time.perf_counter() - start
@@ -112,3 +109,46 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(row[j]) for row in cells) for j in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True))
                      for row in cells)
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS mark (Linux ``clear_refs``); False where that is unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def llama_cpp_available() -> bool:
+    """Whether ``llama-cpp-python`` (the optional ``[bench]`` extra) is importable."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def bench_llama_cpp(
+    path: str | Path, *, n_tokens: int = 512, seq_len: int = 256, repeats: int = 2,
+    n_threads: int | None = None, seed: int = 0,
+) -> dict[str, Any]:
+    """llama.cpp's teacher-forced tokens/s and peak RSS on the same file and the same tokens.
+
+    Runs in a fresh interpreter (``python -m healsweep.model._llama_bench``) so its peak RSS is
+    its own; every logit row is computed (``logits_all``), as :func:`bench_forward` does.
+    """
+    cmd = [sys.executable, "-m", "healsweep.model._llama_bench", str(path), "--tokens",
+           str(n_tokens), "--seq-len", str(seq_len), "--repeats", str(repeats), "--seed",
+           str(seed), "--threads", str(n_threads or os.cpu_count() or 1)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"llama.cpp bench of {Path(path).name} failed: {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_sequences(n_vocab: int, n_tokens: int, seq_len: int, seed: int) -> list[np.ndarray]:
+    """The random token sequences both forward benchmarks run: ``n_tokens`` in ``seq_len`` pieces."""
+    rng = np.random.default_rng(seed)
+    lengths = [seq_len] * (n_tokens // seq_len) + ([n_tokens % seq_len] if n_tokens % seq_len
+                                                    else [])
+    return [rng.integers(0, n_vocab, n, dtype=np.int32) for n in lengths]

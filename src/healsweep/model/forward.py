@@ -1,13 +1,18 @@
 """The teacher-forced forward of a GGUF MoE model, layer by layer, with capture points.
 
-Only one layer's weights are dequantized at a time (plus the next one, read ahead on a thread
-while the current one computes). Each layer runs as one jitted function of ``(weights, hidden)``;
-sequences are right-padded to a multiple of 64 tokens so that a handful of shapes cover every
-call and recompilation is rare. Causal attention makes the padding invisible to real tokens.
+Weights reach the device as their stored GGUF bytes (one layer at a time, plus the next one,
+read ahead on a thread while the current one computes) and are decoded inside the jitted layer
+function (``kernels.ggml_decode``): no float32 copy of a layer exists on the host, and a routed
+expert's float32 copy exists on the device only while its tiles run. A tensor type without an
+in-graph decoder is dequantized on the host instead, with one log notice per type. Each layer runs
+as one jitted function of ``(weights, hidden)``; sequences are right-padded to a multiple of 64
+tokens so that a handful of shapes cover every call and recompilation is rare. Causal attention
+makes the padding invisible to real tokens.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -18,12 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from healsweep.gguf_io import GGUFModel, ModelHparams
+from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, GGMLWeight
 from healsweep.model import qwen2moe, qwen3moe
-from healsweep.model.layers import expert_tile_rows, rms_norm
+from healsweep.model.layers import expert_tile_rows, matmul, rms_norm
 
 _ADAPTERS = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe}
 PAD_MULTIPLE = 64
-_LOGIT_CHUNK_BYTES = 64 << 20  # output-matrix rows dequantized at a time
+_LOGIT_CHUNK_BYTES = 64 << 20  # float32 bytes of output-matrix rows decoded at a time
+log = logging.getLogger(__name__)
+_HOST_DECODED: set[str] = set()  # types already announced as host-dequantized
 
 
 class LayerCapture(NamedTuple):
@@ -83,11 +91,26 @@ def _final_norm(eps: float, h, weight, rows):
     return rms_norm(h.reshape(-1, h.shape[-1])[rows], weight, eps)  # [N, D]
 
 
+def device_weight(model: GGUFModel, name: str) -> Any:
+    """A tensor on the device: a matrix as its stored bytes (:class:`GGMLWeight`), decoded in
+    the graph; a vector, or a matrix of a type without an in-graph decoder, as float32."""
+    qtype = model.tensor_type(name)
+    if len(model.tensor_shape(name)) >= 2:
+        if int(qtype) in IN_GRAPH_TYPES:
+            return GGMLWeight(jax.device_put(model.raw_rows(name)), int(qtype),
+                              model.tensor_shape(name)[-1])
+        if qtype.name not in _HOST_DECODED:
+            _HOST_DECODED.add(qtype.name)
+            log.warning("%s tensors have no in-graph decoder; they are dequantized on the host "
+                        "(slower, float32 in host memory)", qtype.name)
+    return jax.device_put(model.tensor(name))
+
+
 def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | None) -> dict:
-    """Layer i's weights as device arrays (the numpy copies are dropped right away)."""
+    """Layer i's weights on the device (stored bytes; the host buffers are dropped right away)."""
     prefix = f"blk.{i}."
     weights = {
-        name[len(prefix):]: jax.device_put(model.tensor(name))  # one numpy tensor at a time
+        name[len(prefix):]: device_weight(model, name)  # one tensor's bytes at a time
         for name in model.tensor_names
         if name.startswith(prefix)
     }
@@ -128,15 +151,26 @@ def _embed(model: GGUFModel, tokens: np.ndarray) -> np.ndarray:
     return rows[inverse.reshape(tokens.shape)]  # [B, T, D]
 
 
+@jax.jit
+def _head_chunk(hidden, w):
+    return matmul(hidden, w)  # [N, C]
+
+
 def _logits(model: GGUFModel, hidden: jax.Array) -> np.ndarray:
-    """``hidden [N, D] @ output.weightᵀ`` → ``[N, V]``, reading the vocab in chunks."""
+    """``hidden [N, D] @ output.weightᵀ`` → ``[N, V]``, reading the vocab in chunks of rows
+    sent as stored bytes and decoded in the graph."""
     name = "output.weight" if "output.weight" in model.tensor_names else "token_embd.weight"
     n_vocab, n_embd = model.tensor_shape(name)
     chunk = max(1, _LOGIT_CHUNK_BYTES // (4 * n_embd))
+    qtype = int(model.tensor_type(name))
     out = np.empty((hidden.shape[0], n_vocab), np.float32)
     for start in range(0, n_vocab, chunk):
-        w = model.tensor_rows(name, start, start + chunk)  # [C, D]
-        out[:, start : start + len(w)] = np.asarray(hidden @ jnp.asarray(w).T)
+        if qtype in IN_GRAPH_TYPES:
+            w = GGMLWeight(jax.device_put(model.raw_rows(name, start, start + chunk)), qtype,
+                           n_embd)  # [C, D] stored bytes
+        else:
+            w = jnp.asarray(model.tensor_rows(name, start, start + chunk))  # [C, D]
+        out[:, start : start + w.shape[0]] = np.asarray(_head_chunk(hidden, w))
     return out
 
 

@@ -85,9 +85,13 @@ def swiglu_hidden(x: jax.Array, w_gate: Any, w_up: Any) -> jax.Array:
 
 
 def expert_tile_rows(n_assignments: int, n_expert: int) -> int:
-    """Rows per tile of :func:`routed_experts`: about half an expert's average load, 8..128."""
+    """Rows per tile of :func:`routed_experts`: about a quarter of an expert's average load, 8..128.
+
+    Each expert's rows are padded to whole tiles, so a smaller tile wastes fewer padded rows
+    (at most ``tile - 1`` per expert); a larger one makes fewer, larger matmuls.
+    """
     mean_load = max(n_assignments // max(n_expert, 1), 1)
-    return int(min(max(2 ** int(np.log2(mean_load)) // 2, 8), 128))
+    return int(min(max(2 ** int(np.log2(mean_load)) // 4, 8), 128))
 
 
 def _expert(w: Any, e: jax.Array) -> Any:
@@ -110,45 +114,44 @@ def routed_experts(
     """Weighted sum over each token's routed experts: ``x [N, D]`` → ``[N, D]``.
 
     Grouped matmul instead of a dense all-experts einsum (which costs E/k times the FLOPs and
-    an ``[N, E, F]`` buffer): the N·k (token, expert) assignments are sorted by expert and laid
-    out in tiles of ``tile`` rows, each expert's run padded to whole tiles, so every tile
-    belongs to one expert. A ``lax.scan`` over tiles slices that expert's weights (dequantizing
-    a quantized expert one at a time) and skips the unused tail tiles. Shapes are static: at
-    most ``ceil(N·k / tile) + E`` tiles.
+    an ``[N, E, F]`` buffer): the N·k (token, expert) assignments are sorted by expert and
+    each expert's run is padded to whole tiles of ``tile`` rows. A ``lax.scan`` over experts
+    decodes each used expert's weights once (a quantized expert is decoded in the graph from
+    its stored bytes, so only one expert's float32 copy exists at a time), then loops over that
+    expert's tiles, gathering the tiles' tokens and adding their weighted outputs into the
+    ``[N, D]`` result. Unused experts are skipped.
     """
     n_tokens, n_embd = x.shape
     k = topk_ids.shape[1]
     n_assign = n_tokens * k
-    n_tiles = -(-n_assign // tile) + n_expert
+    rows = (-(-n_assign // tile) + n_expert) * tile
     flat_ids = topk_ids.reshape(-1)  # [A]
     order = jnp.argsort(flat_ids, stable=True)  # [A]
     sorted_ids = flat_ids[order]
     counts = jnp.zeros(n_expert, jnp.int32).at[flat_ids].add(1)  # [E]
     padded = (counts + tile - 1) // tile * tile
-    padded_end = jnp.cumsum(padded)
-    padded_start = padded_end - padded
+    padded_start = jnp.cumsum(padded) - padded
     start = jnp.cumsum(counts) - counts
     dest = padded_start[sorted_ids] + jnp.arange(n_assign, dtype=jnp.int32) - start[sorted_ids]
-    rows = n_tiles * tile
-    row_token = jnp.full(rows, n_tokens, jnp.int32).at[dest].set(order // k)  # [P]
+    row_token = jnp.full(rows, n_tokens, jnp.int32).at[dest].set(order // k)  # [P], N = padding
     row_weight = jnp.zeros(rows, jnp.float32).at[dest].set(topk_weights.reshape(-1)[order])
-    tile_first_row = jnp.arange(n_tiles, dtype=jnp.int32) * tile
-    tile_expert = jnp.minimum(
-        jnp.searchsorted(padded_end, tile_first_row, side="right"), n_expert - 1
-    ).astype(jnp.int32)  # [n_tiles]
-    tile_used = tile_first_row < padded_end[-1]
-    x_rows = jnp.concatenate([x, jnp.zeros((1, n_embd), x.dtype)])[row_token]  # [P, D]
 
-    def one_tile(_, inputs):
-        x_tile, e, used = inputs  # [tile, D]
+    def one_expert(out, e):
+        def compute(out):
+            gate, up, down = (as_dense(_expert(w, e)) for w in (w_gate, w_up, w_down))
 
-        def compute(x_tile):
-            return swiglu(x_tile, _expert(w_gate, e), _expert(w_up, e), _expert(w_down, e))
+            def one_tile(j, out):
+                first = padded_start[e] + j * tile
+                tokens = jax.lax.dynamic_slice_in_dim(row_token, first, tile)  # [tile]
+                weight = jax.lax.dynamic_slice_in_dim(row_weight, first, tile)
+                x_tile = x.at[tokens].get(mode="fill", fill_value=0)  # [tile, D]
+                y_tile = swiglu(x_tile, gate, up, down) * weight[:, None]
+                return out.at[tokens].add(y_tile, mode="drop")  # padding rows fall off
 
-        return None, jax.lax.cond(used, compute, jnp.zeros_like, x_tile)
+            return jax.lax.fori_loop(0, padded[e] // tile, one_tile, out)
 
-    _, y = jax.lax.scan(
-        one_tile, None, (x_rows.reshape(n_tiles, tile, n_embd), tile_expert, tile_used)
-    )
-    y = y.reshape(rows, n_embd) * row_weight[:, None]  # [P, D]
-    return jnp.zeros((n_tokens + 1, n_embd), jnp.float32).at[row_token].add(y)[:n_tokens]
+        return jax.lax.cond(counts[e] > 0, compute, lambda out: out, out), None
+
+    out0 = jnp.zeros((n_tokens, n_embd), jnp.float32)
+    out, _ = jax.lax.scan(one_expert, out0, jnp.arange(n_expert, dtype=jnp.int32))
+    return out
