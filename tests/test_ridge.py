@@ -170,4 +170,7 @@ def test_per_rho_and_per_eta_kernels_are_backend_clean():
     # What runs per rho and per eta: matrix products only, no solve or eigh primitive.
     assert backend_violations(kr.eigen_solve, v, weights, rhs) == []
     assert backend_violations(kr.gram_quadratic, v, sigma, rhs) == []
-    assert backend_violations(kr.fold_terms, zg[:10] @ v, weights, v.T @ rhs, dy[:10]) == []
+    u = zg[:10] @ v
+    assert backend_violations(kr.fold_residual, u, weights, v.T @ rhs, dy[:10]) == []
+    assert backend_violations(kr.fold_leverage, u, weights) == []
+    assert backend_violations(kr.fold_moments, u, dy[:10]) == []

@@ -166,14 +166,13 @@ def _heldout_residual(
     ``e + U (W^-1 - UᵀU)^-1 Uᵀe``. float64 numpy on the host CPU (never an accelerator).
     """
     n, width = u.shape
-    leverage, resid = kr.fold_terms(u, weights, coef, target)
-    resid = np.asarray(resid, np.float64)
+    resid = kr.fold_residual(u, weights, coef, target)
     if n <= width:
-        system = np.eye(n) - np.asarray(leverage, np.float64)
-        return np.linalg.solve(system, resid)
-    u64 = np.asarray(u, np.float64)
-    system = np.diag(1.0 / np.asarray(weights, np.float64)) - u64.T @ u64
-    return resid + u64 @ np.linalg.solve(system, u64.T @ resid)
+        system = np.eye(n) - np.asarray(kr.fold_leverage(u, weights), np.float64)
+        return np.linalg.solve(system, np.asarray(resid, np.float64))
+    gram_k, proj = (np.asarray(a, np.float64) for a in kr.fold_moments(u, resid))
+    system = np.diag(1.0 / np.asarray(weights, np.float64)) - gram_k
+    return np.asarray(resid, np.float64) + np.asarray(u, np.float64) @ np.linalg.solve(system, proj)
 
 
 def _sums(y: np.ndarray, p: np.ndarray) -> list[float]:

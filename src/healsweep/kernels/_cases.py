@@ -163,5 +163,11 @@ CASES: tuple[KernelCase, ...] = (
     KernelCase("ridge.normal_equations", ridge.normal_equations, _ridge_inputs, rtol=1e-4),
     KernelCase("ridge.eigen_solve", ridge.eigen_solve, _ridge_eigen_inputs, rtol=1e-4),
     KernelCase("ridge.gram_quadratic", ridge.gram_quadratic, _ridge_eigen_inputs, rtol=1e-4),
-    KernelCase("ridge.fold_terms", ridge.fold_terms, _ridge_fold_inputs, rtol=1e-4),
+    KernelCase("ridge.fold_residual", ridge.fold_residual, _ridge_fold_inputs, rtol=1e-4),
+    KernelCase(
+        "ridge.fold_leverage", lambda u, w, c, y: ridge.fold_leverage(u, w), _ridge_fold_inputs
+    ),
+    KernelCase(
+        "ridge.fold_moments", lambda u, w, c, y: ridge.fold_moments(u, y), _ridge_fold_inputs
+    ),
 )

@@ -105,19 +105,32 @@ def eta_change(sums: tuple[float, float, float], eta: float) -> float:
 
 
 @jax.jit
-def fold_terms(
+def fold_residual(
     u_fold: jax.Array, weights: jax.Array, coef: jax.Array, target: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """For one block: its leverage ``H = U diag(w) Uᵀ`` [n, n] and residual ``e = Y - U (w∘C)``.
+) -> jax.Array:
+    """One block's residual ``e = Y - U (w∘C)`` [n, D] under the fit on all tokens.
 
-    ``u_fold = Z'_k V`` [n, Fs], ``coef = Vᵀ B`` [Fs, D]; ``e`` is the block's residual under the
-    fit on all tokens, and ``(I - H)^-1 e`` its residual under the fit without the block.
+    ``u_fold = Z'_k V`` [n, Fs], ``weights = 1/(sigma + lambda_k)``, ``coef = Vᵀ B`` [Fs, D].
+    The block's residual under the fit without it is ``(I - U diag(w) Uᵀ)^-1 e``.
     """
+    fitted = jnp.asarray(u_fold, jnp.float32) @ (
+        jnp.asarray(coef, jnp.float32) * jnp.asarray(weights, jnp.float32)[:, None]
+    )
+    return jnp.asarray(target, jnp.float32) - fitted
+
+
+@jax.jit
+def fold_leverage(u_fold: jax.Array, weights: jax.Array) -> jax.Array:
+    """The block's leverage ``H = U diag(w) Uᵀ`` [n, n] (used when n <= Fs)."""
     u = jnp.asarray(u_fold, jnp.float32)
-    w = jnp.asarray(weights, jnp.float32)
-    leverage = (u * w[None, :]) @ u.T  # [n, n]
-    fitted = u @ (jnp.asarray(coef, jnp.float32) * w[:, None])  # [n, D]
-    return leverage, jnp.asarray(target, jnp.float32) - fitted
+    return (u * jnp.asarray(weights, jnp.float32)[None, :]) @ u.T
+
+
+@jax.jit
+def fold_moments(u_fold: jax.Array, resid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(UᵀU [Fs, Fs], Uᵀe [Fs, D])`` of a block (used when n > Fs, by Woodbury)."""
+    u = jnp.asarray(u_fold, jnp.float32)
+    return u.T @ u, u.T @ jnp.asarray(resid, jnp.float32)
 
 
 def apply_ridge(down_shexp: np.ndarray, delta: np.ndarray, eta: float) -> np.ndarray:
