@@ -110,6 +110,19 @@ def test_one_basis_serves_every_rho_and_eta():
             assert stats["heldout_change"] == pytest.approx(heldout, rel=1e-3, abs=1e-6)
 
 
+def test_held_out_pass_recomputing_z_equals_keeping_it():
+    z, gate, dy = _problem(np.random.default_rng(9), t=120)
+    zg = z * gate[:, None]
+    design = lambda a, b: jnp.asarray(zg[a:b])  # noqa: E731
+    basis, meta = ridge.basis_from_design(design, len(z))
+    kept = ridge.fit_from_design(design, dy, basis, meta, 2.0)
+    again = ridge.fit_from_design(design, dy, basis, meta, 2.0, keep_bytes=0)
+    np.testing.assert_array_equal(kept[0]["delta"], again[0]["delta"])
+    np.testing.assert_allclose(
+        np.asarray(kept[1]["folds"]), np.asarray(again[1]["folds"]), rtol=1e-6
+    )
+
+
 def test_too_few_tokens_warns_and_rank_is_t():
     rng = np.random.default_rng(1)
     z, gate, dy = _problem(rng, t=10, fs=24)

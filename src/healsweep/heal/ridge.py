@@ -32,6 +32,7 @@ from healsweep.kernels import ridge as kr
 
 LOBO_BLOCKS = 4
 CHUNK = 2048  # tokens of Z' alive at a time (padded to a multiple of 64)
+KEEP_BYTES = 1 << 30  # Z'V of every token is kept between ridge_fit's two passes up to this size
 
 
 def shexp_weights(model: Any, layer: int) -> tuple[jax.Array, jax.Array]:
@@ -172,7 +173,8 @@ def _heldout_residual(
         return np.linalg.solve(system, np.asarray(resid, np.float64))
     gram_k, proj = (np.asarray(a, np.float64) for a in kr.fold_moments(u, resid))
     system = np.diag(1.0 / np.asarray(weights, np.float64)) - gram_k
-    return np.asarray(resid, np.float64) + np.asarray(u, np.float64) @ np.linalg.solve(system, proj)
+    step = jnp.asarray(np.linalg.solve(system, proj), jnp.float32)  # [Fs, D]
+    return np.asarray(resid + u @ step, np.float64)
 
 
 def _sums(y: np.ndarray, p: np.ndarray) -> list[float]:
@@ -202,18 +204,34 @@ def fit_from_design(
     basis: dict[str, np.ndarray],
     basis_meta: dict[str, Any],
     rho: float,
+    keep_bytes: int = KEEP_BYTES,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """dW [Fs, D], B [Fs, D] and the residual sums (all tokens, each held-out block)."""
+    """dW [Fs, D], B [Fs, D] and the residual sums (all tokens, each held-out block).
+
+    Z'V of all tokens is kept on the device between the two passes when it fits in
+    ``keep_bytes``; otherwise the held-out pass recomputes Z' block by block.
+    """
     v, sigma = jnp.asarray(basis["basis"]), jnp.asarray(basis["sigma"])
     width, n_tokens = int(v.shape[0]), int(target.shape[0])
     blocks = fold_blocks(n_tokens)
     rhs = jnp.zeros((width, target.shape[1]), jnp.float32)
     block_trace, total = [0.0] * len(blocks), 0.0
+    keep = n_tokens * width * 4 <= keep_bytes  # keep Z'V for the held-out pass, or recompute
+    kept: dict[tuple[int, int], jax.Array] = {}
     for a, b in _pieces(n_tokens):
-        part, zz, yy = _rhs_sums(design(a, b), target[a:b])
+        z_gated = design(a, b)
+        part, zz, yy = _rhs_sums(z_gated, target[a:b])
         rhs = rhs + part
         block_trace[next(k for k, (s, e) in enumerate(blocks) if s <= a < e)] += float(zz)
         total += float(yy)
+        if keep:
+            kept[(a, b)] = z_gated @ v
+
+    def projected(a: int, b: int) -> jax.Array:  # Z'_k V [n, Fs] of block a..b
+        parts = [kept.get(p) for p in _pieces(n_tokens) if a <= p[0] < b]
+        parts = parts if keep else [design(*p) @ v for p in _pieces(n_tokens) if a <= p[0] < b]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
     trace_g = basis_meta["trace_g"]
     lam = kr.ridge_lambda(trace_g, width, rho)
     meta: dict[str, Any] = {"lambda": lam, "n_tokens": n_tokens, "width": width}
@@ -235,7 +253,7 @@ def fit_from_design(
             if not lam_k > 0.0:  # the other blocks are all zeros: the refit predicts nothing
                 folds.append(_sums(target[a:b], np.zeros_like(target[a:b])))
                 continue
-            u = design(a, b) @ v  # Z'_k V [n, Fs]
+            u = projected(a, b)
             left = _heldout_residual(u, kr.shrink(sigma, lam_k), coef, target[a:b])
             folds.append(_sums(target[a:b], target[a:b] - left))
     meta["folds"] = folds
