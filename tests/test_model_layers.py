@@ -150,12 +150,10 @@ def test_captures_match_numpy_from_the_layer_weights(random_gguf, arch):
         np.testing.assert_allclose(cap.routed_output, routed, rtol=1e-3, atol=1e-4)
         np.testing.assert_array_equal(result.router[1][:, i], cap.topk_ids[37:])
         if arch == "qwen2moe":
-            hidden = _silu(x @ w["ffn_gate_shexp.weight"].T) * (x @ w["ffn_up_shexp.weight"].T)
-            np.testing.assert_allclose(cap.shexp_down_input, hidden, rtol=1e-4, atol=1e-5)
             gate = 1 / (1 + np.exp(-(x @ w["ffn_gate_inp_shexp.weight"])))
             np.testing.assert_allclose(cap.shexp_gate, gate, rtol=1e-4, atol=1e-6)
         else:
-            assert cap.shexp_down_input.size == 0 and cap.shexp_gate.size == 0
+            assert cap.shexp_gate.size == 0
 
 
 def test_padding_and_batching_do_not_change_a_sequence(random_gguf):

@@ -26,6 +26,7 @@ from healsweep.gguf_io import GGUFModel, ModelHparams
 from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, GGMLWeight
 from healsweep.model import qwen2moe, qwen3moe
 from healsweep.model.layers import expert_tile_rows, matmul, rms_norm
+from healsweep.model.resident import RESIDENT
 
 _ADAPTERS = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe}
 PAD_MULTIPLE = 64
@@ -42,7 +43,6 @@ class LayerCapture(NamedTuple):
     topk_ids: np.ndarray  # [T, k] int32
     topk_weights: np.ndarray  # [T, k]
     routed_output: np.ndarray  # [T, D] weighted sum over routed experts, before the shared one
-    shexp_down_input: np.ndarray  # [T, Fs] silu(x·Wg)*(x·Wu); shape (0, 0) for qwen3moe
     shexp_gate: np.ndarray  # [T] sigmoid(x·w_gate_inp_shexp); shape (0,) for qwen3moe
 
 
@@ -107,13 +107,22 @@ def device_weight(model: GGUFModel, name: str) -> Any:
 
 
 def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | None) -> dict:
-    """Layer i's weights on the device (stored bytes; the host buffers are dropped right away)."""
+    """Layer i's weights on the device (stored bytes; the host buffers are dropped right away).
+
+    The model's own tensors come through :data:`RESIDENT` (kept on an accelerator between
+    forwards, within its budget); replacements are sent as they are.
+    """
     prefix = f"blk.{i}."
-    weights = {
-        name[len(prefix):]: device_weight(model, name)  # one tensor's bytes at a time
-        for name in model.tensor_names
-        if name.startswith(prefix)
-    }
+    stat = model.path.stat()
+
+    def load() -> dict[str, Any]:
+        return {
+            name[len(prefix):]: device_weight(model, name)  # one tensor's bytes at a time
+            for name in model.tensor_names
+            if name.startswith(prefix)
+        }
+
+    weights = RESIDENT.get((str(model.path), stat.st_size, stat.st_mtime_ns, i), load)
     if replacement is None:
         return weights
     for field, suffix in _REPLACED.items():
@@ -122,10 +131,10 @@ def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | Non
             continue
         if suffix not in weights:
             raise ValueError(f"forward: layer {i} of a {model.arch} model has no {suffix}")
-        if tuple(new.shape) != weights[suffix].shape:
+        if tuple(new.shape) != tuple(weights[suffix].shape):
             raise ValueError(
                 f"forward: replacement {field} of layer {i} has shape {tuple(new.shape)}, "
-                f"expected {weights[suffix].shape}"
+                f"expected {tuple(weights[suffix].shape)}"
             )
         weights[suffix] = jax.device_put(new)
     return weights
@@ -164,20 +173,24 @@ def _logits(model: GGUFModel, hidden: jax.Array) -> np.ndarray:
     chunk = max(1, _LOGIT_CHUNK_BYTES // (4 * n_embd))
     qtype = int(model.tensor_type(name))
     out = np.empty((hidden.shape[0], n_vocab), np.float32)
+    stat = model.path.stat()
+
+    def load(start: int) -> dict[str, Any]:
+        if qtype in IN_GRAPH_TYPES:  # [C, D] stored bytes
+            raw = jax.device_put(model.raw_rows(name, start, start + chunk))
+            return {"w": GGMLWeight(raw, qtype, n_embd)}
+        return {"w": jax.device_put(model.tensor_rows(name, start, start + chunk))}
+
     for start in range(0, n_vocab, chunk):
-        if qtype in IN_GRAPH_TYPES:
-            w = GGMLWeight(jax.device_put(model.raw_rows(name, start, start + chunk)), qtype,
-                           n_embd)  # [C, D] stored bytes
-        else:
-            w = jnp.asarray(model.tensor_rows(name, start, start + chunk))  # [C, D]
+        key = (str(model.path), stat.st_size, stat.st_mtime_ns, name, start, chunk)
+        w = RESIDENT.get(key, partial(load, start))["w"]
         out[:, start : start + w.shape[0]] = np.asarray(_head_chunk(hidden, w))
     return out
 
 
 def _gather_capture(cap: dict[str, jax.Array], real: np.ndarray) -> LayerCapture:
     host = {k: np.asarray(v)[real] for k, v in cap.items()}
-    empty = {"shexp_down_input": np.zeros((0, 0), np.float32),
-             "shexp_gate": np.zeros((0,), np.float32)}
+    empty = {"shexp_gate": np.zeros((0,), np.float32)}
     return LayerCapture(**{f: host.get(f, empty.get(f)) for f in LayerCapture._fields})
 
 

@@ -50,7 +50,6 @@ def moe_block(hp: ModelHparams, w: dict[str, Any], x: jax.Array, tile: int):
         "topk_ids": topk_ids,
         "topk_weights": topk_weights,
         "routed_output": routed,
-        "shexp_down_input": shexp_hidden,
         "shexp_gate": shexp_gate,
     }
     return routed + shared, capture
