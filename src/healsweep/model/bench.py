@@ -152,3 +152,37 @@ def bench_sequences(n_vocab: int, n_tokens: int, seq_len: int, seed: int) -> lis
     lengths = [seq_len] * (n_tokens // seq_len) + ([n_tokens % seq_len] if n_tokens % seq_len
                                                     else [])
     return [rng.integers(0, n_vocab, n, dtype=np.int32) for n in lengths]
+
+
+def bench_forward_pair(
+    path: str | Path, n_tokens: int, seq_len: int = 256, n_threads: int | None = None
+) -> dict[str, Any]:
+    """healsweep's forward and llama.cpp's (when installed) on the same file and tokens, each in
+    a fresh process; ``llama`` is None without ``llama-cpp-python``."""
+    ours = _bench_in_subprocess(Path(path), n_tokens, seq_len)
+    theirs = None
+    if llama_cpp_available():
+        theirs = bench_llama_cpp(path, n_tokens=n_tokens, seq_len=seq_len, n_threads=n_threads)
+    return {"tokens": n_tokens, "healsweep": ours, "llama": theirs}
+
+
+def format_pairs(rows: list[dict[str, Any]]) -> str:
+    """Rows of :func:`bench_forward_pair` as a table: tok/s and peak RSS, side by side."""
+    head = ["tokens", "healsweep tok/s", "llama.cpp tok/s", "ratio", "healsweep RSS MiB",
+            "llama.cpp RSS MiB"]
+    cells = [head]
+    for r in rows:
+        ours, theirs = r["healsweep"], r["llama"]
+        cells.append([
+            str(r["tokens"]), f"{ours['tokens_per_s']:.1f}",
+            "-" if theirs is None else f"{theirs['tokens_per_s']:.1f}",
+            "-" if theirs is None else f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
+            f"{ours['peak_rss_mib']:.0f}",
+            "-" if theirs is None else f"{theirs['peak_rss_mib']:.0f}",
+        ])
+    widths = [max(len(row[j]) for row in cells) for j in range(len(head))]
+    text = "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True))
+                     for row in cells)
+    if rows and rows[0]["llama"] is None:
+        text += "\n(llama.cpp column empty: install the optional extra, pip install -e '.[bench]')"
+    return text
