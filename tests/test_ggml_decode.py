@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 from healsweep.errors import GGUFFormatError
 from healsweep.kernels import _decode_legacy as lg
@@ -189,14 +189,34 @@ def adversarial_blocks(qtype: int, rng) -> np.ndarray:
         lo, hi = SCALE_BYTES[qtype]
         patterns = np.arange(256, dtype=np.uint8)
         sweep = rng.integers(0, 256, (256, size), dtype=np.uint8)
-        sweep[:, lo:hi] = patterns[:, None]  # each byte value, so each field's every 6 bits
+        sweep[:, lo:hi] = patterns[:, None]  # every byte value in every scale byte
         if qtype == int(T.IQ4_XS):  # high bits (uint16 at 2) independent of the low nibbles
             sweep = np.repeat(sweep, 4, axis=0)
             set_u16(sweep, 2, np.tile(np.arange(4, dtype=np.uint16) * 0x5555, 256))
+        if qtype in (int(T.Q4_K), int(T.Q5_K)):  # every 6-bit scale and min in every slot
+            packed = rng.integers(0, 256, (64, size), dtype=np.uint8)
+            v = np.arange(64)[:, None]
+            slots = np.arange(8)[None, :]
+            packed[:, 4:16] = pack_k_scales((v + 11 * slots) % 64, (7 * v + 5 + 3 * slots) % 64)
+            sweep = np.concatenate([sweep, packed])
         for offset in fields:
             set_u16(sweep, offset, finite_fp16(rng, len(sweep)))
         out.append(sweep)
     return np.concatenate(out)
+
+
+def pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """ggml's Q4_K/Q5_K scale packing, [N, 8] 6-bit scales and mins -> [N, 12] bytes: slots 0-3
+    in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); slots 4-7 keep their low 4 bits in
+    bytes 8-11 (scale in the low nibble, min in the high) and their top 2 bits in the top bits
+    of bytes 0-3 (scales) and 4-7 (mins)."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    out = np.zeros((len(sc), 12), np.uint8)
+    for j in range(4):
+        out[:, j] = sc[:, j] | ((sc[:, 4 + j] >> 4) << 6)
+        out[:, 4 + j] = mn[:, j] | ((mn[:, 4 + j] >> 4) << 6)
+        out[:, 8 + j] = (sc[:, 4 + j] & 0x0F) | ((mn[:, 4 + j] & 0x0F) << 4)
+    return out
 
 
 def as_rows(blocks: np.ndarray, qtype: int, per_row: int = 2) -> tuple[np.ndarray, int]:
@@ -258,6 +278,10 @@ def test_adversarial_blocks_bit_exact(qtype):
     if qtype not in FLOAT_TYPES:
         assert np.isnan(want).any() and np.isinf(want).any()  # the specials did reach the output
     assert_bit_exact(decode_jit(rows, qtype, n_in), want)
+    if qtype in (int(T.Q4_K), int(T.Q5_K)):  # every 6-bit value reached every slot
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        for slot in range(8):
+            assert set(sc[:, slot]) == set(range(64)) and set(mn[:, slot]) == set(range(64))
 
 
 def test_q2_0_against_float64_spec():
