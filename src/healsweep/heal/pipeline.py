@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache as cache_fn
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -111,7 +113,7 @@ def build_student(
         say("calib_trace", "not needed by these knobs (no teacher pass)")
     replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
     for i in range(hp.n_layer):
-        weights = model.layer(i)
+        weights = cache_fn(partial(model.layer, i))  # read only if a stage must compute
         trace_layer = timer.run("calib_trace", lambda i=i: trace.layer(i)) if trace else None
         built = _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache, timer)
         experts, alpha, shexp, report, layer_keys = built
@@ -153,7 +155,7 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
             "quantize",
             qkey,
             lambda: (
-                stages.quantize_layer(weights, knobs, trace_layer if act else None, calibration),
+                stages.quantize_layer(weights(), knobs, trace_layer if act else None, calibration),
                 {},
             ),
         ),
@@ -179,7 +181,7 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
 
     def compute_alpha():
         if knobs.alpha == "gaussian":
-            value = stages.gaussian_alpha(weights, experts, knobs.gamma)
+            value = stages.gaussian_alpha(weights(), experts, knobs.gamma)
         elif knobs.alpha == "mse":
             value = float(alpha_kernels.alpha_mse(trace_layer["y_ref"], y_q, knobs.gamma))
         else:
