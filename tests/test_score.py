@@ -16,8 +16,9 @@ from healsweep.gguf_io import open_model
 from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.model import LayerReplacement, forward
 from healsweep.score import pooled, score_windows
+from healsweep.score.compact import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K
 from healsweep.score.report import check_same_tokenizer
-from healsweep.score.teacher_cache import STAGE
+from healsweep.score.teacher_cache import STAGE, teacher_key
 
 BATCH = 4
 ANSWER = '<think>\nMixture-of-experts models route every token {i}.\n</think>\n\n{{"name": "{i}"}}'
@@ -99,14 +100,26 @@ def _independent(teacher, student_model, window, replacements=None):
     }
 
 
-def test_metrics_match_an_independent_float64_recomputation(models, windows, tmp_path):
+# The compact cache's KLD is an unbiased estimate (tests/test_teacher_cache.py checks the bias);
+# one draw on these windows lands within a few percent of the float64 value.
+KLD_REL = {"exact": 1e-3, "compact": 0.05}
+
+
+@pytest.mark.parametrize("teacher_cache", ["exact", "compact"])
+def test_metrics_match_an_independent_float64_recomputation(
+    models, windows, tmp_path, teacher_cache
+):
     cache = StageCache(tmp_path / "cache")
-    scored = list(score_windows(models["ref"], models["q4"], windows, cache, batch=BATCH))
+    scored = list(
+        score_windows(
+            models["ref"], models["q4"], windows, cache, batch=BATCH, teacher_cache=teacher_cache
+        )
+    )
     assert [w.window_id for w, _ in scored] == [w.window_id for w in windows]
     for window, m in scored[:3]:
         ref = _independent(models["ref"], models["q4"], window)
         assert m.kld_count == window.n_scored
-        assert m.kld_sum == pytest.approx(ref["kld_sum"], rel=1e-3)
+        assert m.kld_sum == pytest.approx(ref["kld_sum"], rel=KLD_REL[teacher_cache])
         assert m.top1_count == ref["top1_count"]
         assert m.teacher_nll_sum == pytest.approx(ref["teacher_nll_sum"], rel=1e-4)
         assert m.student_nll_sum == pytest.approx(ref["student_nll_sum"], rel=1e-4)
@@ -124,7 +137,8 @@ def test_self_is_zero_and_quantization_orders_q8_below_q4(models, windows, tmp_p
         )
         for name in ("ref", "q8", "q4")
     }
-    assert results["ref"]["kld_mean"] < 1e-9
+    # the compact estimate sums p (log p - log q) of float32 log-probs: rounding stays < 1e-8
+    assert results["ref"]["kld_mean"] < 1e-8
     assert results["ref"]["top1"] == 1.0 and results["ref"]["router_jaccard"] == 1.0
     assert 0 < results["q8"]["kld_mean"] < results["q4"]["kld_mean"]
     assert results["q8"]["top1"] >= results["q4"]["top1"]
@@ -141,16 +155,50 @@ def test_a_second_run_reuses_the_cached_teacher(models, windows, tmp_path):
     for x, y in zip(a, c, strict=True):
         assert y.kld_sum == pytest.approx(x.kld_sum, rel=1e-4) and y.top1 == x.top1
     assert sum(m.kld_sum for m in b) > sum(m.kld_sum for m in a)
-    # an entry holds exactly the scored positions, in float32
+    # a compact entry holds a fixed-size record per scored position: int32 ids, float32 log-probs
+    n, n_layer = windows[0].n_scored, models["ref"].hparams.n_layer
     entry = second.get(STAGE, next(iter(_keys(models["ref"], windows[:1]))))[0]
-    assert entry["logprobs"].dtype == np.float32
-    assert entry["logprobs"].shape == (windows[0].n_scored, models["ref"].hparams.n_vocab)
+    assert entry["top_ids"].dtype == entry["tail_ids"].dtype == np.int32
+    assert entry["top_logp"].dtype == entry["tail_logp"].dtype == np.float32
+    assert entry["top_ids"].shape == entry["top_logp"].shape == (n, DEFAULT_TOP_K)
+    assert entry["tail_ids"].shape == entry["tail_logp"].shape == (n, DEFAULT_TAIL_SAMPLES)
+    assert entry["tail_mass"].shape == entry["logp_next"].shape == (n,)
+    assert entry["topk_ids"].dtype == np.uint8 and entry["topk_ids"].shape[:2] == (n, n_layer)
+    # an exact entry holds exactly the scored positions' log-softmax, in float32
+    list(score_windows(models["ref"], models["q8"], windows[:1], second, teacher_cache="exact"))
+    exact = second.get(STAGE, teacher_key(models["ref"], windows[0], "exact"))[0]
+    assert exact["logprobs"].dtype == np.float32
+    assert exact["logprobs"].shape == (n, models["ref"].hparams.n_vocab)
 
 
 def _keys(model, ws):
-    from healsweep.score.teacher_cache import teacher_key
-
     return [teacher_key(model, w) for w in ws]
+
+
+def test_exact_and_compact_entries_coexist_and_agree_on_all_but_kld(models, windows, tmp_path):
+    from healsweep.score.teacher_cache import teacher_outputs
+
+    cache = StageCache(tmp_path / "cache")
+    run = {
+        fmt: [m for _, m in score_windows(models["ref"], models["q4"], windows, cache,
+                                           batch=BATCH, teacher_cache=fmt)]
+        for fmt in ("exact", "compact", "compact:8:8")
+    }  # fmt: skip
+    assert cache.computed[STAGE] == 3 * len(windows)  # three keys per window, none overwritten
+    for name, rel in (("compact", 0.05), ("compact:8:8", 0.25)):  # one draw of 8 windows
+        for e, c in zip(run["exact"], run[name], strict=True):
+            assert c.top1_count == e.top1_count and c.delta_p_mean == e.delta_p_mean
+            assert c.teacher_nll_sum == e.teacher_nll_sum
+            assert c.student_nll_sum == e.student_nll_sum
+            assert c.router_jaccard == e.router_jaccard
+        total = sum(m.kld_sum for m in run[name])
+        assert total == pytest.approx(sum(m.kld_sum for m in run["exact"]), rel=rel)
+    # a second build of the same windows (another cache, other batches) draws the same tail
+    again = teacher_outputs(models["ref"], windows, StageCache(tmp_path / "other"), "compact")
+    first = teacher_outputs(models["ref"], windows, cache, "compact")
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a.tail_ids, b.tail_ids)
+        np.testing.assert_array_equal(a.top_ids, b.top_ids)
 
 
 def test_a_corrupt_teacher_entry_is_recomputed(models, windows, tmp_path):
@@ -171,8 +219,9 @@ def test_a_healed_student_runs_the_base_with_its_replacements(models, windows, t
     bent = HealedStudent(base, {1: LayerReplacement(down_exps=down * 1.5)})
     cache = StageCache(tmp_path / "cache")
     zero = [m for _, m in score_windows(base, same, windows[:BATCH], cache, batch=BATCH)]
-    assert max(m.kld_mean for m in zero) < 1e-9
-    window, m = next(score_windows(base, bent, windows[:BATCH], cache, batch=BATCH))
+    assert max(m.kld_mean for m in zero) < 1e-7  # float32 rounding of the compact record
+    scored = score_windows(base, bent, windows[:BATCH], cache, batch=BATCH, teacher_cache="exact")
+    window, m = next(scored)
     ref = _independent(base, base, window, replacements=bent.replacements)
     assert m.kld_sum > 0 and m.kld_sum == pytest.approx(ref["kld_sum"], rel=1e-3)
 

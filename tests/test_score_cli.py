@@ -69,11 +69,14 @@ def test_json_windows_can_be_recomputed_independently(setup, tmp_path):
         3,
         "--max-context",
         40,
+        "--teacher-cache",
+        "exact",
     )
     assert run.returncode == 0, run.stderr
     assert "identical token lists" in run.stdout and "pooled" in run.stdout
     assert "6/6 windows" in run.stderr  # progress on stderr
     record = json.loads(out.read_text())
+    assert record["teacher_cache"] == "exact"
     windows = record["windows"]
     assert len(windows) == 6 and {w["stratum"] for w in windows} == {"chat", "math"}
     for key in ("window_id", "stratum", "tokens", "scored_from", "n_scored", "kld_mean", "top1"):
@@ -99,6 +102,28 @@ def test_json_windows_can_be_recomputed_independently(setup, tmp_path):
     assert pooled["per_stratum"]["math"]["top1"] == pytest.approx(
         sum(x["top1_count"] for x in math_windows) / sum(x["n_scored"] for x in math_windows)
     )
+
+
+def test_the_default_compact_cache_keeps_top1_exact_and_kld_close(setup, tmp_path):
+    root, ref, q4 = setup
+    out = tmp_path / "out.json"
+    args = ("--model", q4, "--ref", ref, "--corpus", root / "corpus.jsonl", "--max-context", 40)
+    run = _cli(tmp_path, *args, "--max-windows", 2, "--json", out)
+    assert run.returncode == 0, run.stderr
+    record = json.loads(out.read_text())
+    assert record["teacher_cache"] == "compact:128:128"
+    w = record["windows"][1]
+    tokens = np.asarray(w["tokens"], dtype=np.int32)
+    pos = np.arange(w["n_scored"]) + w["scored_from"] - 1
+    lt = _np_log_softmax(forward(open_model(ref), [tokens]).logits[0][pos])
+    ls = _np_log_softmax(forward(open_model(q4), [tokens]).logits[0][pos])
+    rows = np.arange(len(pos))
+    next_ids = tokens[pos + 1]
+    assert w["top1"] == pytest.approx((lt.argmax(1) == ls.argmax(1)).mean())
+    assert w["teacher_nll_sum"] == pytest.approx(-lt[rows, next_ids].sum(), rel=1e-4)
+    assert w["kld_mean"] == pytest.approx((np.exp(lt) * (lt - ls)).sum(axis=1).mean(), rel=0.05)
+    bad = _cli(tmp_path, *args, "--teacher-cache", "approx")
+    assert bad.returncode == 2 and "teacher cache 'approx'" in bad.stderr
 
 
 def test_different_tokenizers_fail_with_one_clear_line(setup, tmp_path):

@@ -264,7 +264,14 @@ def score_config(
     rows: list[dict[str, Any]] = []
     batch = ctx.spec.scoring.batch
     for i, (window, metrics) in enumerate(
-        score_windows(ctx.teacher, student, windows, cache, batch=batch)
+        score_windows(
+            ctx.teacher,
+            student,
+            windows,
+            cache,
+            batch=batch,
+            teacher_cache=ctx.spec.scoring.teacher_cache,
+        )
     ):
         row = metrics.to_dict()
         say(f"  window {i + 1}/{len(windows)} {window.window_id}: KLD {row['kld_mean']:.5f}")

@@ -59,6 +59,14 @@ def score(
     cache_dir: Annotated[
         Path | None, typer.Option("--cache", help="Stage cache (default $HEALSWEEP_CACHE).")
     ] = None,
+    teacher_cache: Annotated[
+        str,
+        typer.Option(
+            "--teacher-cache",
+            help="compact (top-K + sampled tail per position, unbiased KLD) | exact (full "
+            "log-softmax, for validation) | compact:K:S.",
+        ),
+    ] = "compact",
 ) -> None:
     """Teacher-forced KLD(ref || model), top-1, delta-p, perplexity and router agreement."""
     from healsweep.cache import StageCache
@@ -67,8 +75,13 @@ def score(
     from healsweep.data.split import load_split, parity_split
     from healsweep.data.windows import interleave_strata, make_windows
     from healsweep.gguf_io import open_model
+    from healsweep.score.compact import TeacherCacheError, cache_format
     from healsweep.score.report import check_same_tokenizer, format_summary, score_report
 
+    try:
+        fmt = cache_format(teacher_cache)
+    except TeacherCacheError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--teacher-cache") from None
     teacher, student = open_model(ref), open_model(model)
     n_vocab = check_same_tokenizer(teacher, student)
     docs = load_corpus(corpus)
@@ -93,8 +106,15 @@ def score(
     typer.echo(f"tokenizer  identical token lists ({n_vocab} tokens)")
     typer.echo(f"windows    {len(windows)} of {len(every)} in split {split!r} of corpus {corpus}")
     typer.echo(f"leakage    vs {len(calibration)} calibration documents: {leakage.summary()}")
+    typer.echo(f"teacher    cache {fmt.label}")
     report = score_report(
-        teacher, student, windows, StageCache(cache_dir), batch=batch, progress=_progress
+        teacher,
+        student,
+        windows,
+        StageCache(cache_dir),
+        batch=batch,
+        progress=_progress,
+        teacher_cache=fmt,
     )
     typer.echo(format_summary(report))
     if json_out is not None:
@@ -107,6 +127,7 @@ def score(
             "split": split,
             "max_scored": max_scored,
             "max_context": max_context,
+            "teacher_cache": fmt.label,
             "leakage": {str(n): leakage.total(n) for n in leakage.ns},
             **report,
         }

@@ -3,8 +3,9 @@
 One :class:`WindowMetrics` summarises the scored tokens of one window: KL(teacher || student)
 (sum, count, mean and tail quantiles), top-1 agreement, the mean change in the probability of the
 actual next token, both perplexities, and router agreement (Jaccard index of the top-k expert sets
-per token, averaged per layer and overall). The arrays come from :mod:`healsweep.kernels.kld`;
-this module only reduces them on the host.
+per token, averaged per layer and overall). The arrays come from :mod:`healsweep.kernels.kld`
+(full teacher log-probs) or :mod:`healsweep.kernels.kld_compact` (a compact teacher record); this
+module only reduces them on the host.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from healsweep.kernels.kld import token_stats, topk_jaccard
+from healsweep.kernels.kld_compact import compact_token_stats
 
 QUANTILES = {"kld_p50": 0.5, "kld_p90": 0.9, "kld_p99": 0.99, "kld_p999": 0.999}
 _MIN_ROWS = 8
@@ -28,7 +31,8 @@ def _bucket(n: int) -> int:
 
 
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
-    """``x`` with zero rows appended up to ``rows`` (zero logits: a uniform row, KL 0)."""
+    """``x`` with zero rows appended up to ``rows`` (zero logits: a uniform row, KL 0; the
+    results of padded rows are dropped)."""
     x = np.asarray(x)
     if x.shape[0] == rows:
         return x
@@ -124,15 +128,63 @@ def window_metrics(
     ``teacher_topk, student_topk``: per layer ``[n, k]`` router top-k ids at the same positions
     (empty sequences skip router agreement).
     """
-    n = len(next_ids)
-    if n == 0:
-        raise ValueError("window_metrics: a window needs at least one scored token")
+    n = _check_rows(next_ids)
     rows = _bucket(n)
     stats = token_stats(
         _pad_rows(teacher_logits, rows),
         _pad_rows(student_logits, rows),
         _pad_rows(np.asarray(next_ids, dtype=np.int32), rows),
     )
+    return _reduce(stats, n, teacher_topk, student_topk)
+
+
+def compact_window_metrics(
+    record: Any,
+    student_logits: np.ndarray,
+    next_ids: np.ndarray,
+    teacher_topk: Sequence[np.ndarray] = (),
+    student_topk: Sequence[np.ndarray] = (),
+    tail: str = "adaptive",
+) -> WindowMetrics:
+    """:func:`window_metrics` with the teacher given as a compact record.
+
+    ``record`` is a :class:`~healsweep.score.compact.CompactTeacher` of the window. KL per
+    token is the unbiased estimate of :mod:`healsweep.kernels.kld_compact` (``tail`` picks the
+    estimator), so ``kld_sum`` and ``kld_mean`` are unbiased; the quantiles and ``kld_max`` are
+    those of the per-token estimates (their sampling noise widens the spread a little, and one
+    token's estimate can be slightly negative). Top-1,
+    delta-p, perplexities and router agreement are exact: they need only the teacher's argmax,
+    the scored token's log-prob and the router ids, which the record keeps.
+    """
+    n = _check_rows(next_ids)
+    rows = _bucket(n)
+    pad = partial(_pad_rows, rows=rows)
+    stats = compact_token_stats(
+        pad(record.top_ids),
+        pad(record.top_logp),
+        pad(record.tail_ids),
+        pad(record.tail_logp),
+        pad(record.tail_mass),
+        pad(record.tail_full),
+        pad(record.logp_next),
+        pad(student_logits),
+        pad(np.asarray(next_ids, dtype=np.int32)),
+        tail=tail,
+    )
+    return _reduce(stats, n, teacher_topk, student_topk)
+
+
+def _check_rows(next_ids: np.ndarray) -> int:
+    n = len(next_ids)
+    if n == 0:
+        raise ValueError("window_metrics: a window needs at least one scored token")
+    return n
+
+
+def _reduce(
+    stats: Any, n: int, teacher_topk: Sequence[np.ndarray], student_topk: Sequence[np.ndarray]
+) -> WindowMetrics:
+    """Host-side reduction of per-token stats (padded rows past ``n`` dropped)."""
     kld = np.asarray(stats.kld, dtype=np.float32)[:n]  # [n]
     logp_t = np.asarray(stats.teacher_logp_next, dtype=np.float32)[:n]  # [n]
     logp_s = np.asarray(stats.student_logp_next, dtype=np.float32)[:n]  # [n]
@@ -157,4 +209,10 @@ def window_metrics(
     )
 
 
-__all__ = ["QUANTILES", "WindowMetrics", "router_agreement", "window_metrics"]
+__all__ = [
+    "QUANTILES",
+    "WindowMetrics",
+    "compact_window_metrics",
+    "router_agreement",
+    "window_metrics",
+]

@@ -53,15 +53,18 @@ def score_report(
     *,
     batch: int = 8,
     progress: Callable[[int, int, float], None] | None = None,
+    teacher_cache: Any = "compact",
 ) -> dict[str, Any]:
     """Score ``windows`` and return ``{pooled, windows, n_windows, seconds, windows_per_s}``.
 
-    ``progress(done, total, elapsed_s)`` is called after every window.
+    ``progress(done, total, elapsed_s)`` is called after every window; ``teacher_cache`` is
+    passed to :func:`~healsweep.score.runner.score_windows`.
     """
     started = time.perf_counter()
     records, metrics = [], []
     for done, (window, m) in enumerate(
-        score_windows(teacher, student, windows, cache, batch=batch), start=1
+        score_windows(teacher, student, windows, cache, batch=batch, teacher_cache=teacher_cache),
+        start=1,
     ):
         metrics.append(m)
         records.append({**window.to_record(), **m.to_dict()})

@@ -19,8 +19,9 @@ import numpy as np
 
 from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
-from healsweep.score.metrics import WindowMetrics, window_metrics
-from healsweep.score.teacher_cache import scored_positions, teacher_outputs
+from healsweep.score.compact import COMPACT, TeacherCacheFormat, cache_format
+from healsweep.score.metrics import WindowMetrics, compact_window_metrics, window_metrics
+from healsweep.score.teacher_cache import TeacherOutput, scored_positions, teacher_outputs
 
 
 def student_model(student: Any) -> tuple[Any, dict | None]:
@@ -73,27 +74,29 @@ def score_windows(
     windows: Iterable[Any],
     cache: StageCache,
     batch: int = 8,
+    teacher_cache: str | TeacherCacheFormat = COMPACT,
 ) -> Iterator[tuple[Any, WindowMetrics]]:
     """Yield ``(window, WindowMetrics)`` for each window, in order.
 
-    Teacher outputs come from ``cache`` (computed and stored on a miss); the student runs in
-    batches of ``batch`` windows. Router agreement compares top-k expert sets at the positions
-    that predict the scored tokens.
+    Teacher outputs come from ``cache`` (computed and stored on a miss) in the format
+    ``teacher_cache`` names: ``compact`` (default; KLD estimated without bias, everything else
+    exact) or ``exact`` (the full log-softmax). The student runs in batches of ``batch``
+    windows. Router agreement compares top-k expert sets at the positions that predict the
+    scored tokens.
     """
     if batch < 1:
         raise ValueError(f"score_windows: batch must be >= 1, got {batch}")
+    fmt = cache_format(teacher_cache)
     check_same_vocab(teacher, student)
     for group in _batches(windows, batch):
-        taught = teacher_outputs(teacher, group, cache)
+        taught = teacher_outputs(teacher, group, cache, fmt)
         studied = run_student(student, group)
         for window, t_out, (s_logits, s_topk) in zip(group, taught, studied, strict=True):
-            metrics = window_metrics(
-                t_out.logprobs,
-                s_logits,
-                window.scored_tokens,
-                _per_layer(t_out.topk_ids),
-                _per_layer(s_topk),
-            )
+            routers = (_per_layer(t_out.topk_ids), _per_layer(s_topk))
+            if isinstance(t_out, TeacherOutput):
+                metrics = window_metrics(t_out.logprobs, s_logits, window.scored_tokens, *routers)
+            else:
+                metrics = compact_window_metrics(t_out, s_logits, window.scored_tokens, *routers)
             yield window, metrics
 
 

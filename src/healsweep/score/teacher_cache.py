@@ -1,10 +1,15 @@
 """Teacher outputs per window, computed once and served from the stage cache afterwards.
 
-An entry holds, for the ``n`` positions that predict a window's scored tokens (``scored_from - 1
-... scored_from + n - 2``): the teacher's float32 log-softmax ``[n, V]`` (exact to float32, never
-a 16-bit clamp; only scored positions, so an entry is bounded by ``max_scored x V``) and its
-router top-k expert ids ``[n, L, k]``. The key is the model file's fingerprint, the window's
-token ids and its scored range: nothing else can change the teacher's output.
+Two entry formats live side by side in stage ``teacher_logits`` (their keys differ):
+
+- ``exact``: for the ``n`` positions that predict a window's scored tokens (``scored_from - 1
+  ... scored_from + n - 2``), the teacher's float32 log-softmax ``[n, V]`` (exact to float32,
+  never a 16-bit clamp; an entry is bounded by ``max_scored x V``) and its router top-k expert
+  ids ``[n, L, k]``. Its key is the model file's fingerprint, the window's token ids and its
+  scored range (unchanged since version 1): nothing else can change the teacher's output.
+- ``compact`` (the default): a fixed-size record per position, see
+  :mod:`healsweep.score.compact`; the key adds the record format, (K, S), the tail sampler and
+  the window id that seeds the draws.
 
 Misses are computed with one batched forward per call (see :func:`teacher_outputs`);
 ``StageCache.computed["teacher_logits"]`` counts the windows whose teacher output was computed.
@@ -19,9 +24,18 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
+from healsweep.score.compact import (
+    COMPACT,
+    CompactTeacher,
+    TeacherCacheFormat,
+    cache_format,
+    compact_record,
+    router_dtype,
+)
 
 STAGE = "teacher_logits"
-VERSION = 1
+VERSION = 1  # exact entries
+COMPACT_VERSION = 1
 
 
 class TeacherOutput(NamedTuple):
@@ -31,25 +45,29 @@ class TeacherOutput(NamedTuple):
     topk_ids: np.ndarray  # [n, L, k] int32
 
 
+Teacher = TeacherOutput | CompactTeacher
+
+
 def scored_positions(window: Any) -> np.ndarray:
     """Positions whose logits predict the scored tokens: ``scored_from - 1 + arange(n)``."""
     return np.arange(window.n_scored, dtype=np.int64) + (window.scored_from - 1)
 
 
-def teacher_key(model: Any, window: Any) -> str:
-    """Cache key of a window's teacher output: model fingerprint + tokens + scored range."""
+def teacher_key(model: Any, window: Any, fmt: str | TeacherCacheFormat = COMPACT) -> str:
+    """Cache key of a window's teacher output in ``fmt`` (``exact`` keys are as in version 1)."""
+    fmt = cache_format(fmt)
     tokens = np.ascontiguousarray(window.tokens, dtype="<i4").tobytes()
-    return content_key(
-        STAGE,
-        VERSION,
-        {
-            "model": model.fingerprint,
-            "tokens_sha256": hashlib.sha256(tokens).hexdigest(),
-            "n_tokens": int(len(window.tokens)),
-            "scored_from": int(window.scored_from),
-            "n_scored": int(window.n_scored),
-        },
-    )
+    inputs = {
+        "model": model.fingerprint,
+        "tokens_sha256": hashlib.sha256(tokens).hexdigest(),
+        "n_tokens": int(len(window.tokens)),
+        "scored_from": int(window.scored_from),
+        "n_scored": int(window.n_scored),
+    }
+    if fmt.kind == "exact":
+        return content_key(STAGE, VERSION, inputs)
+    inputs.update(fmt.key_inputs(), window_id=window.window_id)
+    return content_key(STAGE, COMPACT_VERSION, inputs)
 
 
 def run_teacher(model: Any, windows: Sequence[Any]) -> list[TeacherOutput]:
@@ -66,13 +84,39 @@ def run_teacher(model: Any, windows: Sequence[Any]) -> list[TeacherOutput]:
     return outputs
 
 
-def teacher_outputs(model: Any, windows: Sequence[Any], cache: StageCache) -> list[TeacherOutput]:
-    """Teacher outputs of ``windows``, from the cache where present.
+def _entry(
+    model: Any, window: Any, out: TeacherOutput, fmt: TeacherCacheFormat
+) -> dict[str, np.ndarray]:
+    """The arrays stored for one window in ``fmt``."""
+    if fmt.kind == "exact":
+        return {"logprobs": out.logprobs, "topk_ids": out.topk_ids}
+    record = compact_record(out.logprobs, window.scored_tokens, out.topk_ids, window.window_id, fmt)
+    arrays = record._asdict()
+    arrays["topk_ids"] = record.topk_ids.astype(router_dtype(model.hparams.n_expert))
+    return arrays
+
+
+def _output(arrays: dict[str, np.ndarray], fmt: TeacherCacheFormat) -> Teacher:
+    if fmt.kind == "exact":
+        return TeacherOutput(arrays["logprobs"], arrays["topk_ids"])
+    fields = {name: arrays[name] for name in CompactTeacher._fields}
+    fields["topk_ids"] = fields["topk_ids"].astype(np.int32)
+    return CompactTeacher(**fields)
+
+
+def teacher_outputs(
+    model: Any,
+    windows: Sequence[Any],
+    cache: StageCache,
+    fmt: str | TeacherCacheFormat = COMPACT,
+) -> list[Teacher]:
+    """Teacher outputs of ``windows`` in ``fmt`` (``exact``, ``compact``, ``compact:K:S``).
 
     Windows without an entry on disk are computed together in one batched forward the first
     time one of them is needed; an entry found corrupt on reading is recomputed alone.
     """
-    keys = [teacher_key(model, w) for w in windows]
+    fmt = cache_format(fmt)
+    keys = [teacher_key(model, w, fmt) for w in windows]
     missing = [i for i, key in enumerate(keys) if not cache.path(STAGE, key).is_file()]
     computed: dict[int, TeacherOutput] = {}
 
@@ -82,19 +126,21 @@ def teacher_outputs(model: Any, windows: Sequence[Any], cache: StageCache) -> li
             for j, out in zip(todo, run_teacher(model, [windows[j] for j in todo]), strict=True):
                 computed[j] = out
         out = computed.pop(i)
-        meta = {"window_id": windows[i].window_id, "model": model.fingerprint}
-        return {"logprobs": out.logprobs, "topk_ids": out.topk_ids}, meta
+        meta = {"window_id": windows[i].window_id, "model": model.fingerprint, "format": fmt.label}
+        return _entry(model, windows[i], out, fmt), meta
 
     outputs = []
     for i, key in enumerate(keys):
         arrays, _ = cache.get_or_compute(STAGE, key, lambda i=i: compute(i))
-        outputs.append(TeacherOutput(arrays["logprobs"], arrays["topk_ids"]))
+        outputs.append(_output(arrays, fmt))
     return outputs
 
 
 __all__ = [
+    "COMPACT_VERSION",
     "STAGE",
     "VERSION",
+    "Teacher",
     "TeacherOutput",
     "run_teacher",
     "scored_positions",

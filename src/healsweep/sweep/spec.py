@@ -41,12 +41,14 @@ ALLOWED = {
     "max_concurrent": "an integer >= 1",
     "max_failures": "an integer >= 0",
     "results": "a directory path (the results root)",
-    "scoring": "a mapping with max_scored, max_context, max_windows, checkpoint_every, batch",
+    "scoring": "a mapping with max_scored, max_context, max_windows, checkpoint_every, batch, "
+    "teacher_cache",
     "scoring.max_scored": "an integer in [1, 4096]",
     "scoring.max_context": "an integer >= 1, or null for no cap",
     "scoring.max_windows": "an integer >= 1, or null for every dev window",
     "scoring.checkpoint_every": "an integer >= 1 (windows between trial checkpoints)",
     "scoring.batch": "an integer in [1, 256] (windows per student forward)",
+    "scoring.teacher_cache": "compact (default) or exact",
     "seed": "an integer (seeds each trial's window order)",
 }
 
@@ -71,13 +73,15 @@ class PrunerSpec(_Strict):
 
 
 class ScoringSpec(_Strict):
-    """Which dev windows every trial scores, and how often a trial checkpoints."""
+    """Which dev windows every trial scores, how often a trial checkpoints, and the teacher
+    cache's format (``compact``: unbiased KLD from a small record; ``exact``: full log-softmax)."""
 
     max_scored: int = Field(default=128, ge=1, le=4096)
     max_context: int | None = Field(default=None, ge=1)
     max_windows: int | None = Field(default=None, ge=1)
     checkpoint_every: int = Field(default=8, ge=1)
     batch: int = Field(default=4, ge=1, le=256)
+    teacher_cache: Literal["compact", "exact"] = "compact"
 
 
 class RangeSpec(_Strict):

@@ -101,7 +101,15 @@ def run_trial_work(
     index = {w.window_id: i for i, w in enumerate(windows)}
     cache = StageCache()
     student = build_student(teacher, knobs, spec.calibration_config(), cache)
-    for window, metrics in score_windows(teacher, student, todo, cache, batch=spec.scoring.batch):
+    scored = score_windows(
+        teacher,
+        student,
+        todo,
+        cache,
+        batch=spec.scoring.batch,
+        teacher_cache=spec.scoring.teacher_cache,
+    )
+    for window, metrics in scored:
         wi = index[window.window_id]
         yield WindowResult(
             window_id=window.window_id,
