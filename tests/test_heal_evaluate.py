@@ -71,7 +71,11 @@ def test_table_rederived_in_float64_and_mse_never_loses_in_sample(table):
         assert row["ridge.in_sample_change"] <= 0
     assert set(result["pooled"]) == {f"{s}.{v}" for s in ("cal", "heldout") for v in VARIANTS}
     assert result["tokens"]["cal"] > 0 and result["tokens"]["heldout"] > 0
-    assert result["trial_eta_only"]["executed"] == {"part_b": model.hparams.n_layer}
+    n = model.hparams.n_layer
+    assert result["trial_eta_only"]["executed"] == {"part_b": n}
+    assert result["trial_rho_only"]["executed"] == {"ridge_fit": n, "part_b": n}  # no new basis
+    assert result["trial_quant_only"]["executed"] == {
+        "quantize": n, "routed_q": n, "part_a": n, "ridge_fit": n, "part_b": n}
 
 
 def test_bench_heal_prints_the_table(table, tmp_path):

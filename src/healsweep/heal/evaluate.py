@@ -77,11 +77,21 @@ def residual_table(
         "timings_s": shipped.report["timings_s"],
         "executed": shipped.report["executed"],
     }
-    start = time.perf_counter()
-    eta_only = build_student(
-        model, base.replace(alpha="gaussian", eta=base.eta * 2), fit_cfg, cache, corpus=corpus
-    )
-    warm = {"seconds": time.perf_counter() - start, "executed": eta_only.report["executed"]}
+    trials = {}
+    for name, changed in (
+        ("eta_only", {"eta": base.eta * 2}),
+        ("rho_only", {"rho": base.rho * 2}),
+        ("quant_only", {"gain_d": 0.5 if base.gain_d != 0.5 else 0.25}),
+    ):
+        start = time.perf_counter()
+        built = build_student(
+            model, base.replace(alpha="gaussian", **changed), fit_cfg, cache, corpus=corpus
+        )
+        trials[name] = {
+            "seconds": time.perf_counter() - start,
+            "timings_s": built.report["timings_s"],
+            "executed": built.report["executed"],
+        }
     mse = build_student(model, base.replace(alpha="mse", gamma=0.0), fit_cfg, cache, corpus=corpus)
     fit_trace = calibration_trace(model, fit_cfg, cache, corpus)
     held_trace = calibration_trace(model, held_cfg, cache, corpus)
@@ -153,7 +163,7 @@ def residual_table(
             {(r.get("ridge") or {}).get("warning") or "" for r in shipped.report["layers"]} - {""}
         ),
         "trial_cold": cold,
-        "trial_eta_only": warm,
+        **{f"trial_{name}": trial for name, trial in trials.items()},
     }
 
 
