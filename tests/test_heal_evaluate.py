@@ -25,10 +25,20 @@ CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 def _corpus(path):
     rows = []
     for i in range(8):
-        text = [f"Document {i}: the quick brown fox jumps over the lazy dog {i} times. ",
-                f"Experts route token {i}; healing repairs the damage. "][i % 2] * (3 + i % 3)
-        rows.append({"doc_id": f"cal-{i}", "source": "cal", "index": i,
-                     "stratum": "odd" if i % 2 else "even", "pool": "calibration", "text": text})
+        text = [
+            f"Document {i}: the quick brown fox jumps over the lazy dog {i} times. ",
+            f"Experts route token {i}; healing repairs the damage. ",
+        ][i % 2] * (3 + i % 3)
+        rows.append(
+            {
+                "doc_id": f"cal-{i}",
+                "source": "cal",
+                "index": i,
+                "stratum": "odd" if i % 2 else "even",
+                "pool": "calibration",
+                "text": text,
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -60,14 +70,20 @@ def test_table_rederived_in_float64_and_mse_never_loses_in_sample(table):
         assert row["cal.mse"] <= row["cal.alpha_1"] + 1e-9
         arrays = cache.get(LAYER_STAGE, layer_key(fit_trace.key, row["layer"]))[0]
         qkey = stages.quantize_key(model, Knobs(), fit_trace.key, row["layer"])
-        y_q = cache.get("routed_q", stages.routed_q_key(qkey, fit_trace.key, row["layer"]))[0]["y_q"]
+        y_q = cache.get("routed_q", stages.routed_q_key(qkey, fit_trace.key, row["layer"]))[0][
+            "y_q"
+        ]
         y_ref = arrays["y_ref"].astype(np.float64)
-        for name, alpha in (("alpha_1", 1.0), ("gaussian", row["alpha_gaussian"]),
-                            ("mse", row["alpha_mse"])):
+        for name, alpha in (
+            ("alpha_1", 1.0),
+            ("gaussian", row["alpha_gaussian"]),
+            ("mse", row["alpha_mse"]),
+        ):
             want = np.sum((y_ref - alpha * y_q) ** 2) / np.sum(y_ref**2)
             assert row[f"cal.{name}"] == pytest.approx(want, rel=1e-6)
-        assert row["alpha_mse"] == pytest.approx(np.sum(y_ref * y_q) / np.sum(y_q.astype(np.float64) ** 2),
-                                                 rel=1e-4)
+        assert row["alpha_mse"] == pytest.approx(
+            np.sum(y_ref * y_q) / np.sum(y_q.astype(np.float64) ** 2), rel=1e-4
+        )
         assert row["ridge.in_sample_change"] <= 0
     assert set(result["pooled"]) == {f"{s}.{v}" for s in ("cal", "heldout") for v in VARIANTS}
     assert result["tokens"]["cal"] > 0 and result["tokens"]["heldout"] > 0
@@ -75,15 +91,33 @@ def test_table_rederived_in_float64_and_mse_never_loses_in_sample(table):
     assert result["trial_eta_only"]["executed"] == {"part_b": n}
     assert result["trial_rho_only"]["executed"] == {"ridge_fit": n, "part_b": n}  # no new basis
     assert result["trial_quant_only"]["executed"] == {
-        "quantize": n, "routed_q": n, "part_a": n, "ridge_fit": n, "part_b": n}
+        "quantize": n,
+        "routed_q": n,
+        "part_a": n,
+        "ridge_fit": n,
+        "part_b": n,
+    }
 
 
 def test_bench_heal_prints_the_table(table, tmp_path):
     model, corpus, _, _ = table
     _register()
-    run = CliRunner().invoke(app, ["bench", "heal", str(model.path), "--corpus",
-                                   str(corpus.path), "--chunk-length", "64",
-                                   "--heldout-every", "2", "--cache", str(tmp_path / "c")])
+    run = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "heal",
+            str(model.path),
+            "--corpus",
+            str(corpus.path),
+            "--chunk-length",
+            "64",
+            "--heldout-every",
+            "2",
+            "--cache",
+            str(tmp_path / "c"),
+        ],
+    )
     assert run.exit_code == 0, run.output
     assert "pooled over layers" in run.output and "only eta changed" in run.output
     assert run.output.count("%|") >= 8
