@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from healsweep.kernels import alpha, iq4_nl, kld, q2_0, ridge
+from healsweep.kernels import alpha, iq4_nl, kld, kld_compact, q2_0, ridge
 from healsweep.kernels.conformance import KernelCase
 
 
@@ -37,6 +37,19 @@ def _logits_pair(rng):
     teacher = _f32(rng, 24, 300, scale=3.0)
     student = teacher + _f32(rng, 24, 300, scale=0.3)
     return teacher, student, rng.integers(0, 300, 24).astype(np.int32)
+
+
+def _compact_inputs(rng):
+    """A compact record (top-16, 8 tail ids drawn at random: the kernel does not care how)."""
+    teacher, student, next_ids = _logits_pair(rng)
+    _, top_ids, top_logp, logp_next = kld_compact.teacher_top(teacher, next_ids, 16)
+    tail_ids = rng.integers(16, 300, (24, 8)).astype(np.int32)
+    logp = np.asarray(kld.log_softmax(teacher))
+    tail_logp = np.take_along_axis(logp, tail_ids, axis=1)
+    tail_mass = np.full(24, 0.3, dtype=np.float32)
+    full = np.ones(24, dtype=bool)
+    record = (np.asarray(top_ids), np.asarray(top_logp), tail_ids, tail_logp, tail_mass, full)
+    return (*record, np.asarray(logp_next), student, next_ids)
 
 
 def _outputs_pair(rng):
@@ -145,6 +158,18 @@ CASES: tuple[KernelCase, ...] = (
         rtol=1e-5,
     ),
     KernelCase("kld.topk_jaccard", kld.topk_jaccard, _jaccard_inputs, rtol=0.0),
+    KernelCase(
+        "kld_compact.teacher_top",
+        lambda t, s, n: kld_compact.teacher_top(t, n, 16, chunk=128),
+        _logits_pair,
+        rtol=1e-5,
+    ),
+    KernelCase(
+        "kld_compact.compact_token_stats",
+        lambda *a: kld_compact.compact_token_stats(*a, chunk=128),
+        _compact_inputs,
+        rtol=1e-4,
+    ),
     KernelCase(
         "alpha.alpha_mse", lambda r, q: alpha.alpha_mse(r, q, 0.75), _outputs_pair, rtol=1e-5
     ),
