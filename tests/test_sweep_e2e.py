@@ -59,7 +59,8 @@ def test_cli_sweep_on_the_real_pipeline_then_status_and_report(tmp_path, tiny_to
         "calibration": {"chunk_length": 64, "min_tokens_per_expert": 4},
         "search_space": {"gain_d": [0.3, 0.0]},
         "max_concurrent": 1,
-        "scoring": {"max_scored": 24, "max_context": 40, "batch": 4},
+        # exact teacher cache: the float64 check below is to rounding (compact: tests/test_score*)
+        "scoring": {"max_scored": 24, "max_context": 40, "batch": 4, "teacher_cache": "exact"},
     }
     spec_path = tmp_path / "e2e.yaml"
     spec_path.write_text(json.dumps(spec))  # JSON is YAML
