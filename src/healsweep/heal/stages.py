@@ -182,11 +182,11 @@ def routed_output(
     chunk = min(ROUTED_CHUNK, -(-n_tokens // 64) * 64)
     tile = expert_tile_rows(chunk * ids.shape[1], n_expert)
     stacked = (experts["gate"], experts["up"], experts["down"])
-    out = np.empty_like(x)
+    out = np.empty(x.shape, np.float32)
     for a in range(0, n_tokens, chunk):
         b = min(a + chunk, n_tokens)
         pad = chunk - (b - a)  # zero rows with zero routing weight add nothing
-        xs = np.pad(x[a:b], ((0, pad), (0, 0)))
+        xs = np.pad(np.asarray(x[a:b], np.float32), ((0, pad), (0, 0)))  # the trace keeps f16
         ids_s = np.pad(ids[a:b], ((0, pad), (0, 0)))
         ws = np.pad(weights[a:b], ((0, pad), (0, 0)))
         out[a:b] = np.asarray(_routed(xs, ids_s, ws, stacked, n_expert, tile))[: b - a]

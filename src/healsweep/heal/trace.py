@@ -4,7 +4,7 @@ Calibration documents are the corpus's ``pool: calibration`` documents (minus an
 tokenized whole and cut into consecutive chunks of at most ``chunk_length`` tokens; every chunk
 is traced, so any number of tokens is used and nothing is dropped unless ``max_tokens`` asks for
 it (then the cut is recorded in the report). Per layer the trace keeps the FFN input X [T, D]
-(float32), the routing, the routed output y_ref, the shared expert's gate [T], and the sums behind
+(float16, see ``X_DTYPE``), the routing, the routed output y_ref, the shared expert's gate [T], and the sums behind
 ``act`` importance (E[x²] and E[h²] per expert): its size does not grow with the shared expert's
 width (Part B recomputes that expert's down input from X, :mod:`healsweep.heal.ridge`). The report counts tokens per stratum (with the
 tokens inside tool calls and tool turns) and the tokens each expert received per layer, so a
@@ -37,7 +37,7 @@ from healsweep.heal.stages import code_digest
 
 STAGE = "calib_trace"
 LAYER_STAGE = "calib_trace_layer"
-VERSION = 2
+VERSION = 3
 BATCH_TOKENS = 4096  # padded tokens per teacher forward call
 LENGTH_BUCKET = 64  # smallest padded chunk length; buckets double from here
 TRACE_CODE = (
@@ -49,6 +49,9 @@ TRACE_CODE = (
     "healsweep.heal.importance",
 )
 FIELDS = ("x", "ids", "weights", "y_ref", "gate")  # per token, as captured
+# The stored FFN input: float16 moved alpha by 2.6e-6 (relative), dW by <= 1.9e-4 and the ridge's
+# in-sample and held-out changes by <= 6e-7 (absolute) on the demo's four layers (35k tokens).
+X_DTYPE = np.float16
 _TOOL_SPAN = re.compile(r"<tool_call>.*?</tool_call>", re.S)
 
 
@@ -264,6 +267,7 @@ def run_trace(
             weights["ffn_up_exps.weight"],
         )
         arrays.update(x_sq_sums=np.asarray(x_sq), h_sq_sums=h_sq, counts=np.asarray(layer_counts))
+        arrays["x"] = arrays["x"].astype(X_DTYPE)  # after the importance sums, which read f32
         sink(layer, arrays)
         counts.append(np.asarray(layer_counts))
     return np.stack(counts).astype(np.int64)
