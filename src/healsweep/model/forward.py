@@ -201,7 +201,7 @@ def forward(
     replacements: dict[int, LayerReplacement] | None = None,
     capture: bool = False,
     logits_for: Sequence[np.ndarray] | None = None,
-    prefetch: bool = True,
+    prefetch: bool | None = None,
 ) -> ForwardResult:
     """Teacher-forced logits of ``sequences`` (int token ids), one layer at a time.
 
@@ -209,8 +209,14 @@ def forward(
     or quantized pytrees) — how a student runs. ``capture`` returns a :class:`LayerCapture` per
     layer. ``logits_for[b]`` lists the positions of sequence b whose logits are wanted (all of
     them when None), so a ``[T, V]`` matrix is built only for the rows asked for.
+
+    ``prefetch`` reads the next layer on a thread while this one computes; by default only on an
+    accelerator. On the CPU the read would compete with the layer's own threads for the same
+    cores (measured: half the tokens/s at 512 tokens on 2 cores) and keep two layers in memory.
     """
     hp = model.hparams
+    if prefetch is None:
+        prefetch = jax.devices()[0].platform != "cpu"
     tokens, lengths = _pad_batch(sequences, hp.n_vocab)
     n_batch, padded_len = tokens.shape
     real = np.concatenate([b * padded_len + np.arange(n) for b, n in enumerate(lengths)])
@@ -230,12 +236,14 @@ def forward(
                 if prefetch:
                     pending = pool.submit(load, i + 1, replacements.get(i + 1))
             h, cap = _block(hp, tile, capture, weights, h, positions)
-            del weights
-            if not prefetch and i + 1 < hp.n_layer:
-                pending = pool.submit(load, i + 1, replacements.get(i + 1))
             router.append(np.asarray(cap["topk_ids"])[real])
             if capture:
                 captures.append(_gather_capture(cap, real))
+            if not prefetch and i + 1 < hp.n_layer:
+                h.block_until_ready()  # this layer's buffers go before the next one's arrive
+                weights = cap = None
+                pending = pool.submit(load, i + 1, replacements.get(i + 1))
+            weights = None
 
     if logits_for is None:
         wanted = [np.arange(n) for n in lengths]
