@@ -296,3 +296,23 @@ def test_bad_shapes_raise_value_error_naming_the_function():
         q2_0.quantize_matrix(np.zeros((4, 100), np.float32), None, 0.3)
     with pytest.raises(ValueError, match="importance"):
         q2_0.quantize_matrix(np.zeros((2, 4, 64), np.float32), np.ones((3, 64)), 0.3)
+
+
+def test_packed_weight_is_the_same_matrix_as_the_unpacked_one():
+    """Q2Packed (codes four to a byte, decoded in the graph) equals Q2Weight bit for bit."""
+    from healsweep.heal.stages import pack_codes
+    from healsweep.kernels.q2_0 import Q2Packed, Q2Weight
+
+    rng = np.random.default_rng(7)
+    q = rng.integers(-1, 3, size=(3, 5, 128)).astype(np.int8)  # [E, out, in]
+    d = (rng.standard_normal((3, 5, 2)) * 0.02).astype(np.float16)
+    dense, packed = Q2Weight(d, q), Q2Packed(d, pack_codes(q))
+    assert packed.shape == dense.shape == (3, 5, 128) and packed.nbytes == dense.nbytes
+    np.testing.assert_array_equal(packed.q, q)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda w: w.dequantize())(packed)),
+                                  np.asarray(dense.dequantize()))
+    np.testing.assert_array_equal(np.asarray(packed.scale_d(0.7).dequantize()),
+                                  np.asarray(dense.scale_d(0.7).dequantize()))
+    second = jax.tree_util.tree_map(lambda leaf: leaf[1], packed)
+    np.testing.assert_array_equal(np.asarray(second.dequantize()),
+                                  np.asarray(dense.dequantize())[1])

@@ -146,13 +146,11 @@ def unpack_codes(packed: np.ndarray) -> np.ndarray:
 
 
 def q2_weights(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    """{gate, up, down}: ``Q2Weight`` pytrees rebuilt from a ``quantize`` entry."""
-    from healsweep.kernels.q2_0 import Q2Weight
+    """{gate, up, down}: packed ``Q2Packed`` pytrees of a ``quantize`` entry (decoded in the
+    graph; unpacking 3 x 173M codes per layer on the host cost a warm trial seconds a layer)."""
+    from healsweep.kernels.q2_0 import Q2Packed
 
-    return {
-        n: Q2Weight(d=arrays[f"{n}.d"], q=unpack_codes(arrays[f"{n}.codes"]))
-        for n in EXPERT_TENSORS
-    }
+    return {n: Q2Packed(d=arrays[f"{n}.d"], codes=arrays[f"{n}.codes"]) for n in EXPERT_TENSORS}
 
 
 # --- routed_q ----------------------------------------------------------------------------------

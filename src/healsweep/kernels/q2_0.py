@@ -409,3 +409,59 @@ def unpack(packed) -> tuple[jax.Array, jax.Array]:
     body = packed[:, 2:].astype(jnp.int32)  # [N, 16]
     codes = jnp.stack([(body >> (2 * k)) & 3 for k in range(4)], axis=-1)  # [N, 16, 4]
     return d, (codes.reshape(-1, QK) - 1).astype(jnp.int8)
+
+
+@jax.tree_util.register_pytree_node_class
+class Q2Packed:
+    """A Q2_0 matrix kept packed: ``d`` [..., out, in/64] float16 and ``codes`` [..., out, in/4]
+    uint8, four codes ``c = q + 1`` per byte (code ``j`` at bits ``2*(j%4)`` of byte ``j//4``, as
+    in ggml's type 42). Decoded in the graph by :meth:`dequantize`, bit-identical to
+    :class:`Q2Weight`; it moves a quarter of Q2Weight's bytes and is never unpacked on the host
+    unless ``.q`` is asked for."""
+
+    __slots__ = ("d", "codes")
+
+    def __init__(self, d, codes):
+        self.d = d
+        self.codes = codes
+
+    def tree_flatten(self):
+        return (self.d, self.codes), None
+
+    @classmethod
+    def tree_unflatten(cls, _aux, children) -> Q2Packed:
+        return cls(*children)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the dense matrix, ``[..., out, in]``."""
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * 4)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed Q2_0 encoding (18 per block of 64 weights)."""
+        return int(np.prod(self.shape, dtype=np.int64)) // QK * BYTES_PER_BLOCK
+
+    @property
+    def q(self) -> np.ndarray:
+        """The int8 codes in {-1..2}, ``[..., out, in]`` (unpacked on the host)."""
+        codes = np.asarray(self.codes)
+        c = (codes[..., None] >> np.array([0, 2, 4, 6], np.uint8)) & np.uint8(3)
+        return (c.astype(np.int8) - 1).reshape(self.shape)
+
+    def dequantize(self) -> jax.Array:
+        """The dense float32 matrix ``[..., out, in]``."""
+        *lead, n_out, n_bytes = self.codes.shape
+        codes = jnp.asarray(self.codes).astype(jnp.int32)  # [..., out, in/4]
+        shifts = jnp.arange(0, 8, 2, dtype=jnp.int32)
+        q = ((codes[..., None] >> shifts) & 3) - 1  # [..., out, in/4, 4]
+        q = q.reshape(*lead, n_out, n_bytes * 4 // QK, QK)
+        return dequantize(self.d, q).reshape(*lead, n_out, n_bytes * 4)
+
+    def scale_d(self, factor) -> Q2Packed:
+        """A new Q2Packed whose scales are multiplied by ``factor`` (stored back as fp16)."""
+        d = (np.asarray(self.d, np.float32) * np.float32(factor)).astype(np.float16)
+        return Q2Packed(d, self.codes)
+
+    def __repr__(self) -> str:
+        return f"Q2Packed(shape={self.shape})"
