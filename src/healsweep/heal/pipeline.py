@@ -113,7 +113,7 @@ def build_student(
         say("calib_trace", "not needed by these knobs (no teacher pass)")
     replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
     for i in range(hp.n_layer):
-        weights = cache_fn(partial(model.layer, i))  # read only if a stage must compute
+        weights = cache_fn(partial(stages.expert_weights, model, i))  # only if a stage computes
         trace_layer = timer.run("calib_trace", lambda i=i: trace.layer(i)) if trace else None
         built = _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache, timer)
         experts, alpha, shexp, report, layer_keys = built

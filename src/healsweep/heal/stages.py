@@ -104,6 +104,24 @@ def check_quantizable(model: Any) -> None:
             )
 
 
+@jax.jit
+def _decoded(weight):
+    return weight.dequantize()
+
+
+def expert_weights(model: Any, layer: int) -> dict[str, np.ndarray]:
+    """What quantize and Part A read of a layer: its routed expert stacks as float32, decoded
+    in the graph from their stored bytes (several times gguf-py's numpy speed), and ffn_norm."""
+    from healsweep.model.forward import device_weight
+
+    out = {}
+    for suffix in (f"ffn_{n}_exps.weight" for n in EXPERT_TENSORS):
+        weight = device_weight(model, f"blk.{layer}.{suffix}")
+        out[suffix] = np.asarray(weight if isinstance(weight, jax.Array) else _decoded(weight))
+    out["ffn_norm.weight"] = model.tensor(f"blk.{layer}.ffn_norm.weight")
+    return out
+
+
 def quantize_layer(
     weights: dict[str, np.ndarray],
     knobs: Knobs,
