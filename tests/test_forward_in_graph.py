@@ -139,8 +139,9 @@ def test_resident_layers_serve_the_same_logits_and_never_a_stale_file(
 
 
 def test_a_bad_budget_is_named(monkeypatch):
+    from healsweep.errors import SettingError
     from healsweep.model.resident import resident_budget
 
     monkeypatch.setenv("HEALSWEEP_RESIDENT_GB", "lots")
-    with pytest.raises(ValueError, match="HEALSWEEP_RESIDENT_GB"):
+    with pytest.raises(SettingError, match="HEALSWEEP_RESIDENT_GB='lots' is not a number"):
         resident_budget()

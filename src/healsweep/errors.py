@@ -59,3 +59,7 @@ class ResultsError(HealsweepError):
 
 class SliceError(HealsweepError):
     """A layer range or output path of ``healsweep model slice`` is invalid."""
+
+
+class SettingError(HealsweepError):
+    """An environment setting (``HEALSWEEP_*``) has a value healsweep cannot use."""

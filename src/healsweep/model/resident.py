@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from healsweep.errors import SettingError
+
 _ENV = "HEALSWEEP_RESIDENT_GB"
 
 
@@ -29,7 +31,10 @@ def resident_budget() -> int:
         try:
             gib = float(os.environ[_ENV])
         except ValueError:
-            raise ValueError(f"{_ENV}={os.environ[_ENV]!r}: expected a number of GiB") from None
+            raise SettingError(
+                f"{_ENV}={os.environ[_ENV]!r} is not a number; set it to the GiB of layer "
+                "weights to keep on the device (0 keeps none) or unset it"
+            ) from None
         return max(int(gib * 2**30), 0)
     device = jax.devices()[0]
     if device.platform not in ("gpu", "cuda", "rocm"):
