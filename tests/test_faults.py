@@ -324,16 +324,21 @@ def test_corrupt_cache_entries_are_recomputed_never_used(tmp_path, record_proper
     record_property("recover_s", round(time.time() - start, 1))
     assert second.returncode == 0, second.stderr[-3000:]
     klds = _window_klds(tmp_path / "second.json")
-    assert klds == pytest.approx(_window_klds(tmp_path / "first.json"), rel=1e-6, abs=1e-9)
+    # Student == teacher, so every KLD is float32 noise around 0: the compact cache's estimate
+    # of it is ~1e-7, and a recomputed entry comes from a smaller batch (other rounding).
+    assert klds == pytest.approx(_window_klds(tmp_path / "first.json"), rel=1e-6, abs=1e-6)
     # Student == teacher: every window's KLD is 0; a used corrupt teacher row would not be.
     assert max(klds.values()) == pytest.approx(0.0, abs=1e-3 * 32)
     for path, (arrays, meta) in originals.items():
         again = StageCache(cache).get("teacher_logits", path.stem)
         assert again is not None, f"{path.name} was not rewritten"
         assert again[1] == meta and set(again[0]) == set(arrays)
-        for name, array in arrays.items():  # recomputed (in another batch): equal to rounding
+        # Recomputed in another batch: equal to rounding, except where rounding moved a sampled
+        # tail token of the compact record to its neighbour (its id and log-prob then differ).
+        for name, array in arrays.items():
             if array.dtype.kind == "f":
-                np.testing.assert_allclose(again[0][name], array, rtol=1e-4, atol=1e-3)
+                close = np.isclose(again[0][name], array, rtol=1e-4, atol=1e-3)
+                assert close.mean() >= 0.99, name
             else:
                 assert (again[0][name] == array).mean() >= 0.99, name
 
