@@ -60,23 +60,6 @@ SIZES = {
 VARIANTS = [(tail, k, s) for (k, s), tails in SIZES.items() for tail in tails]
 
 
-class _Tensors(dict):
-    """Name -> float32 tensor, read from the model on access (one tensor in memory at a time)."""
-
-    def __init__(self, model):
-        super().__init__((name, None) for name in model.tensor_names)
-        self._model = model
-
-    def __getitem__(self, name):
-        return self._model.tensor(name)
-
-    def items(self):
-        return ((name, self[name]) for name in self)
-
-    def values(self):
-        return (self[name] for name in self)
-
-
 def _q8_student(teacher, folder: Path):
     """The teacher with every 32-block-row matrix re-encoded as Q8_0: a student close to it."""
     from gguf import GGMLQuantizationType
@@ -91,7 +74,7 @@ def _q8_student(teacher, folder: Path):
     }
     meta = tokenizer_metadata_from_gguf(teacher.metadata, str(teacher.path))
     path = folder / "demo-q8_0.gguf"
-    write_model(path, teacher.arch, teacher.hparams, _Tensors(teacher), types, meta, name="q8")
+    write_model(path, teacher.arch, teacher.hparams, teacher.tensors(), types, meta, name="q8")
     return open_model(path)
 
 

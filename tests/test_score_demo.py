@@ -25,23 +25,6 @@ MAX_CONTEXT = 128  # keeps the file well under a minute; the CLI default is 896
 BATCH = 8
 
 
-class _Tensors(dict):
-    """Name → float32 tensor, read from the model on access (one tensor in memory at a time)."""
-
-    def __init__(self, model):
-        super().__init__((name, None) for name in model.tensor_names)
-        self._model = model
-
-    def __getitem__(self, name):
-        return self._model.tensor(name)
-
-    def items(self):
-        return ((name, self[name]) for name in self)
-
-    def values(self):
-        return (self[name] for name in self)
-
-
 def _reencode(model, path, qtype: str):
     """The model with every 2-D+ tensor whose rows split into 32-blocks stored as ``qtype``."""
     from gguf import GGMLQuantizationType
@@ -52,7 +35,7 @@ def _reencode(model, path, qtype: str):
         if len(model.tensor_shape(name)) >= 2 and model.tensor_shape(name)[-1] % 32 == 0
     }
     meta = tokenizer_metadata_from_gguf(model.metadata, str(model.path))
-    write_model(path, model.arch, model.hparams, _Tensors(model), types, meta, name=f"demo-{qtype}")
+    write_model(path, model.arch, model.hparams, model.tensors(), types, meta, name=f"demo-{qtype}")
     return open_model(path)
 
 

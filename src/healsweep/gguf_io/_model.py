@@ -10,7 +10,7 @@ freed with the array, and peak RSS follows one layer.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -124,10 +124,14 @@ class GGUFModel:
 
     def row_bytes(self, name: str) -> int:
         """Stored bytes of one row (the last numpy axis) of the tensor."""
-        from gguf import GGML_QUANT_SIZES
+        from healsweep.kernels import ggml_decode  # jax: imported only when bytes are read
 
-        block, type_size = GGML_QUANT_SIZES[self.tensor_type(name)]
-        return self.tensor_shape(name)[-1] // block * type_size
+        return ggml_decode.row_bytes(int(self.tensor_type(name)), self.tensor_shape(name)[-1])
+
+    def tensors(self) -> Mapping[str, np.ndarray]:
+        """Every tensor by name, in file order, dequantized to float32 when accessed (one at a
+        time: ``write_model(..., model.tensors(), ...)`` re-encodes a model in a layer's memory)."""
+        return _LazyTensors(self)
 
     def raw_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """The stored bytes of rows ``[start:stop]`` (first numpy axis): uint8 ``[n, ..., row]``.
@@ -182,6 +186,22 @@ class GGUFModel:
         hp = self.hparams
         return (f"GGUFModel({str(self.path)!r}, arch={hp.arch}, layers={hp.n_layer}, "
                 f"experts={hp.n_expert}x top{hp.n_expert_used})")
+
+
+class _LazyTensors(Mapping):
+    """Name → float32 tensor of a model, read on access."""
+
+    def __init__(self, model: GGUFModel):
+        self._model = model
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._model.tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._model.tensor_names)
+
+    def __len__(self) -> int:
+        return len(self._model.tensor_names)
 
 
 _ALIGN = 64  # XLA's CPU client adopts 64-byte-aligned host buffers without copying them

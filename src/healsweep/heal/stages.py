@@ -156,13 +156,6 @@ def pack_codes(q: np.ndarray) -> np.ndarray:
     return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
 
 
-def unpack_codes(packed: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_codes`: uint8 [..., n/4] → int8 [..., n]."""
-    shifts = np.array([0, 2, 4, 6], np.uint8)
-    c = (packed[..., None] >> shifts) & np.uint8(3)
-    return (c.astype(np.int8) - 1).reshape(*packed.shape[:-1], -1)
-
-
 def q2_weights(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     """{gate, up, down}: packed ``Q2Packed`` pytrees of a ``quantize`` entry (decoded in the
     graph; unpacking 3 x 173M codes per layer on the host cost a warm trial seconds a layer)."""
