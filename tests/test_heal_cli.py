@@ -1,4 +1,5 @@
-"""`healsweep heal` end to end: the healed GGUF read back by gguf-py, the sidecar, clear errors."""
+"""`healsweep heal` end to end: the healed GGUF (type-42 or F16 experts) read back, the sidecar,
+clear errors."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 
 from healsweep.cli import _register
 from healsweep.cli._apps import app
-from healsweep.gguf_io import open_model
+from healsweep.gguf_io import open_model, q2_0_type
 from healsweep.gguf_io.synthetic import write_random_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +45,13 @@ def healed(tmp_path_factory):
         "--chunk-length", "64", "--cache", str(root / "cache"),
     ])
     assert result.exit_code == 0, result.output
+    f16 = CliRunner().invoke(app, [
+        "heal", str(model), "--knobs", str(PRESETS / "shipped-audit.yaml"),
+        "--out", str(root / "healed-f16.gguf"), "--experts", "f16",
+        "--corpus", str(root / "c.jsonl"), "--chunk-length", "64", "--cache", str(root / "cache"),
+    ])
+    assert f16.exit_code == 0, f16.output
+    assert "computed (not from cache): nothing" in f16.output
     return root, result.output
 
 
@@ -54,14 +62,19 @@ def test_progress_is_printed_per_stage(healed):
     assert "tokens per stratum: s " in output
 
 
-def test_healed_gguf_copies_the_teacher_and_replaces_only_healed_tensors(healed):
+@pytest.mark.parametrize(("name", "expert_type"), [("healed.gguf", 42), ("healed-f16.gguf", 1)])
+def test_healed_gguf_copies_the_teacher_and_replaces_only_healed_tensors(
+    healed, name, expert_type
+):
     root, _ = healed
     teacher = gguf.GGUFReader(root / "teacher.gguf")
-    student = gguf.GGUFReader(root / "healed.gguf")
+    q2_0_type()  # gguf-py reads type 42 once healsweep has registered it
+    student = gguf.GGUFReader(root / name)
     t_fields = {k: f for k, f in teacher.fields.items() if not k.startswith("GGUF.")}
     s_fields = {k: f for k, f in student.fields.items() if not k.startswith("GGUF.")}
-    assert set(s_fields) - set(t_fields) == {"healsweep.knobs", "healsweep.student_key",
-                                             "healsweep.alphas"}
+    assert set(s_fields) - set(t_fields) == {
+        "healsweep.knobs", "healsweep.student_key", "healsweep.alphas",
+        "healsweep.teacher_fingerprint", "healsweep.experts"}
     for key, field in t_fields.items():
         assert s_fields[key].types == field.types, key
         assert s_fields[key].contents() == field.contents(), key
@@ -70,7 +83,7 @@ def test_healed_gguf_copies_the_teacher_and_replaces_only_healed_tensors(healed)
     for tensor in teacher.tensors:
         got = s_tensors[tensor.name]
         if tensor.name.endswith(("_exps.weight",)):
-            assert got.tensor_type == gguf.GGMLQuantizationType.F16
+            assert int(got.tensor_type) == expert_type
             assert tuple(got.shape) == tuple(tensor.shape)
         elif tensor.name.endswith("ffn_down_shexp.weight"):
             assert got.tensor_type == tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
@@ -78,7 +91,7 @@ def test_healed_gguf_copies_the_teacher_and_replaces_only_healed_tensors(healed)
         else:
             assert got.tensor_type == tensor.tensor_type
             np.testing.assert_array_equal(np.asarray(got.data), np.asarray(tensor.data))
-    assert open_model(root / "healed.gguf").hparams == open_model(root / "teacher.gguf").hparams
+    assert open_model(root / name).hparams == open_model(root / "teacher.gguf").hparams
 
 
 def test_sidecar_blocks_decode_to_the_f16_experts_and_alphas_fold_into_down(healed):
@@ -88,6 +101,7 @@ def test_sidecar_blocks_decode_to_the_f16_experts_and_alphas_fold_into_down(heal
     alphas = [layer["alpha"] for layer in report["layers"]]
     np.testing.assert_allclose(side["alphas"], alphas, rtol=1e-6)
     student = open_model(root / "healed.gguf")
+    f16 = open_model(root / "healed-f16.gguf")
     np.testing.assert_allclose(student.metadata("healsweep.alphas"), alphas, rtol=1e-6)
     for layer in range(2):
         for suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
@@ -97,7 +111,8 @@ def test_sidecar_blocks_decode_to_the_f16_experts_and_alphas_fold_into_down(heal
             codes = codes.reshape(*codes.shape[:-2], 64, 2)
             values = (codes[..., 0] + 2 * codes[..., 1]).astype(np.float32) - 1  # (c - 1)
             dense = (values * d[..., None]).reshape(*packed.shape[:-2], -1)
-            want = student.tensor(f"blk.{layer}.{suffix}")
+            np.testing.assert_array_equal(dense, student.tensor(f"blk.{layer}.{suffix}"))
+            want = f16.tensor(f"blk.{layer}.{suffix}")
             np.testing.assert_allclose(dense.astype(np.float16).astype(np.float32), want)
 
 

@@ -1,5 +1,6 @@
 """Reading and writing GGUF MoE models: hparams, lazy tensors, tokenizer, writer, layer slices."""
 
+from healsweep.gguf_io._ggml_types import GGML_Q2_0, q2_0_type
 from healsweep.gguf_io._hparams import SUPPORTED_ARCHS, ModelHparams, expected_tensor_shapes
 from healsweep.gguf_io._model import GGUFModel, file_fingerprint, open_model
 from healsweep.gguf_io._slice import parse_layer_range, slice_model
@@ -12,6 +13,7 @@ from healsweep.gguf_io._tokenizer import (
 from healsweep.gguf_io._writer import encode_tensor, write_model
 
 __all__ = [
+    "GGML_Q2_0",
     "SUPPORTED_ARCHS",
     "GGUFModel",
     "ModelHparams",
@@ -23,6 +25,7 @@ __all__ = [
     "load_tokenizer_file",
     "open_model",
     "parse_layer_range",
+    "q2_0_type",
     "slice_model",
     "tokenizer_metadata_from_tokenizer",
     "write_model",

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from healsweep.errors import GGUFFormatError, UnsupportedArchitectureError
+from healsweep.gguf_io._ggml_types import q2_0_type
 from healsweep.gguf_io._hparams import (
     SUPPORTED_ARCHS,
     ModelHparams,
@@ -105,8 +106,6 @@ class GGUFModel:
 
     def tensor_rows(self, name: str, start: int, stop: int | None) -> np.ndarray:
         """Slice ``[start:stop]`` along the first numpy axis, dequantized to float32."""
-        from gguf.quants import dequantize
-
         info = self._info(name)
         shape = self.tensor_shape(name)
         stop = shape[0] if stop is None else min(stop, shape[0])
@@ -119,7 +118,7 @@ class GGUFModel:
             count=(stop - start) * row_items,
             offset=int(info.data_offset) + start * row_bytes,
         ).reshape((stop - start, *raw_shape[1:]))
-        out = np.asarray(dequantize(raw, info.tensor_type), dtype=np.float32)
+        out = _dequantize(raw, info.tensor_type, shape[-1])
         return out.reshape((stop - start, *shape[1:]))
 
     def row_bytes(self, name: str) -> int:
@@ -153,12 +152,10 @@ class GGUFModel:
 
     def tensor_take(self, name: str, rows: Iterable[int]) -> np.ndarray:
         """Rows ``rows`` of a matrix (e.g. token embeddings), dequantized to float32."""
-        from gguf.quants import dequantize
-
         info = self._info(name)
         idx = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, np.int64)
         raw = np.array(info.data[idx])  # touches only those rows' pages
-        out = np.asarray(dequantize(raw, info.tensor_type), dtype=np.float32)
+        out = _dequantize(raw, info.tensor_type, self.tensor_shape(name)[-1])
         return out.reshape((len(idx), *self.tensor_shape(name)[1:]))
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
@@ -186,6 +183,19 @@ class GGUFModel:
         hp = self.hparams
         return (f"GGUFModel({str(self.path)!r}, arch={hp.arch}, layers={hp.n_layer}, "
                 f"experts={hp.n_expert}x top{hp.n_expert_used})")
+
+
+def _dequantize(raw: np.ndarray, qtype: Any, n_in: int) -> np.ndarray:
+    """Stored values/bytes to float32 on the host: gguf-py's numpy decoder, or, for a type it
+    has none for (Q2_0), the in-graph decoder run once."""
+    from gguf.quants import _type_traits, dequantize
+
+    if qtype in _type_traits or qtype.name in ("F32", "F16"):
+        return np.asarray(dequantize(raw, qtype), dtype=np.float32)
+    from healsweep.kernels import ggml_decode
+
+    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, ggml_decode.row_bytes(qtype, n_in))
+    return np.asarray(ggml_decode.decode_rows(rows, int(qtype), n_in))
 
 
 class _LazyTensors(Mapping):
@@ -271,6 +281,14 @@ def _sampled_digest(path: Path, header_bytes: int) -> str:
     return "sampled-sha256:" + digest.hexdigest()
 
 
+class _UnknownType(Exception):
+    """A tensor of a ggml type id that neither gguf-py nor healsweep knows."""
+
+    def __init__(self, name: str, qtype: int):
+        super().__init__(name, qtype)
+        self.name, self.qtype = name, qtype
+
+
 class _TruncatedTensor(Exception):
     """A tensor's data runs past the end of the file (raised before gguf-py maps it)."""
 
@@ -287,12 +305,17 @@ def _bounded_reader_class():
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
+    q2_0_type()  # type 42 has a block size in gguf-py from here on
+
     class BoundedReader(GGUFReader):
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             size = len(self.data)
             for field in fields:
                 _, name, _, dims, raw_type, offset = field.parts
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                qtype = int(raw_type[0])
+                if qtype not in GGMLQuantizationType._value2member_map_:
+                    raise _UnknownType(bytes(name).decode("utf-8", "replace"), qtype)
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
                 n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
                 end = int(start_offs) + int(offset[0]) + n_bytes
                 if end > size:
@@ -312,6 +335,12 @@ def _read_reader(path: Path):
         )
     try:
         return _bounded_reader_class()(path)
+    except _UnknownType as unknown:
+        raise GGUFFormatError(
+            f"{path}: tensor {unknown.name} has ggml type {unknown.qtype}, which healsweep "
+            "cannot read; requantize the model to a supported type (`healsweep model info` "
+            "lists a readable model's types)"
+        ) from None
     except _TruncatedTensor as cut:
         raise GGUFFormatError(
             f"{path} is truncated: tensor {cut.name} ends at byte {cut.end} but the file has "
@@ -328,7 +357,12 @@ def _check_tensors(path: Path, reader: Any, hp: ModelHparams) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import _type_traits
 
-    dequantizable = set(_type_traits) | {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
+    decodable = {int(t) for t in _type_traits} | {int(GGMLQuantizationType.F32),
+                                                   int(GGMLQuantizationType.F16)}
+    if any(int(t.tensor_type) not in decodable for t in reader.tensors):
+        from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES  # jax: only for such files
+
+        decodable |= IN_GRAPH_TYPES
     infos = {t.name: t for t in reader.tensors}
     tied = "output.weight" not in infos
     for name, shape in expected_tensor_shapes(hp, tied_output=tied).items():
@@ -343,10 +377,10 @@ def _check_tensors(path: Path, reader: Any, hp: ModelHparams) -> None:
                 f"{path}: tensor {name} has shape {got}, expected {shape} from the hparams; "
                 "the file is inconsistent, re-export it"
             )
-        if infos[name].tensor_type not in dequantizable:
+        if int(infos[name].tensor_type) not in decodable:
             raise GGUFFormatError(
-                f"{path}: tensor {name} has type {infos[name].tensor_type.name}, which gguf-py "
-                "cannot dequantize; requantize the model to a supported type"
+                f"{path}: tensor {name} has type {infos[name].tensor_type.name}, which healsweep "
+                "cannot decode; requantize the model to a supported type"
             )
 
 

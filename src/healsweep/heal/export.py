@@ -1,13 +1,17 @@
-"""Writing a healed student: a GGUF any GGUF tool can load, and the packed Q2_0 sidecar.
+"""Writing a healed student: a GGUF that llama.cpp runs, and the packed Q2_0 sidecar.
 
 The GGUF keeps every metadata field of the teacher with its exact value type, and every tensor
-in file order: the routed experts of healed layers hold the healed weights dequantized to F16
-(alpha folded into the down projections), a ridge-healed ``ffn_down_shexp`` holds its
-requantized bytes in the teacher's storage type, and every other tensor is the teacher's bytes,
-copied unchanged. Tensors are streamed one at a time, so writing needs about one expert stack
-of memory. The sidecar (``.npz``) holds the packed Q2_0 blocks (the ggml byte layout: fp16 d,
-then 16 bytes of 2-bit codes) of every healed expert tensor, alpha already folded into the down
-scales, plus the alphas themselves.
+in file order. The routed experts of healed layers are written as ggml type 42 (Q2_0) by default:
+the student's packed blocks byte for byte (fp16 ``d`` with alpha already folded in, then the 16
+code bytes), so nothing is re-quantized and llama.cpp runs exactly the weights healsweep scored.
+``experts="f16"`` writes them dequantized to F16 instead, for tools that do not know type 42. A
+ridge-healed ``ffn_down_shexp`` holds its requantized bytes in the teacher's storage type; every
+other tensor is the teacher's bytes, copied unchanged. Tensors are streamed one at a time, so
+writing needs about one expert stack of memory. The knobs, the student's cache key, the alphas,
+the teacher's fingerprint and the expert format go into ``healsweep.*`` metadata.
+
+The sidecar (``.npz``) holds the same type-42 blocks ``[..., out, in/64, 18]`` of every healed
+expert tensor, plus the alphas and knobs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +33,54 @@ _EXPERT_FIELDS = {
     "ffn_down_exps.weight": "down_exps",
 }
 HEAL_KEY_PREFIX = "healsweep."
+EXPERT_FORMATS = ("q2_0", "f16")
+_QK, _BLOCK_BYTES = 64, 18
 
 
-def _replaced_tensor(student: Any, name: str) -> tuple[np.ndarray, Any] | None:
-    """(data, ggml type) of a tensor the student replaces, or None to copy the teacher's."""
+def type42_rows(weight: Any) -> np.ndarray:
+    """A Q2_0 expert stack as ggml type-42 rows: uint8 ``[..., out, in/64 * 18]``.
+
+    ``weight`` is a ``Q2Packed`` (``d`` fp16 ``[..., out, in/64]``, ``codes`` uint8
+    ``[..., out, in/4]``, already in ggml's code order) or a ``Q2Weight`` (``q`` int8
+    ``[..., out, in]``, packed here: code ``j`` of a block at bits ``2*(j%4)`` of byte ``j//4``).
+    Each block is its fp16 ``d`` (little-endian) followed by its 16 code bytes.
+    """
+    d = np.ascontiguousarray(np.asarray(weight.d, np.float16))  # [..., out, nb]
+    codes = getattr(weight, "codes", None)
+    if codes is None:
+        c = (np.asarray(weight.q, np.int16) + 1).astype(np.uint8)  # [..., out, in]
+        c = c.reshape(*c.shape[:-1], -1, 4)
+        codes = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+    codes = np.asarray(codes, np.uint8)  # [..., out, in/4]
+    nb = d.shape[-1]
+    if codes.shape[:-1] != d.shape[:-1] or codes.shape[-1] != nb * (_QK // 4):
+        raise ValueError(
+            f"type42_rows: codes {codes.shape} do not match scales {d.shape} (16 bytes a block)"
+        )
+    blocks = np.empty((*d.shape, _BLOCK_BYTES), np.uint8)  # [..., out, nb, 18]
+    blocks[..., :2] = d.astype("<f2")[..., None].view(np.uint8)
+    blocks[..., 2:] = codes.reshape(*d.shape, _QK // 4)
+    return blocks.reshape(*d.shape[:-1], nb * _BLOCK_BYTES)
+
+
+def _expert_tensor(weight: Any, experts: str) -> tuple[np.ndarray, Any]:
+    """(data, ggml type) of one healed expert stack in the chosen format."""
     from gguf import GGMLQuantizationType
 
+    from healsweep.gguf_io import q2_0_type
+
+    if experts == "q2_0":
+        if isinstance(weight, np.ndarray):
+            raise GGUFFormatError(
+                "a healed expert stack is dense, not Q2_0; write it with experts='f16'"
+            )
+        return type42_rows(weight), q2_0_type()
+    dense = weight if isinstance(weight, np.ndarray) else np.asarray(weight.dequantize())
+    return np.asarray(dense, np.float32).astype(np.float16), GGMLQuantizationType.F16
+
+
+def _replaced_tensor(student: Any, name: str, experts: str) -> tuple[np.ndarray, Any] | None:
+    """(data, ggml type) of a tensor the student replaces, or None to copy the teacher's."""
     if not name.startswith("blk."):
         return None
     _, layer, suffix = name.split(".", 2)
@@ -42,19 +89,41 @@ def _replaced_tensor(student: Any, name: str) -> tuple[np.ndarray, Any] | None:
         return None
     if suffix in _EXPERT_FIELDS:
         weight = getattr(replacement, _EXPERT_FIELDS[suffix])
-        if weight is None:
-            return None
-        dense = weight if isinstance(weight, np.ndarray) else np.asarray(weight.dequantize())
-        return np.asarray(dense, np.float32).astype(np.float16), GGMLQuantizationType.F16
+        return None if weight is None else _expert_tensor(weight, experts)
     if suffix == "ffn_down_shexp.weight" and int(layer) in student.shexp_raw:
         return student.shexp_raw[int(layer)], student.base.tensor_type(name)
     return None
 
 
-def write_healed_gguf(student: Any, out: str | Path) -> Path:
-    """Write ``student`` as a GGUF at ``out`` (atomically: temp file, then rename)."""
+def heal_metadata(student: Any, experts: str) -> dict[str, Any]:
+    """The ``healsweep.*`` fields every healed GGUF carries (str, float list)."""
+    return {
+        "knobs": json.dumps(student.knobs.model_dump(), sort_keys=True),
+        "student_key": student.key,
+        "alphas": [float(a) for a in student.alphas],
+        "teacher_fingerprint": student.base.fingerprint,
+        "experts": experts,
+    }
+
+
+def write_healed_gguf(
+    student: Any,
+    out: str | Path,
+    *,
+    experts: str = "q2_0",
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``student`` as a GGUF at ``out`` (atomically: temp file, then rename).
+
+    ``experts`` is ``"q2_0"`` (ggml type 42, the student's blocks as they are) or ``"f16"``;
+    ``metadata`` adds ``healsweep.<key>`` string/number fields (e.g. the sweep and trial).
+    """
     import gguf
 
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(
+            f"write_healed_gguf: experts must be one of {EXPERT_FORMATS}, got {experts!r}"
+        )
     out = Path(out)
     reader = gguf.GGUFReader(student.base.path)
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
@@ -68,12 +137,11 @@ def write_healed_gguf(student: Any, out: str | Path) -> Path:
             value_type = field.types[0]
             sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
-        writer.add_string(HEAL_KEY_PREFIX + "knobs", json.dumps(student.knobs.model_dump()))
-        writer.add_string(HEAL_KEY_PREFIX + "student_key", student.key)
-        writer.add_array(HEAL_KEY_PREFIX + "alphas", [float(a) for a in student.alphas])
+        for key, value in {**heal_metadata(student, experts), **(metadata or {})}.items():
+            _add_field(writer, HEAL_KEY_PREFIX + key, value)
         planned = []
         for tensor in reader.tensors:
-            replaced = _replaced_tensor(student, tensor.name)
+            replaced = _replaced_tensor(student, tensor.name, experts)
             data, qtype = replaced if replaced is not None else (tensor.data, tensor.tensor_type)
             _check_shape(student, tensor, data, qtype)
             writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes, qtype)
@@ -85,11 +153,29 @@ def write_healed_gguf(student: Any, out: str | Path) -> Path:
             if replaced_name is None:
                 writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
             else:  # recomputed here so only one replaced tensor is in memory at a time
-                writer.write_tensor_data(_replaced_tensor(student, replaced_name)[0])
-    finally:
+                writer.write_tensor_data(_replaced_tensor(student, replaced_name, experts)[0])
+    except BaseException:
         writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    writer.close()
     tmp.replace(out)
     return out
+
+
+def _add_field(writer: Any, key: str, value: Any) -> None:
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_int64(key, value)
+    elif isinstance(value, float):
+        writer.add_float64(key, value)
+    elif isinstance(value, (list, tuple)):
+        writer.add_array(key, list(value))
+    else:
+        raise TypeError(f"metadata {key}: cannot store a {type(value).__name__}")
 
 
 def _check_shape(student: Any, tensor: Any, data: np.ndarray, qtype: Any) -> None:
@@ -107,9 +193,8 @@ def _check_shape(student: Any, tensor: Any, data: np.ndarray, qtype: Any) -> Non
 
 
 def write_q2_sidecar(student: Any, out: str | Path) -> Path:
-    """Save packed Q2_0 blocks (uint8 [..., in/64, 18]) of every healed expert tensor + alphas."""
-    from healsweep.kernels import q2_0
-
+    """Save type-42 blocks (uint8 ``[..., out, in/64, 18]``) of every healed expert tensor,
+    the alphas and the knobs."""
     out = Path(out)
     arrays: dict[str, np.ndarray] = {"alphas": np.asarray(student.alphas, np.float32)}
     for layer, replacement in sorted(student.replacements.items()):
@@ -117,10 +202,8 @@ def write_q2_sidecar(student: Any, out: str | Path) -> Path:
             weight = getattr(replacement, field)
             if weight is None or isinstance(weight, np.ndarray):
                 continue
-            d = np.asarray(weight.d)  # [..., out, in/64]
-            q = np.asarray(weight.q)  # [..., out, in]
-            packed = np.asarray(q2_0.pack(d.reshape(-1), q.reshape(-1, 64)))  # [N, 18]
-            arrays[f"blk.{layer}.{suffix}"] = packed.reshape(*d.shape, 18)
+            rows = type42_rows(weight)  # [..., out, nb * 18]
+            arrays[f"blk.{layer}.{suffix}"] = rows.reshape(*rows.shape[:-1], -1, _BLOCK_BYTES)
     arrays["knobs_json"] = np.frombuffer(json.dumps(student.knobs.model_dump()).encode(), np.uint8)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-", suffix=".npz")
