@@ -21,6 +21,7 @@ _COMMAND_MODULES = [
     "healsweep.cli.ledger_cmd",
     "healsweep.cli.score_cmd",
     "healsweep.cli.heal_cmd",
+    "healsweep.cli.export_cmd",
     "healsweep.cli.bench_cmd",
     "healsweep.cli.sweep_cmd",
     "healsweep.cli.report_cmd",

@@ -1,0 +1,78 @@
+"""`healsweep export`: a sweep's trial as a deployable GGUF (type-42 experts by default)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from healsweep.cli._apps import app
+
+
+@app.command("export")
+def export(
+    sweep_dir: Annotated[Path, typer.Argument(help="A sweep's results folder, RESULTS/<name>.")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the GGUF.")],
+    trial: Annotated[
+        str | None, typer.Option("--trial", help="Trial id to export (see `sweep status`).")
+    ] = None,
+    best: Annotated[
+        bool,
+        typer.Option(
+            "--best", help="Export the completed trial with the lowest dev KLD (default)."
+        ),
+    ] = False,
+    experts: Annotated[
+        str, typer.Option("--experts", help="Routed experts as q2_0 (ggml type 42) or f16.")
+    ] = "q2_0",
+    cache: Annotated[
+        Path | None,
+        typer.Option(
+            "--cache", help="Stage cache (default: $HEALSWEEP_CACHE or ~/.cache/healsweep)."
+        ),
+    ] = None,
+) -> None:
+    """Rebuild a trial's student from the stage cache (recomputing what is missing) and write it.
+
+    A trial confirmed on the test split records its milestone and ledger entry hash in the file's
+    metadata; an unconfirmed trial is exported with a one-line note saying so.
+    """
+    from healsweep.cache import StageCache
+    from healsweep.deliver import export_trial
+    from healsweep.heal.export import EXPERT_FORMATS
+
+    if trial is not None and best:
+        raise typer.BadParameter("pass --trial ID or --best, not both", param_hint="--trial")
+    if experts not in EXPERT_FORMATS:
+        raise typer.BadParameter(
+            f"{experts!r}: choose one of {', '.join(EXPERT_FORMATS)}", param_hint="--experts"
+        )
+
+    def progress(stage: str, message: str) -> None:
+        typer.echo(f"[{stage}] {message}")
+
+    result = export_trial(
+        sweep_dir, out, trial_id=trial, experts=experts, cache=StageCache(cache), progress=progress
+    )
+    row = result.trial
+    kld = "-" if row["kld_mean"] is None else f"{row['kld_mean']:.5f}"
+    label = "baseline" if row["is_baseline"] else "trial"
+    typer.echo(f"[trial] {label} {row['trial_id']} (config {row['config_hash']}, dev KLD {kld})")
+    typer.echo(f"[knobs] {' '.join(f'{k}={v}' for k, v in result.knobs.items())}")
+    for note in result.notes:
+        typer.echo(f"[note] {note}")
+    conf = result.confirmation
+    if conf is None:
+        typer.echo(
+            f"[test] not confirmed: trial {row['trial_id']} was never scored on the test split; "
+            f"its quality is a dev estimate (`healsweep confirm {sweep_dir} --milestone M "
+            f"--trial {row['trial_id']}` opens the test split once)"
+        )
+    else:
+        verdict = {None: "baseline", True: "accepted", False: "not accepted"}[conf.accepted]
+        typer.echo(
+            f"[test] confirmed in milestone {conf.milestone!r} ({verdict} vs the baseline); "
+            f"ledger entry {conf.result_entry_hash}"
+        )
+    typer.echo(f"[write] {result.path} (routed experts {experts.upper()})")

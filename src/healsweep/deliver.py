@@ -1,0 +1,163 @@
+"""``export``: from a sweep's trial to a deployable GGUF.
+
+A sweep stores, per trial, every knob (``trials.parquet``) and, per sweep, the model and the
+calibration settings (``spec.json``, ``manifest.json``). That is all a student needs: the trial's
+student is rebuilt through the stage cache (``build_student``; whatever the cache lacks is
+recomputed) and written as in ``healsweep heal`` (type-42 experts by default).
+
+A trial confirmed on the test split is found by its frozen hash (knobs, model fingerprint,
+calibration with its corpus content: exactly what ``confirm`` froze) among the sweep's
+``test/*/confirm.json`` whose result the ledger holds; the file then records the milestone and the
+ledger's ``confirm-result`` entry hash. Otherwise the export says, in one line, that the trial
+was never confirmed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from healsweep.errors import ResultsError
+
+Progress = Callable[[str, str], None]
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """Where a trial's config was scored on test: the milestone and its ledger entries."""
+
+    milestone: str
+    result_entry_hash: str
+    open_entry_hash: str
+    accepted: bool | None  # the decision rule's verdict vs the baseline (None for the baseline)
+
+
+@dataclass
+class ExportResult:
+    """What ``export_trial`` wrote and what it knows about the trial."""
+
+    path: Path
+    trial: dict[str, Any]
+    knobs: dict[str, Any]
+    frozen_hash: str
+    confirmation: Confirmation | None
+    notes: list[str] = field(default_factory=list)
+
+
+def pick_trial(trials: list[dict[str, Any]], trial_id: str | None, where: Path) -> dict[str, Any]:
+    """The row of ``trial_id``, or (None) the completed non-baseline trial with the lowest dev
+    pooled KLD — the trial ``confirm`` would pick."""
+    if trial_id is not None:
+        for row in trials:
+            if row["trial_id"] == trial_id:
+                return row
+        known = sorted(t["trial_id"] for t in trials)
+        raise ResultsError(
+            f"{where}: no trial {trial_id!r} in trials.parquet; pick one of {known[:8]}"
+            f"{' ...' if len(known) > 8 else ''} (see `healsweep sweep status`)"
+        )
+    done = [
+        t
+        for t in trials
+        if t["status"] == "completed" and not t["is_baseline"] and t["kld_mean"] is not None
+    ]
+    if not done:
+        raise ResultsError(
+            f"{where}: no completed non-baseline trial to export as --best; let the sweep "
+            "finish or name one with --trial"
+        )
+    return min(done, key=lambda t: t["kld_mean"])
+
+
+def find_confirmation(sweep_dir: Path, frozen: str) -> tuple[Confirmation | None, str | None]:
+    """The latest ledger-recorded milestone that scored config ``frozen`` on test, and a note
+    when a milestone scored it but its record does not check out."""
+    from healsweep.confirm import read_confirmed
+
+    found, note = None, None
+    for summary in read_confirmed(sweep_dir):
+        config = next((c for c in summary.get("configs", []) if c["frozen_hash"] == frozen), None)
+        if config is None:
+            continue
+        if summary["integrity"] != "recorded" or not summary.get("result_entry_hash"):
+            note = (
+                f"milestone {summary['milestone']!r} scored this config on test but its record "
+                f"is {summary['integrity']!r}; not counted as a confirmation"
+            )
+            continue
+        verdict = config.get("verdict")
+        found = Confirmation(
+            milestone=summary["milestone"],
+            result_entry_hash=summary["result_entry_hash"],
+            open_entry_hash=summary["open_hash"],
+            accepted=None if verdict is None else bool(verdict["accepted"]),
+        )
+    return found, note
+
+
+def export_trial(
+    sweep_dir: str | Path,
+    out: str | Path,
+    *,
+    trial_id: str | None = None,
+    experts: str = "q2_0",
+    cache: Any = None,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Rebuild a trial's student (``trial_id``, or the best dev trial) and write it to ``out``.
+
+    Refuses a sweep folder without results, an unknown trial, and a model file that changed
+    since the sweep (its knobs were tuned on another model). ``cache`` is a ``StageCache``
+    (default: the user's cache).
+    """
+    from healsweep.cache import StageCache, canonical_json
+    from healsweep.confirm import calibration_identity, frozen_hash
+    from healsweep.gguf_io import open_model
+    from healsweep.heal.export import write_healed_gguf
+    from healsweep.heal.knobs import Knobs
+    from healsweep.heal.pipeline import build_student
+    from healsweep.results.schema import KNOB_PREFIX
+    from healsweep.results.store import read_manifest, read_trials
+    from healsweep.sweep.manifest import read_spec
+
+    sweep_dir = Path(sweep_dir)
+    manifest = read_manifest(sweep_dir)
+    spec = read_spec(sweep_dir)
+    row = pick_trial(read_trials(sweep_dir).to_pylist(), trial_id, sweep_dir)
+    teacher = open_model(spec.model)
+    if manifest.get("model_fingerprint") not in (None, teacher.fingerprint):
+        raise ResultsError(
+            f"{sweep_dir}: the model {spec.model} changed after the sweep (fingerprint "
+            f"{teacher.fingerprint[:12]}... vs the manifest's {manifest['model_fingerprint'][:12]}"
+            "...); restore the model the sweep tuned on"
+        )
+    knobs = {k[len(KNOB_PREFIX) :]: v for k, v in row.items() if k.startswith(KNOB_PREFIX)}
+    calibration = spec.calibration_config()
+    identity = calibration_identity(calibration)
+    frozen = frozen_hash(knobs, teacher.fingerprint, identity)
+    confirmation, note = find_confirmation(sweep_dir, frozen)
+    notes = [] if note is None else [note]
+    if row["status"] != "completed":
+        notes.append(f"trial {row['trial_id']} ended {row['status']!r} on dev")
+    student = build_student(
+        teacher, Knobs(**knobs), calibration, cache or StageCache(), progress=progress
+    )
+    metadata: dict[str, Any] = {
+        "sweep": spec.name,
+        "trial_id": row["trial_id"],
+        "config_hash": row["config_hash"],
+        "frozen_hash": frozen,
+        "calibration": canonical_json({"corpus": str(calibration.corpus), **identity}),
+    }
+    if row["kld_mean"] is not None:
+        metadata["dev_kld_mean"] = float(row["kld_mean"])
+    if confirmation is not None:
+        metadata.update(
+            confirmed_milestone=confirmation.milestone,
+            ledger_entry=confirmation.result_entry_hash,
+            ledger_open_entry=confirmation.open_entry_hash,
+        )
+    path = write_healed_gguf(student, out, experts=experts, metadata=metadata)
+    return ExportResult(path, row, knobs, frozen, confirmation, notes)

@@ -1,0 +1,160 @@
+"""`healsweep export RESULTS/NAME`: a sweep's trial rebuilt from its stored knobs and written.
+
+The sweep folder is made with the sweep's own writers (spec + manifest by ``start_manifest``,
+``trials.parquet`` in the trial schema) on a tiny random model, so no Ray run is needed; the test
+split is opened by the real ``confirm``, whose ledger entries are read back as raw JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _tiny_corpus import write_tiny_corpus
+from healsweep.cache import StageCache
+from healsweep.gguf_io import open_model
+from healsweep.heal.export import type42_rows
+from healsweep.heal.knobs import Knobs
+from healsweep.heal.pipeline import build_student
+
+ROOT = Path(__file__).resolve().parents[1]
+TRIALS = {  # trial id -> (is_baseline, status, dev KLD, knob changes)
+    "base": (True, "completed", 0.30, {}),
+    "t-good": (False, "completed", 0.20, {"gain_d": 0.0}),
+    "t-worse": (False, "completed", 0.25, {"eta": 0.3}),
+    "t-pruned": (False, "pruned", 0.10, {"rho": 2.0}),
+}
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, tiny_tokenizer):
+    from healsweep.gguf_io.synthetic import write_random_model
+    from healsweep.results.schema import knob_columns, to_table, trial_schema
+    from healsweep.results.store import TRIALS_FILE, atomic_write_table
+    from healsweep.sweep.manifest import start_manifest
+    from healsweep.sweep.space import config_hash
+    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.work import sweep_identity
+
+    root = tmp_path_factory.mktemp("export-trial")
+    model = write_random_model(
+        root / "m.gguf", n_layer=2, n_ff_exp=64, seed=5, tokenizer=tiny_tokenizer
+    )
+    spec = spec_from_dict({
+        "name": "tiny", "model": str(model), "corpus": str(write_tiny_corpus(root / "c.jsonl")),
+        "calibration": {"chunk_length": 64, "min_tokens_per_expert": 4},
+        "search_space": {"gain_d": [0.3, 0.0]},
+        "scoring": {"max_scored": 24, "max_context": 40, "batch": 4},
+    })  # fmt: skip
+    sweep_dir = root / "results" / "tiny"
+    sweep_dir.mkdir(parents=True)
+    start_manifest(sweep_dir, spec, sweep_identity(spec), "run")
+    rows = []
+    for trial_id, (is_base, status, kld, changes) in TRIALS.items():
+        knobs = Knobs(**changes).model_dump()
+        rows.append({"sweep": "tiny", "trial_id": trial_id, "config_hash": config_hash(knobs),
+                     "is_baseline": is_base, **knob_columns(knobs), "status": status,
+                     "pruned": status == "pruned", "kld_mean": kld})  # fmt: skip
+    atomic_write_table(to_table(rows, trial_schema()), sweep_dir / TRIALS_FILE)
+    return {"root": root, "sweep": sweep_dir, "spec": spec}
+
+
+@pytest.fixture()
+def sweep_copy(sweep, tmp_path):
+    target = tmp_path / "results" / "tiny"
+    shutil.copytree(sweep["sweep"], target)
+    return target
+
+
+def _cli(*args, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HEALSWEEP_CACHE": str(cache)}
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), "export", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+
+
+def test_best_trial_is_rebuilt_from_its_knobs_and_says_it_is_unconfirmed(sweep, tmp_path):
+    out = tmp_path / "best.gguf"
+    run = _cli(sweep["sweep"], "--out", out, cache=tmp_path / "cold-cache")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "trial t-good" in run.stdout  # t-pruned has a lower KLD but did not complete
+    lines = [line for line in run.stdout.splitlines() if line.startswith("[test]")]
+    assert len(lines) == 1 and "not confirmed" in lines[0]
+    model = open_model(out)
+    knobs = Knobs(**TRIALS["t-good"][3])
+    assert json.loads(model.metadata("healsweep.knobs")) == knobs.model_dump()
+    assert model.metadata("healsweep.trial_id") == "t-good"
+    assert model.metadata("healsweep.ledger_entry") is None
+    student = build_student(
+        open_model(sweep["spec"].model), knobs, sweep["spec"].calibration_config(),
+        StageCache(tmp_path / "cache"),
+    )  # fmt: skip
+    assert model.metadata("healsweep.student_key") == student.key
+    for layer, replacement in student.replacements.items():
+        raw = model.raw_rows(f"blk.{layer}.ffn_down_exps.weight")
+        np.testing.assert_array_equal(raw, type42_rows(replacement.down_exps))
+
+
+def test_a_named_trial_and_the_baseline_export_their_own_knobs(sweep, tmp_path):
+    from healsweep.deliver import export_trial
+
+    cache = StageCache(tmp_path / "cache")
+    for trial_id in ("t-worse", "base"):
+        result = export_trial(sweep["sweep"], tmp_path / f"{trial_id}.gguf", trial_id=trial_id,
+                              cache=cache)  # fmt: skip
+        model = open_model(result.path)
+        assert (
+            json.loads(model.metadata("healsweep.knobs"))
+            == Knobs(**TRIALS[trial_id][3]).model_dump()
+        )
+        assert result.confirmation is None
+
+
+def test_a_confirmed_trial_records_its_ledger_entry(sweep_copy, tmp_path, monkeypatch):
+    from healsweep.confirm import confirm
+    from healsweep.deliver import export_trial
+
+    monkeypatch.setenv("HEALSWEEP_CACHE", str(tmp_path / "cache"))
+    confirm(sweep_copy, "m1", trial_ids=["t-good"], n_boot=200)
+    entries = [json.loads(x) for x in (sweep_copy.parent / "ledger.jsonl").read_text().splitlines()]
+    result_entry = next(e for e in entries if e["kind"] == "confirm-result")
+    opened = next(e for e in entries if e["kind"] == "confirm-open")
+    result = export_trial(sweep_copy, tmp_path / "c.gguf", trial_id="t-good")
+    assert result.frozen_hash in opened["config_hashes"]
+    model = open_model(result.path)
+    assert model.metadata("healsweep.ledger_entry") == result_entry["hash"]
+    assert model.metadata("healsweep.ledger_open_entry") == opened["hash"]
+    assert model.metadata("healsweep.confirmed_milestone") == "m1"
+    # A trial the milestone did not score stays unconfirmed.
+    other = export_trial(sweep_copy, tmp_path / "w.gguf", trial_id="t-worse")
+    assert other.confirmation is None
+    # A windows file changed after the fact no longer counts (the ledger holds another hash).
+    windows = sweep_copy / "test" / "m1" / "windows.parquet"
+    windows.write_bytes(windows.read_bytes() + b"x")
+    again = export_trial(sweep_copy, tmp_path / "c2.gguf", trial_id="t-good")
+    assert again.confirmation is None and "file changed" in again.notes[0]
+    assert open_model(again.path).metadata("healsweep.ledger_entry") is None
+
+
+def test_unknown_trial_and_changed_model_are_one_line(sweep_copy, sweep, tmp_path):
+    run = _cli(sweep_copy, "--trial", "nope", "--out", tmp_path / "x.gguf", cache=tmp_path)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "'nope'" in run.stderr
+    assert not (tmp_path / "x.gguf").exists()
+    spec = json.loads((sweep_copy / "spec.json").read_text())
+    other = tmp_path / "other.gguf"
+    shutil.copy(spec["model"], other)
+    with open(other, "r+b") as fh:  # one tensor byte changed: another model
+        fh.seek(-3, 2)
+        fh.write(b"\x11")
+    spec["model"] = str(other)
+    (sweep_copy / "spec.json").write_text(json.dumps(spec))
+    run = _cli(sweep_copy, "--best", "--out", tmp_path / "y.gguf", cache=tmp_path)
+    assert run.returncode == 1 and "changed after the sweep" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
