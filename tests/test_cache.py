@@ -56,6 +56,39 @@ def test_corrupt_entry_is_recomputed_never_used(tmp_path, damage):
     assert StageCache(tmp_path).get("stage", key)[1] == {"value": 5.0}
 
 
+def test_entries_keep_dtype_shape_and_bytes(tmp_path):
+    """Every kind of array a stage stores comes back equal: 0-d, empty, non-contiguous, float16,
+    bool, several checksum pieces (PIECE made small)."""
+    import healsweep.cache as cache_module
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "scalar": np.float32(0.25),
+        "empty": np.zeros((0, 3), np.int64),
+        "strided": rng.standard_normal((6, 8)).astype(np.float32)[:, ::2],
+        "half": rng.standard_normal((5, 7)).astype(np.float16),
+        "mask": rng.random(13) > 0.5,
+        "big": rng.integers(0, 255, 10_000, dtype=np.uint8),
+    }
+    old = cache_module.PIECE
+    cache_module.PIECE = 4096
+    try:
+        cache = StageCache(tmp_path)
+        cache.put("stage", "ab" * 32, arrays, {"n": 1})
+        got, meta = cache.get("stage", "ab" * 32)
+        assert meta == {"n": 1} and set(got) == set(arrays)
+        for name, value in arrays.items():
+            value = np.asarray(value)
+            assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
+            np.testing.assert_array_equal(got[name], value)
+        blob = bytearray(cache.path("stage", "ab" * 32).read_bytes())
+        blob[-5000] ^= 1  # a byte of the big array's second-to-last piece
+        cache.path("stage", "ab" * 32).write_bytes(bytes(blob))
+        assert cache.get("stage", "ab" * 32) is None and cache.corrupt["stage"] == 1
+    finally:
+        cache_module.PIECE = old
+
+
 def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
     if os.geteuid() == 0:
         # root ignores permission bits: use a path whose parent is a regular file instead

@@ -2,22 +2,28 @@
 
 A stage's output is stored under ``sha256(canonical JSON of (stage, version, inputs))``; the inputs
 are the model fingerprint, the keys of upstream artifacts and exactly the knobs the stage reads.
-An entry is one file: a magic line, the sha256 of the payload, then the payload (an ``.npz`` of
-named arrays plus a JSON metadata record). It is written to a temp file and renamed into place,
-so a reader sees a whole entry or none; a truncated or corrupt entry fails its checksum, is
-deleted and recomputed, never used.
+An entry is one file: a magic line, the sha256 of a JSON header, the header's length and the
+header (the metadata record, each array's dtype, shape and offset, and the sha256 of every piece of
+at most ``PIECE`` bytes of its data), then the arrays' raw bytes, each at a 64-byte-aligned offset.
+It is written to a temp file and renamed into place, so a reader sees a whole entry or none; a
+truncated or corrupt entry fails a checksum, is deleted and recomputed, never used.
+
+Reading takes the file into one buffer and checks the pieces on several threads; the arrays are
+views of that buffer, so a hit costs one read and one parallel pass of sha256, no further copies
+(a quantized layer of a real-size model is hundreds of MB, read by every trial that reuses it).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
+import struct
 import tempfile
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +31,12 @@ import numpy as np
 
 from healsweep.errors import CacheError
 
-_MAGIC = b"HEALSWEEP-CACHE-1\n"
+_MAGIC = b"HEALSWEEP-CACHE-2\n"
 _DIGEST_BYTES = 32
+_HEAD = len(_MAGIC) + _DIGEST_BYTES + 8  # magic, sha256 of the header, header length (u64 LE)
+_ALIGN = 64
+PIECE = 32 << 20  # bytes of array data per checksum (pieces are checked in parallel)
+_HASHERS = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cache-sha")
 
 
 def canonical_json(obj: Any) -> str:
@@ -77,12 +87,11 @@ class StageCache:
         """The arrays and metadata of an entry, or None when absent or corrupt (then deleted)."""
         path = self.path(stage, key)
         try:
-            blob = path.read_bytes()
+            decoded = _read(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise CacheError(f"cannot read cache entry {path}: {exc}") from exc
-        decoded = _decode(blob)
         if decoded is None:
             with self._lock:
                 self.corrupt[stage] += 1
@@ -93,13 +102,16 @@ class StageCache:
     def put(self, stage: str, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping | None = None) -> None:
         """Write an entry atomically (temp file in the same directory, fsync, rename)."""
         path = self.path(stage, key)
-        blob = _encode(arrays, dict(meta or {}))
+        header, data = _layout(arrays, dict(meta or {}))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".hsc")
             try:
                 with os.fdopen(fd, "wb") as fh:
-                    fh.write(blob)
+                    fh.write(header)
+                    for pad, values in data:
+                        fh.write(b"\0" * pad)
+                        fh.write(values)
                     fh.flush()
                     os.fsync(fh.fileno())
                 os.replace(tmp, path)
@@ -132,21 +144,83 @@ class StageCache:
         return arrays, dict(meta)
 
 
-def _encode(arrays: Mapping[str, np.ndarray], meta: dict) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, __meta__=np.frombuffer(canonical_json(meta).encode(), dtype=np.uint8), **arrays)
-    payload = buffer.getvalue()
-    return _MAGIC + hashlib.sha256(payload).digest() + payload
+def _pieces(data: memoryview) -> list[memoryview]:
+    return [data[a : a + PIECE] for a in range(0, len(data), PIECE)] or [data]
 
 
-def _decode(blob: bytes) -> tuple[dict[str, np.ndarray], dict] | None:
-    head = len(_MAGIC) + _DIGEST_BYTES
-    if len(blob) < head or not blob.startswith(_MAGIC):
+def _digests(buffers: list[memoryview]) -> list[str]:
+    """sha256 (hex) of each piece of each buffer, computed on the hashing threads (hashlib
+    releases the GIL on large buffers)."""
+    pieces = [piece for buf in buffers for piece in _pieces(buf)]
+    return list(_HASHERS.map(lambda piece: hashlib.sha256(piece).hexdigest(), pieces))
+
+
+def _layout(
+    arrays: Mapping[str, np.ndarray], meta: dict
+) -> tuple[bytes, list[tuple[int, memoryview]]]:
+    """(magic + header digest + header, [(zero padding before it, bytes) per array])."""
+    values = {name: np.asarray(value, order="C") for name, value in arrays.items()}  # keeps 0-d
+    specs, data = [], []
+    buffers = [memoryview(v.reshape(-1).view(np.uint8)) if v.size else memoryview(b"")
+               for v in values.values()]
+    digests = iter(_digests(buffers))
+    offset = 0
+    for (name, value), buf in zip(values.items(), buffers, strict=True):
+        if value.dtype.hasobject:
+            raise CacheError(f"cannot cache array {name!r} of dtype object")
+        pad = -offset % _ALIGN
+        offset += pad
+        n_pieces = len(_pieces(buf))
+        specs.append({
+            "name": name, "dtype": value.dtype.str, "shape": list(value.shape),
+            "offset": offset, "nbytes": len(buf),
+            "sha256": [next(digests) for _ in range(n_pieces)],
+        })
+        data.append((pad, buf))
+        offset += len(buf)
+    body = canonical_json({"meta": meta, "arrays": specs, "piece": PIECE}).encode()
+    body += b" " * (-(_HEAD + len(body)) % _ALIGN)  # array offsets count from the header's end
+    head = _MAGIC + hashlib.sha256(body).digest() + struct.pack("<Q", len(body))
+    return head + body, data
+
+
+def _read(path: Path) -> tuple[dict[str, np.ndarray], dict] | None:
+    """The arrays (views of one buffer holding the file) and metadata, or None when the entry
+    is not whole: a short file, a wrong magic or any checksum that does not match."""
+    with open(path, "rb", buffering=0) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < _HEAD:
+            return None
+        mapped = np.empty(size, np.uint8)  # read, not mapped: an entry changed in place later
+        filled, view = 0, memoryview(mapped)  # cannot reach into arrays already served
+        while filled < size:
+            got = fh.readinto(view[filled:])
+            if not got:
+                return None
+            filled += got
+    view = memoryview(mapped)
+    if bytes(view[: len(_MAGIC)]) != _MAGIC:
         return None
-    digest, payload = blob[len(_MAGIC) : head], blob[head:]
-    if hashlib.sha256(payload).digest() != digest:
+    digest = bytes(view[len(_MAGIC) : len(_MAGIC) + _DIGEST_BYTES])
+    (length,) = struct.unpack("<Q", view[_HEAD - 8 : _HEAD])
+    if _HEAD + length > size:
         return None
-    with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
-        arrays = {name: npz[name] for name in npz.files}
-    meta = json.loads(arrays.pop("__meta__").tobytes().decode())
-    return arrays, meta
+    body = view[_HEAD : _HEAD + length]
+    if hashlib.sha256(body).digest() != digest:
+        return None
+    header = json.loads(bytes(body))
+    base = _HEAD + length
+    if header.get("piece") != PIECE:
+        return None
+    specs = header["arrays"]
+    if any(base + spec["offset"] + spec["nbytes"] > size for spec in specs):
+        return None
+    buffers = [view[base + s["offset"] : base + s["offset"] + s["nbytes"]] for s in specs]
+    if _digests(buffers) != [d for spec in specs for d in spec["sha256"]]:
+        return None
+    arrays = {
+        spec["name"]: np.frombuffer(mapped, np.dtype(spec["dtype"]), count=int(np.prod(
+            spec["shape"], dtype=np.int64)), offset=base + spec["offset"]).reshape(spec["shape"])
+        for spec in specs
+    }
+    return arrays, header["meta"]
