@@ -298,7 +298,7 @@ def test_q2_0_against_float64_spec():
 
 
 def test_q2_0_agrees_with_project_codec():
-    from healsweep.heal.stages import pack_codes
+    from healsweep.kernels.q2_0 import pack_codes
     from healsweep.kernels import q2_0
 
     rng = np.random.default_rng(7)

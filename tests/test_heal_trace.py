@@ -166,7 +166,9 @@ def test_trace_streams_layers_in_chunk_order_whatever_the_batching(model, corpus
         corpus.pool("calibration"), model.tokenizer(), CalibrationConfig(chunk_length=40)
     )
     runs = []
-    for budget in (4096, 128):  # one batch; then one or two chunks per batch, buckets interleaved
+    # one batch; then one or two chunks per batch, buckets interleaved; then every chunk padded
+    # to the longest chunk's bucket (one shape: what accelerators get)
+    for budget, uniform in ((4096, False), (128, False), (128, True)):
         layers: list[int] = []
         got: dict[int, dict] = {}
 
@@ -174,18 +176,21 @@ def test_trace_streams_layers_in_chunk_order_whatever_the_batching(model, corpus
             layers.append(layer)
             got[layer] = arrays
 
-        spill = tmp_path / f"spill-{budget}"
+        spill = tmp_path / f"spill-{budget}-{uniform}"
         spill.mkdir()
-        counts = run_trace(model, chunks, sink, str(spill), batch_tokens=budget)
+        counts = run_trace(model, chunks, sink, str(spill), batch_tokens=budget, uniform=uniform)
         assert layers == [0, 1] and list(spill.iterdir()) == []  # streamed, spill cleaned
         runs.append((got, counts))
-    (one, counts_one), (many, counts_many) = runs
-    np.testing.assert_array_equal(counts_one, counts_many)
-    for layer in (0, 1):
-        assert set(one[layer]) == set(many[layer])
-        for name in one[layer]:
-            rtol = 2**-10 if name == "x" else 2e-4  # float16: one rounding step either way
-            np.testing.assert_allclose(many[layer][name], one[layer][name], rtol=rtol, atol=2e-5)
+    (one, counts_one), *others = runs
+    for many, counts_many in others:
+        np.testing.assert_array_equal(counts_one, counts_many)
+        for layer in (0, 1):
+            assert set(one[layer]) == set(many[layer])
+            for name in one[layer]:
+                rtol = 2**-10 if name == "x" else 2e-4  # float16: one rounding step either way
+                np.testing.assert_allclose(
+                    many[layer][name], one[layer][name], rtol=rtol, atol=2e-5
+                )
 
 
 def test_trace_is_cached_by_content_and_rebuilt_when_a_layer_entry_is_damaged(model, tmp_path):

@@ -274,6 +274,31 @@ def test_quantize_matrix_matches_blockwise_quantize_with_per_expert_importance()
     assert qw.nbytes == 3 * 40 * 3 * 18
 
 
+def test_packed_and_device_inputs_give_the_host_codes(monkeypatch):
+    """``packed=True`` and a device-array ``w`` change where the work happens, not the result:
+    the same scales, and codes that unpack to the host path's, across several chunks with a
+    padded last one (chunks forced small)."""
+    monkeypatch.setitem(q2_0._CHUNK_WEIGHTS, jax.default_backend(), 1 << 14)
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal((7, 40, 192)).astype(np.float32)  # 7 * 48 rows: 4.2 chunks of 80
+    imp = rng.uniform(0.1, 3.0, (7, 192)).astype(np.float32)
+    host = q2_0.quantize_matrix(w, imp, 0.3)
+    for source in (w, jax.device_put(w)):
+        packed = q2_0.quantize_matrix(source, imp, 0.3, packed=True)
+        assert isinstance(packed, q2_0.Q2Packed) and packed.codes.dtype == np.uint8
+        assert packed.codes.shape == (7, 40, 48)
+        np.testing.assert_array_equal(packed.d, host.d)
+        np.testing.assert_array_equal(packed.q, host.q)
+    device = q2_0.quantize_matrix(jax.device_put(w), imp, 0.3)
+    np.testing.assert_array_equal(device.q, host.q)
+    # pack_codes against a bit-by-bit reference: code j at bits 2*(j%4) of byte j//4
+    q = host.q.reshape(-1, 192)
+    want = np.zeros((q.shape[0], 48), np.uint8)
+    for j in range(192):
+        want[:, j // 4] |= ((q[:, j].astype(np.int16) + 1) << (2 * (j % 4))).astype(np.uint8)
+    np.testing.assert_array_equal(np.asarray(q2_0.pack_codes(q)), want)
+
+
 def test_q2weight_is_a_pytree_and_scale_d_scales_every_block():
     rng = np.random.default_rng(10)
     qw = q2_0.quantize_matrix(rng.standard_normal((2, 16, 128)).astype(np.float32), None, 0.3)
@@ -300,7 +325,7 @@ def test_bad_shapes_raise_value_error_naming_the_function():
 
 def test_packed_weight_is_the_same_matrix_as_the_unpacked_one():
     """Q2Packed (codes four to a byte, decoded in the graph) equals Q2Weight bit for bit."""
-    from healsweep.heal.stages import pack_codes
+    from healsweep.kernels.q2_0 import pack_codes
     from healsweep.kernels.q2_0 import Q2Packed, Q2Weight
 
     rng = np.random.default_rng(7)

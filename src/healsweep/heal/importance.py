@@ -46,18 +46,20 @@ def expert_input_moments(x: jax.Array, topk_ids: jax.Array, n_expert_grid: jax.A
 
 
 @jax.jit
-def _hidden_square_sum(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
-    """sum over rows of h² [F]; zero padding rows give h = silu(0)*0 = 0 and add nothing."""
-    h = jax.nn.silu(x_rows @ w_gate.T) * (x_rows @ w_up.T)  # [P, F]
+def _hidden_square_sum(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, e) -> jax.Array:
+    """sum over rows of h² [F] of expert ``e`` of the stacks; zero padding rows give
+    h = silu(0)*0 = 0 and add nothing."""
+    h = jax.nn.silu(x_rows @ w_gate[e].T) * (x_rows @ w_up[e].T)  # [P, F]
     return jnp.sum(jnp.square(h), axis=0)
 
 
 def expert_hidden_moments(
-    x: np.ndarray, topk_ids: np.ndarray, gate_exps: np.ndarray, up_exps: np.ndarray
+    x: np.ndarray, topk_ids: np.ndarray, gate_exps, up_exps
 ) -> tuple[np.ndarray, np.ndarray]:
     """(sum of h² [E, F], token counts [E]) of each teacher expert over its routed tokens.
 
-    ``x`` [T, D], ``topk_ids`` [T, k], ``gate_exps``/``up_exps`` [E, F, D].
+    ``x`` [T, D], ``topk_ids`` [T, k], ``gate_exps``/``up_exps`` [E, F, D] (numpy or device
+    arrays; device stacks stay where they are, only the routed rows of x travel).
     """
     n_expert, n_ff, _ = gate_exps.shape
     sums = np.zeros((n_expert, n_ff), np.float32)
@@ -69,7 +71,7 @@ def expert_hidden_moments(
             x_rows = np.zeros((ROW_CHUNK, x.shape[1]), np.float32)
             part = rows[a : a + ROW_CHUNK]
             x_rows[: len(part)] = x[part]
-            sums[e] += np.asarray(_hidden_square_sum(x_rows, gate_exps[e], up_exps[e]))
+            sums[e] += np.asarray(_hidden_square_sum(x_rows, gate_exps, up_exps, np.int32(e)))
     return sums, counts
 
 

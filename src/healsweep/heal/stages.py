@@ -33,6 +33,7 @@ VERSIONS = {
     "quantize": 1,
     "routed_q": 1,
     "part_a": 1,
+    "residuals": 1,
     "ridge_basis": 1,
     "ridge_fit": 1,
     "part_b": 2,
@@ -47,6 +48,7 @@ STAGE_CODE = {
     "quantize": ("healsweep.kernels.q2_0", "healsweep.heal.importance"),
     "routed_q": ("healsweep.model.layers",),
     "part_a": ("healsweep.kernels.alpha",),
+    "residuals": ("healsweep.kernels.alpha", "healsweep.heal.stages"),
     "ridge_basis": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
     "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
     "part_b": (
@@ -104,26 +106,23 @@ def check_quantizable(model: Any) -> None:
             )
 
 
-@jax.jit
-def _decoded(weight):
-    return weight.dequantize()
-
-
-def expert_weights(model: Any, layer: int) -> dict[str, np.ndarray]:
-    """What quantize and Part A read of a layer: its routed expert stacks as float32, decoded
-    in the graph from their stored bytes (several times gguf-py's numpy speed), and ffn_norm."""
-    from healsweep.model.forward import device_weight
+def expert_weights(
+    model: Any, layer: int, tensors: tuple[str, ...] = EXPERT_TENSORS
+) -> dict[str, Any]:
+    """What quantize and Part A read of a layer: its routed expert stacks as float32 device
+    arrays, decoded in the graph from their stored bytes (several times gguf-py's numpy speed;
+    on an accelerator they never cross to the host), and ffn_norm."""
+    from healsweep.model.forward import dense_on_device
 
     out = {}
-    for suffix in (f"ffn_{n}_exps.weight" for n in EXPERT_TENSORS):
-        weight = device_weight(model, f"blk.{layer}.{suffix}")
-        out[suffix] = np.asarray(weight if isinstance(weight, jax.Array) else _decoded(weight))
+    for suffix in (f"ffn_{n}_exps.weight" for n in tensors):
+        out[suffix] = dense_on_device(model, f"blk.{layer}.{suffix}")
     out["ffn_norm.weight"] = model.tensor(f"blk.{layer}.ffn_norm.weight")
     return out
 
 
 def quantize_layer(
-    weights: dict[str, np.ndarray],
+    weights: dict[str, Any],
     knobs: Knobs,
     trace_layer: dict[str, np.ndarray] | None,
     calibration: CalibrationConfig,
@@ -144,16 +143,10 @@ def quantize_layer(
         ("down", down_imp, knobs.gain_d),
     ):
         w = weights[f"ffn_{name}_exps.weight"]  # [E, out, in]; in checked by check_quantizable
-        q2 = q2_0.quantize_matrix(w, importance, gain)
+        q2 = q2_0.quantize_matrix(w, importance, gain, packed=True)
         arrays[f"{name}.d"] = np.asarray(q2.d, np.float16)
-        arrays[f"{name}.codes"] = pack_codes(np.asarray(q2.q))
+        arrays[f"{name}.codes"] = np.asarray(q2.codes)
     return arrays
-
-
-def pack_codes(q: np.ndarray) -> np.ndarray:
-    """int8 codes in {-1, 0, 1, 2} [..., n] → uint8 [..., n/4], four 2-bit codes per byte."""
-    c = (np.asarray(q, np.int16) + 1).astype(np.uint8).reshape(*q.shape[:-1], -1, 4)
-    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
 
 
 def q2_weights(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -221,16 +214,23 @@ def part_a_key(knobs: Knobs, model: Any, quantize: str, routed_q: str | None, la
 
 def gaussian_alpha(weights: dict[str, np.ndarray], experts: dict[str, Any], gamma: float) -> float:
     """The shipped Part A on the fixed probe experts with Gaussian inputs (legacy baseline)."""
-    probe = list(alpha_kernels.gaussian_probe_experts(weights["ffn_gate_exps.weight"].shape[0]))
+    probe = np.asarray(
+        list(alpha_kernels.gaussian_probe_experts(weights["ffn_gate_exps.weight"].shape[0]))
+    )
     x = alpha_kernels.gaussian_probe_inputs(imp.gaussian_probe_scale(weights["ffn_norm.weight"]))
-    dense = tuple(weights[f"ffn_{n}_exps.weight"][probe] for n in EXPERT_TENSORS)
+    dense = tuple(np.asarray(weights[f"ffn_{n}_exps.weight"][probe]) for n in EXPERT_TENSORS)
     quantized = tuple(
         np.asarray(
-            jax.tree_util.tree_map(lambda leaf: leaf[np.asarray(probe)], experts[n]).dequantize()
+            jax.tree_util.tree_map(lambda leaf: leaf[probe], experts[n]).dequantize()
         )
         for n in EXPERT_TENSORS
     )
     return float(alpha_kernels.alpha_gaussian(x, dense, quantized, gamma))
+
+
+def residuals_key(routed_q: str, part_a: str) -> str:
+    """Key of the layer's residual report: y_ref and y_q (through routed_q) and alpha."""
+    return stage_key("residuals", {"routed_q": routed_q, "part_a": part_a})
 
 
 def residual_report(y_ref: np.ndarray, y_q: np.ndarray, alpha: float) -> dict[str, float]:

@@ -33,7 +33,7 @@ from healsweep.cache import StageCache, content_key
 from healsweep.errors import CacheError, CorpusError
 from healsweep.heal.importance import expert_hidden_moments, expert_input_moments
 from healsweep.heal.knobs import CalibrationConfig
-from healsweep.heal.stages import code_digest
+from healsweep.heal.stages import code_digest, expert_weights
 
 STAGE = "calib_trace"
 LAYER_STAGE = "calib_trace_layer"
@@ -169,20 +169,26 @@ def _bucket(length: int) -> int:
     return padded
 
 
-def _batches(chunks: list[CalibrationChunk], budget: int = BATCH_TOKENS) -> list[list[int]]:
-    """Chunk indices grouped by padded length into batches of one shape per length bucket.
+def _batches(
+    chunks: list[CalibrationChunk], budget: int = BATCH_TOKENS, uniform: bool = False
+) -> list[tuple[int, list[int]]]:
+    """``(padded length P, chunk indices)`` per batch, grouped by padded length.
 
     A bucket of padded length P is cut into batches of ``budget // P - 1`` chunks; :func:`run_trace`
     adds filler sequences (one of exactly P tokens) so every batch of a bucket has the same
     [B, P] shape and the jitted forward compiles once per bucket instead of once per batch.
+    ``uniform`` puts every chunk in the longest chunk's bucket: one shape, one compile, at the
+    price of padded rows — what an accelerator wants, where compiling a real-size layer takes
+    seconds and padded rows cost next to nothing (on a CPU the padding costs more).
     """
     buckets: dict[int, list[int]] = {}
+    longest = _bucket(max((len(c.tokens) for c in chunks), default=1))
     for i, chunk in enumerate(chunks):
-        buckets.setdefault(_bucket(len(chunk.tokens)), []).append(i)
+        buckets.setdefault(longest if uniform else _bucket(len(chunk.tokens)), []).append(i)
     batches = []
     for padded, members in sorted(buckets.items()):
         size = max(1, budget // padded - 1)
-        batches += [members[a : a + size] for a in range(0, len(members), size)]
+        batches += [(padded, members[a : a + size]) for a in range(0, len(members), size)]
     return batches
 
 
@@ -192,6 +198,7 @@ def run_trace(
     sink: Callable[[int, dict], None],
     spill: str,
     batch_tokens: int = BATCH_TOKENS,
+    uniform: bool | None = None,
 ) -> np.ndarray:
     """Teacher forward with captures over every chunk; hands each layer's arrays to ``sink``.
 
@@ -199,15 +206,19 @@ def run_trace(
     captures are spilled to ``spill`` (a scratch directory) layer by layer as soon as the forward
     returns them, and each layer is assembled, given its importance sums and passed to
     ``sink(layer, arrays)`` one at a time, so the host holds one batch's captures or one layer's
-    trace, never every layer's. Returns the tokens each expert received, [L, E].
+    trace, never every layer's. ``uniform`` (default: on accelerators) runs every batch in one
+    shape (see :func:`_batches`). Returns the tokens each expert received, [L, E].
     """
     from healsweep.model import forward
 
     hp = model.hparams
+    import jax
+
     order: list[int] = []  # chunk index of each spilled piece, per layer the same
-    batches = _batches(chunks, batch_tokens)
-    for n, batch in enumerate(batches):
-        padded = _bucket(max(len(chunks[i].tokens) for i in batch))
+    if uniform is None:
+        uniform = jax.default_backend() != "cpu"
+    batches = _batches(chunks, batch_tokens, uniform)
+    for n, (padded, batch) in enumerate(batches):
         filler = np.resize(chunks[batch[0]].tokens, padded)  # sets the batch's length to P
         fillers = max(1, batch_tokens // padded - len(batch))
         sequences = [chunks[i].tokens for i in batch] + [filler] + [filler[:1]] * (fillers - 1)
@@ -259,13 +270,14 @@ def run_trace(
         if hp.n_ff_shexp == 0:
             arrays["gate"] = np.zeros((0,), np.float32)
         x_sq, layer_counts = expert_input_moments(arrays["x"], arrays["ids"], grid)
-        weights = model.layer(layer)
+        weights = expert_weights(model, layer, ("gate", "up"))  # decoded on the device
         h_sq, _ = expert_hidden_moments(
             arrays["x"],
             arrays["ids"],
             weights["ffn_gate_exps.weight"],
             weights["ffn_up_exps.weight"],
         )
+        del weights
         arrays.update(x_sq_sums=np.asarray(x_sq), h_sq_sums=h_sq, counts=np.asarray(layer_counts))
         arrays["x"] = arrays["x"].astype(X_DTYPE)  # after the importance sums, which read f32
         sink(layer, arrays)

@@ -252,14 +252,36 @@ def _pad_rows(x: np.ndarray, n_rows: int, value: float) -> np.ndarray:
     return np.concatenate([x, np.full((n_rows - x.shape[0], x.shape[1]), value, np.float32)])
 
 
-def quantize_rows(w, importance, gain: float, options=None) -> tuple[np.ndarray, np.ndarray]:
+@partial(jax.jit, static_argnums=(2,))
+def _device_rows(w: jax.Array, start, size: int) -> jax.Array:
+    """Rows ``start .. start + size`` of a device matrix, zero rows added if it is shorter."""
+    if w.shape[0] < size:
+        w = jnp.pad(w, ((0, size - w.shape[0]), (0, 0)))
+    return jax.lax.dynamic_slice_in_dim(w, start, size)
+
+
+@jax.jit
+def pack_codes(q) -> jax.Array:
+    """int8 codes in {-1, 0, 1, 2} ``[..., n]`` -> uint8 ``[..., n/4]``, four 2-bit codes
+    ``c = q + 1`` a byte, code ``j`` at bits ``2*(j%4)`` of byte ``j//4`` (ggml's type 42)."""
+    c = (jnp.asarray(q).astype(jnp.int32) + 1).reshape(*q.shape[:-1], q.shape[-1] // 4, 4)
+    return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).astype(jnp.uint8)
+
+
+def quantize_rows(
+    w, importance, gain: float, options=None, packed: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Quantize rows ``w`` [R, in] (``R % LANES == 0``, ``in % 64 == 0``) in fixed-shape chunks.
 
     ``importance`` is [R, in] (one row per weight row) or [R / LANES, in] (one row per group of
-    LANES consecutive rows). Returns ``(d [R, in/64] float16, q [R, in] int8)`` as numpy arrays.
-    The chunk shape depends only on ``in`` and the backend, so each is compiled once;
-    ``options`` (``_quantize_rows`` layout flags, or ``{"pallas": True}`` for the GPU kernel of
-    :mod:`q2_0_gpu`, with ``"interpret": True`` for its interpreter) default to the backend's.
+    LANES consecutive rows). Returns ``(d [R, in/64] float16, q [R, in] int8)`` as numpy arrays,
+    or with ``packed`` the codes four to a byte (``uint8 [R, in/4]``, see :func:`pack_codes`),
+    packed on the device so that a quarter of the bytes come back. ``w`` may be a device array
+    (decoded there from the model's bytes): it is then sliced and padded on the device and
+    never crosses to the host. The chunk shape depends only on ``in`` and the backend, so each
+    is compiled once; ``options`` (``_quantize_rows`` layout flags, or ``{"pallas": True}`` for
+    the GPU kernel of :mod:`q2_0_gpu`, with ``"interpret": True`` for its interpreter) default
+    to the backend's.
     """
     n_rows, n_in = w.shape
     per_row = importance.shape[0] == n_rows
@@ -269,25 +291,36 @@ def quantize_rows(w, importance, gain: float, options=None) -> tuple[np.ndarray,
     chunk = _chunk_rows(n_rows, n_in, _CHUNK_WEIGHTS.get(backend, _CHUNK_WEIGHTS["gpu"]))
     imp_chunk = chunk if per_row else chunk // LANES
     n_chunks = -(-n_rows // chunk)
-    w = _pad_rows(np.asarray(w, np.float32), n_chunks * chunk, 0.0)
-    importance = _pad_rows(np.asarray(importance, np.float32), n_chunks * imp_chunk, 1.0)
+    if not isinstance(w, jax.Array):
+        w = np.asarray(w, np.float32)
+    importance = np.asarray(importance, np.float32)
     gain32 = jnp.float32(gain)
     opts = {"tiles": True, **opts}
     if pallas:
         from healsweep.kernels import q2_0_gpu
-    d_out = np.empty((n_chunks * chunk, n_in // QK), np.float16)
-    q_out = np.empty((n_chunks * chunk, n_in), np.int8)
+    d_out = np.empty((n_rows, n_in // QK), np.float16)
+    q_out = np.empty((n_rows, n_in // 4 if packed else n_in), np.uint8 if packed else np.int8)
     for c in range(n_chunks):
-        rows = slice(c * chunk, (c + 1) * chunk)
-        imp_c = importance[c * imp_chunk : (c + 1) * imp_chunk]
-        if pallas:
-            d, q = q2_0_gpu.quantize_rows(w[rows], imp_c, gain32, opts.get("interpret", False))
-            d_out[rows] = np.asarray(d)
+        a, b = c * chunk, min((c + 1) * chunk, n_rows)
+        # A short last chunk is the last `chunk` rows (overlapping the one before; only its new
+        # rows are kept), so a device array is cut by one compiled slice; padded only when
+        # the whole matrix is shorter than a chunk.
+        start = max(0, min(a, n_rows - chunk))
+        if isinstance(w, jax.Array):
+            w_c = _device_rows(w, start, chunk)
         else:
-            d, q, _ = _quantize_rows(w[rows], imp_c, gain32, **opts)
-            d_out[rows] = _untile_np(np.asarray(d), chunk) if opts["tiles"] else np.asarray(d)
-        q_out[rows] = np.asarray(q)
-    return d_out[:n_rows], q_out[:n_rows]
+            w_c = _pad_rows(w[start : start + chunk], chunk, 0.0)
+        imp_start = start if per_row else start // LANES
+        imp_c = _pad_rows(importance[imp_start : imp_start + imp_chunk], imp_chunk, 1.0)
+        if pallas:
+            d, q = q2_0_gpu.quantize_rows(w_c, imp_c, gain32, opts.get("interpret", False))
+            d = np.asarray(d)
+        else:
+            d, q, _ = _quantize_rows(w_c, imp_c, gain32, **opts)
+            d = _untile_np(np.asarray(d), chunk) if opts["tiles"] else np.asarray(d)
+        d_out[a:b] = d[a - start : b - start]
+        q_out[a:b] = np.asarray(pack_codes(q) if packed else q)[a - start : b - start]
+    return d_out, q_out
 
 
 def quantize(w, importance, gain: float) -> tuple[np.ndarray, np.ndarray]:
@@ -313,13 +346,15 @@ def quantize(w, importance, gain: float) -> tuple[np.ndarray, np.ndarray]:
     return d[:n, 0], q[:n]
 
 
-def quantize_matrix(w, importance, gain: float) -> Q2Weight:
+def quantize_matrix(w, importance, gain: float, packed: bool = False) -> Q2Weight | Q2Packed:
     """Q2_0-quantize ``w`` [..., out, in] along ``in`` (a multiple of 64).
 
     ``importance`` is per input channel: [in] (shared), [..., in] (one row per matrix, e.g. per
-    expert) or None (uniform).
+    expert) or None (uniform). ``w`` may be a device array (it stays on the device). Returns a
+    :class:`Q2Weight`, or with ``packed`` a :class:`Q2Packed` (codes packed on the device).
     """
-    w = np.asarray(w, np.float32)
+    if not isinstance(w, jax.Array):
+        w = np.asarray(w, np.float32)
     if w.ndim < 2 or w.shape[-1] % QK != 0:
         raise ValueError(
             f"q2_0.quantize_matrix: expected w [..., out, in] with in % {QK} == 0, got {w.shape}"
@@ -334,16 +369,17 @@ def quantize_matrix(w, importance, gain: float) -> Q2Weight:
     out_pad = -(-n_out // LANES) * LANES
     rows = w.reshape(n_mat, n_out, n_in)
     if out_pad != n_out:
-        rows = np.concatenate([rows, np.zeros((n_mat, out_pad - n_out, n_in), np.float32)], 1)
+        xp = jnp if isinstance(rows, jax.Array) else np
+        rows = xp.concatenate([rows, xp.zeros((n_mat, out_pad - n_out, n_in), np.float32)], 1)
     groups = out_pad // LANES
     if imp.ndim == 1:
         imp_groups = np.broadcast_to(imp, (n_mat * groups, n_in))
     else:
         imp_groups = np.repeat(imp.reshape(n_mat, n_in), groups, axis=0)
-    d, q = quantize_rows(rows.reshape(n_mat * out_pad, n_in), imp_groups, gain)
+    d, q = quantize_rows(rows.reshape(n_mat * out_pad, n_in), imp_groups, gain, packed=packed)
     d = d.reshape(n_mat, out_pad, -1)[:, :n_out].reshape(*lead, n_out, n_in // QK)
-    q = q.reshape(n_mat, out_pad, n_in)[:, :n_out].reshape(*lead, n_out, n_in)
-    return Q2Weight(d, q)
+    q = q.reshape(n_mat, out_pad, -1)[:, :n_out].reshape(*lead, n_out, q.shape[-1])
+    return Q2Packed(d, q) if packed else Q2Weight(d, q)
 
 
 def dequantize(d, q) -> jax.Array:

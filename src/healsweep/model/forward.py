@@ -106,6 +106,18 @@ def device_weight(model: GGUFModel, name: str) -> Any:
     return jax.device_put(model.tensor(name))
 
 
+@jax.jit
+def _decoded(weight: GGMLWeight) -> jax.Array:
+    return weight.dequantize()
+
+
+def dense_on_device(model: GGUFModel, name: str) -> jax.Array:
+    """A tensor as a float32 device array, decoded in the graph from its stored bytes where a
+    decoder exists (the float32 copy is made on the device, not on the host)."""
+    weight = device_weight(model, name)
+    return weight if isinstance(weight, jax.Array) else _decoded(weight)
+
+
 def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | None) -> dict:
     """Layer i's weights on the device (stored bytes; the host buffers are dropped right away).
 
