@@ -94,6 +94,7 @@ def test_table_rederived_in_float64_and_mse_never_loses_in_sample(table):
         "quantize": n,
         "routed_q": n,
         "part_a": n,
+        "residuals": n,
         "ridge_fit": n,
         "part_b": n,
     }

@@ -9,7 +9,16 @@ from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
-STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "ridge_basis", "ridge_fit", "part_b")
+STAGES = (
+    "calib_trace",
+    "quantize",
+    "routed_q",
+    "part_a",
+    "residuals",
+    "ridge_basis",
+    "ridge_fit",
+    "part_b",
+)
 
 
 setup = heal_setup
@@ -29,21 +38,23 @@ def test_each_knob_recomputes_only_the_stages_that_read_it(setup, tmp_path):
         "quantize": n,
         "routed_q": n,
         "part_a": n,
+        "residuals": n,
         "ridge_basis": n,
         "ridge_fit": n,
         "part_b": n,
     }
     heal = {"ridge_fit": n, "part_b": n}  # a new target dY: dW from the cached basis
-    requant = {"quantize": n, "routed_q": n, "part_a": n, **heal}
+    alpha = {"part_a": n, "residuals": n}
+    requant = {"quantize": n, "routed_q": n, **alpha, **heal}
     steps = [
         (Knobs(), {}),  # same knobs: everything from the cache
         (Knobs(eta=0.3), {"part_b": n}),  # eta re-uses the quantized experts, y_q and dW
         (Knobs(rho=2.0, eta=0.3), heal),  # rho: two matrix products, no new factorization
         (Knobs(rho=2.0, eta=0.15), {"part_b": n}),
-        (Knobs(gamma=0.5), {"part_a": n, **heal}),
+        (Knobs(gamma=0.5), {**alpha, **heal}),
         (Knobs(gain_d=0.1), requant),
         (Knobs(importance="act"), requant),
-        (Knobs(alpha="none", gamma=0.1, ridge=False, rho=3.0), {"part_a": n}),
+        (Knobs(alpha="none", gamma=0.1, ridge=False, rho=3.0), {"part_a": n}),  # no trace
         (Knobs(alpha="none", gamma=0.9, ridge=False, rho=5.0), {}),  # inert knobs share entries
     ]
     for knobs, want in steps:
@@ -61,6 +72,25 @@ def test_each_knob_recomputes_only_the_stages_that_read_it(setup, tmp_path):
         corpus=corpus,
     )
     assert fresh.report["calibration"] is None and cache.computed == before
+
+
+def test_a_trial_reads_the_trace_only_when_a_stage_computes(setup, tmp_path, monkeypatch):
+    """The layer's trace (hundreds of MB at real size) is read only by a stage that computes:
+    an eta-only trial reads none of it, a rho-only trial every layer's once."""
+    from healsweep.heal.trace import Trace
+
+    model, corpus = setup
+    cache = StageCache(tmp_path / "cache")
+    build_student(model, Knobs(), CAL, cache, corpus=corpus)
+    reads: list[int] = []
+    original = Trace.layer
+    monkeypatch.setattr(Trace, "layer", lambda self, i: reads.append(i) or original(self, i))
+    eta_only = build_student(model, Knobs(eta=0.3), CAL, cache, corpus=corpus)
+    assert reads == []
+    rho_only = build_student(model, Knobs(rho=2.0, eta=0.3), CAL, cache, corpus=corpus)
+    assert reads == list(range(model.hparams.n_layer))
+    for a, b in zip(eta_only.report["layers"], rho_only.report["layers"], strict=True):
+        assert a["residual"] == b["residual"] and a["alpha"] == b["alpha"]
 
 
 def test_act_importance_keys_quantization_by_the_trace(setup, tmp_path):

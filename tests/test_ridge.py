@@ -155,11 +155,32 @@ def test_applied_update_moves_the_layer_output_by_eta_z_dw():
     z, gate, dy = _problem(rng, t=50, fs=24, d=16)
     w = rng.standard_normal((16, 24)).astype(np.float32)  # GGUF [D, Fs]
     delta, _ = _fit(z, gate, dy, rho=6.0, eta=0.15)
-    w_new = kr.apply_ridge(w, delta, 0.15)
+    w_new = np.asarray(kr.apply_ridge(w, delta, 0.15))
     assert w_new.shape == w.shape and w_new.dtype == np.float32
     moved = (z * gate[:, None]) @ (w_new - w).T.astype(np.float64)
     want = 0.15 * (z * gate[:, None]).astype(np.float64) @ delta
     np.testing.assert_allclose(moved, want, rtol=1e-4, atol=1e-5)
+
+
+def test_step_moments_equal_the_float64_products_over_z():
+    """What Part B reports of a realized update, from the basis only, equals the float64
+    |Z'Δ|² and <Z'ᵀdY, Δ> computed with Z' itself."""
+    rng = np.random.default_rng(6)
+    z, gate, dy = _problem(rng, t=80, fs=24, d=16)
+    zg = (z * gate[:, None]).astype(np.float32)
+    basis, _ = ridge.basis_from_design(lambda a, b: jnp.asarray(zg[a:b]), len(zg))
+    old = rng.standard_normal((16, 24)).astype(np.float32)  # GGUF [D, Fs]
+    new = old + 0.05 * rng.standard_normal((16, 24)).astype(np.float32)
+    rhs = zg.T @ dy
+    quad, lin, moved, size = (
+        float(x) for x in kr.step_moments(basis["basis"], basis["sigma"], rhs, old, new)
+    )
+    step = (new.astype(np.float64) - old).T  # [Fs, D]
+    z64 = zg.astype(np.float64)
+    assert quad == pytest.approx(np.sum((z64 @ step) ** 2), rel=1e-4)
+    assert lin == pytest.approx(np.sum((z64.T @ dy) * step), rel=1e-4)
+    assert moved == pytest.approx(np.linalg.norm(step), rel=1e-5)
+    assert size == pytest.approx(np.linalg.norm(old.astype(np.float64)), rel=1e-5)
 
 
 def test_zero_inputs_give_zero_update():
@@ -187,3 +208,6 @@ def test_per_rho_and_per_eta_kernels_are_backend_clean():
     assert backend_violations(kr.fold_residual, u, weights, v.T @ rhs, dy[:10]) == []
     assert backend_violations(kr.fold_leverage, u, weights) == []
     assert backend_violations(kr.fold_moments, u, dy[:10]) == []
+    w = rng.standard_normal((dy.shape[1], zg.shape[1])).astype(np.float32)
+    assert backend_violations(kr.apply_ridge, w, rhs, 0.5) == []
+    assert backend_violations(kr.step_moments, v, sigma, rhs, w, w * 1.01) == []

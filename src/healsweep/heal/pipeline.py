@@ -68,17 +68,25 @@ def scaled_down(down: Any, alpha: float) -> Any:
 
 
 class _Timer:
-    """Wall seconds per stage, summed over layers (cache hits included: that is what a trial pays)."""
+    """Wall seconds per stage, summed over layers (cache hits included: that is what a trial
+    pays). Stages run inside one another (a stage reads its upstream entries only when it
+    computes), so each is charged its own time, without the stages nested in it."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self._nested: list[float] = []  # per open stage: seconds of the stages run inside it
 
     def run(self, stage: str, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
+        self._nested.append(0.0)
         try:
             return fn()
         finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            inner = self._nested.pop()
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + elapsed - inner
+            if self._nested:
+                self._nested[-1] += elapsed
 
 
 def build_student(
@@ -113,8 +121,12 @@ def build_student(
         say("calib_trace", "not needed by these knobs (no teacher pass)")
     replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
     for i in range(hp.n_layer):
-        weights = cache_fn(partial(stages.expert_weights, model, i))  # only if a stage computes
-        trace_layer = timer.run("calib_trace", lambda i=i: trace.layer(i)) if trace else None
+        # Read only if a stage computes: a trial whose stages are all cached reads neither the
+        # teacher's experts nor the layer's trace (hundreds of MB a layer at real size).
+        weights = cache_fn(partial(stages.expert_weights, model, i))
+        trace_layer = (
+            cache_fn(partial(timer.run, "calib_trace", partial(trace.layer, i))) if trace else None
+        )
         built = _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache, timer)
         experts, alpha, shexp, report, layer_keys = built
         replacements[i] = LayerReplacement(
@@ -146,7 +158,12 @@ def build_student(
 
 
 def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache, timer):
-    """One layer through quantize → routed_q → part_a → part_b (each cached)."""
+    """One layer through quantize → routed_q → part_a → part_b (each cached).
+
+    ``weights`` and ``trace_layer`` are loaders (called only when a stage computes); the
+    routed output y_q is read only when a stage that needs it computes, so a trial that
+    changes only ``eta`` reads the quantized experts, the basis and the fit, nothing else.
+    """
     act = knobs.uses_activation_statistics()
     qkey = stages.quantize_key(model, knobs, trace.key if trace else None, i)
     q_arrays, _ = timer.run(
@@ -155,7 +172,9 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
             "quantize",
             qkey,
             lambda: (
-                stages.quantize_layer(weights(), knobs, trace_layer if act else None, calibration),
+                stages.quantize_layer(
+                    weights(), knobs, trace_layer() if act else None, calibration
+                ),
                 {},
             ),
         ),
@@ -163,19 +182,25 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
     experts = stages.q2_weights(q_arrays)
 
     rkey, y_q = None, None
-    if trace_layer is not None:
+    if trace is not None:
         rkey = stages.routed_q_key(qkey, trace.key, i)
-        y_q = timer.run(
-            "routed_q",
-            lambda: cache.get_or_compute(
+        y_q = cache_fn(
+            lambda: timer.run(
                 "routed_q",
-                rkey,
-                lambda: (
-                    {"y_q": stages.routed_output(experts, trace_layer, model.hparams.n_expert)},
-                    {},
+                lambda: cache.get_or_compute(
+                    "routed_q",
+                    rkey,
+                    lambda: (
+                        {
+                            "y_q": stages.routed_output(
+                                experts, trace_layer(), model.hparams.n_expert
+                            )
+                        },
+                        {},
+                    ),
                 ),
-            ),
-        )[0]["y_q"]
+            )[0]["y_q"]
+        )
 
     akey = stages.part_a_key(knobs, model, qkey, rkey if knobs.alpha == "mse" else None, i)
 
@@ -183,7 +208,7 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
         if knobs.alpha == "gaussian":
             value = stages.gaussian_alpha(weights(), experts, knobs.gamma)
         elif knobs.alpha == "mse":
-            value = float(alpha_kernels.alpha_mse(trace_layer["y_ref"], y_q, knobs.gamma))
+            value = float(alpha_kernels.alpha_mse(trace_layer()["y_ref"], y_q(), knobs.gamma))
         else:
             value = 1.0
         return {"alpha": np.float32(value)}, {}
@@ -193,7 +218,15 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
     )
     report: dict[str, Any] = {"layer": i, "alpha": alpha}
     if y_q is not None:
-        report.update(stages.residual_report(trace_layer["y_ref"], y_q, alpha))
+        _, residuals = timer.run(
+            "part_a",
+            lambda: cache.get_or_compute(
+                "residuals",
+                stages.residuals_key(rkey, akey),
+                lambda: ({}, stages.residual_report(trace_layer()["y_ref"], y_q(), alpha)),
+            ),
+        )
+        report.update(residuals)
 
     shexp, bkey = None, None
     if knobs.ridge and model.hparams.n_ff_shexp > 0:
@@ -209,31 +242,38 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
 
 
 def _part_b(model, i, trace, trace_layer, y_q, alpha, knobs, upstream, cache, timer):
-    """ridge_basis (once per trace) → ridge_fit (per rho) → part_b (per eta), each cached."""
+    """ridge_basis (once per trace) → ridge_fit (per rho) → part_b (per eta), each cached and
+    each read only when a stage after it computes."""
     akey, rkey = upstream
     nkey = ridge.basis_key(model, trace.key, i)
-    basis, basis_meta = timer.run(
-        "ridge_basis",
-        lambda: cache.get_or_compute(
-            "ridge_basis", nkey, lambda: ridge.compute_basis(model, i, trace_layer)
-        ),
+    basis = cache_fn(
+        lambda: timer.run(
+            "ridge_basis",
+            lambda: cache.get_or_compute(
+                "ridge_basis", nkey, lambda: ridge.compute_basis(model, i, trace_layer())
+            ),
+        )
     )
     fkey = ridge.fit_key(knobs, nkey, akey, rkey, i)
-    fit, fit_meta = timer.run(
-        "ridge_fit",
-        lambda: cache.get_or_compute(
+    fit = cache_fn(
+        lambda: timer.run(
             "ridge_fit",
-            fkey,
-            lambda: ridge.compute_fit(
-                model, i, trace_layer, y_q, alpha, basis, basis_meta, knobs.rho
+            lambda: cache.get_or_compute(
+                "ridge_fit",
+                fkey,
+                lambda: ridge.compute_fit(
+                    model, i, trace_layer(), y_q(), alpha, *basis(), knobs.rho
+                ),
             ),
-        ),
+        )
     )
     bkey = ridge.part_b_key(knobs, model, fkey, i)
     shexp, stats = timer.run(
         "part_b",
         lambda: cache.get_or_compute(
-            "part_b", bkey, lambda: ridge.ridge_layer(model, i, basis, fit, fit_meta, knobs.eta)
+            "part_b",
+            bkey,
+            lambda: ridge.ridge_layer(model, i, basis()[0], *fit(), knobs.eta),
         ),
     )
     return shexp, stats, bkey

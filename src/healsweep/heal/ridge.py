@@ -19,8 +19,10 @@ layer's shared-expert weights.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -36,11 +38,10 @@ KEEP_BYTES = 1 << 30  # Z'V of every token is kept between ridge_fit's two passe
 
 
 def shexp_weights(model: Any, layer: int) -> tuple[jax.Array, jax.Array]:
-    """The layer's shared-expert gate and up weights [Fs, D] as device arrays."""
-    return tuple(
-        jax.device_put(np.asarray(model.tensor(f"blk.{layer}.ffn_{n}_shexp.weight"), np.float32))
-        for n in ("gate", "up")
-    )
+    """The layer's shared-expert gate and up weights [Fs, D] as float32 device arrays."""
+    from healsweep.model.forward import dense_on_device
+
+    return tuple(dense_on_device(model, f"blk.{layer}.ffn_{n}_shexp.weight") for n in ("gate", "up"))
 
 
 @jax.jit
@@ -164,23 +165,54 @@ def _rhs_sums(z_gated, target):
     return z_gated.T @ target, jnp.sum(z_gated * z_gated), jnp.sum(target * target)
 
 
-def _heldout_residual(
+def _heldout_systems(
     u: jax.Array, weights: jax.Array, coef: jax.Array, target: np.ndarray
-) -> np.ndarray:
-    """Block residual under the fit without the block: (I - U W Uᵀ)^-1 e, solved on the host.
+) -> tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]]:
+    """A block's residual under the fit without the block, (I - U W Uᵀ)^-1 e, as a host
+    system: ``(A, rhs, finish)`` with the residual ``finish(A⁻¹ rhs)``.
 
     The system has min(n, Fs) unknowns: n×n directly, or Fs×Fs by Woodbury,
-    ``e + U (W^-1 - UᵀU)^-1 Uᵀe``. float64 numpy on the host CPU (never an accelerator).
+    ``e + U (W^-1 - UᵀU)^-1 Uᵀe``. Solved in float64 on the host CPU (never an accelerator);
+    the device's part runs here, so that the blocks' solves can run side by side.
     """
     n, width = u.shape
     resid = kr.fold_residual(u, weights, coef, target)
     if n <= width:
         system = np.eye(n) - np.asarray(kr.fold_leverage(u, weights), np.float64)
-        return np.linalg.solve(system, np.asarray(resid, np.float64))
+        return system, np.asarray(resid, np.float64), lambda left: left
     gram_k, proj = (np.asarray(a, np.float64) for a in kr.fold_moments(u, resid))
     system = np.diag(1.0 / np.asarray(weights, np.float64)) - gram_k
-    step = jnp.asarray(np.linalg.solve(system, proj), jnp.float32)  # [Fs, D]
-    return np.asarray(resid + u @ step, np.float64)
+
+    def finish(step: np.ndarray) -> np.ndarray:
+        return np.asarray(resid + u @ jnp.asarray(step, jnp.float32), np.float64)
+
+    return system, proj, finish
+
+
+FOLD_THREADS = int(os.environ.get("HEALSWEEP_FOLD_THREADS", "1"))
+
+
+def _solve_all(systems: list) -> list:
+    """Each block's host solve; side by side on FOLD_THREADS threads (LAPACK releases the GIL)."""
+    def solve(system):
+        return None if system is None else _solve_spd(*system[:2])
+
+    if FOLD_THREADS <= 1:
+        return [solve(system) for system in systems]
+    with ThreadPoolExecutor(FOLD_THREADS, thread_name_prefix="ridge-fold") as pool:
+        return list(pool.map(solve, systems))
+
+
+def _solve_spd(system: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """``system⁻¹ rhs`` for a symmetric positive definite system (I - H_k, or its Woodbury
+    twin: a ridge leverage is below 1), by Cholesky, in float64 on the host; a system that
+    rounding made indefinite falls back to LU."""
+    import scipy.linalg
+
+    try:
+        return scipy.linalg.solve(system, rhs, assume_a="pos", check_finite=False)
+    except np.linalg.LinAlgError:
+        return np.linalg.solve(system, rhs)
 
 
 def _sums(y: np.ndarray, p: np.ndarray) -> list[float]:
@@ -254,14 +286,20 @@ def fit_from_design(
     folds = []
     if len(blocks) > 1:
         coef = v.T @ rhs  # Vᵀ B [Fs, D]
+        systems = []  # per block: None (nothing to refit) or (A, rhs, finish)
         for k, (a, b) in enumerate(blocks):
             lam_k = kr.ridge_lambda(trace_g - block_trace[k], width, rho)
             if not lam_k > 0.0:  # the other blocks are all zeros: the refit predicts nothing
-                folds.append(_sums(target[a:b], np.zeros_like(target[a:b])))
+                systems.append(None)
                 continue
-            u = projected(a, b)
-            left = _heldout_residual(u, kr.shrink(sigma, lam_k), coef, target[a:b])
-            folds.append(_sums(target[a:b], target[a:b] - left))
+            systems.append(
+                _heldout_systems(projected(a, b), kr.shrink(sigma, lam_k), coef, target[a:b])
+            )
+        solved = _solve_all(systems)
+        for (a, b), system, x in zip(blocks, systems, solved, strict=True):
+            # the block's prediction by the fit without it: target - held-out residual
+            predicted = np.zeros_like(target[a:b]) if system is None else target[a:b] - system[2](x)
+            folds.append(_sums(target[a:b], predicted))
     meta["folds"] = folds
     return {"delta": np.asarray(delta), "rhs": np.asarray(rhs)}, meta
 
@@ -290,19 +328,33 @@ def ridge_layer(
     fit_meta: dict[str, Any],
     eta: float,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Apply eta·dW to ``blk.{layer}.ffn_down_shexp.weight`` and requantize it to its type."""
+    """Apply eta·dW to ``blk.{layer}.ffn_down_shexp.weight`` and requantize it to its type.
+
+    On the default device, decoded there from the stored bytes; only a storage type that is
+    neither F32 nor F16 goes through the host codecs of :mod:`healsweep.heal.requant`.
+    """
+    from gguf import GGMLQuantizationType as T
+
     from healsweep.heal.requant import requantize
+    from healsweep.model.forward import dense_on_device
 
     name = f"blk.{layer}.ffn_down_shexp.weight"
-    w = model.tensor(name)  # [D, Fs] as the teacher stores it
-    raw, stored = requantize(name, kr.apply_ridge(w, fit["delta"], eta), model.tensor_type(name))
-    step = (np.asarray(stored, np.float32) - w).T  # realized Δ [Fs, D]
-    stats = ridge_stats(basis, fit, fit_meta, eta, step)
-    stats.update(
-        relative_update=float(np.linalg.norm(stored - w) / max(np.linalg.norm(w), 1e-30)),
-        storage_type=model.tensor_type(name).name,
+    qtype = model.tensor_type(name)
+    w = dense_on_device(model, name)  # [D, Fs] as the teacher stores it
+    new = kr.apply_ridge(w, fit["delta"], eta)
+    if qtype == T.F32:
+        raw = stored = np.asarray(new)
+    elif qtype == T.F16:
+        raw = np.asarray(new.astype(jnp.float16))
+        stored = raw.astype(np.float32)
+    else:
+        raw, stored = requantize(name, np.asarray(new), qtype)
+    quad, lin, moved, size = (
+        float(v) for v in kr.step_moments(basis["basis"], basis["sigma"], fit["rhs"], w, stored)
     )
-    return {"raw": raw, "dense": stored}, stats
+    stats = _stats(basis, fit_meta, eta, quad, lin)
+    stats.update(relative_update=moved / max(size, 1e-30), storage_type=qtype.name)
+    return {"raw": raw, "dense": np.asarray(stored, np.float32)}, stats
 
 
 def ridge_stats(
@@ -316,11 +368,16 @@ def ridge_stats(
 
     Every figure comes from the basis and the fit's sums: no Z', no solve.
     """
+    quad = float(kr.gram_quadratic(basis["basis"], basis["sigma"], step))
+    return _stats(basis, fit_meta, eta, quad, float(jnp.vdot(jnp.asarray(fit["rhs"]), step)))
+
+
+def _stats(
+    basis: dict[str, np.ndarray], fit_meta: dict[str, Any], eta: float, quad: float, lin: float
+) -> dict[str, Any]:
+    """:func:`ridge_stats` from the realized step's ``tr(ΔᵀGΔ)`` and ``<B, Δ>``."""
     total = fit_meta["in_sample"][0]
-    realized = 0.0
-    if total > 0:
-        quad = float(kr.gram_quadratic(basis["basis"], basis["sigma"], step))
-        realized = (-2.0 * float(np.vdot(fit["rhs"], step)) + quad) / total
+    realized = (-2.0 * lin + quad) / total if total > 0 else 0.0
     lam, n_tokens, width = fit_meta["lambda"], fit_meta["n_tokens"], fit_meta["width"]
     rank, dof = kr.spectrum_stats(basis["sigma"], lam)
     folds = [kr.eta_change(tuple(s), eta) for s in fit_meta["folds"]]

@@ -133,8 +133,23 @@ def fold_moments(u_fold: jax.Array, resid: jax.Array) -> tuple[jax.Array, jax.Ar
     return u.T @ u, u.T @ jnp.asarray(resid, jnp.float32)
 
 
-def apply_ridge(down_shexp: np.ndarray, delta: np.ndarray, eta: float) -> np.ndarray:
-    """W_new = W + eta * dWᵀ in GGUF's [D, Fs] layout (float32)."""
-    return (np.asarray(down_shexp, np.float32) + np.float32(eta) * np.asarray(delta).T).astype(
-        np.float32
+@jax.jit
+def apply_ridge(down_shexp: jax.Array, delta: jax.Array, eta) -> jax.Array:
+    """W_new = W + eta * dWᵀ in GGUF's [D, Fs] layout (float32, on the default device)."""
+    w = jnp.asarray(down_shexp, jnp.float32)
+    return w + jnp.float32(eta) * jnp.asarray(delta, jnp.float32).T
+
+
+@jax.jit
+def step_moments(basis, sigma, rhs, old, new) -> tuple[jax.Array, ...]:
+    """What Part B reports of a realized update ``new - old`` ([D, Fs], GGUF layout), with
+    Δ = (new - old)ᵀ: (tr(ΔᵀGΔ), <B, Δ>, |new - old|, |old|), float32, without Z'."""
+    old = jnp.asarray(old, jnp.float32)
+    moved = jnp.asarray(new, jnp.float32) - old
+    step = moved.T  # [Fs, D]
+    return (
+        gram_quadratic(basis, sigma, step),
+        jnp.vdot(jnp.asarray(rhs, jnp.float32), step),
+        jnp.sqrt(jnp.sum(moved * moved)),
+        jnp.sqrt(jnp.sum(old * old)),
     )
