@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from healsweep.gguf_io import open_model
 from healsweep.gguf_io._ggml_lib import dequantize_rows
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
 
 _QUANTIZE_SCRIPT = """
 import ctypes, sys
@@ -63,3 +65,158 @@ def test_score_accepts_a_llama_cpp_q2_0_file(llama_q2_0, tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     pooled = json.loads((tmp_path / "s.json").read_text())["pooled"]
     assert pooled["kld_mean"] > 0.05  # ternary everywhere: far from the teacher, but scored
+
+
+# --- parity of exported students: healsweep's forward against llama.cpp's ----------------------
+
+ABLATION = ROOT / "sweeps" / "demo-ablation.yaml"  # its 96 dev windows (~5k scored positions)
+AGREE_REL, AGREE_ABS, AGREE_SHARE = 0.05, 1e-4, 0.97
+DIST_RATIO = 0.03
+
+_LLAMA_WINDOWS_SCRIPT = """
+import sys, numpy as np
+from llama_cpp import Llama
+data = np.load(sys.argv[2])
+tokens, starts = data["tokens"], data["starts"]
+first, count = data["first"], data["count"]  # scored positions: first[b] + arange(count[b])
+n_ctx = int(np.diff(starts).max())
+llm = Llama(model_path=sys.argv[1], n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+            n_threads=2, verbose=False)
+out = []
+for b in range(len(starts) - 1):
+    seq = tokens[starts[b] : starts[b + 1]]
+    llm.reset()
+    llm.eval(seq.tolist())
+    scores = np.array(llm.scores[: len(seq)], np.float32)
+    out.append(scores[first[b] : first[b] + count[b]])
+np.save(sys.argv[3], np.concatenate(out))
+"""
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _kld(p_log: np.ndarray, q_log: np.ndarray) -> np.ndarray:
+    """KL(p || q) per row, float64."""
+    return (np.exp(p_log) * (p_log - q_log)).sum(axis=-1)
+
+
+@pytest.fixture(scope="module")
+def parity_setup(tmp_path_factory):
+    """The demo ablation sweep's dev windows, the teacher's log-probs at their scored positions,
+    and the shipped healer's student (stage cache of its own)."""
+    from healsweep.cache import StageCache
+    from healsweep.heal.knobs import Knobs
+    from healsweep.heal.pipeline import build_student
+    from healsweep.score.teacher_cache import scored_positions
+    from healsweep.sweep.spec import load_spec
+    from healsweep.sweep.work import dev_windows
+
+    root = tmp_path_factory.mktemp("parity")
+    spec = load_spec(ABLATION)
+    teacher = open_model(spec.model)
+    windows = dev_windows(spec, teacher)
+    positions = [scored_positions(w) for w in windows]
+    student = build_student(teacher, Knobs(), spec.calibration_config(),
+                            StageCache(root / "cache"))  # fmt: skip
+    teacher_log = _log_softmax(_ours(teacher, windows, positions))
+    return {"root": root, "windows": windows, "positions": positions, "student": student,
+            "teacher_log": teacher_log}  # fmt: skip
+
+
+def _ours(model, windows, positions, replacements=None) -> np.ndarray:
+    """healsweep's logits at the scored positions, windows concatenated: [N, V]."""
+    from healsweep.model import forward
+
+    out = []
+    for b in range(0, len(windows), 8):
+        chunk = slice(b, b + 8)
+        result = forward(model, [w.tokens for w in windows[chunk]], replacements=replacements,
+                         logits_for=positions[chunk])  # fmt: skip
+        out += result.logits
+    return np.concatenate(out)
+
+
+def _llama(path, windows, positions, tmp_path) -> np.ndarray:
+    """llama.cpp's logits of the file at ``path``, same layout (a process of its own)."""
+    tokens = np.concatenate([w.tokens for w in windows]).astype(np.int32)
+    starts = np.cumsum([0] + [len(w.tokens) for w in windows])
+    first = np.array([p[0] for p in positions])
+    count = np.array([len(p) for p in positions])
+    for p, f, c in zip(positions, first, count, strict=True):
+        assert np.array_equal(p, f + np.arange(c))  # scored positions are one run per window
+    np.savez(tmp_path / "windows.npz", tokens=tokens, starts=starts, first=first, count=count)
+    out = tmp_path / "llama-logits.npy"
+    run = subprocess.run([sys.executable, "-c", _LLAMA_WINDOWS_SCRIPT, str(path),
+                          str(tmp_path / "windows.npz"), str(out)],
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    return np.load(out)
+
+
+def position_agreement(teacher_log, ours_log, llama_log) -> float:
+    """Share of positions whose KLD to the teacher agrees (5% relative or 1e-4 absolute)."""
+    ours, theirs = _kld(teacher_log, ours_log), _kld(teacher_log, llama_log)
+    close = np.abs(ours - theirs) <= np.maximum(AGREE_ABS, AGREE_REL * np.abs(ours))
+    return float(close.mean())
+
+
+def distribution_ratio(teacher_log, ours_log, llama_log) -> float:
+    """Pooled KL(ours || llama.cpp) over the pooled KL(teacher || ours)."""
+    return float(_kld(ours_log, llama_log).mean() / _kld(teacher_log, ours_log).mean())
+
+
+def test_f16_export_kld_per_position_agrees_with_llama_cpp(parity_setup, tmp_path, record_property):
+    from healsweep.heal.export import write_healed_gguf
+
+    s = parity_setup
+    path = write_healed_gguf(s["student"], tmp_path / "f16.gguf", experts="f16")
+    ours_log = _log_softmax(_ours(open_model(path), s["windows"], s["positions"]))
+    llama_log = _log_softmax(_llama(path, s["windows"], s["positions"], tmp_path))
+    share = position_agreement(s["teacher_log"], ours_log, llama_log)
+    record_property("f16_positions", len(ours_log))
+    record_property("f16_position_agreement", share)
+    print(f"f16 export: {len(ours_log)} positions, {100 * share:.2f}% agree")
+    assert share >= AGREE_SHARE
+
+
+def _swap_code_order(rows: np.ndarray) -> np.ndarray:
+    """Type-42 rows with the four 2-bit codes of every code byte in reverse order (d untouched)."""
+    blocks = rows.reshape(*rows.shape[:-1], -1, 18).copy()
+    b = blocks[..., 2:]
+    blocks[..., 2:] = (b & 0x03) << 6 | (b & 0x0C) << 2 | (b & 0x30) >> 2 | (b & 0xC0) >> 6
+    return blocks.reshape(rows.shape)
+
+
+def test_type42_export_distribution_matches_llama_cpp_and_a_wrong_code_order_fails(
+    parity_setup, tmp_path, record_property, monkeypatch
+):
+    from healsweep.heal import export
+
+    s = parity_setup
+    student_log = _log_softmax(_ours(s["student"].base, s["windows"], s["positions"],
+                                     s["student"].replacements))  # fmt: skip
+    path = export.write_healed_gguf(s["student"], tmp_path / "q2.gguf")
+    ours_file = _log_softmax(_ours(open_model(path), s["windows"], s["positions"]))
+    np.testing.assert_array_equal(ours_file, student_log)  # the file is the student
+    llama_log = _llama(path, s["windows"], s["positions"], tmp_path)
+    ratio = distribution_ratio(s["teacher_log"], student_log, _log_softmax(llama_log))
+    student_kld = float(_kld(s["teacher_log"], student_log).mean())
+    record_property("q2_positions", len(student_log))
+    record_property("q2_student_kld", student_kld)
+    record_property("q2_llama_ratio", ratio)
+    print(f"type-42 export: student KLD {student_kld:.4f}, KL(ours||llama) / that = {ratio:.4f}")
+    assert ratio <= DIST_RATIO
+
+    # The same check on a file whose writer put the codes of each byte in the wrong order.
+    right = export.type42_rows
+    monkeypatch.setattr(export, "type42_rows", lambda w: _swap_code_order(right(w)))
+    wrong = export.write_healed_gguf(s["student"], tmp_path / "q2-wrong.gguf")
+    wrong_log = _log_softmax(_llama(wrong, s["windows"], s["positions"], tmp_path))
+    wrong_ratio = distribution_ratio(s["teacher_log"], student_log, wrong_log)
+    record_property("q2_wrong_order_ratio", wrong_ratio)
+    print(f"wrong code order: KL(ours||llama) / student KLD = {wrong_ratio:.3f}")
+    assert wrong_ratio > DIST_RATIO
