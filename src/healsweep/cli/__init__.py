@@ -22,6 +22,7 @@ _COMMAND_MODULES = [
     "healsweep.cli.score_cmd",
     "healsweep.cli.heal_cmd",
     "healsweep.cli.export_cmd",
+    "healsweep.cli.baseline_cmd",
     "healsweep.cli.bench_cmd",
     "healsweep.cli.sweep_cmd",
     "healsweep.cli.report_cmd",

@@ -31,6 +31,7 @@ bench_app = _group("bench", "Benchmarks that print a table.")
 sweep_app = _group("sweep", "Run, resume and inspect sweeps.")
 ledger_app = _group("ledger", "Show and verify the tamper-evident ledger of test-split openings.")
 cluster_app = _group("cluster", "Inspect the Ray cluster.")
+baseline_app = _group("baseline", "External baselines: the routed experts quantized by other tools.")
 
 
 class _State:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,24 +63,32 @@ def type42_rows(weight: Any) -> np.ndarray:
     return blocks.reshape(*d.shape[:-1], nb * _BLOCK_BYTES)
 
 
-def _expert_tensor(weight: Any, experts: str) -> tuple[np.ndarray, Any]:
-    """(data, ggml type) of one healed expert stack in the chosen format."""
+def _expert_plan(student: Any, name: str, experts: str) -> tuple[Any, tuple[int, ...], Any]:
+    """(ggml type, stored array shape, dtype) of one healed expert stack in the chosen format."""
     from gguf import GGMLQuantizationType
 
     from healsweep.gguf_io import q2_0_type
 
+    shape = tuple(student.base.tensor_shape(name))
+    if experts == "q2_0":
+        return q2_0_type(), (*shape[:-1], shape[-1] // _QK * _BLOCK_BYTES), np.dtype(np.uint8)
+    return GGMLQuantizationType.F16, shape, np.dtype(np.float16)
+
+
+def _expert_data(weight: Any, experts: str) -> np.ndarray:
+    """One healed expert stack in the chosen format (type-42 rows or float16)."""
     if experts == "q2_0":
         if isinstance(weight, np.ndarray):
             raise GGUFFormatError(
                 "a healed expert stack is dense, not Q2_0; write it with experts='f16'"
             )
-        return type42_rows(weight), q2_0_type()
+        return type42_rows(weight)
     dense = weight if isinstance(weight, np.ndarray) else np.asarray(weight.dequantize())
-    return np.asarray(dense, np.float32).astype(np.float16), GGMLQuantizationType.F16
+    return np.asarray(dense, np.float32).astype(np.float16)
 
 
-def _replaced_tensor(student: Any, name: str, experts: str) -> tuple[np.ndarray, Any] | None:
-    """(data, ggml type) of a tensor the student replaces, or None to copy the teacher's."""
+def _replacement(student: Any, name: str) -> tuple[str, Any] | None:
+    """``("experts", weight)`` or ``("shexp", raw)`` for a tensor the student replaces."""
     if not name.startswith("blk."):
         return None
     _, layer, suffix = name.split(".", 2)
@@ -89,9 +97,9 @@ def _replaced_tensor(student: Any, name: str, experts: str) -> tuple[np.ndarray,
         return None
     if suffix in _EXPERT_FIELDS:
         weight = getattr(replacement, _EXPERT_FIELDS[suffix])
-        return None if weight is None else _expert_tensor(weight, experts)
+        return None if weight is None else ("experts", weight)
     if suffix == "ffn_down_shexp.weight" and int(layer) in student.shexp_raw:
-        return student.shexp_raw[int(layer)], student.base.tensor_type(name)
+        return "shexp", student.shexp_raw[int(layer)]
     return None
 
 
@@ -118,14 +126,52 @@ def write_healed_gguf(
     ``experts`` is ``"q2_0"`` (ggml type 42, the student's blocks as they are) or ``"f16"``;
     ``metadata`` adds ``healsweep.<key>`` string/number fields (e.g. the sweep and trial).
     """
-    import gguf
-
     if experts not in EXPERT_FORMATS:
         raise ValueError(
             f"write_healed_gguf: experts must be one of {EXPERT_FORMATS}, got {experts!r}"
         )
+    plan: dict[str, TensorPlan] = {}
+    for name in student.base.tensor_names:
+        found = _replacement(student, name)
+        if found is None:
+            continue
+        if found[0] == "experts":
+            plan[name] = _expert_plan(student, name, experts)
+        else:
+            raw = np.asarray(found[1])
+            plan[name] = (student.base.tensor_type(name), raw.shape, raw.dtype)
+
+    def produce(name: str) -> np.ndarray:
+        kind, value = _replacement(student, name)
+        return _expert_data(value, experts) if kind == "experts" else np.asarray(value)
+
+    return write_replacing(
+        student.base, out, plan, produce, {**heal_metadata(student, experts), **(metadata or {})}
+    )
+
+
+TensorPlan = tuple[Any, tuple[int, ...], Any]  # (ggml type, stored array shape, numpy dtype)
+
+
+def write_replacing(
+    base: Any,
+    out: str | Path,
+    plan: Mapping[str, TensorPlan],
+    produce: Callable[[str], np.ndarray],
+    metadata: Mapping[str, Any],
+) -> Path:
+    """Write a copy of GGUF model ``base`` at ``out`` whose tensors in ``plan`` are replaced.
+
+    Every metadata field of ``base`` is kept with its value type, ``metadata`` is added under
+    ``healsweep.``, tensors keep their file order. ``plan[name]`` declares a replacement's ggml
+    type and stored array (bytes ``[..., row_bytes]`` uint8 for block types); ``produce(name)``
+    builds it when the writer reaches it, so only one replaced tensor is in memory at a time.
+    The file is written to a temp name and renamed.
+    """
+    import gguf
+
     out = Path(out)
-    reader = gguf.GGUFReader(student.base.path)
+    reader = gguf.GGUFReader(base.path)
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
@@ -137,23 +183,32 @@ def write_healed_gguf(
             value_type = field.types[0]
             sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
-        for key, value in {**heal_metadata(student, experts), **(metadata or {})}.items():
+        for key, value in metadata.items():
             _add_field(writer, HEAL_KEY_PREFIX + key, value)
-        planned = []
         for tensor in reader.tensors:
-            replaced = _replaced_tensor(student, tensor.name, experts)
-            data, qtype = replaced if replaced is not None else (tensor.data, tensor.tensor_type)
-            _check_shape(student, tensor, data, qtype)
-            writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes, qtype)
-            planned.append(tensor.name if replaced is not None else None)
+            if tensor.name in plan:
+                qtype, shape, dtype = plan[tensor.name]
+                nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            else:
+                qtype, shape, dtype = tensor.tensor_type, tensor.data.shape, tensor.data.dtype
+                nbytes = tensor.data.nbytes
+            _check_shape(base, tensor.name, shape, np.dtype(dtype), qtype)
+            writer.add_tensor_info(tensor.name, shape, np.dtype(dtype), nbytes, qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for tensor, replaced_name in zip(reader.tensors, planned, strict=True):
-            if replaced_name is None:
+        for tensor in reader.tensors:
+            if tensor.name not in plan:
                 writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
-            else:  # recomputed here so only one replaced tensor is in memory at a time
-                writer.write_tensor_data(_replaced_tensor(student, replaced_name, experts)[0])
+                continue
+            data = produce(tensor.name)
+            _, shape, dtype = plan[tensor.name]
+            if tuple(data.shape) != tuple(shape) or data.dtype != np.dtype(dtype):
+                raise ValueError(
+                    f"write_replacing: {tensor.name} was planned as {np.dtype(dtype)} {shape}, "
+                    f"produced as {data.dtype} {tuple(data.shape)}"
+                )
+            writer.write_tensor_data(np.ascontiguousarray(data))
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)
@@ -178,18 +233,16 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
         raise TypeError(f"metadata {key}: cannot store a {type(value).__name__}")
 
 
-def _check_shape(student: Any, tensor: Any, data: np.ndarray, qtype: Any) -> None:
+def _check_shape(base: Any, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import quant_shape_from_byte_shape
 
-    shape = tuple(data.shape)
-    if data.dtype == np.uint8 and qtype not in (GGMLQuantizationType.I8,):
+    shape = tuple(shape)
+    if dtype == np.uint8 and qtype not in (GGMLQuantizationType.I8,):
         shape = tuple(quant_shape_from_byte_shape(shape, qtype))
-    want = student.base.tensor_shape(tensor.name)
-    if shape != tuple(want):
-        raise GGUFFormatError(
-            f"healed tensor {tensor.name} has shape {shape}, the teacher's is {tuple(want)}"
-        )
+    want = tuple(base.tensor_shape(name))
+    if shape != want:
+        raise GGUFFormatError(f"replaced tensor {name} has shape {shape}, the model's is {want}")
 
 
 def write_q2_sidecar(student: Any, out: str | Path) -> Path:

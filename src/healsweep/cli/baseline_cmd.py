@@ -1,0 +1,61 @@
+"""`healsweep baseline llama`: the routed experts quantized by llama.cpp's own quantizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from healsweep.cli._apps import baseline_app
+from healsweep.cli.heal_cmd import CacheOpt, ChunkOpt, CorpusOpt, MaxTokensOpt, MinTokensOpt
+
+
+@baseline_app.command("llama")
+def llama(
+    model: Annotated[str, typer.Argument(help="Teacher GGUF path, or `demo`.")],
+    qtype: Annotated[
+        str, typer.Option("--type", help="q2_0 | q2_k | iq2_xxs | iq2_xs | iq2_s (ggml's names).")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the baseline GGUF.")],
+    imatrix: Annotated[
+        bool,
+        typer.Option(
+            "--imatrix-from-calibration",
+            help="Pass ggml one importance row per expert: E[x²] (gate/up) and E[h²] (down) "
+            "from the calibration trace, as llama-quantize does with an imatrix.",
+        ),
+    ] = False,
+    corpus: CorpusOpt = "demo",
+    max_tokens: MaxTokensOpt = None,
+    chunk_length: ChunkOpt = 512,
+    min_tokens_per_expert: MinTokensOpt = 16,
+    cache: CacheOpt = None,
+) -> None:
+    """Write MODEL with only its routed experts quantized by ggml (``ggml_quantize_chunk`` from
+    llama-cpp-python's libggml; needs the [bench] extra); every other tensor is kept as stored.
+    """
+    from healsweep.cache import StageCache
+    from healsweep.gguf_io import open_model
+    from healsweep.heal.knobs import CalibrationConfig
+    from healsweep.heal.llama_baseline import LLAMA_TYPES, bits_per_weight, write_llama_baseline
+
+    if qtype not in LLAMA_TYPES:
+        raise typer.BadParameter(
+            f"{qtype!r}: choose one of {', '.join(LLAMA_TYPES)}", param_hint="--type"
+        )
+    teacher = open_model(model)
+    calibration = None
+    if imatrix:
+        calibration = CalibrationConfig(
+            corpus=corpus, max_tokens=max_tokens, chunk_length=chunk_length,
+            min_tokens_per_expert=min_tokens_per_expert,
+        )  # fmt: skip
+    typer.echo(f"[baseline] {teacher!r}: routed experts to {qtype} "
+               f"({bits_per_weight(LLAMA_TYPES[qtype]):.4g} bits a weight), "
+               f"imatrix {'from calibration' if imatrix else 'none'}")  # fmt: skip
+    path = write_llama_baseline(
+        teacher, qtype, out, calibration=calibration, cache=StageCache(cache),
+        progress=lambda stage, message: typer.echo(f"[{stage}] {message}"),
+    )  # fmt: skip
+    typer.echo(f"[write] {path}")

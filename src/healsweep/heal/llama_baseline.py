@@ -1,0 +1,159 @@
+"""The external baseline: the routed experts quantized by llama.cpp's own quantizer.
+
+What a llama.cpp user has today: ``ggml_quantize_chunk`` (from the libggml-base that
+llama-cpp-python bundles) on each routed expert's matrices, everything else of the teacher kept
+byte for byte, so the file differs from the teacher exactly where a healed student does. Types:
+Q2_0 (ggml type 42, the format healsweep writes), Q2_K and IQ2_XXS / IQ2_XS / IQ2_S (blocks of
+256). With ``imatrix`` the quantizer gets, as llama-quantize passes it, one importance row per
+expert: E[x²] over the tokens routed to that expert for gate/up and E[h²] of the teacher expert's
+hidden activation for down, from healsweep's calibration trace (an expert with fewer than
+``min_tokens_per_expert`` tokens takes the layer-wide statistic). IQ2_XXS and IQ2_XS cannot be
+made without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from healsweep.errors import GGUFFormatError, SettingError
+
+LLAMA_TYPES = {"q2_0": 42, "q2_k": 10, "iq2_xxs": 16, "iq2_xs": 17, "iq2_s": 22}
+_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+Progress = Callable[[str, str], None]
+
+
+def check_baseline(model: Any, type_name: str, imatrix: bool) -> int:
+    """The ggml type id of ``type_name``; raises one line when the rows of the routed experts do
+    not fill its blocks or when it needs an importance matrix that was not asked for."""
+    from healsweep.gguf_io import _ggml_lib
+
+    if type_name not in LLAMA_TYPES:
+        raise SettingError(
+            f"unknown baseline type {type_name!r}; choose one of {', '.join(LLAMA_TYPES)}"
+        )
+    qtype = LLAMA_TYPES[type_name]
+    block, _ = _ggml_lib.block_geometry(qtype)
+    hp = model.hparams
+    for tensors, width in (("ffn_gate_exps/ffn_up_exps", hp.n_embd), ("ffn_down_exps", hp.n_ff_exp)):
+        if width % block:
+            raise GGUFFormatError(
+                f"{model.path}: the rows of {tensors} hold {width} values, not a multiple of the "
+                f"{type_name.upper()} block of {block}; llama.cpp cannot store this model's "
+                "routed experts in that type (q2_0 has blocks of 64)"
+            )
+    if _ggml_lib.requires_imatrix(qtype) and not imatrix:
+        raise SettingError(
+            f"{type_name} cannot be made without an importance matrix; pass "
+            "--imatrix-from-calibration"
+        )
+    return qtype
+
+
+def expert_importance(trace_layer: dict[str, np.ndarray], min_tokens: int) -> dict[str, Any]:
+    """Per-expert importance rows of one layer: gate/up ``[E, n_embd]``, down ``[E, n_ff_exp]``."""
+    from healsweep.heal.importance import pooled_means
+
+    counts = trace_layer["counts"]
+    x_sq = pooled_means(trace_layer["x_sq_sums"], counts, min_tokens)
+    h_sq = pooled_means(trace_layer["h_sq_sums"], counts, min_tokens)
+    return {_EXPERTS[0]: x_sq, _EXPERTS[1]: x_sq, _EXPERTS[2]: h_sq}
+
+
+def quantize_expert_stack(
+    weights: np.ndarray, qtype: int, importance: np.ndarray | None
+) -> np.ndarray:
+    """``weights`` float32 ``[E, out, in]`` by ggml, expert by expert: uint8 ``[E, out, row]``."""
+    from healsweep.gguf_io._ggml_lib import quantize_rows
+
+    return np.stack(
+        [
+            quantize_rows(weights[e], qtype, None if importance is None else importance[e])
+            for e in range(weights.shape[0])
+        ]
+    )
+
+
+def bits_per_weight(qtype: int) -> float:
+    """Stored bits per weight of ggml type ``qtype``."""
+    from healsweep.gguf_io import _ggml_lib
+
+    block, size = _ggml_lib.block_geometry(qtype)
+    return 8.0 * size / block
+
+
+def write_llama_baseline(
+    model: Any,
+    type_name: str,
+    out: str | Path,
+    *,
+    calibration: Any = None,
+    cache: Any = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Write ``model`` with its routed experts quantized by ggml to ``type_name``.
+
+    ``calibration`` (a ``CalibrationConfig``) asks for the importance matrix from the
+    calibration trace (``cache``: the stage cache that holds it); None quantizes without one.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    from gguf import GGMLQuantizationType
+
+    from healsweep.gguf_io import q2_0_type
+    from healsweep.gguf_io._ggml_lib import block_geometry
+    from healsweep.heal.export import write_replacing
+
+    say = progress or (lambda stage, message: None)
+    qtype = check_baseline(model, type_name, calibration is not None)
+    ggml_type = q2_0_type() if qtype == 42 else GGMLQuantizationType(qtype)
+    trace = None
+    if calibration is not None:
+        from healsweep.cache import StageCache
+        from healsweep.heal.trace import calibration_trace
+
+        trace = calibration_trace(model, calibration, cache or StageCache())
+        tokens = sum(trace.report.get("chunk_lengths", []))
+        say("calib_trace", f"importance rows per expert from {tokens} calibration tokens")
+    block, size = block_geometry(qtype)
+    plan = {}
+    for i in range(model.hparams.n_layer):
+        for suffix in _EXPERTS:
+            name = f"blk.{i}.{suffix}"
+            *lead, n_in = model.tensor_shape(name)
+            plan[name] = (ggml_type, (*lead, n_in // block * size), np.dtype(np.uint8))
+    importance: dict[int, dict[str, Any]] = {}
+
+    def produce(name: str) -> np.ndarray:
+        layer = int(name.split(".")[1])
+        suffix = name.split(".", 2)[2]
+        imp = None
+        if trace is not None:
+            if layer not in importance:
+                importance.clear()  # one layer's rows at a time
+                importance[layer] = expert_importance(
+                    trace.layer(layer), calibration.min_tokens_per_expert
+                )
+            imp = importance[layer][suffix]
+        data = quantize_expert_stack(model.tensor(name), qtype, imp)
+        if suffix == _EXPERTS[-1]:
+            say(f"layer {layer + 1}/{model.hparams.n_layer}", f"experts quantized to {type_name}")
+        return data
+
+    try:
+        llama_version = version("llama-cpp-python")
+    except PackageNotFoundError:  # pragma: no cover - the library loaded, so it is installed
+        llama_version = "unknown"
+    metadata = {
+        "baseline": "llama.cpp ggml_quantize_chunk, routed experts only",
+        "baseline_type": type_name,
+        "baseline_bits_per_weight": bits_per_weight(qtype),
+        "imatrix": "calibration E[x2] / E[h2] per expert" if trace is not None else "none",
+        "llama_cpp_python": llama_version,
+        "teacher_fingerprint": model.fingerprint,
+        "experts": type_name,
+    }
+    return write_replacing(model, out, plan, produce, metadata)
