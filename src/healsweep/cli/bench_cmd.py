@@ -38,7 +38,7 @@ def bench_trial(
 ) -> None:
     """Cold, quant-knob-only, rho-only and eta-only heal trials (stage times, peak RSS), then
     teacher-forced tokens/s and peak RSS of the forward beside llama.cpp's (when the optional
-    `llama-cpp-python` is installed; `pip install -e ".[bench]"`)."""
+    `llama-cpp-python` is installed; `pip install -e ".\\[bench]"`)."""
     import tempfile
 
     from healsweep.cache import StageCache
