@@ -33,7 +33,7 @@ def llama(
     cache: CacheOpt = None,
 ) -> None:
     """Write MODEL with only its routed experts quantized by ggml (``ggml_quantize_chunk`` from
-    llama-cpp-python's libggml; needs the [bench] extra); every other tensor is kept as stored.
+    llama-cpp-python's libggml; needs the \\[bench] extra); every other tensor is kept as stored.
     """
     from healsweep.cache import StageCache
     from healsweep.gguf_io import open_model
