@@ -3,7 +3,9 @@
 The CLI runs are subprocesses with ``HOME``/``RAY_TMPDIR`` in the test's folder and no ``RAY_*``
 variable, so no Ray of another process is ever found. The comparison is checked against a float64
 numpy re-implementation; a kernel that really disagrees between its two runs (an ``io_callback``
-whose output changes with each execution) must be reported as not ok.
+whose output changes with each execution) must be reported as not ok, and so must a kernel that
+fails to lower (a primitive with no lowering rule for the platform) or to run (a callback that
+raises): nothing runs such a kernel on the CPU instead, so doctor exits 1 and names it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import io_callback
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+from typer.testing import CliRunner
 
+from healsweep.cli import _register
+from healsweep.cli._apps import app
+from healsweep.kernels import _cases
 from healsweep.kernels.conformance import KernelCase, _max_rel_err, kernel_cases, run_case
 
 
@@ -150,3 +158,68 @@ def test_a_cpu_placed_kernel_is_run_once_and_says_so():
     result = run_case(KernelCase("drift.cpu", _drifting_kernel(0.5), inputs, cpu_placed=True))
     assert result.ok and result.max_rel_err == 0.0
     assert result.note == "CPU-placed by design"
+
+
+def _primitive(name: str, lower_on: tuple[str, ...] = ()) -> Primitive:
+    """An elementwise identity primitive that lowers only on the platforms in ``lower_on``."""
+    prim = Primitive(name)
+    prim.def_abstract_eval(lambda x: x)
+    for platform in lower_on:
+        mlir.register_lowering(prim, mlir.lower_fun(lambda x: x, multiple_results=False), platform)
+    return prim
+
+
+_UNLOWERABLE = _primitive("healsweep_test_unlowerable")
+_CPU_ONLY = _primitive("healsweep_test_cpu_only", lower_on=("cpu",))
+
+
+def _square_inputs(rng):
+    return (rng.standard_normal((8, 16)).astype(np.float32),)
+
+
+def _unlowerable_kernel(x):
+    return _UNLOWERABLE.bind(x) * 2.0  # [N, D]
+
+
+def _failing_callback_kernel(x):
+    def fail() -> np.ndarray:
+        raise RuntimeError("the callback refuses")
+
+    return x * io_callback(fail, jax.ShapeDtypeStruct((), jnp.float32))  # [N, D]
+
+
+def test_a_kernel_that_fails_to_lower_is_reported_failing_not_compared_with_itself():
+    result = run_case(KernelCase("broken.unlowerable", _unlowerable_kernel, _square_inputs))
+    assert not result.ok and not result.lowered
+    assert result.max_rel_err == float("inf")
+    assert result.note == "fails to lower on cpu"
+    assert "healsweep_test_unlowerable" in result.error
+
+
+def test_a_kernel_that_fails_at_run_time_is_reported_failing():
+    result = run_case(KernelCase("broken.callback", _failing_callback_kernel, _square_inputs))
+    assert not result.ok and not result.lowered
+    assert result.note == "fails to run on cpu"
+
+
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="needs a default device other than CPU")
+def test_a_kernel_that_lowers_on_cpu_only_fails_on_the_default_device():
+    result = run_case(KernelCase("broken.cpu_only", lambda x: _CPU_ONLY.bind(x), _square_inputs))
+    assert not result.ok and not result.lowered
+    assert result.note == f"fails to lower on {jax.default_backend()}"
+
+
+def test_doctor_exits_1_with_one_line_naming_a_kernel_that_fails_to_lower(monkeypatch):
+    good = next(case for case in _cases.CASES if case.name == "q2_0.dequantize")
+    broken = KernelCase("broken.unlowerable", _unlowerable_kernel, _square_inputs)
+    monkeypatch.setattr(_cases, "CASES", (good, broken))
+    _register()
+    done = CliRunner().invoke(app, ["doctor", "--no-ray"])
+    assert done.exit_code == 1, done.output
+    rows = _conformance_rows(done.stdout)
+    assert " ok" in rows["q2_0.dequantize"]
+    assert "FAILS  fails to lower on cpu" in rows["broken.unlowerable"]
+    assert "conformant" not in done.output
+    assert done.stderr.splitlines() == [
+        "doctor: 1 of 2 kernel(s) failing: broken.unlowerable (fails to lower on cpu)"
+    ]

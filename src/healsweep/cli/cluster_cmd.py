@@ -91,15 +91,22 @@ def doctor(
     typer.echo("kernel conformance (default backend vs CPU):")
     results = run_conformance()
     for r in results:
-        status = "ok" if r.ok else "MISMATCH"
-        where = r.backend if r.lowered else "cpu (routed)"
-        note = f"  {r.note}" if r.note else ""
-        typer.echo(f"  {r.name:<28} {where:<14} max rel err {r.max_rel_err:.2e}  {status}{note}")
-    bad = [r.name for r in results if not r.ok]
+        status = "ok" if r.ok else ("MISMATCH" if r.lowered else "FAILS")
+        note = f"  {r.note}" + (f": {r.error}" if r.error else "") if r.note else ""
+        typer.echo(
+            f"  {r.name:<28} {r.backend:<14} max rel err {r.max_rel_err:.2e}  {status}{note}"
+        )
+    bad = [_failure(r) for r in results if not r.ok]
     if bad:
         typer.echo(
-            f"doctor: {len(bad)} kernel(s) disagree with CPU beyond tolerance: {', '.join(bad)}",
-            err=True,
+            f"doctor: {len(bad)} of {len(results)} kernel(s) failing: {'; '.join(bad)}", err=True
         )
         raise typer.Exit(1)
     typer.echo(f"doctor: all {len(results)} kernels conformant")
+
+
+def _failure(result) -> str:
+    """One kernel's failure in a few words, for doctor's closing line."""
+    if not result.lowered:
+        return f"{result.name} ({result.note})"
+    return f"{result.name} (max rel err {result.max_rel_err:.2e} vs CPU, beyond tolerance)"

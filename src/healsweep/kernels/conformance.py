@@ -1,9 +1,14 @@
 """Kernel conformance: every kernel jitted on the default backend and on CPU, compared.
 
-On a Mac the default backend is the Metal plugin; an op it cannot lower is reported and the
-kernel is routed to the CPU device (the result is still checked). ``backend_violations`` walks a
-kernel's jaxpr for what the Metal plugins cannot run: float64/complex values and linear-algebra
-primitives (Cholesky, triangular solves, eigh, LU, QR, ...). Kernels that are CPU-placed by
+On a Mac the default backend is the Metal plugin. A kernel that fails to lower, compile or run
+on the default device (or on the CPU reference) is reported as failing: nothing moves a kernel to
+the CPU at run time, so a kernel the device cannot run is a kernel the runtime cannot run, and
+``healsweep doctor`` exits 1 for it. (Q2_0's Pallas GPU kernel falls back to the XLA kernel on the
+same device when it does not lower; the XLA kernel is the one checked here.)
+
+``backend_violations`` walks a kernel's jaxpr for what the Metal plugins cannot run:
+float64/complex values and linear-algebra primitives (Cholesky, triangular solves, eigh, LU, QR,
+...). Kernels that are CPU-placed by
 design (the Part B solve) are exempt from the primitive rule, never from the dtype rule.
 """
 
@@ -45,7 +50,12 @@ class KernelCase:
 
 @dataclass(frozen=True)
 class ConformanceResult:
-    """One kernel's verdict: where it ran, whether it lowered there, its error vs CPU."""
+    """One kernel's verdict: where it ran, whether it lowered and ran there, its error vs CPU.
+
+    ``lowered`` is False when the kernel failed to lower, compile or run on ``backend``; then
+    ``max_rel_err`` is infinite, ``ok`` is False, ``note`` says which step failed and ``error``
+    holds the first line of the exception.
+    """
 
     name: str
     backend: str
@@ -53,6 +63,7 @@ class ConformanceResult:
     max_rel_err: float
     ok: bool
     note: str = ""
+    error: str = ""
 
 
 def iter_eqns(jaxpr) -> Iterator:
@@ -143,31 +154,55 @@ def _leaf_rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(diff)) / scale
 
 
+class _KernelFailed(Exception):
+    """A kernel did not lower, compile or run on a device; ``step`` says which."""
+
+    def __init__(self, step: str, platform: str, cause: Exception):
+        first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        super().__init__(first)
+        self.step, self.platform, self.first_line = step, platform, first[:160]
+
+
+def _run_on(fn: Callable, inputs: tuple, device):
+    """``fn(*inputs)`` jitted for ``device`` with its inputs committed there, run to completion."""
+    import jax
+
+    args = jax.device_put(inputs, device)
+    try:
+        compiled = jax.jit(fn).lower(*args).compile()
+    except Exception as exc:  # any lowering/compile failure is this kernel's verdict
+        raise _KernelFailed("lower", device.platform, exc) from exc
+    try:
+        return jax.block_until_ready(compiled(*args))
+    except Exception as exc:
+        raise _KernelFailed("run", device.platform, exc) from exc
+
+
 def run_case(case: KernelCase, seed: int = 0) -> ConformanceResult:
-    """Run one kernel on CPU and on the default device and compare."""
+    """Run one kernel on CPU and on the default device and compare.
+
+    A kernel that fails to lower or run on either is reported as failing (``ok`` False), never
+    compared with itself.
+    """
     import jax
 
     cpu = jax.devices("cpu")[0]
     default = jax.devices()[0]
     inputs = case.make_inputs(np.random.default_rng(seed))
-    with jax.default_device(cpu):
-        want = jax.block_until_ready(jax.jit(case.fn)(*inputs))
-    if case.cpu_placed or default.platform == "cpu":
-        got, lowered, note = want, True, "CPU-placed by design" if case.cpu_placed else ""
-        if not case.cpu_placed:
-            with jax.default_device(default):
-                got = jax.block_until_ready(jax.jit(case.fn)(*inputs))
-    else:
-        try:
-            with jax.default_device(default):
-                got = jax.block_until_ready(jax.jit(case.fn)(*inputs))
-            lowered, note = True, ""
-        except Exception as exc:  # a plugin that cannot lower an op: route to CPU, report it
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            got, lowered = want, False
-            note = f"fails to lower on {default.platform} ({first[:120]}); routed to CPU"
+    try:
+        want = _run_on(case.fn, inputs, cpu)
+        if case.cpu_placed:
+            return ConformanceResult(
+                case.name, default.platform, True, 0.0, True, "CPU-placed by design"
+            )
+        got = _run_on(case.fn, inputs, default)
+    except _KernelFailed as failed:
+        note = f"fails to {failed.step} on {failed.platform}"
+        return ConformanceResult(
+            case.name, failed.platform, False, float("inf"), False, note, failed.first_line
+        )
     err = _max_rel_err(got, want)
-    return ConformanceResult(case.name, default.platform, lowered, err, err <= case.rtol, note)
+    return ConformanceResult(case.name, default.platform, True, err, err <= case.rtol)
 
 
 def run_conformance(cases: list[KernelCase] | None = None) -> list[ConformanceResult]:
