@@ -1,6 +1,6 @@
 """Q2_0 kernel on a GPU: weights/s of the kernel variants against the two ceilings.
 
-Run by ``bench_quant.py`` when JAX's default backend is not the CPU. Every variant is timed on
+Run by :func:`healsweep.kernels.quant_bench.quant_table` when JAX's default backend is not the CPU. Every variant is timed on
 device-resident chunks (what ``quantize_matrix`` feeds the device per call), best of ``repeats``
 after a warm-up, and the codes and scales of the best are compared with the CPU backend's on one
 chunk. Ceilings: fp32 arithmetic = peak FLOP/s / the variant's flops per weight; memory =
@@ -20,10 +20,18 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
-from bench_quant import BYTES_PER_WEIGHT, FLOPS_PER_WEIGHT, GAIN, format_table, make_inputs
+
+from healsweep.kernels.quant_bench import (
+    BYTES_PER_WEIGHT,
+    FLOPS_PER_WEIGHT,
+    GAIN,
+    format_table,
+    make_inputs,
+)
 
 # H200 SXM: 132 SMs x 128 fp32 lanes x 2 flops (FMA) x 1.98 GHz boost; HBM3e 4.8 TB/s.
 DATASHEET = {"fp32_flops": 132 * 128 * 2 * 1.98e9, "bytes_per_s": 4.8e12}
@@ -138,7 +146,10 @@ def _measure_isolated(chunk: int, kind: str, opts: dict, repeats: int, timeout: 
     job = json.dumps({"chunk": chunk, "kind": kind, "opts": opts, "repeats": repeats})
     try:
         done = subprocess.run(
-            [sys.executable, __file__, job], capture_output=True, text=True, timeout=timeout
+            [sys.executable, "-m", "healsweep.kernels.quant_bench_gpu", job],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         return {"error": f"no result within {timeout:.0f} s (compile included)"}
@@ -164,7 +175,11 @@ def end_to_end(repeats: int) -> float:
     return w.size / best
 
 
-def gpu_table(repeats: int) -> tuple[list[dict], list[str]]:
+def gpu_table(
+    repeats: int, progress: Callable[[str], None] | None = None
+) -> tuple[list[dict], list[str]]:
+    """Every variant at the first chunk size, the fastest at the others; ``progress`` gets each
+    row as it is measured (a run takes minutes)."""
     import jax
 
     start_all = time.perf_counter()
@@ -196,7 +211,8 @@ def gpu_table(repeats: int) -> tuple[list[dict], list[str]]:
                 "variant": (kind, opts),
             }
         )
-        print(format_table(table[-1:], []).splitlines()[-1], flush=True)
+        if progress is not None:
+            progress(format_table(table[-1:], []).splitlines()[-1])
         if not plan and chunk == CHUNK_WEIGHTS[0] and table:
             top = max(table, key=lambda r: r["weights_per_s"])["variant"]
             plan = [(c, *top) for c in CHUNK_WEIGHTS[1:]]
