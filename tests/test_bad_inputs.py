@@ -26,7 +26,10 @@ from healsweep.data.corpus import Document, write_corpus
 from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.ledger import Ledger
 
-KNOWN_KNOBS = "importance, importance_down, gain_gu, gain_d, alpha, gamma, ridge, rho, eta"
+KNOWN_KNOBS = (
+    "importance, importance_down, quantizer, gptq_damp, gain_gu, gain_d, alpha, gamma, ridge, "
+    "rho, eta"
+)
 
 
 def healsweep(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:

@@ -25,6 +25,8 @@ STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "ridge_basis", "ridge
 ALLOWED = {
     "importance": "one of none, norm_proxy, act",
     "importance_down": "one of none, act",
+    "quantizer": "one of search, gptq",
+    "gptq_damp": "a float in (0, 1]",
     "gain_gu": "a float in [0, 2]",
     "gain_d": "a float in [0, 2]",
     "alpha": "one of none, gaussian, mse",
@@ -55,6 +57,8 @@ class Knobs(BaseModel):
 
     importance: Literal["none", "norm_proxy", "act"] = "norm_proxy"
     importance_down: Literal["none", "act"] = "none"
+    quantizer: Literal["search", "gptq"] = "search"
+    gptq_damp: float = _float(0.01, 0.0, 1.0, lo_open=True)
     gain_gu: float = _float(0.3, 0.0, 2.0)
     gain_d: float = _float(0.3, 0.0, 2.0)
     alpha: Literal["none", "gaussian", "mse"] = "gaussian"
@@ -74,17 +78,22 @@ class Knobs(BaseModel):
         """Exactly the knobs ``stage`` reads (its cache-key contribution); {} for knob-free stages.
 
         Knobs that cannot change a stage's output under the current setting are left out (gamma
-        when alpha is none, rho/eta when the ridge is off), so equal outputs share one cache entry.
+        when alpha is none, rho/eta when the ridge is off, gptq_damp under the ``search``
+        quantizer), so equal outputs share one cache entry.
         """
         if stage not in STAGES:
             raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
         if stage == "quantize":
-            return {
+            read = {
                 "importance": self.importance,
                 "importance_down": self.importance_down,
                 "gain_gu": self.gain_gu,
                 "gain_d": self.gain_d,
             }
+            # `search` (the default) adds nothing, so its keys are those from before `gptq`.
+            if self.quantizer == "gptq":
+                read.update(quantizer="gptq", gptq_damp=self.gptq_damp)
+            return read
         if stage == "part_a":
             if self.alpha == "none":
                 return {"alpha": "none"}
@@ -102,8 +111,9 @@ class Knobs(BaseModel):
         return Knobs(**{**self.model_dump(), **changes})
 
     def uses_activation_statistics(self) -> bool:
-        """True when quantization reads the calibration trace (``act`` importance anywhere)."""
-        return self.importance == "act" or self.importance_down == "act"
+        """True when quantization reads the calibration trace (``act`` importance anywhere, or
+        the ``gptq`` quantizer, which needs each expert's routed inputs)."""
+        return self.importance == "act" or self.importance_down == "act" or self.quantizer == "gptq"
 
 
 class CalibrationConfig(BaseModel):
@@ -113,7 +123,8 @@ class CalibrationConfig(BaseModel):
     corpus order until the budget is reached (the last one cut to fit, and the trace report says
     so). ``chunk_length`` is the forward's sequence length: longer documents are split into
     consecutive chunks, all of them traced. An expert with fewer than ``min_tokens_per_expert``
-    routed tokens uses the layer-wide statistic for ``act`` importance.
+    routed tokens uses the layer-wide statistic for ``act`` importance, and ``search`` instead of
+    ``gptq``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

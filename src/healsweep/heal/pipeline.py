@@ -166,16 +166,13 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
     """
     act = knobs.uses_activation_statistics()
     qkey = stages.quantize_key(model, knobs, trace.key if trace else None, i)
-    q_arrays, _ = timer.run(
+    q_arrays, q_report = timer.run(
         "quantize",
         lambda: cache.get_or_compute(
             "quantize",
             qkey,
-            lambda: (
-                stages.quantize_layer(
-                    weights(), knobs, trace_layer() if act else None, calibration
-                ),
-                {},
+            lambda: stages.quantize_layer(
+                weights(), knobs, trace_layer() if act else None, calibration
             ),
         ),
     )
@@ -217,6 +214,8 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
         timer.run("part_a", lambda: cache.get_or_compute("part_a", akey, compute_alpha))[0]["alpha"]
     )
     report: dict[str, Any] = {"layer": i, "alpha": alpha}
+    if q_report:
+        report["quantize"] = q_report
     if y_q is not None:
         _, residuals = timer.run(
             "part_a",

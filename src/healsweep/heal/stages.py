@@ -4,8 +4,10 @@ Each stage is a function of explicit inputs whose cache key is built from exactl
 (DESIGN.md): the model fingerprint, the keys of the upstream entries it reads and the knobs of
 ``Knobs.for_stage``. Entries are per layer, so a stage loads and stores one layer at a time.
 
-* ``quantize``: Q2_0 of the layer's routed gate/up/down experts (importance, gains). Keyed by the
-  trace only when an importance is ``act`` — a gain sweep never re-runs the teacher.
+* ``quantize``: Q2_0 of the layer's routed gate/up/down experts (importance, gains; ``quantizer:
+  gptq`` adds error feedback over each expert's input second moment, :mod:`healsweep.heal.gptq`).
+  Keyed by the trace only when an importance is ``act`` or the quantizer is ``gptq`` — a gain
+  sweep of ``search`` never re-runs the teacher.
 * ``routed_q``: the quantized experts' routed output on the trace's inputs and routing.
 * ``part_a``: the layer's alpha (``none`` | ``gaussian`` | ``mse``) and the in-sample residuals.
 * ``ridge_basis`` / ``ridge_fit`` / ``part_b``: the ridge on ``ffn_down_shexp`` and its
@@ -31,6 +33,7 @@ from healsweep.kernels import alpha as alpha_kernels
 
 VERSIONS = {
     "quantize": 1,
+    "quantize_gptq": 1,
     "routed_q": 1,
     "part_a": 1,
     "residuals": 1,
@@ -46,6 +49,12 @@ ROUTED_CHUNK = 2048  # tokens per routed-output call (padded), bounds memory and
 # served stale results from the cache, so each key holds a digest of the modules' sources.
 STAGE_CODE = {
     "quantize": ("healsweep.kernels.q2_0", "healsweep.heal.importance"),
+    "quantize_gptq": (
+        "healsweep.kernels.q2_0",
+        "healsweep.heal.importance",
+        "healsweep.kernels.gptq",
+        "healsweep.heal.gptq",
+    ),
     "routed_q": ("healsweep.model.layers",),
     "part_a": ("healsweep.kernels.alpha",),
     "residuals": ("healsweep.kernels.alpha", "healsweep.heal.stages"),
@@ -79,10 +88,12 @@ def stage_key(stage: str, inputs: dict[str, Any]) -> str:
 
 
 def quantize_key(model: Any, knobs: Knobs, trace_key: str | None, layer: int) -> str:
-    """Key of the quantized experts of ``layer``: the trace enters only for ``act`` importance."""
+    """Key of the quantized experts of ``layer``: the trace enters only for ``act`` importance
+    or ``gptq``. ``gptq`` entries are keyed under their own name and code (``quantize_gptq``), so
+    adding it left the keys of ``search`` entries as they were."""
     uses_trace = knobs.uses_activation_statistics()
     return stage_key(
-        "quantize",
+        "quantize_gptq" if knobs.quantizer == "gptq" else "quantize",
         {
             "model": model.fingerprint,
             "knobs": knobs.for_stage("quantize"),
@@ -126,8 +137,9 @@ def quantize_layer(
     knobs: Knobs,
     trace_layer: dict[str, np.ndarray] | None,
     calibration: CalibrationConfig,
-) -> dict[str, np.ndarray]:
-    """Q2_0 codes and scales of the layer's routed experts, as cache arrays."""
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Q2_0 codes and scales of the layer's routed experts, as cache arrays, and the stage's
+    report (``gptq``: how many experts fell back to ``search``, per tensor)."""
     from healsweep.kernels import q2_0
 
     min_tokens = calibration.min_tokens_per_expert
@@ -137,6 +149,7 @@ def quantize_layer(
     )
     down_imp = imp.down_importance(knobs, get("h_sq_sums"), get("counts"), min_tokens)
     arrays: dict[str, np.ndarray] = {}
+    report: dict[str, Any] = {}
     for name, importance, gain in (
         ("gate", gate_up_imp, knobs.gain_gu),
         ("up", gate_up_imp, knobs.gain_gu),
@@ -144,9 +157,37 @@ def quantize_layer(
     ):
         w = weights[f"ffn_{name}_exps.weight"]  # [E, out, in]; in checked by check_quantizable
         q2 = q2_0.quantize_matrix(w, importance, gain, packed=True)
-        arrays[f"{name}.d"] = np.asarray(q2.d, np.float16)
-        arrays[f"{name}.codes"] = np.asarray(q2.codes)
-    return arrays
+        d, codes = np.asarray(q2.d, np.float16), np.asarray(q2.codes)
+        if knobs.quantizer == "gptq":
+            d, codes, report[name] = _gptq_experts(
+                name, w, d, codes, weights, knobs, trace_layer, min_tokens
+            )
+        arrays[f"{name}.d"] = d
+        arrays[f"{name}.codes"] = codes
+    return arrays, ({"gptq_fallback": report} if report else {})
+
+
+def _gptq_experts(name, w, d, codes, weights, knobs, trace_layer, min_tokens):
+    """Replace the ``search`` result ``(d, codes)`` of every expert with enough routed tokens
+    by its GPTQ quantization; returns the new arrays and the fallback counts."""
+    from healsweep.heal import gptq
+    from healsweep.kernels.q2_0 import pack_codes
+
+    counts = np.asarray(trace_layer["counts"])
+    enough = np.nonzero(counts >= min_tokens)[0]
+    gate_up = None
+    if name == "down":
+        gate_up = (weights["ffn_gate_exps.weight"], weights["ffn_up_exps.weight"])
+    gain = knobs.gain_d if name == "down" else knobs.gain_gu
+    d_g, q_g, ok = gptq.quantize_experts(
+        w, trace_layer["x"], trace_layer["ids"], enough, gain, knobs.gptq_damp, gate_up
+    )
+    d, codes = d.copy(), codes.copy()
+    done = enough[ok]
+    d[done] = d_g[ok]
+    codes[done] = np.asarray(pack_codes(q_g[ok]))
+    fallback = {"few_tokens": int(len(counts) - len(enough)), "not_factored": int((~ok).sum())}
+    return d, codes, fallback
 
 
 def q2_weights(arrays: dict[str, np.ndarray]) -> dict[str, Any]:

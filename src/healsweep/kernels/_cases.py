@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from healsweep.kernels import alpha, iq4_nl, kld, kld_compact, q2_0, ridge
+from healsweep.kernels import alpha, gptq, iq4_nl, kld, kld_compact, q2_0, ridge
 from healsweep.kernels.conformance import KernelCase
 
 
@@ -122,6 +122,15 @@ def _iq4_packed(rng):
     return (np.asarray(iq4_nl.pack(*_iq4_codes(rng))),)
 
 
+def _gptq_inputs(rng):
+    # u: upper Cholesky factor of the inverse of a well-conditioned SPD matrix (made on the host)
+    w = _f32(rng, 2, 16, 128)
+    x = rng.standard_normal((2, 400, 128)) @ (np.eye(128) + 0.1 * rng.standard_normal((128, 128)))
+    h = np.einsum("eti,etj->eij", x, x) + 4.0 * np.eye(128)
+    u = np.linalg.cholesky(np.linalg.inv(h)).transpose(0, 2, 1).astype(np.float32)
+    return w, u, np.einsum("eii->ei", h).astype(np.float32)
+
+
 def _jaccard_inputs(rng):
     a = np.stack([rng.permutation(8)[:2] for _ in range(20)]).astype(np.int32)
     b = np.stack([rng.permutation(8)[:2] for _ in range(20)]).astype(np.int32)
@@ -136,6 +145,12 @@ CASES: tuple[KernelCase, ...] = (
         "q2_0.Q2Weight.dequantize",
         lambda d, q: q2_0.Q2Weight(d, q).dequantize(),
         _q2_matrix,
+        rtol=0.0,
+    ),
+    KernelCase(
+        "gptq.quantize",
+        lambda w, u, a: gptq.quantize(w, u, a, np.float32(0.3)),
+        _gptq_inputs,
         rtol=0.0,
     ),
     KernelCase("q2_0.pack", q2_0.pack, _q2_blocks, rtol=0.0),

@@ -1,0 +1,139 @@
+"""``quantizer: gptq``: each routed expert quantized with error feedback over its own inputs.
+
+Per expert ``e`` of a layer the input second moment ``H_e = Σ x xᵀ`` is summed over the
+calibration tokens routed to it (gate/up: the FFN input x; down: ``h = silu(x·Wgᵀ)·(x·Wuᵀ)`` of
+that teacher expert), damped to ``H + λ·mean(diag H)·I`` (λ = knob ``gptq_damp``), inverted and
+factored on the host in float64 (``H⁻¹ = uᵀu``, ``u`` upper; Metal has no Cholesky), and handed
+with the expert's weights to :func:`healsweep.kernels.gptq.quantize`. Each 64-block's scale search
+weighs its columns by the diagonal of the damped ``H_e`` (the expert's own ``Σx²``, i.e. ``act``
+importance from this expert's tokens alone): that is the diagonal part of the error GPTQ
+minimizes, so the block scale and the error feedback serve one objective. The ``importance``
+knobs therefore act only on the experts that fall back to ``search``: those with fewer than
+``min_tokens_per_expert`` routed tokens, and any whose damped ``H`` fails to factor (both
+counted in the stage's report).
+
+Experts are processed in groups of at most ``GROUP`` (the last group padded with inert experts),
+so the host holds a few ``[n, n]`` matrices at a time and the kernel compiles once per shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from healsweep.kernels import gptq as gptq_kernel
+
+GROUP = 8  # experts per kernel call
+_MIN_ROWS = 256  # routed rows are padded to a power of two of at least this many: few compiles
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@jax.jit
+def _gram(x_rows: jax.Array) -> jax.Array:
+    """``xᵀx`` [D, D] of the (zero-padded) rows ``x_rows`` [P, D]."""
+    return jnp.matmul(x_rows.T, x_rows, precision=_HIGHEST)
+
+
+@jax.jit
+def _hidden_gram(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, e) -> jax.Array:
+    """``hᵀh`` [F, F] with ``h = silu(x·Wg[e]ᵀ)·(x·Wu[e]ᵀ)``; zero rows give h = 0."""
+    g = jnp.matmul(x_rows, w_gate[e].T, precision=_HIGHEST)
+    h = jax.nn.silu(g) * jnp.matmul(x_rows, w_up[e].T, precision=_HIGHEST)  # [P, F]
+    return jnp.matmul(h.T, h, precision=_HIGHEST)
+
+
+def _routed_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    size = max(_MIN_ROWS, 1 << max(len(rows) - 1, 0).bit_length())
+    out = np.zeros((size, x.shape[1]), np.float32)
+    out[: len(rows)] = x[rows]
+    return out
+
+
+def second_moments(
+    x: np.ndarray, ids: np.ndarray, experts: np.ndarray, gate_up: tuple | None = None
+) -> np.ndarray:
+    """``H_e = Σ x xᵀ`` [len(experts), n, n] float32 over the tokens routed to each expert.
+
+    ``x`` [T, D] (the FFN input), ``ids`` [T, k]. With ``gate_up = (Wg [E, F, D], Wu [E, F, D])``
+    the moments are those of the down projection's input ``h`` of each expert instead.
+    """
+    x = np.asarray(x)
+    out = []
+    for e in experts:
+        rows = _routed_rows(x, np.nonzero(np.any(ids == e, axis=1))[0])
+        if gate_up is None:
+            out.append(np.asarray(_gram(rows)))
+        else:
+            out.append(np.asarray(_hidden_gram(rows, *gate_up, np.int32(e))))
+    return np.stack(out)
+
+
+def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
+    """Upper ``u`` with ``uᵀu = (H + damp·mean(diag H)·I)⁻¹`` per matrix of ``h`` [G, n, n].
+
+    Host float64. Returns ``(u [G, n, n] float32, ok [G] bool)``; a matrix that does not factor
+    (not positive definite even after damping) has ``ok`` False and ``u = I``.
+    """
+    h = np.asarray(h, np.float64)
+    n = h.shape[-1]
+    eye = np.eye(n)
+    u = np.broadcast_to(eye, h.shape).copy()
+    ok = np.zeros(h.shape[0], bool)
+    for g, hg in enumerate(h):
+        hg = 0.5 * (hg + hg.T) + damp * np.mean(np.diag(hg)) * eye
+        try:
+            lower = np.linalg.cholesky(hg)
+            inv_lower = np.linalg.solve(lower, eye)  # L⁻¹; H⁻¹ = L⁻ᵀL⁻¹
+            h_inv = inv_lower.T @ inv_lower
+            u[g] = np.linalg.cholesky(0.5 * (h_inv + h_inv.T)).T
+        except np.linalg.LinAlgError:
+            continue
+        ok[g] = np.all(np.isfinite(u[g]))
+        if not ok[g]:
+            u[g] = eye
+    return u.astype(np.float32), ok
+
+
+def quantize_stack(
+    w, hessians: np.ndarray, gain: float, damp: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPTQ Q2_0 of ``w`` [G, out, in] (device or numpy) with second moments ``hessians``
+    [G, in, in]. Returns ``(d [G, out, in/64] float16, q [G, out, in] int8, ok [G] bool)``;
+    rows with ``ok`` False are not valid (their ``H`` did not factor; the caller falls back)."""
+    u, ok = inverse_factor(hessians, damp)
+    diag = np.einsum("gii->gi", np.asarray(hessians, np.float64))
+    importance = diag + damp * diag.mean(axis=1, keepdims=True)  # the damped H's diagonal
+    top = importance.max(axis=1, keepdims=True)
+    importance = np.maximum(importance, np.where(top > 0, top * 1e-6, 1.0)).astype(np.float32)
+    d, q = gptq_kernel.quantize(jnp.asarray(w), u, importance, jnp.float32(gain))
+    return np.asarray(d), np.asarray(q), ok
+
+
+def quantize_experts(
+    w,
+    x: np.ndarray,
+    ids: np.ndarray,
+    experts: np.ndarray,
+    gain: float,
+    damp: float,
+    gate_up: tuple | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPTQ Q2_0 of the ``experts`` of the stack ``w`` [E, out, in], in groups of ``GROUP``.
+
+    Returns ``(d [len(experts), out, in/64] float16, q [len(experts), out, in] int8, ok)``.
+    """
+    n_out, n_in = w.shape[1:]
+    d = np.zeros((len(experts), n_out, n_in // 64), np.float16)
+    q = np.zeros((len(experts), n_out, n_in), np.int8)
+    ok = np.zeros(len(experts), bool)
+    for a in range(0, len(experts), GROUP):
+        group = np.asarray(experts[a : a + GROUP])
+        h = second_moments(x, ids, group, gate_up)
+        pad = GROUP - len(group) if len(experts) > GROUP else 0
+        idx = np.concatenate([group, np.repeat(group[:1], pad)])  # inert repeats: one shape
+        h = np.concatenate([h, np.repeat(h[:1], pad, axis=0)])
+        d_g, q_g, ok_g = quantize_stack(w[idx], h, gain, damp)
+        n = len(group)
+        d[a : a + n], q[a : a + n], ok[a : a + n] = d_g[:n], q_g[:n], ok_g[:n]
+    return d, q, ok
