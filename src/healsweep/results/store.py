@@ -16,9 +16,7 @@ consolidation's rename and the removal of its part files can leave one behind fo
 from __future__ import annotations
 
 import json
-import os
 import re
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from healsweep._atomic import atomic_path
+from healsweep._atomic import atomic_write_text as _atomic_write_text
 from healsweep.errors import ResultsError
 from healsweep.results.schema import trial_schema, window_schema
 
@@ -38,19 +38,14 @@ _TRIAL = re.compile(r"^trial-(?P<trial>.+)\.parquet$")
 
 
 def atomic_write_table(table: pa.Table, path: Path) -> None:
-    """Write ``table`` to ``path`` via a dot-file in the same folder, fsync, rename."""
-    tmp = path.parent / f".tmp-{uuid.uuid4().hex}.parquet"
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``table`` to ``path`` atomically (:func:`healsweep._atomic.atomic_path`)."""
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
 
 
 def atomic_write_text(text: str, path: Path) -> None:
-    """Write ``text`` to ``path`` via a dot-file and a rename."""
-    tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`healsweep._atomic.atomic_path`)."""
+    _atomic_write_text(path, text)
 
 
 def part_files(windows_dir: Path) -> dict[str, list[Path]]:
