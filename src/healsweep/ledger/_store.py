@@ -15,13 +15,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from healsweep._atomic import atomic_file
 from healsweep.errors import LedgerError
 from healsweep.ledger._chain import RESTORE_HINT, head_of, parse_lines, seal
 
@@ -140,26 +140,8 @@ def read_verified(path: Path) -> list[dict[str, Any]]:
 
 
 def _write_head(path: Path, record: Mapping[str, Any]) -> None:
-    hp = head_path(path)
-    fd, tmp = tempfile.mkstemp(prefix=hp.name + ".", suffix=".tmp", dir=hp.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(dict(record), fh, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, hp)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(hp.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with atomic_file(head_path(path), "w", encoding="utf-8") as fh:
+        json.dump(dict(record), fh, sort_keys=True)
 
 
 def append_entry(path: Path, entries: list[dict[str, Any]], body: Mapping[str, Any]) -> dict:
