@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from healsweep._atomic import atomic_file
 from healsweep.errors import CacheError
 
 _MAGIC = b"HEALSWEEP-CACHE-2\n"
@@ -100,24 +100,16 @@ class StageCache:
         return decoded
 
     def put(self, stage: str, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping | None = None) -> None:
-        """Write an entry atomically (temp file in the same directory, fsync, rename)."""
+        """Write an entry atomically (:func:`healsweep._atomic.atomic_file`)."""
         path = self.path(stage, key)
         header, data = _layout(arrays, dict(meta or {}))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".hsc")
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(header)
-                    for pad, values in data:
-                        fh.write(b"\0" * pad)
-                        fh.write(values)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            with atomic_file(path, "wb") as fh:
+                fh.write(header)
+                for pad, values in data:
+                    fh.write(b"\0" * pad)
+                    fh.write(values)
         except OSError as exc:
             raise CacheError(
                 f"cannot write cache entry under {self.root}: {exc.strerror or exc}; "
