@@ -17,14 +17,13 @@ expert tensor, plus the alphas and knobs.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from healsweep._atomic import atomic_file, atomic_path
 from healsweep.errors import GGUFFormatError
 
 _EXPERT_FIELDS = {
@@ -174,47 +173,43 @@ def write_replacing(
     reader = gguf.GGUFReader(base.path)
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
-    writer = gguf.GGUFWriter(tmp, arch)
-    try:
-        for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-                continue
-            value_type = field.types[0]
-            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
-        for key, value in metadata.items():
-            _add_field(writer, HEAL_KEY_PREFIX + key, value)
-        for tensor in reader.tensors:
-            if tensor.name in plan:
-                qtype, shape, dtype = plan[tensor.name]
-                nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            else:
-                qtype, shape, dtype = tensor.tensor_type, tensor.data.shape, tensor.data.dtype
-                nbytes = tensor.data.nbytes
-            _check_shape(base, tensor.name, shape, np.dtype(dtype), qtype)
-            writer.add_tensor_info(tensor.name, shape, np.dtype(dtype), nbytes, qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for tensor in reader.tensors:
-            if tensor.name not in plan:
-                writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
-                continue
-            data = produce(tensor.name)
-            _, shape, dtype = plan[tensor.name]
-            if tuple(data.shape) != tuple(shape) or data.dtype != np.dtype(dtype):
-                raise ValueError(
-                    f"write_replacing: {tensor.name} was planned as {np.dtype(dtype)} {shape}, "
-                    f"produced as {data.dtype} {tuple(data.shape)}"
-                )
-            writer.write_tensor_data(np.ascontiguousarray(data))
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    writer.close()
-    tmp.replace(out)
+    with atomic_path(out) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)
+        try:
+            for field in reader.fields.values():
+                if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                    continue
+                value_type = field.types[0]
+                sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+            for key, value in metadata.items():
+                _add_field(writer, HEAL_KEY_PREFIX + key, value)
+            for tensor in reader.tensors:
+                if tensor.name in plan:
+                    qtype, shape, dtype = plan[tensor.name]
+                    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                else:
+                    qtype, shape, dtype = tensor.tensor_type, tensor.data.shape, tensor.data.dtype
+                    nbytes = tensor.data.nbytes
+                _check_shape(base, tensor.name, shape, np.dtype(dtype), qtype)
+                writer.add_tensor_info(tensor.name, shape, np.dtype(dtype), nbytes, qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for tensor in reader.tensors:
+                if tensor.name not in plan:
+                    writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+                    continue
+                data = produce(tensor.name)
+                _, shape, dtype = plan[tensor.name]
+                if tuple(data.shape) != tuple(shape) or data.dtype != np.dtype(dtype):
+                    raise ValueError(
+                        f"write_replacing: {tensor.name} was planned as {np.dtype(dtype)} {shape}, "
+                        f"produced as {data.dtype} {tuple(data.shape)}"
+                    )
+                writer.write_tensor_data(np.ascontiguousarray(data))
+        finally:
+            writer.close()
     return out
 
 
@@ -259,12 +254,6 @@ def write_q2_sidecar(student: Any, out: str | Path) -> Path:
             arrays[f"blk.{layer}.{suffix}"] = rows.reshape(*rows.shape[:-1], -1, _BLOCK_BYTES)
     arrays["knobs_json"] = np.frombuffer(json.dumps(student.knobs.model_dump()).encode(), np.uint8)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-", suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **arrays)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(out, "wb") as fh:
+        np.savez(fh, **arrays)
     return out
