@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -32,7 +33,7 @@ MIXED_TYPES = {
 }
 
 
-def _run(*args, tmp_path):
+def _run(*args, tmp_path, preexec_fn=None):
     env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
     return subprocess.run(
         [sys.executable, "-m", "healsweep", *map(str, args)],
@@ -41,6 +42,7 @@ def _run(*args, tmp_path):
         env=env,
         timeout=300,
         check=False,
+        preexec_fn=preexec_fn,
     )
 
 
@@ -249,3 +251,32 @@ def test_cli_slice_writes_a_model_and_one_line(random_gguf, tmp_path):
     over = _run("model", "slice", src, "--layers", "0:2", "--out", src, tmp_path=tmp_path)
     assert over.returncode == 1 and len(over.stderr.strip().splitlines()) == 1
     assert "is the source model itself" in over.stderr and open_model(src).hparams.n_layer == 4
+
+
+def test_a_slice_that_runs_out_of_space_keeps_the_old_output_and_leaves_no_temp(
+    random_gguf, tmp_path
+):
+    import resource
+
+    src = random_gguf("qwen3moe", n_layer=4)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    out = folder / "two.gguf"
+    out.write_bytes(b"the previous slice")
+    limit = 16 * 1024  # far below the slice: the write fails half-way with EFBIG
+
+    def limit_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    assert src.stat().st_size > 4 * limit
+    done = _run(
+        "model", "slice", src, "--layers", "1:3", "--out", out,
+        tmp_path=tmp_path, preexec_fn=limit_files,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: cannot write {out}: File too large; free disk space or pass another --out path"
+    ]
+    assert sorted(p.name for p in folder.iterdir()) == ["two.gguf"]
+    assert out.read_bytes() == b"the previous slice"

@@ -8,12 +8,12 @@ in bounded chunks from the source file, so peak memory stays a few MiB whatever 
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 from pathlib import Path
 from typing import Any
 
+from healsweep._atomic import atomic_file
 from healsweep.errors import HealsweepError, SliceError
 from healsweep.gguf_io._model import GGUFModel, open_model
 
@@ -223,9 +223,8 @@ def slice_model(
     header = [b"GGUF", enc.pack("IQQ", version, len(tensors), n_kv), *kv_blobs, *infos]
     header_len = sum(len(b) for b in header)
 
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        with open(src_path, "rb") as src_fh, open(tmp, "wb") as dst_fh:
+        with open(src_path, "rb") as src_fh, atomic_file(out, "wb") as dst_fh:
             for blob in header:
                 dst_fh.write(blob)
             dst_fh.write(b"\0" * (-header_len % alignment))
@@ -235,18 +234,10 @@ def slice_model(
                 dst_fh.write(b"\0" * (data_start + rel - dst_fh.tell()))
                 _copy_range(src_fh, dst_fh, int(tensor.data_offset), int(tensor.n_bytes), buffer)
             dst_fh.write(b"\0" * (-dst_fh.tell() % alignment))
-            dst_fh.flush()
-            os.fsync(dst_fh.fileno())
-        os.replace(tmp, out)
     except HealsweepError:
-        tmp.unlink(missing_ok=True)
         raise
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise SliceError(
             f"cannot write {out}: {exc.strerror or exc}; free disk space or pass another --out path"
         ) from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return out

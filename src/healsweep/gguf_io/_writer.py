@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from healsweep._atomic import atomic_path
 from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io._hparams import ModelHparams, metadata_from_hparams
 from healsweep.gguf_io._kquant import KQUANT_TYPES, quantize_kquant
@@ -86,34 +87,31 @@ def write_model(
     from gguf import GGMLQuantizationType, GGUFWriter
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    writer = GGUFWriter(tmp, arch, use_temp_file=True)
-    try:
-        writer.add_string("general.name", name)
-        for key, value in metadata_from_hparams(hparams.replace(arch=arch)).items():
-            if key not in drop_keys:
+    with atomic_path(path) as tmp:
+        writer = GGUFWriter(tmp, arch, use_temp_file=True)
+        try:
+            writer.add_string("general.name", name)
+            for key, value in metadata_from_hparams(hparams.replace(arch=arch)).items():
+                if key not in drop_keys:
+                    _add_value(writer, key, value)
+            if tokenizer_metadata is not None:
+                for key, value in tokenizer_metadata.to_gguf_fields().items():
+                    _add_value(writer, key, value)
+            for key, value in (extra_metadata or {}).items():
                 _add_value(writer, key, value)
-        if tokenizer_metadata is not None:
-            for key, value in tokenizer_metadata.to_gguf_fields().items():
-                _add_value(writer, key, value)
-        for key, value in (extra_metadata or {}).items():
-            _add_value(writer, key, value)
-        for tensor_name in tensors:
-            values = np.asarray(tensors[tensor_name], dtype=np.float32)
-            qtype = (types or {}).get(tensor_name)  # F32 is 0: test against None, not falsy
-            qtype = default_type(values.ndim) if qtype is None else qtype
-            encoded = encode_tensor(tensor_name, values, qtype)
-            raw_dtype = qtype if encoded.dtype == np.uint8 else None
-            if qtype == GGMLQuantizationType.BF16:
-                raw_dtype = qtype
-            writer.add_tensor(tensor_name, encoded, raw_dtype=raw_dtype)
-            del values, encoded
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        tmp.replace(path)
-    finally:
-        writer.close()
-        tmp.unlink(missing_ok=True)
+            for tensor_name in tensors:
+                values = np.asarray(tensors[tensor_name], dtype=np.float32)
+                qtype = (types or {}).get(tensor_name)  # F32 is 0: test against None, not falsy
+                qtype = default_type(values.ndim) if qtype is None else qtype
+                encoded = encode_tensor(tensor_name, values, qtype)
+                raw_dtype = qtype if encoded.dtype == np.uint8 else None
+                if qtype == GGMLQuantizationType.BF16:
+                    raw_dtype = qtype
+                writer.add_tensor(tensor_name, encoded, raw_dtype=raw_dtype)
+                del values, encoded
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
     return path
