@@ -236,6 +236,9 @@ def test_builder_is_deterministic_and_seeded(tmp_path):
     write_demo_assets(second, tmp_path / "b.jsonl", tmp_path / "b-tok.json")
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
     assert (tmp_path / "a-tok.json").read_bytes() == (tmp_path / "b-tok.json").read_bytes()
+    names = sorted(p.name for p in tmp_path.iterdir())  # written atomically: no temp left
+    assert names == ["a-tok.json", "a.jsonl", "b-tok.json", "b.jsonl"]
+    assert Tokenizer.from_file(str(tmp_path / "a-tok.json")).to_str() == first.tokenizer.to_str()
     rebuilt = load_corpus(tmp_path / "a.jsonl")
     assert Counter(d.stratum for d in rebuilt.pool("eval")) == {
         s: 3 for s in ("code", "docs", "json", "tool")

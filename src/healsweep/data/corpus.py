@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from healsweep._atomic import atomic_file
 from healsweep.demo.paths import demo_corpus_path
 from healsweep.errors import CorpusError
 
@@ -262,15 +262,8 @@ def write_corpus(documents: Iterable[Document], path: str | os.PathLike[str]) ->
     target = Path(path)
     lines = [json.dumps(doc.to_record(), ensure_ascii=False) + "\n" for doc in documents]
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
-    try:
-        os.chmod(tmp, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.writelines(lines)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(target, "w", encoding="utf-8", newline="\n") as handle:
+        handle.writelines(lines)
     return target
 
 

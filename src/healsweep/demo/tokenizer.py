@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from healsweep._atomic import atomic_write_text
 from healsweep.demo.paths import demo_tokenizer_path
 from healsweep.errors import TokenizerError
 
@@ -92,10 +93,7 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike[str]) -> Path:
     """Write ``tokenizer.json`` (pretty JSON; the same tokenizer gives the same bytes)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
-    os.replace(tmp, target)
-    return target
+    return atomic_write_text(target, tokenizer.to_str(pretty=True) + "\n")
 
 
 def marker_ids(tokenizer: Tokenizer) -> dict[str, int]:
