@@ -197,3 +197,25 @@ def test_gptq_lowers_the_routed_output_error_of_gate_and_up(setup, tmp_path):
         gate = built.replacements[0].gate_exps
         errors[name] = _h_error(w[enough], np.asarray(gate.d)[enough], gate.q[enough], h).sum()
     assert errors["gptq"] < errors["search"]
+
+
+def test_experts_with_too_few_tokens_fall_back_to_search_and_are_counted(setup, tmp_path):
+    model, corpus = setup
+    cache = StageCache(tmp_path / "cache")
+    starved = CalibrationConfig(chunk_length=64, min_tokens_per_expert=10**6)
+    gptq_student = build_student(
+        model, Knobs(quantizer="gptq", alpha="none", ridge=False), starved, cache, corpus=corpus
+    )
+    search = build_student(model, Knobs(alpha="none", ridge=False), starved, cache, corpus=corpus)
+    n_expert = model.hparams.n_expert
+    for layer in gptq_student.report["layers"]:
+        for counts in layer["quantize"]["gptq_fallback"].values():
+            assert counts == {"few_tokens": n_expert, "not_factored": 0}
+    for i in range(model.hparams.n_layer):
+        for name in ("gate_exps", "up_exps", "down_exps"):
+            got, ref = (
+                getattr(gptq_student.replacements[i], name),
+                getattr(search.replacements[i], name),
+            )
+            np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(ref.codes))
+            np.testing.assert_array_equal(np.asarray(got.d), np.asarray(ref.d))
