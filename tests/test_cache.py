@@ -89,6 +89,43 @@ def test_entries_keep_dtype_shape_and_bytes(tmp_path):
         cache_module.PIECE = old
 
 
+def test_entries_read_lately_are_served_from_memory_until_their_file_changes(
+    tmp_path, monkeypatch
+):
+    """A second read (another StageCache, as the next trial of a sweep worker builds) is served
+    from memory, read-only; a rewritten file is read again; a budget of 0 keeps nothing."""
+    from healsweep.cache import _RECENT
+
+    monkeypatch.setenv("HEALSWEEP_RECENT_GB", "1")
+    _RECENT.clear()
+    key = content_key("stage", 1, {"x": 3})
+    StageCache(tmp_path).put("stage", key, {"w": np.arange(12.0).reshape(3, 4)}, {"m": [1]})
+    first, meta = StageCache(tmp_path).get("stage", key)
+    second, meta_again = StageCache(tmp_path).get("stage", key)
+    assert np.shares_memory(first["w"], second["w"]) and not first["w"].flags.writeable
+    meta["m"].append(2)  # a caller's change to its metadata does not reach the next caller
+    assert meta_again == {"m": [1]} and StageCache(tmp_path).get("stage", key)[1] == {"m": [1]}
+    with pytest.raises(ValueError, match="read-only"):
+        first["w"][0, 0] = 5.0
+
+    StageCache(tmp_path).put("stage", key, {"w": np.zeros((3, 4))}, {"m": [0]})  # new inode
+    again, meta = StageCache(tmp_path).get("stage", key)
+    assert not again["w"].any() and meta == {"m": [0]}
+
+    monkeypatch.setenv("HEALSWEEP_RECENT_GB", "0")
+    _RECENT.clear()
+    a, _ = StageCache(tmp_path).get("stage", key)
+    b, _ = StageCache(tmp_path).get("stage", key)
+    assert not np.shares_memory(a["w"], b["w"])
+    _RECENT.clear()
+
+    monkeypatch.setenv("HEALSWEEP_RECENT_GB", "lots")
+    from healsweep.errors import SettingError
+
+    with pytest.raises(SettingError, match="HEALSWEEP_RECENT_GB='lots' is not a number"):
+        StageCache(tmp_path).get("stage", key)
+
+
 def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
     if os.geteuid() == 0:
         # root ignores permission bits: use a path whose parent is a regular file instead

@@ -112,15 +112,15 @@ def test_resident_layers_serve_the_same_logits_and_never_a_stale_file(
     model = open_model(path)
     seqs = [np.arange(1, 50, dtype=np.int32)]
     streamed = forward(model, seqs).logits[0]  # the CPU's default budget: nothing kept
-    assert RESIDENT._bytes == 0
+    assert RESIDENT.kept_bytes == 0
 
     monkeypatch.setenv("HEALSWEEP_RESIDENT_GB", "1")
     RESIDENT.clear()
     first = forward(model, seqs).logits[0]
-    kept = len(RESIDENT._entries)
+    kept = len(RESIDENT)
     assert kept == model.hparams.n_layer + 1  # every layer and the output head's one chunk
     second = forward(model, seqs).logits[0]
-    assert len(RESIDENT._entries) == kept
+    assert len(RESIDENT) == kept
     np.testing.assert_array_equal(first, streamed)
     np.testing.assert_array_equal(second, streamed)
 
@@ -134,7 +134,7 @@ def test_resident_layers_serve_the_same_logits_and_never_a_stale_file(
     monkeypatch.setenv("HEALSWEEP_RESIDENT_GB", "0.000001")  # ~1 KB: nothing fits
     RESIDENT.clear()
     forward(model, seqs)
-    assert RESIDENT._bytes == 0
+    assert RESIDENT.kept_bytes == 0
     RESIDENT.clear()
 
 

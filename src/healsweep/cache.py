@@ -9,12 +9,18 @@ It is written to a temp file and renamed into place, so a reader sees a whole en
 truncated or corrupt entry fails a checksum, is deleted and recomputed, never used.
 
 Reading takes the file into one buffer and checks the pieces on several threads; the arrays are
-views of that buffer, so a hit costs one read and one parallel pass of sha256, no further copies
-(a quantized layer of a real-size model is hundreds of MB, read by every trial that reuses it).
+read-only views of that buffer, so a hit costs one read and one parallel pass of sha256, no
+further copies (a quantized layer of a real-size model is hundreds of MB, read by every trial
+that reuses it). Entries read lately stay in memory, least recently used first out, up to
+``HEALSWEEP_RECENT_GB`` (default: an eighth of the machine's memory), keyed by the file's path,
+inode, size and mtime: a sweep worker runs trial after trial in one process, and a trial that
+changes only ``rho`` or ``eta`` reads what the one before it read. A file rewritten or damaged
+since is read again (and checked), never served from memory.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -29,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from healsweep._atomic import atomic_file
+from healsweep._lru import BoundedLRU, gib_setting
 from healsweep.errors import CacheError
 
 _MAGIC = b"HEALSWEEP-CACHE-2\n"
@@ -66,6 +73,24 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "healsweep"
 
 
+_RECENT_ENV = "HEALSWEEP_RECENT_GB"
+
+
+def recent_budget() -> int:
+    """Bytes of stage-cache entries kept in memory: ``HEALSWEEP_RECENT_GB``, else an eighth of
+    the machine's memory."""
+    configured = gib_setting(_RECENT_ENV, "stage-cache entries to keep in memory")
+    if configured is not None:
+        return configured
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+    except (ValueError, OSError, AttributeError):  # no sysconf: keep nothing
+        return 0
+
+
+_RECENT = BoundedLRU(recent_budget, lambda entry: entry[2])  # (arrays, meta, bytes)
+
+
 class StageCache:
     """A directory of content-keyed stage outputs.
 
@@ -87,17 +112,21 @@ class StageCache:
         """The arrays and metadata of an entry, or None when absent or corrupt (then deleted)."""
         path = self.path(stage, key)
         try:
-            decoded = _read(path)
+            st = os.stat(path)
+            found = _RECENT.get(
+                (str(path), st.st_ino, st.st_size, st.st_mtime_ns), lambda: _read(path)
+            )
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise CacheError(f"cannot read cache entry {path}: {exc}") from exc
-        if decoded is None:
+        if found is None:
             with self._lock:
                 self.corrupt[stage] += 1
             path.unlink(missing_ok=True)
             return None
-        return decoded
+        arrays, meta, _ = found
+        return dict(arrays), copy.deepcopy(meta)
 
     def put(self, stage: str, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping | None = None) -> None:
         """Write an entry atomically (:func:`healsweep._atomic.atomic_file`)."""
@@ -176,9 +205,10 @@ def _layout(
     return head + body, data
 
 
-def _read(path: Path) -> tuple[dict[str, np.ndarray], dict] | None:
-    """The arrays (views of one buffer holding the file) and metadata, or None when the entry
-    is not whole: a short file, a wrong magic or any checksum that does not match."""
+def _read(path: Path) -> tuple[dict[str, np.ndarray], dict, int] | None:
+    """The arrays (read-only views of one buffer holding the file), metadata and the file's
+    size, or None when the entry is not whole: a short file, a wrong magic or any checksum
+    that does not match."""
     with open(path, "rb", buffering=0) as fh:
         size = os.fstat(fh.fileno()).st_size
         if size < _HEAD:
@@ -210,9 +240,10 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict] | None:
     buffers = [view[base + s["offset"] : base + s["offset"] + s["nbytes"]] for s in specs]
     if _digests(buffers) != [d for spec in specs for d in spec["sha256"]]:
         return None
+    mapped.flags.writeable = False  # kept in memory for later trials: nobody may change them
     arrays = {
         spec["name"]: np.frombuffer(mapped, np.dtype(spec["dtype"]), count=int(np.prod(
             spec["shape"], dtype=np.int64)), offset=base + spec["offset"]).reshape(spec["shape"])
         for spec in specs
     }
-    return arrays, header["meta"]
+    return arrays, header["meta"], size
