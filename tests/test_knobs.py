@@ -84,8 +84,10 @@ def test_knobs_are_frozen_hashable_and_picklable():
 
 def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
     knobs = Knobs()
-    # gptq makes every knob live (quantizer and gptq_damp are inert, and unkeyed, under search)
-    read = [set(Knobs(quantizer="gptq").for_stage(s)) for s in STAGES]
+    # gptq and per-expert alpha make every knob live (quantizer, gptq_damp and alpha_granularity
+    # are unkeyed at their defaults)
+    live = Knobs(quantizer="gptq", alpha_granularity="expert")
+    read = [set(live.for_stage(s)) for s in STAGES]
     union = set().union(*read)
     assert union == set(Knobs.model_fields)
     assert sum(len(r) for r in read) == len(union)  # each knob is read by exactly one stage

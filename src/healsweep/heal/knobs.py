@@ -31,6 +31,7 @@ ALLOWED = {
     "gain_d": "a float in [0, 2]",
     "alpha": "one of none, gaussian, mse",
     "gamma": "a float in [0, 1]",
+    "alpha_granularity": "one of layer, expert",
     "ridge": "true or false",
     "rho": "a float in (0, 1000]",
     "eta": "a float in [0, 2]",
@@ -63,6 +64,7 @@ class Knobs(BaseModel):
     gain_d: float = _float(0.3, 0.0, 2.0)
     alpha: Literal["none", "gaussian", "mse"] = "gaussian"
     gamma: float = _float(0.75, 0.0, 1.0)
+    alpha_granularity: Literal["layer", "expert"] = "layer"
     ridge: bool = Field(default=True, strict=True)
     rho: float = _float(6.0, 0.0, 1000.0, lo_open=True)
     eta: float = _float(0.15, 0.0, 2.0)
@@ -78,8 +80,8 @@ class Knobs(BaseModel):
         """Exactly the knobs ``stage`` reads (its cache-key contribution); {} for knob-free stages.
 
         Knobs that cannot change a stage's output under the current setting are left out (gamma
-        when alpha is none, rho/eta when the ridge is off, gptq_damp under the ``search``
-        quantizer), so equal outputs share one cache entry.
+        when alpha is none (alpha_granularity too), rho/eta when the ridge is off, gptq_damp
+        under the ``search`` quantizer), so equal outputs share one cache entry.
         """
         if stage not in STAGES:
             raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
@@ -97,7 +99,10 @@ class Knobs(BaseModel):
         if stage == "part_a":
             if self.alpha == "none":
                 return {"alpha": "none"}
-            return {"alpha": self.alpha, "gamma": self.gamma}
+            read = {"alpha": self.alpha, "gamma": self.gamma}
+            if self.alpha_granularity == "expert":  # `layer` adds nothing: keys from before
+                read["alpha_granularity"] = "expert"
+            return read
         if stage == "ridge_fit":
             return {"rho": self.rho} if self.ridge else {}
         if stage == "part_b":

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
-from healsweep.heal import ridge, stages
+from healsweep.heal import expert_alpha, ridge, stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
@@ -201,31 +201,78 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
 
     akey = stages.part_a_key(knobs, model, qkey, rkey if knobs.alpha == "mse" else None, i)
 
+    per_expert = knobs.alpha != "none" and knobs.alpha_granularity == "expert"
+
     def compute_alpha():
         if knobs.alpha == "gaussian":
+            if per_expert:
+                alphas = expert_alpha.gaussian_alphas(weights(), experts, knobs.gamma)
+                return {"alpha": np.float32(1.0), "expert_alpha": alphas}, {}
             value = stages.gaussian_alpha(weights(), experts, knobs.gamma)
         elif knobs.alpha == "mse":
             value = float(alpha_kernels.alpha_mse(trace_layer()["y_ref"], y_q(), knobs.gamma))
+            if per_expert:  # starved experts keep the layer's alpha
+                alphas = expert_alpha.mse_alphas(
+                    weights(),
+                    experts,
+                    trace_layer(),
+                    knobs.gamma,
+                    value,
+                    calibration.min_tokens_per_expert,
+                )
+                return {"alpha": np.float32(1.0), "expert_alpha": alphas}, {}
         else:
             value = 1.0
         return {"alpha": np.float32(value)}, {}
 
-    alpha = float(
-        timer.run("part_a", lambda: cache.get_or_compute("part_a", akey, compute_alpha))[0]["alpha"]
-    )
+    a_arrays = timer.run("part_a", lambda: cache.get_or_compute("part_a", akey, compute_alpha))[0]
+    alpha = float(a_arrays["alpha"])
     report: dict[str, Any] = {"layer": i, "alpha": alpha}
     if q_report:
         report["quantize"] = q_report
+    y_q_raw, healed = y_q, experts
+    if "expert_alpha" in a_arrays:
+        # Folded into each expert's down scales now; what Part B and the residuals see is the
+        # routed output of those scaled experts (alpha 1), computed once and cached.
+        report["expert_alphas"] = [float(a) for a in a_arrays["expert_alpha"]]
+        # A new name: the routed_q closure above must keep reading the unscaled experts.
+        healed = {
+            **experts,
+            "down": experts["down"].scale_d(a_arrays["expert_alpha"][:, None, None]),
+        }
+        if y_q is not None:
+            skey = stages.routed_q_key(f"{qkey}+{akey}", trace.key, i)
+            y_q = cache_fn(
+                lambda: timer.run(
+                    "routed_q",
+                    lambda: cache.get_or_compute(
+                        "routed_q",
+                        skey,
+                        lambda: (
+                            {
+                                "y_q": stages.routed_output(
+                                    healed, trace_layer(), model.hparams.n_expert
+                                )
+                            },
+                            {},
+                        ),
+                    ),
+                )[0]["y_q"]
+            )
     if y_q is not None:
-        _, residuals = timer.run(
+
+        def residuals():
+            found = stages.residual_report(trace_layer()["y_ref"], y_q(), alpha)
+            if y_q_raw is not y_q:  # at alpha 1 means: before Part A, i.e. the unscaled experts
+                unscaled = stages.residual_report(trace_layer()["y_ref"], y_q_raw(), 1.0)
+                found["residual_alpha_1"] = unscaled["residual_alpha_1"]
+            return {}, found
+
+        _, found = timer.run(
             "part_a",
-            lambda: cache.get_or_compute(
-                "residuals",
-                stages.residuals_key(rkey, akey),
-                lambda: ({}, stages.residual_report(trace_layer()["y_ref"], y_q(), alpha)),
-            ),
+            lambda: cache.get_or_compute("residuals", stages.residuals_key(rkey, akey), residuals),
         )
-        report.update(residuals)
+        report.update(found)
 
     shexp, bkey = None, None
     if knobs.ridge and model.hparams.n_ff_shexp > 0:
@@ -237,7 +284,7 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
             1 + stats["realized_in_sample_change"]
         )
         report["ridge"] = stats
-    return experts, alpha, shexp, report, {"quantize": qkey, "part_a": akey, "part_b": bkey}
+    return healed, alpha, shexp, report, {"quantize": qkey, "part_a": akey, "part_b": bkey}
 
 
 def _part_b(model, i, trace, trace_layer, y_q, alpha, knobs, upstream, cache, timer):
