@@ -79,6 +79,34 @@ def calibration_identity(calibration: Any) -> dict[str, Any]:
     return {**calibration.key_inputs(), "corpus_content": digest}
 
 
+def trial_by_id(trials: list[dict[str, Any]], trial_id: str, where: Path) -> dict[str, Any]:
+    """The row of ``trial_id`` in a sweep's trials, or a one-line ResultsError naming a few."""
+    for row in trials:
+        if row["trial_id"] == trial_id:
+            return row
+    known = sorted(t["trial_id"] for t in trials)
+    raise ResultsError(
+        f"{where}: no trial {trial_id!r} in trials.parquet; pick one of {known[:8]}"
+        f"{' ...' if len(known) > 8 else ''} (see `healsweep sweep status`)"
+    )
+
+
+def best_trial(trials: list[dict[str, Any]], where: Path, purpose: str) -> dict[str, Any]:
+    """The completed non-baseline trial with the lowest dev pooled KLD (ResultsError if none;
+    ``purpose`` ends its message, e.g. "to confirm")."""
+    done = [
+        t
+        for t in trials
+        if t["status"] == "completed" and not t["is_baseline"] and t["kld_mean"] is not None
+    ]
+    if not done:
+        raise ResultsError(
+            f"{where}: no completed non-baseline trial {purpose}; let the sweep finish or name "
+            "one with --trial"
+        )
+    return min(done, key=lambda t: t["kld_mean"])
+
+
 def choose_configs(
     trials: list[dict[str, Any]], trial_ids: Sequence[str] | None, where: Path
 ) -> list[tuple[dict[str, Any], bool]]:
@@ -88,26 +116,9 @@ def choose_configs(
     if baseline is None:
         raise ResultsError(f"{where}: the sweep has no baseline trial; nothing to compare on test")
     if trial_ids:
-        by_id = {t["trial_id"]: t for t in trials}
-        unknown = [t for t in trial_ids if t not in by_id]
-        if unknown:
-            raise ResultsError(
-                f"{where}: no trial {unknown[0]!r} in trials.parquet; pick from "
-                f"{sorted(by_id)[:8]} (see `healsweep sweep status`)"
-            )
-        chosen = [by_id[t] for t in trial_ids]
+        chosen = [trial_by_id(trials, t, where) for t in trial_ids]
     else:
-        done = [
-            t
-            for t in trials
-            if t["status"] == "completed" and not t["is_baseline"] and t["kld_mean"] is not None
-        ]
-        if not done:
-            raise ResultsError(
-                f"{where}: no completed non-baseline trial to confirm; let the sweep finish or "
-                "name trials with --trial"
-            )
-        chosen = [min(done, key=lambda t: t["kld_mean"])]
+        chosen = [best_trial(trials, where, "to confirm")]
     picked: dict[str, tuple[dict[str, Any], bool]] = {baseline["config_hash"]: (baseline, True)}
     for row in chosen:
         picked.setdefault(row["config_hash"], (row, False))

@@ -49,26 +49,11 @@ class ExportResult:
 def pick_trial(trials: list[dict[str, Any]], trial_id: str | None, where: Path) -> dict[str, Any]:
     """The row of ``trial_id``, or (None) the completed non-baseline trial with the lowest dev
     pooled KLD — the trial ``confirm`` would pick."""
+    from healsweep.confirm import best_trial, trial_by_id
+
     if trial_id is not None:
-        for row in trials:
-            if row["trial_id"] == trial_id:
-                return row
-        known = sorted(t["trial_id"] for t in trials)
-        raise ResultsError(
-            f"{where}: no trial {trial_id!r} in trials.parquet; pick one of {known[:8]}"
-            f"{' ...' if len(known) > 8 else ''} (see `healsweep sweep status`)"
-        )
-    done = [
-        t
-        for t in trials
-        if t["status"] == "completed" and not t["is_baseline"] and t["kld_mean"] is not None
-    ]
-    if not done:
-        raise ResultsError(
-            f"{where}: no completed non-baseline trial to export as --best; let the sweep "
-            "finish or name one with --trial"
-        )
-    return min(done, key=lambda t: t["kld_mean"])
+        return trial_by_id(trials, trial_id, where)
+    return best_trial(trials, where, "to export as --best")
 
 
 def find_confirmation(sweep_dir: Path, frozen: str) -> tuple[Confirmation | None, str | None]:
