@@ -31,6 +31,7 @@ import numpy as np
 
 from healsweep.heal.stages import stage_key
 from healsweep.kernels import ridge as kr
+from healsweep.kernels._precision import full_float32
 
 LOBO_BLOCKS = 4
 CHUNK = 2048  # tokens of Z' alive at a time (padded to a multiple of 64)
@@ -45,6 +46,7 @@ def shexp_weights(model: Any, layer: int) -> tuple[jax.Array, jax.Array]:
 
 
 @jax.jit
+@full_float32
 def _design(x, gate, w_gate, w_up):
     from healsweep.model.layers import swiglu_hidden
 
@@ -79,6 +81,7 @@ def _pieces(n_tokens: int) -> list[tuple[int, int]]:
 
 
 @jax.jit
+@full_float32
 def _gram(z_gated):
     return z_gated.T @ z_gated
 
@@ -124,6 +127,7 @@ def compute_basis(
     return basis_from_design(layer_design(model, layer, trace_layer), len(trace_layer["x"]))
 
 
+@full_float32
 def basis_from_design(
     design: Design, n_tokens: int
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -161,10 +165,12 @@ def fit_key(knobs: Any, basis: str, part_a: str, routed_q: str, layer: int) -> s
 
 
 @jax.jit
+@full_float32
 def _rhs_sums(z_gated, target):
     return z_gated.T @ target, jnp.sum(z_gated * z_gated), jnp.sum(target * target)
 
 
+@full_float32
 def _heldout_systems(
     u: jax.Array, weights: jax.Array, coef: jax.Array, target: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]]:
@@ -236,6 +242,7 @@ def compute_fit(
     return fit_from_design(design, target, basis, basis_meta, rho)
 
 
+@full_float32
 def fit_from_design(
     design: Design,
     target: np.ndarray,
@@ -320,6 +327,7 @@ def part_b_key(knobs: Any, model: Any, fit: str, layer: int) -> str:
     )
 
 
+@full_float32
 def ridge_layer(
     model: Any,
     layer: int,

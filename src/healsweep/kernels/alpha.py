@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from healsweep.kernels._precision import full_float32
+
 GAUSSIAN_TOKENS = 16
 GAUSSIAN_SEED = 0
 
@@ -47,6 +49,7 @@ def alpha_from_stats(dot: jax.Array, ref_sq: jax.Array, q_sq: jax.Array, gamma: 
 
 
 @jax.jit
+@full_float32
 def output_stats(y_ref: jax.Array, y_q: jax.Array) -> jax.Array:
     """[3] float32: <y_ref, y_q>, |y_ref|^2, |y_q|^2 over all tokens (y_* are [T, D])."""
     y_ref = jnp.asarray(y_ref, jnp.float32)  # [T, D]
@@ -62,6 +65,7 @@ def output_stats(y_ref: jax.Array, y_q: jax.Array) -> jax.Array:
 
 
 @jax.jit
+@full_float32
 def alpha_mse(y_ref: jax.Array, y_q: jax.Array, gamma: float) -> jax.Array:
     """alpha = cos^(1-gamma)/ratio over a layer's routed outputs y_ref, y_q [T, D] (a scalar)."""
     dot, ref_sq, q_sq = output_stats(y_ref, y_q)
@@ -73,6 +77,7 @@ alpha_from_outputs = alpha_mse
 
 
 @jax.jit
+@full_float32
 def residual_fraction(y_ref: jax.Array, y_q: jax.Array, alpha: float) -> jax.Array:
     """Relative routed residual |y_ref - alpha*y_q|^2 / |y_ref|^2 (a scalar; 0 for y_ref = 0)."""
     y_ref = jnp.asarray(y_ref, jnp.float32)  # [T, D]
@@ -83,6 +88,7 @@ def residual_fraction(y_ref: jax.Array, y_q: jax.Array, alpha: float) -> jax.Arr
 
 
 @jax.jit
+@full_float32
 def expert_outputs(
     x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
 ) -> jax.Array:
@@ -98,6 +104,7 @@ def expert_outputs(
 
 
 @jax.jit
+@full_float32
 def alpha_gaussian(
     x: jax.Array,
     dense: tuple[jax.Array, jax.Array, jax.Array],

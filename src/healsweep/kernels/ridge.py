@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from healsweep.kernels._precision import full_float32
+
 
 def gated_design(shexp_down_input: jax.Array, shexp_gate: jax.Array) -> jax.Array:
     """Z' [T, Fs] = the shared expert's down input times its sigmoid gate (per token)."""
@@ -30,6 +32,7 @@ def gated_design(shexp_down_input: jax.Array, shexp_gate: jax.Array) -> jax.Arra
 
 
 @jax.jit
+@full_float32
 def normal_equations(z_gated: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
     """G = Z'ᵀZ' [Fs, Fs] and B = Z'ᵀ dY [Fs, D] (float32, on the default device)."""
     z_gated = jnp.asarray(z_gated, jnp.float32)  # [T, Fs]
@@ -51,6 +54,7 @@ def shrink(sigma: jax.Array, lam: float) -> jax.Array:
 
 
 @jax.jit
+@full_float32
 def eigen_solve(basis: jax.Array, weights: jax.Array, rhs: jax.Array) -> jax.Array:
     """dW = V diag(weights) Vᵀ B [Fs, D]: the ridge solve as two matrix products (float32)."""
     basis = jnp.asarray(basis, jnp.float32)  # [Fs, Fs] columns = eigenvectors
@@ -59,6 +63,7 @@ def eigen_solve(basis: jax.Array, weights: jax.Array, rhs: jax.Array) -> jax.Arr
 
 
 @jax.jit
+@full_float32
 def gram_quadratic(basis: jax.Array, sigma: jax.Array, delta: jax.Array) -> jax.Array:
     """tr(Δᵀ G Δ) = |diag(sigma)^½ Vᵀ Δ|² for Δ [Fs, D], float32 (= |Z' Δ|² without Z')."""
     coef = jnp.einsum(
@@ -86,6 +91,7 @@ def residual_change(z_gated: jax.Array, target: jax.Array, delta: jax.Array, eta
 
 
 @jax.jit
+@full_float32
 def _residual_sums(z_gated, target, delta, eta) -> tuple[jax.Array, jax.Array]:
     target = jnp.asarray(target, jnp.float32)  # [T, D]
     fitted = eta * jnp.asarray(z_gated, jnp.float32) @ jnp.asarray(delta, jnp.float32)  # [T, D]
@@ -105,6 +111,7 @@ def eta_change(sums: tuple[float, float, float], eta: float) -> float:
 
 
 @jax.jit
+@full_float32
 def fold_residual(
     u_fold: jax.Array, weights: jax.Array, coef: jax.Array, target: jax.Array
 ) -> jax.Array:
@@ -120,6 +127,7 @@ def fold_residual(
 
 
 @jax.jit
+@full_float32
 def fold_leverage(u_fold: jax.Array, weights: jax.Array) -> jax.Array:
     """The block's leverage ``H = U diag(w) Uᵀ`` [n, n] (used when n <= Fs)."""
     u = jnp.asarray(u_fold, jnp.float32)
@@ -127,6 +135,7 @@ def fold_leverage(u_fold: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 @jax.jit
+@full_float32
 def fold_moments(u_fold: jax.Array, resid: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(UᵀU [Fs, Fs], Uᵀe [Fs, D])`` of a block (used when n > Fs, by Woodbury)."""
     u = jnp.asarray(u_fold, jnp.float32)
@@ -141,6 +150,7 @@ def apply_ridge(down_shexp: jax.Array, delta: jax.Array, eta) -> jax.Array:
 
 
 @jax.jit
+@full_float32
 def step_moments(basis, sigma, rhs, old, new) -> tuple[jax.Array, ...]:
     """What Part B reports of a realized update ``new - old`` ([D, Fs], GGUF layout), with
     Δ = (new - old)ᵀ: (tr(ΔᵀGΔ), <B, Δ>, |new - old|, |old|), float32, without Z'."""
