@@ -202,8 +202,9 @@ def test_a_kernel_that_fails_at_run_time_is_reported_failing():
     assert result.note == "fails to run on cpu"
 
 
-@pytest.mark.skipif(jax.default_backend() == "cpu", reason="needs a default device other than CPU")
+@pytest.mark.device
 def test_a_kernel_that_lowers_on_cpu_only_fails_on_the_default_device():
+    assert jax.default_backend() != "cpu", "a device test: run it where JAX has an accelerator"
     result = run_case(KernelCase("broken.cpu_only", lambda x: _CPU_ONLY.bind(x), _square_inputs))
     assert not result.ok and not result.lowered
     assert result.note == f"fails to lower on {jax.default_backend()}"
