@@ -12,13 +12,17 @@ from healsweep.sweep.driver import LOCK_FILE
 
 
 def driver_running(sweep_dir: Path) -> str | None:
-    """``"pid N"`` of the driver holding the sweep's lock, or ``None`` when none does."""
+    """``"pid N"`` of the driver holding the sweep's lock, or ``None`` when none does.
+
+    The driver holds the lock exclusively; the probe asks for it shared, so that two processes
+    probing at once (two `confirm`s, a `status` beside a `confirm`) do not see each other as a
+    driver."""
     path = sweep_dir / LOCK_FILE
     if not path.exists():
         return None
     with open(path, "a+") as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             return handle.read().strip() or "another process"

@@ -1,0 +1,50 @@
+"""driver_running: a driver's exclusive lock is seen, another probe's is not."""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+import time
+
+from healsweep.sweep.driver import LOCK_FILE
+from healsweep.sweep.status import driver_running
+
+_HOLD = """
+import fcntl, sys, time
+handle = open(sys.argv[1], "a+")
+fcntl.flock(handle, getattr(fcntl, sys.argv[2]))
+if sys.argv[2] == "LOCK_EX":
+    handle.truncate(0); handle.write("pid 4242"); handle.flush()
+print("held", flush=True)
+time.sleep(30)
+"""
+
+
+def _holder(path, mode):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(path), mode], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_driver_is_seen_and_a_concurrent_probe_is_not(tmp_path):
+    assert driver_running(tmp_path) is None  # no lock file: no driver
+    lock = tmp_path / LOCK_FILE
+    prober = _holder(lock, "LOCK_SH")  # another process probing at this moment
+    try:
+        assert driver_running(tmp_path) is None
+    finally:
+        prober.kill()
+        prober.wait()
+    driver = _holder(lock, "LOCK_EX")
+    try:
+        assert driver_running(tmp_path) == "pid 4242"
+    finally:
+        driver.kill()
+        driver.wait()
+    time.sleep(0.05)
+    assert driver_running(tmp_path) is None  # the driver is gone: its lock went with it
+    with open(lock, "a+") as handle:  # and the probe left the file unlocked
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
