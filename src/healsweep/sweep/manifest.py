@@ -49,6 +49,44 @@ def _versions() -> dict[str, str]:
     }
 
 
+def knob_names() -> list[str]:
+    """The knobs this healsweep has (a config's identity is its value of each)."""
+    from healsweep.heal.knobs import Knobs
+
+    return sorted(Knobs.model_fields)
+
+
+def _check_same_knobs(sweep_dir: Path, manifest: dict[str, Any]) -> None:
+    """ResultsError unless the sweep was started with this healsweep's knobs: with another set,
+    every config's identity (its hash over all knobs) changes, and a resume would score the
+    remaining trials as new configs beside the old ones. Sweeps from before the manifest
+    recorded its knobs are checked against the knob columns of their trials.parquet."""
+    import pyarrow.parquet as pq
+
+    from healsweep.results.schema import KNOB_PREFIX
+    from healsweep.results.store import TRIALS_FILE
+
+    recorded = manifest.get("knobs")
+    if recorded is None and (sweep_dir / TRIALS_FILE).exists():
+        names = pq.read_schema(sweep_dir / TRIALS_FILE).names
+        recorded = sorted(n[len(KNOB_PREFIX) :] for n in names if n.startswith(KNOB_PREFIX))
+    current = knob_names()
+    if recorded is None or sorted(recorded) == current:
+        return
+    added = sorted(set(current) - set(recorded))
+    gone = sorted(set(recorded) - set(current))
+    change = "; ".join(
+        part
+        for part in (f"new knobs {added}" if added else "", f"knobs gone {gone}" if gone else "")
+        if part
+    )
+    raise ResultsError(
+        f"{sweep_dir} was started by a healsweep with other knobs ({change}); resuming would "
+        "score its remaining configs under new identities: finish it with the healsweep that "
+        f"started it (version {manifest.get('package_version', '?')}) or start a new sweep"
+    )
+
+
 def start_manifest(
     sweep_dir: Path, spec: SweepSpec, identity: dict[str, Any] | None, kind: str
 ) -> dict:
@@ -64,6 +102,7 @@ def start_manifest(
         manifest = {
             "sweep": spec.name,
             "spec_hash": spec_hash(spec),
+            "knobs": knob_names(),
             "package_version": run["versions"]["healsweep"],
             **(identity or {}),
             "seeds": {"window_order": spec.seed, "sampler": spec.sampler.seed},
@@ -80,6 +119,7 @@ def start_manifest(
                 f"{sweep_dir / SPEC_FILE} no longer matches the manifest's spec hash; the stored "
                 "spec was edited: restore it or start a new sweep"
             )
+        _check_same_knobs(sweep_dir, manifest)
         manifest["runs"] = [*manifest.get("runs", []), run]
     atomic_write_text(json.dumps(manifest, indent=2, sort_keys=True), sweep_dir / MANIFEST_FILE)
     return manifest

@@ -1,0 +1,56 @@
+"""A resume with other knobs than the sweep started with is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from healsweep.errors import ResultsError
+from healsweep.results.schema import KNOB_PREFIX
+from healsweep.results.store import MANIFEST_FILE, TRIALS_FILE
+from healsweep.sweep.manifest import knob_names, start_manifest
+from healsweep.sweep.spec import load_spec
+
+
+@pytest.fixture
+def spec():
+    return load_spec("sweeps/demo-ablation.yaml", check_paths=False)
+
+
+def test_a_resume_with_the_same_knobs_appends_a_run(spec, tmp_path):
+    start_manifest(tmp_path, spec, {}, kind="run")
+    manifest = start_manifest(tmp_path, spec, None, kind="resume")
+    assert manifest["knobs"] == knob_names() and [r["kind"] for r in manifest["runs"]] == [
+        "run",
+        "resume",
+    ]
+
+
+def test_a_resume_with_other_knobs_is_refused_and_changes_nothing(spec, tmp_path):
+    start_manifest(tmp_path, spec, {}, kind="run")
+    manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    manifest["knobs"] = [k for k in knob_names() if k != "quantizer"] + ["retired"]
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    before = (tmp_path / MANIFEST_FILE).read_text()
+    with pytest.raises(ResultsError, match=r"new knobs \['quantizer'\]; knobs gone \['retired'\]"):
+        start_manifest(tmp_path, spec, None, kind="resume")
+    assert (tmp_path / MANIFEST_FILE).read_text() == before
+
+
+def test_an_older_sweep_is_checked_by_the_knob_columns_of_its_trials(spec, tmp_path):
+    """Manifests written before they recorded their knobs: trials.parquet says which it had."""
+    start_manifest(tmp_path, spec, {}, kind="run")
+    manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    del manifest["knobs"]
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    old = [k for k in knob_names() if k not in ("quantizer", "gptq_damp")]
+    columns = {"trial_id": pa.array(["t0"]), **{KNOB_PREFIX + k: pa.array([None]) for k in old}}
+    pq.write_table(pa.table(columns), tmp_path / TRIALS_FILE)
+    with pytest.raises(ResultsError, match=r"new knobs \['gptq_damp', 'quantizer'\]"):
+        start_manifest(tmp_path, spec, None, kind="resume")
+    columns.update({KNOB_PREFIX + k: pa.array([None]) for k in ("quantizer", "gptq_damp")})
+    pq.write_table(pa.table(columns), tmp_path / TRIALS_FILE)
+    assert start_manifest(tmp_path, spec, None, kind="resume")["runs"][-1]["kind"] == "resume"
