@@ -79,6 +79,21 @@ def calibration_identity(calibration: Any) -> dict[str, Any]:
     return {**calibration.key_inputs(), "corpus_content": digest}
 
 
+def sweep_model(sweep_dir: Path, spec: Any, manifest: dict[str, Any], remedy: str) -> Any:
+    """The sweep's model, opened; ResultsError (ending in ``remedy``) when its fingerprint is
+    not the one the manifest recorded."""
+    from healsweep.gguf_io import open_model
+
+    teacher = open_model(spec.model)
+    if manifest.get("model_fingerprint") not in (None, teacher.fingerprint):
+        raise ResultsError(
+            f"{sweep_dir}: the model {spec.model} changed after the sweep (fingerprint "
+            f"{teacher.fingerprint[:12]}... vs the manifest's {manifest['model_fingerprint'][:12]}"
+            f"...); {remedy}"
+        )
+    return teacher
+
+
 def trial_by_id(trials: list[dict[str, Any]], trial_id: str, where: Path) -> dict[str, Any]:
     """The row of ``trial_id`` in a sweep's trials, or a one-line ResultsError naming a few."""
     for row in trials:
@@ -171,7 +186,6 @@ def load_context(sweep_dir: str | Path) -> _Context:
     driver still runs, and a model or split that changed since the sweep."""
     from healsweep.data.corpus import load_corpus
     from healsweep.data.split import load_split, parity_split, split_lock_id
-    from healsweep.gguf_io import open_model
     from healsweep.results.store import read_manifest
     from healsweep.sweep.manifest import read_spec
     from healsweep.sweep.status import driver_running
@@ -185,13 +199,9 @@ def load_context(sweep_dir: str | Path) -> _Context:
             "final yet: confirm once `healsweep sweep status` shows no driver"
         )
     spec = read_spec(sweep_dir)
-    teacher = open_model(spec.model)
-    if manifest.get("model_fingerprint") not in (None, teacher.fingerprint):
-        raise ResultsError(
-            f"{sweep_dir}: the model {spec.model} changed after the sweep (fingerprint "
-            f"{teacher.fingerprint[:12]}... vs the manifest's {manifest['model_fingerprint'][:12]}"
-            "...); restore the model the sweep tuned on, or run a new sweep"
-        )
+    teacher = sweep_model(
+        sweep_dir, spec, manifest, "restore the model the sweep tuned on, or run a new sweep"
+    )
     corpus = load_corpus(spec.corpus)
     split_cfg = parity_split(corpus) if spec.split == "auto" else load_split(spec.split)
     lock_id = split_lock_id(split_cfg, corpus.documents)

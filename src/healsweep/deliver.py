@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from healsweep.errors import ResultsError
-
 Progress = Callable[[str, str], None]
 
 
@@ -98,8 +96,7 @@ def export_trial(
     (default: the user's cache).
     """
     from healsweep.cache import StageCache, canonical_json
-    from healsweep.confirm import calibration_identity, frozen_hash
-    from healsweep.gguf_io import open_model
+    from healsweep.confirm import calibration_identity, frozen_hash, sweep_model
     from healsweep.heal.export import write_healed_gguf
     from healsweep.heal.knobs import Knobs
     from healsweep.heal.pipeline import build_student
@@ -111,13 +108,7 @@ def export_trial(
     manifest = read_manifest(sweep_dir)
     spec = read_spec(sweep_dir)
     row = pick_trial(read_trials(sweep_dir).to_pylist(), trial_id, sweep_dir)
-    teacher = open_model(spec.model)
-    if manifest.get("model_fingerprint") not in (None, teacher.fingerprint):
-        raise ResultsError(
-            f"{sweep_dir}: the model {spec.model} changed after the sweep (fingerprint "
-            f"{teacher.fingerprint[:12]}... vs the manifest's {manifest['model_fingerprint'][:12]}"
-            "...); restore the model the sweep tuned on"
-        )
+    teacher = sweep_model(sweep_dir, spec, manifest, "restore the model the sweep tuned on")
     knobs = {k[len(KNOB_PREFIX) :]: v for k, v in row.items() if k.startswith(KNOB_PREFIX)}
     calibration = spec.calibration_config()
     identity = calibration_identity(calibration)
