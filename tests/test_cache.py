@@ -56,6 +56,23 @@ def test_corrupt_entry_is_recomputed_never_used(tmp_path, damage):
     assert StageCache(tmp_path).get("stage", key)[1] == {"value": 5.0}
 
 
+def test_meta_reads_the_header_alone_and_refuses_a_damaged_one(tmp_path):
+    cache = StageCache(tmp_path)
+    key = content_key("stage", 1, {"x": 3})
+    assert cache.meta("stage", key) is None
+    cache.get_or_compute("stage", key, _compute(2.0))
+    assert cache.meta("stage", key) == {"value": 2.0}
+    path = cache.path("stage", key)
+    blob = path.read_bytes()
+    path.write_bytes(blob[:-10] + bytes([blob[-10] ^ 0xFF]) + blob[-9:])  # data, not header
+    assert cache.meta("stage", key) == {"value": 2.0}
+    at = blob.index(b'"value"')  # a byte of the header itself
+    path.write_bytes(blob[:at] + b"X" + blob[at + 1 :])
+    assert cache.meta("stage", key) is None
+    path.write_bytes(blob[:40])
+    assert cache.meta("stage", key) is None
+
+
 def test_entries_keep_dtype_shape_and_bytes(tmp_path):
     """Every kind of array a stage stores comes back equal: 0-d, empty, non-contiguous, float16,
     bool, several checksum pieces (PIECE made small)."""

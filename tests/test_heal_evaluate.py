@@ -89,13 +89,16 @@ def test_table_rederived_in_float64_and_mse_never_loses_in_sample(table):
     assert result["tokens"]["cal"] > 0 and result["tokens"]["heldout"] > 0
     n = model.hparams.n_layer
     assert result["trial_eta_only"]["executed"] == {"part_b": n}
-    assert result["trial_rho_only"]["executed"] == {"ridge_fit": n, "part_b": n}  # no new basis
+    assert result["trial_rho_only"]["executed"] == {  # no new basis
+        "ridge_fit": n, "ridge_heldout": n, "part_b": n
+    }
     assert result["trial_quant_only"]["executed"] == {
         "quantize": n,
         "routed_q": n,
         "part_a": n,
         "residuals": n,
         "ridge_fit": n,
+        "ridge_heldout": n,
         "part_b": n,
     }
 

@@ -17,6 +17,7 @@ STAGES = (
     "residuals",
     "ridge_basis",
     "ridge_fit",
+    "ridge_heldout",
     "part_b",
 )
 
@@ -41,9 +42,11 @@ def test_each_knob_recomputes_only_the_stages_that_read_it(setup, tmp_path):
         "residuals": n,
         "ridge_basis": n,
         "ridge_fit": n,
+        "ridge_heldout": n,
         "part_b": n,
     }
-    heal = {"ridge_fit": n, "part_b": n}  # a new target dY: dW from the cached basis
+    # a new target dY: dW from the cached basis (and its held-out diagnostic)
+    heal = {"ridge_fit": n, "ridge_heldout": n, "part_b": n}
     alpha = {"part_a": n, "residuals": n}
     requant = {"quantize": n, "routed_q": n, **alpha, **heal}
     steps = [

@@ -11,7 +11,7 @@ truncated or corrupt entry fails a checksum, is deleted and recomputed, never us
 Reading takes the file into one buffer and checks the pieces on several threads; the arrays are
 read-only views of that buffer, so a hit costs one read and one parallel pass of sha256, no
 further copies (a quantized layer of a real-size model is hundreds of MB, read by every trial
-that reuses it). Entries read lately stay in memory, least recently used first out, up to
+that reuses it). Entries read or written lately stay in memory, least recently used first out, up to
 ``HEALSWEEP_RECENT_GB`` (default: an eighth of the machine's memory), keyed by the file's path,
 inode, size and mtime: a sweep worker runs trial after trial in one process, and a trial that
 changes only ``rho`` or ``eta`` reads what the one before it read. A file rewritten or damaged
@@ -128,6 +128,25 @@ class StageCache:
         arrays, meta, _ = found
         return dict(arrays), copy.deepcopy(meta)
 
+    def meta(self, stage: str, key: str) -> dict | None:
+        """The metadata record of an entry, reading only its header (whose own checksum is
+        checked), or None when absent or not whole."""
+        path = self.path(stage, key)
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(_HEAD)
+                if len(head) < _HEAD or head[: len(_MAGIC)] != _MAGIC:
+                    return None
+                (length,) = struct.unpack("<Q", head[-8:])
+                body = fh.read(length)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CacheError(f"cannot read cache entry {path}: {exc}") from exc
+        if len(body) < length or hashlib.sha256(body).digest() != head[len(_MAGIC) : -8]:
+            return None
+        return json.loads(body)["meta"]
+
     def put(self, stage: str, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping | None = None) -> None:
         """Write an entry atomically (:func:`healsweep._atomic.atomic_file`)."""
         path = self.path(stage, key)
@@ -144,6 +163,15 @@ class StageCache:
                 f"cannot write cache entry under {self.root}: {exc.strerror or exc}; "
                 "free disk space or point HEALSWEEP_CACHE at a writable directory"
             ) from exc
+        # The next trial of this worker reads what this one computed (a rho-only trial reads
+        # the quantized experts and the trace a quant-knob trial wrote): keep it as read.
+        st = os.stat(path)
+        for value in arrays.values():
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+        kept = ({name: np.asarray(v) for name, v in arrays.items()}, copy.deepcopy(dict(meta or {})),
+                st.st_size)
+        _RECENT.get((str(path), st.st_ino, st.st_size, st.st_mtime_ns), lambda: kept)
 
     def get_or_compute(
         self,

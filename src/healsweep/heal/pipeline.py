@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache as cache_fn
 from functools import partial
@@ -33,6 +34,9 @@ from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
 
 STUDENT_VERSION = 1
+# One thread for the held-out diagnostic of Part B: nothing a trial builds reads it, so its host
+# solves run while the next layers heal; build_student waits for them before it returns.
+_HELDOUT = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ridge-heldout")
 Progress = Callable[[str, str], None]
 
 
@@ -120,6 +124,7 @@ def build_student(
     else:
         say("calib_trace", "not needed by these knobs (no teacher pass)")
     replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
+    heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
     for i in range(hp.n_layer):
         # Read only if a stage computes: a trial whose stages are all cached reads neither the
         # teacher's experts nor the layer's trace (hundreds of MB a layer at real size).
@@ -128,7 +133,9 @@ def build_student(
             cache_fn(partial(timer.run, "calib_trace", partial(trace.layer, i))) if trace else None
         )
         built = _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache, timer)
-        experts, alpha, shexp, report, layer_keys = built
+        experts, alpha, shexp, report, layer_keys, folds = built
+        if folds is not None:
+            heldout.append((report, folds))
         replacements[i] = LayerReplacement(
             gate_exps=experts["gate"],
             up_exps=experts["up"],
@@ -141,6 +148,12 @@ def build_student(
         layer_reports.append(report)
         keys.append(layer_keys)
         say(f"layer {i + 1}/{hp.n_layer}", _layer_line(report))
+    for layer_report, folds in heldout:
+        found = timer.run("ridge_heldout", folds.result)
+        layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
+    if heldout:
+        say("ridge_heldout", "held-out change per layer: " + ", ".join(
+            f"{100 * r['ridge']['heldout_change']:+.2f}%" for r, _ in heldout))
     report = {
         "knobs": knobs.model_dump(),
         "calibration": trace.report if trace else None,
@@ -274,9 +287,9 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
         )
         report.update(found)
 
-    shexp, bkey = None, None
+    shexp, bkey, folds = None, None, None
     if knobs.ridge and model.hparams.n_ff_shexp > 0:
-        shexp, stats, bkey = _part_b(
+        shexp, stats, bkey, folds = _part_b(
             model, i, trace, trace_layer, y_q, alpha, knobs, (akey, rkey), cache, timer
         )
         stats = dict(stats)
@@ -284,7 +297,8 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
             1 + stats["realized_in_sample_change"]
         )
         report["ridge"] = stats
-    return healed, alpha, shexp, report, {"quantize": qkey, "part_a": akey, "part_b": bkey}
+    keys = {"quantize": qkey, "part_a": akey, "part_b": bkey}
+    return healed, alpha, shexp, report, keys, folds
 
 
 def _part_b(model, i, trace, trace_layer, y_q, alpha, knobs, upstream, cache, timer):
@@ -322,7 +336,19 @@ def _part_b(model, i, trace, trace_layer, y_q, alpha, knobs, upstream, cache, ti
             lambda: ridge.ridge_layer(model, i, basis()[0], *fit(), knobs.eta),
         ),
     )
-    return shexp, stats, bkey
+    hkey = ridge.heldout_key(fkey)
+    held = cache.meta("ridge_heldout", hkey)
+    if held is not None:
+        folds: Future = Future()
+        folds.set_result(held["folds"])
+    else:  # its inputs are read here, the host solves run beside the next layers
+        args = (model, i, trace_layer(), y_q(), alpha, *basis(), *fit())
+        folds = _HELDOUT.submit(
+            lambda: cache.get_or_compute(
+                "ridge_heldout", hkey, lambda: ridge.compute_heldout(*args)
+            )[1]["folds"]
+        )
+    return shexp, stats, bkey, folds
 
 
 def _layer_line(report: dict[str, Any]) -> str:
@@ -334,8 +360,5 @@ def _layer_line(report: dict[str, Any]) -> str:
         )
     if "ridge" in report:
         ridge = report["ridge"]
-        line += (
-            f", ridge rank {ridge['rank']} dof {ridge['dof']:.1f} "
-            f"held-out {100 * ridge['heldout_change']:+.2f}%"
-        )
+        line += f", ridge rank {ridge['rank']} dof {ridge['dof']:.1f}"
     return line

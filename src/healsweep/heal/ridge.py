@@ -1,4 +1,5 @@
-"""Part B as three cached stages: ``ridge_basis`` → ``ridge_fit`` (rho) → ``part_b`` (eta).
+"""Part B as cached stages: ``ridge_basis`` → ``ridge_fit`` (rho) → ``part_b`` (eta), and the
+held-out diagnostic ``ridge_heldout`` beside them.
 
 The trace keeps the FFN input X, not the shared expert's down input Z (whose width Fs can be
 several times D); Z' = silu(X·Wgᵀ)·(X·Wuᵀ)·gate is recomputed here, chunk by chunk, from X and the
@@ -8,11 +9,14 @@ layer's shared-expert weights.
   device, then ``G = V diag(sigma) Vᵀ`` by ``eigh`` on the host CPU (never on an accelerator),
   float32. Paid once per sweep and layer.
 * ``ridge_fit`` (adds part_a, routed_q and rho): B = Z'ᵀdY and dW = V diag(1/(sigma+lambda)) VᵀB
-  — matrix products; plus the leave-one-block-out diagnostic without refactoring G: the fit
-  without block k predicts block k with residual ``(I - H_k)^-1 e_k`` (H_k = Z'_k (G + lambda_k
-  I)^-1 Z'_kᵀ, ``e_k`` the block's residual under the full fit at lambda_k), a system of
-  min(block tokens, Fs) unknowns solved on the host. It stores dW, B, and per block the sums
-  (|Y|², <Y, P>, |P|²) from which any eta's residual change follows without Z'.
+  — matrix products. It stores dW, B and the in-sample sums.
+* ``ridge_heldout`` (the fit's key, nothing more): the leave-one-block-out diagnostic without
+  refactoring G: the fit without block k predicts block k with residual ``(I - H_k)^-1 e_k``
+  (H_k = Z'_k (G + lambda_k I)^-1 Z'_kᵀ, ``e_k`` the block's residual under the full fit at
+  lambda_k), a system of min(block tokens, Fs) unknowns solved on the host. It stores per block
+  the sums (|Y|², <Y, P>, |P|²) from which any eta's held-out change follows without Z'. Nothing
+  a trial builds reads it, so the pipeline runs it on a background thread while the next layers
+  heal (its host solves took 1.3 s of a 4-layer real-size trial).
 * ``part_b`` (adds eta): W + eta·dWᵀ, requantized to the tensor's storage type; its realized
   residual change is ``(-2<B, Δ> + |diag(sigma)^½ VᵀΔ|²) / |dY|²`` — again no Z'.
 """
@@ -33,7 +37,6 @@ from healsweep.kernels._precision import full_float32
 
 LOBO_BLOCKS = 4
 CHUNK = 2048  # tokens of Z' alive at a time (padded to a multiple of 64)
-KEEP_BYTES = 1 << 30  # Z'V of every token is kept between ridge_fit's two passes up to this size
 
 
 def shexp_weights(model: Any, layer: int) -> tuple[jax.Array, jax.Array]:
@@ -218,9 +221,13 @@ def compute_fit(
     rho: float,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The ``ridge_fit`` entry of a layer: its target is dY = y_ref - alpha * y_q."""
-    target = (trace_layer["y_ref"] - np.float32(alpha) * y_q).astype(np.float32)  # dY [T, D]
     design = layer_design(model, layer, trace_layer)
-    return fit_from_design(design, target, basis, basis_meta, rho)
+    return fit_from_design(design, _target(trace_layer, y_q, alpha), basis, basis_meta, rho)
+
+
+def _target(trace_layer: dict[str, np.ndarray], y_q: np.ndarray, alpha: float) -> np.ndarray:
+    """dY = y_ref - alpha * y_q [T, D], float32."""
+    return (trace_layer["y_ref"] - np.float32(alpha) * y_q).astype(np.float32)
 
 
 @full_float32
@@ -230,40 +237,30 @@ def fit_from_design(
     basis: dict[str, np.ndarray],
     basis_meta: dict[str, Any],
     rho: float,
-    keep_bytes: int = KEEP_BYTES,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """dW [Fs, D], B [Fs, D] and the residual sums (all tokens, each held-out block).
+    """dW [Fs, D], B [Fs, D] and the in-sample residual sums; per fold block, tr(Z'_kᵀZ'_k).
 
-    Z'V of all tokens is kept on the device between the two passes when it fits in
-    ``keep_bytes``; otherwise the held-out pass recomputes Z' block by block.
+    The held-out diagnostic is not here: :func:`heldout_from_design` (its own stage, off a
+    trial's critical path) reads this fit.
     """
     v, sigma = jnp.asarray(basis["basis"]), jnp.asarray(basis["sigma"])
     width, n_tokens = int(v.shape[0]), int(target.shape[0])
     blocks = fold_blocks(n_tokens)
     rhs = jnp.zeros((width, target.shape[1]), jnp.float32)
     block_trace, total = [0.0] * len(blocks), 0.0
-    keep = n_tokens * width * 4 <= keep_bytes  # keep Z'V for the held-out pass, or recompute
-    kept: dict[tuple[int, int], jax.Array] = {}
     for a, b in _pieces(n_tokens):
-        z_gated = design(a, b)
-        part, zz, yy = _rhs_sums(z_gated, target[a:b])
+        part, zz, yy = _rhs_sums(design(a, b), target[a:b])
         rhs = rhs + part
         block_trace[next(k for k, (s, e) in enumerate(blocks) if s <= a < e)] += float(zz)
         total += float(yy)
-        if keep:
-            kept[(a, b)] = z_gated @ v
-
-    def projected(a: int, b: int) -> jax.Array:  # Z'_k V [n, Fs] of block a..b
-        parts = [kept.get(p) for p in _pieces(n_tokens) if a <= p[0] < b]
-        parts = parts if keep else [design(*p) @ v for p in _pieces(n_tokens) if a <= p[0] < b]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-    trace_g = basis_meta["trace_g"]
-    lam = kr.ridge_lambda(trace_g, width, rho)
-    meta: dict[str, Any] = {"lambda": lam, "n_tokens": n_tokens, "width": width}
+    lam = kr.ridge_lambda(basis_meta["trace_g"], width, rho)
+    meta: dict[str, Any] = {
+        "lambda": lam, "n_tokens": n_tokens, "width": width, "rho": rho,
+        "block_trace": block_trace,
+    }
     if not lam > 0.0:  # Z' is all zeros: there is nothing to fit
         zero = np.zeros((width, target.shape[1]), np.float32)
-        meta.update(in_sample=[total, 0.0, 0.0], folds=[])
+        meta["in_sample"] = [total, 0.0, 0.0]
         return {"delta": zero, "rhs": np.asarray(rhs)}, meta
     delta = kr.eigen_solve(v, kr.shrink(sigma, lam), rhs)
     meta["in_sample"] = [
@@ -271,19 +268,78 @@ def fit_from_design(
         float(jnp.vdot(rhs, delta)),
         float(kr.gram_quadratic(v, sigma, delta)),
     ]
-    folds = []
-    if len(blocks) > 1:
-        coef = v.T @ rhs  # Vᵀ B [Fs, D]
-        for k, (a, b) in enumerate(blocks):
-            lam_k = kr.ridge_lambda(trace_g - block_trace[k], width, rho)
-            if not lam_k > 0.0:  # the other blocks are all zeros: the refit predicts nothing
-                folds.append(_sums(target[a:b], np.zeros_like(target[a:b])))
-                continue
-            u = projected(a, b)
-            left = _heldout_residual(u, kr.shrink(sigma, lam_k), coef, target[a:b])
-            folds.append(_sums(target[a:b], target[a:b] - left))
-    meta["folds"] = folds
     return {"delta": np.asarray(delta), "rhs": np.asarray(rhs)}, meta
+
+
+# --- ridge_heldout -----------------------------------------------------------------------------
+
+
+def heldout_key(fit: str) -> str:
+    """Key of the leave-one-block-out diagnostic of a fit (it reads nothing the fit did not)."""
+    return stage_key("ridge_heldout", {"ridge_fit": fit})
+
+
+def compute_heldout(
+    model: Any,
+    layer: int,
+    trace_layer: dict[str, np.ndarray],
+    y_q: np.ndarray,
+    alpha: float,
+    basis: dict[str, np.ndarray],
+    basis_meta: dict[str, Any],
+    fit: dict[str, np.ndarray],
+    fit_meta: dict[str, Any],
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The ``ridge_heldout`` entry of a layer's fit (no arrays; the fold sums in its meta)."""
+    design = layer_design(model, layer, trace_layer)
+    folds = heldout_from_design(
+        design, _target(trace_layer, y_q, alpha), basis, basis_meta, fit, fit_meta
+    )
+    return {}, {"folds": folds}
+
+
+@full_float32
+def heldout_from_design(
+    design: Design,
+    target: np.ndarray,
+    basis: dict[str, np.ndarray],
+    basis_meta: dict[str, Any],
+    fit: dict[str, np.ndarray],
+    fit_meta: dict[str, Any],
+) -> list[list[float]]:
+    """Per fold block, the sums (|Y|², <Y, P>, |P|²) of its prediction P by the fit without it.
+
+    Without refactoring G: the fit without block k predicts block k with residual
+    ``(I - H_k)^-1 e_k``, ``e_k`` the block's residual under the full fit at lambda_k.
+    """
+    v, sigma = jnp.asarray(basis["basis"]), jnp.asarray(basis["sigma"])
+    width, n_tokens = int(v.shape[0]), int(target.shape[0])
+    blocks = fold_blocks(n_tokens)
+    if len(blocks) < 2 or not fit_meta["lambda"] > 0.0:
+        return []
+    coef = v.T @ jnp.asarray(fit["rhs"])  # Vᵀ B [Fs, D]
+    folds = []
+    for k, (a, b) in enumerate(blocks):
+        lam_k = kr.ridge_lambda(basis_meta["trace_g"] - fit_meta["block_trace"][k], width,
+                                fit_meta["rho"])
+        if not lam_k > 0.0:  # the other blocks are all zeros: the refit predicts nothing
+            folds.append(_sums(target[a:b], np.zeros_like(target[a:b])))
+            continue
+        parts = [design(s, e) @ v for s, e in _pieces(n_tokens) if a <= s < b]
+        u = parts[0] if len(parts) == 1 else jnp.concatenate(parts)  # Z'_k V [n, Fs]
+        left = _heldout_residual(u, kr.shrink(sigma, lam_k), coef, target[a:b])
+        folds.append(_sums(target[a:b], target[a:b] - left))
+    return folds
+
+
+def heldout_figures(folds: list[list[float]], eta: float) -> dict[str, Any]:
+    """The held-out residual change at ``eta`` (pooled and per block) from the fold sums."""
+    before = sum(s[0] for s in folds)
+    moved = sum(-2.0 * eta * s[1] + eta * eta * s[2] for s in folds)
+    return {
+        "heldout_change": moved / before if before > 0 else 0.0,
+        "fold_changes": [kr.eta_change(tuple(s), eta) for s in folds],
+    }
 
 
 # --- part_b ------------------------------------------------------------------------------------
@@ -346,13 +402,16 @@ def ridge_stats(
     fit_meta: dict[str, Any],
     eta: float,
     step: np.ndarray,
+    folds: list[list[float]] | None = None,
 ) -> dict[str, Any]:
-    """rank, dof, in-sample and held-out changes at ``eta``; realized change of ``step`` [Fs, D].
+    """rank, dof, in-sample (and, given the fold sums, held-out) changes at ``eta``; realized
+    change of ``step`` [Fs, D].
 
     Every figure comes from the basis and the fit's sums: no Z', no solve.
     """
     quad = float(kr.gram_quadratic(basis["basis"], basis["sigma"], step))
-    return _stats(basis, fit_meta, eta, quad, float(jnp.vdot(jnp.asarray(fit["rhs"]), step)))
+    stats = _stats(basis, fit_meta, eta, quad, float(jnp.vdot(jnp.asarray(fit["rhs"]), step)))
+    return stats if folds is None else {**stats, **heldout_figures(folds, eta)}
 
 
 def _stats(
@@ -363,9 +422,6 @@ def _stats(
     realized = (-2.0 * lin + quad) / total if total > 0 else 0.0
     lam, n_tokens, width = fit_meta["lambda"], fit_meta["n_tokens"], fit_meta["width"]
     rank, dof = kr.spectrum_stats(basis["sigma"], lam)
-    folds = [kr.eta_change(tuple(s), eta) for s in fit_meta["folds"]]
-    before = sum(s[0] for s in fit_meta["folds"])
-    moved = sum(-2.0 * eta * s[1] + eta * eta * s[2] for s in fit_meta["folds"])
     warning = None
     if n_tokens < width:
         warning = (
@@ -379,8 +435,6 @@ def _stats(
         "lambda": lam,
         "n_tokens": n_tokens,
         "in_sample_change": kr.eta_change(tuple(fit_meta["in_sample"]), eta),
-        "heldout_change": moved / before if before > 0 else 0.0,
-        "fold_changes": folds,
         "realized_in_sample_change": realized,
         "warning": warning,
     }

@@ -38,8 +38,9 @@ VERSIONS = {
     "part_a": 1,
     "residuals": 1,
     "ridge_basis": 1,
-    "ridge_fit": 1,
-    "part_b": 2,
+    "ridge_fit": 2,
+    "ridge_heldout": 1,
+    "part_b": 3,
 }
 EXPERT_TENSORS = ("gate", "up", "down")
 ROUTED_CHUNK = 2048  # tokens per routed-output call (padded), bounds memory and recompiles
@@ -60,6 +61,9 @@ STAGE_CODE = {
     "residuals": ("healsweep.kernels.alpha", "healsweep.heal.stages"),
     "ridge_basis": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
     "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
+    "ridge_heldout": (
+        "healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"
+    ),
     "part_b": (
         "healsweep.kernels.ridge",
         "healsweep.heal.ridge",
