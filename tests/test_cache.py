@@ -155,3 +155,30 @@ def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
         cache = StageCache(locked)
     with pytest.raises(CacheError, match="cannot write cache entry"):
         cache.put("stage", content_key("stage", 1, {}), {"w": np.zeros(2)})
+
+
+def test_writing_behind_serves_pending_entries_and_has_all_on_disk_after(tmp_path):
+    cache = StageCache(tmp_path)
+    keys = [content_key("stage", 1, {"i": i}) for i in range(6)]
+    with cache.writing_behind():
+        for i, key in enumerate(keys):
+            arrays, _ = cache.get_or_compute("stage", key, _compute(float(i)))
+            assert not arrays["w"].flags.writeable  # what a later read gets must not change
+            again, meta = cache.get_or_compute("stage", key, _compute(-1.0))
+            assert float(again["w"][0, 0]) == float(i) and meta == {"value": float(i)}
+            assert cache.meta("stage", key) == {"value": float(i)}
+    assert cache.computed["stage"] == 6 and cache.hits["stage"] == 6
+    fresh = StageCache(tmp_path)
+    for i, key in enumerate(keys):
+        assert cache.path("stage", key).exists()
+        assert float(fresh.get("stage", key)[0]["w"][0, 0]) == float(i)
+
+
+def test_a_write_behind_that_fails_is_raised_when_the_block_ends(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cache = StageCache(blocker / "cache")  # its folder cannot be made: a regular file is there
+    with pytest.raises(CacheError, match="cannot write cache entry"):  # noqa: PT012
+        with cache.writing_behind():
+            cache.put("stage", content_key("stage", 1, {}), {"w": np.zeros(2)})
+    cache.flush()  # reported once

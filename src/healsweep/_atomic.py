@@ -65,22 +65,27 @@ def fsync_dir(directory: Path) -> None:
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], *, durable: bool = True) -> Iterator[Path]:
     """Yield a temp path beside ``path`` for the caller to write and close; on normal exit it is
     fsynced and renamed over ``path``, on any error removed (``path`` keeps its old content).
 
     For writers that open the file themselves (``gguf.GGUFWriter``, ``pyarrow.parquet``).
+    ``durable=False`` skips the fsyncs (the rename stays atomic for readers): for files that
+    check themselves when read, like stage-cache entries, where a power loss may cost a
+    recomputation but never a wrong result.
     """
     target = Path(path)
     tmp = _create_temp(target)
     try:
         yield tmp
-        _fsync_file(tmp)
+        if durable:
+            _fsync_file(tmp)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(target.parent)
+    if durable:
+        fsync_dir(target.parent)
 
 
 @contextmanager
@@ -90,6 +95,7 @@ def atomic_file(
     *,
     encoding: str | None = None,
     newline: str | None = None,
+    durable: bool = True,
 ) -> Iterator[IO[Any]]:
     """Yield ``path``'s replacement opened for writing (``"wb"`` or ``"w"``); it takes the place
     of ``path`` only if the block finishes (see :func:`atomic_path`)."""
@@ -97,7 +103,10 @@ def atomic_file(
         raise ValueError(f"atomic_file: mode must be 'wb' or 'w', got {mode!r}")
     if mode == "w" and encoding is None:
         encoding = "utf-8"
-    with atomic_path(path) as tmp, open(tmp, mode, encoding=encoding, newline=newline) as handle:
+    with (
+        atomic_path(path, durable=durable) as tmp,
+        open(tmp, mode, encoding=encoding, newline=newline) as handle,
+    ):
         yield handle
 
 

@@ -27,8 +27,9 @@ import os
 import struct
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ _DIGEST_BYTES = 32
 _HEAD = len(_MAGIC) + _DIGEST_BYTES + 8  # magic, sha256 of the header, header length (u64 LE)
 _ALIGN = 64
 PIECE = 32 << 20  # bytes of array data per checksum (pieces are checked in parallel)
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-write")
 _HASHERS = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cache-sha")
 
 
@@ -104,6 +106,9 @@ class StageCache:
         self.hits: Counter[str] = Counter()
         self.corrupt: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._behind = 0  # depth of writing_behind blocks
+        self._pending: dict[Path, tuple[dict[str, np.ndarray], dict]] = {}  # being written
+        self._writes: list[Future] = []
 
     def path(self, stage: str, key: str) -> Path:
         return self.root / stage / key[:2] / f"{key}.hsc"
@@ -111,6 +116,10 @@ class StageCache:
     def get(self, stage: str, key: str) -> tuple[dict[str, np.ndarray], dict] | None:
         """The arrays and metadata of an entry, or None when absent or corrupt (then deleted)."""
         path = self.path(stage, key)
+        with self._lock:
+            pending = self._pending.get(path)
+        if pending is not None:
+            return dict(pending[0]), copy.deepcopy(pending[1])
         try:
             st = os.stat(path)
             found = _RECENT.get(
@@ -132,6 +141,10 @@ class StageCache:
         """The metadata record of an entry, reading only its header (whose own checksum is
         checked), or None when absent or not whole."""
         path = self.path(stage, key)
+        with self._lock:
+            pending = self._pending.get(path)
+        if pending is not None:
+            return copy.deepcopy(pending[1])
         try:
             with open(path, "rb") as fh:
                 head = fh.read(_HEAD)
@@ -148,30 +161,68 @@ class StageCache:
         return json.loads(body)["meta"]
 
     def put(self, stage: str, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping | None = None) -> None:
-        """Write an entry atomically (:func:`healsweep._atomic.atomic_file`)."""
+        """Write an entry atomically (:func:`healsweep._atomic.atomic_file`); inside
+        :meth:`writing_behind`, on the writer thread while the caller goes on.
+
+        The arrays are made read-only: what a later trial of this worker reads back from memory
+        must be what was written."""
+        for value in arrays.values():
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+        kept = ({name: np.asarray(v) for name, v in arrays.items()}, copy.deepcopy(dict(meta or {})))
         path = self.path(stage, key)
-        header, data = _layout(arrays, dict(meta or {}))
+        if not self._behind:
+            self._write(path, *kept)
+            return
+        with self._lock:
+            self._pending[path] = kept
+            self._writes.append(_WRITER.submit(self._write, path, *kept))
+
+    def _write(self, path: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
         try:
+            header, data = _layout(arrays, meta)
             path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_file(path, "wb") as fh:
+            # Not fsynced: an entry checks itself when read, so a power loss can cost a
+            # recomputation, never a wrong result.
+            with atomic_file(path, "wb", durable=False) as fh:
                 fh.write(header)
                 for pad, values in data:
                     fh.write(b"\0" * pad)
                     fh.write(values)
+            # The next trial of this worker reads what this one computed (a rho-only trial
+            # reads the quantized experts and the trace a quant-knob trial wrote): keep it.
+            st = os.stat(path)
+            key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+            _RECENT.get(key, lambda: (arrays, meta, st.st_size))
         except OSError as exc:
             raise CacheError(
                 f"cannot write cache entry under {self.root}: {exc.strerror or exc}; "
                 "free disk space or point HEALSWEEP_CACHE at a writable directory"
             ) from exc
-        # The next trial of this worker reads what this one computed (a rho-only trial reads
-        # the quantized experts and the trace a quant-knob trial wrote): keep it as read.
-        st = os.stat(path)
-        for value in arrays.values():
-            if isinstance(value, np.ndarray):
-                value.flags.writeable = False
-        kept = ({name: np.asarray(v) for name, v in arrays.items()}, copy.deepcopy(dict(meta or {})),
-                st.st_size)
-        _RECENT.get((str(path), st.st_ino, st.st_size, st.st_mtime_ns), lambda: kept)
+        finally:
+            with self._lock:
+                self._pending.pop(path, None)
+
+    @contextmanager
+    def writing_behind(self) -> Iterator[None]:
+        """Within the block, entries are written on a writer thread while stages go on (a
+        stage reading one still being written gets it from memory); on leaving, every write
+        has finished, and the first that failed is raised."""
+        self._behind += 1
+        try:
+            yield
+        finally:
+            self._behind -= 1
+            if not self._behind:
+                self.flush()
+
+    def flush(self) -> None:
+        """Wait for the writes started by :meth:`put` inside :meth:`writing_behind`."""
+        with self._lock:
+            writes, self._writes = self._writes, []
+        errors = [exc for exc in (w.exception() for w in writes) if exc is not None]
+        if errors:
+            raise errors[0]
 
     def get_or_compute(
         self,

@@ -114,46 +114,54 @@ def build_student(
     hp = model.hparams
     timer = _Timer()
     computed_before = dict(cache.computed)
-    trace: Trace | None = None
-    if needs_trace(knobs, model):
-        trace = timer.run(
-            "calib_trace", lambda: calibration_trace(model, calibration, cache, corpus)
-        )
-        for line in report_lines(trace.report):
-            say("calib_trace", line)
-    else:
-        say("calib_trace", "not needed by these knobs (no teacher pass)")
-    replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
-    heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
-    for i in range(hp.n_layer):
-        # Read only if a stage computes: a trial whose stages are all cached reads neither the
-        # teacher's experts nor the layer's trace (hundreds of MB a layer at real size).
-        weights = cache_fn(partial(stages.expert_weights, model, i))
-        trace_layer = (
-            cache_fn(partial(timer.run, "calib_trace", partial(trace.layer, i))) if trace else None
-        )
-        built = _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache, timer)
-        experts, alpha, shexp, report, layer_keys, folds = built
-        if folds is not None:
-            heldout.append((report, folds))
-        replacements[i] = LayerReplacement(
-            gate_exps=experts["gate"],
-            up_exps=experts["up"],
-            down_exps=scaled_down(experts["down"], alpha),
-            down_shexp=None if shexp is None else shexp["dense"],
-        )
-        if shexp is not None:
-            shexp_raw[i] = shexp["raw"]
-        alphas.append(alpha)
-        layer_reports.append(report)
-        keys.append(layer_keys)
-        say(f"layer {i + 1}/{hp.n_layer}", _layer_line(report))
-    for layer_report, folds in heldout:
-        found = timer.run("ridge_heldout", folds.result)
-        layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
-    if heldout:
-        say("ridge_heldout", "held-out change per layer: " + ", ".join(
-            f"{100 * r['ridge']['heldout_change']:+.2f}%" for r, _ in heldout))
+    # Entries are written on the cache's writer thread while the next stages run; all are
+    # on disk when the block ends.
+    with cache.writing_behind():
+        trace: Trace | None = None
+        if needs_trace(knobs, model):
+            trace = timer.run(
+                "calib_trace", lambda: calibration_trace(model, calibration, cache, corpus)
+            )
+            for line in report_lines(trace.report):
+                say("calib_trace", line)
+        else:
+            say("calib_trace", "not needed by these knobs (no teacher pass)")
+        replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
+        heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
+        for i in range(hp.n_layer):
+            # Read only if a stage computes: a trial whose stages are all cached reads neither
+            # the teacher's experts nor the layer's trace (hundreds of MB a layer at real size).
+            weights = cache_fn(partial(stages.expert_weights, model, i))
+            trace_layer = (
+                cache_fn(partial(timer.run, "calib_trace", partial(trace.layer, i)))
+                if trace
+                else None
+            )
+            built = _heal_layer(
+                model, i, weights, trace, trace_layer, knobs, calibration, cache, timer
+            )
+            experts, alpha, shexp, report, layer_keys, folds = built
+            if folds is not None:
+                heldout.append((report, folds))
+            replacements[i] = LayerReplacement(
+                gate_exps=experts["gate"],
+                up_exps=experts["up"],
+                down_exps=scaled_down(experts["down"], alpha),
+                down_shexp=None if shexp is None else shexp["dense"],
+            )
+            if shexp is not None:
+                shexp_raw[i] = shexp["raw"]
+            alphas.append(alpha)
+            layer_reports.append(report)
+            keys.append(layer_keys)
+            say(f"layer {i + 1}/{hp.n_layer}", _layer_line(report))
+        for layer_report, folds in heldout:
+            found = timer.run("ridge_heldout", folds.result)
+            layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
+        if heldout:
+            say("ridge_heldout", "held-out change per layer: " + ", ".join(
+                f"{100 * r['ridge']['heldout_change']:+.2f}%" for r, _ in heldout))
+        timer.run("cache_write", cache.flush)  # what is still being written: not overlapped
     report = {
         "knobs": knobs.model_dump(),
         "calibration": trace.report if trace else None,
