@@ -25,6 +25,7 @@ import numpy as np
 from healsweep.gguf_io import GGUFModel, ModelHparams
 from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, GGMLWeight
 from healsweep.model import qwen2moe, qwen3moe
+from healsweep.model.expert_cache import CacheState, ExpertCacheInput, layer_routing
 from healsweep.model.layers import expert_tile_rows, matmul, rms_norm
 from healsweep.model.resident import RESIDENT
 
@@ -56,11 +57,14 @@ class LayerReplacement(NamedTuple):
 
 
 class ForwardResult(NamedTuple):
-    """Logits per sequence, optional per-layer captures, and top-k expert ids per token."""
+    """Logits per sequence, optional per-layer captures, and top-k expert ids per token; with an
+    expert cache, its misses per token and layer and each layer's final cache states."""
 
     logits: list[np.ndarray]  # [T_b or len(logits_for[b]), V] float32
     captures: list[LayerCapture] | None  # one per layer
     router: list[np.ndarray]  # per sequence: [T_b, L, k] int32 top-k expert ids
+    cache_misses: list[np.ndarray] | None = None  # per sequence: [T_b, L] int32
+    cache_states: list[CacheState] | None = None  # per layer: stamp [B, E], clock [B] (numpy)
 
 
 _REPLACED = {
@@ -72,17 +76,19 @@ _REPLACED = {
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
-def _block(hp: ModelHparams, tile: int, capture: bool, w: dict[str, Any], h, positions):
-    """One transformer layer: ``h [B, T, D]`` → ``(h, capture dict over the B*T tokens)``."""
+def _block(hp: ModelHparams, tile: int, capture: bool, w: dict[str, Any], h, positions,
+           cache=None):  # fmt: skip
+    """One transformer layer: ``h [B, T, D]`` → ``(h, capture dict over the B*T tokens)``;
+    ``cache`` (a ``CacheRouting``) routes through the layer's expert cache."""
     adapter = _ADAPTERS[hp.arch]
     b, t, d = h.shape
     x = rms_norm(h, w["attn_norm.weight"], hp.rms_norm_eps)
     h = h + jax.vmap(lambda xs: adapter.attention(hp, w, xs, positions))(x)
     x = rms_norm(h, w["ffn_norm.weight"], hp.rms_norm_eps).reshape(b * t, d)  # [B*T, D]
-    out, cap = adapter.moe_block(hp, w, x, tile)
+    out, cap = adapter.moe_block(hp, w, x, tile, cache)
     h = h + out.reshape(b, t, d)
     if not capture:
-        return h, {"topk_ids": cap["topk_ids"]}
+        return h, {k: v for k, v in cap.items() if k == "topk_ids" or k.startswith("cache_")}
     return h, {**cap, "ffn_input": x}
 
 
@@ -201,7 +207,7 @@ def _logits(model: GGUFModel, hidden: jax.Array) -> np.ndarray:
 
 
 def _gather_capture(cap: dict[str, jax.Array], real: np.ndarray) -> LayerCapture:
-    host = {k: np.asarray(v)[real] for k, v in cap.items()}
+    host = {k: np.asarray(v)[real] for k, v in cap.items() if k in LayerCapture._fields}
     empty = {"shexp_gate": np.zeros((0,), np.float32)}
     return LayerCapture(**{f: host.get(f, empty.get(f)) for f in LayerCapture._fields})
 
@@ -214,6 +220,7 @@ def forward(
     capture: bool = False,
     logits_for: Sequence[np.ndarray] | None = None,
     prefetch: bool | None = None,
+    expert_cache: ExpertCacheInput | None = None,
 ) -> ForwardResult:
     """Teacher-forced logits of ``sequences`` (int token ids), one layer at a time.
 
@@ -225,6 +232,9 @@ def forward(
     ``prefetch`` reads the next layer on a thread while this one computes; by default only on an
     accelerator. On the CPU the read would compete with the layer's own threads for the same
     cores (measured: half the tokens/s at 512 tokens on 2 cores) and keep two layers in memory.
+
+    ``expert_cache`` routes every MoE layer through an LRU cache of routed experts with the
+    MoCE bonus (:mod:`healsweep.model.expert_cache`), the sequences in order.
     """
     hp = model.hparams
     if prefetch is None:
@@ -239,6 +249,8 @@ def forward(
     h = jnp.asarray(_embed(model, tokens))  # [B, T, D]
     captures: list[LayerCapture] = []
     router: list[np.ndarray] = []
+    misses: list[np.ndarray] = []
+    states: list[CacheState] = []
     with ThreadPoolExecutor(max_workers=1) as pool:
         load = partial(_layer_weights, model)
         pending = pool.submit(load, 0, replacements.get(0))
@@ -247,8 +259,15 @@ def forward(
             if i + 1 < hp.n_layer:
                 if prefetch:
                     pending = pool.submit(load, i + 1, replacements.get(i + 1))
-            h, cap = _block(hp, tile, capture, weights, h, positions)
+            routing = None
+            if expert_cache is not None:
+                routing = layer_routing(expert_cache, i, hp.n_expert, lengths, padded_len)
+            h, cap = _block(hp, tile, capture, weights, h, positions, routing)
             router.append(np.asarray(cap["topk_ids"])[real])
+            if expert_cache is not None:
+                misses.append(np.asarray(cap["cache_misses"])[real])
+                states.append(CacheState(np.asarray(cap["cache_stamp"]),
+                                         np.asarray(cap["cache_clock"])))  # fmt: skip
             if capture:
                 captures.append(_gather_capture(cap, real))
             if not prefetch and i + 1 < hp.n_layer:
@@ -269,8 +288,11 @@ def forward(
                          jnp.asarray(rows))
     logits = np.split(_logits(model, hidden), np.cumsum([len(p) for p in wanted])[:-1])
     per_token = np.stack(router, axis=1)  # [T_real, L, k]
+    cuts = np.cumsum(lengths)[:-1]
     return ForwardResult(
         logits=list(logits),
         captures=captures if capture else None,
-        router=list(np.split(per_token, np.cumsum(lengths)[:-1])),
+        router=list(np.split(per_token, cuts)),
+        cache_misses=list(np.split(np.stack(misses, axis=1), cuts)) if misses else None,
+        cache_states=states or None,
     )

@@ -74,6 +74,18 @@ def router_topk(
     return ids.astype(jnp.int32), weights
 
 
+def select_experts(
+    router_logits: jax.Array, k: int, normalize: bool, cache: Any = None
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """``(ids, weights, extra captures)``: :func:`router_topk`, or with ``cache`` (a
+    :class:`~healsweep.model.expert_cache.CacheRouting`) through the layer's expert cache."""
+    if cache is None:
+        return (*router_topk(router_logits, k, normalize), {})
+    from healsweep.model.expert_cache import route_through_cache
+
+    return route_through_cache(router_logits, k, normalize, cache)
+
+
 def swiglu(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any) -> jax.Array:
     """``(silu(x·Wgᵀ) * (x·Wuᵀ))·Wdᵀ`` for ``x [N, D]``."""
     return matmul(swiglu_hidden(x, w_gate, w_up), w_down)

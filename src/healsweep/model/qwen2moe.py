@@ -18,7 +18,7 @@ from healsweep.model.layers import (
     matmul,
     rope_neox,
     routed_experts,
-    router_topk,
+    select_experts,
     swiglu_hidden,
 )
 
@@ -34,10 +34,13 @@ def attention(hp: ModelHparams, w: dict[str, Any], x: jax.Array, positions: jax.
     return matmul(causal_attention(q, k, v), w["attn_output.weight"])
 
 
-def moe_block(hp: ModelHparams, w: dict[str, Any], x: jax.Array, tile: int):
-    """MoE FFN of ``x [N, D]`` (normed) → ``(out [N, D], capture dict)``."""
+def moe_block(hp: ModelHparams, w: dict[str, Any], x: jax.Array, tile: int, cache: Any = None):
+    """MoE FFN of ``x [N, D]`` (normed) → ``(out [N, D], capture dict)``; ``cache`` routes
+    through the expert cache (see ``layers.select_experts``)."""
     router_logits = matmul(x, w["ffn_gate_inp.weight"])  # [N, E]
-    topk_ids, topk_weights = router_topk(router_logits, hp.n_expert_used, hp.norm_topk_prob)
+    topk_ids, topk_weights, cached = select_experts(
+        router_logits, hp.n_expert_used, hp.norm_topk_prob, cache
+    )
     routed = routed_experts(
         x, topk_ids, topk_weights, w["ffn_gate_exps.weight"], w["ffn_up_exps.weight"],
         w["ffn_down_exps.weight"], hp.n_expert, tile,
@@ -50,6 +53,7 @@ def moe_block(hp: ModelHparams, w: dict[str, Any], x: jax.Array, tile: int):
         "topk_ids": topk_ids,
         "topk_weights": topk_weights,
         "routed_output": routed,
+        **cached,
         "shexp_gate": shexp_gate,
     }
     return routed + shared, capture
