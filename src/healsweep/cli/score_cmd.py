@@ -67,8 +67,31 @@ def score(
             "log-softmax, for validation) | compact:K:S.",
         ),
     ] = "compact",
+    moce_bonus: Annotated[
+        float,
+        typer.Option(
+            "--moce-bonus", min=0.0, max=1.0,
+            help="Added to resident experts' routing scores (needs --cache-experts/--cache-mib).",
+        ),
+    ] = 0.0,
+    cache_experts: Annotated[
+        int | None,
+        typer.Option("--cache-experts", min=1,
+                     help="Simulate an LRU cache of this many routed experts per MoE layer."),
+    ] = None,
+    cache_mib: Annotated[
+        float | None,
+        typer.Option("--cache-mib", min=0.0,
+                     help="Cache size per MoE layer in MiB of the model's stored experts."),
+    ] = None,
+    warm_cache: Annotated[
+        bool,
+        typer.Option("--warm-cache",
+                     help="Carry the caches over between the windows of one document."),
+    ] = False,
 ) -> None:
-    """Teacher-forced KLD(ref || model), top-1, delta-p, perplexity and router agreement."""
+    """Teacher-forced KLD(ref || model), top-1, delta-p, perplexity and router agreement;
+    with an expert cache, its hit rate, misses and MiB read per token (docs/expert-cache.md)."""
     from healsweep.cache import StageCache
     from healsweep.data.corpus import load_corpus
     from healsweep.data.leakage import calibration_tokens, check_leakage
@@ -82,6 +105,7 @@ def score(
         fmt = cache_format(teacher_cache)
     except TeacherCacheError as exc:
         raise typer.BadParameter(str(exc), param_hint="--teacher-cache") from None
+    expert_cache = _expert_cache(moce_bonus, cache_experts, cache_mib, warm_cache)
     teacher, student = open_model(ref), open_model(model)
     n_vocab = check_same_tokenizer(teacher, student)
     docs = load_corpus(corpus)
@@ -107,6 +131,8 @@ def score(
     typer.echo(f"windows    {len(windows)} of {len(every)} in split {split!r} of corpus {corpus}")
     typer.echo(f"leakage    vs {len(calibration)} calibration documents: {leakage.summary()}")
     typer.echo(f"teacher    cache {fmt.label}")
+    if expert_cache is not None:
+        typer.echo(f"experts    cache {expert_cache.label()} (the teacher routes without it)")
     report = score_report(
         teacher,
         student,
@@ -115,6 +141,7 @@ def score(
         batch=batch,
         progress=_progress,
         teacher_cache=fmt,
+        expert_cache=expert_cache,
     )
     typer.echo(format_summary(report))
     if json_out is not None:
@@ -134,3 +161,19 @@ def score(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(record, indent=1, allow_nan=True) + "\n")
         typer.echo(f"wrote {json_out}")
+
+
+def _expert_cache(bonus: float, experts: int | None, mib: float | None, warm: bool):
+    """The score run's ExpertCacheConfig, or None without a cache size."""
+    from healsweep.score.expert_cache import ExpertCacheConfig
+
+    if experts is not None and mib is not None:
+        raise typer.BadParameter("give --cache-experts or --cache-mib, not both",
+                                 param_hint="--cache-mib")  # fmt: skip
+    if experts is None and mib is None:
+        if bonus or warm:
+            raise typer.BadParameter("--moce-bonus and --warm-cache need a cache size: "
+                                     "--cache-experts N or --cache-mib M",
+                                     param_hint="--cache-experts")  # fmt: skip
+        return None
+    return ExpertCacheConfig(bonus=bonus, experts=experts, mib=mib, warm=warm)

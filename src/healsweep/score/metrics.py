@@ -64,6 +64,7 @@ class WindowMetrics:
     kld_p999: float
     kld_max: float
     router_jaccard_layers: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    expert_cache: Any = None  # CacheWindowStats when scored through a simulated expert cache
 
     @property
     def teacher_ppl(self) -> float:
@@ -80,19 +81,29 @@ class WindowMetrics:
         record = {
             name: getattr(self, name)
             for name in self.__dataclass_fields__
-            if name != "router_jaccard_layers"
+            if name not in ("router_jaccard_layers", "expert_cache")
         }
         record["router_jaccard_layers"] = [float(v) for v in self.router_jaccard_layers]
         record["teacher_ppl"] = self.teacher_ppl
         record["student_ppl"] = self.student_ppl
+        if self.expert_cache is not None:
+            record.update(self.expert_cache.to_dict())
         return record
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> WindowMetrics:
         """Inverse of :meth:`to_dict` (extra keys such as perplexities are ignored)."""
-        names = [n for n in cls.__dataclass_fields__ if n != "router_jaccard_layers"]
+        from healsweep.score.expert_cache import CacheWindowStats
+
+        names = [
+            n for n in cls.__dataclass_fields__ if n not in ("router_jaccard_layers", "expert_cache")
+        ]
         layers = np.asarray(record.get("router_jaccard_layers", []), dtype=np.float32)
-        return cls(**{n: record[n] for n in names}, router_jaccard_layers=layers)
+        return cls(
+            **{n: record[n] for n in names},
+            router_jaccard_layers=layers,
+            expert_cache=CacheWindowStats.from_dict(record),
+        )
 
 
 def router_agreement(

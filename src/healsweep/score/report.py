@@ -54,16 +54,19 @@ def score_report(
     batch: int = 8,
     progress: Callable[[int, int, float], None] | None = None,
     teacher_cache: Any = "compact",
+    expert_cache: Any = None,
 ) -> dict[str, Any]:
-    """Score ``windows`` and return ``{pooled, windows, n_windows, seconds, windows_per_s}``.
+    """Score ``windows`` and return ``{pooled, windows, n_windows, seconds, windows_per_s}``
+    (and ``expert_cache``: its config, capacities and pooled figures, when one is simulated).
 
-    ``progress(done, total, elapsed_s)`` is called after every window; ``teacher_cache`` is
-    passed to :func:`~healsweep.score.runner.score_windows`.
+    ``progress(done, total, elapsed_s)`` is called after every window; ``teacher_cache`` and
+    ``expert_cache`` are passed to :func:`~healsweep.score.runner.score_windows`.
     """
     started = time.perf_counter()
     records, metrics = [], []
     for done, (window, m) in enumerate(
-        score_windows(teacher, student, windows, cache, batch=batch, teacher_cache=teacher_cache),
+        score_windows(teacher, student, windows, cache, batch=batch, teacher_cache=teacher_cache,
+                      expert_cache=expert_cache),  # fmt: skip
         start=1,
     ):
         metrics.append(m)
@@ -71,13 +74,22 @@ def score_report(
         if progress is not None:
             progress(done, len(windows), time.perf_counter() - started)
     seconds = time.perf_counter() - started
-    return {
+    report = {
         "n_windows": len(records),
         "seconds": seconds,
         "windows_per_s": len(records) / seconds if seconds > 0 else math.inf,
         "pooled": pooled(metrics, [w.stratum for w in windows]),
         "windows": records,
     }
+    if expert_cache is not None:
+        from healsweep.score.expert_cache import layer_capacities, pooled_cache
+
+        report["expert_cache"] = {
+            **expert_cache.model_dump(),
+            "capacity": layer_capacities(expert_cache, student),
+            "pooled": pooled_cache(records),
+        }
+    return report
 
 
 def _row(name: str, p: dict[str, Any]) -> str:
@@ -102,6 +114,15 @@ def format_summary(report: dict[str, Any]) -> str:
     if "kld_macro" in pool:
         lines.append(
             f"macro over strata: KLD {pool['kld_macro']:.5f}, top-1 {100 * pool['top1_macro']:.2f}%"
+        )
+    if report.get("expert_cache"):
+        ec = report["expert_cache"]
+        cp = ec["pooled"]
+        lines.append(
+            f"expert cache (bonus {ec['bonus']:g}, {min(ec['capacity'])}-{max(ec['capacity'])} "
+            f"experts per layer, {'warm' if ec['warm'] else 'cold'}): hit rate "
+            f"{100 * cp['hit_rate']:.2f}%, {cp['misses_per_token']:.3f} misses/token, "
+            f"{cp['mib_per_token']:.4f} MiB/token"
         )
     lines.append(
         f"{report['n_windows']} windows in {report['seconds']:.1f} s "

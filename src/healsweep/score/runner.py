@@ -11,6 +11,7 @@ student exposing ``base`` (the teacher's ``GGUFModel``) and ``replacements`` (pe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any
@@ -42,18 +43,28 @@ def check_same_vocab(teacher: Any, student: Any) -> None:
         )
 
 
-def run_student(student: Any, windows: Sequence[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """One batched student forward: per window ``(logits [n, V], topk_ids [n, L, k])``."""
+def run_student(
+    student: Any, windows: Sequence[Any], cached: Any = None
+) -> list[tuple[np.ndarray, np.ndarray, Any]]:
+    """One batched student forward: per window ``(logits [n, V], topk_ids [n, L, k], cache
+    stats)``; through ``cached`` (a :class:`~healsweep.score.expert_cache.CachedStudent`)
+    when given, else the stats are None."""
     from healsweep.model import forward
 
     model, replacements = student_model(student)
     positions = [scored_positions(w) for w in windows]
-    result = forward(
-        model, [w.tokens for w in windows], replacements=replacements, logits_for=positions
-    )
+    if cached is None:
+        result = forward(
+            model, [w.tokens for w in windows], replacements=replacements, logits_for=positions
+        )
+        stats = [None] * len(windows)
+    else:
+        result, stats = cached.run(windows, positions)
     return [
-        (logits, np.asarray(router[pos], dtype=np.int32))
-        for logits, router, pos in zip(result.logits, result.router, positions, strict=True)
+        (logits, np.asarray(router[pos], dtype=np.int32), stat)
+        for logits, router, pos, stat in zip(
+            result.logits, result.router, positions, stats, strict=True
+        )
     ]
 
 
@@ -75,6 +86,7 @@ def score_windows(
     cache: StageCache,
     batch: int = 8,
     teacher_cache: str | TeacherCacheFormat = COMPACT,
+    expert_cache: Any = None,
 ) -> Iterator[tuple[Any, WindowMetrics]]:
     """Yield ``(window, WindowMetrics)`` for each window, in order.
 
@@ -83,20 +95,31 @@ def score_windows(
     exact) or ``exact`` (the full log-softmax). The student runs in batches of ``batch``
     windows. Router agreement compares top-k expert sets at the positions that predict the
     scored tokens.
+
+    ``expert_cache`` (an :class:`~healsweep.score.expert_cache.ExpertCacheConfig`) runs the
+    student's routing through a simulated expert cache with the MoCE bonus and adds the
+    window's cache figures (``WindowMetrics.expert_cache``); the teacher is never biased.
     """
     if batch < 1:
         raise ValueError(f"score_windows: batch must be >= 1, got {batch}")
     fmt = cache_format(teacher_cache)
     check_same_vocab(teacher, student)
+    cached = None
+    if expert_cache is not None:
+        from healsweep.score.expert_cache import CachedStudent
+
+        cached = CachedStudent(student, expert_cache)
     for group in _batches(windows, batch):
         taught = teacher_outputs(teacher, group, cache, fmt)
-        studied = run_student(student, group)
-        for window, t_out, (s_logits, s_topk) in zip(group, taught, studied, strict=True):
+        studied = run_student(student, group, cached)
+        for window, t_out, (s_logits, s_topk, stats) in zip(group, taught, studied, strict=True):
             routers = (_per_layer(t_out.topk_ids), _per_layer(s_topk))
             if isinstance(t_out, TeacherOutput):
                 metrics = window_metrics(t_out.logprobs, s_logits, window.scored_tokens, *routers)
             else:
                 metrics = compact_window_metrics(t_out, s_logits, window.scored_tokens, *routers)
+            if stats is not None:
+                metrics = dataclasses.replace(metrics, expert_cache=stats)
             yield window, metrics
 
 

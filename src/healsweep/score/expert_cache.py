@@ -1,0 +1,201 @@
+"""The student's forward through a simulated expert cache, and its I/O figures per window.
+
+A :class:`ExpertCacheConfig` (bonus, size in experts or MiB, warm or cold) turns into per-layer
+capacities for a student (:func:`layer_capacities`, from the student's stored bytes of one routed
+expert, :func:`expert_bytes`). :class:`CachedStudent` runs the student's batched forwards through
+the cache (``model.expert_cache``) and keeps, with ``warm``, each document's final cache states
+for its next window. :class:`CacheWindowStats` counts a window's lookups and misses at its scored
+positions (the positions whose logits are scored, as for router agreement); the context before
+them runs through the same cache first, so it warms it. See docs/expert-cache.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from healsweep.errors import KnobError
+
+MIB = float(1 << 20)
+_EXPERT_TENSORS = ("gate_exps", "up_exps", "down_exps")
+
+
+class ExpertCacheConfig(BaseModel):
+    """The cache of a scoring run: ``bonus`` added to resident experts' selection scores, the
+    per-layer size in ``experts`` or in ``mib`` (MiB of one layer's cache at the student's
+    stored expert size), and ``warm`` (carry a document's caches to its next window)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bonus: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    experts: int | None = Field(default=None, ge=1)
+    mib: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    warm: bool = False
+
+    @classmethod
+    def from_knobs(cls, knobs: Any) -> ExpertCacheConfig | None:
+        """The cache a trial's knobs ask for (``cache_experts`` > 0), else None."""
+        if not knobs.cache_experts:
+            return None
+        return cls(bonus=knobs.moce_bonus, experts=knobs.cache_experts)
+
+    def label(self) -> str:
+        """``bonus 0.5, 4 experts per layer, cold``."""
+        size = f"{self.experts} experts" if self.experts is not None else f"{self.mib:g} MiB"
+        return f"bonus {self.bonus:g}, {size} per layer, {'warm' if self.warm else 'cold'}"
+
+
+def expert_bytes(student: Any) -> list[int]:
+    """Per layer, the stored bytes of one routed expert (gate + up + down) of the student: its
+    replacement weights' bytes where the layer is replaced, else the GGUF tensors' bytes."""
+    model = getattr(student, "base", student)
+    replacements = dict(getattr(student, "replacements", None) or {})
+    n_expert = model.hparams.n_expert
+    sizes = []
+    for layer in range(model.hparams.n_layer):
+        new = replacements.get(layer)
+        total = 0
+        for field in _EXPERT_TENSORS:
+            weight = getattr(new, field, None) if new is not None else None
+            if weight is not None:
+                total += int(weight.nbytes)
+            else:
+                total += model.tensor_nbytes(f"blk.{layer}.ffn_{field}.weight")
+        sizes.append(total // n_expert)
+    return sizes
+
+
+def layer_capacities(config: ExpertCacheConfig, student: Any) -> list[int]:
+    """Experts each layer's cache holds; ``KnobError`` unless it lies in [k, E]."""
+    hp = getattr(student, "base", student).hparams
+    if (config.experts is None) == (config.mib is None):
+        raise KnobError("the expert cache needs exactly one size: experts (--cache-experts) "
+                        "or mib (--cache-mib)")  # fmt: skip
+    if config.experts is not None:
+        capacities = [config.experts] * hp.n_layer
+    else:
+        capacities = [int(config.mib * MIB // size) for size in expert_bytes(student)]
+    low, high = min(capacities), max(capacities)
+    if low < hp.n_expert_used or high > hp.n_expert:
+        what = f"{config.mib:g} MiB holds {low}" if config.mib is not None else f"{low}"
+        raise KnobError(
+            f"expert cache of {what} experts per layer is not allowed: a layer routes each token "
+            f"to {hp.n_expert_used} of {hp.n_expert} experts, so the cache must hold between "
+            f"{hp.n_expert_used} and {hp.n_expert}"
+        )
+    return capacities
+
+
+@dataclass(frozen=True)
+class CacheWindowStats:
+    """Expert-cache figures of one window's scored positions, summed over MoE layers."""
+
+    tokens: int
+    lookups: int  # tokens x layers x k
+    misses: int
+    mib: float  # MiB loaded on misses
+
+    def to_dict(self) -> dict[str, Any]:
+        """The window record's cache fields (counts and the per-token figures)."""
+        return {
+            "cache_tokens": self.tokens,
+            "cache_lookups": self.lookups,
+            "cache_misses": self.misses,
+            "cache_mib": self.mib,
+            **per_token(self.tokens, self.lookups, self.misses, self.mib),
+        }
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> CacheWindowStats | None:
+        """Inverse of :meth:`to_dict`; None when the record has no cache figures."""
+        if record.get("cache_tokens") is None:
+            return None
+        return cls(int(record["cache_tokens"]), int(record["cache_lookups"]),
+                   int(record["cache_misses"]), float(record["cache_mib"]))  # fmt: skip
+
+
+def per_token(tokens: int, lookups: int, misses: int, mib: float) -> dict[str, float]:
+    """``hit_rate``, ``misses_per_token`` and ``mib_per_token`` from summed counts."""
+    nan = float("nan")
+    return {
+        "hit_rate": 1.0 - misses / lookups if lookups else nan,
+        "misses_per_token": misses / tokens if tokens else nan,
+        "mib_per_token": mib / tokens if tokens else nan,
+    }
+
+
+def pooled_cache(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Token-pooled cache figures of window records (None when none has cache figures)."""
+    stats = [s for s in map(CacheWindowStats.from_dict, records) if s is not None]
+    if not stats:
+        return None
+    tokens = sum(s.tokens for s in stats)
+    lookups = sum(s.lookups for s in stats)
+    misses = sum(s.misses for s in stats)
+    mib = sum(s.mib for s in stats)
+    return {"windows": len(stats), "tokens": tokens, "lookups": lookups, "misses": misses,
+            "mib": mib, **per_token(tokens, lookups, misses, mib)}  # fmt: skip
+
+
+class CachedStudent:
+    """Runs a student's forwards through the expert cache and measures each window."""
+
+    def __init__(self, student: Any, config: ExpertCacheConfig) -> None:
+        self.student = student
+        self.config = config
+        self.capacities = layer_capacities(config, student)
+        self.mib_per_miss = np.asarray(expert_bytes(student), np.float64) / MIB  # [L]
+        self._last: dict[str, list[Any]] = {}  # doc_id -> per-layer final state (warm)
+
+    def run(self, windows: Sequence[Any], positions: Sequence[np.ndarray]) -> Any:
+        """``(ForwardResult, [CacheWindowStats per window])`` of one batched forward."""
+        from healsweep.model import forward
+        from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
+        from healsweep.score.runner import student_model
+
+        model, replacements = student_model(self.student)
+        hp = model.hparams
+        init, continues = None, None
+        if self.config.warm:
+            continues = [b > 0 and w.doc_id == windows[b - 1].doc_id
+                         for b, w in enumerate(windows)]  # fmt: skip
+            init = []
+            for layer in range(hp.n_layer):
+                cold = empty_state(hp.n_expert)
+                starts = [self._last.get(w.doc_id, [cold] * hp.n_layer)[layer] for w in windows]
+                init.append(CacheState(np.stack([np.asarray(s.stamp) for s in starts]),
+                                       np.stack([np.asarray(s.clock) for s in starts])))  # fmt: skip
+        cache = ExpertCacheInput(self.config.bonus, self.capacities, init, continues)
+        result = forward(model, [w.tokens for w in windows], replacements=replacements,
+                         logits_for=positions, expert_cache=cache)  # fmt: skip
+        if self.config.warm:
+            for b, window in enumerate(windows):
+                self._last[window.doc_id] = [CacheState(s.stamp[b], s.clock[b])
+                                             for s in result.cache_states]  # fmt: skip
+        stats = []
+        for misses, pos in zip(result.cache_misses, positions, strict=True):
+            scored = misses[pos].astype(np.int64)  # [n, L]
+            stats.append(
+                CacheWindowStats(
+                    tokens=len(pos),
+                    lookups=len(pos) * hp.n_layer * hp.n_expert_used,
+                    misses=int(scored.sum()),
+                    mib=float((scored.sum(axis=0) * self.mib_per_miss).sum()),
+                )
+            )
+        return result, stats
+
+
+__all__ = [
+    "CacheWindowStats",
+    "CachedStudent",
+    "ExpertCacheConfig",
+    "expert_bytes",
+    "layer_capacities",
+    "per_token",
+    "pooled_cache",
+]
