@@ -148,3 +148,26 @@ def test_calibration_text_in_scored_windows_stops_the_run(setup, tmp_path):
     run = _cli(tmp_path, "--model", q4, "--ref", ref, "--corpus", tmp_path / "leaky.jsonl")
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "calibration text leaks" in run.stderr and "16-gram" in run.stderr
+
+
+def test_expert_cache_flags_add_io_figures_and_leave_quality_alone_at_bonus_zero(setup, tmp_path):
+    root, ref, q4 = setup
+    args = ("--model", q4, "--ref", ref, "--corpus", root / "corpus.jsonl", "--max-context", 40,
+            "--max-windows", 3, "--teacher-cache", "exact")  # fmt: skip
+    plain, cached = tmp_path / "plain.json", tmp_path / "cached.json"
+    assert _cli(tmp_path, *args, "--json", plain).returncode == 0
+    run = _cli(tmp_path, *args, "--json", cached, "--moce-bonus", 0, "--cache-experts", 3)
+    assert run.returncode == 0, run.stderr
+    assert "experts    cache bonus 0, 3 experts per layer, cold" in run.stdout
+    assert "hit rate" in run.stdout
+    a, b = json.loads(plain.read_text()), json.loads(cached.read_text())
+    for wa, wb in zip(a["windows"], b["windows"], strict=True):
+        assert {k: v for k, v in wb.items() if not k.startswith(("cache_", "hit_", "misses_",
+                                                                 "mib_"))} == wa  # fmt: skip
+        assert wb["hit_rate"] == 1 - wb["cache_misses"] / wb["cache_lookups"]
+    pooled = b["expert_cache"]["pooled"]
+    tokens = sum(w["n_scored"] for w in b["windows"])
+    assert pooled["misses_per_token"] == sum(w["cache_misses"] for w in b["windows"]) / tokens
+    assert b["expert_cache"]["capacity"] == [3, 3] and b["expert_cache"]["bonus"] == 0.0
+    bad = _cli(tmp_path, *args, "--moce-bonus", 0.5)
+    assert bad.returncode == 2 and "need a cache size" in " ".join(bad.stderr.replace("│", " ").split())

@@ -117,10 +117,11 @@ def format_summary(report: dict[str, Any]) -> str:
         )
     if report.get("expert_cache"):
         ec = report["expert_cache"]
-        cp = ec["pooled"]
+        cp, low, high = ec["pooled"], min(ec["capacity"]), max(ec["capacity"])
+        size = f"{low}" if low == high else f"{low}-{high}"
         lines.append(
-            f"expert cache (bonus {ec['bonus']:g}, {min(ec['capacity'])}-{max(ec['capacity'])} "
-            f"experts per layer, {'warm' if ec['warm'] else 'cold'}): hit rate "
+            f"expert cache (bonus {ec['bonus']:g}, {size} experts per layer, "
+            f"{'warm' if ec['warm'] else 'cold'}): hit rate "
             f"{100 * cp['hit_rate']:.2f}%, {cp['misses_per_token']:.3f} misses/token, "
             f"{cp['mib_per_token']:.4f} MiB/token"
         )
