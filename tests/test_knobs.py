@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from healsweep.errors import HealsweepError, KnobError
-from healsweep.heal.knobs import STAGES, CalibrationConfig, Knobs, load_knobs
+from healsweep.heal.knobs import SCORE_KNOBS, STAGES, CalibrationConfig, Knobs, load_knobs
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs" / "knobs").glob("*.yaml"))
@@ -37,6 +37,8 @@ def test_defaults_are_the_contract_table():
             assert str(value).lower() == default
         elif isinstance(value, float):
             assert value == float(default)
+        elif isinstance(value, int):
+            assert value == int(default)
         else:
             assert value == default
 
@@ -53,6 +55,7 @@ def test_defaults_are_the_contract_table():
         ("ridge", [True, False], ["yes", 1, 0, None]),
         ("rho", [1e-6, 1000], [0, -1, 1000.5]),
         ("eta", [0, 2], [-0.001, 2.5]),
+        ("cache_experts", [0, 4, 128], [-1, 2.5, True, "four"]),
     ],
 )
 def test_every_range_is_enforced_with_knob_value_and_range_named(name, good, bad):
@@ -89,7 +92,7 @@ def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
     live = Knobs(quantizer="gptq", alpha_granularity="expert")
     read = [set(live.for_stage(s)) for s in STAGES]
     union = set().union(*read)
-    assert union == set(Knobs.model_fields)
+    assert union == set(Knobs.model_fields) - set(SCORE_KNOBS)
     assert sum(len(r) for r in read) == len(union)  # each knob is read by exactly one stage
     assert knobs.for_stage("calib_trace") == {} and knobs.for_stage("routed_q") == {}
     assert Knobs(alpha="none", gamma=0.1).for_stage("part_a") == Knobs(alpha="none").for_stage(
@@ -99,6 +102,22 @@ def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
     assert Knobs(eta=0.3).for_stage("quantize") == knobs.for_stage("quantize")
     with pytest.raises(KnobError, match="unknown stage"):
         knobs.for_stage("score")
+
+
+def test_score_knobs_never_change_a_stage_key():
+    """moce_bonus and cache_experts act at scoring time: every heal stage reads the same knobs
+    (so a sweep over them heals once); a trial's bonus needs a cache to act on."""
+    for base in (Knobs(), Knobs(quantizer="gptq", alpha="mse", alpha_granularity="expert")):
+        cached = base.replace(moce_bonus=0.85, cache_experts=4)
+        assert all(cached.for_stage(s) == base.for_stage(s) for s in STAGES)
+    from healsweep.score.expert_cache import ExpertCacheConfig
+
+    assert ExpertCacheConfig.from_knobs(Knobs()) is None
+    assert ExpertCacheConfig.from_knobs(cached) == ExpertCacheConfig(bonus=0.85, experts=4)
+    with pytest.raises(KnobError, match="moce_bonus.*needs an expert cache"):
+        ExpertCacheConfig.from_knobs(Knobs(moce_bonus=0.5))
+    with pytest.raises(KnobError, match="moce_bonus"):
+        Knobs(moce_bonus=1.5, cache_experts=4)
 
 
 def test_load_knobs_reads_yaml_and_fills_defaults(tmp_path):

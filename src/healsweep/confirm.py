@@ -278,6 +278,7 @@ def score_config(
     from healsweep.heal.knobs import Knobs
     from healsweep.heal.pipeline import build_student
     from healsweep.results.schema import knob_columns
+    from healsweep.score.expert_cache import ExpertCacheConfig
     from healsweep.score.runner import score_windows
 
     knobs = Knobs(**config.knobs)
@@ -292,6 +293,7 @@ def score_config(
             cache,
             batch=batch,
             teacher_cache=ctx.spec.scoring.teacher_cache,
+            expert_cache=ExpertCacheConfig.from_knobs(knobs),  # as the sweep scored it on dev
         )
     ):
         row = metrics.to_dict()

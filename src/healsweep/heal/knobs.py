@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from healsweep.errors import KnobError
 
+# Knobs that change how a student is scored, not how it is healed: no stage reads them.
+SCORE_KNOBS = ("moce_bonus", "cache_experts")
 STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "ridge_basis", "ridge_fit", "part_b")
 
 # What each knob accepts, in words, for error messages (mirrors the Field constraints below).
@@ -35,6 +37,8 @@ ALLOWED = {
     "ridge": "true or false",
     "rho": "a float in (0, 1000]",
     "eta": "a float in [0, 2]",
+    "moce_bonus": "a float in [0, 1] (acts only with cache_experts > 0)",
+    "cache_experts": "an integer >= 0 (0: no expert-cache simulation)",
 }
 
 _CALIBRATION_ALLOWED = {
@@ -68,6 +72,12 @@ class Knobs(BaseModel):
     ridge: bool = Field(default=True, strict=True)
     rho: float = _float(6.0, 0.0, 1000.0, lo_open=True)
     eta: float = _float(0.15, 0.0, 2.0)
+    # Score-time knobs (docs/expert-cache.md): the student routes through a simulated LRU cache
+    # of `cache_experts` routed experts per layer, resident ones favoured by `moce_bonus`. No
+    # heal stage reads them, so they never change a stage's cache key. (A bonus without a cache
+    # is refused when the trial scores, not here: a spec checks each searched value alone.)
+    moce_bonus: float = _float(0.0, 0.0, 1.0)
+    cache_experts: int = Field(default=0, ge=0)
 
     def __init__(self, **values: Any) -> None:
         _reject_bools_as_numbers(values)

@@ -18,7 +18,7 @@ from healsweep.heal.knobs import Knobs
 
 KNOB_PREFIX = "knob_"
 
-_KNOB_TYPES = {bool: pa.bool_(), float: pa.float64(), str: pa.string()}
+_KNOB_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
 
 
 def knob_fields() -> list[pa.Field]:
@@ -45,6 +45,14 @@ METRIC_FIELDS = [
     pa.field("kld_p99", pa.float64()),
     pa.field("kld_p999", pa.float64()),
     pa.field("kld_max", pa.float64()),
+    # expert-cache simulation (null without one): counts at the scored positions, all layers
+    pa.field("cache_tokens", pa.int64()),
+    pa.field("cache_lookups", pa.int64()),
+    pa.field("cache_misses", pa.int64()),
+    pa.field("cache_mib", pa.float64()),
+    pa.field("hit_rate", pa.float64()),
+    pa.field("misses_per_token", pa.float64()),
+    pa.field("mib_per_token", pa.float64()),
 ]
 
 _TS = pa.timestamp("us", tz="UTC")

@@ -38,8 +38,12 @@ class ExpertCacheConfig(BaseModel):
 
     @classmethod
     def from_knobs(cls, knobs: Any) -> ExpertCacheConfig | None:
-        """The cache a trial's knobs ask for (``cache_experts`` > 0), else None."""
+        """The cache a trial's knobs ask for (``cache_experts`` > 0), else None; ``KnobError``
+        for a bonus without a cache (it would have nothing to act on)."""
         if not knobs.cache_experts:
+            if knobs.moce_bonus:
+                raise KnobError(f"knob 'moce_bonus' = {knobs.moce_bonus!r} needs an expert "
+                                "cache: set cache_experts to the experts each layer's cache holds")  # fmt: skip
             return None
         return cls(bonus=knobs.moce_bonus, experts=knobs.cache_experts)
 

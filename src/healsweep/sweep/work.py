@@ -89,6 +89,7 @@ def run_trial_work(
     from healsweep.cache import StageCache
     from healsweep.gguf_io import open_model
     from healsweep.heal.pipeline import build_student
+    from healsweep.score.expert_cache import ExpertCacheConfig
     from healsweep.score.runner import score_windows
 
     teacher = open_model(spec.model)
@@ -108,6 +109,7 @@ def run_trial_work(
         cache,
         batch=spec.scoring.batch,
         teacher_cache=spec.scoring.teacher_cache,
+        expert_cache=ExpertCacheConfig.from_knobs(knobs),
     )
     for window, metrics in scored:
         wi = index[window.window_id]
