@@ -22,7 +22,8 @@ def report(sweep_dir: Path = _SWEEP_DIR, n_boot: int = _BOOT, seed: int = _SEED)
     summary = summarize(sweep_dir, n_boot=n_boot, seed=seed)
     paths = write_report(sweep_dir, summary=summary)
     header, rows = leaderboard(summary)
-    keep = [header.index(h) for h in ("#", "config", "status", "pooled KLD", header[5], "verdict")]
+    shown = ("#", "config", "status", "pooled KLD", "hit rate", "MiB/token", "top-1", "verdict")
+    keep = [i for i, h in enumerate(header) if h in shown or h.startswith("Δ KLD")]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in keep]
     for row in [header, *rows]:
         typer.echo("  ".join(row[i].ljust(w) for i, w in zip(keep, widths, strict=True)))

@@ -128,10 +128,13 @@ def write_plots(
     summary: SweepSummary, folder: Path, label: Callable[[ConfigResult], str]
 ) -> dict[str, Path]:
     """All plots into ``folder``; returns ``{caption: path}``."""
+    from healsweep.results.expert_cache import cache_plots
+
     return {
         "per-window KLD vs baseline": paired_scatter(summary, folder / "paired_windows.png", label),
         "per-stratum change vs baseline": strata_bars(summary, folder / "strata.png", label),
         "knob main effects": knob_effects(summary, folder / "knob_effects.png"),
+        **cache_plots(summary, folder, label),  # KLD vs MiB/token, with an expert cache
     }
 
 

@@ -42,7 +42,8 @@ def _verdict(config: ConfigResult) -> str:
 
 
 def leaderboard(summary: SweepSummary) -> Table:
-    """Rank, config, status, windows, pooled KLD, Δ KLD [CI], top-1 Δ, wins/losses, verdict."""
+    """Rank, config, status, windows, pooled KLD (with an expert cache: hit rate, MiB/token),
+    Δ KLD [CI], top-1, top-1 Δ, wins/losses, verdict."""
     level = summary.rule.ci_level
     header = ["#", "config", "status", "windows", "pooled KLD", f"Δ KLD [{level:.0%} CI]",
               "top-1", "Δ top-1 (pt)", "wins/losses", "verdict"]  # fmt: skip
@@ -70,7 +71,9 @@ def leaderboard(summary: SweepSummary) -> Table:
                 _verdict(config),
             ]
         )
-    return header, rows
+    from healsweep.results.expert_cache import with_cache_columns
+
+    return with_cache_columns(summary, header, rows)  # hit rate, MiB/token when simulated
 
 
 def strata_table(summary: SweepSummary) -> Table:
