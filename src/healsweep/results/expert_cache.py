@@ -57,10 +57,13 @@ def kld_vs_mib(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
         curve.sort(key=lambda p: p[0].knobs.get("moce_bonus") or 0.0)
         xs = [f["mib_per_token"] for _, f in curve]
         ys = [c.pooled["kld_mean"] for c, _ in curve]
-        ax.plot(xs, ys, marker="o", lw=1)
-        for config, figures in curve:
-            ax.annotate(label(config)[:40], (figures["mib_per_token"], config.pooled["kld_mean"]),
-                        fontsize=6, xytext=(3, 3), textcoords="offset points")  # fmt: skip
+        ax.plot(xs, ys, marker="o", lw=1, label=label(curve[0][0])[:48])  # the lowest bonus
+        for (config, _), x, y in zip(curve, xs, ys, strict=True):
+            ax.annotate(f"{config.knobs.get('moce_bonus') or 0:g}", (x, y), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    if all(f["mib_per_token"] > 0 for _, f in points):
+        ax.set_xscale("log")
+    ax.legend(fontsize=6, title="config (points: moce_bonus)", title_fontsize=6)
     ax.set_xlabel("MiB of experts read per token (misses x stored expert size)")
     ax.set_ylabel("pooled KLD")
     ax.set_title("quality vs expert I/O per config", fontsize=9)
