@@ -28,7 +28,7 @@ from healsweep.ledger import Ledger
 
 KNOWN_KNOBS = (
     "importance, importance_down, quantizer, gptq_damp, gain_gu, gain_d, alpha, gamma, "
-    "alpha_granularity, ridge, rho, eta"
+    "alpha_granularity, ridge, rho, eta, moce_bonus, cache_experts"
 )
 
 
