@@ -32,7 +32,7 @@ def with_cache_columns(
         return header, rows
     at = header.index("pooled KLD") + 1
     cells = [
-        ["-", "-"] if f is None else [f"{f['hit_rate']:.2%}", f"{f['mib_per_token']:.4f}"]
+        ["-", "-"] if f is None else [f"{f['hit_rate']:.2%}", f"{f['mib_per_token']:.3g}"]
         for f in figures
     ]
     return (
