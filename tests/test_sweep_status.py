@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from healsweep.sweep.driver import LOCK_FILE
+from healsweep.results.store import LOCK_FILE
 from healsweep.sweep.status import driver_running
 
 _HOLD = """
@@ -48,3 +48,14 @@ def test_a_driver_is_seen_and_a_concurrent_probe_is_not(tmp_path):
     assert driver_running(tmp_path) is None  # the driver is gone: its lock went with it
     with open(lock, "a+") as handle:  # and the probe left the file unlocked
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_status_reads_a_sweep_without_importing_ray_optuna_or_jax():
+    # `sweep status` must answer on a login node or while the driver holds the machine.
+    code = (
+        "import sys, healsweep.sweep.status, healsweep.cli.sweep_cmd\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'optuna', 'jax'})\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

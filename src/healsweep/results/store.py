@@ -33,6 +33,7 @@ WINDOWS_DIR = "windows"
 TRIALS_FILE = "trials.parquet"
 MANIFEST_FILE = "manifest.json"
 SPEC_FILE = "spec.json"
+LOCK_FILE = ".sweep.lock"  # held by the running driver; status probes it shared
 _PART = re.compile(r"^part-(?P<trial>.+)-(?P<seq>\d{6})\.parquet$")
 _TRIAL = re.compile(r"^trial-(?P<trial>.+)\.parquet$")
 

@@ -24,7 +24,7 @@ from typing import Any
 from ray.tune.search.optuna import OptunaSearch
 
 from healsweep.errors import ResultsError, SpecError
-from healsweep.results.store import SPEC_FILE, read_trials, read_windows
+from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials, read_windows
 from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
 from healsweep.sweep.space import baseline_point, grid_configs, optuna_space, planned_trials
@@ -32,7 +32,6 @@ from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import TARGET_METRIC, sweep_trial
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
-LOCK_FILE = ".sweep.lock"
 KEEP_CHECKPOINTS = 8
 _TUNE_RESERVED = {
     "sweep",

@@ -7,8 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from healsweep.results.store import read_manifest, read_trials, read_windows
-from healsweep.sweep.driver import LOCK_FILE
+from healsweep.results.store import LOCK_FILE, read_manifest, read_trials, read_windows
 
 
 def driver_running(sweep_dir: Path) -> str | None:
