@@ -115,17 +115,30 @@ def test_journal_keeps_the_history_across_a_restored_scheduler(tmp_path):
     (tmp_path / f"{JOURNAL_FILE}.lock").symlink_to(tmp_path / "nowhere")
     repair_journal(journal)
     study = restored.study
-    trials = {t.user_attrs["tune_trial_id"]: t for t in study.get_trials()}
+    # Public Optuna API only: the trial left running cannot be reported to again, so it is told
+    # FAIL and a new trial (later number) carries its attributes and reported values.
+    by_number = sorted(study.get_trials(), key=lambda t: t.number)
+    trials = {t.user_attrs["tune_trial_id"]: t for t in by_number}  # the latest per tune id
     assert trials["base"].state.name == "COMPLETE"
     assert trials["running"].state.name == "RUNNING"
     assert set(trials["running"].intermediate_values) == {0, 1, 2}
-    # the resumed trial's reports go to the same Optuna trial; a repeated step is not re-added
+    replaced = [t for t in by_number if t.user_attrs["tune_trial_id"] == "running"][0]
+    assert replaced.state.name == "FAIL" and replaced.number < trials["running"].number
+    # the resumed trial's reports go to the new Optuna trial; a repeated step is not re-added
     restored.on_trial_result(None, running, _result(2, 99.0, 3))
     restored.on_trial_result(None, running, _result(3, float(WINDOW_DIFFICULTY[3]), 4))
-    again = optuna.load_study(study_name="healsweep-pruning", storage=study._storage)
-    values = next(t for t in again.get_trials() if t.user_attrs["tune_trial_id"] == "running")
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    again = optuna.load_study(study_name="healsweep-pruning", storage=storage)
+    values = max(
+        (t for t in again.get_trials() if t.user_attrs["tune_trial_id"] == "running"),
+        key=lambda t: t.number,
+    )
     assert values.intermediate_values[2] == float(WINDOW_DIFFICULTY[2])
     assert set(values.intermediate_values) == {0, 1, 2, 3}
+    # a scheduler restored again finds the replacement, not the failed one
+    third = pickle.loads(pickle.dumps(restored))
+    assert third.on_trial_result(None, running, _result(4, 0.0, 5)) == TrialScheduler.CONTINUE
+    assert "running" in third._live and "running" not in third._done
 
 
 def test_median_pruner_uses_running_mean(tmp_path):

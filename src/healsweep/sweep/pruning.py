@@ -69,13 +69,14 @@ class WindowPruningScheduler(FIFOScheduler):
         self.p_threshold = p_threshold
         self.n_startup_steps = n_startup_steps
         self._study: Any = None
-        self._ids: dict[str, int] = {}  # tune trial id -> optuna storage trial id
+        self._live: dict[str, Any] = {}  # tune trial id -> its running optuna.trial.Trial
+        self._steps: dict[str, set[int]] = {}  # tune trial id -> steps it has reported
+        self._done: dict[str, str] = {}  # tune trial id -> the state it was told
         self.pruned: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_study"] = None  # reopened from the journal; never pickled
-        state["_ids"] = {}
+        state.update(_study=None, _live={}, _steps={}, _done={})  # reopened from the journal
         return state
 
     # The study -----------------------------------------------------------------------------
@@ -95,7 +96,11 @@ class WindowPruningScheduler(FIFOScheduler):
 
     @property
     def study(self) -> Any:
-        """The Optuna study (opened lazily from the journal)."""
+        """The Optuna study (opened lazily from the journal).
+
+        Only Optuna's public API: a trial still running in the journal (the driver stopped
+        while it ran) cannot be reported to again, so it is told ``FAIL`` and a new trial takes
+        its place, carrying its attributes and every value it had reported."""
         if self._study is None:
             import optuna
             from optuna.storages import JournalStorage
@@ -110,28 +115,54 @@ class WindowPruningScheduler(FIFOScheduler):
                 pruner=self._pruner(),
                 load_if_exists=True,
             )
-            for frozen in self._study.get_trials(deepcopy=False):
+            latest = {}  # tune trial id -> its latest Optuna trial (a replaced one came first)
+            for frozen in sorted(self._study.get_trials(deepcopy=False), key=lambda t: t.number):
                 tune_id = frozen.user_attrs.get("tune_trial_id")
                 if tune_id is not None:
-                    self._ids[tune_id] = frozen._trial_id
+                    latest[tune_id] = frozen
+            for tune_id, frozen in latest.items():
+                if frozen.state.name != "RUNNING":
+                    self._done[tune_id] = frozen.state.name
                     if frozen.state.name == "PRUNED":
                         self.pruned.add(tune_id)
+                    continue
+                self._study.tell(frozen.number, state=_trial_state("FAIL"))
+                self._live[tune_id] = self._new_trial(frozen.user_attrs)
+                for step, value in sorted(frozen.intermediate_values.items()):
+                    self._live[tune_id].report(value, step)
+                self._steps[tune_id] = set(frozen.intermediate_values)
         return self._study
 
+    def _new_trial(self, attrs: dict[str, Any]) -> Any:
+        created = self.study.ask()
+        for name, value in attrs.items():
+            created.set_user_attr(name, value)
+        return created
+
     def _optuna_trial(self, trial: Any, result: dict[str, Any]) -> Any:
-        import optuna
+        """The running Optuna trial of a Tune trial (asked for on its first result), or None
+        once it has been told its end."""
+        self.study  # noqa: B018 - opens the journal: a restored scheduler learns what was told
+        if trial.trial_id in self._done:
+            return None
+        if trial.trial_id not in self._live:
+            self._live[trial.trial_id] = self._new_trial({
+                "tune_trial_id": trial.trial_id,
+                "config_hash": str(result.get("config_hash", "")),
+                "is_baseline": bool(result.get("is_baseline", False)),
+            })
+            self._steps[trial.trial_id] = set()
+        return self._live[trial.trial_id]
 
-        study = self.study
-        if trial.trial_id not in self._ids:
-            created = study.ask()
-            created.set_user_attr("tune_trial_id", trial.trial_id)
-            created.set_user_attr("config_hash", str(result.get("config_hash", "")))
-            created.set_user_attr("is_baseline", bool(result.get("is_baseline", False)))
-            self._ids[trial.trial_id] = created._trial_id
-        return optuna.trial.Trial(study, self._ids[trial.trial_id])
-
-    def _state(self, ot_trial: Any) -> str:
-        return self.study._storage.get_trial(ot_trial._trial_id).state.name
+    def _tell(self, trial: Any, value: float | None = None, state: str | None = None) -> None:
+        ot_trial = self._live.pop(trial.trial_id)
+        if state is None:
+            self.study.tell(ot_trial, value)
+        else:
+            self.study.tell(ot_trial, state=_trial_state(state))
+        self._done[trial.trial_id] = state or "COMPLETE"
+        if state == "PRUNED":
+            self.pruned.add(trial.trial_id)
 
     # Tune hooks ----------------------------------------------------------------------------
 
@@ -140,45 +171,42 @@ class WindowPruningScheduler(FIFOScheduler):
         if "window_index" not in result or "kld_mean" not in result:
             return TrialScheduler.CONTINUE
         ot_trial = self._optuna_trial(trial, result)
-        state = self._state(ot_trial)
-        if state != "RUNNING":
-            return TrialScheduler.STOP if state == "PRUNED" else TrialScheduler.CONTINUE
+        if ot_trial is None:
+            done = self._done[trial.trial_id]
+            return TrialScheduler.STOP if done == "PRUNED" else TrialScheduler.CONTINUE
         if self.kind == "wilcoxon":
             step, value = int(result["window_index"]), float(result["kld_mean"])
         else:
             step, value = int(result["windows_done"]), float(result[TARGET_METRIC])
-        frozen = self.study._storage.get_trial(ot_trial._trial_id)
-        if step not in frozen.intermediate_values:
+        if step not in self._steps[trial.trial_id]:
             ot_trial.report(value, step)
+            self._steps[trial.trial_id].add(step)
         if result.get("is_baseline") or result["windows_done"] >= result["windows_total"]:
             return TrialScheduler.CONTINUE
         if ot_trial.should_prune():
-            self.study.tell(ot_trial, state=_trial_state("PRUNED"))
-            self.pruned.add(trial.trial_id)
+            self._tell(trial, state="PRUNED")
             return TrialScheduler.STOP
         return TrialScheduler.CONTINUE
 
     def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> None:
         """Tell the study the trial's pooled KLD (a trial stopped by the pruner is already told)."""
         super().on_trial_complete(tune_controller, trial, result)
-        if trial.trial_id not in self._ids or not result or TARGET_METRIC not in result:
+        if not result or TARGET_METRIC not in result:
             return
-        ot_trial = self._optuna_trial(trial, result)
-        if self._state(ot_trial) != "RUNNING":
+        self.study  # noqa: B018 - opens the journal: a restored scheduler learns what was told
+        if trial.trial_id not in self._live:
             return
         if result.get("windows_done", 0) >= result.get("windows_total", 1):
-            self.study.tell(ot_trial, float(result[TARGET_METRIC]))
+            self._tell(trial, float(result[TARGET_METRIC]))
         else:
-            self.study.tell(ot_trial, state=_trial_state("PRUNED"))
-            self.pruned.add(trial.trial_id)
+            self._tell(trial, state="PRUNED")
 
     def on_trial_error(self, tune_controller: Any, trial: Any) -> None:
         """A trial that will not be retried is told ``FAIL``; a retried one keeps its history."""
         super().on_trial_error(tune_controller, trial)
-        if trial.trial_id in self._ids and not trial.should_recover():
-            ot_trial = self._optuna_trial(trial, {})
-            if self._state(ot_trial) == "RUNNING":
-                self.study.tell(ot_trial, state=_trial_state("FAIL"))
+        self.study  # noqa: B018 - opens the journal (see on_trial_complete)
+        if trial.trial_id in self._live and not trial.should_recover():
+            self._tell(trial, state="FAIL")
 
     def debug_string(self) -> str:
         """One line for Tune's status output."""
