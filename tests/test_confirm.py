@@ -23,7 +23,7 @@ import pytest
 import ray
 
 from _tiny_corpus import write_tiny_corpus
-from healsweep.confirm import confirm, frozen_hash
+from healsweep.confirm import confirm, frozen_hash, read_confirmed
 from healsweep.data.corpus import Document, load_corpus, write_corpus
 from healsweep.errors import LedgerError, SpecError, SplitError, TestSplitSealed
 from healsweep.ledger import Ledger
@@ -156,7 +156,8 @@ def test_confirm_opens_before_scoring_records_the_result_and_refuses_a_second(
     assert exit_info.value.code == 1 and err.count("\n") == 1 and "already confirmed" in err
     assert (results / "ledger.jsonl").read_bytes() == before
 
-    report = (write_report(sweep_copy, n_boot=500)["markdown"]).read_text()
+    paths = write_report(sweep_copy, n_boot=500, confirmed=read_confirmed(sweep_copy))
+    report = paths["markdown"].read_text()
     section = report.split("## Dev and test (milestone m1)")[1].split("## ")[0]
     assert (
         "dev pooled KLD" in section and f"test pooled KLD ({summary['windows']} windows)" in section
@@ -167,7 +168,8 @@ def test_confirm_opens_before_scoring_records_the_result_and_refuses_a_second(
     assert f"| {best_kld:.5f} | {comp['rel_change']:+.2%} [{lo:+.2%}, {hi:+.2%}] |" in best_row
 
     pq.write_table(pq.read_table(out / "windows.parquet").slice(1), out / "windows.parquet")
-    report = (write_report(sweep_copy, n_boot=500)["markdown"]).read_text()
+    paths = write_report(sweep_copy, n_boot=500, confirmed=read_confirmed(sweep_copy))
+    report = paths["markdown"].read_text()
     assert "| file changed |" in report  # the result no longer matches its ledger hash
 
 

@@ -10,14 +10,14 @@ import torch
 @pytest.fixture(scope="module")
 def demo():
     from healsweep.data.corpus import load_corpus
-    from healsweep.demo.paths import demo_corpus_path, demo_model_path
+    from healsweep.bundled import demo_corpus_path, demo_model_path
     from healsweep.gguf_io import open_model
 
     return open_model(demo_model_path()), load_corpus(demo_corpus_path())
 
 
 def test_demo_model_has_the_promised_shape(demo) -> None:
-    from healsweep.demo.paths import demo_model_path
+    from healsweep.bundled import demo_model_path
 
     model, _ = demo
     hp = model.hparams
@@ -36,7 +36,7 @@ def test_demo_model_has_the_promised_shape(demo) -> None:
 def test_demo_gguf_tokenizer_is_the_demo_tokenizer_on_the_whole_corpus(demo) -> None:
     from tokenizers import Tokenizer
 
-    from healsweep.demo.paths import demo_tokenizer_path
+    from healsweep.bundled import demo_tokenizer_path
 
     model, corpus = demo
     ours, shipped = model.tokenizer(), Tokenizer.from_file(str(demo_tokenizer_path()))
@@ -53,7 +53,7 @@ def test_demo_gguf_matches_transformers_on_a_dev_document(demo) -> None:
     from transformers import AutoModelForCausalLM
 
     from healsweep.demo.build import dev_documents, encode_documents
-    from healsweep.demo.paths import demo_model_path
+    from healsweep.bundled import demo_model_path
     from healsweep.model import forward
 
     model, corpus = demo

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from healsweep.demo.paths import demo_model_path, resolve_model
+from healsweep.bundled import demo_model_path, resolve_model
 from healsweep.errors import GGUFFormatError, TokenizerError, UnsupportedArchitectureError
 from healsweep.gguf_io import (
     ModelHparams,

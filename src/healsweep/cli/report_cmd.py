@@ -16,11 +16,12 @@ _SEED = typer.Option(0, "--seed", help="Seed of the bootstrap.")
 @app.command("report")
 def report(sweep_dir: Path = _SWEEP_DIR, n_boot: int = _BOOT, seed: int = _SEED) -> None:
     """Leaderboard vs the baseline with CIs and verdicts, strata, knob effects, pruning, plots."""
+    from healsweep.confirm import read_confirmed
     from healsweep.results.aggregate import summarize
     from healsweep.results.report import leaderboard, write_report
 
     summary = summarize(sweep_dir, n_boot=n_boot, seed=seed)
-    paths = write_report(sweep_dir, summary=summary)
+    paths = write_report(sweep_dir, summary=summary, confirmed=read_confirmed(sweep_dir))
     header, rows = leaderboard(summary)
     shown = ("#", "config", "status", "pooled KLD", "hit rate", "MiB/token", "top-1", "verdict")
     keep = [i for i, h in enumerate(header) if h in shown or h.startswith("Δ KLD")]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from healsweep._atomic import atomic_file
-from healsweep.demo.paths import demo_corpus_path
+from healsweep.bundled import demo_corpus_path
 from healsweep.errors import CorpusError
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")

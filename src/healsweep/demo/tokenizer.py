@@ -19,7 +19,7 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from healsweep._atomic import atomic_write_text
-from healsweep.demo.paths import demo_tokenizer_path
+from healsweep.bundled import demo_tokenizer_path
 from healsweep.errors import TokenizerError
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

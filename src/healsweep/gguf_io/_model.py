@@ -392,7 +392,7 @@ def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = 
     hyperparameter, and a missing or misshapen tensor. ``tokenizer_path`` replaces the GGUF's
     own tokenizer metadata with a tokenizer.json.
     """
-    from healsweep.demo.paths import resolve_model
+    from healsweep.bundled import resolve_model
 
     path = resolve_model(path_or_demo)
     if not path.is_file():

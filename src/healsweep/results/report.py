@@ -232,11 +232,16 @@ def render_html(
 
 
 def write_report(
-    sweep_dir: str | Path, n_boot: int = 10_000, seed: int = 0, summary: SweepSummary | None = None
+    sweep_dir: str | Path,
+    n_boot: int = 10_000,
+    seed: int = 0,
+    summary: SweepSummary | None = None,
+    confirmed: list[dict[str, Any]] | None = None,
 ) -> dict[str, Path]:
     """Write ``report/report.md``, ``report/report.html`` and the PNG plots; return their paths
-    (``summary`` = an already computed :func:`summarize` of the same folder)."""
-    from healsweep.confirm import read_confirmed
+    (``summary`` = an already computed :func:`summarize` of the same folder; ``confirmed`` = the
+    milestones `healsweep confirm` opened, :func:`healsweep.confirm.read_confirmed`, shown dev
+    beside test — passed in, since results sit below confirm in the layer order)."""
     from healsweep.results.plots import write_plots
     from healsweep.results.store import atomic_write_text
 
@@ -247,7 +252,7 @@ def write_report(
     plots = write_plots(summary, out, label=lambda c: describe(c, summary.baseline))
     relative = {caption: path.name for caption, path in plots.items()}
     md, page = out / "report.md", out / "report.html"
-    confirmed = read_confirmed(sweep_dir)  # milestones opened by `healsweep confirm`
+    confirmed = confirmed or []
     atomic_write_text(render_markdown(summary, relative, confirmed), md)
     atomic_write_text(render_html(summary, relative, confirmed), page)
     return {"markdown": md, "html": page, **{c: p for c, p in plots.items()}}

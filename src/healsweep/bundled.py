@@ -1,15 +1,18 @@
-"""Where the packaged demo assets live, and how a MODEL argument resolves to a file."""
+"""Where the packaged demo assets live, and how a MODEL argument resolves to a file.
+
+At the bottom of the layer order (docs/contracts.md): the runtime opens ``demo`` as a model and a
+corpus through this module, never through :mod:`healsweep.demo` (the builder, imported only by
+the CLI)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import healsweep
 from healsweep.errors import GGUFFormatError
 
 
 def _assets() -> Path:
-    return Path(healsweep.__file__).parent / "assets"
+    return Path(__file__).parent / "assets"
 
 
 def demo_model_path() -> Path:
