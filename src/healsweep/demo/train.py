@@ -10,7 +10,8 @@ Everything is dense so that training is deterministic on every backend: every ro
 evaluated for every token and masked by its routing weight (no scatter in the backward pass), the
 embedding lookup and the target log-probabilities use one-hot products, and the top-k selection
 is taken under ``stop_gradient`` so its gradient flows through the softmax probabilities only.
-This module imports only jax and numpy: it runs unchanged on a bare accelerator machine.
+This module imports only jax, optax and numpy: it runs on a bare accelerator machine with optax
+beside jax. AdamW and the gradient clipping are optax's (``optimizer``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 Params = dict[str, Any]
 
@@ -263,55 +265,29 @@ def decay_mask(params: Params) -> Params:
 # --- AdamW ----------------------------------------------------------------------------------
 
 
-class AdamState(NamedTuple):
-    """AdamW optimizer state: step count and first/second moment pytrees."""
-
-    step: jax.Array
-    mu: Params
-    nu: Params
-
-
-def adam_init(params: Params) -> AdamState:
-    """Zero moments for every parameter."""
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-    return AdamState(
-        jnp.zeros((), jnp.int32), zeros, jax.tree_util.tree_map(jnp.zeros_like, params)
-    )
-
-
 def learning_rate(step: jax.Array, tcfg: TrainConfig) -> jax.Array:
     """Linear warmup, then cosine decay to ``min_lr_ratio * learning_rate`` at ``steps``."""
-    step = step.astype(jnp.float32)
+    step = jnp.asarray(step).astype(jnp.float32)
     warm = step / max(tcfg.warmup_steps, 1)
     progress = jnp.clip((step - tcfg.warmup_steps) / max(tcfg.steps - tcfg.warmup_steps, 1), 0, 1)
     cosine = tcfg.min_lr_ratio + (1 - tcfg.min_lr_ratio) * 0.5 * (1 + jnp.cos(math.pi * progress))
     return tcfg.learning_rate * jnp.where(step < tcfg.warmup_steps, warm, cosine)
 
 
-def adam_update(
-    grads: Params, state: AdamState, params: Params, mask: Params, tcfg: TrainConfig
-) -> tuple[Params, AdamState]:
-    """One AdamW step with global-norm gradient clipping and decoupled weight decay."""
-    leaves = jax.tree_util.tree_leaves(grads)
-    grad_norm = jnp.sqrt(sum(jnp.sum(g * g) for g in leaves))
-    clip = jnp.minimum(1.0, tcfg.grad_clip / (grad_norm + 1e-6))
-    grads = jax.tree_util.tree_map(lambda g: g * clip, grads)
-    step = state.step + 1
-    b1, b2 = tcfg.beta1, tcfg.beta2
-    mu = jax.tree_util.tree_map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
-    nu = jax.tree_util.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, grads)
-    t = step.astype(jnp.float32)
-    lr = learning_rate(state.step, tcfg)
-    bias1, bias2 = 1 - b1**t, 1 - b2**t
-
-    def apply(p: jax.Array, m: jax.Array, v: jax.Array, decay: bool) -> jax.Array:
-        update = (m / bias1) / (jnp.sqrt(v / bias2) + tcfg.adam_eps)
-        if decay:
-            update = update + tcfg.weight_decay * p
-        return p - lr * update
-
-    new_params = jax.tree_util.tree_map(apply, params, mu, nu, mask)
-    return new_params, AdamState(step, mu, nu)
+def optimizer(tcfg: TrainConfig, mask: Params) -> optax.GradientTransformation:
+    """AdamW (decoupled weight decay on the leaves ``mask`` marks) after global-norm gradient
+    clipping, at :func:`learning_rate`'s schedule (optax calls it with the update count)."""
+    return optax.chain(
+        optax.clip_by_global_norm(tcfg.grad_clip),
+        optax.adamw(
+            learning_rate=functools.partial(learning_rate, tcfg=tcfg),
+            b1=tcfg.beta1,
+            b2=tcfg.beta2,
+            eps=tcfg.adam_eps,
+            weight_decay=tcfg.weight_decay,
+            mask=mask,
+        ),
+    )
 
 
 # --- the loop -------------------------------------------------------------------------------
@@ -348,13 +324,13 @@ def make_train_step(cfg: MoEConfig, tcfg: TrainConfig) -> Callable[..., Any]:
     Cached per configuration, so a second run of the same recipe reuses the compiled step. The
     weight-decay mask holds Python booleans and is closed over, not traced.
     """
-    mask = decay_mask(jax.eval_shape(functools.partial(init_params, cfg, 0)))
+    opt = optimizer(tcfg, decay_mask(jax.eval_shape(functools.partial(init_params, cfg, 0))))
 
-    def step(params: Params, opt_state: AdamState, batch: jax.Array) -> Any:
+    def step(params: Params, opt_state: optax.OptState, batch: jax.Array) -> Any:
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, (nll, aux)), grads = grad_fn(params, batch, cfg, tcfg.aux_loss_coef)
-        params, opt_state = adam_update(grads, opt_state, params, mask, tcfg)
-        return params, opt_state, loss, nll, aux
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, nll, aux
 
     return jax.jit(step, donate_argnums=(0, 1))
 
@@ -376,7 +352,7 @@ def train(
     starts = batch_starts(len(stream), tcfg)
     offsets = np.arange(tcfg.seq_len + 1)
     params = init_params(cfg, tcfg.seed)
-    opt_state = adam_init(params)
+    opt_state = optimizer(tcfg, decay_mask(params)).init(params)
     step_fn = make_train_step(cfg, tcfg)
     history: list[TrainLog] = []
     for i in range(tcfg.steps):
