@@ -27,7 +27,7 @@ STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "ridge_basis", "ridge
 ALLOWED = {
     "importance": "one of none, norm_proxy, act",
     "importance_down": "one of none, act",
-    "quantizer": "one of search, gptq",
+    "quantizer": "one of search, gptq, plain",
     "gptq_damp": "a float in (0, 1]",
     "gain_gu": "a float in [0, 2]",
     "gain_d": "a float in [0, 2]",
@@ -62,7 +62,7 @@ class Knobs(BaseModel):
 
     importance: Literal["none", "norm_proxy", "act"] = "norm_proxy"
     importance_down: Literal["none", "act"] = "none"
-    quantizer: Literal["search", "gptq"] = "search"
+    quantizer: Literal["search", "gptq", "plain"] = "search"
     gptq_damp: float = _float(0.01, 0.0, 1.0, lo_open=True)
     gain_gu: float = _float(0.3, 0.0, 2.0)
     gain_d: float = _float(0.3, 0.0, 2.0)
@@ -91,11 +91,14 @@ class Knobs(BaseModel):
 
         Knobs that cannot change a stage's output under the current setting are left out (gamma
         when alpha is none (alpha_granularity too), rho/eta when the ridge is off, gptq_damp
-        under the ``search`` quantizer), so equal outputs share one cache entry.
+        under the ``search`` quantizer; importance and gains under ``plain``, which reads none),
+        so equal outputs share one cache entry.
         """
         if stage not in STAGES:
             raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
         if stage == "quantize":
+            if self.quantizer == "plain":  # round-to-nearest, d = amax/2: reads no other knob
+                return {"quantizer": "plain"}
             read = {
                 "importance": self.importance,
                 "importance_down": self.importance_down,

@@ -5,6 +5,7 @@ Each stage is a function of explicit inputs whose cache key is built from exactl
 ``Knobs.for_stage``. Entries are per layer, so a stage loads and stores one layer at a time.
 
 * ``quantize``: Q2_0 of the layer's routed gate/up/down experts (importance, gains; ``quantizer:
+  plain`` is round-to-nearest with ``d = amax/2`` and reads no knob; ``quantizer:
   gptq`` adds error feedback over each expert's input second moment, :mod:`healsweep.heal.gptq`).
   Keyed by the trace only when an importance is ``act`` or the quantizer is ``gptq`` — a gain
   sweep of ``search`` never re-runs the teacher.
@@ -34,6 +35,7 @@ from healsweep.kernels import alpha as alpha_kernels
 VERSIONS = {
     "quantize": 1,
     "quantize_gptq": 1,
+    "quantize_plain": 1,
     "routed_q": 1,
     "part_a": 1,
     "residuals": 1,
@@ -56,6 +58,7 @@ STAGE_CODE = {
         "healsweep.kernels.gptq",
         "healsweep.heal.gptq",
     ),
+    "quantize_plain": ("healsweep.kernels.q2_0_plain", "healsweep.kernels.q2_0"),
     "routed_q": ("healsweep.model.layers",),
     "part_a": ("healsweep.kernels.alpha",),
     "residuals": ("healsweep.kernels.alpha", "healsweep.heal.stages"),
@@ -93,11 +96,13 @@ def stage_key(stage: str, inputs: dict[str, Any]) -> str:
 
 def quantize_key(model: Any, knobs: Knobs, trace_key: str | None, layer: int) -> str:
     """Key of the quantized experts of ``layer``: the trace enters only for ``act`` importance
-    or ``gptq``. ``gptq`` entries are keyed under their own name and code (``quantize_gptq``), so
-    adding it left the keys of ``search`` entries as they were."""
+    or ``gptq``. ``gptq`` and ``plain`` entries are keyed under their own names and code
+    (``quantize_gptq``, ``quantize_plain``), so adding them left the keys of ``search`` entries
+    as they were."""
     uses_trace = knobs.uses_activation_statistics()
+    named = {"gptq": "quantize_gptq", "plain": "quantize_plain"}
     return stage_key(
-        "quantize_gptq" if knobs.quantizer == "gptq" else "quantize",
+        named.get(knobs.quantizer, "quantize"),
         {
             "model": model.fingerprint,
             "knobs": knobs.for_stage("quantize"),
@@ -146,6 +151,8 @@ def quantize_layer(
     report (``gptq``: how many experts fell back to ``search``, per tensor)."""
     from healsweep.kernels import q2_0
 
+    if knobs.quantizer == "plain":
+        return plain_layer(weights), {}
     min_tokens = calibration.min_tokens_per_expert
     get = (lambda k: trace_layer[k]) if trace_layer is not None else (lambda k: None)
     gate_up_imp = imp.gate_up_importance(
@@ -169,6 +176,20 @@ def quantize_layer(
         arrays[f"{name}.d"] = d
         arrays[f"{name}.codes"] = codes
     return arrays, ({"gptq_fallback": report} if report else {})
+
+
+def plain_layer(weights: dict[str, Any]) -> dict[str, np.ndarray]:
+    """``quantizer: plain`` (round-to-nearest, ``d = amax/2``, :mod:`healsweep.kernels.q2_0_plain`)
+    of the layer's routed experts, as the same cache arrays as ``search`` (ordinary Q2_0)."""
+    from healsweep.kernels import q2_0_plain
+    from healsweep.kernels.q2_0 import pack_codes
+
+    arrays: dict[str, np.ndarray] = {}
+    for name in EXPERT_TENSORS:
+        d, q = q2_0_plain.quantize(weights[f"ffn_{name}_exps.weight"])  # [E, out, in]
+        arrays[f"{name}.d"] = np.asarray(d, np.float16)
+        arrays[f"{name}.codes"] = np.asarray(pack_codes(q))
+    return arrays
 
 
 def _gptq_experts(name, w, d, codes, weights, knobs, trace_layer, min_tokens):

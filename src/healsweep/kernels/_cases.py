@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from healsweep.kernels import alpha, gptq, iq4_nl, kld, kld_compact, q2_0, ridge
+from healsweep.kernels import alpha, gptq, iq4_nl, kld, kld_compact, q2_0, q2_0_plain, ridge
 from healsweep.kernels.conformance import KernelCase
 
 
@@ -140,6 +140,12 @@ def _jaccard_inputs(rng):
 CASES: tuple[KernelCase, ...] = (
     KernelCase("q2_0.quantize_rows", _q2_rows, _q2_rows_inputs, rtol=0.0),
     KernelCase("q2_0.quantize_rows_grouped", _q2_rows, _q2_grouped_inputs, rtol=0.0),
+    KernelCase(
+        "q2_0_plain.quantize",
+        q2_0_plain.quantize,
+        lambda rng: (_f32(rng, 2, 16, 128),),
+        rtol=0.0,
+    ),
     KernelCase("q2_0.dequantize", q2_0.dequantize, _q2_blocks, rtol=0.0),
     KernelCase(
         "q2_0.Q2Weight.dequantize",
