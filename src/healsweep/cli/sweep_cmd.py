@@ -44,11 +44,19 @@ class _Printer:
 
 
 def _finish(run: Any) -> None:
+    from healsweep.results.schema import row_role
+
+    trials = [t for t in run.trials if row_role(t) in ("trial", "baseline")]
+    fixed = [t for t in run.trials if row_role(t) not in ("trial", "baseline")]
     counts: dict[str, int] = {}
-    for trial in run.trials:
+    for trial in trials:
         counts[trial["status"]] = counts.get(trial["status"], 0) + 1
     summary = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
-    typer.echo(f"sweep {run.sweep_dir.name}: {len(run.trials)} trials ({summary})")
+    line = f"sweep {run.sweep_dir.name}: {len(trials)} trials ({summary})"
+    if fixed:
+        rows = ", ".join(f"{row_role(t)} {t['label']} {t['status']}" for t in fixed)
+        line += f"; {rows}"
+    typer.echo(line)
     typer.echo(f"results: {run.sweep_dir}")
     unfinished = sum(counts.get(s, 0) for s in ("running", "retrying", "pending"))
     if unfinished:

@@ -4,6 +4,7 @@ from healsweep.gguf_io._ggml_types import GGML_Q2_0, q2_0_type
 from healsweep.gguf_io._hparams import SUPPORTED_ARCHS, ModelHparams, expected_tensor_shapes
 from healsweep.gguf_io._model import GGUFModel, file_fingerprint, open_model
 from healsweep.gguf_io._slice import parse_layer_range, slice_model
+from healsweep.gguf_io._summary import routed_expert_bpw
 from healsweep.gguf_io._tokenizer import (
     TokenizerMetadata,
     build_tokenizer,
@@ -26,6 +27,7 @@ __all__ = [
     "open_model",
     "parse_layer_range",
     "q2_0_type",
+    "routed_expert_bpw",
     "slice_model",
     "tokenizer_metadata_from_tokenizer",
     "write_model",

@@ -26,6 +26,23 @@ def tensor_storage(model: GGUFModel) -> dict[str, dict[str, int]]:
     return dict(sorted(by_type.items()))
 
 
+ROUTED_EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def routed_expert_bpw(model: GGUFModel) -> float:
+    """Stored bits per weight of the routed experts (every ``ffn_{gate,up,down}_exps``), from
+    the tensors' bytes in the file; NaN for a model without routed experts."""
+    stored = elements = 0
+    for name in model.tensor_names:
+        if name.endswith(ROUTED_EXPERT_SUFFIXES):
+            stored += model.tensor_nbytes(name)
+            count = 1
+            for n in model.tensor_shape(name):
+                count *= n
+            elements += count
+    return 8 * stored / elements if elements else float("nan")
+
+
 def layer_bytes(model: GGUFModel, i: int = 0) -> tuple[int, int]:
     """(stored bytes, float32 bytes once dequantized) of block ``i``'s tensors."""
     prefix = f"blk.{i}."

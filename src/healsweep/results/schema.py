@@ -1,7 +1,7 @@
 """The Parquet schemas of a sweep's results, readable without healsweep.
 
 ``RESULTS/<sweep>/windows/*.parquet`` holds one row per (config, window): who scored it (trial,
-every knob), what was scored (window id, global index, stratum, ...), the window's metrics, the
+its ``role`` and ``label``, every knob), what was scored (window id, global index, stratum, ...), the window's metrics, the
 trial's running pooled figures at that point, whether the trial was later pruned, and where and
 when it was scored. ``RESULTS/<sweep>/trials.parquet`` holds one row per trial.
 """
@@ -17,6 +17,14 @@ import pyarrow as pa
 from healsweep.heal.knobs import Knobs
 
 KNOB_PREFIX = "knob_"
+
+# What a config is to the sweep: a tuned `trial`, the `baseline` (itself a trial), a fixed
+# `reference` (unhealed, plain) or an `external` GGUF; references and externals are scored on
+# the same windows, never pruned, and kept out of the Optuna study.
+ROLES = ("trial", "baseline", "reference", "external")
+# Bits per weight of the routed experts of every healsweep student: Q2_0's 18 bytes per 64
+# weights (kernels.q2_0.BYTES_PER_BLOCK; not imported: reading results needs no jax).
+Q2_0_BPW = 8 * 18 / 64
 
 _KNOB_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
 
@@ -66,6 +74,8 @@ def window_schema() -> pa.Schema:
             pa.field("trial_id", pa.string()),
             pa.field("config_hash", pa.string()),
             pa.field("is_baseline", pa.bool_()),
+            pa.field("role", pa.string()),
+            pa.field("label", pa.string()),
             *knob_fields(),
             pa.field("window_id", pa.string()),
             pa.field("window_index", pa.int32()),
@@ -97,6 +107,10 @@ def trial_schema() -> pa.Schema:
             pa.field("trial_id", pa.string()),
             pa.field("config_hash", pa.string()),
             pa.field("is_baseline", pa.bool_()),
+            pa.field("role", pa.string()),
+            pa.field("label", pa.string()),
+            pa.field("routed_bpw", pa.float64()),
+            pa.field("external_path", pa.string()),
             *knob_fields(),
             pa.field("status", pa.string()),
             pa.field("pruned", pa.bool_()),
@@ -144,6 +158,11 @@ def to_table(rows: Iterable[Mapping[str, Any]], schema: pa.Schema) -> pa.Table:
     return pa.table(columns, schema=schema)
 
 
+def row_role(row: Mapping[str, Any]) -> str:
+    """The row's role; rows written before roles existed are ``baseline`` or ``trial``."""
+    return row.get("role") or ("baseline" if row.get("is_baseline") else "trial")
+
+
 def knob_columns(knobs: Mapping[str, Any]) -> dict[str, Any]:
     """``{knob_<name>: value}`` for a knob dict."""
     return {KNOB_PREFIX + name: value for name, value in knobs.items()}
@@ -152,8 +171,11 @@ def knob_columns(knobs: Mapping[str, Any]) -> dict[str, Any]:
 __all__ = [
     "KNOB_PREFIX",
     "METRIC_FIELDS",
+    "Q2_0_BPW",
+    "ROLES",
     "knob_columns",
     "knob_fields",
+    "row_role",
     "to_table",
     "trial_schema",
     "window_schema",

@@ -25,6 +25,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from healsweep.errors import ResultsError, SpecError
 from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials, read_windows
+from healsweep.sweep.fixed import run_fixed
 from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
 from healsweep.sweep.space import baseline_point, grid_configs, optuna_space, planned_trials
@@ -38,6 +39,8 @@ _TUNE_RESERVED = {
     "trial_id",
     "config_hash",
     "is_baseline",
+    "role",
+    "label",
     "pruned",
     "written_at",
     "windows_done",
@@ -356,6 +359,7 @@ def run_sweep(
         with sweep_lock(sweep_dir):
             _refuse_existing(sweep_dir, spec.name)  # another `run` of this name got here first
             start_manifest(sweep_dir, spec, identity, kind="run")
+            run_fixed(spec, sweep_dir, {}, work_fn)  # references, externals: before the trials
             register_sink(sweep_dir, on_progress)
             try:
                 _fit(_new_tuner(spec, sweep_dir, {}, work_fn), sweep_dir)
@@ -398,6 +402,7 @@ def resume_sweep(
         start_manifest(sweep_dir, spec, None, kind="resume")
         repair_journal(sweep_dir / JOURNAL_FILE)
         prior = prior_windows(sweep_dir)
+        run_fixed(spec, sweep_dir, prior, work_fn)  # only what is not completed yet
         register_sink(sweep_dir, on_progress)
         try:
             if _has_experiment_state(sweep_dir) and tune.Tuner.can_restore(str(sweep_dir)):

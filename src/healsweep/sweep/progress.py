@@ -18,6 +18,7 @@ from typing import Any
 
 from ray.tune import Callback
 
+from healsweep.results.schema import row_role
 from healsweep.results.store import read_trials
 
 ProgressSink = Callable[["Progress"], None]
@@ -103,6 +104,8 @@ class ProgressCallback(Callback):
         """Seed the counts from ``trials.parquet`` (non-empty on resume)."""
         self._init_state()
         for row in read_trials(self.sweep_dir).to_pylist():
+            if row_role(row) in ("reference", "external"):  # not trials of the experiment
+                continue
             if row["status"] in ("completed", "pruned", "error"):
                 self._finish(row["trial_id"], row["status"], row["kld_mean"], row["is_baseline"])
             if row["windows_total"]:

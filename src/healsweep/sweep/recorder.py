@@ -16,7 +16,14 @@ from typing import Any
 
 from ray.tune import Callback
 
-from healsweep.results.schema import knob_columns, to_table, trial_schema, window_schema
+from healsweep.results.schema import (
+    Q2_0_BPW,
+    knob_columns,
+    row_role,
+    to_table,
+    trial_schema,
+    window_schema,
+)
 from healsweep.results.store import (
     TRIALS_FILE,
     WINDOWS_DIR,
@@ -92,11 +99,14 @@ class ResultsRecorder(Callback):
         if row is None:
             knobs = resolve_knobs(self.spec, trial.config)
             chash = config_hash(knobs)
+            is_baseline = chash == config_hash(baseline_knobs(self.spec))
             row = {
                 "sweep": self.spec.name,
                 "trial_id": trial.trial_id,
                 "config_hash": chash,
-                "is_baseline": chash == config_hash(baseline_knobs(self.spec)),
+                "is_baseline": is_baseline,
+                "role": "baseline" if is_baseline else "trial",
+                "routed_bpw": Q2_0_BPW,
                 **knob_columns(knobs.model_dump()),
                 "status": "pending",
                 "pruned": False,
@@ -136,6 +146,7 @@ class ResultsRecorder(Callback):
             **result,
             "sweep": self.spec.name,
             "trial_id": trial.trial_id,
+            "role": row_role(row),
             **{k: v for k, v in row.items() if k.startswith("knob_")},
             "pruned": False,
             "written_at": time.time(),

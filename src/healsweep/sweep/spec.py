@@ -50,7 +50,13 @@ ALLOWED = {
     "scoring.batch": "an integer in [1, 256] (windows per student forward)",
     "scoring.teacher_cache": "compact (default) or exact",
     "seed": "an integer (seeds each trial's window order)",
+    "references": "true (default: unhealed and plain), false, or a list of unhealed, plain",
+    "external": "a list of {name, path}: GGUF students scored beside the trials",
+    "external.name": "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+    "external.path": "a GGUF file path (relative to the spec's folder)",
 }
+
+REFERENCES = ("unhealed", "plain")  # in the order they run and are listed
 
 
 class _Strict(BaseModel):
@@ -98,6 +104,13 @@ class ChoicesSpec(_Strict):
     choices: list[Any] = Field(min_length=1)
 
 
+class ExternalSpec(_Strict):
+    """A fixed GGUF student (e.g. from ``healsweep baseline llama``) scored like a trial."""
+
+    name: str = Field(pattern=NAME_PATTERN.pattern)
+    path: str
+
+
 class SweepSpec(_Strict):
     """A validated sweep spec (see ``sweeps/*.yaml`` for examples)."""
 
@@ -118,6 +131,8 @@ class SweepSpec(_Strict):
     results: str = "results"
     scoring: ScoringSpec = Field(default_factory=ScoringSpec)
     seed: int = 0
+    references: bool | list[Literal["unhealed", "plain"]] = True
+    external: list[ExternalSpec] = Field(default_factory=list)
 
     @field_validator("sampler", mode="before")
     @classmethod
@@ -135,6 +150,14 @@ class SweepSpec(_Strict):
         from healsweep.heal.knobs import CalibrationConfig
 
         return CalibrationConfig(**{"corpus": self.corpus, **self.calibration})
+
+    def reference_names(self) -> tuple[str, ...]:
+        """The reference rows this sweep scores (``unhealed``, ``plain``, both or none)."""
+        if self.references is True:
+            return REFERENCES
+        if self.references is False:
+            return ()
+        return tuple(r for r in REFERENCES if r in self.references)
 
 
 def spec_from_dict(
@@ -163,7 +186,20 @@ def spec_from_dict(
         at = locate(where, lines, ("calibration",))
         raise SpecError(f"{at}: field 'calibration': {exc}") from None
     check_space(spec, where=where, lines=lines)
+    _check_external_names(spec, where, lines)
     return spec
+
+
+def _check_external_names(spec: SweepSpec, where: str, lines: Mapping) -> None:
+    taken = {"baseline", *REFERENCES}
+    for i, entry in enumerate(spec.external):
+        if entry.name in taken:
+            raise SpecError(
+                f"{locate(where, lines, ('external', i, 'name'))}: field 'external[{i}].name' = "
+                f"{entry.name!r} is taken (by the baseline, a reference or another external "
+                "entry); give each external GGUF its own name"
+            )
+        taken.add(entry.name)
 
 
 def load_spec(path: str | Path, *, check_paths: bool = True) -> SweepSpec:
@@ -201,6 +237,10 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
     if isinstance(corpus, str) and corpus != "demo" and not Path(corpus).is_absolute():
         calib["corpus"] = str((folder / corpus).resolve())
         changes["calibration"] = calib
+    if any(not Path(e.path).is_absolute() for e in spec.external):
+        changes["external"] = [
+            e.model_copy(update={"path": str((folder / e.path).resolve())}) for e in spec.external
+        ]
     return spec.model_copy(update=changes) if changes else spec
 
 
@@ -211,6 +251,26 @@ def _check_paths(spec: SweepSpec, where: str) -> None:
             raise SpecError(
                 f"{where}: field '{field}' = {value!r}: no such file; allowed: {ALLOWED[field]}"
             )
+    if spec.external:
+        check_externals(spec, where)
+
+
+def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
+    """Each ``external`` GGUF opens, and has the token list of the sweep's model; else one
+    ``SpecError`` line naming the entry (before anything is started)."""
+    from healsweep.errors import HealsweepError
+    from healsweep.gguf_io import open_model
+    from healsweep.score.report import check_same_tokenizer
+
+    teacher = open_model(spec.model)
+    for i, entry in enumerate(spec.external):
+        at = f"{where}: field 'external[{i}]' ({entry.name})"
+        if not Path(entry.path).is_file():
+            raise SpecError(f"{at}: {entry.path}: no such file; expected {ALLOWED['external.path']}")
+        try:
+            check_same_tokenizer(teacher, open_model(entry.path))
+        except HealsweepError as exc:
+            raise SpecError(f"{at}: {exc}") from None
 
 
 def _key_lines(node: Any, prefix: tuple = ()) -> dict[tuple, int]:
@@ -248,6 +308,8 @@ def field_name(path: tuple) -> str:
 def _pydantic_error(exc: ValidationError, raw: Mapping, where: str, lines: Mapping) -> SpecError:
     err = exc.errors()[0]
     loc = tuple(err["loc"])
+    if loc[:1] == ("references",):  # pydantic names the union's member (bool, list[...]) too
+        loc = loc[:1]
     name = field_name(loc) or "(top level)"
     at = locate(where, lines, loc)
     if err["type"] == "extra_forbidden":
@@ -264,6 +326,8 @@ def _pydantic_error(exc: ValidationError, raw: Mapping, where: str, lines: Mappi
 def _known_fields(parent: str) -> str:
     models = {"": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec, "scoring": ScoringSpec}
     model = models.get(parent)
+    if model is None and parent.startswith("external["):
+        model = ExternalSpec
     if model is None and parent.startswith("search_space."):
         return "low, high, log (a range) or choices"
     return ", ".join(model.model_fields) if model else "see the spec reference"
@@ -288,12 +352,15 @@ def _lookup(raw: Any, loc: tuple) -> Any:
 
 
 __all__ = [
+    "REFERENCES",
     "ChoicesSpec",
+    "ExternalSpec",
     "PrunerSpec",
     "RangeSpec",
     "SamplerSpec",
     "ScoringSpec",
     "SweepSpec",
+    "check_externals",
     "load_spec",
     "spec_from_dict",
 ]

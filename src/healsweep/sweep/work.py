@@ -86,10 +86,36 @@ def run_trial_work(
     Windows come in the trial's seeded order (:func:`trial_order`); the student is built only
     when at least one window is left to score.
     """
-    from healsweep.cache import StageCache
-    from healsweep.gguf_io import open_model
     from healsweep.heal.pipeline import build_student
     from healsweep.score.expert_cache import ExpertCacheConfig
+
+    expert_cache = ExpertCacheConfig.from_knobs(knobs)
+
+    def healed(teacher: Any, cache: Any) -> Any:
+        return build_student(teacher, knobs, spec.calibration_config(), cache)
+
+    yield from _score_dev(spec, healed, windows_done, seed, expert_cache)
+
+
+def run_external_work(
+    spec: Any, path: str, windows_done: Collection[str], seed: int
+) -> Iterator[WindowResult]:
+    """Score the GGUF at ``path`` as the student on the sweep's dev windows (an ``external``
+    entry of the spec), like :func:`run_trial_work` scores a healed config."""
+    from healsweep.gguf_io import open_model
+
+    yield from _score_dev(spec, lambda teacher, cache: open_model(path), windows_done, seed)
+
+
+def _score_dev(
+    spec: Any,
+    make_student: Callable[[Any, Any], Any],
+    windows_done: Collection[str],
+    seed: int,
+    expert_cache: Any = None,
+) -> Iterator[WindowResult]:
+    from healsweep.cache import StageCache
+    from healsweep.gguf_io import open_model
     from healsweep.score.runner import score_windows
 
     teacher = open_model(spec.model)
@@ -101,15 +127,14 @@ def run_trial_work(
         return
     index = {w.window_id: i for i, w in enumerate(windows)}
     cache = StageCache()
-    student = build_student(teacher, knobs, spec.calibration_config(), cache)
     scored = score_windows(
         teacher,
-        student,
+        make_student(teacher, cache),
         todo,
         cache,
         batch=spec.scoring.batch,
         teacher_cache=spec.scoring.teacher_cache,
-        expert_cache=ExpertCacheConfig.from_knobs(knobs),
+        expert_cache=expert_cache,
     )
     for window, metrics in scored:
         wi = index[window.window_id]
@@ -147,6 +172,7 @@ __all__ = [
     "WindowResult",
     "WorkFn",
     "dev_windows",
+    "run_external_work",
     "run_trial_work",
     "sweep_identity",
     "trial_order",
