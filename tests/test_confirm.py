@@ -163,7 +163,7 @@ def test_confirm_opens_before_scoring_records_the_result_and_refuses_a_second(
         "dev pooled KLD" in section and f"test pooled KLD ({summary['windows']} windows)" in section
     )
     base_row = next(line for line in section.splitlines() if line.startswith("| baseline |"))
-    assert f"| {base_kld:.5f} | - | - | reference | recorded |" in base_row
+    assert f"| {base_kld:.5f} | - | - | baseline | recorded |" in base_row
     best_row = next(line for line in section.splitlines() if line.startswith("| gain_d=0 |"))
     assert f"| {best_kld:.5f} | {comp['rel_change']:+.2%} [{lo:+.2%}, {hi:+.2%}] |" in best_row
 

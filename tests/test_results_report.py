@@ -36,6 +36,16 @@ CONFIGS = {
     ),
     "pruned": (Knobs(ridge=False), 1.5 * np.ones(N), "pruned", 8),
 }
+# reference and external rows: (role, knobs or None, per-window factor, routed bpw)
+FIXED = {
+    "unhealed": ("reference", Knobs(alpha="none", ridge=False), 1.1 * np.exp(RNG.normal(0, 0.05, N)), 2.25),
+    "plain": ("reference", Knobs(quantizer="plain", alpha="none", ridge=False), 2.0 * np.ones(N), 2.25),
+    "q2k": ("external", None, 0.9 * np.exp(RNG.normal(0, 0.05, N)), 2.625),
+}  # fmt: skip
+
+
+def _pooled(factor):
+    return (BASE_KLD * factor * TOKENS).sum() / TOKENS.sum()
 
 
 def _folder(tmp_path):
@@ -81,6 +91,25 @@ def _folder(tmp_path):
                 "kld_mean": float((kld * TOKENS)[:scored].sum() / TOKENS[:scored].sum()),
             }
         )
+    for name, (role, knobs, factor, bpw) in FIXED.items():
+        trial_id = f"{role[:3]}-{name}"
+        ident = {"role": role, "label": name, "config_hash": f"{role}-{name}"}
+        knob_cols = knob_columns(knobs.model_dump()) if knobs is not None else {}
+        kld = BASE_KLD * factor
+        rows = [
+            {"sweep": "s", "trial_id": trial_id, **ident, **knob_cols, "is_baseline": False,
+             "window_id": f"w{i:03d}", "window_index": i, "windows_total": N,
+             "stratum": STRATA[i % 3], "kld_sum": float(kld[i] * TOKENS[i]),
+             "kld_count": int(TOKENS[i]), "kld_mean": float(kld[i]), "top1": 0.9,
+             "top1_count": int(0.9 * TOKENS[i]), "pruned": False}
+            for i in range(N)
+        ]  # fmt: skip
+        atomic_write_table(to_table(rows, window_schema()), windows / f"trial-{trial_id}.parquet")
+        trials.append(
+            {"sweep": "s", "trial_id": trial_id, **ident, **knob_cols, "is_baseline": False,
+             "routed_bpw": bpw, "status": "completed", "windows_scored": N, "windows_total": N,
+             "kld_mean": _pooled(factor)}
+        )  # fmt: skip
     atomic_write_table(to_table(trials, trial_schema()), tmp_path / "trials.parquet")
     manifest = {"sweep": "s", "spec_hash": "ab" * 32, "split_lock_id": "cd" * 32,
                 "model_fingerprint": "ef" * 32, "package_version": "0", "seeds": {},
@@ -93,7 +122,7 @@ def test_leaderboard_numbers_and_verdicts(tmp_path):
     summary = summarize(_folder(tmp_path), n_boot=2000)
     by_trial = {c.trial_ids[0]: c for c in summary.configs}
     assert summary.configs[0] is summary.baseline is by_trial["base"]
-    order = [c.trial_ids[0] for c in summary.configs]
+    order = [c.trial_ids[0] for c in summary.configs if not c.is_fixed]
     pooled = {n: (BASE_KLD * CONFIGS[n][1] * TOKENS).sum() for n in ("better", "worse", "uneven")}
     assert order == ["base", *sorted(pooled, key=pooled.get), "pruned"]  # finished before pruned
     for name in ("better", "worse", "uneven"):
@@ -112,7 +141,34 @@ def test_leaderboard_numbers_and_verdicts(tmp_path):
     header, rows = leaderboard(summary)
     verdicts = {row[1]: row[-1] for row in rows}
     assert verdicts["gain_d=0"] == "ACCEPT" and verdicts["alpha=none"] == "reject"
-    assert verdicts["ridge=False"] == "pruned (not judged)" and rows[-1][3] == f"8/{N}"
+    assert verdicts["ridge=False"] == "pruned (not judged)" and rows[-1][4] == f"8/{N}"
+    assert verdicts["unhealed"] == verdicts["plain"] == "reference"
+
+
+def test_every_config_against_each_reference(tmp_path):
+    summary = summarize(_folder(tmp_path), n_boot=2000)
+    by_label = {c.label: c for c in summary.configs if c.is_fixed}
+    assert [r.label for r in summary.references] == ["unhealed", "plain"]
+    assert by_label["q2k"].role == "external" and by_label["q2k"].routed_bpw == 2.625
+    better = next(c for c in summary.configs if c.trial_ids == ["better"])
+    for ref in ("unhealed", "plain"):
+        expected = _pooled(CONFIGS["better"][1]) / _pooled(FIXED[ref][2]) - 1
+        comp = better.vs_references[ref]
+        assert comp.rel_change == pytest.approx(expected, rel=1e-9)
+        lo, hi = comp.rel_change_ci()
+        assert lo <= comp.rel_change <= hi
+    # the references themselves against the baseline and against each other
+    plain_vs_unhealed = by_label["plain"].vs_references["unhealed"].rel_change
+    assert plain_vs_unhealed == pytest.approx(2.0 / (_pooled(FIXED["unhealed"][2]) / _pooled(1.0)) - 1)
+    assert "plain" not in by_label["plain"].vs_references
+    header, rows = leaderboard(summary)
+    assert "Δ KLD vs unhealed [95% CI]" in header and "Δ KLD vs plain [95% CI]" in header
+    row = {r[1]: r for r in rows}
+    assert row["plain"][2] == "reference" and row["q2k"][2] == "external"
+    assert row["q2k"][5] == "2.62" and row["baseline"][5] == "2.25"
+    # references are not trials: no main effect of `quantizer`, not in the pruning count
+    assert "quantizer" not in {e["knob"] for e in summary.effects}
+    assert summary.pruning["trials"] == len(CONFIGS)
 
 
 def test_main_effects_and_pruning_summary(tmp_path):
@@ -138,10 +194,14 @@ def test_main_effects_and_pruning_summary(tmp_path):
 def test_report_files(tmp_path):
     paths = write_report(_folder(tmp_path), n_boot=200)
     text = paths["markdown"].read_text()
-    for piece in ("Leaderboard", "95% CI", "Per-stratum", "Main effects", "Pruning", "ACCEPT"):
+    for piece in ("Leaderboard", "95% CI", "Per-stratum", "Main effects", "Pruning", "ACCEPT",
+                  "Δ KLD vs unhealed", "Δ KLD vs plain", "| reference |", "| external |"):  # fmt: skip
         assert piece in text
+    # the forest plot is the report's first picture
+    first_picture = text[text.index("![") :].split("\n")[0]
+    assert first_picture.endswith("(forest.png)")
     assert "<table>" in paths["html"].read_text()
-    for name in ("paired_windows.png", "strata.png", "knob_effects.png"):
+    for name in ("forest.png", "paired_windows.png", "knob_effects.png"):
         assert (tmp_path / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -3,7 +3,9 @@
 Nothing is recomputed from logits: every figure comes from the per-window rows, pooled and
 compared with :mod:`healsweep.score.stats` (token-pooled means, paired bootstrap over windows,
 the decision rule). A config is identified by its ``config_hash``; a config run by more than one
-trial contributes each window once.
+trial contributes each window once. Every config is compared with the baseline and with each
+reference row (``unhealed``, ``plain``); the decision rule judges trials and external GGUFs
+only, and main effects and the pruning summary count the Tune trials only.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from healsweep.errors import ResultsError
-from healsweep.results.schema import KNOB_PREFIX
+from healsweep.results.schema import KNOB_PREFIX, Q2_0_BPW, REFERENCES, row_role
 from healsweep.results.store import read_manifest, read_trials, read_windows
 
 MAX_LEVELS = 6
@@ -65,6 +67,15 @@ class ConfigResult:
     pooled: dict[str, Any] = field(default_factory=dict)
     comparison: Any = None
     verdict: Any = None
+    role: str = "trial"  # trial | baseline | reference | external
+    label: str | None = None  # a reference's or external's name
+    routed_bpw: float | None = None
+    vs_references: dict[str, Any] = field(default_factory=dict)  # label -> Comparison
+
+    @property
+    def is_fixed(self) -> bool:
+        """A reference or external row (not a trial of the Tune experiment)."""
+        return self.role in ("reference", "external")
 
     @property
     def n_windows(self) -> int:
@@ -80,6 +91,7 @@ class SweepSummary:
     manifest: dict[str, Any]
     baseline: ConfigResult
     configs: list[ConfigResult]  # baseline first, then by pooled KLD
+    references: list[ConfigResult]  # the reference rows with windows (unhealed, plain)
     strata: list[str]
     windows_total: int
     effects: list[dict[str, Any]]
@@ -93,9 +105,16 @@ def _configs(rows: list[dict[str, Any]], trials: list[dict[str, Any]]) -> dict[s
     for trial in trials:
         chash = trial["config_hash"]
         knobs = {k[len(KNOB_PREFIX) :]: v for k, v in trial.items() if k.startswith(KNOB_PREFIX)}
+        role = row_role(trial)
         config = configs.setdefault(
-            chash, ConfigResult(chash, knobs, bool(trial["is_baseline"]), trial["status"], [], {})
-        )
+            chash,
+            ConfigResult(
+                chash, knobs, role == "baseline", trial["status"], [], {},
+                role=role, label=trial.get("label"),
+                # rows from before the column: a trial's routed experts are always Q2_0
+                routed_bpw=trial.get("routed_bpw") or (None if role == "external" else Q2_0_BPW),
+            ),
+        )  # fmt: skip
         config.trial_ids.append(trial["trial_id"])
         if rank.get(trial["status"], 9) < rank.get(config.status, 9):
             config.status = trial["status"]
@@ -126,6 +145,23 @@ def summarize(
     baseline = baselines[0]
     rule = rule or DecisionRule()
     strata = sorted({r["stratum"] for r in baseline.windows.values()})
+    references = sorted(
+        (c for c in configs.values() if c.role == "reference" and c.windows),
+        key=lambda c: (REFERENCES.index(c.label) if c.label in REFERENCES else 9, str(c.label)),
+    )
+
+    def compare(base: ConfigResult, config: ConfigResult) -> Any:
+        shared = [w for w in sorted(config.windows) if w in base.windows]
+        if config is base or not shared:
+            return None
+        return paired_compare(
+            [window_stats(base.windows[w]) for w in shared],
+            [window_stats(config.windows[w]) for w in shared],
+            [base.windows[w]["stratum"] for w in shared],
+            n_boot=n_boot,
+            seed=seed,
+        )
+
     for config in configs.values():
         if not config.windows:
             continue
@@ -134,31 +170,31 @@ def summarize(
             [window_stats(config.windows[w]) for w in ids],
             [config.windows[w]["stratum"] for w in ids],
         )
-        shared = [w for w in ids if w in baseline.windows]
-        if config is baseline or not shared:
-            continue
-        config.comparison = paired_compare(
-            [window_stats(baseline.windows[w]) for w in shared],
-            [window_stats(config.windows[w]) for w in shared],
-            [baseline.windows[w]["stratum"] for w in shared],
-            n_boot=n_boot,
-            seed=seed,
-        )
-        config.verdict = decision(config.comparison, rule)
+        config.comparison = compare(baseline, config)
+        if config.comparison is not None and config.role in ("trial", "external"):
+            config.verdict = decision(config.comparison, rule)
+        for reference in references:
+            found = compare(reference, config)
+            if found is not None:
+                config.vs_references[str(reference.label)] = found
     ranked = sorted(
         (c for c in configs.values() if c is not baseline and c.windows),
         key=lambda c: (c.status != "completed", c.pooled["kld_mean"]),
     )
     windows_total = max((int(r["windows_total"]) for r in rows if r["windows_total"]), default=0)
+    tuned = [c for c in ranked if not c.is_fixed]
     return SweepSummary(
         name=manifest.get("sweep", sweep_dir.name),
         manifest=manifest,
         baseline=baseline,
         configs=[baseline, *ranked],
+        references=references,
         strata=strata,
         windows_total=windows_total,
-        effects=main_effects([baseline, *ranked], windows_total),
-        pruning=pruning_summary(trials, windows_total),
+        effects=main_effects([baseline, *tuned], windows_total),
+        pruning=pruning_summary(
+            [t for t in trials if row_role(t) in ("trial", "baseline")], windows_total
+        ),
         rule=rule,
     )
 

@@ -1,9 +1,12 @@
 """PNG plots of a sweep report (matplotlib, Agg backend: no display needed).
 
+- ``forest.png`` (the first): every config's relative change of pooled KLD vs the baseline with
+  its paired-bootstrap CI, sorted, reference and external rows marked by shape and colour, each
+  stratum's point estimate as a small marker (the per-stratum bars it replaces reused colours
+  past ten configs and had no CIs);
 - ``paired_windows.png``: per window, a config's KLD against the baseline's on the same window
   (one panel per config, log-log, the diagonal = no change; points below it are windows the
   config improves);
-- ``strata.png``: relative change of pooled KLD vs the baseline per stratum and config;
 - ``knob_effects.png``: mean relative change vs the baseline per value of each varied knob.
 """
 
@@ -63,38 +66,86 @@ def paired_scatter(summary: SweepSummary, path: Path, label: Callable[[ConfigRes
     return path
 
 
-def strata_bars(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
-    """Grouped bars: per stratum, each config's relative change of pooled KLD vs the baseline."""
+# role -> (marker, colour, legend); a trial is coloured by its verdict instead.
+_ROLE_STYLE = {
+    "reference": ("D", "tab:orange", "reference (unhealed, plain)"),
+    "external": ("s", "tab:purple", "external GGUF"),
+}
+_STRATUM_MARKERS = "^v<>pP*Xh"
+
+
+def _trial_style(config: ConfigResult) -> tuple[str, str, str]:
+    if config.role in _ROLE_STYLE:
+        return _ROLE_STYLE[config.role]
+    if config.status != "completed":
+        return "o", "tab:gray", f"trial ({config.status}: not judged)"
+    if config.verdict is not None and config.verdict.accepted:
+        return "o", "tab:green", "trial, accepted"
+    return "o", "tab:blue", "trial, rejected"
+
+
+def forest(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
+    """Every config's Δ pooled KLD vs the baseline (%) with its CI, best at the top."""
     plt = _pyplot()
-    base = summary.baseline.pooled.get("per_stratum", {})
-    configs = [c for c in summary.configs[1:] if c.pooled][:MAX_PANELS]
-    width = 0.8 / max(1, len(configs))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(summary.strata)), 4))
-    for i, config in enumerate(configs):
-        per = config.pooled.get("per_stratum", {})
-        paired = config.comparison.per_stratum if config.comparison is not None else {}
-        values = [
-            100 * paired[s].rel_change
-            if s in paired
-            else (
-                100 * (per[s]["kld_mean"] / base[s]["kld_mean"] - 1)
-                if s in per and s in base
-                else 0.0
+    level = summary.rule.ci_level
+    configs = sorted(
+        (c for c in summary.configs if c.comparison is not None),
+        key=lambda c: c.comparison.rel_change,
+        reverse=True,  # the last row is drawn at the top
+    )
+    fig, ax = plt.subplots(figsize=(8.5, 1.2 + 0.32 * max(1, len(configs))))
+    seen: set[str] = set()
+    for y, config in enumerate(configs):
+        comp = config.comparison
+        lo, hi = comp.rel_change_ci(level)
+        marker, colour, legend = _trial_style(config)
+        ax.errorbar(
+            100 * comp.rel_change,
+            y,
+            xerr=[[100 * (comp.rel_change - lo)], [100 * (hi - comp.rel_change)]],
+            fmt=marker,
+            color=colour,
+            ecolor=colour,
+            capsize=3,
+            markersize=6,
+            label=None if legend in seen else legend,
+        )
+        seen.add(legend)
+        for k, stratum in enumerate(summary.strata):
+            change = comp.per_stratum.get(stratum)
+            if change is None:
+                continue
+            name = f"stratum {stratum}"
+            ax.plot(
+                100 * change.rel_change,
+                y,
+                _STRATUM_MARKERS[k % len(_STRATUM_MARKERS)],
+                color="black",
+                markersize=4,
+                fillstyle="none",
+                alpha=0.5,
+                label=None if name in seen else name,
             )
-            for s in summary.strata
-        ]
-        xs = [j + i * width for j in range(len(summary.strata))]
-        ax.bar(xs, values, width=width, label=label(config)[:40])
-    ax.axhline(0, color="gray", lw=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(summary.strata))])
-    ax.set_xticklabels(summary.strata)
-    ax.set_ylabel("Δ pooled KLD vs baseline (%)")
+            seen.add(name)
+    ax.axvline(0, color="gray", lw=0.8)
+    ax.set_yticks(range(len(configs)))
+    ax.set_yticklabels([_tag(c) + label(c)[:48] for c in configs], fontsize=7)
+    ax.set_ylim(-0.7, len(configs) - 0.3)
+    ax.set_xlabel(f"Δ pooled KLD vs baseline (%), {level:.0%} paired-bootstrap CI", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title("every config against the baseline (negative = better)", fontsize=9)
     if configs:
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=6, loc="best")
+    else:
+        ax.text(0.5, 0.5, "no config shares windows with the baseline yet", ha="center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _tag(config: ConfigResult) -> str:
+    return {"reference": "[ref] ", "external": "[ext] "}.get(config.role, "")
 
 
 def knob_effects(summary: SweepSummary, path: Path) -> Path:
@@ -131,11 +182,13 @@ def write_plots(
     from healsweep.results.expert_cache import cache_plots
 
     return {
+        FOREST_CAPTION: forest(summary, folder / "forest.png", label),
         "per-window KLD vs baseline": paired_scatter(summary, folder / "paired_windows.png", label),
-        "per-stratum change vs baseline": strata_bars(summary, folder / "strata.png", label),
         "knob main effects": knob_effects(summary, folder / "knob_effects.png"),
         **cache_plots(summary, folder, label),  # KLD vs MiB/token, with an expert cache
     }
 
 
-__all__ = ["knob_effects", "paired_scatter", "strata_bars", "write_plots"]
+FOREST_CAPTION = "every config: Δ KLD vs baseline with its paired-bootstrap CI (forest plot)"
+
+__all__ = ["FOREST_CAPTION", "forest", "knob_effects", "paired_scatter", "write_plots"]

@@ -1,8 +1,10 @@
 """``report/report.md`` and ``report/report.html`` of a sweep, with PNG plots beside them.
 
 The same tables feed both files: the leaderboard against the baseline (pooled KLD, relative
-change with its paired-bootstrap CI, top-1 change, window wins, the decision-rule verdict), the
-verdict reasons, per-stratum KLD, knob main effects, the pruning summary and the manifest.
+change with its paired-bootstrap CI, the same against each reference row, top-1 change, window
+wins, the decision-rule verdict), the verdict reasons, per-stratum KLD, knob main effects, the
+pruning summary and the manifest. The first plot is the forest plot of every config's change
+against the baseline with its CI.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ Table = tuple[list[str], list[list[str]]]
 
 
 def describe(config: ConfigResult, baseline: ConfigResult) -> str:
-    """``alpha=mse, ridge=False`` — the knobs where a config differs from the baseline."""
+    """``alpha=mse, ridge=False`` — the knobs where a config differs from the baseline; a
+    reference or external row by its name."""
     if config is baseline:
         return "baseline"
+    if config.is_fixed:
+        return str(config.label)
     changed = [f"{k}={_value(v)}" for k, v in config.knobs.items() if v != baseline.knobs.get(k)]
     return ", ".join(changed) or "= baseline"
 
@@ -35,36 +40,52 @@ def _pct(value: float) -> str:
 
 def _verdict(config: ConfigResult) -> str:
     if config.verdict is None:
-        return "reference" if config.is_baseline else "-"
+        if config.is_baseline:
+            return "baseline"
+        return "reference" if config.role == "reference" else "-"
     if config.status != "completed":
         return f"{config.status} (not judged)"
     return "ACCEPT" if config.verdict.accepted else "reject"
 
 
+def _delta(comp: Any, level: float) -> str:
+    if comp is None:
+        return "-"
+    lo, hi = comp.rel_change_ci(level)
+    return f"{_pct(comp.rel_change)} [{_pct(lo)}, {_pct(hi)}]"
+
+
+def _bpw(config: ConfigResult) -> str:
+    bpw = config.routed_bpw
+    return "-" if bpw is None or not math.isfinite(bpw) else f"{bpw:.3g}"
+
+
 def leaderboard(summary: SweepSummary) -> Table:
-    """Rank, config, status, windows, pooled KLD (with an expert cache: hit rate, MiB/token),
-    Δ KLD [CI], top-1, top-1 Δ, wins/losses, verdict."""
+    """Rank, config, role, status, windows, routed bpw, pooled KLD (with an expert cache: hit
+    rate, MiB/token), Δ KLD [CI] vs the baseline and vs each reference row, top-1, top-1 Δ,
+    wins/losses, verdict."""
     level = summary.rule.ci_level
-    header = ["#", "config", "status", "windows", "pooled KLD", f"Δ KLD [{level:.0%} CI]",
+    refs = [str(r.label) for r in summary.references]
+    header = ["#", "config", "role", "status", "windows", "bpw", "pooled KLD",
+              f"Δ KLD vs baseline [{level:.0%} CI]",
+              *(f"Δ KLD vs {name} [{level:.0%} CI]" for name in refs),
               "top-1", "Δ top-1 (pt)", "wins/losses", "verdict"]  # fmt: skip
     rows = []
     for rank, config in enumerate(summary.configs):
         comp = config.comparison
-        if comp is None:
-            delta, top1_delta, wins = "-", "-", "-"
-        else:
-            lo, hi = comp.rel_change_ci(level)
-            delta = f"{_pct(comp.rel_change)} [{_pct(lo)}, {_pct(hi)}]"
-            top1_delta = f"{comp.top1_delta_points:+.2f}"
-            wins = f"{comp.wins}/{comp.losses}"
+        top1_delta = "-" if comp is None else f"{comp.top1_delta_points:+.2f}"
+        wins = "-" if comp is None else f"{comp.wins}/{comp.losses}"
         rows.append(
             [
                 str(rank),
                 describe(config, summary.baseline),
+                config.role,
                 config.status,
                 f"{config.n_windows}/{summary.windows_total}",
+                _bpw(config),
                 f"{config.pooled['kld_mean']:.5f}",
-                delta,
+                _delta(comp, level),
+                *(_delta(config.vs_references.get(name), level) for name in refs),
                 f"{config.pooled['top1']:.2%}",
                 top1_delta,
                 wins,
@@ -155,14 +176,19 @@ def _sections(
           str(m.get("model_fingerprint", "-"))[:16], str(m.get("package_version", "-")),
           f"{m.get('seeds', {}).get('window_order')}, {m.get('seeds', {}).get('sampler')}"]],
     )  # fmt: skip
+    from healsweep.results.plots import FOREST_CAPTION
+
+    first = {c: p for c, p in plots.items() if c == FOREST_CAPTION}
+    rest = {c: p for c, p in plots.items() if c != FOREST_CAPTION}
     return [
-        ("Leaderboard against the baseline", leaderboard(summary)),
+        ("Leaderboard against the baseline and the references", leaderboard(summary)),
+        *([("Every config against the baseline", first)] if first else []),
         *confirmed_sections(summary, confirmed or []),  # `healsweep confirm`: dev next to test
         ("Decision-rule reasons", reasons),
         ("Per-stratum pooled KLD", strata_table(summary)),
         ("Main effects per knob", effects_table(summary)),
         ("Pruning", pruning_table(summary)),
-        ("Plots", plots),
+        ("Plots", rest),
         ("Manifest", identity),
     ]
 
@@ -172,8 +198,12 @@ def _intro(summary: SweepSummary) -> str:
     return (
         f"{len(summary.configs)} configs on {summary.windows_total} dev windows; baseline pooled "
         f"KLD {base.pooled['kld_mean']:.5f}, top-1 {base.pooled['top1']:.2%}. Δ KLD is the "
-        "relative change of token-pooled KLD vs the baseline on the same windows (negative = "
-        "better), with a paired bootstrap CI over windows. A config is accepted when the CI lies "
+        "relative change of token-pooled KLD vs the baseline (or a reference row) on the same "
+        "windows (negative = better), with a paired bootstrap CI over windows. Reference rows "
+        "(unhealed: the baseline's quantizer without Part A and Part B; plain: round-to-nearest "
+        "Q2_0 with d = amax/2) and external GGUFs are scored on the same windows, never pruned "
+        "and not tuned; bpw = stored bits per weight of the routed experts. A config is "
+        "accepted when the CI lies "
         "below 0, no stratum regresses by more than "
         f"{summary.rule.max_stratum_regression:.0%}, and top-1 drops by at most "
         f"{summary.rule.max_top1_drop_points:.1f} pt."
@@ -190,7 +220,7 @@ def render_markdown(
         if title == "Decision-rule reasons":
             for name, lines in content:
                 out += [f"- **{name}**"] + [f"  - {line}" for line in lines]
-        elif title == "Plots":
+        elif isinstance(content, dict):  # pictures: {caption: file name}
             out += [f"![{caption}]({path})" for caption, path in content.items()]
         else:
             out.append(_md(content))
@@ -220,7 +250,7 @@ def render_html(
                 for n, lines in content
             )
             out.append(f"<ul>{items}</ul>")
-        elif title == "Plots":
+        elif isinstance(content, dict):
             out += [
                 f"<p><img src='{html.escape(p)}' alt='{html.escape(c)}'></p>"
                 for c, p in content.items()
@@ -292,7 +322,7 @@ def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
             test_delta = f"{_pct(comp['rel_change'])} [{_pct(lo)}, {_pct(hi)}]"
             test_top1 = f"{comp['top1_delta_points']:+.2f}"
         test_verdict = (
-            "reference" if verdict is None else ("ACCEPT" if verdict["accepted"] else "reject")
+            "baseline" if verdict is None else ("ACCEPT" if verdict["accepted"] else "reject")
         )
         rows.append(
             [

@@ -22,6 +22,7 @@ KNOB_PREFIX = "knob_"
 # `reference` (unhealed, plain) or an `external` GGUF; references and externals are scored on
 # the same windows, never pruned, and kept out of the Optuna study.
 ROLES = ("trial", "baseline", "reference", "external")
+REFERENCES = ("unhealed", "plain")  # the reference rows, in the order they run and are listed
 # Bits per weight of the routed experts of every healsweep student: Q2_0's 18 bytes per 64
 # weights (kernels.q2_0.BYTES_PER_BLOCK; not imported: reading results needs no jax).
 Q2_0_BPW = 8 * 18 / 64
@@ -172,6 +173,7 @@ __all__ = [
     "KNOB_PREFIX",
     "METRIC_FIELDS",
     "Q2_0_BPW",
+    "REFERENCES",
     "ROLES",
     "knob_columns",
     "knob_fields",

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from healsweep.errors import SpecError
+from healsweep.results.schema import REFERENCES
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -55,8 +56,6 @@ ALLOWED = {
     "external.name": "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
     "external.path": "a GGUF file path (relative to the spec's folder)",
 }
-
-REFERENCES = ("unhealed", "plain")  # in the order they run and are listed
 
 
 class _Strict(BaseModel):
