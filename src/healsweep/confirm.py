@@ -108,11 +108,14 @@ def trial_by_id(trials: list[dict[str, Any]], trial_id: str, where: Path) -> dic
 
 def best_trial(trials: list[dict[str, Any]], where: Path, purpose: str) -> dict[str, Any]:
     """The completed non-baseline trial with the lowest dev pooled KLD (ResultsError if none;
-    ``purpose`` ends its message, e.g. "to confirm")."""
+    ``purpose`` ends its message, e.g. "to confirm"); reference and external rows are not
+    trials and never picked."""
+    from healsweep.results.schema import row_role
+
     done = [
         t
         for t in trials
-        if t["status"] == "completed" and not t["is_baseline"] and t["kld_mean"] is not None
+        if t["status"] == "completed" and row_role(t) == "trial" and t["kld_mean"] is not None
     ]
     if not done:
         raise ResultsError(
@@ -126,12 +129,22 @@ def choose_configs(
     trials: list[dict[str, Any]], trial_ids: Sequence[str] | None, where: Path
 ) -> list[tuple[dict[str, Any], bool]]:
     """``(trial row, is_baseline)`` to confirm: the baseline first, then the given trials, or the
-    best completed non-baseline trial by dev pooled KLD; one row per config."""
-    baseline = next((t for t in trials if t["is_baseline"]), None)
+    best completed non-baseline trial by dev pooled KLD; one row per config. Reference and
+    external rows are refused: they are scored on dev beside the trials, not confirmed."""
+    from healsweep.results.schema import row_role
+
+    baseline = next((t for t in trials if row_role(t) == "baseline"), None)
     if baseline is None:
         raise ResultsError(f"{where}: the sweep has no baseline trial; nothing to compare on test")
     if trial_ids:
         chosen = [trial_by_id(trials, t, where) for t in trial_ids]
+        for row in chosen:
+            if row_role(row) in ("reference", "external"):
+                raise ResultsError(
+                    f"{where}: {row['trial_id']} is the {row_role(row)} row {row['label']!r}, "
+                    "not a trial; confirm opens the test split for the baseline and tuned "
+                    "trials only (reference and external rows are dev figures)"
+                )
     else:
         chosen = [best_trial(trials, where, "to confirm")]
     picked: dict[str, tuple[dict[str, Any], bool]] = {baseline["config_hash"]: (baseline, True)}

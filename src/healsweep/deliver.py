@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from healsweep.errors import ResultsError
+
 Progress = Callable[[str, str], None]
 
 
@@ -50,7 +52,13 @@ def pick_trial(trials: list[dict[str, Any]], trial_id: str | None, where: Path) 
     from healsweep.confirm import best_trial, trial_by_id
 
     if trial_id is not None:
-        return trial_by_id(trials, trial_id, where)
+        row = trial_by_id(trials, trial_id, where)
+        if row.get("role") == "external":
+            raise ResultsError(
+                f"{where}: {trial_id} is the external GGUF {row['external_path']}, scored as it "
+                "is; there is no student to rebuild (copy that file instead)"
+            )
+        return row
     return best_trial(trials, where, "to export as --best")
 
 

@@ -57,7 +57,7 @@ def export(
     )
     row = result.trial
     kld = "-" if row["kld_mean"] is None else f"{row['kld_mean']:.5f}"
-    label = "baseline" if row["is_baseline"] else "trial"
+    label = row.get("role") or ("baseline" if row["is_baseline"] else "trial")
     typer.echo(f"[trial] {label} {row['trial_id']} (config {row['config_hash']}, dev KLD {kld})")
     typer.echo(f"[knobs] {' '.join(f'{k}={v}' for k, v in result.knobs.items())}")
     for note in result.notes:

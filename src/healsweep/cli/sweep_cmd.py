@@ -114,6 +114,9 @@ def status(sweep_dir: Path = _SWEEP_DIR) -> None:
     typer.echo(f"sweep {info['sweep']} ({info['folder']})")
     typer.echo(f"driver: {info['driver'] or 'not running'}; runs so far: {info['runs']}")
     typer.echo(f"trials: {sum(info['trials'].values())}/{info['planned_trials']} ({trials})")
+    for label, row in info["fixed"].items():
+        kld = "" if row["kld_mean"] is None else f", pooled KLD {row['kld_mean']:.5f}"
+        typer.echo(f"{row['role']} {label}: {row['status']}{kld}")
     typer.echo(f"windows recorded: {info['windows_recorded']}")
     if info["best"]:
         rel = info["best_vs_baseline"]

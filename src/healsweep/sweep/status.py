@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from healsweep.results.schema import row_role
 from healsweep.results.store import LOCK_FILE, read_manifest, read_trials, read_windows
 
 
@@ -30,10 +31,17 @@ def driver_running(sweep_dir: Path) -> str | None:
 
 
 def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
-    """Counts of trials by status, windows recorded, the best completed config and the baseline."""
+    """Counts of trials by status, windows recorded, the best completed config and the baseline;
+    reference and external rows are listed apart (``fixed``: label -> status, pooled KLD)."""
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
-    trials = read_trials(sweep_dir).to_pylist()
+    rows = read_trials(sweep_dir).to_pylist()
+    trials = [t for t in rows if row_role(t) in ("trial", "baseline")]
+    fixed = {
+        t["label"]: {"role": row_role(t), "status": t["status"], "kld_mean": t["kld_mean"]}
+        for t in rows
+        if row_role(t) in ("reference", "external")
+    }
     counts: dict[str, int] = {}
     for trial in trials:
         counts[trial["status"]] = counts.get(trial["status"], 0) + 1
@@ -47,6 +55,7 @@ def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
         "runs": len(manifest.get("runs", [])),
         "driver": driver_running(sweep_dir),
         "trials": counts,
+        "fixed": fixed,
         "windows_recorded": read_windows(sweep_dir).num_rows,
         "best": None
         if best is None
