@@ -67,7 +67,7 @@ def test_cli_sweep_on_the_real_pipeline_then_status_and_report(tmp_path, tiny_to
     env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
     run = _cli("sweep", "run", str(spec_path), "--results", str(tmp_path / "results"), env=env)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "2 trials (2 completed)" in run.stdout
+    assert "2 trials (2 completed); reference unhealed completed, reference plain completed" in run.stdout
     assert "Token authentication" not in run.stdout + run.stderr  # the embedded Ray's notice
 
     sweep_dir = tmp_path / "results" / "e2e"
@@ -77,8 +77,29 @@ def test_cli_sweep_on_the_real_pipeline_then_status_and_report(tmp_path, tiny_to
     dev = make_windows(corpus, model.tokenizer(), parity_split(corpus), split="dev",
                        max_scored=24, max_context=40)  # fmt: skip
     assert {r["window_id"] for r in rows} == {w.window_id for w in dev}
-    assert len(rows) == 2 * len(dev)
+    assert len(rows) == 4 * len(dev)  # 2 trials + the unhealed and plain reference rows
     assert all(int(r["doc_id"].split("-")[1]) % 2 == 1 for r in rows)  # dev = odd index only
+    trials = pq.read_table(sweep_dir / "trials.parquet").to_pylist()
+    assert sorted(t["role"] for t in trials) == ["baseline", "reference", "reference", "trial"]
+    references = {t["label"]: t for t in trials if t["role"] == "reference"}
+    assert all(t["status"] == "completed" and not t["pruned"] for t in references.values())
+    assert all(not r["pruned"] for r in rows if r["role"] == "reference")
+
+    # a reference row is exactly a direct score of the same student on the same windows
+    from healsweep.score.runner import score_windows
+
+    calib = CalibrationConfig(**spec["calibration"], corpus=str(corpus_path))
+    cache = StageCache(tmp_path / "cache")
+    for name, knobs in (("unhealed", Knobs(alpha="none", ridge=False)),
+                        ("plain", Knobs(quantizer="plain", alpha="none", ridge=False))):  # fmt: skip
+        student = build_student(model, knobs, calib, cache)
+        direct = {w.window_id: m.to_dict() for w, m in
+                  score_windows(model, student, dev, cache, batch=4, teacher_cache="exact")}  # fmt: skip
+        recorded = [r for r in rows if r["trial_id"] == references[name]["trial_id"]]
+        assert {r["window_id"] for r in recorded} == set(direct)
+        for r in recorded:
+            assert r["kld_sum"] == pytest.approx(direct[r["window_id"]]["kld_sum"], rel=1e-5)
+            assert r["top1_count"] == direct[r["window_id"]]["top1_count"]
 
     # one baseline window recomputed independently: float64 KL over the forward's logits
     window = next(w for w in dev if w.kind == "answer")
@@ -99,9 +120,11 @@ def test_cli_sweep_on_the_real_pipeline_then_status_and_report(tmp_path, tiny_to
     report = _cli("report", str(sweep_dir), "--n-boot", "500", env=env)
     assert report.returncode == 0, report.stderr
     text = (sweep_dir / "report" / "report.md").read_text()
-    assert "| 1 | gain_d=0 | completed |" in text and "95% CI" in text
+    assert "| gain_d=0 | trial | completed |" in text and "95% CI" in text
+    assert "| unhealed | reference | completed |" in text and "| plain | reference |" in text
+    assert "Δ KLD vs unhealed [95% CI]" in text and "Δ KLD vs plain [95% CI]" in text
     assert ("ACCEPT" in text) or ("reject" in text)
-    for png in ("paired_windows.png", "strata.png", "knob_effects.png"):
+    for png in ("forest.png", "paired_windows.png", "knob_effects.png"):
         assert (sweep_dir / "report" / png).read_bytes()[:4] == b"\x89PNG"
     assert "<table>" in (sweep_dir / "report" / "report.html").read_text()
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
