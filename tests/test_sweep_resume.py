@@ -23,6 +23,9 @@ import ray
 
 from healsweep.errors import ResultsError
 from healsweep.sweep.driver import resume_sweep
+from healsweep.sweep.fixed import reference_knobs
+from healsweep.sweep.space import config_hash
+from healsweep.sweep.spec import spec_from_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_sweep_tune import N_WINDOWS, toy_work  # noqa: E402
@@ -81,12 +84,12 @@ def _wait(predicate, timeout: float, proc: subprocess.Popen | None = None) -> No
         time.sleep(0.2)
 
 
-def _completed(sweep_dir: Path) -> set[str]:
+def _completed(sweep_dir: Path, roles=("trial", "baseline", "reference")) -> set[str]:
     path = sweep_dir / "trials.parquet"
     if not path.exists():
         return set()
     rows = pq.read_table(path).to_pylist()
-    return {r["config_hash"] for r in rows if r["status"] == "completed"}
+    return {r["config_hash"] for r in rows if r["status"] == "completed" and r["role"] in roles}
 
 
 def test_sigkilled_driver_resumes_without_rescoring(ray_address, tmp_path):
@@ -98,8 +101,10 @@ def test_sigkilled_driver_resumes_without_rescoring(ray_address, tmp_path):
     log = tmp_path / "scored.log"
     sweep_dir = tmp_path / "crash"
     proc = _spawn(ray_address, spec, tmp_path, log, delay=0.25)
+    # the reference rows (unhealed, plain) run first: 2 x N_WINDOWS lines, then the trials
+    trials_done = functools.partial(_completed, sweep_dir, ("trial", "baseline"))
     try:
-        _wait(lambda: _completed(sweep_dir) and len(_lines(log)) >= N_WINDOWS + 6, 240, proc)
+        _wait(lambda: trials_done() and len(_lines(log)) >= 3 * N_WINDOWS + 6, 240, proc)
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -108,7 +113,8 @@ def test_sigkilled_driver_resumes_without_rescoring(ray_address, tmp_path):
     }
     finished_trials = _completed(sweep_dir)
     scored_before = len(_lines(log))
-    assert finished_trials and len(recorded) < 4 * N_WINDOWS
+    assert finished_trials and len(recorded) < 6 * N_WINDOWS
+    assert len(_completed(sweep_dir, ("reference",))) == 2
 
     run = resume_sweep(sweep_dir, work_fn=functools.partial(toy_work, log=str(log)))
 
@@ -116,10 +122,14 @@ def test_sigkilled_driver_resumes_without_rescoring(ray_address, tmp_path):
     assert rescored, "the resume scored nothing"
     assert not set(rescored) & recorded, "a finished window was scored again"
     assert not {chash for chash, _ in rescored} & finished_trials, "a finished trial re-ran"
-    assert [t["status"] for t in run.trials] == ["completed"] * 4
+    # toy_work logs a reference under its knobs' hash: neither reference scored again
+    spec_obj = spec_from_dict(spec)
+    ref_knobs = {config_hash(reference_knobs(spec_obj, name)) for name in ("unhealed", "plain")}
+    assert not {chash for chash, _ in rescored} & ref_knobs, "a finished reference re-ran"
+    assert [t["status"] for t in run.trials] == ["completed"] * 6
     rows = pq.read_table(sweep_dir / "windows").to_pylist()
     keys = [(r["config_hash"], r["window_id"]) for r in rows]
-    assert len(keys) == len(set(keys)) == 4 * N_WINDOWS  # raw files: no duplicate rows
+    assert len(keys) == len(set(keys)) == 6 * N_WINDOWS  # raw files: no duplicate rows
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
     assert [r["kind"] for r in manifest["runs"]] == ["run", "resume"]
 
@@ -127,7 +137,8 @@ def test_sigkilled_driver_resumes_without_rescoring(ray_address, tmp_path):
 @pytest.mark.slow
 def test_two_sweeps_in_one_root_do_not_disturb_each_other(ray_address, tmp_path):
     specs = {
-        name: {"name": name, "search_space": {"gain_d": gains}, "max_concurrent": 1}
+        name: {"name": name, "search_space": {"gain_d": gains}, "max_concurrent": 1,
+               "references": False}  # fmt: skip
         for name, gains in (("first", [0.3, 0.0]), ("second", [0.3, 1.0]))
     }
     logs = {name: tmp_path / f"{name}.log" for name in specs}

@@ -118,6 +118,7 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
             "search_space": GRID,
             "max_concurrent": 2,
             "scoring": {"checkpoint_every": 1},
+            "references": False,  # the Tune trials alone (reference rows: the tpe test below)
         }
     )
     log = tmp_path / "scored.log"
@@ -190,6 +191,7 @@ def test_a_failed_trial_is_retried_without_rescoring(ray_cluster, tmp_path, ever
             "max_failures": 1,
             "max_concurrent": 1,
             "scoring": {"checkpoint_every": every},
+            "references": False,
         }
     )
     log = tmp_path / "scored.log"
@@ -206,7 +208,9 @@ def test_a_failed_trial_is_retried_without_rescoring(ray_cluster, tmp_path, ever
     assert pq.read_table(tmp_path / "retry" / "windows").num_rows == N_WINDOWS
 
 
-def test_tpe_with_wilcoxon_prunes_losers_but_never_the_baseline(ray_cluster, tmp_path):
+def test_tpe_with_wilcoxon_prunes_losers_but_never_the_baseline_nor_a_reference(
+    ray_cluster, tmp_path
+):
     spec = spec_from_dict(
         {
             "name": "tune",
@@ -224,14 +228,32 @@ def test_tpe_with_wilcoxon_prunes_losers_but_never_the_baseline(ray_cluster, tmp
         work_fn=functools.partial(toy_work, log=str(log)),
         identity_fn=toy_identity,
     )
-    trials = run.trials
+    trials = [t for t in run.trials if t["role"] in ("trial", "baseline")]
     assert len(trials) == 6
+    # the reference rows (alpha none: worse than the baseline on every window here) scored
+    # every window, were never pruned, and are not trials of the pruner's study
+    references = {t["label"]: t for t in run.trials if t["role"] == "reference"}
+    assert set(references) == {"unhealed", "plain"} and len(run.trials) == 8
+    for ref in references.values():
+        assert ref["status"] == "completed" and not ref["pruned"]
+        assert ref["windows_scored"] == N_WINDOWS and ref["kld_mean"] > 0
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    from healsweep.sweep.pruning import STUDY_NAME
+
+    journal = JournalStorage(JournalFileBackend(str(tmp_path / "tune" / "optuna-pruning.journal")))
+    study = optuna.load_study(study_name=STUDY_NAME, storage=journal)
+    assert len(study.trials) == 6
     (baseline,) = [t for t in trials if t["is_baseline"]]
     assert baseline["status"] == "completed" and baseline["knob_gain_d"] == 0.3
     assert trials[0]["is_baseline"]  # enqueued as the first point, and run alone first
+    assert run.trials[0]["role"] == "reference"  # the fixed rows run before the experiment
     pruned = [t for t in trials if t["status"] == "pruned"]
     assert pruned, "no trial was pruned"
     rows = pq.read_table(tmp_path / "tune" / "windows").to_pylist()
+    assert sum(r["role"] == "reference" and not r["pruned"] for r in rows) == 2 * N_WINDOWS
     for trial in trials:
         mine = [r for r in rows if r["trial_id"] == trial["trial_id"]]
         assert len(mine) == trial["windows_scored"]
