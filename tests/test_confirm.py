@@ -43,7 +43,8 @@ def _cli(*args: str, env: dict, timeout: int = 600) -> subprocess.CompletedProce
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory, tiny_tokenizer):
-    """A finished 2-config sweep (baseline and gain_d=0) on a tiny model, run by the CLI."""
+    """A finished 2-config sweep (baseline and gain_d=0, with the unhealed and plain reference
+    rows) on a tiny model, run by the CLI."""
     from healsweep.gguf_io.synthetic import write_random_model
 
     root = tmp_path_factory.mktemp("confirm")
@@ -110,8 +111,8 @@ def test_confirm_opens_before_scoring_records_the_result_and_refuses_a_second(
     assert (opened["kind"], result["kind"]) == ("confirm-open", "confirm-result")
     trials = _trials(sweep_copy)
     base = next(t for t in trials if t["is_baseline"])
-    best = min((t for t in trials if not t["is_baseline"]), key=lambda t: t["kld_mean"])
-    assert opened["trial_ids"] == [base["trial_id"], best["trial_id"]]
+    best = min((t for t in trials if t["role"] == "trial"), key=lambda t: t["kld_mean"])
+    assert opened["trial_ids"] == [base["trial_id"], best["trial_id"]]  # never a reference
     manifest = json.loads((sweep_copy / "manifest.json").read_text())
     assert opened["split_lock_id"] == manifest["split_lock_id"] == summary["split_lock_id"]
     frozen = [c["frozen_hash"] for c in summary["configs"]]
@@ -221,6 +222,14 @@ def test_a_tampered_ledger_refuses_confirm_before_anything_is_written(sweep_copy
     assert not (sweep_copy / "test").exists()
 
 
+def test_a_reference_row_is_refused_by_name_before_the_ledger_is_touched(sweep_copy):
+    from healsweep.errors import ResultsError
+
+    with pytest.raises(ResultsError, match="ref-plain is the reference row 'plain', not a trial"):
+        confirm(sweep_copy, "m1", trial_ids=["ref-plain"])
+    assert _ledger_lines(sweep_copy.parent) == []
+
+
 def test_a_running_sweep_is_not_confirmed(sweep_copy):
     from healsweep.errors import ResultsError
     from healsweep.sweep.driver import sweep_lock
@@ -325,7 +334,10 @@ def test_a_sweep_can_never_open_the_test_split(swept, tmp_path):
     try:
         run = run_sweep(spec, results_root=tmp_path / "res",
                         work_fn=functools.partial(sealed_work, log=str(log)))  # fmt: skip
-        assert [t["status"] for t in run.trials] == ["error"]
+        # the baseline trial and both reference rows: each failed, none opened the test split
+        assert sorted((t["role"], t["status"]) for t in run.trials) == [
+            ("baseline", "error"), ("reference", "error"), ("reference", "error")
+        ]  # fmt: skip
         message = log.read_text()
         assert message.startswith("the test split is sealed") and "healsweep confirm" in message
 
