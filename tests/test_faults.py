@@ -69,6 +69,7 @@ def spec_file(folder: Path, name: str, *, windows: int, gains: list[float], **ex
         "max_failures": 1,
         "scoring": {"max_scored": 32, "max_context": 64, "max_windows": windows,
                     "checkpoint_every": 1, "batch": 1},
+        "references": False,  # the faults are the Tune trials'; reference rows: test_sweep_*
         **extra,
     }  # fmt: skip
     path = folder / f"{name}.json"

@@ -111,6 +111,7 @@ def _spec(tmp_path: Path) -> Path:
         "max_concurrent": 2,
         "max_failures": 1,
         "scoring": {"max_scored": 32, "max_context": 64, "max_windows": MAX_WINDOWS},
+        "references": False,  # the trials' placement is under test here
     }
     path = tmp_path / "multinode.yaml"
     path.write_text(json.dumps(spec))  # JSON is YAML
