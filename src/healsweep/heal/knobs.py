@@ -130,7 +130,10 @@ class Knobs(BaseModel):
 
     def uses_activation_statistics(self) -> bool:
         """True when quantization reads the calibration trace (``act`` importance anywhere, or
-        the ``gptq`` quantizer, which needs each expert's routed inputs)."""
+        the ``gptq`` quantizer, which needs each expert's routed inputs); never for ``plain``,
+        which reads no importance."""
+        if self.quantizer == "plain":
+            return False
         return self.importance == "act" or self.importance_down == "act" or self.quantizer == "gptq"
 
 
