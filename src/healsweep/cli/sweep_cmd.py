@@ -85,6 +85,9 @@ def run(
     root = results or Path(loaded.results)
     typer.echo(f"sweep {loaded.name}: {loaded.sampler.type} sampler, pruner {loaded.pruner.type}, "
                f"results in {root / loaded.name}")  # fmt: skip
+    fixed = [*loaded.reference_names(), *(e.name for e in loaded.external)]
+    if fixed:
+        typer.echo(f"reference and external rows first: {', '.join(fixed)}")
     outcome = run_sweep(
         loaded, results_root=root, address=address, num_cpus=num_cpus, on_progress=_Printer()
     )
