@@ -159,7 +159,9 @@ def test_every_config_against_each_reference(tmp_path):
         assert lo <= comp.rel_change <= hi
     # the references themselves against the baseline and against each other
     plain_vs_unhealed = by_label["plain"].vs_references["unhealed"].rel_change
-    assert plain_vs_unhealed == pytest.approx(2.0 / (_pooled(FIXED["unhealed"][2]) / _pooled(1.0)) - 1)
+    assert plain_vs_unhealed == pytest.approx(
+        2.0 / (_pooled(FIXED["unhealed"][2]) / _pooled(1.0)) - 1
+    )
     assert "plain" not in by_label["plain"].vs_references
     header, rows = leaderboard(summary)
     assert "Δ KLD vs unhealed [95% CI]" in header and "Δ KLD vs plain [95% CI]" in header

@@ -67,7 +67,10 @@ def test_cli_sweep_on_the_real_pipeline_then_status_and_report(tmp_path, tiny_to
     env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
     run = _cli("sweep", "run", str(spec_path), "--results", str(tmp_path / "results"), env=env)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "2 trials (2 completed); reference unhealed completed, reference plain completed" in run.stdout
+    assert (
+        "2 trials (2 completed); reference unhealed completed, reference plain completed"
+        in run.stdout
+    )
     assert "Token authentication" not in run.stdout + run.stderr  # the embedded Ray's notice
 
     sweep_dir = tmp_path / "results" / "e2e"

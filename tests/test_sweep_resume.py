@@ -137,8 +137,12 @@ def test_sigkilled_driver_resumes_without_rescoring(ray_address, tmp_path):
 @pytest.mark.slow
 def test_two_sweeps_in_one_root_do_not_disturb_each_other(ray_address, tmp_path):
     specs = {
-        name: {"name": name, "search_space": {"gain_d": gains}, "max_concurrent": 1,
-               "references": False}  # fmt: skip
+        name: {
+            "name": name,
+            "search_space": {"gain_d": gains},
+            "max_concurrent": 1,
+            "references": False,
+        }  # fmt: skip
         for name, gains in (("first", [0.3, 0.0]), ("second", [0.3, 1.0]))
     }
     logs = {name: tmp_path / f"{name}.log" for name in specs}

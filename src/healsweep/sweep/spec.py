@@ -265,7 +265,9 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
     for i, entry in enumerate(spec.external):
         at = f"{where}: field 'external[{i}]' ({entry.name})"
         if not Path(entry.path).is_file():
-            raise SpecError(f"{at}: {entry.path}: no such file; expected {ALLOWED['external.path']}")
+            raise SpecError(
+                f"{at}: {entry.path}: no such file; expected {ALLOWED['external.path']}"
+            )
         try:
             check_same_tokenizer(teacher, open_model(entry.path))
         except HealsweepError as exc:
