@@ -18,7 +18,7 @@ from pathlib import Path
 
 from healsweep.results.aggregate import ConfigResult, SweepSummary
 
-MAX_PANELS = 12
+MAX_PANELS = 16  # the 12-config methods grid and its two reference rows
 
 
 def _pyplot():
