@@ -125,7 +125,7 @@ def test_unfactorable_second_moment_is_reported_not_trusted():
 def test_quantizer_knobs_are_validated_and_keyed_only_when_read():
     assert Knobs().quantizer == "search" and Knobs().gptq_damp == 0.01
     for bad, allowed in (
-        ({"quantizer": "rtn"}, "one of search, gptq"),
+        ({"quantizer": "rtn"}, "one of search, gptq, plain"),
         ({"gptq_damp": 0.0}, r"a float in \(0, 1\]"),
         ({"gptq_damp": 1.5}, r"a float in \(0, 1\]"),
         ({"gptq_damp": float("nan")}, r"a float in \(0, 1\]"),
