@@ -34,6 +34,9 @@ def test_a_bonus_sweep_heals_once_and_reports_hit_rate_and_mib(tmp_path, tiny_to
         "search_space": {"moce_bonus": [0.0, 0.3]},
         "max_concurrent": 1,
         "scoring": {"max_scored": 24, "max_context": 40, "batch": 4},
+        # the baseline is already unhealed: that reference row re-uses its quantized layers
+        # (the plain reference would quantize each layer once more)
+        "references": ["unhealed"],
     }
     spec_path = tmp_path / "cache.yaml"
     spec_path.write_text(json.dumps(spec))
