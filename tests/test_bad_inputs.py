@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from healsweep.data.corpus import Document, write_corpus
+from healsweep.gguf_io import SUPPORTED_ARCHS
 from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.ledger import Ledger
 
@@ -90,17 +91,29 @@ def test_truncated_gguf(good_gguf, tmp_path):
     assert "re-download or re-export the file" in message
 
 
-def test_unsupported_architecture(tmp_path):
-    path = tmp_path / "llama.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+def _bare_model(path, arch):
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_unsupported_architecture(tmp_path):
+    path = _bare_model(tmp_path / "gpt2.gguf", "gpt2")
     message = one_line_error(healsweep("model", "info", path, tmp_path=tmp_path))
-    assert message == f"{path} has architecture 'llama'; healsweep supports qwen2moe, qwen3moe"
+    assert message == (f"{path} has architecture 'gpt2'; healsweep supports "
+                       f"{', '.join(SUPPORTED_ARCHS)}")
+
+
+def test_dense_llama_is_refused_in_one_line(tmp_path):
+    path = _bare_model(tmp_path / "llama.gguf", "llama")
+    message = one_line_error(healsweep("model", "info", path, tmp_path=tmp_path))
+    assert message.startswith(f"{path} is a dense llama model (no ffn_gate_inp")
+    assert ", ".join(SUPPORTED_ARCHS) in message
 
 
 def test_missing_expert_tensors(tmp_path, tiny_tokenizer):

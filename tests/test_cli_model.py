@@ -24,7 +24,8 @@ def test_model_info_describes_arch_types_and_tokenizer(random_gguf, tmp_path):
     path = random_gguf("qwen3moe", types={"ffn_down_exps.weight": "Q8_0"})
     done = _run("model", "info", path, tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
-    for expected in ("qwen3moe", "top-2 (renormalized)", "Q8_0", "F16", "F32", "ChatML yes",
+    for expected in ("qwen3moe", "softmax over 8, top-2, renormalized", "per-head q/k RMSNorm",
+                     "Q8_0", "F16", "F32", "ChatML yes",
                      "'<|im_end|>'"):
         assert expected in done.stdout
     as_json = json.loads(_run("model", "info", path, "--json", tmp_path=tmp_path).stdout)
@@ -33,6 +34,36 @@ def test_model_info_describes_arch_types_and_tokenizer(random_gguf, tmp_path):
         model.tensor_nbytes(n) for n in model.tensor_names if model.tensor_type(n).name == "Q8_0"
     )
     assert as_json["layers"] == model.hparams.n_layer
+
+
+ARCH_SHAPES = {
+    "olmoe": dict(n_head_kv=4),
+    "llama": dict(n_head_kv=2),
+}
+ARCH_INFO = {
+    "olmoe": ("softmax over 8, top-2, weights as is", "q/k RMSNorm over the whole projection",
+              "neox RoPE"),
+    "llama": ("softmax over 8, top-2, renormalized", "GQA, 4/2 heads, norm RoPE"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_SHAPES))
+def test_model_info_and_slice_of_each_architecture(random_gguf, tmp_path, arch):
+    path = random_gguf(arch, n_layer=3, **ARCH_SHAPES[arch])
+    done = _run("model", "info", path, tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"arch         {arch}" in done.stdout
+    for expected in ARCH_INFO[arch]:
+        assert expected in done.stdout
+    out = tmp_path / f"{arch}-slice.gguf"
+    done = _run("model", "slice", path, "--layers", "1:3", "--out", out, tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    sliced, whole = open_model(out), open_model(path)
+    assert sliced.hparams == whole.hparams.replace(n_layer=2)
+    np.testing.assert_array_equal(sliced.tensor("blk.0.ffn_up_exps.weight"),
+                                  whole.tensor("blk.1.ffn_up_exps.weight"))
+    logits = forward(sliced, [np.arange(5, 30, dtype=np.int32)]).logits[0]
+    assert np.isfinite(logits).all()
 
 
 def test_model_logits_writes_the_forward_logits(random_gguf, tmp_path):
@@ -52,15 +83,15 @@ def test_model_logits_writes_the_forward_logits(random_gguf, tmp_path):
     assert bad.returncode == 2 and "1-D integer ids" in bad.stderr
 
 
-@pytest.mark.parametrize("broken", ["truncated", "not-gguf", "llama", "missing-tensor"])
+@pytest.mark.parametrize("broken", ["truncated", "not-gguf", "gpt2", "missing-tensor"])
 def test_broken_models_give_one_line_and_exit_1(random_gguf, tmp_path, broken):
     path = tmp_path / "broken.gguf"
     if broken == "truncated":
         path.write_bytes(random_gguf("qwen2moe").read_bytes()[:-1000])
     elif broken == "not-gguf":
         path.write_text("just some text\n")
-    elif broken == "llama":
-        path = random_gguf("llama")
+    elif broken == "gpt2":
+        path = random_gguf("gpt2")
     else:
         path = random_gguf("qwen3moe", drop_tensors=("blk.0.attn_k_norm.weight",))
     done = _run("model", "info", path, tmp_path=tmp_path)

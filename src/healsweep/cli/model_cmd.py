@@ -39,8 +39,11 @@ def model_info(
     typer.echo(f"arch         {info['arch']}")
     typer.echo(f"layers       {info['layers']}  (one layer: {_mib(info['layer_bytes'])} stored, "
                f"{_mib(info['layer_bytes_f32'])} as float32)")
-    typer.echo(f"experts      {info['experts']}, top-{info['experts_used']} "
-               f"({'renormalized' if info['norm_topk_prob'] else 'softmax weights as is'})")
+    typer.echo(f"routing      {info['routing']}")
+    first_moe, stop = info["moe_layers"]
+    if first_moe:
+        typer.echo(f"dense        layers 0..{first_moe - 1} have a dense FFN (healing skips them)")
+    typer.echo(f"attention    {info['attention']}")
     typer.echo(f"dims         n_embd {info['n_embd']}, heads {info['n_head']}/{info['n_head_kv']}"
                f" kv, head_dim {info['head_dim']}, ff_exp {info['n_ff_exp']}, "
                f"ff_shexp {info['n_ff_shexp']}, vocab {info['n_vocab']}")

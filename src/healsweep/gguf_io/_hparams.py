@@ -1,8 +1,14 @@
 """Hyperparameters of the supported MoE architectures and the tensors each one must have.
 
 The metadata keys follow llama.cpp (``{arch}.block_count``, ``{arch}.attention.head_count``, ...),
-so a GGUF converted by llama.cpp opens here and a GGUF written here opens in llama.cpp and in
-Hugging Face transformers.
+so a GGUF converted by llama.cpp opens here and a GGUF written here opens in llama.cpp (and, for
+qwen2moe/qwen3moe, in Hugging Face transformers).
+
+Per architecture (llama.cpp's graphs): ``qwen2moe`` biased q/k/v, softmax top-k as is, a shared
+expert gated by ``sigmoid(x·w_gate_inp_shexp)``; ``qwen3moe`` per-head q/k RMSNorm, renormalized
+top-k; ``olmoe`` q/k RMSNorm over the whole projection, softmax top-k as is; ``llama`` with
+``ffn_*_exps`` (Mixtral) interleaved-pair RoPE, renormalized top-k. None of the last three has
+a shared expert.
 """
 
 from __future__ import annotations
@@ -12,12 +18,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHS = ("qwen2moe", "qwen3moe")
+SUPPORTED_ARCHS = ("qwen2moe", "qwen3moe", "olmoe", "llama")
+ROPE_KIND = {"qwen2moe": "neox", "qwen3moe": "neox", "olmoe": "neox", "llama": "norm"}
+_ATTENTION_KIND = {
+    "qwen2moe": "GQA with q/k/v bias",
+    "qwen3moe": "GQA with per-head q/k RMSNorm",
+    "olmoe": "GQA with q/k RMSNorm over the whole projection",
+    "llama": "GQA",
+}
+# llama.cpp's build_moe_ffn ``norm_w`` per architecture (top-k weights rescaled to sum to one)
+NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False, "llama": True}
 
 
 @dataclass(frozen=True)
 class ModelHparams:
-    """Shape and numerics of one qwen2moe/qwen3moe model, read from GGUF metadata."""
+    """Shape and numerics of one MoE model, read from GGUF metadata."""
 
     arch: str
     n_layer: int
@@ -34,6 +49,44 @@ class ModelHparams:
     rms_norm_eps: float
     context_length: int
     norm_topk_prob: bool
+    rope_kind: str = "neox"  # "neox" (rotate halves) | "norm" (rotate consecutive pairs)
+    n_rot: int = 0  # rotated dims of a head (0: all of them)
+    gating: str = "softmax"  # router probabilities: "softmax" | "sigmoid"
+    expert_weights_scale: float = 1.0  # top-k weights multiplied by this (after normalizing)
+    n_expert_groups: int = 0  # > 1: experts in groups, only n_group_used groups selectable
+    n_group_used: int = 0
+    n_leading_dense: int = 0  # first layers with a dense FFN instead of experts
+    n_ff: int = 0  # width of those dense FFNs
+
+    @property
+    def rope_dim(self) -> int:
+        """How many dims of each head RoPE rotates."""
+        return self.n_rot or self.head_dim
+
+    @property
+    def moe_layers(self) -> range:
+        """Indices of the layers with routed experts (all but the leading dense ones)."""
+        return range(self.n_leading_dense, self.n_layer)
+
+    @property
+    def shexp_gated(self) -> bool:
+        """Whether the shared expert is scaled by a per-token sigmoid gate (qwen2moe)."""
+        return self.arch == "qwen2moe"
+
+    def routing_summary(self) -> str:
+        """One line: gating, selection, weighting (what ``model info`` prints)."""
+        parts = [f"{self.gating} over {self.n_expert}, top-{self.n_expert_used}"]
+        if self.n_expert_groups > 1:
+            parts.append(f"in {self.n_group_used} of {self.n_expert_groups} groups")
+        parts.append("renormalized" if self.norm_topk_prob else "weights as is")
+        if self.expert_weights_scale != 1.0:
+            parts.append(f"scaled x{self.expert_weights_scale:g}")
+        return ", ".join(parts)
+
+    def attention_summary(self) -> str:
+        """One line: attention kind and RoPE (what ``model info`` prints)."""
+        rope = f"{self.rope_kind} RoPE on {self.rope_dim} of {self.head_dim} head dims"
+        return f"{_ATTENTION_KIND[self.arch]}, {self.n_head}/{self.n_head_kv} heads, {rope}"
 
     def replace(self, **changes: Any) -> ModelHparams:
         """A copy with some fields changed (used to build variants of a model)."""
@@ -57,6 +110,8 @@ _OPTIONAL_KEYS = {
     "n_ff_shexp": "expert_shared_feed_forward_length",
     "rope_freq_base": "rope.freq_base",
     "n_vocab": "vocab_size",
+    "n_rot": "rope.dimension_count",
+    "n_ff": "feed_forward_length",
 }
 _ROPE_FREQ_BASE_DEFAULT = 10000.0  # llama.cpp's default when the key is absent
 
@@ -87,13 +142,14 @@ def hparams_from_metadata(
     exps = tensor_shapes.get("blk.0.ffn_gate_exps.weight", (0, 0, 0))
     shexp = tensor_shapes.get("blk.0.ffn_gate_shexp.weight", (0, 0))
     embd = tensor_shapes.get("token_embd.weight", (0, 0))
+    head_dim = int(value("head_dim", n_embd // n_head))
     return ModelHparams(
         arch=arch,
         n_layer=int(value("n_layer")),
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=int(value("n_head_kv", n_head)),
-        head_dim=int(value("head_dim", n_embd // n_head)),
+        head_dim=head_dim,
         n_expert=int(value("n_expert")),
         n_expert_used=int(value("n_expert_used")),
         n_ff_exp=int(value("n_ff_exp", exps[1])),
@@ -102,8 +158,9 @@ def hparams_from_metadata(
         rope_freq_base=float(value("rope_freq_base", _ROPE_FREQ_BASE_DEFAULT)),
         rms_norm_eps=float(value("rms_norm_eps")),
         context_length=int(value("context_length")),
-        # llama.cpp: qwen2moe keeps the softmax top-k weights as they are, qwen3moe renormalizes.
-        norm_topk_prob=arch == "qwen3moe",
+        norm_topk_prob=NORM_TOPK[arch],
+        rope_kind=ROPE_KIND[arch],
+        n_rot=0 if int(value("n_rot", head_dim)) == head_dim else int(value("n_rot")),
     )
 
 
@@ -114,7 +171,7 @@ def metadata_from_hparams(hp: ModelHparams) -> dict[str, int | float]:
         f"{a}.context_length": hp.context_length,
         f"{a}.embedding_length": hp.n_embd,
         f"{a}.block_count": hp.n_layer,
-        f"{a}.feed_forward_length": hp.n_ff_exp,
+        f"{a}.feed_forward_length": hp.n_ff or hp.n_ff_exp,
         f"{a}.expert_feed_forward_length": hp.n_ff_exp,
         f"{a}.expert_count": hp.n_expert,
         f"{a}.expert_used_count": hp.n_expert_used,
@@ -125,26 +182,35 @@ def metadata_from_hparams(hp: ModelHparams) -> dict[str, int | float]:
         f"{a}.attention.value_length": hp.head_dim,
         f"{a}.attention.layer_norm_rms_epsilon": hp.rms_norm_eps,
         f"{a}.rope.freq_base": hp.rope_freq_base,
+        f"{a}.rope.dimension_count": hp.rope_dim,
     }
     if hp.arch == "qwen2moe":
         keys[f"{a}.expert_shared_feed_forward_length"] = hp.n_ff_shexp
     return keys
 
 
-def expected_tensor_shapes(hp: ModelHparams, *, tied_output: bool = False) -> dict[str, tuple]:
-    """Every tensor the forward reads, with its numpy shape (reversed ggml ``ne``)."""
-    d, v, hd = hp.n_embd, hp.n_vocab, hp.head_dim
+def _attention_shapes(hp: ModelHparams) -> dict[str, tuple]:
+    d, hd = hp.n_embd, hp.head_dim
     q_dim, kv_dim = hp.n_head * hd, hp.n_head_kv * hd
-    e, f, fs = hp.n_expert, hp.n_ff_exp, hp.n_ff_shexp
-    shapes: dict[str, tuple] = {"token_embd.weight": (v, d), "output_norm.weight": (d,)}
-    if not tied_output:
-        shapes["output.weight"] = (v, d)
-    per_layer: dict[str, tuple] = {
+    shapes: dict[str, tuple] = {
         "attn_norm.weight": (d,),
         "attn_q.weight": (q_dim, d),
         "attn_k.weight": (kv_dim, d),
         "attn_v.weight": (kv_dim, d),
         "attn_output.weight": (d, q_dim),
+    }
+    if hp.arch == "qwen2moe":
+        shapes |= {"attn_q.bias": (q_dim,), "attn_k.bias": (kv_dim,), "attn_v.bias": (kv_dim,)}
+    elif hp.arch == "qwen3moe":  # one RMSNorm gain per head dim
+        shapes |= {"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)}
+    elif hp.arch == "olmoe":  # one RMSNorm over the whole q (k) projection
+        shapes |= {"attn_q_norm.weight": (q_dim,), "attn_k_norm.weight": (kv_dim,)}
+    return shapes
+
+
+def _moe_shapes(hp: ModelHparams) -> dict[str, tuple]:
+    d, e, f, fs = hp.n_embd, hp.n_expert, hp.n_ff_exp, hp.n_ff_shexp
+    shapes: dict[str, tuple] = {
         "ffn_norm.weight": (d,),
         "ffn_gate_inp.weight": (e, d),
         "ffn_gate_exps.weight": (e, f, d),
@@ -152,17 +218,23 @@ def expected_tensor_shapes(hp: ModelHparams, *, tied_output: bool = False) -> di
         "ffn_down_exps.weight": (e, d, f),
     }
     if hp.arch == "qwen2moe":
-        per_layer |= {
-            "attn_q.bias": (q_dim,),
-            "attn_k.bias": (kv_dim,),
-            "attn_v.bias": (kv_dim,),
-            "ffn_gate_inp_shexp.weight": (d,),
+        shapes["ffn_gate_inp_shexp.weight"] = (d,)
+    if fs:
+        shapes |= {
             "ffn_gate_shexp.weight": (fs, d),
             "ffn_up_shexp.weight": (fs, d),
             "ffn_down_shexp.weight": (d, fs),
         }
-    else:
-        per_layer |= {"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)}
+    return shapes
+
+
+def expected_tensor_shapes(hp: ModelHparams, *, tied_output: bool = False) -> dict[str, tuple]:
+    """Every tensor the forward reads, with its numpy shape (reversed ggml ``ne``)."""
+    d, v = hp.n_embd, hp.n_vocab
+    shapes: dict[str, tuple] = {"token_embd.weight": (v, d), "output_norm.weight": (d,)}
+    if not tied_output:
+        shapes["output.weight"] = (v, d)
+    per_layer = _attention_shapes(hp) | _moe_shapes(hp)
     for i in range(hp.n_layer):
         shapes |= {f"blk.{i}.{suffix}": shape for suffix, shape in per_layer.items()}
     return shapes

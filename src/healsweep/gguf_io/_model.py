@@ -39,7 +39,7 @@ _FINGERPRINTS: dict[tuple[str, int, int], str] = {}
 
 
 class GGUFModel:
-    """A validated qwen2moe/qwen3moe GGUF; tensors are read and dequantized on demand."""
+    """A validated GGUF MoE model; tensors are read and dequantized on demand."""
 
     def __init__(self, path: Path, reader: Any, hparams: ModelHparams, tokenizer_path=None):
         self.path = path
@@ -411,6 +411,11 @@ def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = 
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedArchitectureError(
             f"{path} has architecture {arch!r}; healsweep supports {', '.join(SUPPORTED_ARCHS)}"
+        )
+    if arch == "llama" and not any(t.name.endswith("ffn_gate_inp.weight") for t in reader.tensors):
+        raise UnsupportedArchitectureError(
+            f"{path} is a dense llama model (no ffn_gate_inp/ffn_*_exps expert tensors); "
+            f"healsweep supports MoE models: {', '.join(SUPPORTED_ARCHS)} (llama with experts)"
         )
     missing = missing_required_keys(arch, lambda k: reader.get_field(k) is not None)
     if missing:

@@ -1,4 +1,4 @@
-"""Small random qwen2moe/qwen3moe GGUFs with a real tokenizer, for tests and benchmarks.
+"""Small random MoE GGUFs (every supported architecture) with a real tokenizer, for tests and benchmarks.
 
 The tokenizer is a byte-level BPE trained with ``tokenizers`` on a few sentences, with ChatML
 control tokens (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``) and Qwen's user-defined
@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from healsweep.gguf_io._hparams import ModelHparams, expected_tensor_shapes
+from healsweep.gguf_io._hparams import (
+    NORM_TOPK,
+    ROPE_KIND,
+    SUPPORTED_ARCHS,
+    ModelHparams,
+    expected_tensor_shapes,
+)
 from healsweep.gguf_io._tokenizer import QWEN2_PATTERN, tokenizer_metadata_from_tokenizer
 from healsweep.gguf_io._writer import write_model
 
@@ -140,19 +146,20 @@ def write_random_model(
     tensor name or per-layer suffix (``"ffn_up_exps.weight"``) to a type; unspecified tensors
     get F32 (vectors) / F16 (matrices). ``drop_tensors``/``drop_keys`` leave tensors or
     ``{arch}.*`` metadata out, to make deliberately broken files. Any ``arch`` string is written
-    (a ``"llama"`` file has the qwen2moe layout under another name).
+    (an unsupported one, e.g. ``"gpt2"``, gets the qwen2moe layout under its own name).
     """
     tokenizer = tokenizer or train_tiny_tokenizer()
     tok_meta = tokenizer_metadata_from_tokenizer(
         tokenizer, bos="<|endoftext|>", eos="<|im_end|>", pad="<|endoftext|>"
     )
-    layout = arch if arch in ("qwen2moe", "qwen3moe") else "qwen2moe"
+    layout = arch if arch in SUPPORTED_ARCHS else "qwen2moe"
     hp = ModelHparams(
         arch=layout, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim or n_embd // n_head, n_expert=n_expert, n_expert_used=n_expert_used,
         n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp if layout == "qwen2moe" else 0,
         n_vocab=len(tok_meta.tokens), rope_freq_base=rope_freq_base, rms_norm_eps=rms_norm_eps,
-        context_length=context_length, norm_topk_prob=layout == "qwen3moe",
+        context_length=context_length, norm_topk_prob=NORM_TOPK[layout],
+        rope_kind=ROPE_KIND[layout],
     )
     shapes = {n: s for n, s in expected_tensor_shapes(hp).items() if n not in drop_tensors}
     return write_model(

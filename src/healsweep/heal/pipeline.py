@@ -53,6 +53,24 @@ class Student:
     shexp_raw: dict[int, np.ndarray] = field(default_factory=dict)  # requantized bytes/values
 
 
+def skip_notices(knobs: Knobs, model: Any) -> list[str]:
+    """One line per part of the method this model cannot take (a user reads them, the trial
+    goes on): Part B on a model without a shared expert, and leading dense layers."""
+    hp = model.hparams
+    lines = []
+    if knobs.ridge and hp.n_ff_shexp == 0:
+        lines.append(
+            f"Part B skipped: {hp.arch} has no shared expert, so the ridge does not apply "
+            "(ridge/rho/eta are ignored; quantization and Part A run as asked)"
+        )
+    if hp.n_leading_dense:
+        lines.append(
+            f"layers 0..{hp.n_leading_dense - 1} skipped: dense FFN, no routed experts to "
+            "quantize or heal (they stay as in the teacher)"
+        )
+    return lines
+
+
 def needs_trace(knobs: Knobs, model: Any) -> bool:
     """Whether any stage of this trial reads the calibration trace."""
     ridge = knobs.ridge and model.hparams.n_ff_shexp > 0
@@ -126,9 +144,11 @@ def build_student(
                 say("calib_trace", line)
         else:
             say("calib_trace", "not needed by these knobs (no teacher pass)")
+        for line in skip_notices(knobs, model):
+            say("part_b" if "shared expert" in line else "layers", line)
         replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
         heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
-        for i in range(hp.n_layer):
+        for i in hp.moe_layers:
             # Read only if a stage computes: a trial whose stages are all cached reads neither
             # the teacher's experts nor the layer's trace (hundreds of MB a layer at real size).
             weights = cache_fn(partial(stages.expert_weights, model, i))
@@ -167,6 +187,7 @@ def build_student(
         "calibration": trace.report if trace else None,
         "trace_key": trace.key if trace else None,
         "layers": layer_reports,
+        "notices": skip_notices(knobs, model),
         "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
         "executed": {
             k: v - computed_before.get(k, 0)

@@ -45,6 +45,8 @@ TRACE_CODE = (
     "healsweep.model.layers",
     "healsweep.model.qwen2moe",
     "healsweep.model.qwen3moe",
+    "healsweep.model.olmoe",
+    "healsweep.model.llama",
     "healsweep.heal.trace",
     "healsweep.heal.importance",
 )

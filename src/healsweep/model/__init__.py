@@ -1,7 +1,7 @@
-"""Teacher-forced JAX forward of GGUF MoE models (qwen2moe, qwen3moe), layer by layer."""
+"""Teacher-forced JAX forward of GGUF MoE models (qwen2moe, qwen3moe, olmoe, Mixtral-style llama), layer by layer."""
 
 from healsweep.model.forward import ForwardResult, LayerCapture, LayerReplacement, forward
-from healsweep.model.layers import matmul, router_topk
+from healsweep.model.layers import matmul, router_topk, select_experts
 
 __all__ = [
     "ForwardResult",
@@ -10,4 +10,5 @@ __all__ = [
     "forward",
     "matmul",
     "router_topk",
+    "select_experts",
 ]

@@ -24,12 +24,12 @@ import numpy as np
 
 from healsweep.gguf_io import GGUFModel, ModelHparams
 from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, GGMLWeight
-from healsweep.model import qwen2moe, qwen3moe
+from healsweep.model import llama, olmoe, qwen2moe, qwen3moe
 from healsweep.model.expert_cache import CacheState, ExpertCacheInput, layer_routing
 from healsweep.model.layers import expert_tile_rows, matmul, rms_norm
 from healsweep.model.resident import RESIDENT
 
-_ADAPTERS = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe}
+_ADAPTERS = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe, "olmoe": olmoe, "llama": llama}
 PAD_MULTIPLE = 64
 _LOGIT_CHUNK_BYTES = 64 << 20  # float32 bytes of output-matrix rows decoded at a time
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class LayerCapture(NamedTuple):
     topk_ids: np.ndarray  # [T, k] int32
     topk_weights: np.ndarray  # [T, k]
     routed_output: np.ndarray  # [T, D] weighted sum over routed experts, before the shared one
-    shexp_gate: np.ndarray  # [T] sigmoid(x·w_gate_inp_shexp); shape (0,) for qwen3moe
+    shexp_gate: np.ndarray  # [T] the shared expert's per-token factor; (0,) without one
 
 
 class LayerReplacement(NamedTuple):
@@ -53,7 +53,7 @@ class LayerReplacement(NamedTuple):
     gate_exps: Any = None  # [E, F, D] dense or quantized pytree; None keeps the model's
     up_exps: Any = None  # [E, F, D]
     down_exps: Any = None  # [E, D, F]
-    down_shexp: Any = None  # [D, Fs] (qwen2moe only)
+    down_shexp: Any = None  # [D, Fs] (models with a shared expert)
 
 
 class ForwardResult(NamedTuple):

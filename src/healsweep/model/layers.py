@@ -33,14 +33,30 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_neox(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-    """NeoX rotary embedding (rotate halves): ``x [T, H, hd]``, ``positions [T]``."""
-    head_dim = x.shape[-1]
-    half = head_dim // 2
-    inv_freq = 1.0 / (base ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / head_dim))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # [T, 1, hd/2]
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    """NeoX rotary embedding (rotate halves) of every dim: ``x [T, H, hd]``, ``positions [T]``."""
+    return rope(x, positions, base, x.shape[-1], "neox")
+
+
+def rope(x: jax.Array, positions: jax.Array, base: float, n_rot: int, kind: str) -> jax.Array:
+    """Rotary embedding of the first ``n_rot`` dims of each head of ``x [T, H, hd]``.
+
+    ``kind`` is llama.cpp's rope type: ``"neox"`` pairs dim i with i + n_rot/2, ``"norm"`` pairs
+    dims 2i and 2i+1; pair i turns by ``position · base^(-2i/n_rot)``. Dims past ``n_rot`` pass
+    through unchanged.
+    """
+    half = n_rot // 2
+    inv_freq = 1.0 / (base ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / n_rot))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, n_rot/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # [T, 1, n_rot/2]
+    rot, rest = x[..., :n_rot], x[..., n_rot:]
+    if kind == "neox":
+        x1, x2 = rot[..., :half], rot[..., half:]
+        turned = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        turned = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        turned = turned.reshape(rot.shape)
+    return jnp.concatenate([turned, rest], axis=-1) if n_rot < x.shape[-1] else turned
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -67,23 +83,45 @@ def router_topk(
     Softmax over all experts, then the k largest probabilities; qwen2moe keeps them as they are
     (``normalize=False``), qwen3moe rescales them to sum to one (``normalize=True``).
     """
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, E]
-    weights, ids = jax.lax.top_k(probs, k)
-    if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return ids.astype(jnp.int32), weights
+    return select_experts(router_logits, k, normalize=normalize)
 
 
 def select_experts(
-    router_logits: jax.Array, k: int, normalize: bool, cache: Any = None
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """``(ids, weights, extra captures)``: :func:`router_topk`, or with ``cache`` (a
-    :class:`~healsweep.model.expert_cache.CacheRouting`) through the layer's expert cache."""
-    if cache is None:
-        return (*router_topk(router_logits, k, normalize), {})
-    from healsweep.model.expert_cache import route_through_cache
+    router_logits: jax.Array,
+    k: int,
+    *,
+    normalize: bool,
+    gating: str = "softmax",
+    scale: float = 1.0,
+    selection_bias: jax.Array | None = None,
+    n_groups: int = 0,
+    n_groups_used: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """llama.cpp's expert selection: ``(ids [T, k] int32, weights [T, k])``.
 
-    return route_through_cache(router_logits, k, normalize, cache)
+    Probabilities are a softmax or a sigmoid of the logits. ``selection_bias [E]`` is added for
+    choosing experts only; the weights stay the unbiased probabilities. With ``n_groups > 1``
+    the experts form equal consecutive groups, each scored by the sum of its two largest biased
+    probabilities, and only the ``n_groups_used`` best groups may be chosen. The k chosen
+    weights are then rescaled to sum to one (``normalize``) and multiplied by ``scale``.
+    """
+    logits = router_logits.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1) if gating == "softmax" else jax.nn.sigmoid(logits)
+    selection = probs if selection_bias is None else probs + selection_bias  # [T, E]
+    if n_groups > 1:
+        t, e = selection.shape
+        grouped = selection.reshape(t, n_groups, e // n_groups)  # [T, G, E/G]
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        _, best = jax.lax.top_k(group_score, n_groups_used)  # [T, g]
+        keep = jnp.zeros((t, n_groups), bool).at[jnp.arange(t)[:, None], best].set(True)
+        selection = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
+    _, ids = jax.lax.top_k(selection, k)
+    weights = jnp.take_along_axis(probs, ids, axis=-1)  # [T, k]
+    if normalize:
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 6.103515625e-5)
+    if scale not in (0.0, 1.0):  # llama.cpp treats 0 as "not set"
+        weights = weights * jnp.float32(scale)
+    return ids.astype(jnp.int32), weights
 
 
 def swiglu(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any) -> jax.Array:
@@ -169,3 +207,93 @@ def routed_experts(
     out0 = jnp.zeros((n_tokens, n_embd), jnp.float32)
     out, _ = jax.lax.scan(one_expert, out0, jnp.arange(n_expert, dtype=jnp.int32))
     return out
+
+
+def _projection(x: jax.Array, w: dict[str, Any], name: str) -> jax.Array:
+    out = matmul(x, w[f"{name}.weight"])
+    bias = w.get(f"{name}.bias")
+    return out if bias is None else out + bias
+
+
+def _qk_norm(x: jax.Array, weight: jax.Array | None, n_heads: int, eps: float) -> jax.Array:
+    """RMSNorm of a projection ``x [T, H*hd]`` → ``[T, H, hd]``: per head when the gain has hd
+    entries (qwen3moe, glm4moe), over the whole projection when it has H*hd (olmoe)."""
+    t = x.shape[0]
+    if weight is not None and weight.shape[-1] == x.shape[-1]:
+        x = rms_norm(x, weight, eps)
+    x = x.reshape(t, n_heads, -1)
+    if weight is not None and weight.shape[-1] != n_heads * x.shape[-1]:
+        x = rms_norm(x, weight, eps)
+    return x
+
+
+def self_attention(hp: Any, w: dict[str, Any], x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Causal GQA self-attention of one sequence, ``x [T, D]`` (normed) → ``[T, D]``.
+
+    The variants are read off the weights: q/k/v biases when ``attn_{q,k,v}.bias`` exist, q/k
+    RMSNorm when ``attn_{q,k}_norm.weight`` exist (per head or over the projection, by their
+    size); RoPE of kind ``hp.rope_kind`` on the first ``hp.rope_dim`` dims of each head.
+    """
+    q = _qk_norm(_projection(x, w, "attn_q"), w.get("attn_q_norm.weight"), hp.n_head,
+                 hp.rms_norm_eps)  # [T, H, hd]
+    k = _qk_norm(_projection(x, w, "attn_k"), w.get("attn_k_norm.weight"), hp.n_head_kv,
+                 hp.rms_norm_eps)  # [T, Hkv, hd]
+    v = _projection(x, w, "attn_v").reshape(x.shape[0], hp.n_head_kv, -1)
+    q = rope(q, positions, hp.rope_freq_base, hp.rope_dim, hp.rope_kind)
+    k = rope(k, positions, hp.rope_freq_base, hp.rope_dim, hp.rope_kind)
+    return matmul(causal_attention(q, k, v), w["attn_output.weight"])
+
+
+def moe_ffn(
+    hp: Any, w: dict[str, Any], x: jax.Array, tile: int, cache: Any = None
+) -> tuple[jax.Array, dict]:
+    """Routed experts plus, where the layer has one, the shared expert: ``x [N, D]`` (normed)
+    → ``(out [N, D], capture dict)``.
+
+    Routing follows ``hp`` (:func:`select_experts`; ``exp_probs_b.bias`` is the selection bias),
+    or with ``cache`` (a ``CacheRouting``) goes through the layer's simulated expert cache.
+    The shared expert ``swiglu(x)`` is scaled per token by ``sigmoid(x·w_gate_inp_shexp)`` where
+    that vector exists (qwen2moe) and by 1 otherwise; the capture's ``shexp_gate`` is that
+    factor, so Part B fits a gated and an ungated shared expert alike.
+    """
+    router_logits = matmul(x, w["ffn_gate_inp.weight"])  # [N, E]
+    cached: dict[str, jax.Array] = {}
+    if cache is None:
+        topk_ids, topk_weights = select_experts(
+            router_logits, hp.n_expert_used, normalize=hp.norm_topk_prob, gating=hp.gating,
+            scale=hp.expert_weights_scale, selection_bias=w.get("exp_probs_b.bias"),
+            n_groups=hp.n_expert_groups, n_groups_used=hp.n_group_used,
+        )
+    else:  # the simulated expert cache re-ranks softmax probabilities only
+        if hp.gating != "softmax" or "exp_probs_b.bias" in w or hp.n_expert_groups > 1 or (
+            hp.expert_weights_scale not in (0.0, 1.0)
+        ):
+            raise ValueError(
+                f"the expert cache simulation routes by plain softmax top-k; {hp.arch} routes "
+                f"{hp.routing_summary()}"
+            )
+        from healsweep.model.expert_cache import route_through_cache
+
+        topk_ids, topk_weights, cached = route_through_cache(
+            router_logits, hp.n_expert_used, hp.norm_topk_prob, cache
+        )
+    routed = routed_experts(
+        x, topk_ids, topk_weights, w["ffn_gate_exps.weight"], w["ffn_up_exps.weight"],
+        w["ffn_down_exps.weight"], hp.n_expert, tile,
+    )  # [N, D]
+    capture = {
+        "router_logits": router_logits,
+        "topk_ids": topk_ids,
+        "topk_weights": topk_weights,
+        "routed_output": routed,
+        **cached,
+    }
+    if "ffn_gate_shexp.weight" not in w:
+        return routed, capture
+    hidden = swiglu_hidden(x, w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"])  # [N, Fs]
+    if "ffn_gate_inp_shexp.weight" in w:
+        gate = jax.nn.sigmoid(x @ w["ffn_gate_inp_shexp.weight"])  # [N]
+    else:
+        gate = jnp.ones(x.shape[0], jnp.float32)
+    capture["shexp_gate"] = gate
+    return routed + matmul(hidden, w["ffn_down_shexp.weight"]) * gate[:, None], capture
