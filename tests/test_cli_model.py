@@ -39,11 +39,16 @@ def test_model_info_describes_arch_types_and_tokenizer(random_gguf, tmp_path):
 ARCH_SHAPES = {
     "olmoe": dict(n_head_kv=4),
     "llama": dict(n_head_kv=2),
+    "glm4moe": dict(n_head_kv=2, n_leading_dense=2, n_rot=8, n_expert_groups=4, n_group_used=2,
+                    expert_weights_scale=2.5),
 }
 ARCH_INFO = {
     "olmoe": ("softmax over 8, top-2, weights as is", "q/k RMSNorm over the whole projection",
               "neox RoPE"),
     "llama": ("softmax over 8, top-2, renormalized", "GQA, 4/2 heads, norm RoPE"),
+    "glm4moe": ("sigmoid over 8, top-2, in 2 of 4 groups, weights as is, scaled x2.5",
+                "GQA with q/k/v bias", "neox RoPE on 8 of 16 head dims",
+                "layers 0..1 have a dense FFN (healing skips them)"),
 }
 
 
@@ -59,9 +64,10 @@ def test_model_info_and_slice_of_each_architecture(random_gguf, tmp_path, arch):
     done = _run("model", "slice", path, "--layers", "1:3", "--out", out, tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
     sliced, whole = open_model(out), open_model(path)
-    assert sliced.hparams == whole.hparams.replace(n_layer=2)
-    np.testing.assert_array_equal(sliced.tensor("blk.0.ffn_up_exps.weight"),
-                                  whole.tensor("blk.1.ffn_up_exps.weight"))
+    dense = max(whole.hparams.n_leading_dense - 1, 0)  # layer 1 stays dense in glm4moe's slice
+    assert sliced.hparams == whole.hparams.replace(n_layer=2, n_leading_dense=dense)
+    np.testing.assert_array_equal(sliced.tensor("blk.1.ffn_up_exps.weight"),
+                                  whole.tensor("blk.2.ffn_up_exps.weight"))
     logits = forward(sliced, [np.arange(5, 30, dtype=np.int32)]).logits[0]
     assert np.isfinite(logits).all()
 

@@ -7,8 +7,11 @@ qwen2moe/qwen3moe, in Hugging Face transformers).
 Per architecture (llama.cpp's graphs): ``qwen2moe`` biased q/k/v, softmax top-k as is, a shared
 expert gated by ``sigmoid(x·w_gate_inp_shexp)``; ``qwen3moe`` per-head q/k RMSNorm, renormalized
 top-k; ``olmoe`` q/k RMSNorm over the whole projection, softmax top-k as is; ``llama`` with
-``ffn_*_exps`` (Mixtral) interleaved-pair RoPE, renormalized top-k. None of the last three has
-a shared expert.
+``ffn_*_exps`` (Mixtral) interleaved-pair RoPE, renormalized top-k (neither has a shared expert);
+``glm4moe`` biased q/k/v, partial NeoX RoPE, leading dense layers, sigmoid gating with a
+selection-only bias, optional renormalization, a weight scale and an ungated shared expert of
+width ``n_ff_exp · expert_shared_count``. Expert groups are read for every architecture, as
+llama.cpp does.
 """
 
 from __future__ import annotations
@@ -18,16 +21,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHS = ("qwen2moe", "qwen3moe", "olmoe", "llama")
-ROPE_KIND = {"qwen2moe": "neox", "qwen3moe": "neox", "olmoe": "neox", "llama": "norm"}
+from healsweep.errors import GGUFFormatError
+
+SUPPORTED_ARCHS = ("qwen2moe", "qwen3moe", "olmoe", "llama", "glm4moe")
+ROPE_KIND = {
+    "qwen2moe": "neox", "qwen3moe": "neox", "olmoe": "neox", "llama": "norm", "glm4moe": "neox",
+}
 _ATTENTION_KIND = {
     "qwen2moe": "GQA with q/k/v bias",
     "qwen3moe": "GQA with per-head q/k RMSNorm",
     "olmoe": "GQA with q/k RMSNorm over the whole projection",
     "llama": "GQA",
+    "glm4moe": "GQA with q/k/v bias",
 }
 # llama.cpp's build_moe_ffn ``norm_w`` per architecture (top-k weights rescaled to sum to one)
-NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False, "llama": True}
+# (glm4moe reads it from ``expert_weights_norm``)
+NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False, "llama": True, "glm4moe": False}
+GATING_FUNC = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
+_DEFAULT_GATING = {"glm4moe": "sigmoid"}  # when the file does not say
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,8 @@ class ModelHparams:
     n_group_used: int = 0
     n_leading_dense: int = 0  # first layers with a dense FFN instead of experts
     n_ff: int = 0  # width of those dense FFNs
+    n_expert_shared: int = 0  # shared experts (glm4moe: n_ff_shexp = n_ff_exp · this)
+    n_layer_nextn: int = 0  # trailing multi-token-prediction layers the forward skips
 
     @property
     def rope_dim(self) -> int:
@@ -112,7 +125,16 @@ _OPTIONAL_KEYS = {
     "n_vocab": "vocab_size",
     "n_rot": "rope.dimension_count",
     "n_ff": "feed_forward_length",
+    "n_expert_shared": "expert_shared_count",
+    "n_leading_dense": "leading_dense_block_count",
+    "expert_weights_scale": "expert_weights_scale",
+    "expert_weights_norm": "expert_weights_norm",
+    "gating_func": "expert_gating_func",
+    "n_expert_groups": "expert_group_count",
+    "n_group_used": "expert_group_used_count",
+    "n_layer_nextn": "nextn_predict_layers",
 }
+_ROUTING_ARCHS = ("glm4moe",)  # archs whose routing llama.cpp reads from the file
 _ROPE_FREQ_BASE_DEFAULT = 10000.0  # llama.cpp's default when the key is absent
 
 
@@ -139,28 +161,56 @@ def hparams_from_metadata(
 
     n_embd = int(value("n_embd"))
     n_head = int(value("n_head"))
-    exps = tensor_shapes.get("blk.0.ffn_gate_exps.weight", (0, 0, 0))
-    shexp = tensor_shapes.get("blk.0.ffn_gate_shexp.weight", (0, 0))
+    exps = next((s for n, s in tensor_shapes.items() if n.endswith(".ffn_gate_exps.weight")),
+                (0, 0, 0))
+    shexp = next((s for n, s in tensor_shapes.items() if n.endswith(".ffn_gate_shexp.weight")),
+                 (0, 0))
     embd = tensor_shapes.get("token_embd.weight", (0, 0))
     head_dim = int(value("head_dim", n_embd // n_head))
+    n_expert_shared = int(value("n_expert_shared", 0)) if arch in _ROUTING_ARCHS else 0
+    n_ff_exp = int(value("n_ff_exp", exps[1]))
+    if arch == "qwen2moe":
+        n_ff_shexp = int(value("n_ff_shexp", shexp[0]))
+    else:
+        n_ff_shexp = n_ff_exp * n_expert_shared
+    routing: dict[str, Any] = {"norm_topk_prob": NORM_TOPK[arch]}
+    if arch in _ROUTING_ARCHS:
+        gating = int(value("gating_func", 0))
+        if gating and gating not in GATING_FUNC:
+            raise GGUFFormatError(
+                f"{arch}.expert_gating_func is {gating}; healsweep knows 1 (softmax) and 2 "
+                "(sigmoid), re-export the file or open an issue for this gating"
+            )
+        routing = {
+            "norm_topk_prob": bool(value("expert_weights_norm", False)),
+            "gating": GATING_FUNC.get(gating) or _DEFAULT_GATING.get(arch, "softmax"),
+            "expert_weights_scale": float(value("expert_weights_scale", 0.0)) or 1.0,
+            "n_leading_dense": int(value("n_leading_dense", 0)),
+        }
+    n_layer_nextn = int(value("n_layer_nextn", 0))
     return ModelHparams(
         arch=arch,
-        n_layer=int(value("n_layer")),
+        n_layer=int(value("n_layer")) - n_layer_nextn,
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=int(value("n_head_kv", n_head)),
         head_dim=head_dim,
         n_expert=int(value("n_expert")),
         n_expert_used=int(value("n_expert_used")),
-        n_ff_exp=int(value("n_ff_exp", exps[1])),
-        n_ff_shexp=int(value("n_ff_shexp", shexp[0])) if arch == "qwen2moe" else 0,
+        n_ff_exp=n_ff_exp,
+        n_ff_shexp=n_ff_shexp,
         n_vocab=int(embd[0]) if embd[0] else int(value("n_vocab", 0)),
         rope_freq_base=float(value("rope_freq_base", _ROPE_FREQ_BASE_DEFAULT)),
         rms_norm_eps=float(value("rms_norm_eps")),
         context_length=int(value("context_length")),
-        norm_topk_prob=NORM_TOPK[arch],
         rope_kind=ROPE_KIND[arch],
         n_rot=0 if int(value("n_rot", head_dim)) == head_dim else int(value("n_rot")),
+        n_expert_groups=int(value("n_expert_groups", 0)),
+        n_group_used=int(value("n_group_used", 0)),
+        n_ff=int(value("n_ff", 0)) if arch in _ROUTING_ARCHS else 0,  # dense layers' width
+        n_expert_shared=n_expert_shared,
+        n_layer_nextn=n_layer_nextn,
+        **routing,
     )
 
 
@@ -186,6 +236,17 @@ def metadata_from_hparams(hp: ModelHparams) -> dict[str, int | float]:
     }
     if hp.arch == "qwen2moe":
         keys[f"{a}.expert_shared_feed_forward_length"] = hp.n_ff_shexp
+    if hp.n_expert_groups > 1:
+        keys[f"{a}.expert_group_count"] = hp.n_expert_groups
+        keys[f"{a}.expert_group_used_count"] = hp.n_group_used
+    if hp.arch in _ROUTING_ARCHS:
+        keys |= {
+            f"{a}.expert_shared_count": hp.n_expert_shared,
+            f"{a}.leading_dense_block_count": hp.n_leading_dense,
+            f"{a}.expert_weights_scale": hp.expert_weights_scale,
+            f"{a}.expert_weights_norm": hp.norm_topk_prob,
+            f"{a}.expert_gating_func": {v: k for k, v in GATING_FUNC.items()}[hp.gating],
+        }
     return keys
 
 
@@ -199,7 +260,7 @@ def _attention_shapes(hp: ModelHparams) -> dict[str, tuple]:
         "attn_v.weight": (kv_dim, d),
         "attn_output.weight": (d, q_dim),
     }
-    if hp.arch == "qwen2moe":
+    if hp.arch in ("qwen2moe", "glm4moe"):
         shapes |= {"attn_q.bias": (q_dim,), "attn_k.bias": (kv_dim,), "attn_v.bias": (kv_dim,)}
     elif hp.arch == "qwen3moe":  # one RMSNorm gain per head dim
         shapes |= {"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)}
@@ -208,10 +269,15 @@ def _attention_shapes(hp: ModelHparams) -> dict[str, tuple]:
     return shapes
 
 
+def ffn_norm_name(arch: str) -> str:
+    """The layer's norm before its FFN (glm4moe calls it ``post_attention_norm``)."""
+    return "post_attention_norm.weight" if arch == "glm4moe" else "ffn_norm.weight"
+
+
 def _moe_shapes(hp: ModelHparams) -> dict[str, tuple]:
     d, e, f, fs = hp.n_embd, hp.n_expert, hp.n_ff_exp, hp.n_ff_shexp
     shapes: dict[str, tuple] = {
-        "ffn_norm.weight": (d,),
+        ffn_norm_name(hp.arch): (d,),
         "ffn_gate_inp.weight": (e, d),
         "ffn_gate_exps.weight": (e, f, d),
         "ffn_up_exps.weight": (e, f, d),
@@ -219,6 +285,8 @@ def _moe_shapes(hp: ModelHparams) -> dict[str, tuple]:
     }
     if hp.arch == "qwen2moe":
         shapes["ffn_gate_inp_shexp.weight"] = (d,)
+    if hp.arch == "glm4moe":
+        shapes["exp_probs_b.bias"] = (e,)
     if fs:
         shapes |= {
             "ffn_gate_shexp.weight": (fs, d),
@@ -228,13 +296,24 @@ def _moe_shapes(hp: ModelHparams) -> dict[str, tuple]:
     return shapes
 
 
+def _dense_shapes(hp: ModelHparams) -> dict[str, tuple]:
+    d, f = hp.n_embd, hp.n_ff
+    return {
+        ffn_norm_name(hp.arch): (d,),
+        "ffn_gate.weight": (f, d),
+        "ffn_up.weight": (f, d),
+        "ffn_down.weight": (d, f),
+    }
+
+
 def expected_tensor_shapes(hp: ModelHparams, *, tied_output: bool = False) -> dict[str, tuple]:
     """Every tensor the forward reads, with its numpy shape (reversed ggml ``ne``)."""
     d, v = hp.n_embd, hp.n_vocab
     shapes: dict[str, tuple] = {"token_embd.weight": (v, d), "output_norm.weight": (d,)}
     if not tied_output:
         shapes["output.weight"] = (v, d)
-    per_layer = _attention_shapes(hp) | _moe_shapes(hp)
+    attention, moe, dense = _attention_shapes(hp), _moe_shapes(hp), _dense_shapes(hp)
     for i in range(hp.n_layer):
+        per_layer = attention | (dense if i < hp.n_leading_dense else moe)
         shapes |= {f"blk.{i}.{suffix}": shape for suffix, shape in per_layer.items()}
     return shapes

@@ -103,8 +103,9 @@ def _metadata_bytes(
     """Every metadata field of the source, as stored, with the slice's changes applied.
 
     Returns the encoded fields and their count. Fields are copied byte for byte from the mapped
-    header; only ``{arch}.block_count``, per-layer ``{arch}.*`` arrays and the provenance keys
-    are re-encoded.
+    header; only ``{arch}.block_count``, ``leading_dense_block_count`` (the dense layers kept),
+    ``nextn_predict_layers`` (0: trailing prediction layers are never kept), per-layer
+    ``{arch}.*`` arrays and the provenance keys are re-encoded.
     """
     import numpy as np
     from gguf import GGUFValueType
@@ -127,6 +128,11 @@ def _metadata_bytes(
         key, types = field.name, field.types
         if key == f"{arch}.block_count":
             out.append(enc.kv(key, types[0], stop - start))
+        elif key == f"{arch}.leading_dense_block_count":  # the dense layers the range keeps
+            dense = model.hparams.n_leading_dense
+            out.append(enc.kv(key, types[0], min(max(dense - start, 0), stop - start)))
+        elif key == f"{arch}.nextn_predict_layers":  # a slice never holds the MTP layers
+            out.append(enc.kv(key, types[0], 0))
         elif key in provenance:
             out.append(enc.kv(key, GGUFValueType.STRING, provenance.pop(key)))
         elif (

@@ -74,6 +74,8 @@ def _init_scale(suffix: str, shape: tuple[int, ...]) -> tuple[float, float]:
         return 0.0, 1.0
     if suffix in ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"):
         return 0.0, 2.0 / np.sqrt(shape[-1])  # router logits of order 1: routing matters
+    if suffix == "exp_probs_b.bias":
+        return 0.0, 0.3  # a selection bias that changes which experts win
     return 0.0, 1.0 / np.sqrt(shape[-1])
 
 
@@ -139,12 +141,16 @@ def write_random_model(
     tokenizer: Any = None,
     drop_tensors: tuple[str, ...] = (),
     drop_keys: tuple[str, ...] = (),
+    **routing: Any,
 ) -> Path:
     """Write a random ``arch`` model with a trained tiny tokenizer and return its path.
 
     ``types`` is a ``GGMLQuantizationType`` (or its name) for every matrix, or a map from full
     tensor name or per-layer suffix (``"ffn_up_exps.weight"``) to a type; unspecified tensors
-    get F32 (vectors) / F16 (matrices). ``drop_tensors``/``drop_keys`` leave tensors or
+    get F32 (vectors) / F16 (matrices). ``routing`` sets further :class:`ModelHparams` fields
+    (glm4moe: ``n_leading_dense``, ``n_ff``, ``n_expert_shared``, ``gating``,
+    ``expert_weights_scale``, ``norm_topk_prob``, ``n_expert_groups``, ``n_group_used``,
+    ``n_rot``). ``drop_tensors``/``drop_keys`` leave tensors or
     ``{arch}.*`` metadata out, to make deliberately broken files. Any ``arch`` string is written
     (an unsupported one, e.g. ``"gpt2"``, gets the qwen2moe layout under its own name).
     """
@@ -161,6 +167,11 @@ def write_random_model(
         context_length=context_length, norm_topk_prob=NORM_TOPK[layout],
         rope_kind=ROPE_KIND[layout],
     )
+    if layout == "glm4moe":
+        hp = hp.replace(gating="sigmoid", n_ff=2 * n_ff_exp, n_expert_shared=1)
+    hp = hp.replace(**routing)
+    if hp.n_expert_shared:
+        hp = hp.replace(n_ff_shexp=hp.n_ff_exp * hp.n_expert_shared)
     shapes = {n: s for n, s in expected_tensor_shapes(hp).items() if n not in drop_tensors}
     return write_model(
         path, arch, hp, RandomTensors(shapes, seed), _resolve_types(types, shapes), tok_meta,

@@ -97,13 +97,13 @@ def residual_table(
     held_trace = calibration_trace(model, held_cfg, cache, corpus)
 
     rows, totals = [], {}
-    for layer in range(model.hparams.n_layer):
+    for position, layer in enumerate(model.hparams.moe_layers):
         qkey = stages.quantize_key(model, base, fit_trace.key, layer)
         experts = stages.q2_weights(cache.get_or_compute("quantize", qkey, _missing)[0])
         row: dict[str, Any] = {
             "layer": layer,
-            "alpha_gaussian": shipped.alphas[layer],
-            "alpha_mse": mse.alphas[layer],
+            "alpha_gaussian": shipped.alphas[position],
+            "alpha_mse": mse.alphas[position],
         }
         for split, trace in (("cal", fit_trace), ("heldout", held_trace)):
             arrays = trace.layer(layer)
@@ -119,13 +119,13 @@ def residual_table(
             y_ref = arrays["y_ref"]
             variants = {
                 "alpha_1": _energies(y_ref, y_q, 1.0),
-                "gaussian": _energies(y_ref, y_q, shipped.alphas[layer]),
-                "mse": _energies(y_ref, y_q, mse.alphas[layer]),
+                "gaussian": _energies(y_ref, y_q, shipped.alphas[position]),
+                "mse": _energies(y_ref, y_q, mse.alphas[position]),
                 "gaussian_ridge": _energies(
-                    y_ref, y_q, shipped.alphas[layer], _shared_change(shipped, layer, arrays)
+                    y_ref, y_q, shipped.alphas[position], _shared_change(shipped, layer, arrays)
                 ),
                 "mse_ridge": _energies(
-                    y_ref, y_q, mse.alphas[layer], _shared_change(mse, layer, arrays)
+                    y_ref, y_q, mse.alphas[position], _shared_change(mse, layer, arrays)
                 ),
             }
             if split == "heldout":
@@ -137,7 +137,7 @@ def residual_table(
                 acc = totals.setdefault(f"{split}.{name}", [0.0, 0.0])
                 acc[0] += res
                 acc[1] += ref
-        ridge = shipped.report["layers"][layer].get("ridge") or {}
+        ridge = shipped.report["layers"][position].get("ridge") or {}
         row.update(
             {
                 f"ridge.{k}": ridge.get(k)

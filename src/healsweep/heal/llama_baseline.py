@@ -120,7 +120,7 @@ def write_llama_baseline(
         say("calib_trace", f"importance rows per expert from {tokens} calibration tokens")
     block, size = block_geometry(qtype)
     plan = {}
-    for i in range(model.hparams.n_layer):
+    for i in model.hparams.moe_layers:
         for suffix in _EXPERTS:
             name = f"blk.{i}.{suffix}"
             *lead, n_in = model.tensor_shape(name)

@@ -28,6 +28,7 @@ import numpy as np
 
 from healsweep.cache import content_key
 from healsweep.errors import GGUFFormatError
+from healsweep.gguf_io._hparams import ffn_norm_name
 from healsweep.heal import importance as imp
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.kernels import alpha as alpha_kernels
@@ -137,7 +138,8 @@ def expert_weights(
     out = {}
     for suffix in (f"ffn_{n}_exps.weight" for n in tensors):
         out[suffix] = dense_on_device(model, f"blk.{layer}.{suffix}")
-    out["ffn_norm.weight"] = model.tensor(f"blk.{layer}.ffn_norm.weight")
+    # the FFN's input norm, whatever the architecture calls it (glm4moe: post_attention_norm)
+    out["ffn_norm.weight"] = model.tensor(f"blk.{layer}.{ffn_norm_name(model.arch)}")
     return out
 
 

@@ -47,6 +47,7 @@ TRACE_CODE = (
     "healsweep.model.qwen3moe",
     "healsweep.model.olmoe",
     "healsweep.model.llama",
+    "healsweep.model.glm4moe",
     "healsweep.heal.trace",
     "healsweep.heal.importance",
 )
@@ -209,7 +210,8 @@ def run_trace(
     returns them, and each layer is assembled, given its importance sums and passed to
     ``sink(layer, arrays)`` one at a time, so the host holds one batch's captures or one layer's
     trace, never every layer's. ``uniform`` (default: on accelerators) runs every batch in one
-    shape (see :func:`_batches`). Returns the tokens each expert received, [L, E].
+    shape (see :func:`_batches`). Returns the tokens each expert received, [L_moe, E] (the
+    layers of ``hp.moe_layers``; leading dense layers have no experts and no trace).
     """
     from healsweep.model import forward
 
@@ -253,8 +255,8 @@ def run_trace(
     n_batches = len(batches)
     grid = np.arange(hp.n_expert, dtype=np.int32)
     counts = []
-    for layer in range(hp.n_layer):
-        pieces = [np.load(Path(spill) / f"{layer}-{n}.npz") for n in range(n_batches)]
+    for spilled, layer in enumerate(hp.moe_layers):  # captures cover the MoE layers only
+        pieces = [np.load(Path(spill) / f"{spilled}-{n}.npz") for n in range(n_batches)]
         stacked = {
             k: np.concatenate([p[k] for p in pieces]) if pieces[0][k].size else pieces[0][k]
             for k in FIELDS
@@ -268,7 +270,7 @@ def run_trace(
             for k, v in stacked.items()
         }
         for n in range(n_batches):
-            (Path(spill) / f"{layer}-{n}.npz").unlink()
+            (Path(spill) / f"{spilled}-{n}.npz").unlink()
         if hp.n_ff_shexp == 0:
             arrays["gate"] = np.zeros((0,), np.float32)
         x_sq, layer_counts = expert_input_moments(arrays["x"], arrays["ids"], grid)

@@ -23,13 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from healsweep.gguf_io import GGUFModel, ModelHparams
+from healsweep.gguf_io._hparams import ffn_norm_name
 from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, GGMLWeight
-from healsweep.model import llama, olmoe, qwen2moe, qwen3moe
+from healsweep.model import glm4moe, llama, olmoe, qwen2moe, qwen3moe
 from healsweep.model.expert_cache import CacheState, ExpertCacheInput, layer_routing
-from healsweep.model.layers import expert_tile_rows, matmul, rms_norm
+from healsweep.model.layers import expert_tile_rows, matmul, rms_norm, swiglu
 from healsweep.model.resident import RESIDENT
 
-_ADAPTERS = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe, "olmoe": olmoe, "llama": llama}
+_ADAPTERS = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe, "olmoe": olmoe, "llama": llama,
+             "glm4moe": glm4moe}
 PAD_MULTIPLE = 64
 _LOGIT_CHUNK_BYTES = 64 << 20  # float32 bytes of output-matrix rows decoded at a time
 log = logging.getLogger(__name__)
@@ -61,10 +63,10 @@ class ForwardResult(NamedTuple):
     expert cache, its misses per token and layer and each layer's final cache states."""
 
     logits: list[np.ndarray]  # [T_b or len(logits_for[b]), V] float32
-    captures: list[LayerCapture] | None  # one per layer
-    router: list[np.ndarray]  # per sequence: [T_b, L, k] int32 top-k expert ids
-    cache_misses: list[np.ndarray] | None = None  # per sequence: [T_b, L] int32
-    cache_states: list[CacheState] | None = None  # per layer: stamp [B, E], clock [B] (numpy)
+    captures: list[LayerCapture] | None  # one per MoE layer (``hp.moe_layers``)
+    router: list[np.ndarray]  # per sequence: [T_b, L_moe, k] int32 top-k ids, MoE layers only
+    cache_misses: list[np.ndarray] | None = None  # per sequence: [T_b, L_moe] int32
+    cache_states: list[CacheState] | None = None  # per MoE layer: stamp [B, E], clock [B] (numpy)
 
 
 _REPLACED = {
@@ -75,16 +77,22 @@ _REPLACED = {
 }
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2))
-def _block(hp: ModelHparams, tile: int, capture: bool, w: dict[str, Any], h, positions,
-           cache=None):  # fmt: skip
+@partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _block(hp: ModelHparams, tile: int, capture: bool, dense: bool, w: dict[str, Any], h,
+           positions, cache=None):  # fmt: skip
     """One transformer layer: ``h [B, T, D]`` → ``(h, capture dict over the B*T tokens)``;
-    ``cache`` (a ``CacheRouting``) routes through the layer's expert cache."""
+    ``cache`` (a ``CacheRouting``) routes through the layer's expert cache.
+
+    A ``dense`` layer (glm4moe's leading layers) has a SwiGLU FFN instead of experts and
+    captures nothing."""
     adapter = _ADAPTERS[hp.arch]
     b, t, d = h.shape
     x = rms_norm(h, w["attn_norm.weight"], hp.rms_norm_eps)
     h = h + jax.vmap(lambda xs: adapter.attention(hp, w, xs, positions))(x)
-    x = rms_norm(h, w["ffn_norm.weight"], hp.rms_norm_eps).reshape(b * t, d)  # [B*T, D]
+    x = rms_norm(h, w[ffn_norm_name(hp.arch)], hp.rms_norm_eps).reshape(b * t, d)  # [B*T, D]
+    if dense:
+        out = swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
+        return h + out.reshape(b, t, d), {}
     out, cap = adapter.moe_block(hp, w, x, tile, cache)
     h = h + out.reshape(b, t, d)
     if not capture:
@@ -226,8 +234,9 @@ def forward(
 
     ``replacements[i]`` swaps layer i's routed experts and/or shared-expert down weight (dense
     or quantized pytrees) — how a student runs. ``capture`` returns a :class:`LayerCapture` per
-    layer. ``logits_for[b]`` lists the positions of sequence b whose logits are wanted (all of
-    them when None), so a ``[T, V]`` matrix is built only for the rows asked for.
+    MoE layer (leading dense layers route nothing and are left out, as in ``router``).
+    ``logits_for[b]`` lists the positions of sequence b whose logits are wanted (all of them
+    when None), so a ``[T, V]`` matrix is built only for the rows asked for.
 
     ``prefetch`` reads the next layer on a thread while this one computes; by default only on an
     accelerator. On the CPU the read would compete with the layer's own threads for the same
@@ -259,17 +268,21 @@ def forward(
             if i + 1 < hp.n_layer:
                 if prefetch:
                     pending = pool.submit(load, i + 1, replacements.get(i + 1))
+            dense = i < hp.n_leading_dense
             routing = None
-            if expert_cache is not None:
-                routing = layer_routing(expert_cache, i, hp.n_expert, lengths, padded_len)
-            h, cap = _block(hp, tile, capture, weights, h, positions, routing)
-            router.append(np.asarray(cap["topk_ids"])[real])
-            if expert_cache is not None:
-                misses.append(np.asarray(cap["cache_misses"])[real])
-                states.append(CacheState(np.asarray(cap["cache_stamp"]),
-                                         np.asarray(cap["cache_clock"])))  # fmt: skip
-            if capture:
-                captures.append(_gather_capture(cap, real))
+            if expert_cache is not None and not dense:
+                # cache capacities and states are counted over MoE layers, as the states come back
+                moe_index = i - hp.n_leading_dense
+                routing = layer_routing(expert_cache, moe_index, hp.n_expert, lengths, padded_len)
+            h, cap = _block(hp, tile, capture, dense, weights, h, positions, routing)
+            if not dense:
+                router.append(np.asarray(cap["topk_ids"])[real])
+                if expert_cache is not None:
+                    misses.append(np.asarray(cap["cache_misses"])[real])
+                    states.append(CacheState(np.asarray(cap["cache_stamp"]),
+                                             np.asarray(cap["cache_clock"])))  # fmt: skip
+                if capture:
+                    captures.append(_gather_capture(cap, real))
             if not prefetch and i + 1 < hp.n_layer:
                 h.block_until_ready()  # this layer's buffers go before the next one's arrive
                 weights = cap = None

@@ -1,0 +1,19 @@
+"""glm4moe (GLM-4.5 / 4.6): biased q/k/v, partial NeoX RoPE, leading dense layers, sigmoid routing
+with a selection-only bias, and an ungated shared expert.
+
+llama.cpp's ``glm4moe`` graph: q/k/v projections with biases (and per-head q/k RMSNorm when the
+file has ``attn_q_norm``/``attn_k_norm``); NeoX RoPE on the first ``rope.dimension_count`` dims
+of each head (half of them in GLM-4.5); the FFN's input norm is ``post_attention_norm``. The
+first ``leading_dense_block_count`` layers have a dense SwiGLU FFN (``ffn_gate/up/down``). MoE
+layers take sigmoid probabilities (``expert_gating_func`` 2), choose the top-k on the
+probabilities plus ``exp_probs_b`` (the weights stay unbiased), within the best
+``expert_group_used_count`` groups when the file has groups, optionally renormalize
+(``expert_weights_norm``) and multiply by ``expert_weights_scale``. The shared expert (width
+``n_ff_exp · expert_shared_count``) is added with gate 1, so Part B fits it with a gate of 1.
+Trailing ``nextn_predict_layers`` (multi-token prediction) are not run.
+"""
+
+from healsweep.model.layers import moe_ffn as moe_block
+from healsweep.model.layers import self_attention as attention
+
+__all__ = ["attention", "moe_block"]
