@@ -41,6 +41,8 @@ ARCH_SHAPES = {
     "llama": dict(n_head_kv=2),
     "glm4moe": dict(n_head_kv=2, n_leading_dense=2, n_rot=8, n_expert_groups=4, n_group_used=2,
                     expert_weights_scale=2.5),
+    "deepseek2": dict(n_leading_dense=2, kv_b_split=True, yarn_factor=40.0, yarn_orig_ctx=64,
+                      yarn_log_mul=0.1),
 }
 ARCH_INFO = {
     "olmoe": ("softmax over 8, top-2, weights as is", "q/k RMSNorm over the whole projection",
@@ -49,6 +51,9 @@ ARCH_INFO = {
     "glm4moe": ("sigmoid over 8, top-2, in 2 of 4 groups, weights as is, scaled x2.5",
                 "GQA with q/k/v bias", "neox RoPE on 8 of 16 head dims",
                 "layers 0..1 have a dense FFN (healing skips them)"),
+    "deepseek2": ("sigmoid over 8, top-2, renormalized",
+                  "MLA (q_lora 48, kv_lora 64, attn_k_b/attn_v_b), 4 heads of 32 no-rope + 16 "
+                  "rope dims, v 32, norm RoPE, YaRN x40 from 64"),
 }
 
 

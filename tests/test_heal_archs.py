@@ -1,5 +1,6 @@
-"""Healing on the added architectures: a glm4moe with a leading dense layer and an ungated shared
-expert (Part B with gate 1), and an olmoe without a shared expert (Part B skipped, one notice)."""
+"""Healing on the added architectures: glm4moe and deepseek2 with a leading dense layer and an
+ungated shared expert (Part B with gate 1), and an olmoe without a shared expert (Part B skipped,
+one notice)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,19 @@ def _heal(model, corpus, tmp_path, knobs=Knobs()):
     return student, said
 
 
-def test_glm4moe_heals_its_moe_layers_with_part_b_on_the_ungated_shared_expert(
-    corpus, tmp_path
-):
+SHARED_EXPERT_MODELS = {
+    "glm4moe": dict(n_expert_groups=4, n_group_used=2, norm_topk_prob=True,
+                    expert_weights_scale=2.0),
+    "deepseek2": dict(kv_b_split=True, n_expert_groups=4, n_group_used=2, yarn_factor=40.0,
+                      yarn_orig_ctx=64, yarn_log_mul=0.1),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED_EXPERT_MODELS))
+def test_moe_layers_heal_with_part_b_on_the_ungated_shared_expert(corpus, tmp_path, arch):
     model = open_model(write_random_model(
-        tmp_path / "glm.gguf", "glm4moe", n_layer=3, n_ff_exp=64, n_leading_dense=1,
-        n_expert_groups=4, n_group_used=2, norm_topk_prob=True, expert_weights_scale=2.0,
+        tmp_path / f"{arch}.gguf", arch, n_layer=3, n_ff_exp=64, n_leading_dense=1,
+        **SHARED_EXPERT_MODELS[arch],
     ))
     student, said = _heal(model, corpus, tmp_path)
     assert sorted(student.replacements) == [1, 2]  # layer 0 is dense: nothing to heal

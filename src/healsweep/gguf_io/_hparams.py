@@ -23,9 +23,10 @@ from typing import Any
 
 from healsweep.errors import GGUFFormatError
 
-SUPPORTED_ARCHS = ("qwen2moe", "qwen3moe", "olmoe", "llama", "glm4moe")
+SUPPORTED_ARCHS = ("qwen2moe", "qwen3moe", "olmoe", "llama", "glm4moe", "deepseek2")
 ROPE_KIND = {
     "qwen2moe": "neox", "qwen3moe": "neox", "olmoe": "neox", "llama": "norm", "glm4moe": "neox",
+    "deepseek2": "norm",
 }
 _ATTENTION_KIND = {
     "qwen2moe": "GQA with q/k/v bias",
@@ -33,10 +34,12 @@ _ATTENTION_KIND = {
     "olmoe": "GQA with q/k RMSNorm over the whole projection",
     "llama": "GQA",
     "glm4moe": "GQA with q/k/v bias",
+    "deepseek2": "MLA",
 }
 # llama.cpp's build_moe_ffn ``norm_w`` per architecture (top-k weights rescaled to sum to one)
 # (glm4moe reads it from ``expert_weights_norm``)
-NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False, "llama": True, "glm4moe": False}
+NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False, "llama": True, "glm4moe": False,
+             "deepseek2": False}
 GATING_FUNC = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 _DEFAULT_GATING = {"glm4moe": "sigmoid"}  # when the file does not say
 
@@ -70,6 +73,19 @@ class ModelHparams:
     n_ff: int = 0  # width of those dense FFNs
     n_expert_shared: int = 0  # shared experts (glm4moe: n_ff_shexp = n_ff_exp · this)
     n_layer_nextn: int = 0  # trailing multi-token-prediction layers the forward skips
+    # deepseek2 multi-head latent attention: head_dim is the q/k head (no-rope + rope dims)
+    head_dim_v: int = 0  # value head dims (0: head_dim)
+    q_lora_rank: int = 0  # 0: one attn_q matrix, else attn_q_a -> norm -> attn_q_b
+    kv_lora_rank: int = 0  # width of the compressed kv (attn_kv_a_mqa minus the rope dims)
+    kv_b_split: bool = False  # attn_k_b/attn_v_b per head instead of one attn_kv_b
+    yarn_factor: float = 0.0  # > 1: YaRN RoPE scaling (deepseek2), with the two below
+    yarn_orig_ctx: int = 0
+    yarn_log_mul: float = 0.0
+
+    @property
+    def yarn(self) -> tuple[float, int] | None:
+        """``(factor, original context)`` when the file asks for YaRN, else None."""
+        return (self.yarn_factor, self.yarn_orig_ctx) if self.yarn_factor > 1.0 else None
 
     @property
     def rope_dim(self) -> int:
@@ -99,6 +115,14 @@ class ModelHparams:
     def attention_summary(self) -> str:
         """One line: attention kind and RoPE (what ``model info`` prints)."""
         rope = f"{self.rope_kind} RoPE on {self.rope_dim} of {self.head_dim} head dims"
+        if self.arch == "deepseek2":
+            q = f"q_lora {self.q_lora_rank}" if self.q_lora_rank else "attn_q"
+            layout = "attn_k_b/attn_v_b" if self.kv_b_split else "attn_kv_b"
+            return (f"MLA ({q}, kv_lora {self.kv_lora_rank}, {layout}), {self.n_head} heads of "
+                    f"{self.head_dim - self.rope_dim} no-rope + {self.rope_dim} rope dims, "
+                    f"v {self.head_dim_v}, {self.rope_kind} RoPE"
+                    + (f", YaRN x{self.yarn_factor:g} from {self.yarn_orig_ctx}" if self.yarn
+                       else ""))
         return f"{_ATTENTION_KIND[self.arch]}, {self.n_head}/{self.n_head_kv} heads, {rope}"
 
     def replace(self, **changes: Any) -> ModelHparams:
@@ -133,8 +157,17 @@ _OPTIONAL_KEYS = {
     "n_expert_groups": "expert_group_count",
     "n_group_used": "expert_group_used_count",
     "n_layer_nextn": "nextn_predict_layers",
+    "head_dim_v": "attention.value_length",
+    "head_dim_mla": "attention.key_length_mla",
+    "head_dim_v_mla": "attention.value_length_mla",
+    "q_lora_rank": "attention.q_lora_rank",
+    "kv_lora_rank": "attention.kv_lora_rank",
+    "rope_scaling": "rope.scaling.type",
+    "yarn_factor": "rope.scaling.factor",
+    "yarn_orig_ctx": "rope.scaling.original_context_length",
+    "yarn_log_mul": "rope.scaling.yarn_log_multiplier",
 }
-_ROUTING_ARCHS = ("glm4moe",)  # archs whose routing llama.cpp reads from the file
+_ROUTING_ARCHS = ("glm4moe", "deepseek2")  # archs whose routing llama.cpp reads from the file
 _ROPE_FREQ_BASE_DEFAULT = 10000.0  # llama.cpp's default when the key is absent
 
 
@@ -188,6 +221,24 @@ def hparams_from_metadata(
             "n_leading_dense": int(value("n_leading_dense", 0)),
         }
     n_layer_nextn = int(value("n_layer_nextn", 0))
+    mla: dict[str, Any] = {}
+    if arch == "deepseek2":
+        # a file with the split k_b/v_b layout keeps the per-head sizes in *_mla keys (its
+        # key/value_length describe the compressed cache); an attn_kv_b file in key/value_length
+        split = value("head_dim_mla") is not None
+        head_dim = int(value("head_dim_mla")) if split else head_dim
+        mla = {
+            "head_dim_v": int(value("head_dim_v_mla" if split else "head_dim_v", head_dim)),
+            "q_lora_rank": int(value("q_lora_rank", 0)),
+            "kv_lora_rank": int(value("kv_lora_rank", 0)),
+            "kv_b_split": split,
+        }
+        if value("rope_scaling") == "yarn":
+            mla |= {
+                "yarn_factor": float(value("yarn_factor", 1.0)),
+                "yarn_orig_ctx": int(value("yarn_orig_ctx", value("context_length"))),
+                "yarn_log_mul": float(value("yarn_log_mul", 0.0)),
+            }
     return ModelHparams(
         arch=arch,
         n_layer=int(value("n_layer")) - n_layer_nextn,
@@ -205,6 +256,7 @@ def hparams_from_metadata(
         context_length=int(value("context_length")),
         rope_kind=ROPE_KIND[arch],
         n_rot=0 if int(value("n_rot", head_dim)) == head_dim else int(value("n_rot")),
+        **mla,
         n_expert_groups=int(value("n_expert_groups", 0)),
         n_group_used=int(value("n_group_used", 0)),
         n_ff=int(value("n_ff", 0)) if arch in _ROUTING_ARCHS else 0,  # dense layers' width
@@ -214,10 +266,10 @@ def hparams_from_metadata(
     )
 
 
-def metadata_from_hparams(hp: ModelHparams) -> dict[str, int | float]:
+def metadata_from_hparams(hp: ModelHparams) -> dict[str, int | float | str]:
     """The ``{arch}.*`` metadata keys that describe ``hp`` (what :func:`write_model` writes)."""
     a = hp.arch
-    keys: dict[str, int | float] = {
+    keys: dict[str, int | float | str] = {
         f"{a}.context_length": hp.context_length,
         f"{a}.embedding_length": hp.n_embd,
         f"{a}.block_count": hp.n_layer,
@@ -239,6 +291,26 @@ def metadata_from_hparams(hp: ModelHparams) -> dict[str, int | float]:
     if hp.n_expert_groups > 1:
         keys[f"{a}.expert_group_count"] = hp.n_expert_groups
         keys[f"{a}.expert_group_used_count"] = hp.n_group_used
+    if hp.arch == "deepseek2":
+        keys |= {
+            f"{a}.attention.q_lora_rank": hp.q_lora_rank,  # 0: attn_q (llama.cpp needs the key)
+            f"{a}.attention.kv_lora_rank": hp.kv_lora_rank,
+            f"{a}.attention.value_length": hp.head_dim_v,
+        }
+        if hp.yarn:
+            keys |= {
+                f"{a}.rope.scaling.type": "yarn",
+                f"{a}.rope.scaling.factor": hp.yarn_factor,
+                f"{a}.rope.scaling.original_context_length": hp.yarn_orig_ctx,
+                f"{a}.rope.scaling.yarn_log_multiplier": hp.yarn_log_mul,
+            }
+        if hp.kv_b_split:  # llama.cpp's MLA layout: the cache is the compressed kv + rope dims
+            keys |= {
+                f"{a}.attention.key_length": hp.kv_lora_rank + hp.rope_dim,
+                f"{a}.attention.value_length": hp.kv_lora_rank,
+                f"{a}.attention.key_length_mla": hp.head_dim,
+                f"{a}.attention.value_length_mla": hp.head_dim_v,
+            }
     if hp.arch in _ROUTING_ARCHS:
         keys |= {
             f"{a}.expert_shared_count": hp.n_expert_shared,
@@ -250,7 +322,33 @@ def metadata_from_hparams(hp: ModelHparams) -> dict[str, int | float]:
     return keys
 
 
+def _mla_shapes(hp: ModelHparams) -> dict[str, tuple]:
+    d, h, hk, hv, r = hp.n_embd, hp.n_head, hp.head_dim, hp.head_dim_v, hp.kv_lora_rank
+    nope = hk - hp.rope_dim
+    shapes: dict[str, tuple] = {
+        "attn_norm.weight": (d,),
+        "attn_kv_a_mqa.weight": (r + hp.rope_dim, d),
+        "attn_kv_a_norm.weight": (r,),
+        "attn_output.weight": (d, h * hv),
+    }
+    if hp.q_lora_rank:
+        shapes |= {
+            "attn_q_a.weight": (hp.q_lora_rank, d),
+            "attn_q_a_norm.weight": (hp.q_lora_rank,),
+            "attn_q_b.weight": (h * hk, hp.q_lora_rank),
+        }
+    else:
+        shapes["attn_q.weight"] = (h * hk, d)
+    if hp.kv_b_split:
+        shapes |= {"attn_k_b.weight": (h, r, nope), "attn_v_b.weight": (h, hv, r)}
+    else:
+        shapes["attn_kv_b.weight"] = (h * (nope + hv), r)
+    return shapes
+
+
 def _attention_shapes(hp: ModelHparams) -> dict[str, tuple]:
+    if hp.arch == "deepseek2":
+        return _mla_shapes(hp)
     d, hd = hp.n_embd, hp.head_dim
     q_dim, kv_dim = hp.n_head * hd, hp.n_head_kv * hd
     shapes: dict[str, tuple] = {
@@ -285,8 +383,8 @@ def _moe_shapes(hp: ModelHparams) -> dict[str, tuple]:
     }
     if hp.arch == "qwen2moe":
         shapes["ffn_gate_inp_shexp.weight"] = (d,)
-    if hp.arch == "glm4moe":
-        shapes["exp_probs_b.bias"] = (e,)
+    if hp.arch == "glm4moe" or hp.arch == "deepseek2" and hp.gating == "sigmoid":
+        shapes["exp_probs_b.bias"] = (e,)  # DeepSeek-V3 style; V2 (softmax) has none
     if fs:
         shapes |= {
             "ffn_gate_shexp.weight": (fs, d),

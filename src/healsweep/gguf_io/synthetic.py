@@ -169,7 +169,13 @@ def write_random_model(
     )
     if layout == "glm4moe":
         hp = hp.replace(gating="sigmoid", n_ff=2 * n_ff_exp, n_expert_shared=1)
+    if layout == "deepseek2":  # V3-like: 16 rope dims of 48, q_lora, kv_lora 64, 2 shared
+        hp = hp.replace(gating="sigmoid", n_ff=2 * n_ff_exp, n_expert_shared=2, head_dim=48,
+                        n_rot=16, head_dim_v=32, q_lora_rank=48, kv_lora_rank=64,
+                        n_head_kv=n_head, n_leading_dense=1, norm_topk_prob=True)
     hp = hp.replace(**routing)
+    if hp.kv_b_split:  # llama.cpp's MLA layout caches one latent "head": MQA
+        hp = hp.replace(n_head_kv=1)
     if hp.n_expert_shared:
         hp = hp.replace(n_ff_shexp=hp.n_ff_exp * hp.n_expert_shared)
     shapes = {n: s for n, s in expected_tensor_shapes(hp).items() if n not in drop_tensors}

@@ -48,6 +48,7 @@ TRACE_CODE = (
     "healsweep.model.olmoe",
     "healsweep.model.llama",
     "healsweep.model.glm4moe",
+    "healsweep.model.deepseek2",
     "healsweep.heal.trace",
     "healsweep.heal.importance",
 )

@@ -25,13 +25,13 @@ import numpy as np
 from healsweep.gguf_io import GGUFModel, ModelHparams
 from healsweep.gguf_io._hparams import ffn_norm_name
 from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, GGMLWeight
-from healsweep.model import glm4moe, llama, olmoe, qwen2moe, qwen3moe
+from healsweep.model import deepseek2, glm4moe, llama, olmoe, qwen2moe, qwen3moe
 from healsweep.model.expert_cache import CacheState, ExpertCacheInput, layer_routing
 from healsweep.model.layers import expert_tile_rows, matmul, rms_norm, swiglu
 from healsweep.model.resident import RESIDENT
 
 _ADAPTERS = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe, "olmoe": olmoe, "llama": llama,
-             "glm4moe": glm4moe}
+             "glm4moe": glm4moe, "deepseek2": deepseek2}
 PAD_MULTIPLE = 64
 _LOGIT_CHUNK_BYTES = 64 << 20  # float32 bytes of output-matrix rows decoded at a time
 log = logging.getLogger(__name__)

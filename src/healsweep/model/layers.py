@@ -37,15 +37,38 @@ def rope_neox(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
     return rope(x, positions, base, x.shape[-1], "neox")
 
 
-def rope(x: jax.Array, positions: jax.Array, base: float, n_rot: int, kind: str) -> jax.Array:
+def rope(
+    x: jax.Array,
+    positions: jax.Array,
+    base: float,
+    n_rot: int,
+    kind: str,
+    yarn: tuple[float, int] | None = None,
+) -> jax.Array:
     """Rotary embedding of the first ``n_rot`` dims of each head of ``x [T, H, hd]``.
 
     ``kind`` is llama.cpp's rope type: ``"neox"`` pairs dim i with i + n_rot/2, ``"norm"`` pairs
     dims 2i and 2i+1; pair i turns by ``position · base^(-2i/n_rot)``. Dims past ``n_rot`` pass
-    through unchanged.
+    through unchanged. ``yarn = (factor, original context)`` applies YaRN's frequencies as
+    ggml does (beta_fast 32, beta_slow 1): slow pairs are interpolated by ``1/factor``, fast ones
+    kept, with a linear ramp between; the magnitude stays 1 (the caller scales attention).
     """
     half = n_rot // 2
-    inv_freq = 1.0 / (base ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / n_rot))
+    # float32 on the host, as ggml computes it (and no float64 reaches the device)
+    exponents = np.arange(0, half, dtype=np.float32) * np.float32(2.0 / n_rot)
+    inv_freq = np.float32(1.0) / np.float32(base) ** exponents
+    if yarn is not None and yarn[0] > 1.0:
+        factor, n_ctx_orig = yarn
+
+        def corr_dim(n_turns: float) -> float:
+            return n_rot * np.log(n_ctx_orig / (n_turns * 2 * np.pi)) / (2 * np.log(base))
+
+        low = max(0.0, np.floor(corr_dim(32.0)))
+        high = min(n_rot - 1.0, np.ceil(corr_dim(1.0)))
+        ramp = (np.arange(half, dtype=np.float32) - low) / max(0.001, high - low)
+        extrapolate = (1.0 - np.clip(ramp, 0.0, 1.0)).astype(np.float32)
+        inv_freq = inv_freq / np.float32(factor) * (1 - extrapolate) + inv_freq * extrapolate
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)  # static: computed once at trace time
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, n_rot/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # [T, 1, n_rot/2]
     rot, rest = x[..., :n_rot], x[..., n_rot:]
@@ -59,20 +82,24 @@ def rope(x: jax.Array, positions: jax.Array, base: float, n_rot: int, kind: str)
     return jnp.concatenate([turned, rest], axis=-1) if n_rot < x.shape[-1] else turned
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal GQA attention of one sequence: ``q [T, H, hd]``, ``k, v [T, Hkv, hd]`` → ``[T, H*hd]``.
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None
+) -> jax.Array:
+    """Causal GQA attention of one sequence: ``q, k [T, H|Hkv, hd]``, ``v [T, Hkv, hv]`` →
+    ``[T, H*hv]``; scores are scaled by ``scale`` (default ``1/sqrt(hd)``).
 
     Query head ``h`` reads key/value head ``h // (H / Hkv)``, as llama.cpp and transformers do.
     """
     t, n_head, head_dim = q.shape
     group = n_head // k.shape[1]
     k = jnp.repeat(k, group, axis=1)  # [T, H, hd]
-    v = jnp.repeat(v, group, axis=1)
-    scores = jnp.einsum("thd,shd->hts", q, k) / jnp.sqrt(jnp.float32(head_dim))  # [H, T, T]
+    v = jnp.repeat(v, group, axis=1)  # [T, H, hv]
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    scores = jnp.einsum("thd,shd->hts", q, k) * jnp.float32(scale)  # [H, T, T]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = jnp.where(causal[None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("hts,shd->thd", probs, v).reshape(t, n_head * head_dim)
+    return jnp.einsum("hts,shd->thd", probs, v).reshape(t, -1)
 
 
 def router_topk(
