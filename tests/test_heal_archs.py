@@ -24,9 +24,9 @@ def corpus(tmp_path_factory):
     return load_corpus(_corpus_file(tmp_path_factory.mktemp("corpus") / "corpus.jsonl"))
 
 
-def _heal(model, corpus, tmp_path, knobs=Knobs()):
+def _heal(model, corpus, tmp_path):
     said = []
-    student = build_student(model, knobs, CAL, StageCache(tmp_path / "cache"), corpus=corpus,
+    student = build_student(model, Knobs(), CAL, StageCache(tmp_path / "cache"), corpus=corpus,
                             progress=lambda stage, line: said.append((stage, line)))
     return student, said
 

@@ -6,6 +6,7 @@ fresh interpreter (``python -m healsweep bench forward MODEL --json``) and colle
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -76,14 +77,13 @@ def layer_scaling(
     hp = model.hparams
     types = {n.split(".", 2)[2] if n.startswith("blk.") else n: model.tensor_type(n)
              for n in model.tensor_names}
+    # every hparam but the layer count and the vocabulary (the tiny tokenizer's) carries over
+    shape = {k: v for k, v in dataclasses.asdict(hp).items() if k not in ("arch", "n_vocab", "n_layer")}
     rows = []
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         for n_layer in layer_counts:
             path = write_random_model(
-                Path(tmp) / f"scaling-{n_layer}.gguf", hp.arch, n_layer=n_layer, n_embd=hp.n_embd,
-                n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
-                n_expert=hp.n_expert, n_expert_used=hp.n_expert_used, n_ff_exp=hp.n_ff_exp,
-                n_ff_shexp=hp.n_ff_shexp, context_length=hp.context_length, types=types,
+                Path(tmp) / f"scaling-{n_layer}.gguf", hp.arch, types=types, **shape, n_layer=n_layer
             )
             rows.append(_bench_in_subprocess(path, n_tokens, seq_len))
             os.unlink(path)
