@@ -189,10 +189,21 @@ def test_replacements_swap_expert_and_shared_weights(random_gguf):
         forward(model, seq, replacements={0: LayerReplacement(down_exps=np.zeros((2, 2)))})
 
 
-def test_layer_function_stays_inside_the_metal_rules(random_gguf):
-    model = open_model(random_gguf("qwen3moe", seed=8))
+@pytest.mark.parametrize(
+    "arch, layer, shape",
+    [
+        ("qwen3moe", 0, {}),
+        ("olmoe", 0, {"n_head_kv": 4}),
+        ("glm4moe", 0, {"n_leading_dense": 1}),  # the dense layer
+        ("glm4moe", 1, {"n_leading_dense": 1, "n_expert_groups": 4, "n_group_used": 2}),
+        ("deepseek2", 1, {"kv_b_split": True, "yarn_factor": 40.0, "yarn_orig_ctx": 64}),
+    ],
+)
+def test_layer_function_stays_inside_the_metal_rules(random_gguf, arch, layer, shape):
+    model = open_model(random_gguf(arch, seed=8, **shape))
     hp = model.hparams
-    weights = {k: jnp.asarray(v) for k, v in model.layer(0).items()}
+    weights = {k: jnp.asarray(v) for k, v in model.layer(layer).items()}
     h = jnp.zeros((2, 64, hp.n_embd), jnp.float32)
-    fn = lambda w, h: _block(hp, 16, True, w, h, jnp.arange(64, dtype=jnp.int32))  # noqa: E731
+    dense = layer < hp.n_leading_dense
+    fn = lambda w, h: _block(hp, 16, True, dense, w, h, jnp.arange(64, dtype=jnp.int32))  # noqa: E731
     assert backend_violations(fn, weights, h) == []
