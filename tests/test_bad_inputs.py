@@ -109,6 +109,14 @@ def test_unsupported_architecture(tmp_path):
                        f"{', '.join(SUPPORTED_ARCHS)}")
 
 
+@pytest.mark.parametrize("arch", ["olmoe", "llama", "glm4moe"])
+def test_rope_scaling_other_than_deepseek2_yarn_is_refused_in_one_line(tmp_path, arch):
+    path = write_random_model(tmp_path / f"{arch}.gguf", arch, n_head_kv=4,
+                              extra_metadata={f"{arch}.rope.scaling.type": "yarn"})
+    message = one_line_error(healsweep("model", "info", path, tmp_path=tmp_path))
+    assert message.startswith(f"{path}: {arch}.rope.scaling.type is 'yarn'; healsweep runs")
+
+
 def test_dense_llama_is_refused_in_one_line(tmp_path):
     path = _bare_model(tmp_path / "llama.gguf", "llama")
     message = one_line_error(healsweep("model", "info", path, tmp_path=tmp_path))

@@ -221,6 +221,17 @@ def hparams_from_metadata(
             "n_leading_dense": int(value("n_leading_dense", 0)),
         }
     n_layer_nextn = int(value("n_layer_nextn", 0))
+    scaling = value("rope_scaling")
+    if arch in ("olmoe", "llama", "glm4moe") and scaling not in (None, "none"):
+        raise GGUFFormatError(
+            f"{arch}.rope.scaling.type is {scaling!r}; healsweep runs RoPE scaling only for "
+            "deepseek2 (YaRN), so this file's positions would be wrong: open an issue for it"
+        )
+    if "rope_freqs.weight" in tensor_shapes:
+        raise GGUFFormatError(
+            "the file has rope_freqs.weight (per-dimension RoPE factors, Llama-3 style), which "
+            "healsweep does not apply: its positions would be wrong; open an issue for it"
+        )
     mla: dict[str, Any] = {}
     if arch == "deepseek2":
         # a file with the split k_b/v_b layout keeps the per-head sizes in *_mla keys (its

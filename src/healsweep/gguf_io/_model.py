@@ -425,6 +425,9 @@ def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = 
     shapes = {
         t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors
     }
-    hp = hparams_from_metadata(arch, get, shapes)
+    try:
+        hp = hparams_from_metadata(arch, get, shapes)
+    except GGUFFormatError as exc:  # raised without the file's name
+        raise GGUFFormatError(f"{path}: {exc}") from None
     _check_tensors(path, reader, hp)
     return GGUFModel(path, reader, hp, tokenizer_path)

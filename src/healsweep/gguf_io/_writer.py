@@ -1,4 +1,4 @@
-"""Write a qwen2moe/qwen3moe GGUF with the gguf-py writer.
+"""Write a GGUF MoE model (any supported architecture) with the gguf-py writer.
 
 Tensors are converted (``gguf.quants.quantize``) and spooled one at a time, so ``tensors`` may be
 a lazy mapping that builds each array on access: writing a model larger than memory then needs

@@ -141,6 +141,7 @@ def write_random_model(
     tokenizer: Any = None,
     drop_tensors: tuple[str, ...] = (),
     drop_keys: tuple[str, ...] = (),
+    extra_metadata: Mapping[str, Any] | None = None,
     **routing: Any,
 ) -> Path:
     """Write a random ``arch`` model with a trained tiny tokenizer and return its path.
@@ -150,7 +151,7 @@ def write_random_model(
     get F32 (vectors) / F16 (matrices). ``routing`` sets further :class:`ModelHparams` fields
     (glm4moe: ``n_leading_dense``, ``n_ff``, ``n_expert_shared``, ``gating``,
     ``expert_weights_scale``, ``norm_topk_prob``, ``n_expert_groups``, ``n_group_used``,
-    ``n_rot``). ``drop_tensors``/``drop_keys`` leave tensors or
+    ``n_rot``); ``extra_metadata`` adds keys. ``drop_tensors``/``drop_keys`` leave tensors or
     ``{arch}.*`` metadata out, to make deliberately broken files. Any ``arch`` string is written
     (an unsupported one, e.g. ``"gpt2"``, gets the qwen2moe layout under its own name).
     """
@@ -182,4 +183,5 @@ def write_random_model(
     return write_model(
         path, arch, hp, RandomTensors(shapes, seed), _resolve_types(types, shapes), tok_meta,
         name=f"random-{arch}", drop_keys=tuple(f"{arch}.{k}" for k in drop_keys),
+        extra_metadata=extra_metadata,
     )

@@ -54,9 +54,7 @@ def rope(
     kept, with a linear ramp between; the magnitude stays 1 (the caller scales attention).
     """
     half = n_rot // 2
-    # float32 on the host, as ggml computes it (and no float64 reaches the device)
-    exponents = np.arange(0, half, dtype=np.float32) * np.float32(2.0 / n_rot)
-    inv_freq = np.float32(1.0) / np.float32(base) ** exponents
+    inv_freq = 1.0 / (base ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / n_rot))
     if yarn is not None and yarn[0] > 1.0:
         factor, n_ctx_orig = yarn
 
@@ -66,9 +64,8 @@ def rope(
         low = max(0.0, np.floor(corr_dim(32.0)))
         high = min(n_rot - 1.0, np.ceil(corr_dim(1.0)))
         ramp = (np.arange(half, dtype=np.float32) - low) / max(0.001, high - low)
-        extrapolate = (1.0 - np.clip(ramp, 0.0, 1.0)).astype(np.float32)
-        inv_freq = inv_freq / np.float32(factor) * (1 - extrapolate) + inv_freq * extrapolate
-    inv_freq = jnp.asarray(inv_freq, jnp.float32)  # static: computed once at trace time
+        extrapolate = jnp.asarray(1.0 - np.clip(ramp, 0.0, 1.0), jnp.float32)  # [n_rot/2]
+        inv_freq = inv_freq / jnp.float32(factor) * (1 - extrapolate) + inv_freq * extrapolate
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, n_rot/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # [T, 1, n_rot/2]
     rot, rest = x[..., :n_rot], x[..., n_rot:]
@@ -94,8 +91,11 @@ def causal_attention(
     group = n_head // k.shape[1]
     k = jnp.repeat(k, group, axis=1)  # [T, H, hd]
     v = jnp.repeat(v, group, axis=1)  # [T, H, hv]
-    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-    scores = jnp.einsum("thd,shd->hts", q, k) * jnp.float32(scale)  # [H, T, T]
+    scores = jnp.einsum("thd,shd->hts", q, k)  # [H, T, T]
+    if scale is None:
+        scores = scores / jnp.sqrt(jnp.float32(head_dim))
+    else:
+        scores = scores * jnp.float32(scale)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = jnp.where(causal[None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
