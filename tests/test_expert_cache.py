@@ -18,12 +18,15 @@ from healsweep.model.expert_cache import (
 from healsweep.model.layers import router_topk
 
 
-def reference_lru(probs, k, normalize, bonus, capacity, runs, starts_from=None):
+def reference_lru(probs, k, normalize, bonus, capacity, runs, starts_from=None, selection=None,
+                  scale=1.0):
     """Per token: selected ids (selection order), float64 weights, misses; and the final caches.
 
     ``runs``: per sequence, its number of tokens; sequences are cold unless ``starts_from[b]``
-    holds an OrderedDict (least recent first) to start from, or is "previous".
+    holds an OrderedDict (least recent first) to start from, or is "previous". Experts are
+    chosen by ``selection`` (default ``probs``) plus the bonus; weights are ``probs``.
     """
+    selection = probs if selection is None else selection
     ids_out, weights_out, misses_out, finals = [], [], [], []
     row = 0
     lru: OrderedDict = OrderedDict()
@@ -34,8 +37,8 @@ def reference_lru(probs, k, normalize, bonus, capacity, runs, starts_from=None):
         elif start != "previous":
             lru = OrderedDict(start)
         for _ in range(n):
-            p = probs[row].astype(np.float64)
-            scores = [p[e] + (bonus if e in lru else 0.0) for e in range(len(p))]
+            p, sel = probs[row].astype(np.float64), selection[row].astype(np.float64)
+            scores = [sel[e] + (bonus if e in lru else 0.0) for e in range(len(p))]
             # top-k by score, lower expert id first among equal scores (as lax.top_k)
             chosen = sorted(range(len(p)), key=lambda e: (-scores[e], e))[:k]
             misses_out.append(sum(e not in lru for e in chosen))
@@ -45,7 +48,7 @@ def reference_lru(probs, k, normalize, bonus, capacity, runs, starts_from=None):
             while len(lru) > capacity:
                 lru.popitem(last=False)
             w = np.array([p[e] for e in chosen])
-            weights_out.append(w / w.sum() if normalize else w)
+            weights_out.append((w / w.sum() if normalize else w) * scale)
             ids_out.append(chosen)
             row += 1
         finals.append(list(lru))  # least recent first
@@ -58,7 +61,7 @@ def resident_order(stamp: np.ndarray) -> list[int]:
     return sorted(resident, key=lambda e: stamp[e])
 
 
-def scan(probs, k, normalize, bonus, capacity, runs, continues=None):
+def scan(probs, k, normalize, bonus, capacity, runs, continues=None, selection=None, scale=1.0):
     padded = max(runs)
     n_seq, n_expert = len(runs), probs.shape[1]
     cache = ExpertCacheInput(bonus, [capacity], continues=continues)
@@ -66,9 +69,13 @@ def scan(probs, k, normalize, bonus, capacity, runs, continues=None):
     full = np.zeros((n_seq * padded, n_expert), np.float32)
     real = np.concatenate([b * padded + np.arange(n) for b, n in enumerate(runs)])
     full[real] = probs
-    route, finals = jax.jit(cached_routing, static_argnums=(1, 2))(
+    chosen_by = None
+    if selection is not None:
+        chosen_by = np.full((n_seq * padded, n_expert), -np.inf, np.float32)
+        chosen_by[real] = selection
+    route, finals = jax.jit(cached_routing, static_argnums=(1, 2, 10))(
         full, k, normalize, routing.bonus, routing.capacity, routing.init,
-        routing.sequence, routing.starts, routing.valid,
+        routing.sequence, routing.starts, routing.valid, chosen_by, scale,
     )  # fmt: skip
     return (np.asarray(route.ids)[real], np.asarray(route.weights)[real],
             np.asarray(route.misses)[real], finals)  # fmt: skip
@@ -101,6 +108,44 @@ def test_scan_matches_python_lru(normalize, shape, bonus):
     for b in range(len(runs)):
         assert resident_order(np.asarray(finals.stamp[b])) == ref_finals[b]
         assert int(finals.clock[b]) == runs[b]
+
+
+def grouped_selection(probs, bias, n_groups, n_used):
+    """float64 numpy: biased probabilities, -inf outside each token's n_used best groups (a
+    group scored by its two largest biased probabilities)."""
+    biased = probs.astype(np.float64) + bias
+    t, e = biased.shape
+    grouped = biased.reshape(t, n_groups, e // n_groups)
+    score = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [T, G]
+    keep = np.zeros((t, n_groups), bool)
+    for i in range(t):
+        keep[i, sorted(range(n_groups), key=lambda g: (-score[i, g], g))[:n_used]] = True
+    return np.where(keep[:, :, None], grouped, -np.inf).reshape(t, e)
+
+
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)], ids=["no-groups", "4-groups-2-used"])
+@pytest.mark.parametrize("bonus", [0.0, 0.05, 0.5])
+def test_scan_matches_python_lru_for_sigmoid_biased_grouped_gating(groups, bonus):
+    """glm4moe/deepseek2 routing: sigmoid probabilities, a selection-only bias, expert groups,
+    renormalized and scaled weights; the bonus is added to the group-masked biased scores."""
+    rng = np.random.default_rng(int(bonus * 100) + groups[0])
+    n_expert, k, capacity, runs = 16, 4, 6, [30, 12]
+    logits = rng.normal(size=(sum(runs), n_expert)).astype(np.float32)
+    probs = np.asarray(jax.nn.sigmoid(logits))
+    bias = rng.normal(scale=0.1, size=n_expert).astype(np.float32)
+    selection = grouped_selection(probs, bias, *groups).astype(np.float32)
+    ids, weights, misses, finals = scan(probs, k, True, bonus, capacity, runs,
+                                        selection=selection, scale=2.5)  # fmt: skip
+    ref_ids, ref_w, ref_misses, ref_finals = reference_lru(
+        probs, k, True, bonus, capacity, runs, selection=selection, scale=2.5
+    )
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_array_equal(misses, ref_misses)
+    np.testing.assert_allclose(weights, ref_w, rtol=1e-6)
+    for b in range(len(runs)):
+        assert resident_order(np.asarray(finals.stamp[b])) == ref_finals[b]
+    if groups[0] > 1:  # no token ever uses an expert of a masked group
+        assert np.all(np.take_along_axis(selection, ids, axis=1) > -np.inf)
 
 
 @pytest.mark.parametrize("normalize", [False, True], ids=["softmax-topk", "renormalized"])

@@ -35,16 +35,20 @@ def models(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def windows(models, tmp_path_factory):
+    return _windows_for(models[0], tmp_path_factory.mktemp("corpus"))
+
+
+def _windows_for(model, folder):
     docs = []
     for i in range(1, 6, 2):  # odd index: dev
         question = "Which expert answers the question of the fox? " * (1 + i)
         messages = (Message("user", question), Message("assistant", ANSWER.format(i=i)))
         docs.append(Document(f"c{i}", "chat", i, "chat", messages=messages))
         docs.append(Document(f"t{i}", "docs", i, "docs", text=f"Tokens {i} go in order. " * 12))
-    path = tmp_path_factory.mktemp("corpus") / "c.jsonl"
+    path = folder / "c.jsonl"
     write_corpus(docs, path)
     corpus = load_corpus(path)
-    found = make_windows(corpus, models[0].tokenizer(), parity_split(corpus), max_scored=16,
+    found = make_windows(corpus, model.tokenizer(), parity_split(corpus), max_scored=16,
                          max_context=32, max_windows_per_doc=2)  # fmt: skip
     return found[:8]
 
@@ -165,3 +169,30 @@ def test_cache_sizes_are_checked(models, windows, tmp_path):
     from healsweep.score.expert_cache import layer_capacities
 
     assert layer_capacities(config, models[1]) == [3] * models[1].hparams.n_layer
+
+
+def test_sigmoid_grouped_routing_and_a_dense_layer(tmp_path):
+    """glm4moe with a leading dense layer, a selection bias, 4 expert groups (2 used) and a
+    weight scale: bonus 0 scores exactly like plain score, the dense layer has no cache (the
+    lookups count MoE layers), and a bonus raises the hit rate."""
+    kw = {"n_layer": 3, "n_expert": N_EXPERT, "n_expert_used": K, "n_leading_dense": 1,
+          "n_expert_groups": 4, "n_group_used": 2, "norm_topk_prob": True,
+          "expert_weights_scale": 2.5}  # fmt: skip
+    ref = open_model(write_random_model(tmp_path / "ref.gguf", "glm4moe", seed=5, **kw))
+    student = open_model(
+        write_random_model(tmp_path / "q4.gguf", "glm4moe", seed=5, types="Q4_0", **kw)
+    )
+    assert "exp_probs_b.bias" in " ".join(student.tensor_names)
+    found = _windows_for(ref, tmp_path)
+    plain = _score((ref, student), found, tmp_path / "c")
+    cached = _score((ref, student), found, tmp_path / "c",
+                    ExpertCacheConfig(bonus=0.0, experts=3))  # fmt: skip
+    for (w, a), (_, b) in zip(plain, cached, strict=True):
+        for name in QUALITY:
+            assert getattr(a, name) == getattr(b, name), (w.window_id, name)
+        assert b.expert_cache.lookups == w.n_scored * 2 * K  # two MoE layers of three
+    assert len(expert_bytes(student)) == 2
+    bonus = _score((ref, student), found, tmp_path / "c", ExpertCacheConfig(bonus=1.0, experts=3))
+    hits = [pooled_cache([m.expert_cache.to_dict() for _, m in run])["hit_rate"]
+            for run in (cached, bonus)]  # fmt: skip
+    assert hits[1] > hits[0]

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from healsweep.model.layers import mix_weights
+
 _NOT_RESIDENT = -1
 _NEVER = jnp.iinfo(jnp.int32).max
 
@@ -51,10 +53,10 @@ class CachedRoute(NamedTuple):
 
 
 def _step(k: int, bonus: jax.Array, capacity: jax.Array, stamp: jax.Array, clock, p):
-    """One token: ``(stamp', ids [k], misses)`` for probabilities ``p [E]``."""
+    """One token: ``(stamp', ids [k], misses)`` for selection scores ``p [E]``."""
     n_expert = p.shape[0]
     resident = stamp >= 0  # [E]
-    scores = p + bonus * resident.astype(jnp.float32)
+    scores = p + bonus * resident.astype(jnp.float32)  # -inf (a masked group) stays -inf
     _, ids = jax.lax.top_k(scores, k)  # [k]
     ids = ids.astype(jnp.int32)
     used = jnp.zeros(n_expert, bool).at[ids].set(True)
@@ -78,10 +80,15 @@ def cached_routing(
     sequence: jax.Array,
     starts: jax.Array,
     valid: jax.Array,
+    selection: jax.Array | None = None,
+    scale: float = 1.0,
 ) -> tuple[CachedRoute, CacheState]:
     """Route ``N`` tokens in order through one layer's cache: ``(CachedRoute, final states)``.
 
-    ``probs [N, E]``: router probabilities. The tokens are the concatenation of ``B`` sequences:
+    ``probs [N, E]``: router probabilities, which the weights come from
+    (:func:`healsweep.model.layers.mix_weights` with ``normalize`` and ``scale``);
+    ``selection [N, E]``: the scores experts are chosen by before the resident bonus (biased,
+    group-masked; default ``probs``). The tokens are the concatenation of ``B`` sequences:
     ``sequence [N]`` int32 says which, ``starts [N]`` marks a sequence's first token, where the
     cache is set to that sequence's ``init`` state (``stamp [B, E]``, ``clock [B]``; an
     :func:`empty_state` for a cold start); ``valid [N]`` is False for padding, which neither
@@ -106,11 +113,10 @@ def cached_routing(
         return (stamp, clock, finals), (ids, jnp.where(ok, misses, 0))
 
     carry0 = (jnp.full(n_expert, _NOT_RESIDENT, jnp.int32), jnp.int32(0), init)
-    xs = (probs.astype(jnp.float32), sequence.astype(jnp.int32), starts, valid)
+    scores = probs if selection is None else selection
+    xs = (scores.astype(jnp.float32), sequence.astype(jnp.int32), starts, valid)
     (_, _, finals), (ids, misses) = jax.lax.scan(token, carry0, xs)
-    weights = jnp.take_along_axis(probs.astype(jnp.float32), ids, axis=-1)  # [N, k] unbiased p
-    if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = mix_weights(probs.astype(jnp.float32), ids, normalize=normalize, scale=scale)
     return CachedRoute(ids, weights, misses), finals
 
 
@@ -126,14 +132,18 @@ class CacheRouting(NamedTuple):
 
 
 def route_through_cache(
-    router_logits: jax.Array, k: int, normalize: bool, routing: CacheRouting
+    probs: jax.Array,
+    selection: jax.Array,
+    k: int,
+    normalize: bool,
+    scale: float,
+    routing: CacheRouting,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """``(ids [N, k], weights [N, k], {cache_misses [N], cache_stamp [B, E], cache_clock [B]})``
-    from ``router_logits [N, E]``, with the architecture's softmax gating."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [N, E]
+    from the architecture's routing scores (:func:`healsweep.model.layers.routing_scores`)."""
     route, finals = cached_routing(
         probs, k, normalize, routing.bonus, routing.capacity, routing.init,
-        routing.sequence, routing.starts, routing.valid,
+        routing.sequence, routing.starts, routing.valid, selection, scale,
     )  # fmt: skip
     extra = {"cache_misses": route.misses, "cache_stamp": finals.stamp,
              "cache_clock": finals.clock}  # fmt: skip

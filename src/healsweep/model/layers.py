@@ -132,6 +132,25 @@ def select_experts(
     probabilities, and only the ``n_groups_used`` best groups may be chosen. The k chosen
     weights are then rescaled to sum to one (``normalize``) and multiplied by ``scale``.
     """
+    probs, selection = routing_scores(
+        router_logits, gating=gating, selection_bias=selection_bias, n_groups=n_groups,
+        n_groups_used=n_groups_used,
+    )  # fmt: skip
+    _, ids = jax.lax.top_k(selection, k)
+    return ids.astype(jnp.int32), mix_weights(probs, ids, normalize=normalize, scale=scale)
+
+
+def routing_scores(
+    router_logits: jax.Array,
+    *,
+    gating: str = "softmax",
+    selection_bias: jax.Array | None = None,
+    n_groups: int = 0,
+    n_groups_used: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """``(probs [T, E], selection [T, E])`` of :func:`select_experts`: the probabilities the
+    weights come from, and the scores experts are chosen by (biased; -inf outside the chosen
+    groups)."""
     logits = router_logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1) if gating == "softmax" else jax.nn.sigmoid(logits)
     selection = probs if selection_bias is None else probs + selection_bias  # [T, E]
@@ -142,13 +161,18 @@ def select_experts(
         _, best = jax.lax.top_k(group_score, n_groups_used)  # [T, g]
         keep = jnp.zeros((t, n_groups), bool).at[jnp.arange(t)[:, None], best].set(True)
         selection = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
-    _, ids = jax.lax.top_k(selection, k)
+    return probs, selection
+
+
+def mix_weights(probs: jax.Array, ids: jax.Array, *, normalize: bool, scale: float) -> jax.Array:
+    """The chosen experts' mixing weights [T, k]: their unbiased probabilities, rescaled to sum
+    to one (``normalize``), times ``scale`` (llama.cpp treats 0 as "not set")."""
     weights = jnp.take_along_axis(probs, ids, axis=-1)  # [T, k]
     if normalize:
         weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 6.103515625e-5)
-    if scale not in (0.0, 1.0):  # llama.cpp treats 0 as "not set"
+    if scale not in (0.0, 1.0):
         weights = weights * jnp.float32(scale)
-    return ids.astype(jnp.int32), weights
+    return weights
 
 
 def swiglu(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any) -> jax.Array:
@@ -291,18 +315,16 @@ def moe_ffn(
             scale=hp.expert_weights_scale, selection_bias=w.get("exp_probs_b.bias"),
             n_groups=hp.n_expert_groups, n_groups_used=hp.n_group_used,
         )
-    else:  # the simulated expert cache re-ranks softmax probabilities only
-        if hp.gating != "softmax" or "exp_probs_b.bias" in w or hp.n_expert_groups > 1 or (
-            hp.expert_weights_scale not in (0.0, 1.0)
-        ):
-            raise ValueError(
-                f"the expert cache simulation routes by plain softmax top-k; {hp.arch} routes "
-                f"{hp.routing_summary()}"
-            )
+    else:  # through the simulated expert cache: the same scores, plus the resident bonus
         from healsweep.model.expert_cache import route_through_cache
 
+        probs, selection = routing_scores(
+            router_logits, gating=hp.gating, selection_bias=w.get("exp_probs_b.bias"),
+            n_groups=hp.n_expert_groups, n_groups_used=hp.n_group_used,
+        )  # fmt: skip
         topk_ids, topk_weights, cached = route_through_cache(
-            router_logits, hp.n_expert_used, hp.norm_topk_prob, cache
+            probs, selection, hp.n_expert_used, hp.norm_topk_prob, hp.expert_weights_scale,
+            cache,
         )
     routed = routed_experts(
         x, topk_ids, topk_weights, w["ffn_gate_exps.weight"], w["ffn_up_exps.weight"],

@@ -54,13 +54,14 @@ class ExpertCacheConfig(BaseModel):
 
 
 def expert_bytes(student: Any) -> list[int]:
-    """Per layer, the stored bytes of one routed expert (gate + up + down) of the student: its
-    replacement weights' bytes where the layer is replaced, else the GGUF tensors' bytes."""
+    """Per MoE layer (leading dense layers have no experts), the stored bytes of one routed
+    expert (gate + up + down) of the student: its replacement weights' bytes where the layer is
+    replaced, else the GGUF tensors' bytes."""
     model = getattr(student, "base", student)
     replacements = dict(getattr(student, "replacements", None) or {})
     n_expert = model.hparams.n_expert
     sizes = []
-    for layer in range(model.hparams.n_layer):
+    for layer in model.hparams.moe_layers:
         new = replacements.get(layer)
         total = 0
         for field in _EXPERT_TENSORS:
@@ -74,13 +75,13 @@ def expert_bytes(student: Any) -> list[int]:
 
 
 def layer_capacities(config: ExpertCacheConfig, student: Any) -> list[int]:
-    """Experts each layer's cache holds; ``KnobError`` unless it lies in [k, E]."""
+    """Experts each MoE layer's cache holds; ``KnobError`` unless it lies in [k, E]."""
     hp = getattr(student, "base", student).hparams
     if (config.experts is None) == (config.mib is None):
         raise KnobError("the expert cache needs exactly one size: experts (--cache-experts) "
                         "or mib (--cache-mib)")  # fmt: skip
     if config.experts is not None:
-        capacities = [config.experts] * hp.n_layer
+        capacities = [config.experts] * len(hp.moe_layers)
     else:
         capacities = [int(config.mib * MIB // size) for size in expert_bytes(student)]
     low, high = min(capacities), max(capacities)
@@ -168,9 +169,10 @@ class CachedStudent:
             continues = [b > 0 and w.doc_id == windows[b - 1].doc_id
                          for b, w in enumerate(windows)]  # fmt: skip
             init = []
-            for layer in range(hp.n_layer):
+            n_moe = len(hp.moe_layers)
+            for layer in range(n_moe):
                 cold = empty_state(hp.n_expert)
-                starts = [self._last.get(w.doc_id, [cold] * hp.n_layer)[layer] for w in windows]
+                starts = [self._last.get(w.doc_id, [cold] * n_moe)[layer] for w in windows]
                 init.append(CacheState(np.stack([np.asarray(s.stamp) for s in starts]),
                                        np.stack([np.asarray(s.clock) for s in starts])))  # fmt: skip
         cache = ExpertCacheInput(self.config.bonus, self.capacities, init, continues)
@@ -186,7 +188,7 @@ class CachedStudent:
             stats.append(
                 CacheWindowStats(
                     tokens=len(pos),
-                    lookups=len(pos) * hp.n_layer * hp.n_expert_used,
+                    lookups=len(pos) * len(hp.moe_layers) * hp.n_expert_used,
                     misses=int(scored.sum()),
                     mib=float((scored.sum(axis=0) * self.mib_per_miss).sum()),
                 )
