@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -18,11 +19,7 @@ def tensor_storage(model: GGUFModel) -> dict[str, dict[str, int]]:
         row = by_type[model.tensor_type(name).name]
         row["tensors"] += 1
         row["bytes"] += model.tensor_nbytes(name)
-        shape = model.tensor_shape(name)
-        count = 1
-        for n in shape:
-            count *= n
-        row["elements"] += count
+        row["elements"] += math.prod(model.tensor_shape(name))
     return dict(sorted(by_type.items()))
 
 
@@ -36,10 +33,7 @@ def routed_expert_bpw(model: GGUFModel) -> float:
     for name in model.tensor_names:
         if name.endswith(ROUTED_EXPERT_SUFFIXES):
             stored += model.tensor_nbytes(name)
-            count = 1
-            for n in model.tensor_shape(name):
-                count *= n
-            elements += count
+            elements += math.prod(model.tensor_shape(name))
     return 8 * stored / elements if elements else float("nan")
 
 
@@ -50,10 +44,7 @@ def layer_bytes(model: GGUFModel, i: int = 0) -> tuple[int, int]:
     for name in model.tensor_names:
         if name.startswith(prefix):
             stored += model.tensor_nbytes(name)
-            count = 1
-            for n in model.tensor_shape(name):
-                count *= n
-            dequantized += 4 * count
+            dequantized += 4 * math.prod(model.tensor_shape(name))
     return stored, dequantized
 
 
