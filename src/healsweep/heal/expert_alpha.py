@@ -20,6 +20,7 @@ import numpy as np
 
 from healsweep.heal import importance as imp
 from healsweep.kernels import alpha as alpha_kernels
+from healsweep.kernels._precision import healing_jit
 
 _MIN_ROWS = 256  # routed rows padded to a power of two of at least this: few compiles
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -37,7 +38,7 @@ def _dense(weights: dict, e: int) -> tuple:
     return tuple(weights[f"ffn_{n}_exps.weight"][e : e + 1] for n in ("gate", "up", "down"))
 
 
-@jax.jit
+@healing_jit
 def _contribution_stats(x_rows, route_w, dense, quantized) -> jax.Array:
     """[<r, q>, |r|², |q|²] of one expert's weighted contributions r (dense) and q (quantized)
     over the rows ``x_rows`` [P, D] (zero padding rows carry zero routing weight)."""

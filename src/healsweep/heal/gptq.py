@@ -23,19 +23,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from healsweep.kernels import gptq as gptq_kernel
+from healsweep.kernels._precision import healing_jit
 
 GROUP = 8  # experts per kernel call
 _MIN_ROWS = 256  # routed rows are padded to a power of two of at least this many: few compiles
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-@jax.jit
+@healing_jit
 def _gram(x_rows: jax.Array) -> jax.Array:
     """``xᵀx`` [D, D] of the (zero-padded) rows ``x_rows`` [P, D]."""
     return jnp.matmul(x_rows.T, x_rows, precision=_HIGHEST)
 
 
-@jax.jit
+@healing_jit
 def _hidden_gram(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, e) -> jax.Array:
     """``hᵀh`` [F, F] with ``h = silu(x·Wg[e]ᵀ)·(x·Wu[e]ᵀ)``; zero rows give h = 0."""
     g = jnp.matmul(x_rows, w_gate[e].T, precision=_HIGHEST)

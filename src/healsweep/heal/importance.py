@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from healsweep.heal.knobs import Knobs
-from healsweep.kernels._precision import full_float32
+from healsweep.kernels._precision import healing_jit
 
 ROW_CHUNK = 256  # routed-token rows per call, zero-padded, so every call has one shape
 _FLOOR = 1e-6  # importance floor relative to the channel maximum: the Q2_0 search needs a > 0
@@ -33,8 +33,7 @@ def norm_proxy(ffn_norm_weight: np.ndarray) -> np.ndarray:
     return np.square(w).reshape(-1, w.shape[-1]).mean(axis=0)
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def expert_input_moments(x: jax.Array, topk_ids: jax.Array, n_expert_grid: jax.Array):
     """(sum of x² [E, D], token counts [E]) over each expert's routed tokens.
 
@@ -47,8 +46,7 @@ def expert_input_moments(x: jax.Array, topk_ids: jax.Array, n_expert_grid: jax.A
     return sums, jnp.sum(routed, axis=0)
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def _hidden_square_sum(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, e) -> jax.Array:
     """sum over rows of h² [F] of expert ``e`` of the stacks; zero padding rows give
     h = silu(0)*0 = 0 and add nothing."""

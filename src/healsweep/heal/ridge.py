@@ -33,7 +33,7 @@ import numpy as np
 
 from healsweep.heal.stages import stage_key
 from healsweep.kernels import ridge as kr
-from healsweep.kernels._precision import full_float32
+from healsweep.kernels._precision import full_float32, healing_jit, matmul
 
 LOBO_BLOCKS = 4
 CHUNK = 2048  # tokens of Z' alive at a time (padded to a multiple of 64)
@@ -46,8 +46,7 @@ def shexp_weights(model: Any, layer: int) -> tuple[jax.Array, jax.Array]:
     return tuple(dense_on_device(model, f"blk.{layer}.ffn_{n}_shexp.weight") for n in ("gate", "up"))
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def _design(x, gate, w_gate, w_up):
     from healsweep.model.layers import swiglu_hidden
 
@@ -81,8 +80,7 @@ def _pieces(n_tokens: int) -> list[tuple[int, int]]:
     return [(s, min(s + CHUNK, b)) for a, b in fold_blocks(n_tokens) for s in range(a, b, CHUNK)]
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def _gram(z_gated):
     return z_gated.T @ z_gated
 
@@ -165,8 +163,7 @@ def fit_key(knobs: Any, basis: str, part_a: str, routed_q: str, layer: int) -> s
     )
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def _rhs_sums(z_gated, target):
     return z_gated.T @ target, jnp.sum(z_gated * z_gated), jnp.sum(target * target)
 
@@ -187,10 +184,10 @@ def _heldout_residual(
     resid = kr.fold_residual(u, weights, coef, target)
     if n <= width:
         system = np.eye(n) - np.asarray(kr.fold_leverage(u, weights), np.float64)
-        return _inverse_spd(system) @ resid
+        return matmul(_inverse_spd(system), resid)
     gram_k, proj = kr.fold_moments(u, resid)
     system = np.diag(1.0 / np.asarray(weights, np.float64)) - np.asarray(gram_k, np.float64)
-    return resid + u @ (_inverse_spd(system) @ proj)
+    return resid + matmul(u, matmul(_inverse_spd(system), proj))
 
 
 def _inverse_spd(system: np.ndarray) -> jax.Array:
@@ -208,8 +205,7 @@ def _inverse_spd(system: np.ndarray) -> jax.Array:
     return jnp.asarray(inverse, jnp.float32)
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def _row_sums(y, left):
     """Per token, (|y|², <y, p>, |p|²) of the held-out prediction p = y - left [3, n]."""
     y = jnp.asarray(y, jnp.float32)
@@ -331,7 +327,7 @@ def heldout_from_design(
     blocks = fold_blocks(n_tokens)
     if len(blocks) < 2 or not fit_meta["lambda"] > 0.0:
         return []
-    coef = v.T @ jnp.asarray(fit["rhs"])  # Vᵀ B [Fs, D]
+    coef = matmul(v.T, jnp.asarray(fit["rhs"]))  # Vᵀ B [Fs, D]
     folds = []
     for k, (a, b) in enumerate(blocks):
         lam_k = kr.ridge_lambda(basis_meta["trace_g"] - fit_meta["block_trace"][k], width,
@@ -339,7 +335,7 @@ def heldout_from_design(
         if not lam_k > 0.0:  # the other blocks are all zeros: the refit predicts nothing
             folds.append(_sums(target[a:b], target[a:b]))
             continue
-        parts = [design(s, e) @ v for s, e in _pieces(n_tokens) if a <= s < b]
+        parts = [matmul(design(s, e), v) for s, e in _pieces(n_tokens) if a <= s < b]
         u = parts[0] if len(parts) == 1 else jnp.concatenate(parts)  # Z'_k V [n, Fs]
         left = _heldout_residual(u, kr.shrink(sigma, lam_k), coef, target[a:b])
         folds.append(_sums(target[a:b], left))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from healsweep.kernels._precision import full_float32
+from healsweep.kernels._precision import healing_jit
 
 GAUSSIAN_TOKENS = 16
 GAUSSIAN_SEED = 0
@@ -48,8 +48,7 @@ def alpha_from_stats(dot: jax.Array, ref_sq: jax.Array, q_sq: jax.Array, gamma: 
     return jnp.where(degenerate, jnp.float32(1.0), shaped / ratio)
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def output_stats(y_ref: jax.Array, y_q: jax.Array) -> jax.Array:
     """[3] float32: <y_ref, y_q>, |y_ref|^2, |y_q|^2 over all tokens (y_* are [T, D])."""
     y_ref = jnp.asarray(y_ref, jnp.float32)  # [T, D]
@@ -64,8 +63,7 @@ def output_stats(y_ref: jax.Array, y_q: jax.Array) -> jax.Array:
     return jnp.sum(per_token, axis=1)
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def alpha_mse(y_ref: jax.Array, y_q: jax.Array, gamma: float) -> jax.Array:
     """alpha = cos^(1-gamma)/ratio over a layer's routed outputs y_ref, y_q [T, D] (a scalar)."""
     dot, ref_sq, q_sq = output_stats(y_ref, y_q)
@@ -76,8 +74,7 @@ def alpha_mse(y_ref: jax.Array, y_q: jax.Array, gamma: float) -> jax.Array:
 alpha_from_outputs = alpha_mse
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def residual_fraction(y_ref: jax.Array, y_q: jax.Array, alpha: float) -> jax.Array:
     """Relative routed residual |y_ref - alpha*y_q|^2 / |y_ref|^2 (a scalar; 0 for y_ref = 0)."""
     y_ref = jnp.asarray(y_ref, jnp.float32)  # [T, D]
@@ -87,8 +84,7 @@ def residual_fraction(y_ref: jax.Array, y_q: jax.Array, alpha: float) -> jax.Arr
     return jnp.where(ref_sq > 0, res_sq / jnp.where(ref_sq > 0, ref_sq, 1.0), 0.0)
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def expert_outputs(
     x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
 ) -> jax.Array:
@@ -103,8 +99,7 @@ def expert_outputs(
     return jnp.einsum("ntf,ndf->ntd", h, down)  # [n, T, D]
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def alpha_gaussian(
     x: jax.Array,
     dense: tuple[jax.Array, jax.Array, jax.Array],

@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from healsweep.kernels._precision import healing_jit
 from healsweep.kernels.q2_0 import QK, _pow2_inverse, round_code, search_tiles
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -45,7 +46,7 @@ def block_scale(w: jax.Array, a: jax.Array, gain: jax.Array) -> tuple[jax.Array,
     return d16, (scale / best_d1).reshape(n_exp, n_out)
 
 
-@jax.jit
+@healing_jit
 def quantize(w: jax.Array, u: jax.Array, importance: jax.Array, gain: jax.Array):
     """GPTQ Q2_0 of the stack ``w`` [E, out, in] (``in % 64 == 0``).
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from healsweep.kernels._precision import full_float32
+from healsweep.kernels._precision import healing_jit
 
 
 def gated_design(shexp_down_input: jax.Array, shexp_gate: jax.Array) -> jax.Array:
@@ -31,8 +31,7 @@ def gated_design(shexp_down_input: jax.Array, shexp_gate: jax.Array) -> jax.Arra
     return z * jnp.asarray(shexp_gate, jnp.float32)[:, None]
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def normal_equations(z_gated: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
     """G = Z'ᵀZ' [Fs, Fs] and B = Z'ᵀ dY [Fs, D] (float32, on the default device)."""
     z_gated = jnp.asarray(z_gated, jnp.float32)  # [T, Fs]
@@ -53,8 +52,7 @@ def shrink(sigma: jax.Array, lam: float) -> jax.Array:
     return 1.0 / (jnp.maximum(sigma, 0.0) + jnp.float32(lam))
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def eigen_solve(basis: jax.Array, weights: jax.Array, rhs: jax.Array) -> jax.Array:
     """dW = V diag(weights) Vᵀ B [Fs, D]: the ridge solve as two matrix products (float32)."""
     basis = jnp.asarray(basis, jnp.float32)  # [Fs, Fs] columns = eigenvectors
@@ -62,8 +60,7 @@ def eigen_solve(basis: jax.Array, weights: jax.Array, rhs: jax.Array) -> jax.Arr
     return basis @ (coef * jnp.asarray(weights, jnp.float32)[:, None])  # [Fs, D]
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def gram_quadratic(basis: jax.Array, sigma: jax.Array, delta: jax.Array) -> jax.Array:
     """tr(Δᵀ G Δ) = |diag(sigma)^½ Vᵀ Δ|² for Δ [Fs, D], float32 (= |Z' Δ|² without Z')."""
     coef = jnp.einsum(
@@ -90,8 +87,7 @@ def residual_change(z_gated: jax.Array, target: jax.Array, delta: jax.Array, eta
     return float((after - before) / before) if float(before) > 0 else 0.0
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def _residual_sums(z_gated, target, delta, eta) -> tuple[jax.Array, jax.Array]:
     target = jnp.asarray(target, jnp.float32)  # [T, D]
     fitted = eta * jnp.asarray(z_gated, jnp.float32) @ jnp.asarray(delta, jnp.float32)  # [T, D]
@@ -110,8 +106,7 @@ def eta_change(sums: tuple[float, float, float], eta: float) -> float:
     return (-2.0 * eta * yp + eta * eta * pp) / yy if yy > 0 else 0.0
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def fold_residual(
     u_fold: jax.Array, weights: jax.Array, coef: jax.Array, target: jax.Array
 ) -> jax.Array:
@@ -126,16 +121,14 @@ def fold_residual(
     return jnp.asarray(target, jnp.float32) - fitted
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def fold_leverage(u_fold: jax.Array, weights: jax.Array) -> jax.Array:
     """The block's leverage ``H = U diag(w) Uᵀ`` [n, n] (used when n <= Fs)."""
     u = jnp.asarray(u_fold, jnp.float32)
     return (u * jnp.asarray(weights, jnp.float32)[None, :]) @ u.T
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def fold_moments(u_fold: jax.Array, resid: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(UᵀU [Fs, Fs], Uᵀe [Fs, D])`` of a block (used when n > Fs, by Woodbury)."""
     u = jnp.asarray(u_fold, jnp.float32)
@@ -149,8 +142,7 @@ def apply_ridge(down_shexp: jax.Array, delta: jax.Array, eta) -> jax.Array:
     return w + jnp.float32(eta) * jnp.asarray(delta, jnp.float32).T
 
 
-@jax.jit
-@full_float32
+@healing_jit
 def step_moments(basis, sigma, rhs, old, new) -> tuple[jax.Array, ...]:
     """What Part B reports of a realized update ``new - old`` ([D, Fs], GGUF layout), with
     Δ = (new - old)ᵀ: (tr(ΔᵀGΔ), <B, Δ>, |new - old|, |old|), float32, without Z'."""
