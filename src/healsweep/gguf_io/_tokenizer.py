@@ -18,13 +18,31 @@ from typing import Any
 
 from healsweep.errors import TokenizerError
 
-# ``tokenizer.ggml.pre`` names and their split regexes (as llama.cpp and the HF tokenizers use).
+# ``tokenizer.ggml.pre`` names and their split regexes, applied in order (as llama.cpp and the HF
+# tokenizers use them). Names that share regexes are told apart by llama.cpp for other reasons.
 QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-PRE_PATTERNS = {"qwen2": QWEN2_PATTERN, "gpt-2": GPT2_PATTERN}
+LLAMA3_PATTERN = (  # Qwen2's with digits in runs of up to three
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+DEEPSEEK_V3_PATTERNS = (  # digits in threes, CJK and kana runs, then the rest
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"""
+    r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+PRE_PATTERNS: dict[str, tuple[str, ...]] = {
+    "qwen2": (QWEN2_PATTERN,),
+    "gpt-2": (GPT2_PATTERN,),
+    "deepseek-v3": DEEPSEEK_V3_PATTERNS,  # DeepSeek-V3/R1 (V2 files name deepseek-llm)
+    "llama-bpe": (LLAMA3_PATTERN,),
+    "glm4": (LLAMA3_PATTERN,),  # GLM-4.5/4.6
+    "olmo": (GPT2_PATTERN,),  # OLMoE
+}
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
 
@@ -39,7 +57,7 @@ class TokenizerMetadata:
     bos_id: int | None = None
     eos_id: int | None = None
     pad_id: int | None = None
-    pre: str = "qwen2"  # tokenizer.ggml.pre: which split regex ("qwen2" or "gpt-2")
+    pre: str = "qwen2"  # tokenizer.ggml.pre: which split regexes (a key of PRE_PATTERNS)
 
     def to_gguf_fields(self) -> dict[str, Any]:
         """Metadata key → value, as :func:`write_model` writes them."""
@@ -86,11 +104,12 @@ def tokenizer_metadata_from_gguf(get: Callable[[str], Any], where: str) -> Token
 
 
 def build_tokenizer(meta: TokenizerMetadata, where: str = "the GGUF"):
-    """A ``tokenizers.Tokenizer`` equivalent to ``meta`` (BPE + byte-level, Qwen/GPT-2 regex)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A ``tokenizers.Tokenizer`` equivalent to ``meta`` (BPE + byte-level behind the split
+    regexes its ``tokenizer.ggml.pre`` names, :data:`PRE_PATTERNS`)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    pattern = PRE_PATTERNS.get("gpt-2" if meta.pre == "default" else meta.pre)
-    if pattern is None:
+    patterns = PRE_PATTERNS.get("gpt-2" if meta.pre == "default" else meta.pre)
+    if patterns is None:
         raise TokenizerError(
             f"{where}: pre-tokenizer {meta.pre!r} is not supported (known: "
             f"{', '.join(PRE_PATTERNS)}); pass a tokenizer.json with --tokenizer"
@@ -103,12 +122,7 @@ def build_tokenizer(meta: TokenizerMetadata, where: str = "the GGUF"):
     vocab = {tok: i for i, tok in enumerate(meta.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in meta.merges]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tokenizer.pre_tokenizer = byte_level_pre_tokenizer(patterns)
     tokenizer.decoder = decoders.ByteLevel()
     added = [
         AddedToken(tok, special=kind == TOKEN_CONTROL, normalized=False)
@@ -119,6 +133,16 @@ def build_tokenizer(meta: TokenizerMetadata, where: str = "the GGUF"):
     tokenizer.add_special_tokens([a for a in added if a.special])
     tokenizer.add_tokens([a for a in added if not a.special])
     return tokenizer
+
+
+def byte_level_pre_tokenizer(patterns: tuple[str, ...]):
+    """The ``tokenizers`` pre-tokenizer: each regex splits (matches kept as pieces), then bytes."""
+    from tokenizers import Regex, pre_tokenizers
+
+    splits = [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in patterns]
+    return pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
 
 
 def load_tokenizer_file(path: str | Path):
@@ -142,17 +166,17 @@ def _pre_name(pre_tokenizer: dict | None) -> str:
     if pre_tokenizer is None:
         raise TokenizerError("tokenizer has no pre-tokenizer; only byte-level BPE is supported")
     steps = pre_tokenizer.get("pretokenizers", [pre_tokenizer])
-    for step in steps:
-        if step.get("type") == "Split":
-            regex = step.get("pattern", {}).get("Regex")
-            for name, pattern in PRE_PATTERNS.items():
-                if regex == pattern:
-                    return name
-        if step.get("type") == "ByteLevel" and step.get("use_regex", True):
-            return "gpt-2"
+    regexes = tuple(s.get("pattern", {}).get("Regex") for s in steps if s.get("type") == "Split")
+    for name, patterns in PRE_PATTERNS.items():
+        if regexes == patterns:
+            return name
+    if not regexes and any(
+        s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps
+    ):
+        return "gpt-2"
     raise TokenizerError(
-        "tokenizer's pre-tokenizer is neither the Qwen2 nor the GPT-2 byte-level regex; "
-        "only those can be stored as GGUF tokenizer metadata"
+        "tokenizer's pre-tokenizer splits by none of the known byte-level regex sets "
+        f"({', '.join(PRE_PATTERNS)}); only those can be stored as GGUF tokenizer metadata"
     )
 
 

@@ -1,13 +1,15 @@
 """Small random MoE GGUFs (every supported architecture) with a real tokenizer, for tests and benchmarks.
 
 The tokenizer is a byte-level BPE trained with ``tokenizers`` on a few sentences, with ChatML
-control tokens (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``) and Qwen's user-defined
-``<think>``/``</think>``. Weights are drawn per tensor from a seed and the tensor's name, lazily,
-so a model of many layers is written with one tensor in memory at a time.
+control tokens (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``; other models' markers on
+request) and Qwen's user-defined ``<think>``/``</think>``; a file may carry a chat template.
+Weights are drawn per tensor from a seed and the tensor's name, lazily, so a model of many layers
+is written with one tensor in memory at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -22,7 +24,11 @@ from healsweep.gguf_io._hparams import (
     ModelHparams,
     expected_tensor_shapes,
 )
-from healsweep.gguf_io._tokenizer import QWEN2_PATTERN, tokenizer_metadata_from_tokenizer
+from healsweep.gguf_io._tokenizer import (
+    PRE_PATTERNS,
+    byte_level_pre_tokenizer,
+    tokenizer_metadata_from_tokenizer,
+)
 from healsweep.gguf_io._writer import write_model
 
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -40,27 +46,30 @@ _SENTENCES = (
 )
 
 
-def train_tiny_tokenizer(texts: tuple[str, ...] = _SENTENCES, vocab_size: int = 384):
-    """A byte-level BPE ``tokenizers.Tokenizer`` (Qwen2 regex) with ChatML special tokens."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tiny_tokenizer(
+    texts: tuple[str, ...] = _SENTENCES,
+    vocab_size: int = 384,
+    *,
+    pre: str = "qwen2",
+    control_tokens: tuple[str, ...] = CONTROL_TOKENS,
+):
+    """A byte-level BPE ``tokenizers.Tokenizer`` behind the split regexes of ``pre`` (a
+    ``tokenizer.ggml.pre`` name) with ``control_tokens`` as special tokens (ids 0, 1, ...)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tokenizer.pre_tokenizer = byte_level_pre_tokenizer(PRE_PATTERNS[pre])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=list(CONTROL_TOKENS),
+        special_tokens=list(control_tokens),
         show_progress=False,
     )
     tokenizer.train_from_iterator(list(texts) * 4, trainer)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t in USER_DEFINED_TOKENS])
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t in USER_DEFINED_TOKENS]
+    )
     return tokenizer
 
 
@@ -139,6 +148,10 @@ def write_random_model(
     types: Any = None,
     seed: int = 0,
     tokenizer: Any = None,
+    bos: str = "<|endoftext|>",
+    eos: str = "<|im_end|>",
+    pre: str | None = None,
+    chat_template: str | None = None,
     drop_tensors: tuple[str, ...] = (),
     drop_keys: tuple[str, ...] = (),
     extra_metadata: Mapping[str, Any] | None = None,
@@ -154,11 +167,16 @@ def write_random_model(
     ``n_rot``); ``extra_metadata`` adds keys. ``drop_tensors``/``drop_keys`` leave tensors or
     ``{arch}.*`` metadata out, to make deliberately broken files. Any ``arch`` string is written
     (an unsupported one, e.g. ``"gpt2"``, gets the qwen2moe layout under its own name).
+    ``bos``/``eos`` name the tokenizer's special tokens (the padding token is ``bos``); ``pre``
+    records another ``tokenizer.ggml.pre`` than the one the tokenizer's regexes imply (for names
+    that share regexes); ``chat_template`` is stored as ``tokenizer.chat_template``.
     """
     tokenizer = tokenizer or train_tiny_tokenizer()
-    tok_meta = tokenizer_metadata_from_tokenizer(
-        tokenizer, bos="<|endoftext|>", eos="<|im_end|>", pad="<|endoftext|>"
-    )
+    tok_meta = tokenizer_metadata_from_tokenizer(tokenizer, bos=bos, eos=eos, pad=bos)
+    if pre is not None:
+        tok_meta = dataclasses.replace(tok_meta, pre=pre)
+    if chat_template is not None:
+        extra_metadata = {"tokenizer.chat_template": chat_template, **(extra_metadata or {})}
     layout = arch if arch in SUPPORTED_ARCHS else "qwen2moe"
     hp = ModelHparams(
         arch=layout, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
@@ -167,13 +185,13 @@ def write_random_model(
         n_vocab=len(tok_meta.tokens), rope_freq_base=rope_freq_base, rms_norm_eps=rms_norm_eps,
         context_length=context_length, norm_topk_prob=NORM_TOPK[layout],
         rope_kind=ROPE_KIND[layout],
-    )
+    )  # fmt: skip
     if layout == "glm4moe":
         hp = hp.replace(gating="sigmoid", n_ff=2 * n_ff_exp, n_expert_shared=1)
     if layout == "deepseek2":  # V3-like: 16 rope dims of 48, q_lora, kv_lora 64, 2 shared
         hp = hp.replace(gating="sigmoid", n_ff=2 * n_ff_exp, n_expert_shared=2, head_dim=48,
                         n_rot=16, head_dim_v=32, q_lora_rank=48, kv_lora_rank=64,
-                        n_head_kv=n_head, n_leading_dense=1, norm_topk_prob=True)
+                        n_head_kv=n_head, n_leading_dense=1, norm_topk_prob=True)  # fmt: skip
     hp = hp.replace(**routing)
     if hp.kv_b_split:  # llama.cpp's MLA layout caches one latent "head": MQA
         hp = hp.replace(n_head_kv=1)
@@ -181,7 +199,13 @@ def write_random_model(
         hp = hp.replace(n_ff_shexp=hp.n_ff_exp * hp.n_expert_shared)
     shapes = {n: s for n, s in expected_tensor_shapes(hp).items() if n not in drop_tensors}
     return write_model(
-        path, arch, hp, RandomTensors(shapes, seed), _resolve_types(types, shapes), tok_meta,
-        name=f"random-{arch}", drop_keys=tuple(f"{arch}.{k}" for k in drop_keys),
+        path,
+        arch,
+        hp,
+        RandomTensors(shapes, seed),
+        _resolve_types(types, shapes),
+        tok_meta,
+        name=f"random-{arch}",
+        drop_keys=tuple(f"{arch}.{k}" for k in drop_keys),
         extra_metadata=extra_metadata,
     )
