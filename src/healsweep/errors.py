@@ -27,6 +27,10 @@ class CorpusError(HealsweepError):
     """A corpus file is malformed (the message names the file and line)."""
 
 
+class ChatTemplateError(HealsweepError):
+    """A model's chat template (``tokenizer.chat_template``) does not compile or fails to render."""
+
+
 class SplitError(HealsweepError):
     """A split config is malformed, or a split has no documents where some are required."""
 
