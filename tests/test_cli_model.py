@@ -26,7 +26,7 @@ def test_model_info_describes_arch_types_and_tokenizer(random_gguf, tmp_path):
     assert done.returncode == 0, done.stderr
     for expected in ("qwen3moe", "softmax over 8, top-2, renormalized", "per-head q/k RMSNorm",
                      "Q8_0", "F16", "F32", "ChatML yes",
-                     "'<|im_end|>'"):
+                     "'<|im_end|>'", "no chat template in the file: documents are rendered as ChatML"):
         assert expected in done.stdout
     as_json = json.loads(_run("model", "info", path, "--json", tmp_path=tmp_path).stdout)
     model = open_model(path)

@@ -270,13 +270,14 @@ def open_grant(
 
 def sealed_windows(ctx: _Context, grant: Any, max_windows: int | None) -> list[Any]:
     """The test windows (needs the grant), sorted by id, cut round-robin over strata when capped."""
+    from healsweep.data.chat_template import model_chat_format
     from healsweep.data.windows import interleave_strata, make_windows
 
     scoring = ctx.spec.scoring
     extra = {} if scoring.max_context is None else {"max_context": scoring.max_context}
     windows = make_windows(
         ctx.corpus, ctx.teacher.tokenizer(), ctx.split_cfg, split="test", grant=grant,
-        max_scored=scoring.max_scored, **extra,
+        max_scored=scoring.max_scored, chat=model_chat_format(ctx.teacher), **extra,
     )  # fmt: skip
     windows = sorted(windows, key=lambda w: w.window_id)
     if max_windows is not None:

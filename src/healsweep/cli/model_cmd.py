@@ -61,6 +61,12 @@ def model_info(
                    f"{tok['merges']}, control {tok['control_tokens']}, user-defined "
                    f"{tok['user_defined_tokens']}, bos {tok['bos']!r}, eos {tok['eos']!r}, "
                    f"ChatML {'yes' if tok['chatml'] else 'no'}")
+    template = info["chat_template"]
+    if template is None:
+        typer.echo("chat         no chat template in the file: documents are rendered as ChatML")
+    else:
+        typer.echo(f"chat         the file's chat template ({template['chars']} chars, sha256 "
+                   f"{template['sha256']}): documents are rendered with it")
 
 
 @model_app.command("logits")

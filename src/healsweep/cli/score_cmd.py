@@ -93,6 +93,7 @@ def score(
     """Teacher-forced KLD(ref || model), top-1, delta-p, perplexity and router agreement;
     with an expert cache, its hit rate, misses and MiB read per token (docs/expert-cache.md)."""
     from healsweep.cache import StageCache
+    from healsweep.data.chat_template import model_chat_format
     from healsweep.data.corpus import load_corpus
     from healsweep.data.leakage import calibration_tokens, check_leakage
     from healsweep.data.split import load_split, parity_split
@@ -119,15 +120,18 @@ def score(
             f"context length {context_length}",
             param_hint="--max-context",
         )
+    chat = model_chat_format(teacher)
     every = make_windows(
-        docs, teacher.tokenizer(), cfg, split, max_scored=max_scored, max_context=max_context
-    )
+        docs, teacher.tokenizer(), cfg, split, max_scored=max_scored, max_context=max_context,
+        chat=chat,
+    )  # fmt: skip
     windows = interleave_strata(every, max_windows)
-    calibration = calibration_tokens(docs, cfg, teacher.tokenizer())
+    calibration = calibration_tokens(docs, cfg, teacher.tokenizer(), chat)
     leakage = check_leakage(calibration, windows, allow_leakage=allow_leakage)
     typer.echo(f"ref        {teacher.path}  ({teacher.fingerprint[:16]})")
     typer.echo(f"model      {student.path}  ({student.fingerprint[:16]})")
     typer.echo(f"tokenizer  identical token lists ({n_vocab} tokens)")
+    typer.echo(f"chat       {chat.describe()}")
     typer.echo(f"windows    {len(windows)} of {len(every)} in split {split!r} of corpus {corpus}")
     typer.echo(f"leakage    vs {len(calibration)} calibration documents: {leakage.summary()}")
     typer.echo(f"teacher    cache {fmt.label}")

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from healsweep.data.chat_template import ChatFormat, render_document
 from healsweep.errors import SplitError
 
 DEFAULT_NS = (8, 16)
@@ -73,10 +74,14 @@ class LeakageReport:
         return "; ".join(parts)
 
 
-def calibration_tokens(corpus: Any, split_cfg: Any, tokenizer: Any) -> list[np.ndarray]:
-    """Token ids of every document that ``split_cfg`` assigns to ``calibration``."""
+def calibration_tokens(
+    corpus: Any, split_cfg: Any, tokenizer: Any, chat: ChatFormat | None = None
+) -> list[np.ndarray]:
+    """Token ids of every document that ``split_cfg`` assigns to ``calibration``, rendered in
+    the model's ``chat`` format (None = ChatML) as the windows are."""
     docs = [d for d in getattr(corpus, "documents", corpus) if split_cfg.assign(d) == "calibration"]
-    encodings = tokenizer.encode_batch([d.render() for d in docs], add_special_tokens=False)
+    texts = [render_document(d, chat) for d in docs]
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
     return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
 

@@ -11,24 +11,34 @@ Where the scored text starts (character boundaries in the rendered document):
 - ``text``: documents without chat markup are tiled into consecutive scored stretches, the
   first starting after ``text_min_context`` tokens.
 
+That is ChatML, the rendering of a model file without a chat template. With a ``chat`` format
+(:func:`healsweep.data.chat_template.model_chat_format`) a document is rendered through the
+file's own template and the same boundaries are found in that text from the template's markers
+(:mod:`healsweep.data.chat_template`); a turn whose reasoning the template leaves out has an
+``answer`` window only, and :func:`make_windows` warns how many turns that is.
+
 A token belongs to the scored stretch when its first character lies inside it, so a token that
 straddles a boundary is context. At most ``max_scored`` tokens are scored per window; the context
 is the document's preceding tokens, at most ``max_context`` of them. Scored token ``j``
 (``scored_from <= j < scored_from + n_scored``) is predicted from the logits at ``j - 1``.
 
 ``window_id`` is a content hash of (document content hash, kind, turn, token ids, scored range):
-it changes when the text, the tokenizer or the window limits change, and only then.
+it changes when the document, the tokens it is cut from (the tokenizer, the chat format) or the
+window limits change, and only then. The document content hash (of the messages' ChatML
+rendering) and so the split are the same whatever model reads the document.
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
+from healsweep.data.chat_template import ChatFormat, Region, render_document
 from healsweep.data.corpus import IM_END, IM_START, THINK_CLOSE, THINK_OPEN, Document, split_think
 from healsweep.errors import SplitError
 
@@ -75,17 +85,13 @@ class Window:
         }
 
 
-@dataclass(frozen=True)
-class _Region:
-    kind: Kind
-    turn: int
-    start: int  # character offsets in the rendered document
-    end: int
-
-
-def chat_regions(doc: Document) -> list[_Region]:
-    """Character ranges to score in a chat document: think/answer per assistant turn."""
-    regions: list[_Region] = []
+def chat_regions(doc: Document, chat: ChatFormat | None = None) -> list[Region]:
+    """Character ranges to score in a chat document, think/answer per assistant turn, in the
+    text of :func:`healsweep.data.chat_template.render_document` (ChatML when ``chat`` is None)."""
+    if chat is not None and not chat.is_chatml:
+        rendered = chat.render_chat(doc.messages or (), what=f"document {doc.doc_id!r}")
+        return list(rendered.regions)
+    regions: list[Region] = []
     pos, turn = 0, 0
     text = doc.render()
     for message in doc.messages or ():
@@ -96,11 +102,11 @@ def chat_regions(doc: Document) -> list[_Region]:
         if message.role == "assistant":
             parts = split_think(message.content)
             if parts is None:
-                regions.append(_Region("answer", turn, start, end + len(IM_END)))
+                regions.append(Region("answer", turn, start, end + len(IM_END)))
             else:
                 think_end = start + len(THINK_OPEN) + len(parts[0]) + len(_THINK_END)
-                regions.append(_Region("think", turn, start, think_end))
-                regions.append(_Region("answer", turn, think_end, end + len(IM_END)))
+                regions.append(Region("think", turn, start, think_end))
+                regions.append(Region("answer", turn, think_end, end + len(IM_END)))
             turn += 1
         pos = end + len(IM_END) + 1
     return regions
@@ -131,8 +137,10 @@ def document_windows(
     max_windows: int | None = None,
     text_min_context: int = 16,
     kinds: Iterable[str] = ("think", "answer", "text"),
+    chat: ChatFormat | None = None,
 ) -> list[Window]:
-    """The windows of one tokenized document (``token_starts``: first character of each token).
+    """The windows of one tokenized document (``token_starts``: first character of each token
+    in ``render_document(doc, chat)``).
 
     ``max_windows`` caps the windows of this document (the first ones of the wanted ``kinds``).
     """
@@ -140,7 +148,7 @@ def document_windows(
     n_tok = len(token_ids)
     spans: list[tuple[Kind, int, int, int]] = []  # kind, turn, first token, end token
     if doc.messages is not None:
-        for region in chat_regions(doc):
+        for region in chat_regions(doc, chat):
             lo = max(_token_index(token_starts, region.start), 1)
             hi = _token_index(token_starts, region.end)
             if hi > lo and region.kind in wanted:
@@ -183,13 +191,15 @@ def make_windows(
     max_windows_per_doc: int | None = None,
     text_min_context: int = 16,
     kinds: Iterable[str] = ("think", "answer", "text"),
+    chat: ChatFormat | None = None,
 ) -> list[Window]:
     """Windows of every document that ``split_cfg`` assigns to ``split``, in corpus order.
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer`` (nothing is added around the text). Windows of
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` (nothing is added around the text); ``chat`` is
+    the model's chat format (``model_chat_format(model)``; None = ChatML). Windows of
     ``split="test"`` need a ledger ``grant`` for this split's lock id (else ``TestSplitSealed``);
     ``calibration``/``excluded`` are not eval splits (``SplitError``). Raises ``SplitError`` when
-    the split yields no window.
+    the split yields no window, ``ChatTemplateError`` when the template fails on a document.
     """
     from healsweep.data.split import require_access, split_lock_id
 
@@ -202,7 +212,7 @@ def make_windows(
     require_access(split, grant, lock_id)
     docs = [d for d in getattr(corpus, "documents", corpus) if split_cfg.assign(d) == split]
     windows: list[Window] = []
-    for doc, ids, starts in _tokenize(docs, tokenizer):
+    for doc, ids, starts in _tokenize(docs, tokenizer, chat):
         windows += document_windows(
             doc,
             ids,
@@ -213,7 +223,9 @@ def make_windows(
             max_windows=max_windows_per_doc,
             text_min_context=text_min_context,
             kinds=kinds,
+            chat=chat,
         )
+    _warn_dropped_reasoning(docs, chat)
     if not windows:
         raise SplitError(
             f"the {split!r} split gives no scoring windows ({len(docs)} documents); check the "
@@ -235,10 +247,30 @@ def interleave_strata(windows: Sequence[Window], limit: int | None = None) -> li
     return picked if limit is None else picked[:limit]
 
 
+def _warn_dropped_reasoning(docs: list[Document], chat: ChatFormat | None) -> None:
+    """Warn once when the chat template leaves reasoning out (those turns have no think window)."""
+    if chat is None or chat.is_chatml:
+        return
+    dropped = turns = 0
+    for doc in docs:
+        if doc.messages is not None:
+            rendered = chat.render_chat(doc.messages, what=f"document {doc.doc_id!r}")
+            dropped += len(rendered.dropped_reasoning)
+            turns += sum(
+                1 for m in doc.messages if m.role == "assistant" and split_think(m.content)
+            )
+    if dropped:
+        warnings.warn(
+            f"the chat template of {chat.source} leaves out the reasoning of {dropped} of {turns} "
+            "assistant turns with reasoning; those turns have an answer window only",
+            stacklevel=3,
+        )
+
+
 def _tokenize(
-    docs: list[Document], tokenizer: Any
+    docs: list[Document], tokenizer: Any, chat: ChatFormat | None = None
 ) -> Iterator[tuple[Document, np.ndarray, np.ndarray]]:
-    texts = [doc.render() for doc in docs]
+    texts = [render_document(doc, chat) for doc in docs]
     encodings = tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
     for doc, enc in zip(docs, encodings, strict=True):
         ids = np.asarray(enc.ids, dtype=np.int32)

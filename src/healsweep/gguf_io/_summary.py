@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import defaultdict
 from typing import Any
@@ -13,8 +14,9 @@ from healsweep.gguf_io._tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED
 
 def tensor_storage(model: GGUFModel) -> dict[str, dict[str, int]]:
     """Per ggml type name: number of tensors, stored bytes and element count."""
-    by_type: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0,
-                                                              "elements": 0})
+    by_type: dict[str, dict[str, int]] = defaultdict(
+        lambda: {"tensors": 0, "bytes": 0, "elements": 0}
+    )
     for name in model.tensor_names:
         row = by_type[model.tensor_type(name).name]
         row["tensors"] += 1
@@ -103,4 +105,14 @@ def describe_model(model: GGUFModel) -> dict[str, Any]:
         "layer_bytes_f32": dequantized,
         "tensor_types": tensor_storage(model),
         "tokenizer": tokenizer_summary(model),
+        "chat_template": chat_template_summary(model),
     }
+
+
+def chat_template_summary(model: GGUFModel) -> dict[str, Any] | None:
+    """Size and sha256 (first 12 hex digits) of ``tokenizer.chat_template``; None without one."""
+    template = model.metadata("tokenizer.chat_template")
+    if not isinstance(template, str) or not template:
+        return None
+    digest = hashlib.sha256(template.encode("utf-8")).hexdigest()[:12]
+    return {"chars": len(template), "sha256": digest}

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
+from healsweep.data.chat_template import ChatFormat, model_chat_format, render_document
 from healsweep.errors import CacheError, CorpusError
 from healsweep.heal.importance import expert_hidden_moments, expert_input_moments
 from healsweep.heal.knobs import CalibrationConfig
@@ -109,9 +110,13 @@ def layer_key(trace: str, layer: int) -> str:
     return content_key(LAYER_STAGE, VERSION, {"trace": trace, "layer": layer})
 
 
-def _tool_char_spans(doc: Any, text: str) -> list[tuple[int, int]]:
+def _tool_char_spans(doc: Any, text: str, chat: ChatFormat | None) -> list[tuple[int, int]]:
     spans = [m.span() for m in _TOOL_SPAN.finditer(text)]
-    if doc.messages is not None:
+    if doc.messages is not None and chat is not None and not chat.is_chatml:
+        rendered = chat.render_chat(doc.messages, what=f"document {doc.doc_id!r}")
+        tool_turns = {i for i, m in enumerate(doc.messages) if m.role == "tool"}
+        spans += [(s.start, s.end) for s in rendered.spans if s.message in tool_turns]
+    elif doc.messages is not None:
         cursor = 0
         for message in doc.messages:
             header = f"<|im_start|>{message.role}\n"
@@ -126,20 +131,21 @@ def _tool_char_spans(doc: Any, text: str) -> list[tuple[int, int]]:
 
 
 def make_chunks(
-    docs: list[Any], tokenizer: Any, calibration: CalibrationConfig
+    docs: list[Any], tokenizer: Any, calibration: CalibrationConfig, chat: ChatFormat | None = None
 ) -> tuple[list[CalibrationChunk], dict[str, Any]]:
-    """Tokenize and chunk the documents; returns the chunks and what was used or cut."""
+    """Tokenize and chunk the documents, rendered in the model's ``chat`` format (None = ChatML);
+    returns the chunks and what was used or cut."""
     budget = calibration.max_tokens
     chunks: list[CalibrationChunk] = []
     used = available = split_docs = 0
     cut_doc = None
     for doc in docs:
-        text = doc.render()
+        text = render_document(doc, chat)
         encoding = tokenizer.encode(text, add_special_tokens=False)
         ids = np.asarray(encoding.ids, np.int32)
         starts = np.asarray([a for a, _ in encoding.offsets], np.int64)
         in_tool = np.zeros(len(ids), bool)
-        for a, b in _tool_char_spans(doc, text):
+        for a, b in _tool_char_spans(doc, text, chat):
             in_tool |= (starts >= a) & (starts < b)
         available += len(ids)
         take = len(ids) if budget is None else max(0, min(len(ids), budget - used))
@@ -371,7 +377,8 @@ def _scratch(cache: StageCache) -> str:
 def calibration_trace(
     model: Any, calibration: CalibrationConfig, cache: StageCache, corpus: Any | None = None
 ) -> Trace:
-    """The cached teacher trace over the calibration pool (computed once per key)."""
+    """The cached teacher trace over the calibration pool (computed once per key); documents
+    are rendered in the model's chat format, which the model fingerprint in the key covers."""
     from healsweep.data.corpus import load_corpus
 
     corpus = corpus if corpus is not None else load_corpus(calibration.corpus)
@@ -379,7 +386,7 @@ def calibration_trace(
     key = trace_key(model, calibration, docs)
 
     def compute() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        chunks, info = make_chunks(docs, model.tokenizer(), calibration)
+        chunks, info = make_chunks(docs, model.tokenizer(), calibration, model_chat_format(model))
         with tempfile.TemporaryDirectory(prefix="trace-spill-", dir=_scratch(cache)) as spill:
             counts = run_trace(
                 model,

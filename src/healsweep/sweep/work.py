@@ -51,6 +51,7 @@ def trial_order(n_windows: int, seed: int) -> list[int]:
 
 def dev_windows(spec: Any, teacher: Any) -> list[Any]:
     """The sweep's dev windows in the fixed global order (sorted ids), capped at max_windows."""
+    from healsweep.data.chat_template import model_chat_format
     from healsweep.data.corpus import load_corpus
     from healsweep.data.split import load_split, parity_split
     from healsweep.data.windows import make_windows
@@ -65,6 +66,7 @@ def dev_windows(spec: Any, teacher: Any) -> list[Any]:
         split="dev",
         grant=None,
         max_scored=spec.scoring.max_scored,
+        chat=model_chat_format(teacher),
         **extra,
     )
     windows = sorted(windows, key=lambda w: w.window_id)
