@@ -174,3 +174,25 @@ def test_a_failing_template_is_one_line_naming_the_file_and_the_fix(template, re
     assert message.startswith("/models/broken.gguf: tokenizer.chat_template")
     assert "compile" in reason or "document 'doc-7'" in message
     assert "gguf-new-metadata" in message and "ChatML" in message
+
+
+def test_an_answer_ends_with_the_next_turn_marker_when_that_is_the_files_end_of_turn():
+    # GLM-4.5 style: no eos after a turn, the model stops by producing <|user|> (its eot token)
+    template = (
+        "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if m['role'] == 'assistant' and '</think>' in m['content'] %}"
+        "{% set parts = m['content'].split('</think>') %}"
+        "{{ '<think>' + parts[0].split('<think>')[-1].strip() + '</think>\\n' }}"
+        "{{ parts[-1].strip() }}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
+    chat = ChatFormat(template, (), ("<|endoftext|>", "<|user|>"), "glm.gguf")
+    messages = [
+        Message("user", "Hi?"),
+        Message("assistant", "<think>\nGreet back.\n</think>\n\nHello!"),
+        Message("user", "Bye."),
+    ]
+    rendered = chat.render_chat(messages)
+    assert rendered.exact
+    think, answer = (rendered.text[r.start : r.end] for r in rendered.regions)
+    assert think == "<think>Greet back.</think>"
+    assert answer == "\nHello!<|user|>"

@@ -27,8 +27,8 @@ From the located pieces, per assistant turn (the same boundaries as ChatML's,
 
 - ``think``: from the ``<think>`` before the reasoning through the ``</think>`` after it;
 - ``answer``: from there, or from the answer's first character when the text holds no reasoning
-  for the turn, through the end-of-turn marker (the file's eos or eot token) that follows the
-  answer, when one does.
+  for the turn, through the end-of-turn marker (the file's eos, eot or eom token) that follows
+  the answer (after whitespace, if any), when one does.
 
 A turn whose reasoning the template dropped has an answer window only; ``dropped_reasoning``
 lists those turns.
@@ -63,7 +63,11 @@ SPECIAL_TOKEN_KEYS = (
     ("unk_token", "tokenizer.ggml.unknown_token_id"),
     ("pad_token", "tokenizer.ggml.padding_token_id"),
 )
-END_OF_TURN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+END_OF_TURN_KEYS = (  # GLM-4.5 files, for one, end turns with eot <|user|> / eom <|observation|>
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+)
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around a sentinel's number
 _FIX = (
     "fix the template (gguf-new-metadata IN OUT --chat-template-file T.jinja) or remove it "
