@@ -97,6 +97,7 @@ def test_table_rederived_in_float64_and_mse_never_loses_in_sample(table):
         "routed_q": n,
         "part_a": n,
         "residuals": n,
+        "ridge_rhs": n,
         "ridge_fit": n,
         "ridge_heldout": n,
         "part_b": n,

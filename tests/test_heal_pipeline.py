@@ -16,6 +16,7 @@ STAGES = (
     "part_a",
     "residuals",
     "ridge_basis",
+    "ridge_rhs",
     "ridge_fit",
     "ridge_heldout",
     "part_b",
@@ -41,13 +42,15 @@ def test_each_knob_recomputes_only_the_stages_that_read_it(setup, tmp_path):
         "part_a": n,
         "residuals": n,
         "ridge_basis": n,
+        "ridge_rhs": n,
         "ridge_fit": n,
         "ridge_heldout": n,
         "part_b": n,
     }
-    # a new target dY: dW from the cached basis (and its held-out diagnostic)
+    # a new rho: dW from the cached basis and B (and its held-out diagnostic)
     heal = {"ridge_fit": n, "ridge_heldout": n, "part_b": n}
-    alpha = {"part_a": n, "residuals": n}
+    # a new target dY: B once more (one pass over Z'), then the same
+    alpha = {"part_a": n, "residuals": n, "ridge_rhs": n}
     requant = {"quantize": n, "routed_q": n, **alpha, **heal}
     steps = [
         (Knobs(), {}),  # same knobs: everything from the cache

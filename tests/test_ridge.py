@@ -193,6 +193,23 @@ def test_per_rho_and_per_eta_kernels_are_backend_clean():
     # What runs per rho and per eta: matrix products only, no solve or eigh primitive.
     assert backend_violations(kr.eigen_solve, v, weights, rhs) == []
     assert backend_violations(kr.gram_quadratic, v, sigma, rhs) == []
+    coef = np.asarray(kr.coefficients(v, rhs))
+    assert backend_violations(kr.coefficients, v, rhs) == []
+    assert backend_violations(kr.eigen_fit, v, sigma, weights, coef) == []
+    # eigen_fit's one product and two sums = eigen_solve, <B, dW> and gram_quadratic, and float64
+    delta, explained, quad = (
+        np.asarray(a, np.float64) for a in kr.eigen_fit(v, sigma, weights, coef)
+    )
+    want = np.linalg.solve(
+        gram.astype(np.float64) + 1.5 * np.eye(len(gram)), rhs.astype(np.float64)
+    )
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(
+        delta, np.asarray(kr.eigen_solve(v, weights, rhs)), atol=1e-5 * scale
+    )
+    np.testing.assert_allclose(delta, want, atol=1e-3 * scale)
+    assert explained == pytest.approx(np.vdot(rhs.astype(np.float64), want), rel=1e-3)
+    assert quad == pytest.approx(float(kr.gram_quadratic(v, sigma, delta)), rel=1e-4)
     u = zg[:10] @ v
     assert backend_violations(kr.fold_residual, u, weights, v.T @ rhs, dy[:10]) == []
     assert backend_violations(kr.fold_leverage, u, weights) == []

@@ -2,16 +2,16 @@
 
 The stages run layer by layer (only one layer's teacher weights and trace in memory at a time):
 
-    calib_trace ─► quantize ─► routed_q ─► part_a ─► ridge_fit ─► part_b
-    (teacher)      (Q2_0)      (y_q on the   (alpha)   (dW at rho)  (W + eta·dW,
-        │                      same inputs)               ▲         requantized)
-        └──────────────────► ridge_basis (G = V Λ Vᵀ) ────┘
+    calib_trace ─► quantize ─► routed_q ─► part_a ─► ridge_rhs ─► ridge_fit ─► part_b
+    (teacher)      (Q2_0)      (y_q on the   (alpha)   (B = Z'ᵀdY)  (dW at rho) (W + eta·dW,
+        │                      same inputs)                           ▲        requantized)
+        └──────────────────► ridge_basis (G = V Λ Vᵀ) ────────────────┘
 
 Stages that a knob setting does not need are skipped: with ``alpha: none`` (or ``gaussian``),
 ``ridge: false`` and no ``act`` importance the teacher is never traced. Each stage is served from
 the cache when its key (DESIGN.md) is present, so a sweep over ``eta`` re-uses the quantized
 experts, their routed outputs and dW (only W + eta·dW is requantized), a sweep over ``rho``
-re-uses the factored Gram (matrix products per layer), and a sweep over ``gain_d`` re-uses the
+re-uses the factored Gram and B (two matrix products per layer), and a sweep over ``gain_d`` re-uses the
 teacher trace and the factored Gram.
 """
 
@@ -331,8 +331,8 @@ def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache
 
 
 def _part_b(model, i, trace, trace_layer, y_q, alpha, knobs, upstream, cache, timer):
-    """ridge_basis (once per trace) → ridge_fit (per rho) → part_b (per eta), each cached and
-    each read only when a stage after it computes."""
+    """ridge_basis (once per trace) → ridge_rhs (per target) → ridge_fit (per rho) → part_b
+    (per eta), each cached and each read only when a stage after it computes."""
     akey, rkey = upstream
     nkey = ridge.basis_key(model, trace.key, i)
     basis = cache_fn(
@@ -343,16 +343,23 @@ def _part_b(model, i, trace, trace_layer, y_q, alpha, knobs, upstream, cache, ti
             ),
         )
     )
-    fkey = ridge.fit_key(knobs, nkey, akey, rkey, i)
+    hskey = ridge.rhs_key(nkey, akey, rkey, i)
+    rhs = cache_fn(
+        lambda: timer.run(
+            "ridge_rhs",
+            lambda: cache.get_or_compute(
+                "ridge_rhs",
+                hskey,
+                lambda: ridge.compute_rhs(model, i, trace_layer(), y_q(), alpha, basis()[0]),
+            ),
+        )
+    )
+    fkey = ridge.fit_key(knobs, nkey, hskey, i)
     fit = cache_fn(
         lambda: timer.run(
             "ridge_fit",
             lambda: cache.get_or_compute(
-                "ridge_fit",
-                fkey,
-                lambda: ridge.compute_fit(
-                    model, i, trace_layer(), y_q(), alpha, *basis(), knobs.rho
-                ),
+                "ridge_fit", fkey, lambda: ridge.fit_from_rhs(*rhs(), *basis(), knobs.rho)
             ),
         )
     )

@@ -8,8 +8,10 @@ layer's shared-expert weights.
 * ``ridge_basis`` (per trace and layer, no knobs): the Gram G = Z'ᵀZ' in float32 on the default
   device, then ``G = V diag(sigma) Vᵀ`` by ``eigh`` on the host CPU (never on an accelerator),
   float32. Paid once per sweep and layer.
-* ``ridge_fit`` (adds part_a, routed_q and rho): B = Z'ᵀdY and dW = V diag(1/(sigma+lambda)) VᵀB
-  — matrix products. It stores dW, B and the in-sample sums.
+* ``ridge_rhs`` (adds part_a and routed_q, no knobs): B = Z'ᵀdY, C = VᵀB, the in-sample |dY|²
+  and, per fold block, tr(Z'_kᵀZ'_k) — the one pass over Z' a target needs, shared by every rho.
+* ``ridge_fit`` (adds rho): dW = V diag(1/(sigma+lambda)) C — one matrix product, no Z' (a
+  rho-only trial used to recompute Z' for B). It stores dW, B and the in-sample sums.
 * ``ridge_heldout`` (the fit's key, nothing more): the leave-one-block-out diagnostic without
   refactoring G: the fit without block k predicts block k with residual ``(I - H_k)^-1 e_k``
   (H_k = Z'_k (G + lambda_k I)^-1 Z'_kᵀ, ``e_k`` the block's residual under the full fit at
@@ -149,17 +151,18 @@ def basis_from_design(
 # --- ridge_fit ---------------------------------------------------------------------------------
 
 
-def fit_key(knobs: Any, basis: str, part_a: str, routed_q: str, layer: int) -> str:
-    """Key of dW at one rho: the basis, the target dY (part_a, routed_q) and rho."""
+def rhs_key(basis: str, part_a: str, routed_q: str, layer: int) -> str:
+    """Key of B = Z'ᵀdY: the design's inputs (named by the basis key) and the target dY."""
+    return stage_key(
+        "ridge_rhs", {"basis": basis, "part_a": part_a, "routed_q": routed_q, "layer": layer}
+    )
+
+
+def fit_key(knobs: Any, basis: str, rhs: str, layer: int) -> str:
+    """Key of dW at one rho: the basis, B (:func:`rhs_key`) and rho."""
     return stage_key(
         "ridge_fit",
-        {
-            "knobs": knobs.for_stage("ridge_fit"),
-            "basis": basis,
-            "part_a": part_a,
-            "routed_q": routed_q,
-            "layer": layer,
-        },
+        {"knobs": knobs.for_stage("ridge_fit"), "basis": basis, "rhs": rhs, "layer": layer},
     )
 
 
@@ -220,19 +223,17 @@ def _sums(y: np.ndarray, left: Any) -> list[float]:
     return [float(v) for v in rows.sum(axis=1)]
 
 
-def compute_fit(
+def compute_rhs(
     model: Any,
     layer: int,
     trace_layer: dict[str, np.ndarray],
     y_q: np.ndarray,
     alpha: float,
     basis: dict[str, np.ndarray],
-    basis_meta: dict[str, Any],
-    rho: float,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The ``ridge_fit`` entry of a layer: its target is dY = y_ref - alpha * y_q."""
+    """The ``ridge_rhs`` entry of a layer: B for the target dY = y_ref - alpha * y_q (and VᵀB)."""
     design = layer_design(model, layer, trace_layer)
-    return fit_from_design(design, _target(trace_layer, y_q, alpha), basis, basis_meta, rho)
+    return rhs_from_design(design, _target(trace_layer, y_q, alpha), basis)
 
 
 def _target(trace_layer: dict[str, np.ndarray], y_q: np.ndarray, alpha: float) -> np.ndarray:
@@ -241,9 +242,40 @@ def _target(trace_layer: dict[str, np.ndarray], y_q: np.ndarray, alpha: float) -
 
 
 @full_float32
+def rhs_from_design(
+    design: Design, target: np.ndarray, basis: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict]:
+    """B = Z'ᵀdY and C = VᵀB [Fs, D] float32; in its meta |dY|² and per fold block
+    tr(Z'_kᵀZ'_k)."""
+    n_tokens, blocks = int(target.shape[0]), fold_blocks(int(target.shape[0]))
+    rhs, block_trace, total = None, [0.0] * len(blocks), 0.0
+    for a, b in _pieces(n_tokens):
+        part, zz, yy = _rhs_sums(design(a, b), target[a:b])
+        rhs = part if rhs is None else rhs + part
+        block_trace[next(k for k, (s, e) in enumerate(blocks) if s <= a < e)] += float(zz)
+        total += float(yy)
+    coef = kr.coefficients(basis["basis"], rhs)
+    return {"rhs": np.asarray(rhs), "coef": np.asarray(coef)}, {
+        "block_trace": block_trace,
+        "total": total,
+    }
+
+
 def fit_from_design(
     design: Design,
     target: np.ndarray,
+    basis: dict[str, np.ndarray],
+    basis_meta: dict[str, Any],
+    rho: float,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """:func:`fit_from_rhs` of :func:`rhs_from_design` (the two stages in one call)."""
+    return fit_from_rhs(*rhs_from_design(design, target, basis), basis, basis_meta, rho)
+
+
+@full_float32
+def fit_from_rhs(
+    rhs_arrays: dict[str, np.ndarray],
+    rhs_meta: dict[str, Any],
     basis: dict[str, np.ndarray],
     basis_meta: dict[str, Any],
     rho: float,
@@ -254,31 +286,20 @@ def fit_from_design(
     trial's critical path) reads this fit.
     """
     v, sigma = jnp.asarray(basis["basis"]), jnp.asarray(basis["sigma"])
-    width, n_tokens = int(v.shape[0]), int(target.shape[0])
-    blocks = fold_blocks(n_tokens)
-    rhs = jnp.zeros((width, target.shape[1]), jnp.float32)
-    block_trace, total = [0.0] * len(blocks), 0.0
-    for a, b in _pieces(n_tokens):
-        part, zz, yy = _rhs_sums(design(a, b), target[a:b])
-        rhs = rhs + part
-        block_trace[next(k for k, (s, e) in enumerate(blocks) if s <= a < e)] += float(zz)
-        total += float(yy)
+    rhs, total = rhs_arrays["rhs"], rhs_meta["total"]
+    width, n_tokens = int(v.shape[0]), int(basis_meta["n_tokens"])
     lam = kr.ridge_lambda(basis_meta["trace_g"], width, rho)
     meta: dict[str, Any] = {
         "lambda": lam, "n_tokens": n_tokens, "width": width, "rho": rho,
-        "block_trace": block_trace,
+        "block_trace": list(rhs_meta["block_trace"]),
     }
     if not lam > 0.0:  # Z' is all zeros: there is nothing to fit
-        zero = np.zeros((width, target.shape[1]), np.float32)
+        zero = np.zeros(rhs.shape, np.float32)
         meta["in_sample"] = [total, 0.0, 0.0]
-        return {"delta": zero, "rhs": np.asarray(rhs)}, meta
-    delta = kr.eigen_solve(v, kr.shrink(sigma, lam), rhs)
-    meta["in_sample"] = [
-        total,
-        float(jnp.vdot(rhs, delta)),
-        float(kr.gram_quadratic(v, sigma, delta)),
-    ]
-    return {"delta": np.asarray(delta), "rhs": np.asarray(rhs)}, meta
+        return {"delta": zero, "rhs": rhs}, meta
+    delta, explained, quad = kr.eigen_fit(v, sigma, kr.shrink(sigma, lam), rhs_arrays["coef"])
+    meta["in_sample"] = [total, float(explained), float(quad)]
+    return {"delta": np.asarray(delta), "rhs": rhs}, meta
 
 
 # --- ridge_heldout -----------------------------------------------------------------------------

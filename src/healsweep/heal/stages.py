@@ -41,7 +41,8 @@ VERSIONS = {
     "part_a": 1,
     "residuals": 1,
     "ridge_basis": 1,
-    "ridge_fit": 2,
+    "ridge_rhs": 1,
+    "ridge_fit": 3,
     "ridge_heldout": 1,
     "part_b": 3,
 }
@@ -64,7 +65,8 @@ STAGE_CODE = {
     "part_a": ("healsweep.kernels.alpha",),
     "residuals": ("healsweep.kernels.alpha", "healsweep.heal.stages"),
     "ridge_basis": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
-    "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
+    "ridge_rhs": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
+    "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge"),
     "ridge_heldout": (
         "healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"
     ),

@@ -80,6 +80,17 @@ def _ridge_eigen_inputs(rng):
     return v.astype(np.float32), weights.astype(np.float32), z.T @ _f32(rng, 200, 16)
 
 
+def _ridge_coef_inputs(rng):
+    v, _, rhs = _ridge_eigen_inputs(rng)
+    return v, rhs
+
+
+def _ridge_fit_inputs(rng):
+    """(V, sigma + lambda as the spectrum, weights, VᵀB) of :func:`_ridge_eigen_inputs`."""
+    v, weights, rhs = _ridge_eigen_inputs(rng)
+    return v, (1.0 / weights).astype(np.float32), weights, (v.T @ rhs).astype(np.float32)
+
+
 def _ridge_fold_inputs(rng):
     v, weights, rhs = _ridge_eigen_inputs(rng)
     return _f32(rng, 20, 32) @ v, weights, v.T @ rhs, _f32(rng, 20, 16)
@@ -209,6 +220,8 @@ CASES: tuple[KernelCase, ...] = (
     KernelCase("ridge.normal_equations", ridge.normal_equations, _ridge_inputs, rtol=1e-4),
     KernelCase("ridge.eigen_solve", ridge.eigen_solve, _ridge_eigen_inputs, rtol=1e-4),
     KernelCase("ridge.gram_quadratic", ridge.gram_quadratic, _ridge_eigen_inputs, rtol=1e-4),
+    KernelCase("ridge.coefficients", ridge.coefficients, _ridge_coef_inputs, rtol=1e-4),
+    KernelCase("ridge.eigen_fit", ridge.eigen_fit, _ridge_fit_inputs, rtol=1e-4),
     KernelCase("ridge.fold_residual", ridge.fold_residual, _ridge_fold_inputs, rtol=1e-4),
     KernelCase(
         "ridge.fold_leverage", lambda u, w, c, y: ridge.fold_leverage(u, w), _ridge_fold_inputs

@@ -61,6 +61,29 @@ def eigen_solve(basis: jax.Array, weights: jax.Array, rhs: jax.Array) -> jax.Arr
 
 
 @healing_jit
+def coefficients(basis: jax.Array, rhs: jax.Array) -> jax.Array:
+    """Vᵀ B [Fs, D]: the right-hand side in G's eigenbasis (float32), the same for every rho."""
+    return jnp.einsum("fk,fd->kd", jnp.asarray(basis, jnp.float32), jnp.asarray(rhs, jnp.float32))
+
+
+@healing_jit
+def eigen_fit(
+    basis: jax.Array, sigma: jax.Array, weights: jax.Array, coef: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dW = V diag(weights) C [Fs, D], <B, dW>, tr(dWᵀ G dW)) from C = VᵀB: one matrix product.
+
+    V is square and orthonormal, so B = V C, ``<B, dW> = Σ_k w_k |C_k|²`` and
+    ``tr(dWᵀGdW) = Σ_k sigma_k w_k² |C_k|²`` need no product (:func:`eigen_solve` and
+    :func:`gram_quadratic` compute the same from B with three)."""
+    weights = jnp.asarray(weights, jnp.float32)
+    coef = jnp.asarray(coef, jnp.float32)
+    energy = jnp.einsum("kd,kd->k", coef, coef)  # [Fs]
+    sigma = jnp.maximum(jnp.asarray(sigma, jnp.float32), 0.0)
+    delta = jnp.asarray(basis, jnp.float32) @ (coef * weights[:, None])
+    return delta, jnp.sum(weights * energy), jnp.sum(sigma * weights * weights * energy)
+
+
+@healing_jit
 def gram_quadratic(basis: jax.Array, sigma: jax.Array, delta: jax.Array) -> jax.Array:
     """tr(Δᵀ G Δ) = |diag(sigma)^½ Vᵀ Δ|² for Δ [Fs, D], float32 (= |Z' Δ|² without Z')."""
     coef = jnp.einsum(
