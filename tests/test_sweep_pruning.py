@@ -1,5 +1,6 @@
-"""The pruning scheduler: paired Wilcoxon decisions against the best completed trial (checked
-against scipy), the baseline never pruned, and a journal that outlives the scheduler object."""
+"""The pruning scheduler: paired Wilcoxon and futility decisions against the best completed
+trial (checked against scipy), the baseline never pruned, and a journal that outlives the
+scheduler object."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import optuna
+import pytest
 from ray.tune.schedulers import TrialScheduler
 from scipy import stats
 
-from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
+from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, futile, repair_journal
 
 
 @dataclass
@@ -89,7 +91,8 @@ def test_worse_trial_is_pruned_exactly_when_scipy_says_so(tmp_path):
 
 
 def test_baseline_is_never_pruned_and_last_window_never_pruned(tmp_path):
-    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "wilcoxon", 0.5, n_startup_steps=2)
+    futility = {"confidence": 0.9, "min_windows": 2}
+    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "wilcoxon", 0.5, 2, futility)
     _run_complete(sched, _TuneTrial("best"), list(enumerate(WINDOW_DIFFICULTY * 0.5)))
     base = _TuneTrial("base")
     for done, index in enumerate(range(N_WINDOWS), start=1):
@@ -151,3 +154,99 @@ def test_median_pruner_uses_running_mean(tmp_path):
     ]
     # steps 1-2 are warm-up; at step 3 the trial is pruned and stays pruned
     assert decisions == [TrialScheduler.CONTINUE] * 2 + [TrialScheduler.STOP] * 2
+
+
+FUTILITY = {"confidence": 0.9, "min_windows": 8}
+
+
+def _futile_by_scipy(diffs: np.ndarray, best: np.ndarray, confidence: float) -> bool:
+    """The rule from scipy's one-sample t interval: the most the trial can be better than the
+    best (relative to the best's mean) vs what a 95% CI over all windows needs to exclude 0."""
+    rel = diffs / best.mean()
+    low = stats.ttest_1samp(rel, 0.0, alternative="greater").confidence_interval(confidence).low
+    needed = stats.norm.ppf(0.975) * rel.std(ddof=1) / np.sqrt(N_WINDOWS)
+    return -low < needed
+
+
+def _wilcoxon_prunes(diffs: np.ndarray, seen_values: np.ndarray, p: float) -> bool:
+    return (
+        stats.wilcoxon(diffs, alternative="greater", zero_method="zsplit").pvalue < p
+        and WINDOW_DIFFICULTY.mean() < seen_values.mean()
+    )
+
+
+def _race(sched, name, candidate, order):
+    """Report ``candidate`` window by window; yield (windows done, decision)."""
+    trial = _TuneTrial(name)
+    for done, index in enumerate(order, start=1):
+        result = _result(int(index), float(candidate[index]), done)
+        yield done, sched.on_trial_result(None, trial, result)
+
+
+def test_futility_stops_a_slightly_worse_trial_before_it_is_significantly_worse(tmp_path):
+    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "wilcoxon", 0.1, 4, FUTILITY)
+    _run_complete(sched, _TuneTrial("base"), list(enumerate(WINDOW_DIFFICULTY)), baseline=True)
+    rng = np.random.default_rng(11)
+    order = rng.permutation(N_WINDOWS)
+    candidate = WINDOW_DIFFICULTY * 1.01 + rng.normal(0, 0.004, N_WINDOWS)  # 1% worse, noisy
+    stopped_at = None
+    for done, decision in _race(sched, "close", candidate, order):
+        seen = order[:done]
+        diffs = candidate[seen] - WINDOW_DIFFICULTY[seen]
+        significant = done >= 4 and _wilcoxon_prunes(diffs, candidate[seen], 0.1)
+        futility = done >= 8 and _futile_by_scipy(diffs, WINDOW_DIFFICULTY[seen], 0.9)
+        assert (decision == TrialScheduler.STOP) == (significant or futility), done
+        if decision == TrialScheduler.STOP:
+            stopped_at = done
+            assert not significant  # stopped by futility, not by the Wilcoxon test
+            break
+    assert stopped_at is not None and stopped_at < N_WINDOWS // 2
+    states = {t.user_attrs["tune_trial_id"]: t.state.name for t in sched.study.get_trials()}
+    assert states == {"base": "COMPLETE", "close": "PRUNED"}
+
+
+def test_futility_never_stops_a_trial_that_can_still_reach_the_needed_improvement(tmp_path):
+    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "wilcoxon", 0.1, 4, FUTILITY)
+    _run_complete(sched, _TuneTrial("base"), list(enumerate(WINDOW_DIFFICULTY)), baseline=True)
+    rng = np.random.default_rng(12)
+    order = rng.permutation(N_WINDOWS)
+    for name, factor in (("better", 0.9), ("twin", 1.0)):
+        candidate = WINDOW_DIFFICULTY * factor + rng.normal(0, 0.004, N_WINDOWS)
+        windows = order[:-1] if name == "twin" else order  # the last window is never pruned
+        for done, decision in _race(sched, name, candidate, windows):
+            seen = order[:done]
+            diffs = candidate[seen] - WINDOW_DIFFICULTY[seen]
+            if name == "better":  # 10% better: its bound reaches the need at every window
+                assert decision == TrialScheduler.CONTINUE, done
+            else:  # a copy of the best: stopped exactly when scipy's bound says it cannot reach
+                futility = done >= 8 and _futile_by_scipy(diffs, WINDOW_DIFFICULTY[seen], 0.9)
+                assert (decision == TrialScheduler.STOP) == futility, done
+                if futility:
+                    break
+    assert "better" not in sched.pruned and "twin" in sched.pruned
+
+
+@pytest.mark.parametrize(
+    ("trial", "best", "expected"),
+    [
+        ({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0, 2: 3.0}, False),  # fewer shared windows than min
+        ({i: 0.2 for i in range(10)}, {i: 0.1 for i in range(10)}, True),  # worse everywhere
+        ({i: 0.1 for i in range(10)}, {i: 0.2 for i in range(10)}, False),  # better everywhere
+        ({i: float("nan") for i in range(10)}, {i: 0.1 for i in range(10)}, False),  # bad data
+        ({i: 0.1 for i in range(10)}, {i: 0.0 for i in range(10)}, False),  # a perfect best
+    ],
+)
+def test_futile_edge_cases(trial, best, expected):
+    assert futile(trial, best, 40, confidence=0.9, min_windows=8, ci_level=0.95) is expected
+
+
+def test_the_specs_futility_reaches_the_scheduler(tmp_path):
+    from healsweep.sweep.driver import _scheduler
+    from healsweep.sweep.spec import spec_from_dict
+
+    on = spec_from_dict(
+        {"name": "x", "pruner": {"type": "wilcoxon", "futility": {"min_windows": 5}}}
+    )
+    assert _scheduler(on, tmp_path).futility == {"confidence": 0.9, "min_windows": 5}
+    off = spec_from_dict({"name": "x", "pruner": {"type": "wilcoxon", "futility": False}})
+    assert _scheduler(off, tmp_path).futility is None

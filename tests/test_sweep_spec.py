@@ -18,7 +18,7 @@ from healsweep.sweep.space import (
     planned_trials,
     resolve_knobs,
 )
-from healsweep.sweep.spec import load_spec, spec_from_dict
+from healsweep.sweep.spec import FutilitySpec, load_spec, spec_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +52,16 @@ def test_shipped_tune_spec_searches_five_knobs_with_wilcoxon():
         assert value == getattr(base, knob)
 
 
+def test_futility_is_on_with_wilcoxon_unless_turned_off():
+    def pruner(value):
+        return spec_from_dict({"name": "x", "pruner": value}).pruner
+
+    assert pruner("wilcoxon").futility == FutilitySpec()
+    assert pruner({"type": "wilcoxon", "futility": {"min_windows": 20}}).futility.min_windows == 20
+    assert pruner({"type": "wilcoxon", "futility": False}).futility is None
+    assert pruner("median").futility is None and pruner("none").futility is None
+
+
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
     path = _write(tmp_path, "name: x\nsearch_space:\n  alpha: [gaussian, mse\n")
     with pytest.raises(SpecError, match=r"spec\.yaml:\d+: YAML syntax error"):
@@ -75,6 +85,22 @@ def test_unknown_field_names_it_its_line_and_the_known_fields(tmp_path):
         (
             {"name": "x", "pruner": {"type": "wilcoxon", "p_threshold": 1.5}},
             ["'pruner.p_threshold'", "1.5", "(0, 1)"],
+        ),
+        (
+            {"name": "x", "pruner": {"type": "wilcoxon", "futility": {"confidence": 1.0}}},
+            ["'pruner.futility.confidence'", "1.0", "[0.5, 1)"],
+        ),
+        (
+            {"name": "x", "pruner": {"type": "wilcoxon", "futility": {"min_windows": 1}}},
+            ["'pruner.futility.min_windows'", "1", ">= 2"],
+        ),
+        (
+            {"name": "x", "pruner": {"type": "wilcoxon", "futility": {"level": 0.9}}},
+            ["'pruner.futility.level'", "unknown", "confidence, min_windows"],
+        ),
+        (
+            {"name": "x", "pruner": {"type": "median", "futility": {"confidence": 0.9}}},
+            ["'pruner.futility'", "wilcoxon only"],
         ),
         ({"name": "x", "max_concurrent": 0}, ["'max_concurrent'", "0", ">= 1"]),
         ({"name": "x", "scoring": {"max_scored": 0}}, ["'scoring.max_scored'", "0", "[1, 4096]"]),

@@ -258,6 +258,7 @@ def _scheduler(spec: SweepSpec, sweep_dir: Path) -> Any:
         spec.pruner.type,
         spec.pruner.p_threshold,
         spec.pruner.n_startup_steps,
+        spec.pruner.futility and spec.pruner.futility.model_dump(),
     )
 
 

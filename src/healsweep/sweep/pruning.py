@@ -12,6 +12,8 @@ journal and keeps its pruning history (the Tune trial id is stored as a user att
   the pairs are a random subset of windows that grows as the trial runs.
 - ``median``: ``optuna.pruners.MedianPruner`` on the running pooled KLD with ``step`` = windows
   scored so far (it compares one step across trials, so it is given the running mean).
+- ``futility`` (with ``wilcoxon``): a trial is also stopped once it can no longer end up
+  demonstrably better than the best completed trial (see :func:`futile`).
 
 The baseline is never pruned, and no trial is pruned on its last window (nothing left to save).
 A pruned trial is told ``PRUNED`` to the study at once; its windows stay in the results.
@@ -22,15 +24,51 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
 from healsweep.sweep.trial import TARGET_METRIC
 
 STUDY_NAME = "healsweep-pruning"
 JOURNAL_FILE = "optuna-pruning.journal"
+
+
+def futile(
+    trial_values: Mapping[int, float],
+    best_values: Mapping[int, float],
+    windows_total: int,
+    confidence: float,
+    min_windows: int,
+    ci_level: float,
+) -> bool:
+    """True when a trial can no longer beat the best completed trial by what the decision rule
+    needs: a relative improvement whose ``ci_level`` CI over ``windows_total`` windows excludes 0,
+    about ``z * sd / sqrt(N)``. The best, not the baseline: the rule judges against the baseline,
+    but a sweep's answer is its best config, and the baseline is a completed trial too, so the
+    best is never worse. On the ``n`` shared windows ``d = (trial - best) / mean(best)`` (pooled
+    relative change, delta method); the one-sided ``confidence`` Student-t upper bound of the
+    improvement, ``-mean(d) + t * sd(d) / sqrt(n)``, is closed-form and fair for window means at
+    n >= ~10 (a Hoeffding bound would need a KLD range that does not exist)."""
+    shared = sorted(set(trial_values) & set(best_values))
+    n = len(shared)
+    if n < max(min_windows, 2):
+        return False
+    from scipy import stats
+
+    trial = np.array([trial_values[s] for s in shared], dtype=np.float64)
+    best = np.array([best_values[s] for s in shared], dtype=np.float64)
+    scale = best.mean()
+    if not (np.isfinite(trial).all() and np.isfinite(best).all() and scale > 0):
+        return False  # bad data: never stop a trial on it
+    rel = (trial - best) / scale  # [n]
+    sd = rel.std(ddof=1)
+    upper = -rel.mean() + stats.t.ppf(confidence, n - 1) * sd / np.sqrt(n)
+    needed = stats.norm.ppf(0.5 + ci_level / 2) * sd / np.sqrt(max(windows_total, n))
+    return bool(upper < needed)
 
 
 def repair_journal(path: str | Path) -> None:
@@ -57,8 +95,14 @@ class WindowPruningScheduler(FIFOScheduler):
     """A FIFO scheduler that stops trials an Optuna pruner judges worse than the best trial."""
 
     def __init__(
-        self, journal_path: str | Path, kind: str, p_threshold: float, n_startup_steps: int
+        self,
+        journal_path: str | Path,
+        kind: str,
+        p_threshold: float,
+        n_startup_steps: int,
+        futility: Mapping[str, Any] | None = None,
     ):
+        """``futility``: ``{confidence, min_windows}`` for :func:`futile` (wilcoxon only)."""
         super().__init__()
         if kind not in ("wilcoxon", "median"):
             raise ValueError(
@@ -68,9 +112,10 @@ class WindowPruningScheduler(FIFOScheduler):
         self.kind = kind
         self.p_threshold = p_threshold
         self.n_startup_steps = n_startup_steps
+        self.futility = dict(futility) if futility and kind == "wilcoxon" else None
         self._study: Any = None
         self._live: dict[str, Any] = {}  # tune trial id -> its running optuna.trial.Trial
-        self._steps: dict[str, set[int]] = {}  # tune trial id -> steps it has reported
+        self._steps: dict[str, dict[int, float]] = {}  # tune trial id -> its reports by step
         self._done: dict[str, str] = {}  # tune trial id -> the state it was told
         self.pruned: set[str] = set()
 
@@ -130,7 +175,7 @@ class WindowPruningScheduler(FIFOScheduler):
                 self._live[tune_id] = self._new_trial(frozen.user_attrs)
                 for step, value in sorted(frozen.intermediate_values.items()):
                     self._live[tune_id].report(value, step)
-                self._steps[tune_id] = set(frozen.intermediate_values)
+                self._steps[tune_id] = dict(frozen.intermediate_values)
         return self._study
 
     def _new_trial(self, attrs: dict[str, Any]) -> Any:
@@ -151,7 +196,7 @@ class WindowPruningScheduler(FIFOScheduler):
                 "config_hash": str(result.get("config_hash", "")),
                 "is_baseline": bool(result.get("is_baseline", False)),
             })
-            self._steps[trial.trial_id] = set()
+            self._steps[trial.trial_id] = {}
         return self._live[trial.trial_id]
 
     def _tell(self, trial: Any, value: float | None = None, state: str | None = None) -> None:
@@ -180,13 +225,25 @@ class WindowPruningScheduler(FIFOScheduler):
             step, value = int(result["windows_done"]), float(result[TARGET_METRIC])
         if step not in self._steps[trial.trial_id]:
             ot_trial.report(value, step)
-            self._steps[trial.trial_id].add(step)
+            self._steps[trial.trial_id][step] = value
         if result.get("is_baseline") or result["windows_done"] >= result["windows_total"]:
             return TrialScheduler.CONTINUE
-        if ot_trial.should_prune():
+        if ot_trial.should_prune() or self._futile(trial, int(result["windows_total"])):
             self._tell(trial, state="PRUNED")
             return TrialScheduler.STOP
         return TrialScheduler.CONTINUE
+
+    def _futile(self, trial: Any, windows_total: int) -> bool:
+        if self.futility is None:
+            return False
+        try:
+            best = self.study.best_trial
+        except ValueError:  # no completed trial yet
+            return False
+        from healsweep.score.stats import DecisionRule
+
+        return futile(self._steps[trial.trial_id], best.intermediate_values, windows_total,
+                      ci_level=DecisionRule().ci_level, **self.futility)  # fmt: skip
 
     def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> None:
         """Tell the study the trial's pooled KLD (a trial stopped by the pruner is already told)."""
@@ -219,4 +276,4 @@ def _trial_state(name: str) -> Any:
     return TrialState[name]
 
 
-__all__ = ["JOURNAL_FILE", "STUDY_NAME", "WindowPruningScheduler", "repair_journal"]
+__all__ = ["JOURNAL_FILE", "STUDY_NAME", "WindowPruningScheduler", "futile", "repair_journal"]

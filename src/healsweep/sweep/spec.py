@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from healsweep.errors import SpecError
 from healsweep.results.schema import REFERENCES
@@ -33,10 +33,13 @@ ALLOWED = {
     "sampler": "grid, tpe or random, or {type: grid|tpe|random, seed: int}",
     "sampler.type": "grid, tpe or random",
     "sampler.seed": "an integer",
-    "pruner": "wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps}",
+    "pruner": "wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps, futility}",
     "pruner.type": "wilcoxon, median or none",
     "pruner.p_threshold": "a float in (0, 1)",
     "pruner.n_startup_steps": "an integer >= 0",
+    "pruner.futility": "{confidence, min_windows} or false (off); with type wilcoxon only",
+    "pruner.futility.confidence": "a float in [0.5, 1)",
+    "pruner.futility.min_windows": "an integer >= 2",
     "num_samples": "an integer >= 1 (tpe/random), or omitted for grid",
     "resources": "a mapping of resource: amount >= 0, e.g. {cpu: 1} or {metal: 1}",
     "max_concurrent": "an integer >= 1",
@@ -69,12 +72,32 @@ class SamplerSpec(_Strict):
     seed: int = 0
 
 
+class FutilitySpec(_Strict):
+    """Stop a trial that can no longer beat the best one by what the decision rule needs
+    (:func:`healsweep.sweep.pruning.futile`)."""
+
+    confidence: float = Field(default=0.9, ge=0.5, lt=1.0)
+    min_windows: int = Field(default=12, ge=2)
+
+
 class PrunerSpec(_Strict):
-    """How losing trials are cut: paired Wilcoxon vs the best trial, median rule, or never."""
+    """How losing trials are cut: paired Wilcoxon vs the best trial (with the futility rule
+    unless ``futility: false``), median rule, or never."""
 
     type: Literal["wilcoxon", "median", "none"] = "none"
     p_threshold: float = Field(default=0.1, gt=0.0, lt=1.0)
     n_startup_steps: int = Field(default=4, ge=0)
+    futility: FutilitySpec | None = Field(default="auto", validate_default=True)
+
+    @field_validator("futility", mode="before")
+    @classmethod
+    def _futility_for_wilcoxon(cls, value: Any, info: ValidationInfo) -> Any:
+        wilcoxon = info.data.get("type") == "wilcoxon"
+        if value is None or value is False or (value == "auto" and not wilcoxon):
+            return None
+        if not wilcoxon:
+            raise ValueError("futility needs type wilcoxon")
+        return {} if value is True or value == "auto" else value
 
 
 class ScoringSpec(_Strict):
@@ -325,7 +348,8 @@ def _pydantic_error(exc: ValidationError, raw: Mapping, where: str, lines: Mappi
 
 
 def _known_fields(parent: str) -> str:
-    models = {"": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec, "scoring": ScoringSpec}
+    models = {"": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec,
+              "pruner.futility": FutilitySpec, "scoring": ScoringSpec}  # fmt: skip
     model = models.get(parent)
     if model is None and parent.startswith("external["):
         model = ExternalSpec
@@ -336,7 +360,7 @@ def _known_fields(parent: str) -> str:
 
 def _allowed(loc: tuple) -> str | None:
     names = [str(p) for p in loc if isinstance(p, str)]
-    for cut in (2, 1):
+    for cut in (3, 2, 1):
         if len(names) >= cut and ".".join(names[:cut]) in ALLOWED:
             return ALLOWED[".".join(names[:cut])]
     return None
@@ -356,6 +380,7 @@ __all__ = [
     "REFERENCES",
     "ChoicesSpec",
     "ExternalSpec",
+    "FutilitySpec",
     "PrunerSpec",
     "RangeSpec",
     "SamplerSpec",
