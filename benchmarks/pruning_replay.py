@@ -1,13 +1,15 @@
-"""What would Wilcoxon pruning have saved on a sweep that ran without it? Prints a table.
+"""What would Wilcoxon (+ futility) pruning have saved on a sweep that ran without it? Prints a table.
 
 Replays the per-window results of an unpruned sweep (``RESULTS/<name>/windows``) through the real
 pruning scheduler (``healsweep.sweep.pruning.WindowPruningScheduler`` on a scratch journal): trials
 in their start order (baseline first), ``--concurrency`` at a time with their windows interleaved,
-each in the order it actually scored them. For each threshold: windows saved, when each pruned
-trial would have stopped, and whether the sweep's best config would have been pruned. (A live
+each in the order it actually scored them. For each threshold (and futility confidence and
+minimum windows, 0 = off): windows saved, when each pruned trial would have stopped, and whether
+the sweep's best config would have been pruned. (A live
 TPE sweep adapts to what pruning tells it, so its configs would differ a little.)
 
-    .venv/bin/python benchmarks/pruning_replay.py results/tune-unpruned --p 0.1 0.05 0.02
+    .venv/bin/python benchmarks/pruning_replay.py results/tune-unpruned --p 0.1 0.05 0.02 \
+        --confidence 0 0.8 0.9 --min-windows 8 16
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ class _Trial:
         return False
 
 
-def replay(sweep_dir: Path, p: float, startup: int, concurrency: int) -> dict:
-    """Windows scored and pruned trials had the sweep been pruned at ``p``."""
+def replay(
+    sweep_dir: Path, p: float, startup: int, concurrency: int, futility: dict | None = None
+) -> dict:
+    """Windows scored and pruned trials had the sweep been pruned at ``p`` (and ``futility``)."""
     trials = [t for t in read_trials(sweep_dir).to_pylist() if t["status"] == "completed"]
     trials.sort(key=lambda t: (not t["is_baseline"], t["started_at"]))
     rows = read_windows(sweep_dir).to_pylist()
     total = max(t["windows_total"] for t in trials)
     scored, pruned = 0, []
     with tempfile.TemporaryDirectory() as tmp:
-        sched = WindowPruningScheduler(Path(tmp) / "journal", "wilcoxon", p, startup)
+        sched = WindowPruningScheduler(Path(tmp) / "journal", "wilcoxon", p, startup, futility)
         for start in range(0, len(trials), concurrency):
             group = trials[start : start + concurrency]
             orders = {
@@ -84,18 +88,21 @@ def main() -> None:
     parser.add_argument("--p", type=float, nargs="+", default=[0.1, 0.05, 0.02])
     parser.add_argument("--startup", type=int, nargs="+", default=[6])
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--confidence", type=float, nargs="+", default=[0.0], help="0: off")
+    parser.add_argument("--min-windows", type=int, nargs="+", default=[12])
     args = parser.parse_args()
-    print(
-        f"{'p':>6} {'startup':>7} {'saved':>7} {'pruned':>6}  best pruned  pruned at (window: final KLD vs best)"
-    )
-    for p in args.p:
-        for startup in args.startup:
-            r = replay(args.sweep_dir, p, startup, args.concurrency)
-            stops = ", ".join(
-                f"{at}: {rel:+.1%}" for rel, at in sorted(r["pruned"], key=lambda x: x[1])
-            )
-            print(f"{p:>6} {startup:>7} {r['saved']:>7.1%} {len(r['pruned']):>6}  "
-                  f"{'YES' if r['best_pruned'] else 'no':>11}  {stops}")  # fmt: skip
+    print(f"{'p':>6} {'startup':>7} {'conf':>5} {'min':>4} {'saved':>7} {'pruned':>6}  "
+          "best pruned  pruned at (window: final KLD vs best)")  # fmt: skip
+    grid = [(p, s, c, m) for p in args.p for s in args.startup for c in args.confidence
+            for m in (args.min_windows if c else [0])]  # fmt: skip
+    for p, startup, conf, least in grid:
+        futility = {"confidence": conf, "min_windows": least} if conf else None
+        r = replay(args.sweep_dir, p, startup, args.concurrency, futility)
+        stops = ", ".join(
+            f"{at}: {rel:+.1%}" for rel, at in sorted(r["pruned"], key=lambda x: x[1])
+        )
+        print(f"{p:>6} {startup:>7} {conf:>5} {least:>4} {r['saved']:>7.1%} {len(r['pruned']):>6}  "
+              f"{'YES' if r['best_pruned'] else 'no':>11}  {stops}")  # fmt: skip
 
 
 if __name__ == "__main__":
