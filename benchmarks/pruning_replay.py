@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ray.tune.schedulers import TrialScheduler
 
+from healsweep.results.schema import row_role
 from healsweep.results.store import read_trials, read_windows
 from healsweep.sweep.pruning import WindowPruningScheduler
 
@@ -37,7 +38,8 @@ def replay(
     sweep_dir: Path, p: float, startup: int, concurrency: int, futility: dict | None = None
 ) -> dict:
     """Windows scored and pruned trials had the sweep been pruned at ``p`` (and ``futility``)."""
-    trials = [t for t in read_trials(sweep_dir).to_pylist() if t["status"] == "completed"]
+    trials = [t for t in read_trials(sweep_dir).to_pylist()  # fixed rows are never pruned
+              if t["status"] == "completed" and row_role(t) in ("trial", "baseline")]  # fmt: skip
     trials.sort(key=lambda t: (not t["is_baseline"], t["started_at"]))
     rows = read_windows(sweep_dir).to_pylist()
     total = max(t["windows_total"] for t in trials)

@@ -68,7 +68,7 @@ def pruning(work: Path, samples: int, seed: int) -> None:
     os.environ["HEALSWEEP_CACHE"] = str(work / "cache-tune")
     tune = load_spec(ROOT / "sweeps" / "demo-tune.yaml")
     sampler = tune.sampler.model_copy(update={"seed": seed})
-    none = tune.pruner.model_copy(update={"type": "none"})
+    none = tune.pruner.model_copy(update={"type": "none", "futility": None})
     full_dir = work / f"tune-unpruned-seed{seed}"
     full_s = math.nan
     if sum(t["status"] == "completed" for t in _trials(full_dir)) < samples:
