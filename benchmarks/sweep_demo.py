@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from healsweep.results.aggregate import window_stats
 from healsweep.results.schema import row_role
 from healsweep.results.store import read_trials, read_windows
+from healsweep.score.record import WindowMetrics
 from healsweep.score.stats import paired_compare
 from healsweep.sweep.driver import run_sweep
 from healsweep.sweep.spec import load_spec
@@ -100,7 +100,8 @@ def pruning(work: Path, samples: int, seed: int) -> None:
     by_p = {r["window_id"]: r for r in rows[pruned_dir] if r["trial_id"] == best_p["trial_id"]}
     by_f = {r["window_id"]: r for r in rows[full_dir] if r["trial_id"] == best_f["trial_id"]}
     ids = sorted(set(by_p) & set(by_f))
-    comp = paired_compare([window_stats(by_f[w]) for w in ids], [window_stats(by_p[w]) for w in ids],
+    metrics = WindowMetrics.from_dict
+    comp = paired_compare([metrics(by_f[w]) for w in ids], [metrics(by_p[w]) for w in ids],
                           [by_f[w]["stratum"] for w in ids])  # fmt: skip
     lo, hi = comp.rel_change_ci()
     same = best_p["config_hash"] == best_f["config_hash"]

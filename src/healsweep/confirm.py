@@ -342,7 +342,7 @@ def summarize_test(
 ) -> list[dict[str, Any]]:
     """Pooled figures per config and, for every non-baseline config, the paired comparison with
     the baseline on the same test windows and the decision rule's verdict."""
-    from healsweep.results.aggregate import window_stats
+    from healsweep.score.record import WindowMetrics
     from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
 
     rule = DecisionRule()
@@ -361,14 +361,14 @@ def summarize_test(
             "frozen_hash": config.frozen_hash,
             "is_baseline": config.is_baseline,
             "knobs": config.knobs,
-            "pooled": pooled([window_stats(mine[w]) for w in ids], strata),
+            "pooled": pooled([WindowMetrics.from_dict(mine[w]) for w in ids], strata),
             "comparison": None,
             "verdict": None,
         }
         if not config.is_baseline:
             comp = paired_compare(
-                [window_stats(base[w]) for w in ids],
-                [window_stats(mine[w]) for w in ids],
+                [WindowMetrics.from_dict(base[w]) for w in ids],
+                [WindowMetrics.from_dict(mine[w]) for w in ids],
                 strata,
                 n_boot=n_boot,
                 seed=seed,

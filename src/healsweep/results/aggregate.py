@@ -10,7 +10,6 @@ only, and main effects and the pruning summary count the Tune trials only.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,40 +17,9 @@ from typing import Any
 from healsweep.errors import ResultsError
 from healsweep.results.schema import KNOB_PREFIX, Q2_0_BPW, REFERENCES, row_role
 from healsweep.results.store import read_manifest, read_trials, read_windows
+from healsweep.score.record import WindowMetrics
 
 MAX_LEVELS = 6
-
-_STAT_FIELDS = (
-    "kld_sum",
-    "kld_count",
-    "top1_count",
-    "delta_p_mean",
-    "teacher_nll_sum",
-    "student_nll_sum",
-    "router_jaccard",
-)
-
-
-@dataclass(frozen=True)
-class _Window:
-    """The fields of a window row that :mod:`healsweep.score.stats` reads."""
-
-    kld_sum: float
-    kld_count: int
-    top1_count: int
-    delta_p_mean: float
-    teacher_nll_sum: float
-    student_nll_sum: float
-    router_jaccard: float
-
-
-def window_stats(row: dict[str, Any]) -> _Window:
-    values = {k: row.get(k) for k in _STAT_FIELDS}
-    if values["top1_count"] is None:
-        values["top1_count"] = round((row.get("top1") or 0.0) * row["kld_count"])
-    for key in ("delta_p_mean", "teacher_nll_sum", "student_nll_sum", "router_jaccard"):
-        values[key] = math.nan if values[key] is None else float(values[key])
-    return _Window(**values)
 
 
 @dataclass
@@ -155,8 +123,8 @@ def summarize(
         if config is base or not shared:
             return None
         return paired_compare(
-            [window_stats(base.windows[w]) for w in shared],
-            [window_stats(config.windows[w]) for w in shared],
+            [WindowMetrics.from_dict(base.windows[w]) for w in shared],
+            [WindowMetrics.from_dict(config.windows[w]) for w in shared],
             [base.windows[w]["stratum"] for w in shared],
             n_boot=n_boot,
             seed=seed,
@@ -167,7 +135,7 @@ def summarize(
             continue
         ids = sorted(config.windows)
         config.pooled = pooled(
-            [window_stats(config.windows[w]) for w in ids],
+            [WindowMetrics.from_dict(config.windows[w]) for w in ids],
             [config.windows[w]["stratum"] for w in ids],
         )
         config.comparison = compare(baseline, config)

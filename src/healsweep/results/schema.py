@@ -1,13 +1,14 @@
 """The Parquet schemas of a sweep's results, readable without healsweep.
 
 ``RESULTS/<sweep>/windows/*.parquet`` holds one row per (config, window): who scored it (trial,
-its ``role`` and ``label``, every knob), what was scored (window id, global index, stratum, ...), the window's metrics, the
-trial's running pooled figures at that point, whether the trial was later pruned, and where and
-when it was scored. ``RESULTS/<sweep>/trials.parquet`` holds one row per trial.
+its ``role`` and ``label``, every knob), the window's record
+(:class:`~healsweep.score.record.WindowRecord`), the trial's running pooled figures at that point
+and whether the trial was later pruned. ``RESULTS/<sweep>/trials.parquet`` holds one row per trial.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from healsweep.heal.knobs import Knobs
+from healsweep.score.record import WindowRecord
 
 KNOB_PREFIX = "knob_"
 
@@ -36,65 +38,33 @@ def knob_fields() -> list[pa.Field]:
     return [pa.field(KNOB_PREFIX + name, _KNOB_TYPES[type(v)]) for name, v in defaults.items()]
 
 
-METRIC_FIELDS = [
-    pa.field("kld_sum", pa.float64()),
-    pa.field("kld_count", pa.int64()),
-    pa.field("kld_mean", pa.float64()),
-    pa.field("top1", pa.float64()),
-    pa.field("top1_count", pa.int64()),
-    pa.field("delta_p_mean", pa.float64()),
-    pa.field("teacher_nll_sum", pa.float64()),
-    pa.field("student_nll_sum", pa.float64()),
-    pa.field("teacher_ppl", pa.float64()),
-    pa.field("student_ppl", pa.float64()),
-    pa.field("router_jaccard", pa.float64()),
-    pa.field("router_jaccard_layers", pa.list_(pa.float32())),
-    pa.field("kld_p50", pa.float64()),
-    pa.field("kld_p90", pa.float64()),
-    pa.field("kld_p99", pa.float64()),
-    pa.field("kld_p999", pa.float64()),
-    pa.field("kld_max", pa.float64()),
-    # expert-cache simulation (null without one): counts at the scored positions, all layers
-    pa.field("cache_tokens", pa.int64()),
-    pa.field("cache_lookups", pa.int64()),
-    pa.field("cache_misses", pa.int64()),
-    pa.field("cache_mib", pa.float64()),
-    pa.field("hit_rate", pa.float64()),
-    pa.field("misses_per_token", pa.float64()),
-    pa.field("mib_per_token", pa.float64()),
-]
-
 _TS = pa.timestamp("us", tz="UTC")
 
 
+def _config_fields(*extra: pa.Field) -> list[pa.Field]:
+    """Who scored a row: the trial, its config and role (``extra`` after them), every knob."""
+    text = pa.string()
+    return [
+        *(pa.field(name, text) for name in ("sweep", "trial_id", "config_hash")),
+        pa.field("is_baseline", pa.bool_()),
+        pa.field("role", text),
+        pa.field("label", text),
+        *extra,
+        *knob_fields(),
+    ]
+
+
 def window_schema() -> pa.Schema:
-    """Schema of a row of the windows dataset."""
+    """Schema of a row of the windows dataset: the config, the window's record, and the
+    trial's running pooled figures when it was reported."""
     return pa.schema(
         [
-            pa.field("sweep", pa.string()),
-            pa.field("trial_id", pa.string()),
-            pa.field("config_hash", pa.string()),
-            pa.field("is_baseline", pa.bool_()),
-            pa.field("role", pa.string()),
-            pa.field("label", pa.string()),
-            *knob_fields(),
-            pa.field("window_id", pa.string()),
-            pa.field("window_index", pa.int32()),
-            pa.field("position", pa.int32()),
-            pa.field("windows_total", pa.int32()),
-            pa.field("stratum", pa.string()),
-            pa.field("source", pa.string()),
-            pa.field("doc_id", pa.string()),
-            pa.field("kind", pa.string()),
-            *METRIC_FIELDS,
+            *_config_fields(),
+            *WindowRecord.arrow_fields(),
             pa.field("windows_done", pa.int32()),
             pa.field("running_kld_mean", pa.float64()),
             pa.field("running_top1", pa.float64()),
             pa.field("pruned", pa.bool_()),
-            pa.field("scored_node_ip", pa.string()),
-            pa.field("scored_node_id", pa.string()),
-            pa.field("scored_hostname", pa.string()),
-            pa.field("scored_at", _TS),
             pa.field("written_at", _TS),
         ]
     )
@@ -104,15 +74,9 @@ def trial_schema() -> pa.Schema:
     """Schema of a row of ``trials.parquet``."""
     return pa.schema(
         [
-            pa.field("sweep", pa.string()),
-            pa.field("trial_id", pa.string()),
-            pa.field("config_hash", pa.string()),
-            pa.field("is_baseline", pa.bool_()),
-            pa.field("role", pa.string()),
-            pa.field("label", pa.string()),
-            pa.field("routed_bpw", pa.float64()),
-            pa.field("external_path", pa.string()),
-            *knob_fields(),
+            *_config_fields(
+                pa.field("routed_bpw", pa.float64()), pa.field("external_path", pa.string())
+            ),
             pa.field("status", pa.string()),
             pa.field("pruned", pa.bool_()),
             pa.field("windows_scored", pa.int32()),
@@ -130,32 +94,23 @@ def trial_schema() -> pa.Schema:
     )
 
 
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value
-
-
-def _seconds_to_ts(value: Any) -> Any:
-    import datetime as dt
-
+def _cell(value: Any, kind: pa.DataType) -> Any:
     if value is None or isinstance(value, dt.datetime):
         return value
-    return dt.datetime.fromtimestamp(float(value), tz=dt.UTC)
+    if pa.types.is_timestamp(kind):  # float seconds, as time.time() gives them
+        return dt.datetime.fromtimestamp(float(value), tz=dt.UTC)
+    if pa.types.is_floating(kind):
+        return None if math.isnan(float(value)) else float(value)
+    return value
 
 
 def to_table(rows: Iterable[Mapping[str, Any]], schema: pa.Schema) -> pa.Table:
     """A table of ``rows`` in ``schema``: missing columns are null, extra keys are dropped,
     NaN becomes null, float seconds become timestamps."""
     rows = list(rows)
-    columns = {}
-    for f in schema:
-        values = [row.get(f.name) for row in rows]
-        if pa.types.is_timestamp(f.type):
-            values = [_seconds_to_ts(v) for v in values]
-        elif pa.types.is_floating(f.type):
-            values = [None if v is None else _clean(float(v)) for v in values]
-        columns[f.name] = pa.array(values, type=f.type)
+    columns = {
+        f.name: pa.array([_cell(r.get(f.name), f.type) for r in rows], f.type) for f in schema
+    }
     return pa.table(columns, schema=schema)
 
 
@@ -171,7 +126,6 @@ def knob_columns(knobs: Mapping[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "KNOB_PREFIX",
-    "METRIC_FIELDS",
     "Q2_0_BPW",
     "REFERENCES",
     "ROLES",

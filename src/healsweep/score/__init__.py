@@ -4,46 +4,43 @@
 ``decision`` (stats) turn many windows into figures, confidence intervals and a verdict. The teacher
 is cached per window as a compact record by default (``compact``, see docs/teacher-cache.md) or
 as its full log-softmax (``exact``).
+
+The names below are imported on first use, so that ``healsweep.score.record`` (the window record,
+which reading results needs) can be imported without jax.
 """
 
-from healsweep.score.compact import CompactTeacher, TeacherCacheFormat, cache_format
-from healsweep.score.metrics import (
-    WindowMetrics,
-    compact_window_metrics,
-    router_agreement,
-    window_metrics,
-)
-from healsweep.score.runner import check_same_vocab, score_windows, student_model
-from healsweep.score.stats import (
-    Comparison,
-    DecisionRule,
-    StratumChange,
-    Verdict,
-    decision,
-    paired_compare,
-    pooled,
-)
-from healsweep.score.teacher_cache import TeacherOutput, teacher_key, teacher_outputs
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "CompactTeacher",
-    "Comparison",
-    "DecisionRule",
-    "StratumChange",
-    "TeacherCacheFormat",
-    "TeacherOutput",
-    "Verdict",
-    "WindowMetrics",
-    "cache_format",
-    "check_same_vocab",
-    "compact_window_metrics",
-    "decision",
-    "paired_compare",
-    "pooled",
-    "router_agreement",
-    "score_windows",
-    "student_model",
-    "teacher_key",
-    "teacher_outputs",
-    "window_metrics",
-]
+_MODULE_OF = {
+    "CompactTeacher": "compact",
+    "TeacherCacheFormat": "compact",
+    "cache_format": "compact",
+    "WindowMetrics": "record",
+    "WindowRecord": "record",
+    "compact_window_metrics": "metrics",
+    "router_agreement": "metrics",
+    "window_metrics": "metrics",
+    "check_same_vocab": "runner",
+    "score_windows": "runner",
+    "student_model": "runner",
+    "Comparison": "stats",
+    "DecisionRule": "stats",
+    "StratumChange": "stats",
+    "Verdict": "stats",
+    "decision": "stats",
+    "paired_compare": "stats",
+    "pooled": "stats",
+    "TeacherOutput": "teacher_cache",
+    "teacher_key": "teacher_cache",
+    "teacher_outputs": "teacher_cache",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'healsweep.score' has no attribute {name!r}")
+    return getattr(import_module(f"healsweep.score.{_MODULE_OF[name]}"), name)
+
+
+__all__ = sorted(_MODULE_OF)

@@ -12,13 +12,13 @@ them runs through the same cache first, so it warms it. See docs/expert-cache.md
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from healsweep.errors import KnobError
+from healsweep.score.record import CacheWindowStats, per_token
 
 MIB = float(1 << 20)
 _EXPERT_TENSORS = ("gate_exps", "up_exps", "down_exps")
@@ -93,44 +93,6 @@ def layer_capacities(config: ExpertCacheConfig, student: Any) -> list[int]:
             f"{hp.n_expert_used} and {hp.n_expert}"
         )
     return capacities
-
-
-@dataclass(frozen=True)
-class CacheWindowStats:
-    """Expert-cache figures of one window's scored positions, summed over MoE layers."""
-
-    tokens: int
-    lookups: int  # tokens x layers x k
-    misses: int
-    mib: float  # MiB loaded on misses
-
-    def to_dict(self) -> dict[str, Any]:
-        """The window record's cache fields (counts and the per-token figures)."""
-        return {
-            "cache_tokens": self.tokens,
-            "cache_lookups": self.lookups,
-            "cache_misses": self.misses,
-            "cache_mib": self.mib,
-            **per_token(self.tokens, self.lookups, self.misses, self.mib),
-        }
-
-    @classmethod
-    def from_dict(cls, record: dict[str, Any]) -> CacheWindowStats | None:
-        """Inverse of :meth:`to_dict`; None when the record has no cache figures."""
-        if record.get("cache_tokens") is None:
-            return None
-        return cls(int(record["cache_tokens"]), int(record["cache_lookups"]),
-                   int(record["cache_misses"]), float(record["cache_mib"]))  # fmt: skip
-
-
-def per_token(tokens: int, lookups: int, misses: int, mib: float) -> dict[str, float]:
-    """``hit_rate``, ``misses_per_token`` and ``mib_per_token`` from summed counts."""
-    nan = float("nan")
-    return {
-        "hit_rate": 1.0 - misses / lookups if lookups else nan,
-        "misses_per_token": misses / tokens if tokens else nan,
-        "mib_per_token": mib / tokens if tokens else nan,
-    }
 
 
 def pooled_cache(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:

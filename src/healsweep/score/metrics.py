@@ -1,18 +1,16 @@
 """Per-window metrics of a student against its teacher.
 
-One :class:`WindowMetrics` summarises the scored tokens of one window: KL(teacher || student)
-(sum, count, mean and tail quantiles), top-1 agreement, the mean change in the probability of the
-actual next token, both perplexities, and router agreement (Jaccard index of the top-k expert sets
-per token, averaged per layer and overall). The arrays come from :mod:`healsweep.kernels.kld`
+One :class:`~healsweep.score.record.WindowMetrics` summarises the scored tokens of one window:
+KL(teacher || student) (sum, count, mean and tail quantiles), top-1 agreement, the mean change in
+the probability of the actual next token, both perplexities, and router agreement (Jaccard index
+of the top-k expert sets per token, averaged per layer and overall). The arrays come from :mod:`healsweep.kernels.kld`
 (full teacher log-probs) or :mod:`healsweep.kernels.kld_compact` (a compact teacher record); this
 module only reduces them on the host.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -20,6 +18,7 @@ import numpy as np
 
 from healsweep.kernels.kld import token_stats, topk_jaccard
 from healsweep.kernels.kld_compact import compact_token_stats
+from healsweep.score.record import WindowMetrics
 
 QUANTILES = {"kld_p50": 0.5, "kld_p90": 0.9, "kld_p99": 0.99, "kld_p999": 0.999}
 _MIN_ROWS = 8
@@ -38,72 +37,6 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
         return x
     pad = np.zeros((rows - x.shape[0], *x.shape[1:]), dtype=x.dtype)
     return np.concatenate([x, pad])
-
-
-@dataclass(frozen=True)
-class WindowMetrics:
-    """Scores of one window (sums are over its ``kld_count`` scored tokens).
-
-    ``delta_p_mean`` is the mean of ``p_student(next) - p_teacher(next)``: negative when the
-    student is less sure of the token that actually came. ``router_jaccard`` is NaN when router
-    captures were not available; ``router_jaccard_layers`` then is empty.
-    """
-
-    kld_sum: float
-    kld_count: int
-    kld_mean: float
-    top1: float
-    top1_count: int
-    delta_p_mean: float
-    teacher_nll_sum: float
-    student_nll_sum: float
-    router_jaccard: float
-    kld_p50: float
-    kld_p90: float
-    kld_p99: float
-    kld_p999: float
-    kld_max: float
-    router_jaccard_layers: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
-    expert_cache: Any = None  # CacheWindowStats when scored through a simulated expert cache
-
-    @property
-    def teacher_ppl(self) -> float:
-        """Teacher perplexity over the scored tokens."""
-        return math.exp(self.teacher_nll_sum / self.kld_count)
-
-    @property
-    def student_ppl(self) -> float:
-        """Student perplexity over the scored tokens."""
-        return math.exp(self.student_nll_sum / self.kld_count)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready record (floats and ints; per-layer Jaccard as a list)."""
-        record = {
-            name: getattr(self, name)
-            for name in self.__dataclass_fields__
-            if name not in ("router_jaccard_layers", "expert_cache")
-        }
-        record["router_jaccard_layers"] = [float(v) for v in self.router_jaccard_layers]
-        record["teacher_ppl"] = self.teacher_ppl
-        record["student_ppl"] = self.student_ppl
-        if self.expert_cache is not None:
-            record.update(self.expert_cache.to_dict())
-        return record
-
-    @classmethod
-    def from_dict(cls, record: dict[str, Any]) -> WindowMetrics:
-        """Inverse of :meth:`to_dict` (extra keys such as perplexities are ignored)."""
-        from healsweep.score.expert_cache import CacheWindowStats
-
-        names = [
-            n for n in cls.__dataclass_fields__ if n not in ("router_jaccard_layers", "expert_cache")
-        ]
-        layers = np.asarray(record.get("router_jaccard_layers", []), dtype=np.float32)
-        return cls(
-            **{n: record[n] for n in names},
-            router_jaccard_layers=layers,
-            expert_cache=CacheWindowStats.from_dict(record),
-        )
 
 
 def router_agreement(

@@ -12,24 +12,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
+
+from healsweep.score.record import WindowMetrics
 
 _BOOT_CELLS = 4_000_000  # resample indices held at once: bounds memory to ~32 MB
 
 
-class _Scored(Protocol):
-    kld_sum: float
-    kld_count: int
-    top1_count: int
-    delta_p_mean: float
-    teacher_nll_sum: float
-    student_nll_sum: float
-    router_jaccard: float
-
-
-def _columns(metrics: Sequence[_Scored]) -> dict[str, np.ndarray]:
+def _columns(metrics: Sequence[WindowMetrics]) -> dict[str, np.ndarray]:
     return {
         "kld": np.array([m.kld_sum for m in metrics], dtype=np.float64),
         "n": np.array([m.kld_count for m in metrics], dtype=np.float64),
@@ -62,7 +54,7 @@ def _pool(cols: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, Any]:
     }
 
 
-def pooled(metrics: Sequence[_Scored], strata: Sequence[str] | None = None) -> dict[str, Any]:
+def pooled(metrics: Sequence[WindowMetrics], strata: Sequence[str] | None = None) -> dict[str, Any]:
     """Token-pooled figures over windows, plus per-stratum figures and macro means over strata.
 
     Returns ``n_windows, n_tokens, kld_mean, top1, delta_p_mean, teacher_ppl, student_ppl,
@@ -197,8 +189,8 @@ def bootstrap_replicates(
 
 
 def paired_compare(
-    base: Sequence[_Scored],
-    variant: Sequence[_Scored],
+    base: Sequence[WindowMetrics],
+    variant: Sequence[WindowMetrics],
     strata: Sequence[str],
     n_boot: int = 10_000,
     seed: int = 0,
