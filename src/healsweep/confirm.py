@@ -197,11 +197,11 @@ class _Context:
 def load_context(sweep_dir: str | Path) -> _Context:
     """Manifest, spec, teacher, corpus and split of a finished sweep; refuses a sweep whose
     driver still runs, and a model or split that changed since the sweep."""
-    from healsweep.data.corpus import load_corpus
-    from healsweep.data.split import load_split, parity_split, split_lock_id
+    from healsweep.data.split import split_lock_id
     from healsweep.results.store import read_manifest
     from healsweep.sweep.manifest import read_spec
     from healsweep.sweep.status import driver_running
+    from healsweep.sweep.work import spec_split
 
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
@@ -215,8 +215,7 @@ def load_context(sweep_dir: str | Path) -> _Context:
     teacher = sweep_model(
         sweep_dir, spec, manifest, "restore the model the sweep tuned on, or run a new sweep"
     )
-    corpus = load_corpus(spec.corpus)
-    split_cfg = parity_split(corpus) if spec.split == "auto" else load_split(spec.split)
+    corpus, split_cfg = spec_split(spec)
     lock_id = split_lock_id(split_cfg, corpus.documents)
     if manifest.get("split_lock_id") != lock_id:
         raise SplitError(
@@ -270,15 +269,13 @@ def open_grant(
 
 def sealed_windows(ctx: _Context, grant: Any, max_windows: int | None) -> list[Any]:
     """The test windows (needs the grant), sorted by id, cut round-robin over strata when capped."""
-    from healsweep.data.chat_template import model_chat_format
     from healsweep.data.windows import interleave_strata, make_windows
+    from healsweep.sweep.work import window_options
 
-    scoring = ctx.spec.scoring
-    extra = {} if scoring.max_context is None else {"max_context": scoring.max_context}
+    options = window_options(ctx.spec.scoring, ctx.teacher)
     windows = make_windows(
-        ctx.corpus, ctx.teacher.tokenizer(), ctx.split_cfg, split="test", grant=grant,
-        max_scored=scoring.max_scored, chat=model_chat_format(ctx.teacher), **extra,
-    )  # fmt: skip
+        ctx.corpus, ctx.teacher.tokenizer(), ctx.split_cfg, split="test", grant=grant, **options
+    )
     windows = sorted(windows, key=lambda w: w.window_id)
     if max_windows is not None:
         windows = sorted(interleave_strata(windows, max_windows), key=lambda w: w.window_id)
@@ -293,47 +290,34 @@ def score_config(
     from healsweep.heal.pipeline import build_student
     from healsweep.results.schema import knob_columns
     from healsweep.score.expert_cache import ExpertCacheConfig
+    from healsweep.score.record import WindowRecord
     from healsweep.score.runner import score_windows
 
     knobs = Knobs(**config.knobs)
     student = build_student(ctx.teacher, knobs, ctx.spec.calibration_config(), cache)
+    columns = {
+        "sweep": ctx.spec.name,
+        "trial_id": config.trial_id,
+        "config_hash": config.config_hash,
+        "is_baseline": config.is_baseline,
+        **knob_columns(config.knobs),
+        "pruned": False,
+        "frozen_hash": config.frozen_hash,
+    }
+    scored = score_windows(
+        ctx.teacher,
+        student,
+        windows,
+        cache,
+        batch=ctx.spec.scoring.batch,
+        teacher_cache=ctx.spec.scoring.teacher_cache,
+        expert_cache=ExpertCacheConfig.from_knobs(knobs),  # as the sweep scored it on dev
+    )
     rows: list[dict[str, Any]] = []
-    batch = ctx.spec.scoring.batch
-    for i, (window, metrics) in enumerate(
-        score_windows(
-            ctx.teacher,
-            student,
-            windows,
-            cache,
-            batch=batch,
-            teacher_cache=ctx.spec.scoring.teacher_cache,
-            expert_cache=ExpertCacheConfig.from_knobs(knobs),  # as the sweep scored it on dev
-        )
-    ):
-        row = metrics.to_dict()
-        say(f"  window {i + 1}/{len(windows)} {window.window_id}: KLD {row['kld_mean']:.5f}")
-        rows.append(
-            {
-                "sweep": ctx.spec.name,
-                "trial_id": config.trial_id,
-                "config_hash": config.config_hash,
-                "is_baseline": config.is_baseline,
-                **knob_columns(config.knobs),
-                "window_id": window.window_id,
-                "window_index": i,
-                "position": i,
-                "windows_total": len(windows),
-                "stratum": window.stratum,
-                "source": window.source,
-                "doc_id": window.doc_id,
-                "kind": window.kind,
-                **row,
-                "teacher_ppl": metrics.teacher_ppl,
-                "student_ppl": metrics.student_ppl,
-                "pruned": False,
-                "frozen_hash": config.frozen_hash,
-            }
-        )
+    for i, (window, metrics) in enumerate(scored):
+        say(f"  window {i + 1}/{len(windows)} {window.window_id}: KLD {metrics.kld_mean:.5f}")
+        record = WindowRecord.of(window, metrics, i, len(windows), i)
+        rows.append({**record.to_dict(), **columns})
     return rows
 
 
@@ -419,10 +403,10 @@ def confirm(
     milestone already opened on this split (``--resume`` continues one without a result), and a
     split other than the ledger's latest unless ``allow_split_change``.
     """
+    from healsweep._atomic import atomic_write_text
     from healsweep.cache import StageCache
     from healsweep.ledger import Ledger
-    from healsweep.results.schema import to_table
-    from healsweep.results.store import atomic_write_table, atomic_write_text
+    from healsweep.results.store import write_windows
 
     say = progress or (lambda message: None)
     if max_windows is not None and max_windows < 1:
@@ -448,7 +432,7 @@ def confirm(
         row.update(milestone=milestone, split_lock_id=ctx.lock_id)
     out = milestone_dir(sweep_dir, milestone)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_table(to_table(rows, result_schema()), out / WINDOWS_FILE)
+    write_windows(rows, out / WINDOWS_FILE, result_schema())
     result_hash = file_sha256(out / WINDOWS_FILE)
     summary = {
         "sweep": ctx.spec.name,
@@ -466,10 +450,10 @@ def confirm(
     }
     # The summary is on disk before the result is recorded, so a crash in between leaves it
     # readable (the report marks it "not in ledger") rather than a recorded result with no summary.
-    atomic_write_text(_dumps(summary), out / SUMMARY_FILE)
+    atomic_write_text(out / SUMMARY_FILE, _dumps(summary))
     entry = ledger.record_result(grant, result_hash)
     summary.update(result_entry_hash=entry["hash"], confirmed_at=entry["time"])
-    atomic_write_text(_dumps(summary), out / SUMMARY_FILE)
+    atomic_write_text(out / SUMMARY_FILE, _dumps(summary))
     say(f"recorded result {result_hash[:12]}... in {ledger.path}; wrote {out / SUMMARY_FILE}")
     return summary
 

@@ -272,8 +272,8 @@ def write_report(
     (``summary`` = an already computed :func:`summarize` of the same folder; ``confirmed`` = the
     milestones `healsweep confirm` opened, :func:`healsweep.confirm.read_confirmed`, shown dev
     beside test — passed in, since results sit below confirm in the layer order)."""
+    from healsweep._atomic import atomic_write_text
     from healsweep.results.plots import write_plots
-    from healsweep.results.store import atomic_write_text
 
     sweep_dir = Path(sweep_dir)
     summary = summary or summarize(sweep_dir, n_boot=n_boot, seed=seed)
@@ -283,8 +283,8 @@ def write_report(
     relative = {caption: path.name for caption, path in plots.items()}
     md, page = out / "report.md", out / "report.html"
     confirmed = confirmed or []
-    atomic_write_text(render_markdown(summary, relative, confirmed), md)
-    atomic_write_text(render_html(summary, relative, confirmed), page)
+    atomic_write_text(md, render_markdown(summary, relative, confirmed))
+    atomic_write_text(page, render_html(summary, relative, confirmed))
     return {"markdown": md, "html": page, **{c: p for c, p in plots.items()}}
 
 

@@ -2,9 +2,8 @@
 
 Layout of ``RESULTS/<sweep>/``:
 
-- ``windows/part-<trial>-<seq>.parquet``: rows of a running trial, one small file per reported
-  window, each written to a dot-file and renamed, so a crash loses no finished window and
-  readers never see half a file (pyarrow skips dot-files);
+- ``windows/part-<trial>-<seq>.parquet``: rows of a running trial, a small file per report, each
+  written atomically, so a crash loses no finished window and readers never see half a file;
 - ``windows/trial-<trial>.parquet``: a finished trial's rows consolidated into one file with the
   final ``pruned`` flag (its part files are removed after the rename);
 - ``trials.parquet``: one row per trial; ``manifest.json`` and ``spec.json``: what ran.
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from healsweep._atomic import atomic_path
-from healsweep._atomic import atomic_write_text as _atomic_write_text
 from healsweep.errors import ResultsError
-from healsweep.results.schema import trial_schema, window_schema
+from healsweep.results.schema import to_table, trial_schema, window_schema
 
 WINDOWS_DIR = "windows"
 TRIALS_FILE = "trials.parquet"
@@ -44,9 +43,12 @@ def atomic_write_table(table: pa.Table, path: Path) -> None:
         pq.write_table(table, tmp)
 
 
-def atomic_write_text(text: str, path: Path) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`healsweep._atomic.atomic_path`)."""
-    _atomic_write_text(path, text)
+def write_windows(
+    rows: Iterable[Mapping[str, Any]], path: Path, schema: pa.Schema | None = None
+) -> None:
+    """Window rows (a record's columns with its config's) to one Parquet file, atomically, in
+    ``schema`` (default: the windows schema; a column a row lacks is null)."""
+    atomic_write_table(to_table(rows, schema or window_schema()), path)
 
 
 def part_files(windows_dir: Path) -> dict[str, list[Path]]:
@@ -153,7 +155,6 @@ __all__ = [
     "TRIALS_FILE",
     "WINDOWS_DIR",
     "atomic_write_table",
-    "atomic_write_text",
     "consolidate_trial",
     "dedupe",
     "part_files",
@@ -162,4 +163,5 @@ __all__ = [
     "read_windows",
     "tidy_windows_dir",
     "trial_file",
+    "write_windows",
 ]

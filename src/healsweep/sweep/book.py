@@ -14,19 +14,21 @@ from typing import Any
 
 import ray
 
+from healsweep.score.record import WindowRecord
+
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class WindowBook:
-    """``{config_hash: {window_id: record}}`` behind two remote methods."""
+    """``{config_hash: {window_id: WindowRecord}}`` behind two remote methods."""
 
-    def __init__(self, prior: Mapping[str, Mapping[str, dict[str, Any]]]) -> None:
+    def __init__(self, prior: Mapping[str, Mapping[str, WindowRecord]]) -> None:
         self._done = {chash: dict(windows) for chash, windows in prior.items()}
 
-    def add(self, chash: str, record: dict[str, Any]) -> None:
+    def add(self, chash: str, record: WindowRecord) -> None:
         """Record one finished window of config ``chash``."""
-        self._done.setdefault(chash, {})[record["window_id"]] = record
+        self._done.setdefault(chash, {})[record.window_id] = record
 
-    def done(self, chash: str) -> dict[str, dict[str, Any]]:
+    def done(self, chash: str) -> dict[str, WindowRecord]:
         """Every finished window of config ``chash`` (by window id)."""
         return self._done.get(chash, {})
 
@@ -35,7 +37,7 @@ class WindowBook:
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
-def open_book(prior: Mapping[str, Mapping[str, dict[str, Any]]]) -> Any:
+def open_book(prior: Mapping[str, Mapping[str, WindowRecord]]) -> Any:
     """Start the book on the head node with the windows finished so far.
 
     Not on "the driver's node": a driver on a machine that hosts several nodes (or a worker)

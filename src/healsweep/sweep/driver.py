@@ -25,28 +25,16 @@ from ray.tune.search.optuna import OptunaSearch
 
 from healsweep.errors import ResultsError, SpecError
 from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials, read_windows
+from healsweep.score.record import WindowRecord
 from healsweep.sweep.fixed import run_fixed
 from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
-from healsweep.sweep.space import baseline_point, grid_configs, optuna_space, planned_trials
+from healsweep.sweep.space import baseline_point, grid_configs, optuna_space
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import TARGET_METRIC, sweep_trial
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
 KEEP_CHECKPOINTS = 8
-_TUNE_RESERVED = {
-    "sweep",
-    "trial_id",
-    "config_hash",
-    "is_baseline",
-    "role",
-    "label",
-    "pruned",
-    "written_at",
-    "windows_done",
-    "running_kld_mean",
-    "running_top1",
-}
 _RAY_NAMES = {"cpu": "CPU", "gpu": "GPU"}  # spec/Tune spelling -> ray.cluster_resources()
 
 
@@ -197,16 +185,11 @@ def _local_cpus(spec: SweepSpec, num_cpus: int | None) -> int:
     return max(1, min(os.cpu_count() or 1, spec.max_concurrent * per_trial))
 
 
-def prior_windows(sweep_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
-    """Finished windows per config hash, as trial records, from the sweep's Parquet rows."""
-    table = read_windows(sweep_dir)
-    prior: dict[str, dict[str, dict[str, Any]]] = {}
-    for row in table.to_pylist():
-        record = {
-            k: v for k, v in row.items() if k not in _TUNE_RESERVED and not k.startswith("knob_")
-        }
-        record["scored_at"] = row["scored_at"].timestamp() if row["scored_at"] else None
-        prior.setdefault(row["config_hash"], {})[row["window_id"]] = record
+def prior_windows(sweep_dir: Path) -> dict[str, dict[str, WindowRecord]]:
+    """Finished windows per config hash, from the sweep's Parquet rows."""
+    prior: dict[str, dict[str, WindowRecord]] = {}
+    for row in read_windows(sweep_dir).to_pylist():
+        prior.setdefault(row["config_hash"], {})[row["window_id"]] = WindowRecord.from_dict(row)
     return prior
 
 
@@ -262,15 +245,10 @@ def _scheduler(spec: SweepSpec, sweep_dir: Path) -> Any:
     )
 
 
-def _callbacks(spec: SweepSpec, sweep_dir: Path) -> list[Any]:
-    from healsweep.sweep.progress import ProgressCallback
-    from healsweep.sweep.recorder import ResultsRecorder
-
-    return [ResultsRecorder(sweep_dir, spec), ProgressCallback(sweep_dir, planned_trials(spec))]
-
-
 def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -> Any:
     from ray import tune
+
+    from healsweep.sweep.recorder import ResultsRecorder
 
     search, space, samples = _search(spec)
     return tune.Tuner(
@@ -293,7 +271,7 @@ def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -
             # Each checkpoint holds every finished window of its trial, so only the newest few
             # are kept; Tune snapshots the experiment before deleting one it may still name.
             checkpoint_config=tune.CheckpointConfig(num_to_keep=KEEP_CHECKPOINTS),
-            callbacks=_callbacks(spec, sweep_dir),
+            callbacks=[ResultsRecorder(sweep_dir, spec)],
             verbose=0,
         ),
     )
@@ -360,7 +338,7 @@ def run_sweep(
         with sweep_lock(sweep_dir):
             _refuse_existing(sweep_dir, spec.name)  # another `run` of this name got here first
             start_manifest(sweep_dir, spec, identity, kind="run")
-            run_fixed(spec, sweep_dir, {}, work_fn)  # references, externals: before the trials
+            run_fixed(spec, sweep_dir, work_fn)  # references, externals: before the trials
             register_sink(sweep_dir, on_progress)
             try:
                 _fit(_new_tuner(spec, sweep_dir, {}, work_fn), sweep_dir)
@@ -403,7 +381,7 @@ def resume_sweep(
         start_manifest(sweep_dir, spec, None, kind="resume")
         repair_journal(sweep_dir / JOURNAL_FILE)
         prior = prior_windows(sweep_dir)
-        run_fixed(spec, sweep_dir, prior, work_fn)  # only what is not completed yet
+        run_fixed(spec, sweep_dir, work_fn)  # only what is not completed yet
         register_sink(sweep_dir, on_progress)
         try:
             if _has_experiment_state(sweep_dir) and tune.Tuner.can_restore(str(sweep_dir)):

@@ -1,18 +1,12 @@
 """Reference and external rows: fixed configs scored on the sweep's dev windows beside the trials.
 
-- ``unhealed``: the baseline's quantizer and knobs with Part A and Part B off (``alpha: none``,
-  ``ridge: false``) — what healing is measured against;
-- ``plain``: round-to-nearest Q2_0 with ``d = amax/2`` (``quantizer: plain``), no healing — what
-  the quantizer's search is measured against;
-- ``external`` entries of the spec: GGUF students made elsewhere (``healsweep baseline llama``).
-
-They run before the Tune experiment, each as one Ray task with a trial's resources (at most
-``max_concurrent`` at once), so the pruner never sees them and the Optuna study is never told
-about them. A task hands back its windows when it finishes; the driver writes them as the config's
-consolidated windows file and its ``trials.parquet`` row (``role`` reference or external), which
-the results recorder then keeps. A config whose row is completed is not run again; one cut short
-(an interrupted driver, a failure) scores only the windows missing from the Parquet rows when the
-sweep is resumed.
+``unhealed`` (the baseline without Part A and Part B), ``plain`` (round-to-nearest Q2_0, no
+healing) and the spec's ``external`` GGUFs (docs/contracts.md). They run before the Tune
+experiment, each as one Ray task with a trial's resources (at most ``max_concurrent`` at once),
+so the pruner never sees them and the Optuna study is never told about them. A task hands back
+its windows when it finishes; the results recorder writes them and the config's
+``trials.parquet`` row. A config whose row is completed is not run again; one cut short scores
+only the windows missing from the Parquet rows when the sweep is resumed.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,23 +22,10 @@ from typing import Any
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
-from healsweep.results.schema import (
-    Q2_0_BPW,
-    knob_columns,
-    to_table,
-    trial_schema,
-    window_schema,
-)
-from healsweep.results.store import (
-    TRIALS_FILE,
-    WINDOWS_DIR,
-    atomic_write_table,
-    consolidate_trial,
-    next_seq,
-    part_files,
-    read_trials,
-)
+from healsweep.results.schema import Q2_0_BPW, knob_columns
+from healsweep.score.record import WindowRecord
 from healsweep.sweep.space import baseline_knobs
+from healsweep.sweep.trial import enable_compilation_cache, scoring_node, trial_seed, window_record
 from healsweep.sweep.work import WorkFn, run_external_work
 
 log = logging.getLogger(__name__)
@@ -79,6 +60,19 @@ class FixedConfig:
         }
         return hashlib.sha256(canonical_json(identity).encode()).hexdigest()[:16]
 
+    def columns(self) -> dict[str, Any]:
+        """Its config columns in the results (an external has no knob columns)."""
+        knobs = {} if self.knobs is None else knob_columns(self.knobs.model_dump())
+        return {
+            "config_hash": self.config_hash,
+            "is_baseline": False,
+            "role": self.role,
+            "label": self.label,
+            "routed_bpw": self.routed_bpw,
+            "external_path": self.path,
+            **knobs,
+        }
+
 
 def reference_knobs(spec: Any, name: str) -> Knobs:
     """The knobs of reference ``name``: the baseline with healing off (``plain``: also its
@@ -112,17 +106,15 @@ def fixed_configs(spec: Any) -> list[FixedConfig]:
 
 def _score_fixed(
     spec: Any, fixed: FixedConfig, done: frozenset, work_fn: WorkFn, external_fn: ExternalFn
-) -> list[dict[str, Any]]:
-    """(A Ray task) score the config's missing windows; their window records."""
-    from healsweep.sweep.trial import _node, enable_compilation_cache, trial_seed, window_record
-
+) -> list[WindowRecord]:
+    """(A Ray task) score the config's missing windows; their records."""
     enable_compilation_cache()
     seed = trial_seed(spec.seed, fixed.config_hash)
     if fixed.knobs is not None:
         results = work_fn(spec, fixed.knobs, done, seed)
     else:
         results = external_fn(spec, fixed.path, done, seed)
-    node = _node()
+    node = scoring_node()
     return [window_record(result, node) for result in results]
 
 
@@ -137,20 +129,19 @@ def _task_options(spec: Any) -> dict[str, Any]:
 
 
 def run_fixed(
-    spec: Any,
-    sweep_dir: Path,
-    prior: Mapping[str, Mapping[str, dict[str, Any]]],
-    work_fn: WorkFn,
-    external_fn: ExternalFn = run_external_work,
+    spec: Any, sweep_dir: Path, work_fn: WorkFn, external_fn: ExternalFn = run_external_work
 ) -> list[FixedConfig]:
-    """Score every fixed config not yet completed (``prior``: finished windows per config
-    hash, from the Parquet rows) and record it; returns the configs that were run."""
+    """Score every fixed config not yet completed (only its windows missing from the Parquet
+    rows) and record it; returns the configs that were run."""
     import ray
 
-    trials = {row["trial_id"]: row for row in read_trials(sweep_dir).to_pylist()}
+    from healsweep.sweep.recorder import ResultsRecorder
+
+    recorder = ResultsRecorder(sweep_dir, spec)
+    recorder.setup()
     pending = []
     for fixed in fixed_configs(spec):
-        row = trials.get(fixed.trial_id)
+        row = recorder.trials.get(fixed.trial_id)
         if row is not None and row["config_hash"] != fixed.config_hash:
             raise ResultsError(
                 f"{sweep_dir}: {fixed.role} {fixed.label!r} is not what the sweep scored before "
@@ -164,7 +155,6 @@ def run_fixed(
     # An unpicklable work function (a ledger grant inside, say) fails here with its own error,
     # as the trainable's check would, not as a Ray serialization error of the first task.
     ray.cloudpickle.dumps(work_fn)
-    (sweep_dir / WINDOWS_DIR).mkdir(parents=True, exist_ok=True)
     task = ray.remote(_score_fixed).options(**_task_options(spec))
     started = time.time()
     waiting = list(pending)
@@ -172,72 +162,23 @@ def run_fixed(
     while waiting or running:
         while waiting and len(running) < spec.max_concurrent:
             fixed = waiting.pop(0)
-            done = frozenset(prior.get(fixed.config_hash, {}))
+            done = frozenset(recorder.pool(fixed.trial_id).window_ids)
             running[task.remote(spec, fixed, done, work_fn, external_fn)] = fixed
         ready, _ = ray.wait(list(running), num_returns=1)
         fixed = running.pop(ready[0])
         try:
-            records = ray.get(ready[0])
-            status = None
+            records, status = ray.get(ready[0]), None
         except Exception as exc:  # recorded as an error row; a resume tries it again
             log.warning("%s %s failed: %s", fixed.role, fixed.label, str(exc).splitlines()[0])
             records, status = [], "error"
-        old = list(prior.get(fixed.config_hash, {}).values())
-        _record(spec, sweep_dir, fixed, old, records, status, started)
+        row = recorder.open(fixed.trial_id, fixed.columns())
+        row.update(started_at=started, n_failures=int(status == "error"))
+        records = sorted(records, key=lambda record: record.position)
+        recorder.record(fixed.trial_id, [record.to_dict() for record in records])
+        pool = recorder.pool(fixed.trial_id)
+        complete = bool(pool.total) and len(pool.window_ids) >= pool.total
+        recorder.finish(fixed.trial_id, status or ("completed" if complete else "running"))
     return pending
-
-
-def _record(spec, sweep_dir, fixed, old, new, status, started) -> None:
-    """Write the new windows (consolidated with any earlier ones) and the config's trial row."""
-    from healsweep.sweep.trial import RunningPool
-
-    base = {
-        "sweep": spec.name,
-        "trial_id": fixed.trial_id,
-        "config_hash": fixed.config_hash,
-        "is_baseline": False,
-        "role": fixed.role,
-        "label": fixed.label,
-        **(knob_columns(fixed.knobs.model_dump()) if fixed.knobs is not None else {}),
-    }
-    pool = RunningPool()
-    for record in sorted(old, key=lambda r: r["position"]):
-        pool.add(record)
-    rows = []
-    for record in sorted(new, key=lambda r: r["position"]):
-        pool.add(record)
-        rows.append(
-            {**record, **base, **pool.summary(), "pruned": False, "written_at": time.time()}
-        )
-    windows_dir = sweep_dir / WINDOWS_DIR
-    if rows:
-        seq = next_seq(part_files(windows_dir).get(fixed.trial_id, []))
-        path = windows_dir / f"part-{fixed.trial_id}-{seq:06d}.parquet"
-        atomic_write_table(to_table(rows, window_schema()), path)
-        consolidate_trial(windows_dir, fixed.trial_id, pruned=False)
-    total = max((int(r["windows_total"]) for r in [*old, *new]), default=None)
-    summary = pool.summary()
-    nodes = sorted({r.get("scored_node_ip") for r in new if r.get("scored_node_ip")})
-    row = {
-        **base,
-        "routed_bpw": fixed.routed_bpw,
-        "external_path": fixed.path,
-        "status": status or ("completed" if total and pool.windows >= total else "running"),
-        "pruned": False,
-        "windows_scored": pool.windows,
-        "windows_total": total,
-        "kld_mean": summary["running_kld_mean"],
-        "top1": summary["running_top1"],
-        "kld_sum": pool.kld_sum,
-        "kld_count": pool.count,
-        "top1_count": pool.top1_count,
-        "n_failures": 1 if status == "error" else 0,
-        "nodes": ",".join(nodes),
-        "started_at": started,
-        "ended_at": time.time(),
-    }
-    trials = [t for t in read_trials(sweep_dir).to_pylist() if t["trial_id"] != fixed.trial_id]
-    atomic_write_table(to_table([*trials, row], trial_schema()), sweep_dir / TRIALS_FILE)
 
 
 __all__ = ["FixedConfig", "fixed_configs", "reference_knobs", "run_fixed"]

@@ -14,13 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from healsweep._atomic import atomic_write_text
 from healsweep.errors import ResultsError
-from healsweep.results.store import (
-    MANIFEST_FILE,
-    SPEC_FILE,
-    atomic_write_text,
-    read_manifest,
-)
+from healsweep.results.store import MANIFEST_FILE, SPEC_FILE, read_manifest
 from healsweep.sweep.space import planned_trials
 from healsweep.sweep.spec import SweepSpec
 
@@ -98,7 +94,7 @@ def start_manifest(
         "versions": _versions(),
     }
     if kind == "run":
-        atomic_write_text(spec.model_dump_json(indent=2), sweep_dir / SPEC_FILE)
+        atomic_write_text(sweep_dir / SPEC_FILE, spec.model_dump_json(indent=2))
         manifest = {
             "sweep": spec.name,
             "spec_hash": spec_hash(spec),
@@ -121,7 +117,7 @@ def start_manifest(
             )
         _check_same_knobs(sweep_dir, manifest)
         manifest["runs"] = [*manifest.get("runs", []), run]
-    atomic_write_text(json.dumps(manifest, indent=2, sort_keys=True), sweep_dir / MANIFEST_FILE)
+    atomic_write_text(sweep_dir / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
 
 

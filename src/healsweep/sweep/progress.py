@@ -1,25 +1,24 @@
 """Live progress of a sweep: trials running/done/pruned/failed, windows scored, best, ETA.
 
-:class:`ProgressCallback` follows Tune's hooks on the driver and hands a :class:`Progress`
-snapshot to a *sink* (a function the caller registers for the sweep's folder, e.g. the CLI's
+The results recorder (:mod:`~healsweep.sweep.recorder`) makes a :class:`Progress` from its trial
+rows and hands it to a *sink*, a function the caller registers for the sweep's folder (the CLI's
 printer). Sinks are looked up at call time from a process-local registry rather than stored on
-the callback, because Tune pickles callbacks into the experiment folder and restores them on
-resume: the restored callback then finds the sink of the process that resumed.
+the recorder, because Tune pickles callbacks into the experiment folder and restores them on
+resume: the restored recorder then finds the sink of the process that resumed.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ray.tune import Callback
 
 from healsweep.results.schema import row_role
-from healsweep.results.store import read_trials
 
 ProgressSink = Callable[["Progress"], None]
 _SINKS: dict[str, ProgressSink] = {}
@@ -32,6 +31,11 @@ def register_sink(sweep_dir: str | Path, sink: ProgressSink | None) -> None:
         _SINKS.pop(key, None)
     else:
         _SINKS[key] = sink
+
+
+def progress_sink(sweep_dir: str | Path) -> ProgressSink | None:
+    """The sink registered for the sweep in ``sweep_dir``, if any."""
+    return _SINKS.get(str(Path(sweep_dir).resolve()))
 
 
 @dataclass
@@ -51,7 +55,42 @@ class Progress:
     eta_s: float = math.nan
     elapsed_s: float = 0.0
     final: bool = False
-    done_trials: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        rows: Sequence[Mapping[str, Any]],
+        planned: int,
+        windows_scored: int,
+        elapsed_s: float,
+        final: bool = False,
+    ) -> Progress:
+        """The progress shown by ``trials.parquet`` rows (reference and external rows are not
+        trials of the experiment) after ``windows_scored`` windows in ``elapsed_s`` seconds."""
+        trials = [t for t in rows if row_role(t) in ("trial", "baseline")]
+        status = Counter(t["status"] for t in trials)
+        running = [t for t in trials if t["status"] in ("running", "retrying")]
+        done = [t for t in trials if t["status"] == "completed" and t["kld_mean"] is not None]
+        best = min(done, key=lambda t: t["kld_mean"], default=None)
+        baseline = next((t for t in done if t["is_baseline"]), None)
+        total = max((t["windows_total"] or 0 for t in trials), default=0)
+        left = sum(total - t["windows_scored"] for t in running)
+        left += max(0, planned - len(trials)) * total
+        return cls(
+            planned=planned,
+            running=len(running),
+            completed=status["completed"],
+            pruned=status["pruned"],
+            failed=status["error"],
+            windows_scored=windows_scored,
+            windows_total=total,
+            best_kld=math.nan if best is None else best["kld_mean"],
+            best_trial="" if best is None else best["trial_id"],
+            baseline_kld=math.nan if baseline is None else baseline["kld_mean"],
+            eta_s=left * elapsed_s / windows_scored if windows_scored and total else math.nan,
+            elapsed_s=elapsed_s,
+            final=final,
+        )
 
     def line(self) -> str:
         """One human line: ``trials 3/12 running 2 pruned 1 failed 0 | windows 130 | best ...``."""
@@ -79,111 +118,11 @@ def _duration(seconds: float) -> str:
 
 
 class ProgressCallback(Callback):
-    """Keeps a :class:`Progress` up to date and sends it to the registered sink."""
-
-    def __init__(self, sweep_dir: str | Path, planned: int, interval_s: float = 2.0) -> None:
-        self.sweep_dir = str(Path(sweep_dir).resolve())
-        self.planned = planned
-        self.interval_s = interval_s
-        self._init_state()
-
-    def _init_state(self) -> None:
-        self.progress = Progress(planned=self.planned)
-        self._running: dict[str, tuple[int, int]] = {}  # trial id -> (windows done, total)
-        self._start = time.time()
-        self._last_sent = 0.0
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"sweep_dir": self.sweep_dir, "planned": self.planned, "interval_s": self.interval_s}
+    """Does nothing: the recorder sends progress now. Kept so that a sweep started by an older
+    healsweep, whose pickled experiment state holds one, can still be resumed."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_state()
-
-    def setup(self, **info: Any) -> None:
-        """Seed the counts from ``trials.parquet`` (non-empty on resume)."""
-        self._init_state()
-        for row in read_trials(self.sweep_dir).to_pylist():
-            if row_role(row) in ("reference", "external"):  # not trials of the experiment
-                continue
-            if row["status"] in ("completed", "pruned", "error"):
-                self._finish(row["trial_id"], row["status"], row["kld_mean"], row["is_baseline"])
-            if row["windows_total"]:
-                self.progress.windows_total = int(row["windows_total"])
-
-    def _finish(self, trial_id: str, status: str, kld: float | None, baseline: bool) -> None:
-        p = self.progress
-        previous = p.done_trials.get(trial_id)
-        if previous == status:
-            return
-        if previous is not None:
-            setattr(p, _COUNTER[previous], getattr(p, _COUNTER[previous]) - 1)
-        p.done_trials[trial_id] = status
-        setattr(p, _COUNTER[status], getattr(p, _COUNTER[status]) + 1)
-        if status == "completed" and kld is not None:
-            if baseline:
-                p.baseline_kld = kld
-            if math.isnan(p.best_kld) or kld < p.best_kld:
-                p.best_kld, p.best_trial = kld, trial_id
-
-    def _send(self, force: bool = False) -> None:
-        now = time.time()
-        if not force and now - self._last_sent < self.interval_s:
-            return
-        self._last_sent = now
-        p = self.progress
-        p.running = len(self._running)
-        p.elapsed_s = now - self._start
-        p.eta_s = self._eta(now)
-        sink = _SINKS.get(self.sweep_dir)
-        if sink is not None:
-            sink(p)
-
-    def _eta(self, now: float) -> float:
-        p = self.progress
-        if not p.windows_scored or not p.windows_total:
-            return math.nan
-        started = len(self._running) + len(p.done_trials)
-        left = sum(total - done for done, total in self._running.values())
-        left += max(0, p.planned - started) * p.windows_total
-        return left * (now - self._start) / p.windows_scored
-
-    def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._running.setdefault(trial.trial_id, (0, self.progress.windows_total))
-        self._send(force=True)
-
-    def on_trial_result(
-        self, iteration: int, trials: list, trial: Any, result: dict, **info: Any
-    ) -> None:
-        if "window_id" not in result:
-            return
-        total = int(result["windows_total"])
-        self.progress.windows_total = total
-        self._running[trial.trial_id] = (int(result["windows_done"]), total)
-        if not result.get("replayed"):
-            self.progress.windows_scored += 1
-        self._send()
-
-    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        done, total = self._running.pop(trial.trial_id, (0, 0))
-        last = trial.last_result or {}
-        pruned = bool(total) and int(last.get("windows_done", done)) < total
-        kld = last.get("running_kld_mean")
-        self._finish(
-            trial.trial_id, "pruned" if pruned else "completed", kld, bool(last.get("is_baseline"))
-        )
-        self._send(force=True)
-
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._running.pop(trial.trial_id, None)
-        self._finish(trial.trial_id, "error", None, False)
-        self._send(force=True)
-
-    def on_experiment_end(self, trials: list, **info: Any) -> None:
-        self.progress.final = True
-        self._send(force=True)
+        pass
 
 
-_COUNTER = {"completed": "completed", "pruned": "pruned", "error": "failed"}
-
-__all__ = ["Progress", "ProgressCallback", "ProgressSink", "register_sink"]
+__all__ = ["Progress", "ProgressSink", "progress_sink", "register_sink"]

@@ -1,29 +1,25 @@
-"""The driver-side Tune callback that turns reported windows into Parquet rows as they arrive.
+"""The driver's record of a sweep: window rows to Parquet as they arrive, ``trials.parquet``, and
+the live progress, for the Tune trials (as a Tune callback) and for the fixed rows alike.
 
 Each window result becomes one row written atomically under ``windows/`` before the next result
 is processed, so a crash of the driver loses no window that reached it. A row already present
 for the same ``(config_hash, window_id)`` (a replay after a retry or a resume) is not written
 again. When a trial ends its rows are consolidated with the final ``pruned`` flag, and
-``trials.parquet`` is rewritten. All state is reloaded from the folder in ``setup``, so a
-restored sweep picks up where the files left off.
+``trials.parquet`` is rewritten. The Parquet rows are the record of what is finished: ``setup``
+rebuilds every count from them (and each trial's status from ``trials.parquet``), so a restored
+sweep picks up where the files left off.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ray.tune import Callback
 
-from healsweep.results.schema import (
-    Q2_0_BPW,
-    knob_columns,
-    row_role,
-    to_table,
-    trial_schema,
-    window_schema,
-)
+from healsweep.results.schema import KNOB_PREFIX, Q2_0_BPW, knob_columns, to_table, trial_schema
 from healsweep.results.store import (
     TRIALS_FILE,
     WINDOWS_DIR,
@@ -34,8 +30,20 @@ from healsweep.results.store import (
     read_trials,
     read_windows,
     tidy_windows_dir,
+    write_windows,
 )
-from healsweep.sweep.space import baseline_knobs, config_hash, resolve_knobs
+from healsweep.sweep.progress import Progress, progress_sink
+from healsweep.sweep.space import baseline_knobs, config_hash, planned_trials, resolve_knobs
+from healsweep.sweep.trial import RunningPool
+
+PROGRESS_EVERY_S = 2.0
+# The columns of a window row that say who scored it (with the knob columns).
+_CONFIG = ("sweep", "trial_id", "config_hash", "is_baseline", "role", "label")
+# What setup reads of the window rows: their keys and what a trial's row sums.
+_COUNTED = [
+    *("trial_id", "config_hash", "window_id", "windows_total", "scored_node_ip"),
+    *("kld_sum", "kld_count", "top1", "top1_count"),
+]
 
 
 class ResultsRecorder(Callback):
@@ -47,10 +55,14 @@ class ResultsRecorder(Callback):
         self._reset()
 
     def _reset(self) -> None:
-        self.trials: dict[str, dict[str, Any]] = {}
-        self._seen: set[tuple[str, str]] = set()
-        self._seq: dict[str, int] = {}
-        self.rows_written = 0
+        self.trials: dict[str, dict[str, Any]] = {}  # trial id -> its trials.parquet row
+        self.pools: dict[str, RunningPool] = {}  # trial id -> its recorded windows
+        self._seen: set[tuple[str, str]] = set()  # (config hash, window id) of every row
+        self._seq: dict[str, int] = {}  # trial id -> number of its next part file
+        self._planned = planned_trials(self.spec)
+        self._started = time.time()
+        self._scored = 0  # windows scored in this session (replays excluded)
+        self._sent = 0.0
 
     def __getstate__(self) -> dict[str, Any]:
         return {"sweep_dir": self.sweep_dir, "spec": self.spec}
@@ -64,66 +76,97 @@ class ResultsRecorder(Callback):
         """``RESULTS/<sweep>/windows``."""
         return self.sweep_dir / WINDOWS_DIR
 
-    # Loading -------------------------------------------------------------------------------
-
     def setup(self, **info: Any) -> None:
         """Reload everything from the folder (a fresh sweep finds it empty)."""
         self._reset()
         self.windows_dir.mkdir(parents=True, exist_ok=True)
         tidy_windows_dir(self.windows_dir)
-        for row in read_trials(self.sweep_dir).to_pylist():
-            row["windows"] = {}
-            row["node_set"] = set(filter(None, (row.get("nodes") or "").split(",")))
-            self.trials[row["trial_id"]] = row
-        rows = read_windows(self.sweep_dir)
-        for row in rows.select(
-            [
-                "trial_id",
-                "config_hash",
-                "window_id",
-                "kld_sum",
-                "kld_count",
-                "top1_count",
-                "windows_total",
-            ]
-        ).to_pylist():
+        self.trials = {row["trial_id"]: row for row in read_trials(self.sweep_dir).to_pylist()}
+        for row in read_windows(self.sweep_dir).select(_COUNTED).to_pylist():
+            self.pool(row["trial_id"]).add(row)
             self._seen.add((row["config_hash"], row["window_id"]))
-            trial = self.trials.get(row["trial_id"])
-            if trial is not None:
-                trial["windows"][row["window_id"]] = _sums(row)
-        for trial_id, paths in part_files(self.windows_dir).items():
-            self._seq[trial_id] = next_seq(paths)
+        self._seq = {
+            trial: next_seq(paths) for trial, paths in part_files(self.windows_dir).items()
+        }
 
-    def _trial(self, trial: Any) -> dict[str, Any]:
-        row = self.trials.get(trial.trial_id)
-        if row is None:
+    def pool(self, trial_id: str) -> RunningPool:
+        """The windows recorded for ``trial_id``."""
+        return self.pools.setdefault(trial_id, RunningPool())
+
+    def open(self, trial_id: str, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``trials.parquet`` row of ``trial_id``, made from its ``config`` columns (config
+        hash, role, knobs, ...) when it has none yet."""
+        if trial_id not in self.trials:
+            new = {"sweep": self.spec.name, "trial_id": trial_id, **config, "status": "pending"}
+            self.trials[trial_id] = {**new, "pruned": False, "n_failures": 0, "started_at": None}
+        return self.trials[trial_id]
+
+    def record(self, trial_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Count window rows (flat window records) of an open trial and write those not
+        recorded yet as one part file, with the trial's config columns and its running figures
+        (those of the row when it has them, as a Tune result does)."""
+        trial = self.trials[trial_id]
+        pool = self.pool(trial_id)
+        config = {k: v for k, v in trial.items() if k in _CONFIG or k.startswith(KNOB_PREFIX)}
+        new, keys = [], set()
+        for row in rows:
+            pool.add(row)
+            key = (trial["config_hash"], row["window_id"])
+            if key not in self._seen and key not in keys:
+                keys.add(key)
+                written = {"pruned": False, "written_at": time.time()}
+                new.append({**pool.summary(), **row, **config, **written})
+        if not new:
+            return
+        seq = self._seq.get(trial_id, 0)
+        write_windows(new, self.windows_dir / f"part-{trial_id}-{seq:06d}.parquet")
+        self._seq[trial_id] = seq + 1
+        self._seen.update(keys)
+
+    def finish(self, trial_id: str, status: str) -> None:
+        """End a trial with ``status``: consolidate its rows, rewrite ``trials.parquet``."""
+        row = self.trials[trial_id]
+        row.update(status=status, ended_at=time.time())
+        consolidate_trial(self.windows_dir, trial_id, pruned=row["pruned"])
+        self._seq.pop(trial_id, None)
+        self._write_trials()
+
+    def trial_rows(self) -> list[dict[str, Any]]:
+        """The rows of ``trials.parquet`` as they stand."""
+        return [{**row, **self.pool(tid).totals()} for tid, row in self.trials.items()]
+
+    def _write_trials(self, final: bool = False) -> None:
+        table = to_table(self.trial_rows(), trial_schema())
+        atomic_write_table(table, self.sweep_dir / TRIALS_FILE)
+        self._progress(force=True, final=final)
+
+    def _progress(self, force: bool = False, final: bool = False) -> None:
+        now = time.time()
+        sink = progress_sink(self.sweep_dir)
+        if sink is None or (not force and now - self._sent < PROGRESS_EVERY_S):
+            return
+        self._sent = now
+        elapsed = now - self._started
+        sink(Progress.of(self.trial_rows(), self._planned, self._scored, elapsed, final))
+
+    # Tune hooks ----------------------------------------------------------------------------
+
+    def _tune_trial(self, trial: Any) -> dict[str, Any]:
+        if trial.trial_id not in self.trials:
             knobs = resolve_knobs(self.spec, trial.config)
-            chash = config_hash(knobs)
-            is_baseline = chash == config_hash(baseline_knobs(self.spec))
-            row = {
-                "sweep": self.spec.name,
-                "trial_id": trial.trial_id,
-                "config_hash": chash,
+            is_baseline = config_hash(knobs) == config_hash(baseline_knobs(self.spec))
+            config = {
+                "config_hash": config_hash(knobs),
                 "is_baseline": is_baseline,
                 "role": "baseline" if is_baseline else "trial",
                 "routed_bpw": Q2_0_BPW,
                 **knob_columns(knobs.model_dump()),
-                "status": "pending",
-                "pruned": False,
-                "windows_total": None,
-                "n_failures": 0,
-                "started_at": None,
-                "ended_at": None,
-                "windows": {},
-                "node_set": set(),
             }
-            self.trials[trial.trial_id] = row
-        return row
-
-    # Tune hooks ----------------------------------------------------------------------------
+            self.open(trial.trial_id, config)
+        return self.trials[trial.trial_id]
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        row = self._trial(trial)
+        row = self._tune_trial(trial)
         row["status"] = "running"
         row["started_at"] = row["started_at"] or time.time()
         self._write_trials()
@@ -133,94 +176,29 @@ class ResultsRecorder(Callback):
     ) -> None:
         if "window_id" not in result:
             return
-        row = self._trial(trial)
-        row["status"] = "running"
-        row["windows_total"] = int(result["windows_total"])
-        row["windows"][result["window_id"]] = _sums(result)
-        if result.get("scored_node_ip"):
-            row["node_set"].add(str(result["scored_node_ip"]))
-        key = (str(result["config_hash"]), str(result["window_id"]))
-        if key in self._seen:
-            return
-        record = {
-            **result,
-            "sweep": self.spec.name,
-            "trial_id": trial.trial_id,
-            "role": row_role(row),
-            **{k: v for k, v in row.items() if k.startswith("knob_")},
-            "pruned": False,
-            "written_at": time.time(),
-        }
-        seq = self._seq.get(trial.trial_id, 0)
-        path = self.windows_dir / f"part-{trial.trial_id}-{seq:06d}.parquet"
-        atomic_write_table(to_table([record], window_schema()), path)
-        self._seq[trial.trial_id] = seq + 1
-        self._seen.add(key)
-        self.rows_written += 1
+        self._tune_trial(trial)["status"] = "running"
+        self.record(trial.trial_id, [result])
+        self._scored += not result.get("replayed")
+        self._progress()
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        row = self._trial(trial)
-        total = row["windows_total"]
-        row["pruned"] = total is not None and len(row["windows"]) < total
-        row["status"] = "pruned" if row["pruned"] else "completed"
-        self._finish(trial, row)
+        row, pool = self._tune_trial(trial), self.pool(trial.trial_id)
+        row["pruned"] = bool(pool.total) and len(pool.window_ids) < pool.total
+        self.finish(trial.trial_id, "pruned" if row["pruned"] else "completed")
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        row = self._trial(trial)
-        row["status"] = "error"
+        row = self._tune_trial(trial)
         row["n_failures"] = int(getattr(trial, "num_failures", row["n_failures"] + 1))
-        self._finish(trial, row)
+        self.finish(trial.trial_id, "error")
 
     def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        row = self._trial(trial)
+        row = self._tune_trial(trial)
         row["n_failures"] = int(getattr(trial, "num_failures", row["n_failures"] + 1))
         row["status"] = "retrying"
         self._write_trials()
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
-        self._write_trials()
-
-    # Writing -------------------------------------------------------------------------------
-
-    def _finish(self, trial: Any, row: dict[str, Any]) -> None:
-        row["ended_at"] = time.time()
-        consolidate_trial(self.windows_dir, trial.trial_id, pruned=row["pruned"])
-        self._seq.pop(trial.trial_id, None)
-        self._write_trials()
-
-    def trial_rows(self) -> list[dict[str, Any]]:
-        """The rows of ``trials.parquet`` as they stand."""
-        out = []
-        for row in self.trials.values():
-            sums = row["windows"].values()
-            kld = sum(s[0] for s in sums)
-            count = sum(s[1] for s in sums)
-            top1 = sum(s[2] for s in sums)
-            out.append(
-                {
-                    **{k: v for k, v in row.items() if k not in ("windows", "node_set")},
-                    "windows_scored": len(row["windows"]),
-                    "kld_sum": kld,
-                    "kld_count": count,
-                    "top1_count": top1,
-                    "kld_mean": kld / count if count else None,
-                    "top1": top1 / count if count else None,
-                    "nodes": ",".join(sorted(row["node_set"])),
-                }
-            )
-        return out
-
-    def _write_trials(self) -> None:
-        table = to_table(self.trial_rows(), trial_schema())
-        atomic_write_table(table, self.sweep_dir / TRIALS_FILE)
-
-
-def _sums(record: dict[str, Any]) -> tuple[float, int, int]:
-    count = int(record["kld_count"])
-    top1 = record.get("top1_count")
-    if top1 is None:
-        top1 = round(float(record["top1"]) * count)
-    return float(record["kld_sum"]), count, int(top1)
+        self._write_trials(final=True)
 
 
 __all__ = ["ResultsRecorder"]

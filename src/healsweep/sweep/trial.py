@@ -1,16 +1,14 @@
 """The Ray Tune function trainable of a sweep: one trial = one config, reported window by window.
 
 A trial scores its dev windows in a seeded per-trial order and calls ``tune.report`` after each
-one with the window's metrics, its index in the sweep's fixed global order (the pruner's step),
-and the running token-pooled KLD and top-1. Every ``scoring.checkpoint_every`` windows the report
-carries a small JSON checkpoint of every finished window (``{window_id: record}``).
+one with the window's record, the running token-pooled KLD and top-1, and every
+``scoring.checkpoint_every`` windows a small JSON checkpoint of every finished window.
 
-A trial that starts or restarts learns the windows its config has already finished from three
-places: the driver's :mod:`~healsweep.sweep.book` (filled from the Parquet results when a sweep is
-resumed, and by every trial as it goes, so this works across machines without shared storage),
-and its Tune checkpoint. Finished windows are *replayed* (reported again with their stored
-metrics, flagged ``replayed``), never scored twice; the results writer drops rows it already
-holds, so a replay adds no duplicate.
+A trial that starts or restarts takes the windows its config has already finished from the
+driver's window book (:mod:`~healsweep.sweep.book`: filled from the Parquet rows when a sweep is
+resumed and by every trial as it goes, so this works across machines without shared storage) and
+from its Tune checkpoint. Finished windows are *replayed* (reported again, flagged ``replayed``),
+never scored twice; the results recorder writes no row twice.
 """
 
 from __future__ import annotations
@@ -22,11 +20,13 @@ import socket
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from healsweep.score.record import WindowMetrics, WindowRecord
 from healsweep.sweep.space import baseline_knobs, config_hash, resolve_knobs
-from healsweep.sweep.work import WindowResult, WorkFn
+from healsweep.sweep.work import WorkFn
 
 CHECKPOINT_FILE = "windows.json"
 TARGET_METRIC = "running_kld_mean"
@@ -38,7 +38,8 @@ def trial_seed(sweep_seed: int, chash: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def _node() -> dict[str, str]:
+def scoring_node() -> dict[str, str]:
+    """The ``scored_node_*`` fields of the Ray node this runs on (empty outside a worker)."""
     import ray
 
     try:
@@ -53,54 +54,58 @@ def _node() -> dict[str, str]:
     }
 
 
-def window_record(result: WindowResult, node: Mapping[str, str]) -> dict[str, Any]:
-    """The flat record of one scored window (what the checkpoint and the Parquet row hold)."""
-    return {
-        "window_id": result.window_id,
-        "window_index": result.window_index,
-        "position": result.position,
-        "windows_total": result.windows_total,
-        "stratum": result.stratum,
-        "source": result.source,
-        "doc_id": result.doc_id,
-        "kind": result.kind,
-        **result.metrics,
-        "scored_at": time.time(),
-        **node,
-    }
+def window_record(result: WindowRecord, node: Mapping[str, str]) -> WindowRecord:
+    """``result`` with where (``node``: :func:`scoring_node`) and when it was scored."""
+    return replace(result, scored_at=time.time(), **node)
 
 
 class RunningPool:
-    """Token-pooled KLD and top-1 over the windows seen so far."""
+    """Token-pooled KLD and top-1 over the distinct windows counted so far, the nodes that
+    scored them and the trial's window count: a trial's running figures and the sums of its
+    ``trials.parquet`` row."""
 
     def __init__(self) -> None:
+        self.window_ids: set[str] = set()
+        self.nodes: set[str] = set()
+        self.total = 0  # windows of the trial
         self.kld_sum = 0.0
         self.count = 0
         self.top1_count = 0
-        self.windows = 0
 
-    def add(self, record: Mapping[str, Any]) -> None:
-        """Add one window record."""
-        self.windows += 1
-        self.kld_sum += float(record["kld_sum"])
-        self.count += int(record["kld_count"])
-        top1 = record.get("top1_count")
-        if top1 is None:
-            top1 = round(float(record["top1"]) * int(record["kld_count"]))
-        self.top1_count += int(top1)
+    def add(self, row: Mapping[str, Any]) -> None:
+        """Count one window row (a flat window record); a window counted before is skipped."""
+        self.total = max(self.total, int(row.get("windows_total") or 0))
+        if row.get("scored_node_ip"):
+            self.nodes.add(str(row["scored_node_ip"]))
+        if row["window_id"] in self.window_ids:
+            return
+        metrics = WindowMetrics.from_dict(row)
+        self.window_ids.add(row["window_id"])
+        self.kld_sum += metrics.kld_sum
+        self.count += metrics.kld_count
+        self.top1_count += metrics.top1_count
 
     def summary(self) -> dict[str, float]:
         """``windows_done``, ``running_kld_mean`` and ``running_top1`` (NaN before a token)."""
-        if not self.count:
-            return {
-                "windows_done": self.windows,
-                TARGET_METRIC: float("nan"),
-                "running_top1": float("nan"),
-            }
+        nan = float("nan")
         return {
-            "windows_done": self.windows,
-            TARGET_METRIC: self.kld_sum / self.count,
-            "running_top1": self.top1_count / self.count,
+            "windows_done": len(self.window_ids),
+            TARGET_METRIC: self.kld_sum / self.count if self.count else nan,
+            "running_top1": self.top1_count / self.count if self.count else nan,
+        }
+
+    def totals(self) -> dict[str, Any]:
+        """The columns of a ``trials.parquet`` row that sum its windows."""
+        running = self.summary()
+        return {
+            "windows_scored": len(self.window_ids),
+            "windows_total": self.total or None,
+            "kld_sum": self.kld_sum,
+            "kld_count": self.count,
+            "top1_count": self.top1_count,
+            "kld_mean": running[TARGET_METRIC] if self.count else None,
+            "top1": running["running_top1"] if self.count else None,
+            "nodes": ",".join(sorted(self.nodes)),
         }
 
 
@@ -118,7 +123,7 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _read_checkpoint(checkpoint: Any) -> dict[str, dict[str, Any]]:
+def _read_checkpoint(checkpoint: Any) -> dict[str, WindowRecord]:
     """Finished windows of a trial's checkpoint; {} when it is missing or unreadable (e.g. it
     was written on another node without shared storage): those windows are then scored again
     and the results writer keeps the first row of each."""
@@ -126,16 +131,18 @@ def _read_checkpoint(checkpoint: Any) -> dict[str, dict[str, Any]]:
         return {}
     try:
         with checkpoint.as_directory() as folder:
-            return dict(json.loads((Path(folder) / CHECKPOINT_FILE).read_text())["done"])
+            done = json.loads((Path(folder) / CHECKPOINT_FILE).read_text())["done"]
+            return {window_id: WindowRecord.from_dict(row) for window_id, row in done.items()}
     except (OSError, ValueError, KeyError):
         return {}
 
 
-def _checkpoint(done: Mapping[str, Any], chash: str) -> tuple[Any, str]:
+def _checkpoint(done: Mapping[str, WindowRecord], chash: str) -> tuple[Any, str]:
     from ray import tune
 
     folder = tempfile.mkdtemp(prefix="healsweep-ckpt-")
-    payload = {"version": 1, "config_hash": chash, "done": dict(done)}
+    rows = {window_id: record.to_dict() for window_id, record in done.items()}
+    payload = {"version": 1, "config_hash": chash, "done": rows}
     (Path(folder) / CHECKPOINT_FILE).write_text(json.dumps(payload))
     return tune.Checkpoint.from_directory(folder), folder
 
@@ -156,16 +163,17 @@ def sweep_trial(
     knobs = resolve_knobs(spec, config)
     chash = config_hash(knobs)
     is_baseline = chash == config_hash(baseline_knobs(spec))
-    done: dict[str, dict[str, Any]] = dict(ray.get(book.done.remote(chash)))
+    done: dict[str, WindowRecord] = dict(ray.get(book.done.remote(chash)))
     from_checkpoint = _read_checkpoint(tune.get_checkpoint())
     done.update(from_checkpoint)
     pool = RunningPool()
     every = spec.scoring.checkpoint_every
 
-    def report(record: dict[str, Any], *, replayed: bool, save: bool) -> None:
-        pool.add(record)
+    def report(record: WindowRecord, *, replayed: bool, save: bool) -> None:
+        row = record.to_dict()
+        pool.add(row)
         metrics = {
-            **record,
+            **row,
             "config_hash": chash,
             "is_baseline": is_baseline,
             "replayed": replayed,
@@ -180,19 +188,19 @@ def sweep_trial(
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    replay = sorted(done.values(), key=lambda r: r["position"])
+    replay = sorted(done.values(), key=lambda r: r.position)
     for i, record in enumerate(replay):
         # One checkpoint after the replay when it holds windows the checkpoint did not.
         last = i == len(replay) - 1
         report(record, replayed=True, save=last and len(done) > len(from_checkpoint))
     fresh = 0
-    node = _node()
+    node = scoring_node()
     for result in work_fn(spec, knobs, frozenset(done), trial_seed(spec.seed, chash)):
         record = window_record(result, node)
-        done[result.window_id] = record
+        done[record.window_id] = record
         book.add.remote(chash, record)
         fresh += 1
-        last = pool.windows + 1 == result.windows_total
+        last = len(pool.window_ids) + 1 == record.windows_total
         report(record, replayed=False, save=fresh % every == 0 or last)
 
 
@@ -201,6 +209,7 @@ __all__ = [
     "TARGET_METRIC",
     "RunningPool",
     "enable_compilation_cache",
+    "scoring_node",
     "sweep_trial",
     "trial_seed",
     "window_record",

@@ -1,10 +1,9 @@
 """The one boundary between the sweep and a trial's real work (heal + score).
 
-Everything the orchestrator needs from the healer and the scorer goes through this module:
-:func:`run_trial_work` (build the healed student through the stage caches, then score the dev
-windows one by one in the trial's order) and :func:`sweep_identity` (what the manifest records).
-The trainable calls ``run_trial_work`` through a parameter, so tests can hand it their own
-work function with the same signature.
+:func:`run_trial_work` builds the healed student through the stage caches and scores the dev
+windows one by one in the trial's order (:func:`run_external_work`: a GGUF made elsewhere);
+:func:`sweep_identity` is what the manifest records. The trainable takes the work function as a
+parameter, so tests hand it their own with the same signature.
 
 Only dev windows are ever built here, and never with a ledger grant: a sweep cannot open the
 test split.
@@ -13,35 +12,17 @@ test split.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from healsweep.errors import SplitError
+from healsweep.score.record import WindowRecord
 
-
-@dataclass(frozen=True)
-class WindowResult:
-    """One scored window of one trial.
-
-    ``window_index`` is the window's place in the sweep's fixed global order (window ids sorted),
-    the step the pruner pairs trials on; ``position`` is its place in this trial's shuffled
-    order; ``metrics`` is ``WindowMetrics.to_dict()``.
-    """
-
-    window_id: str
-    window_index: int
-    position: int
-    windows_total: int
-    stratum: str
-    source: str
-    doc_id: str
-    kind: str
-    metrics: dict[str, Any] = field(repr=False)
-
-
-WorkFn = Callable[[Any, Any, Collection[str], int], Iterator[WindowResult]]
+# A work function: (spec, knobs, ids of the windows done, seed) -> a record per window it scores.
+# Work functions of tests and benchmarks build them under this name.
+WindowResult = WindowRecord
+WorkFn = Callable[[Any, Any, Collection[str], int], Iterator[WindowRecord]]
 
 
 def trial_order(n_windows: int, seed: int) -> list[int]:
@@ -49,25 +30,36 @@ def trial_order(n_windows: int, seed: int) -> list[int]:
     return [int(i) for i in np.random.default_rng(seed).permutation(n_windows)]
 
 
-def dev_windows(spec: Any, teacher: Any) -> list[Any]:
-    """The sweep's dev windows in the fixed global order (sorted ids), capped at max_windows."""
-    from healsweep.data.chat_template import model_chat_format
+def spec_split(spec: Any) -> tuple[Any, Any]:
+    """``(corpus, split config)`` of a sweep spec (``split: auto`` is the corpus's parity split)."""
     from healsweep.data.corpus import load_corpus
     from healsweep.data.split import load_split, parity_split
-    from healsweep.data.windows import make_windows
 
     corpus = load_corpus(spec.corpus)
-    split_cfg = parity_split(corpus) if spec.split == "auto" else load_split(spec.split)
-    extra = {} if spec.scoring.max_context is None else {"max_context": spec.scoring.max_context}
+    return corpus, parity_split(corpus) if spec.split == "auto" else load_split(spec.split)
+
+
+def window_options(scoring: Any, teacher: Any) -> dict[str, Any]:
+    """``make_windows`` options of a spec's ``scoring`` (no ``max_context``: the default), in
+    the teacher's chat format."""
+    from healsweep.data.chat_template import model_chat_format
+
+    cap = {} if scoring.max_context is None else {"max_context": scoring.max_context}
+    return {"max_scored": scoring.max_scored, "chat": model_chat_format(teacher), **cap}
+
+
+def dev_windows(spec: Any, teacher: Any) -> list[Any]:
+    """The sweep's dev windows in the fixed global order (sorted ids), capped at max_windows."""
+    from healsweep.data.windows import make_windows
+
+    corpus, split_cfg = spec_split(spec)
     windows = make_windows(
         corpus,
         teacher.tokenizer(),
         split_cfg,
         split="dev",
         grant=None,
-        max_scored=spec.scoring.max_scored,
-        chat=model_chat_format(teacher),
-        **extra,
+        **window_options(spec.scoring, teacher),
     )
     windows = sorted(windows, key=lambda w: w.window_id)
     if spec.scoring.max_windows is not None:
@@ -82,7 +74,7 @@ def dev_windows(spec: Any, teacher: Any) -> list[Any]:
 
 def run_trial_work(
     spec: Any, knobs: Any, windows_done: Collection[str], seed: int
-) -> Iterator[WindowResult]:
+) -> Iterator[WindowRecord]:
     """Heal one config and score its dev windows not in ``windows_done``, one at a time.
 
     Windows come in the trial's seeded order (:func:`trial_order`); the student is built only
@@ -101,7 +93,7 @@ def run_trial_work(
 
 def run_external_work(
     spec: Any, path: str, windows_done: Collection[str], seed: int
-) -> Iterator[WindowResult]:
+) -> Iterator[WindowRecord]:
     """Score the GGUF at ``path`` as the student on the sweep's dev windows (an ``external``
     entry of the spec), like :func:`run_trial_work` scores a healed config."""
     from healsweep.gguf_io import open_model
@@ -115,7 +107,7 @@ def _score_dev(
     windows_done: Collection[str],
     seed: int,
     expert_cache: Any = None,
-) -> Iterator[WindowResult]:
+) -> Iterator[WindowRecord]:
     from healsweep.cache import StageCache
     from healsweep.gguf_io import open_model
     from healsweep.score.runner import score_windows
@@ -140,30 +132,18 @@ def _score_dev(
     )
     for window, metrics in scored:
         wi = index[window.window_id]
-        yield WindowResult(
-            window_id=window.window_id,
-            window_index=wi,
-            position=position[wi],
-            windows_total=len(windows),
-            stratum=window.stratum,
-            source=window.source,
-            doc_id=window.doc_id,
-            kind=window.kind,
-            metrics=metrics.to_dict(),
-        )
+        yield WindowRecord.of(window, metrics, wi, len(windows), position[wi])
 
 
 def sweep_identity(spec: Any) -> dict[str, Any]:
     """What the manifest records about the sweep's inputs: model fingerprint, split lock id."""
-    from healsweep.data.corpus import load_corpus
-    from healsweep.data.split import load_split, parity_split, split_lock_id
+    from healsweep.data.split import split_lock_id
     from healsweep.gguf_io import open_model
     from healsweep.heal.stages import check_quantizable
 
     model = open_model(spec.model)
     check_quantizable(model)  # before any trial starts
-    corpus = load_corpus(spec.corpus)
-    split_cfg = parity_split(corpus) if spec.split == "auto" else load_split(spec.split)
+    corpus, split_cfg = spec_split(spec)
     return {
         "model_fingerprint": model.fingerprint,
         "split_lock_id": split_lock_id(split_cfg, corpus.documents),
@@ -176,6 +156,8 @@ __all__ = [
     "dev_windows",
     "run_external_work",
     "run_trial_work",
+    "spec_split",
     "sweep_identity",
     "trial_order",
+    "window_options",
 ]
