@@ -31,7 +31,7 @@ from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
 from healsweep.sweep.space import baseline_point, grid_configs, optuna_space
 from healsweep.sweep.spec import SweepSpec
-from healsweep.sweep.trial import TARGET_METRIC, sweep_trial
+from healsweep.sweep.trial import TARGET_METRIC, open_book, sweep_trial
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
 KEEP_CHECKPOINTS = 8
@@ -130,27 +130,20 @@ def ray_session(address: str | None, num_cpus: int | None) -> Iterator[None]:
         # An embedded cluster is this process's own: Ray's notice that it enabled token
         # authentication by default (it did; nothing to act on) is noise on the sweep's console.
         auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
-        notice = _DropRecords("Token authentication is enabled for this Ray cluster")
-        auth_log.addFilter(notice)
+        notice = "Token authentication is enabled for this Ray cluster"
+
+        def drop_notice(record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(notice)
+
+        auth_log.addFilter(drop_notice)
         try:
             ray.init(num_cpus=num_cpus, **kwargs)
         finally:
-            auth_log.removeFilter(notice)
+            auth_log.removeFilter(drop_notice)
     try:
         yield
     finally:
         ray.shutdown()
-
-
-class _DropRecords(logging.Filter):
-    """Drops the log records whose message starts with ``prefix``."""
-
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
 
 
 def _quiet_tune() -> None:
@@ -196,8 +189,6 @@ def prior_windows(sweep_dir: Path) -> dict[str, dict[str, WindowRecord]]:
 def _trainable(spec: SweepSpec, prior: dict, work_fn: WorkFn) -> Any:
     import ray
     from ray import tune
-
-    from healsweep.sweep.book import open_book
 
     # Serialize the work function before Tune registers it: an unpicklable one (a ledger grant
     # inside, say) must fail here, not linger in Tune's process-wide parameter registry and
@@ -324,8 +315,6 @@ def run_sweep(
     on_progress: Callable[[Any], None] | None = None,
 ) -> SweepRun:
     """Run a new sweep into ``RESULTS/<spec.name>/``; refuse a folder that already holds one."""
-    from healsweep.sweep.progress import register_sink
-
     root = Path(results_root or spec.results).resolve()
     sweep_dir = root / spec.name
     _refuse_existing(sweep_dir, spec.name)
@@ -338,13 +327,7 @@ def run_sweep(
         with sweep_lock(sweep_dir):
             _refuse_existing(sweep_dir, spec.name)  # another `run` of this name got here first
             start_manifest(sweep_dir, spec, identity, kind="run")
-            run_fixed(spec, sweep_dir, work_fn)  # references, externals: before the trials
-            register_sink(sweep_dir, on_progress)
-            try:
-                _fit(_new_tuner(spec, sweep_dir, {}, work_fn), sweep_dir)
-            finally:
-                register_sink(sweep_dir, None)
-    return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
+            return _run(spec, sweep_dir, work_fn, on_progress)
 
 
 def _refuse_existing(sweep_dir: Path, name: str) -> None:
@@ -353,10 +336,6 @@ def _refuse_existing(sweep_dir: Path, name: str) -> None:
             f"{sweep_dir} already holds sweep {name}; resume it with `healsweep sweep resume "
             f"{sweep_dir}` or give the new sweep another name"
         )
-
-
-def _has_experiment_state(sweep_dir: Path) -> bool:
-    return bool(glob.glob(str(sweep_dir / "experiment_state-*.json")))
 
 
 def resume_sweep(
@@ -369,10 +348,6 @@ def resume_sweep(
 ) -> SweepRun:
     """Finish an interrupted sweep: finished trials are not re-run, finished windows not
     re-scored (they are replayed from the Parquet rows and the trials' checkpoints)."""
-    from ray import tune
-
-    from healsweep.sweep.progress import register_sink
-
     sweep_dir = Path(sweep_dir).resolve()
     spec = read_spec(sweep_dir)
     _quiet_tune()
@@ -380,22 +355,36 @@ def resume_sweep(
         _check_resources(spec)
         start_manifest(sweep_dir, spec, None, kind="resume")
         repair_journal(sweep_dir / JOURNAL_FILE)
-        prior = prior_windows(sweep_dir)
-        run_fixed(spec, sweep_dir, work_fn)  # only what is not completed yet
-        register_sink(sweep_dir, on_progress)
-        try:
-            if _has_experiment_state(sweep_dir) and tune.Tuner.can_restore(str(sweep_dir)):
-                tuner = tune.Tuner.restore(
-                    str(sweep_dir),
-                    trainable=_trainable(spec, prior, work_fn),
-                    resume_unfinished=True,
-                    resume_errored=True,
-                )
-            else:  # killed before Tune saved any state: start over, replaying what is done
-                tuner = _new_tuner(spec, sweep_dir, prior, work_fn)
-            _fit(tuner, sweep_dir)
-        finally:
-            register_sink(sweep_dir, None)
+        return _run(spec, sweep_dir, work_fn, on_progress)
+
+
+def _run(
+    spec: SweepSpec, sweep_dir: Path, work_fn: WorkFn, on_progress: Callable[[Any], None] | None
+) -> SweepRun:
+    """Score the fixed rows not completed yet, then run the Tune experiment: a new one, or the
+    saved one restored (a resumed sweep killed before Tune saved any state starts over,
+    replaying what the Parquet rows hold)."""
+    from ray import tune
+
+    from healsweep.sweep.progress import register_sink
+
+    prior = prior_windows(sweep_dir)
+    run_fixed(spec, sweep_dir, work_fn)  # references, externals: before the trials
+    register_sink(sweep_dir, on_progress)
+    try:
+        saved = glob.glob(str(sweep_dir / "experiment_state-*.json"))
+        if saved and tune.Tuner.can_restore(str(sweep_dir)):
+            tuner = tune.Tuner.restore(
+                str(sweep_dir),
+                trainable=_trainable(spec, prior, work_fn),
+                resume_unfinished=True,
+                resume_errored=True,
+            )
+        else:
+            tuner = _new_tuner(spec, sweep_dir, prior, work_fn)
+        _fit(tuner, sweep_dir)
+    finally:
+        register_sink(sweep_dir, None)
     return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
 
 

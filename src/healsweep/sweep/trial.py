@@ -1,14 +1,12 @@
-"""The Ray Tune function trainable of a sweep: one trial = one config, reported window by window.
+"""The Ray Tune function trainable of a sweep (one trial = one config, reported window by
+window) and the window book its trials share.
 
 A trial scores its dev windows in a seeded per-trial order and calls ``tune.report`` after each
-one with the window's record, the running token-pooled KLD and top-1, and every
-``scoring.checkpoint_every`` windows a small JSON checkpoint of every finished window.
-
-A trial that starts or restarts takes the windows its config has already finished from the
-driver's window book (:mod:`~healsweep.sweep.book`: filled from the Parquet rows when a sweep is
-resumed and by every trial as it goes, so this works across machines without shared storage) and
-from its Tune checkpoint. Finished windows are *replayed* (reported again, flagged ``replayed``),
-never scored twice; the results recorder writes no row twice.
+with the window's record and the running token-pooled KLD and top-1; every
+``scoring.checkpoint_every`` windows the report carries a JSON checkpoint of every finished
+window. A trial that starts or restarts takes the windows its config has finished from the
+:class:`WindowBook` and from its checkpoint, and *replays* them (reports them again, flagged
+``replayed``) instead of scoring them twice; the recorder writes no row twice.
 """
 
 from __future__ import annotations
@@ -24,12 +22,47 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from healsweep.score.record import WindowMetrics, WindowRecord
 from healsweep.sweep.space import baseline_knobs, config_hash, resolve_knobs
 from healsweep.sweep.work import WorkFn
 
 CHECKPOINT_FILE = "windows.json"
 TARGET_METRIC = "running_kld_mean"
+
+
+# Ray gives the head node this resource; Ray Train pins its own state actor the same way.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class WindowBook:
+    """``{config_hash: {window_id: WindowRecord}}`` of one sweep run: trials add each window
+    they finish and ask for their config's when they start, so a trial retried on another
+    machine, which cannot read a checkpoint left on the first one's disk, scores no window
+    twice. It dies with the driver; a resumed sweep fills a new one from the Parquet rows."""
+
+    def __init__(self, prior: Mapping[str, Mapping[str, WindowRecord]]) -> None:
+        self._done = {chash: dict(windows) for chash, windows in prior.items()}
+
+    def add(self, chash: str, record: WindowRecord) -> None:
+        """Record one finished window of config ``chash``."""
+        self._done.setdefault(chash, {})[record.window_id] = record
+
+    def done(self, chash: str) -> dict[str, WindowRecord]:
+        """Every finished window of config ``chash`` (by window id)."""
+        return self._done.get(chash, {})
+
+
+def open_book(prior: Mapping[str, Mapping[str, WindowRecord]]) -> Any:
+    """Start the book on the head node with the windows finished so far.
+
+    Not on "the driver's node": a driver on a machine that hosts several nodes (or a worker)
+    may be attached to a worker node, and a book there dies with that worker, failing every
+    retry of the trials it was meant to rescue. The cluster cannot outlive its head anyway.
+    """
+    return WindowBook.options(resources={HEAD_NODE_RESOURCE: 0.001}).remote(dict(prior))
 
 
 def trial_seed(sweep_seed: int, chash: str) -> int:
@@ -40,8 +73,6 @@ def trial_seed(sweep_seed: int, chash: str) -> int:
 
 def scoring_node() -> dict[str, str]:
     """The ``scored_node_*`` fields of the Ray node this runs on (empty outside a worker)."""
-    import ray
-
     try:
         node_id = ray.get_runtime_context().get_node_id()
         node_ip = ray.util.get_node_ip_address()
@@ -155,8 +186,7 @@ def sweep_trial(
     work_fn: WorkFn,
 ) -> None:
     """The function trainable (wrap with ``tune.with_parameters``); ``book`` is the handle of
-    the sweep's :class:`~healsweep.sweep.book.WindowBook`. See the module docstring."""
-    import ray
+    the sweep's :class:`WindowBook`. See the module docstring."""
     from ray import tune
 
     enable_compilation_cache()
@@ -208,7 +238,9 @@ __all__ = [
     "CHECKPOINT_FILE",
     "TARGET_METRIC",
     "RunningPool",
+    "WindowBook",
     "enable_compilation_cache",
+    "open_book",
     "scoring_node",
     "sweep_trial",
     "trial_seed",
