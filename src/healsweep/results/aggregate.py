@@ -1,11 +1,10 @@
-"""A sweep's results as tables: leaderboard vs the baseline, strata, knob main effects, pruning.
+"""A sweep's results as figures: every config pooled and compared with the baseline and each
+reference row, knob main effects, pruning.
 
-Nothing is recomputed from logits: every figure comes from the per-window rows, pooled and
-compared with :mod:`healsweep.score.stats` (token-pooled means, paired bootstrap over windows,
-the decision rule). A config is identified by its ``config_hash``; a config run by more than one
-trial contributes each window once. Every config is compared with the baseline and with each
-reference row (``unhealed``, ``plain``); the decision rule judges trials and external GGUFs
-only, and main effects and the pruning summary count the Tune trials only.
+Nothing is recomputed from logits: every figure comes from the window records, pooled and
+compared with :mod:`healsweep.score.stats`. A config is identified by its ``config_hash``; a
+config run by more than one trial contributes each window once. The decision rule judges trials
+and external GGUFs only; main effects and the pruning summary count the Tune trials only.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 from healsweep.errors import ResultsError
 from healsweep.results.schema import KNOB_PREFIX, Q2_0_BPW, REFERENCES, row_role
 from healsweep.results.store import read_manifest, read_trials, read_windows
-from healsweep.score.record import WindowMetrics
+from healsweep.score.record import WindowRecord
 
 MAX_LEVELS = 6
 
@@ -31,7 +30,7 @@ class ConfigResult:
     is_baseline: bool
     status: str
     trial_ids: list[str]
-    windows: dict[str, dict[str, Any]] = field(repr=False)
+    windows: dict[str, WindowRecord] = field(repr=False)
     pooled: dict[str, Any] = field(default_factory=dict)
     comparison: Any = None
     verdict: Any = None
@@ -89,7 +88,7 @@ def _configs(rows: list[dict[str, Any]], trials: list[dict[str, Any]]) -> dict[s
     for row in rows:
         config = configs.get(row["config_hash"])
         if config is not None:
-            config.windows.setdefault(row["window_id"], row)
+            config.windows.setdefault(row["window_id"], WindowRecord.from_dict(row))
     return configs
 
 
@@ -112,7 +111,7 @@ def summarize(
         )
     baseline = baselines[0]
     rule = rule or DecisionRule()
-    strata = sorted({r["stratum"] for r in baseline.windows.values()})
+    strata = sorted({w.stratum for w in baseline.windows.values()})
     references = sorted(
         (c for c in configs.values() if c.role == "reference" and c.windows),
         key=lambda c: (REFERENCES.index(c.label) if c.label in REFERENCES else 9, str(c.label)),
@@ -123,9 +122,9 @@ def summarize(
         if config is base or not shared:
             return None
         return paired_compare(
-            [WindowMetrics.from_dict(base.windows[w]) for w in shared],
-            [WindowMetrics.from_dict(config.windows[w]) for w in shared],
-            [base.windows[w]["stratum"] for w in shared],
+            [base.windows[w].metrics for w in shared],
+            [config.windows[w].metrics for w in shared],
+            [base.windows[w].stratum for w in shared],
             n_boot=n_boot,
             seed=seed,
         )
@@ -133,11 +132,8 @@ def summarize(
     for config in configs.values():
         if not config.windows:
             continue
-        ids = sorted(config.windows)
-        config.pooled = pooled(
-            [WindowMetrics.from_dict(config.windows[w]) for w in ids],
-            [config.windows[w]["stratum"] for w in ids],
-        )
+        windows = [config.windows[w] for w in sorted(config.windows)]
+        config.pooled = pooled([w.metrics for w in windows], [w.stratum for w in windows])
         config.comparison = compare(baseline, config)
         if config.comparison is not None and config.role in ("trial", "external"):
             config.verdict = decision(config.comparison, rule)

@@ -19,7 +19,7 @@ COLUMNS = ("hit rate", "MiB/token")
 
 def config_cache(config: ConfigResult) -> dict[str, Any] | None:
     """Token-pooled cache figures of a config's windows (None without a cache)."""
-    return pooled_cache(list(config.windows.values()))
+    return pooled_cache([w.metrics.to_dict() for w in config.windows.values()])
 
 
 def with_cache_columns(
@@ -44,7 +44,7 @@ def with_cache_columns(
 def kld_vs_mib(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
     """Pooled KLD against MiB read per token, one point per config; configs that differ only
     in ``moce_bonus`` are joined in bonus order (the bonus's trade-off curve)."""
-    from healsweep.results.plots import _pyplot
+    from healsweep.results.plots import _pyplot, save
 
     plt = _pyplot()
     points = [(c, f) for c in summary.configs if (f := config_cache(c)) is not None]
@@ -67,10 +67,7 @@ def kld_vs_mib(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
     ax.set_xlabel("MiB of experts read per token (misses x stored expert size)")
     ax.set_ylabel("pooled KLD")
     ax.set_title("quality vs expert I/O per config", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def cache_plots(

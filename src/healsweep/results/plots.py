@@ -30,6 +30,14 @@ def _pyplot():
     return plt
 
 
+def save(fig, path: Path) -> Path:
+    """Write a finished figure to ``path`` and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
 def paired_scatter(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
     """Window KLD of each config vs the baseline's on the same windows."""
     plt = _pyplot()
@@ -40,8 +48,8 @@ def paired_scatter(summary: SweepSummary, path: Path, label: Callable[[ConfigRes
     base = summary.baseline.windows
     for ax, config in zip(axes.flat, others, strict=False):
         shared = [w for w in config.windows if w in base]
-        x = [base[w]["kld_mean"] for w in shared]
-        y = [config.windows[w]["kld_mean"] for w in shared]
+        x = [base[w].metrics.kld_mean for w in shared]
+        y = [config.windows[w].metrics.kld_mean for w in shared]
         ax.scatter(
             x, y, s=10, alpha=0.7, color="tab:red" if config.status == "pruned" else "tab:blue"
         )
@@ -60,10 +68,7 @@ def paired_scatter(summary: SweepSummary, path: Path, label: Callable[[ConfigRes
         ax.tick_params(labelsize=6)
     for ax in list(axes.flat)[len(others) :]:
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 # role -> (marker, colour, legend); a trial is coloured by its verdict instead.
@@ -138,10 +143,7 @@ def forest(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], st
         ax.legend(fontsize=6, loc="best")
     else:
         ax.text(0.5, 0.5, "no config shares windows with the baseline yet", ha="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def _tag(config: ConfigResult) -> str:
@@ -169,10 +171,7 @@ def knob_effects(summary: SweepSummary, path: Path) -> Path:
     if not knobs:
         axes.flat[0].text(0.5, 0.5, "no knob varied across fully scored configs", ha="center")
         axes.flat[0].axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def write_plots(

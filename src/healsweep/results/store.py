@@ -34,7 +34,6 @@ MANIFEST_FILE = "manifest.json"
 SPEC_FILE = "spec.json"
 LOCK_FILE = ".sweep.lock"  # held by the running driver; status probes it shared
 _PART = re.compile(r"^part-(?P<trial>.+)-(?P<seq>\d{6})\.parquet$")
-_TRIAL = re.compile(r"^trial-(?P<trial>.+)\.parquet$")
 
 
 def atomic_write_table(table: pa.Table, path: Path) -> None:
@@ -106,15 +105,11 @@ def consolidate_trial(windows_dir: Path, trial_id: str, pruned: bool) -> int:
 
 def dedupe(table: pa.Table) -> pa.Table:
     """Keep the first row of each ``(config_hash, window_id)``."""
-    if table.num_rows == 0:
-        return table
+    first: dict[tuple[str, str], int] = {}
     keys = zip(table["config_hash"].to_pylist(), table["window_id"].to_pylist(), strict=True)
-    seen: set[tuple[str, str]] = set()
-    keep = []
     for i, key in enumerate(keys):
-        if key not in seen:
-            seen.add(key)
-            keep.append(i)
+        first.setdefault(key, i)
+    keep = list(first.values())  # ascending: a dict keeps its keys in insertion order
     return table if len(keep) == table.num_rows else table.take(pa.array(keep, type=pa.int64()))
 
 
