@@ -85,22 +85,11 @@ def fixed_configs(spec: Any) -> list[FixedConfig]:
     """The spec's references (in ``REFERENCES`` order), then its external entries."""
     from healsweep.gguf_io import open_model, routed_expert_bpw
 
-    out = [
-        FixedConfig("reference", name, reference_knobs(spec, name))
-        for name in spec.reference_names()
-    ]
+    out = [FixedConfig("reference", n, reference_knobs(spec, n)) for n in spec.reference_names()]
     for entry in spec.external:
         model = open_model(entry.path)
-        out.append(
-            FixedConfig(
-                "external",
-                entry.name,
-                None,
-                entry.path,
-                model.fingerprint,
-                routed_expert_bpw(model),
-            )
-        )
+        bpw = routed_expert_bpw(model)
+        out.append(FixedConfig("external", entry.name, None, entry.path, model.fingerprint, bpw))
     return out
 
 

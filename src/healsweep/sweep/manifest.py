@@ -36,13 +36,8 @@ def _versions() -> dict[str, str]:
 
     import healsweep
 
-    return {
-        "healsweep": healsweep.__version__,
-        "ray": ray.__version__,
-        "optuna": optuna.__version__,
-        "pyarrow": pyarrow.__version__,
-        "python": platform.python_version(),
-    }
+    versions = {m.__name__: m.__version__ for m in (healsweep, ray, optuna, pyarrow)}
+    return {**versions, "python": platform.python_version()}
 
 
 def knob_names() -> list[str]:
@@ -69,13 +64,11 @@ def _check_same_knobs(sweep_dir: Path, manifest: dict[str, Any]) -> None:
     current = knob_names()
     if recorded is None or sorted(recorded) == current:
         return
-    added = sorted(set(current) - set(recorded))
-    gone = sorted(set(recorded) - set(current))
-    change = "; ".join(
-        part
-        for part in (f"new knobs {added}" if added else "", f"knobs gone {gone}" if gone else "")
-        if part
+    changes = (
+        ("new knobs", set(current) - set(recorded)),
+        ("knobs gone", set(recorded) - set(current)),
     )
+    change = "; ".join(f"{what} {sorted(names)}" for what, names in changes if names)
     raise ResultsError(
         f"{sweep_dir} was started by a healsweep with other knobs ({change}); resuming would "
         "score its remaining configs under new identities: finish it with the healsweep that "

@@ -26,14 +26,6 @@ KNOB_NAMES: tuple[str, ...] = tuple(Knobs.model_fields)
 _DEFAULTS = Knobs().model_dump()
 
 
-def knob_kind(name: str) -> str:
-    """``float``, ``bool`` or ``categorical`` (from the knob's default value)."""
-    default = _DEFAULTS[name]
-    if isinstance(default, bool):
-        return "bool"
-    return "float" if isinstance(default, float) else "categorical"
-
-
 def config_hash(knobs: Knobs | Mapping[str, Any]) -> str:
     """A short content hash of a full knob set (the identity of a config across trials/runs)."""
     values = knobs.model_dump() if isinstance(knobs, Knobs) else Knobs(**knobs).model_dump()
@@ -106,9 +98,14 @@ def _knobs_or_error(values: Mapping[str, Any], path: tuple, where: str, lines: M
         raise SpecError(f"{at}: field '{path[0]}': {exc}") from None
 
 
+def _value(knob: str, value: Any) -> Any:
+    """``value`` as the knob holds it (``KnobError`` when it is not allowed)."""
+    return Knobs(**{knob: value}).model_dump()[knob]
+
+
 def _check_value(knob: str, value: Any, path: tuple, where: str, lines: Mapping) -> Any:
     try:
-        return Knobs(**{knob: value}).model_dump()[knob]
+        return _value(knob, value)
     except KnobError as exc:
         raise SpecError(
             f"{locate(where, lines, path)}: field '{field_name(path)}': {exc}"
@@ -153,7 +150,7 @@ def _check_dimension(spec: SweepSpec, knob: str, where: str, lines: Mapping) -> 
             f"{at}: field 'search_space.{knob}' = {dict(raw)!r} is not allowed; a range is "
             "{low: number, high: number, log: true|false}"
         )
-    if knob_kind(knob) != "float":
+    if not isinstance(_DEFAULTS[knob], float):
         raise SpecError(
             f"{at}: field 'search_space.{knob}': a range needs a float knob; {knob} takes "
             "discrete values, use {choices: [...]}"
@@ -179,7 +176,7 @@ def _check_baseline_inside(
 ) -> None:
     dim = parse_dimension(spec, knob)
     if isinstance(dim, ChoicesSpec):
-        inside = value in [Knobs(**{knob: c}).model_dump()[knob] for c in dim.choices]
+        inside = value in [_value(knob, c) for c in dim.choices]
     else:
         inside = dim.low <= value <= dim.high
     if not inside:
@@ -195,15 +192,19 @@ def baseline_knobs(spec: SweepSpec) -> Knobs:
     return Knobs(**spec.baseline)
 
 
+def _with_point(spec: SweepSpec, point: Mapping[str, Any]) -> Knobs:
+    """The baseline's knobs, then the fixed ones, then ``point``'s."""
+    fixed = Knobs(**spec.fixed).model_dump(include=set(spec.fixed))
+    return Knobs(**{**baseline_knobs(spec).model_dump(), **fixed, **point})
+
+
 def grid_configs(spec: SweepSpec) -> list[dict[str, Any]]:
     """Full knob dicts of a grid sweep: the baseline first, then the grid without repeats."""
-    base = baseline_knobs(spec).model_dump()
-    fixed = Knobs(**spec.fixed).model_dump(include=set(spec.fixed))
-    configs = [base]
-    seen = {config_hash(base)}
+    configs = [baseline_knobs(spec).model_dump()]
+    seen = {config_hash(configs[0])}
     names = list(spec.search_space)
     for point in itertools.product(*(spec.search_space[k] for k in names)):
-        knobs = Knobs(**{**base, **fixed, **dict(zip(names, point, strict=True))}).model_dump()
+        knobs = _with_point(spec, dict(zip(names, point, strict=True))).model_dump()
         key = config_hash(knobs)
         if key not in seen:
             seen.add(key)
@@ -219,7 +220,7 @@ def optuna_space(spec: SweepSpec) -> dict[str, Any]:
     for knob in spec.search_space:
         dim = parse_dimension(spec, knob)
         if isinstance(dim, ChoicesSpec):
-            choices = [Knobs(**{knob: c}).model_dump()[knob] for c in dim.choices]
+            choices = [_value(knob, c) for c in dim.choices]
             space[knob] = optuna.distributions.CategoricalDistribution(choices)
         else:
             space[knob] = optuna.distributions.FloatDistribution(
@@ -238,10 +239,7 @@ def resolve_knobs(spec: SweepSpec, config: Mapping[str, Any]) -> Knobs:
     """The full knobs of a trial from its Tune config (``{"knobs": {...}}`` or a sampled point)."""
     if "knobs" in config:
         return Knobs(**config["knobs"])
-    base = baseline_knobs(spec).model_dump()
-    fixed = Knobs(**spec.fixed).model_dump(include=set(spec.fixed))
-    point = {k: v for k, v in config.items() if k in KNOB_NAMES}
-    return Knobs(**{**base, **fixed, **point})
+    return _with_point(spec, {k: v for k, v in config.items() if k in KNOB_NAMES})
 
 
 def planned_trials(spec: SweepSpec) -> int:
@@ -256,7 +254,6 @@ __all__ = [
     "check_space",
     "config_hash",
     "grid_configs",
-    "knob_kind",
     "optuna_space",
     "parse_dimension",
     "planned_trials",
