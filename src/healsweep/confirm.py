@@ -153,12 +153,6 @@ def choose_configs(
     return list(picked.values())
 
 
-def _knobs_of(row: dict[str, Any]) -> dict[str, Any]:
-    from healsweep.results.schema import KNOB_PREFIX
-
-    return {k[len(KNOB_PREFIX) :]: v for k, v in row.items() if k.startswith(KNOB_PREFIX)}
-
-
 def milestone_dir(sweep_dir: str | Path, milestone: str) -> Path:
     """``RESULTS/<sweep>/test/<milestone>``."""
     return Path(sweep_dir) / TEST_DIR / milestone
@@ -228,6 +222,7 @@ def load_context(sweep_dir: str | Path) -> _Context:
 
 def freeze_configs(ctx: _Context, trial_ids: Sequence[str] | None) -> list[FrozenConfig]:
     """The configs to confirm (baseline first), each with its frozen hash."""
+    from healsweep.results.schema import knobs_of
     from healsweep.results.store import read_trials
 
     trials = read_trials(ctx.sweep_dir).to_pylist()
@@ -236,9 +231,9 @@ def freeze_configs(ctx: _Context, trial_ids: Sequence[str] | None) -> list[Froze
         FrozenConfig(
             trial_id=row["trial_id"],
             config_hash=row["config_hash"],
-            knobs=_knobs_of(row),
+            knobs=knobs_of(row),
             is_baseline=is_base,
-            frozen_hash=frozen_hash(_knobs_of(row), ctx.teacher.fingerprint, calibration),
+            frozen_hash=frozen_hash(knobs_of(row), ctx.teacher.fingerprint, calibration),
         )
         for row, is_base in choose_configs(trials, trial_ids, ctx.sweep_dir)
     ]

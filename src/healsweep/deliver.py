@@ -108,7 +108,7 @@ def export_trial(
     from healsweep.heal.export import write_healed_gguf
     from healsweep.heal.knobs import Knobs
     from healsweep.heal.pipeline import build_student
-    from healsweep.results.schema import KNOB_PREFIX
+    from healsweep.results.schema import knobs_of
     from healsweep.results.store import read_manifest, read_trials
     from healsweep.sweep.manifest import read_spec
 
@@ -117,7 +117,7 @@ def export_trial(
     spec = read_spec(sweep_dir)
     row = pick_trial(read_trials(sweep_dir).to_pylist(), trial_id, sweep_dir)
     teacher = sweep_model(sweep_dir, spec, manifest, "restore the model the sweep tuned on")
-    knobs = {k[len(KNOB_PREFIX) :]: v for k, v in row.items() if k.startswith(KNOB_PREFIX)}
+    knobs = knobs_of(row)
     calibration = spec.calibration_config()
     identity = calibration_identity(calibration)
     frozen = frozen_hash(knobs, teacher.fingerprint, identity)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from healsweep.errors import ResultsError
-from healsweep.results.schema import KNOB_PREFIX, Q2_0_BPW, REFERENCES, row_role
+from healsweep.results.schema import Q2_0_BPW, REFERENCES, knobs_of, row_role
 from healsweep.results.store import read_manifest, read_trials, read_windows
 from healsweep.score.record import WindowRecord
 
@@ -71,12 +71,11 @@ def _configs(rows: list[dict[str, Any]], trials: list[dict[str, Any]]) -> dict[s
     rank = {"completed": 0, "pruned": 1, "running": 2, "retrying": 2, "error": 3, "pending": 4}
     for trial in trials:
         chash = trial["config_hash"]
-        knobs = {k[len(KNOB_PREFIX) :]: v for k, v in trial.items() if k.startswith(KNOB_PREFIX)}
         role = row_role(trial)
         config = configs.setdefault(
             chash,
             ConfigResult(
-                chash, knobs, role == "baseline", trial["status"], [], {},
+                chash, knobs_of(trial), role == "baseline", trial["status"], [], {},
                 role=role, label=trial.get("label"),
                 # rows from before the column: a trial's routed experts are always Q2_0
                 routed_bpw=trial.get("routed_bpw") or (None if role == "external" else Q2_0_BPW),

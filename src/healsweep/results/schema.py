@@ -124,6 +124,11 @@ def knob_columns(knobs: Mapping[str, Any]) -> dict[str, Any]:
     return {KNOB_PREFIX + name: value for name, value in knobs.items()}
 
 
+def knobs_of(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The knob dict in a row's ``knob_<name>`` columns (inverse of :func:`knob_columns`)."""
+    return {k[len(KNOB_PREFIX) :]: v for k, v in row.items() if k.startswith(KNOB_PREFIX)}
+
+
 __all__ = [
     "KNOB_PREFIX",
     "Q2_0_BPW",
@@ -131,6 +136,7 @@ __all__ = [
     "ROLES",
     "knob_columns",
     "knob_fields",
+    "knobs_of",
     "row_role",
     "to_table",
     "trial_schema",

@@ -156,14 +156,9 @@ class SweepSpec(_Strict):
     references: bool | list[Literal["unhealed", "plain"]] = True
     external: list[ExternalSpec] = Field(default_factory=list)
 
-    @field_validator("sampler", mode="before")
+    @field_validator("sampler", "pruner", mode="before")
     @classmethod
-    def _sampler_shorthand(cls, value: Any) -> Any:
-        return {"type": value} if isinstance(value, str) else value
-
-    @field_validator("pruner", mode="before")
-    @classmethod
-    def _pruner_shorthand(cls, value: Any) -> Any:
+    def _type_shorthand(cls, value: Any) -> Any:  # `sampler: tpe` is `sampler: {type: tpe}`
         return {"type": value} if isinstance(value, str) else value
 
     def calibration_config(self) -> Any:

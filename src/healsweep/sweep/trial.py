@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import socket
 import tempfile
@@ -30,8 +31,6 @@ from healsweep.sweep.work import WorkFn
 
 CHECKPOINT_FILE = "windows.json"
 TARGET_METRIC = "running_kld_mean"
-
-
 # Ray gives the head node this resource; Ray Train pins its own state actor the same way.
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 
@@ -118,24 +117,25 @@ class RunningPool:
 
     def summary(self) -> dict[str, float]:
         """``windows_done``, ``running_kld_mean`` and ``running_top1`` (NaN before a token)."""
-        nan = float("nan")
+        count = self.count or math.nan
         return {
             "windows_done": len(self.window_ids),
-            TARGET_METRIC: self.kld_sum / self.count if self.count else nan,
-            "running_top1": self.top1_count / self.count if self.count else nan,
+            TARGET_METRIC: self.kld_sum / count,
+            "running_top1": self.top1_count / count,
         }
 
     def totals(self) -> dict[str, Any]:
-        """The columns of a ``trials.parquet`` row that sum its windows."""
-        running = self.summary()
+        """The columns of a ``trials.parquet`` row that sum its windows (means None before a
+        token)."""
+        count = self.count or None
         return {
             "windows_scored": len(self.window_ids),
             "windows_total": self.total or None,
             "kld_sum": self.kld_sum,
             "kld_count": self.count,
             "top1_count": self.top1_count,
-            "kld_mean": running[TARGET_METRIC] if self.count else None,
-            "top1": running["running_top1"] if self.count else None,
+            "kld_mean": count and self.kld_sum / count,
+            "top1": count and self.top1_count / count,
             "nodes": ",".join(sorted(self.nodes)),
         }
 
