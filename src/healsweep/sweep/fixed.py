@@ -1,12 +1,9 @@
-"""Reference and external rows: fixed configs scored on the sweep's dev windows beside the trials.
+"""Reference and external rows: fixed configs scored on the sweep's dev windows beside the trials
+(docs/contracts.md, "Sweeps and results").
 
-``unhealed`` (the baseline without Part A and Part B), ``plain`` (round-to-nearest Q2_0, no
-healing) and the spec's ``external`` GGUFs (docs/contracts.md). They run before the Tune
-experiment, each as one Ray task with a trial's resources (at most ``max_concurrent`` at once),
-so the pruner never sees them and the Optuna study is never told about them. A task hands back
-its windows when it finishes; the results recorder writes them and the config's
-``trials.parquet`` row. A config whose row is completed is not run again; one cut short scores
-only the windows missing from the Parquet rows when the sweep is resumed.
+Each runs as one Ray task with a trial's resources before the Tune experiment, so neither the
+pruner nor the Optuna study ever sees it; its windows come back when the task ends and the results
+recorder writes them with the config's ``trials.parquet`` row.
 """
 
 from __future__ import annotations
