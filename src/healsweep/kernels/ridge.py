@@ -55,9 +55,13 @@ def shrink(sigma: jax.Array, lam: float) -> jax.Array:
 @healing_jit
 def eigen_solve(basis: jax.Array, weights: jax.Array, rhs: jax.Array) -> jax.Array:
     """dW = V diag(weights) Vᵀ B [Fs, D]: the ridge solve as two matrix products (float32)."""
-    basis = jnp.asarray(basis, jnp.float32)  # [Fs, Fs] columns = eigenvectors
-    coef = jnp.einsum("fk,fd->kd", basis, jnp.asarray(rhs, jnp.float32))  # Vᵀ B [Fs, D]
-    return basis @ (coef * jnp.asarray(weights, jnp.float32)[:, None])  # [Fs, D]
+    return _weighted_back(basis, coefficients(basis, rhs), weights)
+
+
+def _weighted_back(basis: jax.Array, coef: jax.Array, weights: jax.Array) -> jax.Array:
+    """V diag(weights) C [Fs, D] (V's columns are G's eigenvectors)."""
+    coef = jnp.asarray(coef, jnp.float32) * jnp.asarray(weights, jnp.float32)[:, None]
+    return jnp.asarray(basis, jnp.float32) @ coef
 
 
 @healing_jit
@@ -79,16 +83,14 @@ def eigen_fit(
     coef = jnp.asarray(coef, jnp.float32)
     energy = jnp.einsum("kd,kd->k", coef, coef)  # [Fs]
     sigma = jnp.maximum(jnp.asarray(sigma, jnp.float32), 0.0)
-    delta = jnp.asarray(basis, jnp.float32) @ (coef * weights[:, None])
+    delta = _weighted_back(basis, coef, weights)
     return delta, jnp.sum(weights * energy), jnp.sum(sigma * weights * weights * energy)
 
 
 @healing_jit
 def gram_quadratic(basis: jax.Array, sigma: jax.Array, delta: jax.Array) -> jax.Array:
     """tr(Δᵀ G Δ) = |diag(sigma)^½ Vᵀ Δ|² for Δ [Fs, D], float32 (= |Z' Δ|² without Z')."""
-    coef = jnp.einsum(
-        "fk,fd->kd", jnp.asarray(basis, jnp.float32), jnp.asarray(delta, jnp.float32)
-    )  # [Fs, D]
+    coef = coefficients(basis, delta)  # [Fs, D]
     energy = jnp.einsum("kd,kd->k", coef, coef)  # [Fs]
     return jnp.sum(jnp.maximum(jnp.asarray(sigma, jnp.float32), 0.0) * energy)
 
