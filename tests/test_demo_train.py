@@ -283,3 +283,40 @@ def test_written_gguf_runs_the_same_in_the_runtime_forward(tmp_path) -> None:
     assert held_out.tokens == sum(len(s) - 1 for s in seqs)
     assert held_out.nll == pytest.approx(model_nll(model, seqs), rel=1e-4)
     np.testing.assert_allclose(held_out.expert_share, expert_load(model, seqs), atol=1e-12)
+
+
+def test_presets_small_is_the_shipped_model_and_medium_suits_k_quants(tmp_path) -> None:
+    """``small`` is the shipped architecture and recipe; ``medium`` has rows of 256 (the K- and
+    IQ-quant super-block) and writes its routed experts as Q8_0; an unknown name is one line."""
+    from gguf import GGMLQuantizationType
+
+    from healsweep.demo.build import demo_model_config, demo_preset, demo_train_config
+    from healsweep.errors import SettingError
+
+    assert demo_model_config(6144) == tr.MoEConfig(n_vocab=6144)
+    assert demo_train_config(3) == tr.TrainConfig(seed=3)
+    medium = demo_model_config(6144, "medium")
+    assert (medium.n_layer, medium.n_embd, medium.n_expert, medium.n_expert_used) == (8, 256, 64, 4)
+    assert medium.n_embd % 256 == 0 and medium.n_ff_exp % 256 == 0 and medium.n_ff_shexp > 0
+    assert demo_train_config(0, 10, "medium").steps == 10
+    with pytest.raises(SettingError, match="unknown demo preset 'large'.*small, medium"):
+        demo_preset("large")
+    # the medium layer shapes written with the preset's expert type read back as Q8_0
+    from healsweep.demo.build import write_demo_model
+
+    tokenizer = _tiny_tokenizer()
+    cfg = dataclasses.replace(medium, n_vocab=tokenizer.get_vocab_size(), n_layer=1)
+    qtype = GGMLQuantizationType[demo_preset("medium").expert_type]
+    names = [f"blk.0.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    path = write_demo_model(
+        tmp_path / "m.gguf",
+        tr.init_params(cfg, 0),
+        cfg,
+        tokenizer,
+        types=dict.fromkeys(names, qtype),
+    )
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    assert all(tensors[n].tensor_type == GGMLQuantizationType.Q8_0 for n in names)
+    assert tensors["blk.0.ffn_down_exps.weight"].shape.tolist() == [256, 256, 64]

@@ -66,4 +66,4 @@ class SliceError(HealsweepError):
 
 
 class SettingError(HealsweepError):
-    """An environment setting (``HEALSWEEP_*``) has a value healsweep cannot use."""
+    """An environment setting (``HEALSWEEP_*``) or a build option has a value healsweep cannot use."""

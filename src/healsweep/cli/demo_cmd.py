@@ -75,6 +75,15 @@ def demo_build(
         int | None,
         typer.Option("--steps", min=1, help="Training steps (default: the shipped recipe's)."),
     ] = None,
+    preset: Annotated[
+        str,
+        typer.Option(
+            "--preset",
+            help="Model size: small (the shipped 10 MB model) or medium (8 layers, D 256, 64 "
+            "experts of 256, top-4; rows of 256 for llama.cpp's K- and IQ-quants; train it on a "
+            "GPU).",
+        ),
+    ] = "small",
     figures: Annotated[
         bool,
         typer.Option(
@@ -88,7 +97,7 @@ def demo_build(
     from healsweep.demo.build import build_demo, demo_figures, demo_train_config
     from healsweep.gguf_io import open_model
 
-    recipe = demo_train_config(seed, steps)
+    recipe = demo_train_config(seed, steps, preset)
     typer.echo(
         f"building corpus and tokenizer, then training {recipe.steps} steps of "
         f"{recipe.batch_size}x{recipe.seq_len} tokens (seed {seed}) into {out_dir}"
@@ -99,7 +108,7 @@ def demo_build(
             f"step {log.step:>6}  loss {log.loss:.4f}  nll {log.nll:.4f}  balance {log.aux:.4f}"
         )
 
-    built = build_demo(out_dir, seed=seed, steps=steps, progress=progress)
+    built = build_demo(out_dir, seed=seed, steps=steps, preset=preset, progress=progress)
     times = ", ".join(f"{stage} {sec:.0f} s" for stage, sec in built.seconds.items())
     typer.echo(f"wrote {built.model_path} (trained on {built.backend}; {times})")
     if not figures:
