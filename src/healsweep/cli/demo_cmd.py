@@ -94,12 +94,13 @@ def demo_build(
     """Regenerate the demo corpus, tokenizer and trained MoE model from a seed."""
     _deterministic_gpu_ops()
     from healsweep.data.corpus import load_corpus
-    from healsweep.demo.build import build_demo, demo_figures, demo_train_config
+    from healsweep.demo.build import build_demo, demo_figures, demo_preset, demo_train_config
     from healsweep.gguf_io import open_model
 
     recipe = demo_train_config(seed, steps, preset)
     typer.echo(
-        f"building corpus and tokenizer, then training {recipe.steps} steps of "
+        f"{'copying' if demo_preset(preset).packaged_corpus else 'building'} corpus and "
+        f"tokenizer, then training the {preset} model {recipe.steps} steps of "
         f"{recipe.batch_size}x{recipe.seq_len} tokens (seed {seed}) into {out_dir}"
     )
 

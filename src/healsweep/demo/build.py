@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ class Preset(NamedTuple):
     recipe: dict[str, Any]
     model_file: str
     expert_type: str | None
+    packaged_corpus: bool = False  # train on the shipped corpus and tokenizer, not regenerated
 
 
 PRESETS: dict[str, Preset] = {
@@ -61,6 +63,10 @@ PRESETS: dict[str, Preset] = {
         {"steps": 600, "learning_rate": 2e-3, "warmup_steps": 60},
         "demo-moe-medium.gguf",
         "Q8_0",
+        # the corpus is built from the running Python's standard library, so a rebuild under
+        # another Python version gives other documents; the shipped ones keep the medium model's
+        # dev and test documents those of the shipped demo (and out of its training pool)
+        packaged_corpus=True,
     ),
 }
 
@@ -330,13 +336,16 @@ def build_demo(
     preset: str = "small",
     progress: Callable[..., None] | None = None,
 ) -> DemoBuild:
-    """Regenerate corpus, tokenizer and the ``preset`` model under ``out_dir`` from ``seed``.
+    """Regenerate corpus, tokenizer and the ``preset`` model under ``out_dir`` from ``seed``
+    (a preset with ``packaged_corpus`` copies the shipped corpus and tokenizer instead).
 
     ``progress(log, params)`` is called at every logged training step (see :func:`train`).
     """
     import jax
     from gguf import GGMLQuantizationType
+    from tokenizers import Tokenizer
 
+    from healsweep.bundled import demo_corpus_path, demo_tokenizer_path
     from healsweep.data.corpus import load_corpus
     from healsweep.demo.corpus_builder import DemoCorpusConfig, build_demo_corpus, write_demo_assets
 
@@ -344,14 +353,20 @@ def build_demo(
     out.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
     started = time.perf_counter()
-    built = build_demo_corpus(DemoCorpusConfig(seed=seed))
+    chosen = demo_preset(preset)
     corpus_path, tokenizer_path = out / CORPUS_FILE, out / TOKENIZER_FILE
-    write_demo_assets(built, corpus_path, tokenizer_path)
+    if chosen.packaged_corpus:
+        shutil.copyfile(demo_corpus_path(), corpus_path)
+        shutil.copyfile(demo_tokenizer_path(), tokenizer_path)
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    else:
+        built = build_demo_corpus(DemoCorpusConfig(seed=seed))
+        write_demo_assets(built, corpus_path, tokenizer_path)
+        tokenizer = built.tokenizer
     seconds["corpus_and_tokenizer"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    corpus, tokenizer = load_corpus(corpus_path), built.tokenizer
-    chosen = demo_preset(preset)
+    corpus = load_corpus(corpus_path)
     cfg = demo_model_config(tokenizer.get_vocab_size(), preset)
     recipe = demo_train_config(seed, steps, preset)
     result: TrainResult = train(training_stream(corpus, tokenizer), cfg, recipe, progress=progress)
