@@ -48,11 +48,12 @@ def _verdict(config: ConfigResult) -> str:
     return "ACCEPT" if config.verdict.accepted else "reject"
 
 
+def _ci(rel: float | None, lo: float | None, hi: float | None) -> str:
+    return f"{_pct(rel)} [{_pct(lo)}, {_pct(hi)}]"
+
+
 def _delta(comp: Any, level: float) -> str:
-    if comp is None:
-        return "-"
-    lo, hi = comp.rel_change_ci(level)
-    return f"{_pct(comp.rel_change)} [{_pct(lo)}, {_pct(hi)}]"
+    return "-" if comp is None else _ci(comp.rel_change, *comp.rel_change_ci(level))
 
 
 def _bpw(config: ConfigResult) -> str:
@@ -152,15 +153,6 @@ def _md(table: Table) -> str:
     return "\n".join(lines)
 
 
-def _html(table: Table) -> str:
-    header, rows = table
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows
-    )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
 def _sections(
     summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
 ) -> list[tuple[str, Any]]:
@@ -228,37 +220,26 @@ def render_markdown(
     return "\n".join(out)
 
 
+_STYLE = (
+    "body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:"
+    "collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+    "td:nth-child(2),th:nth-child(2){text-align:left}img{max-width:100%}"
+)
+
+
 def render_html(
     summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
 ) -> str:
-    """The HTML report (same content as the Markdown one)."""
-    style = (
-        "body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:"
-        "collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
-        "td:nth-child(2),th:nth-child(2){text-align:left}img{max-width:100%}"
+    """The HTML report: the Markdown one rendered (raw HTML in a cell is escaped, not passed)."""
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark", {"html": False}).enable("table")
+    title = html.escape(summary.name)
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{_STYLE}"
+        f"</style></head><body>\n{body.render(render_markdown(summary, plots, confirmed))}"
+        "</body></html>"
     )
-    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(summary.name)}",
-           f"</title><style>{style}</style></head><body>",
-           f"<h1>Sweep report: {html.escape(summary.name)}</h1><p>{html.escape(_intro(summary))}</p>"]  # fmt: skip
-    for title, content in _sections(summary, plots, confirmed):
-        out.append(f"<h2>{html.escape(title)}</h2>")
-        if title == "Decision-rule reasons":
-            items = "".join(
-                f"<li><b>{html.escape(n)}</b><ul>"
-                + "".join(f"<li>{html.escape(x)}</li>" for x in lines)
-                + "</ul></li>"
-                for n, lines in content
-            )
-            out.append(f"<ul>{items}</ul>")
-        elif isinstance(content, dict):
-            out += [
-                f"<p><img src='{html.escape(p)}' alt='{html.escape(c)}'></p>"
-                for c, p in content.items()
-            ]
-        else:
-            out.append(_html(content))
-    out.append("</body></html>")
-    return "\n".join(out)
 
 
 def write_report(
@@ -310,30 +291,19 @@ def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
     rows = []
     for entry in milestone["configs"]:
         config = dev.get(entry["config_hash"])
-        name = describe(config, summary.baseline) if config else entry["config_hash"][:12]
-        dev_delta = "-"
-        if config is not None and config.comparison is not None:
-            lo, hi = config.comparison.rel_change_ci(level)
-            dev_delta = f"{_pct(config.comparison.rel_change)} [{_pct(lo)}, {_pct(hi)}]"
         comp, verdict = entry["comparison"], entry["verdict"]
-        test_delta = test_top1 = "-"
-        if comp is not None:
-            lo, hi = (math.nan if v is None else v for v in comp["rel_change_ci"])
-            test_delta = f"{_pct(comp['rel_change'])} [{_pct(lo)}, {_pct(hi)}]"
-            test_top1 = f"{comp['top1_delta_points']:+.2f}"
-        test_verdict = (
-            "baseline" if verdict is None else ("ACCEPT" if verdict["accepted"] else "reject")
-        )
+        dev_cells = ["-"] * 3
+        if config is not None:
+            kld = f"{config.pooled['kld_mean']:.5f}"
+            dev_cells = [kld, _delta(config.comparison, level), _verdict(config)]
         rows.append(
             [
-                name,
-                "-" if config is None else f"{config.pooled['kld_mean']:.5f}",
-                dev_delta,
-                "-" if config is None else _verdict(config),
+                describe(config, summary.baseline) if config else entry["config_hash"][:12],
+                *dev_cells,
                 f"{entry['pooled']['kld_mean']:.5f}",
-                test_delta,
-                test_top1,
-                test_verdict,
+                "-" if comp is None else _ci(comp["rel_change"], *comp["rel_change_ci"]),
+                "-" if comp is None else f"{comp['top1_delta_points']:+.2f}",
+                "baseline" if verdict is None else ("ACCEPT" if verdict["accepted"] else "reject"),
                 milestone.get("integrity", "-"),
             ]
         )
