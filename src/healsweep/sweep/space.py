@@ -45,8 +45,8 @@ def check_space(
 ) -> None:
     """Check baseline, fixed knobs, search space and sample count; raise ``SpecError``."""
     lines = lines or {}
-    baseline = _knobs_or_error(spec.baseline, ("baseline",), where, lines)
-    _knobs_or_error(spec.fixed, ("fixed",), where, lines)
+    baseline = _knobs(spec.baseline, ("baseline",), where, lines)
+    fixed = _knobs(spec.fixed, ("fixed",), where, lines).model_dump()
     for knob in spec.search_space:
         at = locate(where, lines, ("search_space", knob))
         if knob not in KNOB_NAMES:
@@ -78,9 +78,18 @@ def check_space(
             f"{where}: field 'num_samples' is missing; sampler {kind} needs an integer >= 1"
         )
     for knob, value in baseline.model_dump().items():
-        if knob in spec.search_space:
-            _check_baseline_inside(spec, knob, value, where, lines)
-        elif knob in spec.fixed and Knobs(**spec.fixed).model_dump()[knob] != value:
+        dim = parse_dimension(spec, knob) if knob in spec.search_space else None
+        if isinstance(dim, ChoicesSpec):
+            inside = value in [_value(knob, c) for c in dim.choices]
+        else:
+            inside = dim is None or dim.low <= value <= dim.high
+        if not inside:
+            raise SpecError(
+                f"{locate(where, lines, ('search_space', knob))}: the baseline's {knob} = "
+                f"{value!r} lies outside search_space.{knob}; the baseline runs through the "
+                "sampler, so widen the dimension or change the baseline"
+            )
+        if dim is None and knob in spec.fixed and fixed[knob] != value:
             raise SpecError(
                 f"{locate(where, lines, ('fixed', knob))}: field 'fixed.{knob}' = "
                 f"{spec.fixed[knob]!r} differs from the baseline's {value!r}; with sampler {kind} "
@@ -89,13 +98,14 @@ def check_space(
             )
 
 
-def _knobs_or_error(values: Mapping[str, Any], path: tuple, where: str, lines: Mapping) -> Knobs:
+def _knobs(values: Mapping[str, Any], path: tuple, where: str, lines: Mapping) -> Knobs:
+    """``Knobs(**values)``, or a ``SpecError`` naming ``path`` (at the bad knob's line if known)."""
     try:
         return Knobs(**dict(values))
     except KnobError as exc:
         bad = next((k for k in values if f"'{k}'" in str(exc)), None)
         at = locate(where, lines, (*path, bad) if bad else path)
-        raise SpecError(f"{at}: field '{path[0]}': {exc}") from None
+        raise SpecError(f"{at}: field '{field_name(path)}': {exc}") from None
 
 
 def _value(knob: str, value: Any) -> Any:
@@ -104,87 +114,44 @@ def _value(knob: str, value: Any) -> Any:
 
 
 def _check_value(knob: str, value: Any, path: tuple, where: str, lines: Mapping) -> Any:
-    try:
-        return _value(knob, value)
-    except KnobError as exc:
-        raise SpecError(
-            f"{locate(where, lines, path)}: field '{field_name(path)}': {exc}"
-        ) from None
+    return _knobs({knob: value}, path, where, lines).model_dump()[knob]
 
 
 def _check_dimension(spec: SweepSpec, knob: str, where: str, lines: Mapping) -> None:
-    raw = spec.search_space[knob]
-    path = ("search_space", knob)
+    raw, path, sampler = spec.search_space[knob], ("search_space", knob), spec.sampler.type
     at = locate(where, lines, path)
-    sampler = spec.sampler.type
+
+    def bad(why: str) -> SpecError:
+        return SpecError(f"{at}: field 'search_space.{knob}' = {raw!r} is not allowed; {why}")
+
     if sampler == "grid":
         if not isinstance(raw, list) or not raw:
-            raise SpecError(
-                f"{at}: field 'search_space.{knob}' = {raw!r} is not allowed; with sampler grid "
-                "a dimension is a non-empty list of values"
-            )
-        values = [_check_value(knob, v, (*path, i), where, lines) for i, v in enumerate(raw)]
-        _no_repeats(knob, values, at)
+            raise bad("with sampler grid a dimension is a non-empty list of values")
+        values = raw
+    elif not isinstance(raw, Mapping):
+        raise bad(f"with sampler {sampler} a dimension is {{low, high, log}} or {{choices: [...]}}")
+    elif "choices" in raw:
+        if set(raw) != {"choices"} or not isinstance(raw["choices"], list) or not raw["choices"]:
+            raise bad("expected {choices: [v1, v2, ...]} with a non-empty list and no other keys")
+        values, path = raw["choices"], (*path, "choices")
+    else:  # a range
+        if not set(raw) <= {"low", "high", "log"} or not {"low", "high"} <= set(raw):
+            raise bad("a range is {low: number, high: number, log: true|false}")
+        if not isinstance(_DEFAULTS[knob], float):
+            raise bad(f"a range needs a float knob; {knob} is discrete, use {{choices: [...]}}")
+        low, high = (_check_value(knob, raw[k], (*path, k), where, lines) for k in ("low", "high"))
+        log = raw.get("log", False)
+        for failed, why in (
+            (not isinstance(log, bool), f"log = {log!r}; expected true or false"),
+            (not low < high, f"low {low} must be below high {high}"),
+            (log is True and low <= 0, f"a log range needs low > 0, got {low}"),
+        ):
+            if failed:
+                raise SpecError(f"{at}: field 'search_space.{knob}': {why}")
         return
-    if not isinstance(raw, Mapping):
-        raise SpecError(
-            f"{at}: field 'search_space.{knob}' = {raw!r} is not allowed; with sampler {sampler} "
-            "a dimension is {low, high, log} (float knobs) or {choices: [...]}"
-        )
-    keys = set(raw)
-    if "choices" in raw:
-        if keys != {"choices"} or not isinstance(raw["choices"], list) or not raw["choices"]:
-            raise SpecError(
-                f"{at}: field 'search_space.{knob}' = {dict(raw)!r} is not allowed; expected "
-                "{choices: [v1, v2, ...]} with a non-empty list and no other keys"
-            )
-        choices = raw["choices"]
-        values = [
-            _check_value(knob, v, (*path, "choices", i), where, lines)
-            for i, v in enumerate(choices)
-        ]
-        _no_repeats(knob, values, at)
-        return
-    if not keys <= {"low", "high", "log"} or not {"low", "high"} <= keys:
-        raise SpecError(
-            f"{at}: field 'search_space.{knob}' = {dict(raw)!r} is not allowed; a range is "
-            "{low: number, high: number, log: true|false}"
-        )
-    if not isinstance(_DEFAULTS[knob], float):
-        raise SpecError(
-            f"{at}: field 'search_space.{knob}': a range needs a float knob; {knob} takes "
-            "discrete values, use {choices: [...]}"
-        )
-    low = _check_value(knob, raw["low"], (*path, "low"), where, lines)
-    high = _check_value(knob, raw["high"], (*path, "high"), where, lines)
-    log = raw.get("log", False)
-    if not isinstance(log, bool):
-        raise SpecError(f"{at}: field 'search_space.{knob}.log' = {log!r}; expected true or false")
-    if not low < high:
-        raise SpecError(f"{at}: field 'search_space.{knob}': low {low} must be below high {high}")
-    if log and low <= 0:
-        raise SpecError(f"{at}: field 'search_space.{knob}': a log range needs low > 0, got {low}")
-
-
-def _no_repeats(knob: str, values: list[Any], at: str) -> None:
+    values = [_check_value(knob, v, (*path, i), where, lines) for i, v in enumerate(values)]
     if len(set(map(repr, values))) != len(values):
         raise SpecError(f"{at}: field 'search_space.{knob}' lists a value twice: {values!r}")
-
-
-def _check_baseline_inside(
-    spec: SweepSpec, knob: str, value: Any, where: str, lines: Mapping
-) -> None:
-    dim = parse_dimension(spec, knob)
-    if isinstance(dim, ChoicesSpec):
-        inside = value in [_value(knob, c) for c in dim.choices]
-    else:
-        inside = dim.low <= value <= dim.high
-    if not inside:
-        raise SpecError(
-            f"{locate(where, lines, ('search_space', knob))}: the baseline's {knob} = {value!r} "
-            f"lies outside search_space.{knob}; the baseline runs through the sampler, so widen "
-            "the dimension or change the baseline"
-        )
 
 
 def baseline_knobs(spec: SweepSpec) -> Knobs:
