@@ -187,7 +187,7 @@ def spec_from_dict(
     try:
         spec = SweepSpec.model_validate(dict(raw))
     except ValidationError as exc:
-        raise _pydantic_error(exc, raw, where, lines) from None
+        raise _pydantic_error(exc, where, lines) from None
     if spec.split.strip().lower() == "test":
         raise SpecError(
             f"{locate(where, lines, ('split',))}: field 'split' = {spec.split!r}: a sweep tunes "
@@ -243,9 +243,12 @@ def load_spec(path: str | Path, *, check_paths: bool = True) -> SweepSpec:
     return spec
 
 
+_FILES = {"model": "demo", "corpus": "demo", "split": "auto"}  # field -> its value without a file
+
+
 def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
     changes: dict[str, Any] = {}
-    for field, keep in (("model", "demo"), ("corpus", "demo"), ("split", "auto")):
+    for field, keep in _FILES.items():
         value = getattr(spec, field)
         if value != keep and not Path(value).is_absolute():
             changes[field] = str((folder / value).resolve())
@@ -262,7 +265,7 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
 
 
 def _check_paths(spec: SweepSpec, where: str) -> None:
-    for field, keep in (("model", "demo"), ("corpus", "demo"), ("split", "auto")):
+    for field, keep in _FILES.items():
         value = getattr(spec, field)
         if value != keep and not Path(value).is_file():
             raise SpecError(
@@ -324,7 +327,7 @@ def field_name(path: tuple) -> str:
     return out
 
 
-def _pydantic_error(exc: ValidationError, raw: Mapping, where: str, lines: Mapping) -> SpecError:
+def _pydantic_error(exc: ValidationError, where: str, lines: Mapping) -> SpecError:
     err = exc.errors()[0]
     loc = tuple(err["loc"])
     if loc[:1] == ("references",):  # pydantic names the union's member (bool, list[...]) too
@@ -337,9 +340,8 @@ def _pydantic_error(exc: ValidationError, raw: Mapping, where: str, lines: Mappi
         return SpecError(f"{at}: unknown field '{name}'; known fields: {known}")
     if err["type"] == "missing":
         return SpecError(f"{at}: field '{name}' is missing; expected {_allowed(loc) or err['msg']}")
-    value = err.get("input", _lookup(raw, loc))
     allowed = _allowed(loc) or err["msg"]
-    return SpecError(f"{at}: field '{name}' = {value!r} is not allowed; expected {allowed}")
+    return SpecError(f"{at}: field '{name}' = {err['input']!r} is not allowed; expected {allowed}")
 
 
 def _known_fields(parent: str) -> str:
@@ -359,16 +361,6 @@ def _allowed(loc: tuple) -> str | None:
         if len(names) >= cut and ".".join(names[:cut]) in ALLOWED:
             return ALLOWED[".".join(names[:cut])]
     return None
-
-
-def _lookup(raw: Any, loc: tuple) -> Any:
-    value = raw
-    for part in loc:
-        try:
-            value = value[part]
-        except (KeyError, IndexError, TypeError):
-            return "(missing)"
-    return value
 
 
 __all__ = [
