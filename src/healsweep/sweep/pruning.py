@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from optuna.trial import TrialState
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
 from healsweep.sweep.trial import TARGET_METRIC
@@ -77,9 +78,7 @@ def repair_journal(path: str | Path) -> None:
     Call only while no other process writes to the journal (the driver holds the sweep lock).
     """
     path = Path(path)
-    for lock in (Path(f"{path}.lock"),):
-        if lock.is_symlink() or lock.exists():
-            lock.unlink()
+    Path(f"{path}.lock").unlink(missing_ok=True)  # a symlink (Optuna's lock) or a file
     if not path.exists():
         return
     data = path.read_bytes()
@@ -129,10 +128,8 @@ class WindowPruningScheduler(FIFOScheduler):
     def _pruner(self) -> Any:
         import optuna
 
-        if self.kind == "wilcoxon":
-            with (
-                warnings.catch_warnings()
-            ):  # "experimental" since optuna 3.6; the API is what we use
+        if self.kind == "wilcoxon":  # "experimental" since optuna 3.6; the API is what we use
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 return optuna.pruners.WilcoxonPruner(
                     p_threshold=self.p_threshold, n_startup_steps=self.n_startup_steps
@@ -171,7 +168,7 @@ class WindowPruningScheduler(FIFOScheduler):
                     if frozen.state.name == "PRUNED":
                         self.pruned.add(tune_id)
                     continue
-                self._study.tell(frozen.number, state=_trial_state("FAIL"))
+                self._study.tell(frozen.number, state=TrialState.FAIL)
                 self._live[tune_id] = self._new_trial(frozen.user_attrs)
                 for step, value in sorted(frozen.intermediate_values.items()):
                     self._live[tune_id].report(value, step)
@@ -191,11 +188,13 @@ class WindowPruningScheduler(FIFOScheduler):
         if trial.trial_id in self._done:
             return None
         if trial.trial_id not in self._live:
-            self._live[trial.trial_id] = self._new_trial({
-                "tune_trial_id": trial.trial_id,
-                "config_hash": str(result.get("config_hash", "")),
-                "is_baseline": bool(result.get("is_baseline", False)),
-            })
+            self._live[trial.trial_id] = self._new_trial(
+                {
+                    "tune_trial_id": trial.trial_id,
+                    "config_hash": str(result.get("config_hash", "")),
+                    "is_baseline": bool(result.get("is_baseline", False)),
+                }
+            )
             self._steps[trial.trial_id] = {}
         return self._live[trial.trial_id]
 
@@ -204,7 +203,7 @@ class WindowPruningScheduler(FIFOScheduler):
         if state is None:
             self.study.tell(ot_trial, value)
         else:
-            self.study.tell(ot_trial, state=_trial_state(state))
+            self.study.tell(ot_trial, state=TrialState[state])
         self._done[trial.trial_id] = state or "COMPLETE"
         if state == "PRUNED":
             self.pruned.add(trial.trial_id)
@@ -268,12 +267,6 @@ class WindowPruningScheduler(FIFOScheduler):
     def debug_string(self) -> str:
         """One line for Tune's status output."""
         return f"WindowPruningScheduler({self.kind}): {len(self.pruned)} pruned"
-
-
-def _trial_state(name: str) -> Any:
-    from optuna.trial import TrialState
-
-    return TrialState[name]
 
 
 __all__ = ["JOURNAL_FILE", "STUDY_NAME", "WindowPruningScheduler", "futile", "repair_journal"]
