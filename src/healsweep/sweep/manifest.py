@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from healsweep._atomic import atomic_write_text
+from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.results.store import MANIFEST_FILE, SPEC_FILE, read_manifest
 from healsweep.sweep.space import planned_trials
@@ -23,10 +24,8 @@ from healsweep.sweep.spec import SweepSpec
 
 def spec_hash(spec: SweepSpec) -> str:
     """sha256 of the spec's canonical JSON (results location excluded: moving them is fine)."""
-    body = spec.model_dump(mode="json", exclude={"results"})
-    return hashlib.sha256(
-        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    ).hexdigest()
+    body = canonical_json(spec.model_dump(mode="json", exclude={"results"}))
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def _versions() -> dict[str, str]:

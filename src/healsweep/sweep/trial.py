@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import shutil
 import socket
 import tempfile
 import time
@@ -168,16 +167,6 @@ def _read_checkpoint(checkpoint: Any) -> dict[str, WindowRecord]:
         return {}
 
 
-def _checkpoint(done: Mapping[str, WindowRecord], chash: str) -> tuple[Any, str]:
-    from ray import tune
-
-    folder = tempfile.mkdtemp(prefix="healsweep-ckpt-")
-    rows = {window_id: record.to_dict() for window_id, record in done.items()}
-    payload = {"version": 1, "config_hash": chash, "done": rows}
-    (Path(folder) / CHECKPOINT_FILE).write_text(json.dumps(payload))
-    return tune.Checkpoint.from_directory(folder), folder
-
-
 def sweep_trial(
     config: Mapping[str, Any],
     *,
@@ -212,11 +201,13 @@ def sweep_trial(
         if not save:
             tune.report(metrics)
             return
-        checkpoint, folder = _checkpoint(done, chash)
-        try:
-            tune.report(metrics, checkpoint=checkpoint)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        with tempfile.TemporaryDirectory(
+            prefix="healsweep-ckpt-", ignore_cleanup_errors=True
+        ) as ckpt:
+            rows = {window_id: record.to_dict() for window_id, record in done.items()}
+            payload = {"version": 1, "config_hash": chash, "done": rows}
+            (Path(ckpt) / CHECKPOINT_FILE).write_text(json.dumps(payload))
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(ckpt))
 
     replay = sorted(done.values(), key=lambda r: r.position)
     for i, record in enumerate(replay):
