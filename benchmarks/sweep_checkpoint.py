@@ -23,9 +23,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import ray
 
+from healsweep.score.record import WindowRecord
 from healsweep.sweep.driver import run_sweep
 from healsweep.sweep.spec import spec_from_dict
-from healsweep.sweep.work import WindowResult, trial_order
+from healsweep.sweep.work import trial_order
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -43,7 +44,7 @@ def instant_work(spec, knobs, done, seed, *, n_windows: int):
             "top1": 0.9,
             "top1_count": 90,
         }
-        yield WindowResult(ids[wi], wi, position, n_windows, "s", "src", f"d{wi}", "text", metrics)
+        yield WindowRecord(ids[wi], wi, position, n_windows, "s", "src", f"d{wi}", "text", metrics)
 
 
 def measure(root: Path, n_windows: int, every: int) -> dict[str, float]:

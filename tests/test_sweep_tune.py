@@ -23,11 +23,12 @@ import pytest
 import ray
 
 from healsweep.errors import ResultsError
+from healsweep.score.record import WindowRecord
 from healsweep.sweep.driver import run_sweep
 from healsweep.sweep.space import config_hash, resolve_knobs
 from healsweep.sweep.spec import spec_from_dict
 from healsweep.sweep.trial import trial_seed
-from healsweep.sweep.work import WindowResult, trial_order
+from healsweep.sweep.work import trial_order
 
 N_WINDOWS = 12
 STRATA = ("ops", "chat", "ja")
@@ -84,7 +85,7 @@ def toy_work(spec, knobs, done, seed, *, log: str, delay: float = 0.0, fail_afte
             "router_jaccard_layers": [0.8, 0.8],
         }
         stratum = STRATA[wi % 3]
-        yield WindowResult(
+        yield WindowRecord(
             window_id, wi, position, N_WINDOWS, stratum, "toy", f"d{wi}", "text", metrics
         )
 

@@ -55,6 +55,7 @@ class ResultsRecorder(Callback):
         self._reset()
 
     def _reset(self) -> None:
+        self.windows_dir = self.sweep_dir / WINDOWS_DIR
         self.trials: dict[str, dict[str, Any]] = {}  # trial id -> its trials.parquet row
         self.pools: dict[str, RunningPool] = {}  # trial id -> its recorded windows
         self._seen: set[tuple[str, str]] = set()  # (config hash, window id) of every row
@@ -70,11 +71,6 @@ class ResultsRecorder(Callback):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset()
-
-    @property
-    def windows_dir(self) -> Path:
-        """``RESULTS/<sweep>/windows``."""
-        return self.sweep_dir / WINDOWS_DIR
 
     def setup(self, **info: Any) -> None:
         """Reload everything from the folder (a fresh sweep finds it empty)."""

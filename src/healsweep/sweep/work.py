@@ -20,8 +20,6 @@ from healsweep.errors import SplitError
 from healsweep.score.record import WindowRecord
 
 # A work function: (spec, knobs, ids of the windows done, seed) -> a record per window it scores.
-# Work functions of tests and benchmarks build them under this name.
-WindowResult = WindowRecord
 WorkFn = Callable[[Any, Any, Collection[str], int], Iterator[WindowRecord]]
 
 
@@ -151,7 +149,6 @@ def sweep_identity(spec: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "WindowResult",
     "WorkFn",
     "dev_windows",
     "run_external_work",
