@@ -96,12 +96,8 @@ class Progress:
         """One human line: ``trials 3/12 running 2 pruned 1 failed 0 | windows 130 | best ...``."""
         finished = self.completed + self.pruned + self.failed
         best = "-" if math.isnan(self.best_kld) else f"{self.best_kld:.5f} ({self.best_trial})"
-        if (
-            not math.isnan(self.best_kld)
-            and not math.isnan(self.baseline_kld)
-            and self.baseline_kld
-        ):
-            best += f" {self.best_kld / self.baseline_kld - 1:+.1%} vs baseline"
+        if self.baseline_kld and math.isfinite(ratio := self.best_kld / self.baseline_kld):
+            best += f" {ratio - 1:+.1%} vs baseline"
         eta = "-" if math.isnan(self.eta_s) else _duration(self.eta_s)
         return (
             f"trials {finished}/{self.planned} done (running {self.running}, completed "

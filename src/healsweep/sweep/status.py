@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,6 @@ def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
         for t in rows
         if row_role(t) in ("reference", "external")
     }
-    counts: dict[str, int] = {}
-    for trial in trials:
-        counts[trial["status"]] = counts.get(trial["status"], 0) + 1
     done = [t for t in trials if t["status"] == "completed" and t["kld_mean"] is not None]
     best = min(done, key=lambda t: t["kld_mean"], default=None)
     baseline = next((t for t in trials if t["is_baseline"] and t["kld_mean"] is not None), None)
@@ -54,7 +52,7 @@ def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
         "planned_trials": manifest.get("planned_trials"),
         "runs": len(manifest.get("runs", [])),
         "driver": driver_running(sweep_dir),
-        "trials": counts,
+        "trials": dict(Counter(t["status"] for t in trials)),
         "fixed": fixed,
         "windows_recorded": read_windows(sweep_dir).num_rows,
         "best": None
