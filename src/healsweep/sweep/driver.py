@@ -207,11 +207,8 @@ def _search(spec: SweepSpec) -> tuple[Any, dict[str, Any], int]:
     import optuna
 
     optuna.logging.set_verbosity(logging.WARNING)  # no "study created" lines on the console
-
-    if spec.sampler.type == "tpe":
-        sampler = optuna.samplers.TPESampler(seed=spec.sampler.seed)
-    else:
-        sampler = optuna.samplers.RandomSampler(seed=spec.sampler.seed)
+    samplers = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler}
+    sampler = samplers[spec.sampler.type](seed=spec.sampler.seed)
     search = PruneAwareOptunaSearch(
         space=optuna_space(spec),
         metric=TARGET_METRIC,

@@ -22,7 +22,7 @@ from healsweep.heal.knobs import Knobs
 from healsweep.results.schema import Q2_0_BPW, knob_columns
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.space import baseline_knobs
-from healsweep.sweep.trial import enable_compilation_cache, scoring_node, trial_seed, window_record
+from healsweep.sweep.trial import enable_compilation_cache, stamped, trial_seed
 from healsweep.sweep.work import WorkFn, run_external_work
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,7 @@ def _score_fixed(
         results = work_fn(spec, fixed.knobs, done, seed)
     else:
         results = external_fn(spec, fixed.path, done, seed)
-    node = scoring_node()
-    return [window_record(result, node) for result in results]
+    return list(stamped(results))
 
 
 def _task_options(spec: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import math
 import socket
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -69,23 +69,15 @@ def trial_seed(sweep_seed: int, chash: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def scoring_node() -> dict[str, str]:
-    """The ``scored_node_*`` fields of the Ray node this runs on (empty outside a worker)."""
+def stamped(results: Iterable[WindowRecord]) -> Iterator[WindowRecord]:
+    """``results``, each with where (the Ray node this runs on) and when it was scored."""
     try:
-        node_id = ray.get_runtime_context().get_node_id()
-        node_ip = ray.util.get_node_ip_address()
+        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
     except Exception:  # outside a Ray worker (direct calls in tests of the pure parts)
         node_id, node_ip = "", ""
-    return {
-        "scored_node_id": node_id,
-        "scored_node_ip": node_ip,
-        "scored_hostname": socket.gethostname(),
-    }
-
-
-def window_record(result: WindowRecord, node: Mapping[str, str]) -> WindowRecord:
-    """``result`` with where (``node``: :func:`scoring_node`) and when it was scored."""
-    return replace(result, scored_at=time.time(), **node)
+    node = {"scored_node_id": node_id, "scored_node_ip": node_ip}
+    for result in results:
+        yield replace(result, scored_at=time.time(), scored_hostname=socket.gethostname(), **node)
 
 
 class RunningPool:
@@ -215,9 +207,7 @@ def sweep_trial(
         last = i == len(replay) - 1
         report(record, replayed=True, save=last and len(done) > len(from_checkpoint))
     fresh = 0
-    node = scoring_node()
-    for result in work_fn(spec, knobs, frozenset(done), trial_seed(spec.seed, chash)):
-        record = window_record(result, node)
+    for record in stamped(work_fn(spec, knobs, frozenset(done), trial_seed(spec.seed, chash))):
         done[record.window_id] = record
         book.add.remote(chash, record)
         fresh += 1
@@ -232,8 +222,7 @@ __all__ = [
     "WindowBook",
     "enable_compilation_cache",
     "open_book",
-    "scoring_node",
+    "stamped",
     "sweep_trial",
     "trial_seed",
-    "window_record",
 ]
