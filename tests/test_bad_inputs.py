@@ -28,7 +28,8 @@ from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.ledger import Ledger
 
 KNOWN_KNOBS = (
-    "importance, importance_down, quantizer, gptq_damp, gain_gu, gain_d, alpha, gamma, "
+    "importance, importance_down, quantizer, gptq_damp, gptq_refine, gain_gu, gain_d, alpha, "
+    "gamma, "
     "alpha_granularity, ridge, rho, eta, moce_bonus, cache_experts"
 )
 

@@ -87,9 +87,9 @@ def test_knobs_are_frozen_hashable_and_picklable():
 
 def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
     knobs = Knobs()
-    # gptq and per-expert alpha make every knob live (quantizer, gptq_damp and alpha_granularity
-    # are unkeyed at their defaults)
-    live = Knobs(quantizer="gptq", alpha_granularity="expert")
+    # gptq (with refine rounds) and per-expert alpha make every knob live (quantizer, gptq_damp,
+    # gptq_refine and alpha_granularity are unkeyed at their defaults)
+    live = Knobs(quantizer="gptq", gptq_refine=1, alpha_granularity="expert")
     read = [set(live.for_stage(s)) for s in STAGES]
     union = set().union(*read)
     assert union == set(Knobs.model_fields) - set(SCORE_KNOBS)

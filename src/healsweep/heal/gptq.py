@@ -12,6 +12,11 @@ knobs therefore act only on the experts that fall back to ``search``: those with
 ``min_tokens_per_expert`` routed tokens, and any whose damped ``H`` fails to factor (both
 counted in the stage's report).
 
+``gptq_refine`` (rounds, default 0) then improves each expert's result under the same damped
+``H_e``: per round, exact coordinate descent over the codes (scales fixed), then the closed-form
+block scales of every row (codes fixed; the small ``nb × nb`` systems solved here on the host, in
+float64), each row keeping its lowest-objective state (:mod:`healsweep.kernels.gptq_refine`).
+
 Experts are processed in groups of at most ``GROUP`` (the last group padded with inert experts),
 so the host holds a few ``[n, n]`` matrices at a time and the kernel compiles once per shape.
 """
@@ -23,11 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from healsweep.kernels import gptq as gptq_kernel
+from healsweep.kernels import gptq_refine as refine_kernel
 from healsweep.kernels._precision import healing_jit
 
 GROUP = 8  # experts per kernel call
 _MIN_ROWS = 256  # routed rows are padded to a power of two of at least this many: few compiles
 _HIGHEST = jax.lax.Precision.HIGHEST
+SWEEPS = 2  # code-descent passes over the columns per refine round
+_SYSTEM_FLOATS = 1 << 26  # bound on the [E, rows, in, nb] buffer of one scale_system call
 
 
 @healing_jit
@@ -100,19 +108,80 @@ def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
     return u.astype(np.float32), ok
 
 
+def damped(h: np.ndarray, damp: float) -> np.ndarray:
+    """``H + damp·mean(diag H)·I`` per matrix of ``h`` [G, n, n], symmetrized, float32."""
+    h = np.asarray(h, np.float64)
+    n = h.shape[-1]
+    mean = np.einsum("gii->g", h) / n
+    sym = 0.5 * (h + np.swapaxes(h, 1, 2))
+    return (sym + damp * mean[:, None, None] * np.eye(n)).astype(np.float32)
+
+
+def solve_scales(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The block scales [..., nb] float16 solving ``a·d = b`` per row (host, float64).
+
+    ``a`` [..., nb, nb], ``b`` [..., nb] from :func:`scale_system`; a block whose codes are all 0
+    has a zero row and column and keeps its scale ``d`` (it holds only zeros either way); a row
+    whose solution is not finite in float16 keeps all of ``d``.
+    """
+    a = np.array(a, np.float64)
+    b = np.array(b, np.float64)
+    d = np.asarray(d)
+    empty = np.einsum("...ii->...i", a) <= 0  # all-zero codes: Qᵀ H Q has a zero diagonal entry
+    a[empty] = 0.0
+    np.einsum("...ii->...i", a)[...] += empty
+    b = np.where(empty, d.astype(np.float64), b)
+    with np.errstate(all="ignore"):
+        try:
+            new = np.linalg.solve(a, b[..., None])[..., 0]
+        except np.linalg.LinAlgError:
+            return d
+        new16 = new.astype(np.float16)
+    bad = ~np.all(np.isfinite(new16.astype(np.float32)), axis=-1, keepdims=True)
+    return np.where(bad, d, new16)
+
+
+def refine(w, h: np.ndarray, d: np.ndarray, q: np.ndarray, rounds: int):
+    """``rounds`` of code descent and scale refit of ``(d, q)`` under the damped ``h`` [G, in, in]
+    (float32, from :func:`damped`). Each row keeps its lowest-objective state, so no row ends
+    above its start. Returns ``(d float16, q int8)`` of the shapes given."""
+    w = jnp.asarray(w, jnp.float32)
+    h_dev = jnp.asarray(h, jnp.float32)
+    n_exp, n_out, n_in = w.shape
+    rows = max(1, _SYSTEM_FLOATS // (n_exp * n_in * (n_in // 64)))
+    best_d, best_q = np.array(d, np.float16), np.array(q, np.int8)
+    best = np.array(refine_kernel.row_objective(w, h_dev, best_d, best_q))
+    d, q = best_d.copy(), best_q.copy()
+    for _ in range(rounds):
+        q = np.array(refine_kernel.code_descent(w, h_dev, d, q, sweeps=SWEEPS))
+        for a in range(0, n_out, rows):
+            sys_a, sys_b = refine_kernel.scale_system(w[:, a : a + rows], h_dev, q[:, a : a + rows])
+            d[:, a : a + rows] = solve_scales(
+                np.asarray(sys_a), np.asarray(sys_b), d[:, a : a + rows]
+            )
+        found = np.asarray(refine_kernel.row_objective(w, h_dev, d, q))
+        better = found < best
+        best_d[better], best_q[better], best[better] = d[better], q[better], found[better]
+    return best_d, best_q
+
+
 def quantize_stack(
-    w, hessians: np.ndarray, gain: float, damp: float
+    w, hessians: np.ndarray, gain: float, damp: float, rounds: int = 0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GPTQ Q2_0 of ``w`` [G, out, in] (device or numpy) with second moments ``hessians``
-    [G, in, in]. Returns ``(d [G, out, in/64] float16, q [G, out, in] int8, ok [G] bool)``;
-    rows with ``ok`` False are not valid (their ``H`` did not factor; the caller falls back)."""
+    [G, in, in], then ``rounds`` of :func:`refine`. Returns ``(d [G, out, in/64] float16,
+    q [G, out, in] int8, ok [G] bool)``; rows with ``ok`` False are not valid (their ``H`` did
+    not factor; the caller falls back)."""
     u, ok = inverse_factor(hessians, damp)
     diag = np.einsum("gii->gi", np.asarray(hessians, np.float64))
     importance = diag + damp * diag.mean(axis=1, keepdims=True)  # the damped H's diagonal
     top = importance.max(axis=1, keepdims=True)
     importance = np.maximum(importance, np.where(top > 0, top * 1e-6, 1.0)).astype(np.float32)
     d, q = gptq_kernel.quantize(jnp.asarray(w), u, importance, jnp.float32(gain))
-    return np.asarray(d), np.asarray(q), ok
+    d, q = np.asarray(d), np.asarray(q)
+    if rounds:
+        d, q = refine(w, damped(hessians, damp), d, q, rounds)
+    return d, q, ok
 
 
 def quantize_experts(
@@ -123,8 +192,10 @@ def quantize_experts(
     gain: float,
     damp: float,
     gate_up: tuple | None = None,
+    rounds: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GPTQ Q2_0 of the ``experts`` of the stack ``w`` [E, out, in], in groups of ``GROUP``.
+    """GPTQ Q2_0 of the ``experts`` of the stack ``w`` [E, out, in], in groups of ``GROUP``,
+    each refined by ``rounds`` of :func:`refine`.
 
     Returns ``(d [len(experts), out, in/64] float16, q [len(experts), out, in] int8, ok)``.
     """
@@ -138,7 +209,7 @@ def quantize_experts(
         pad = GROUP - len(group) if len(experts) > GROUP else 0
         idx = np.concatenate([group, np.repeat(group[:1], pad)])  # inert repeats: one shape
         h = np.concatenate([h, np.repeat(h[:1], pad, axis=0)])
-        d_g, q_g, ok_g = quantize_stack(w[idx], h, gain, damp)
+        d_g, q_g, ok_g = quantize_stack(w[idx], h, gain, damp, rounds)
         n = len(group)
         d[a : a + n], q[a : a + n], ok[a : a + n] = d_g[:n], q_g[:n], ok_g[:n]
     return d, q, ok

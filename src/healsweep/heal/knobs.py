@@ -29,6 +29,7 @@ ALLOWED = {
     "importance_down": "one of none, act",
     "quantizer": "one of search, gptq, plain",
     "gptq_damp": "a float in (0, 1]",
+    "gptq_refine": "an integer in [0, 20] (rounds; acts only with quantizer gptq)",
     "gain_gu": "a float in [0, 2]",
     "gain_d": "a float in [0, 2]",
     "alpha": "one of none, gaussian, mse",
@@ -64,6 +65,8 @@ class Knobs(BaseModel):
     importance_down: Literal["none", "act"] = "none"
     quantizer: Literal["search", "gptq", "plain"] = "search"
     gptq_damp: float = _float(0.01, 0.0, 1.0, lo_open=True)
+    # Rounds of code descent + closed-form scale refit after GPTQ (heal/gptq.refine); 0: none.
+    gptq_refine: int = Field(default=0, ge=0, le=20, strict=True)
     gain_gu: float = _float(0.3, 0.0, 2.0)
     gain_d: float = _float(0.3, 0.0, 2.0)
     alpha: Literal["none", "gaussian", "mse"] = "gaussian"
@@ -108,6 +111,8 @@ class Knobs(BaseModel):
             # `search` (the default) adds nothing, so its keys are those from before `gptq`.
             if self.quantizer == "gptq":
                 read.update(quantizer="gptq", gptq_damp=self.gptq_damp)
+                if self.gptq_refine:  # 0 adds nothing: keys of plain gptq as before
+                    read["gptq_refine"] = self.gptq_refine
             return read
         if stage == "part_a":
             if self.alpha == "none":

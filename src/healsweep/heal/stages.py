@@ -35,7 +35,7 @@ from healsweep.kernels import alpha as alpha_kernels
 
 VERSIONS = {
     "quantize": 1,
-    "quantize_gptq": 1,
+    "quantize_gptq": 2,
     "quantize_plain": 1,
     "routed_q": 1,
     "part_a": 1,
@@ -58,6 +58,7 @@ STAGE_CODE = {
         "healsweep.kernels.q2_0",
         "healsweep.heal.importance",
         "healsweep.kernels.gptq",
+        "healsweep.kernels.gptq_refine",
         "healsweep.heal.gptq",
     ),
     "quantize_plain": ("healsweep.kernels.q2_0_plain", "healsweep.kernels.q2_0"),
@@ -209,7 +210,14 @@ def _gptq_experts(name, w, d, codes, weights, knobs, trace_layer, min_tokens):
         gate_up = (weights["ffn_gate_exps.weight"], weights["ffn_up_exps.weight"])
     gain = knobs.gain_d if name == "down" else knobs.gain_gu
     d_g, q_g, ok = gptq.quantize_experts(
-        w, trace_layer["x"], trace_layer["ids"], enough, gain, knobs.gptq_damp, gate_up
+        w,
+        trace_layer["x"],
+        trace_layer["ids"],
+        enough,
+        gain,
+        knobs.gptq_damp,
+        gate_up,
+        knobs.gptq_refine,
     )
     d, codes = d.copy(), codes.copy()
     done = enough[ok]

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from healsweep.kernels import alpha, gptq, iq4_nl, kld, kld_compact, q2_0, q2_0_plain, ridge
+from healsweep.kernels import (
+    alpha,
+    gptq,
+    gptq_refine,
+    iq4_nl,
+    kld,
+    kld_compact,
+    q2_0,
+    q2_0_plain,
+    ridge,
+)
 from healsweep.kernels.conformance import KernelCase
 
 
@@ -142,6 +152,15 @@ def _gptq_inputs(rng):
     return w, u, np.einsum("eii->ei", h).astype(np.float32)
 
 
+def _refine_inputs(rng):
+    # a damped second moment, a Q2_0 start (codes and fp16 scales) for 2 experts of 8 x 128
+    x = rng.standard_normal((2, 300, 128)) * np.exp(rng.standard_normal(128))
+    h = (np.einsum("eti,etj->eij", x, x) + 4.0 * np.eye(128)).astype(np.float32)
+    d = (np.abs(_f32(rng, 2, 8, 2)) + 0.2).astype(np.float16)
+    q = rng.integers(-1, 3, (2, 8, 128)).astype(np.int8)
+    return _f32(rng, 2, 8, 128), h, d, q
+
+
 def _jaccard_inputs(rng):
     a = np.stack([rng.permutation(8)[:2] for _ in range(20)]).astype(np.int32)
     b = np.stack([rng.permutation(8)[:2] for _ in range(20)]).astype(np.int32)
@@ -170,6 +189,19 @@ CASES: tuple[KernelCase, ...] = (
         _gptq_inputs,
         rtol=0.0,
     ),
+    KernelCase(
+        "gptq_refine.code_descent",
+        lambda w, h, d, q: gptq_refine.code_descent(w, h, d, q, sweeps=2),
+        _refine_inputs,
+        rtol=0.0,
+    ),
+    KernelCase(
+        "gptq_refine.scale_system",
+        lambda w, h, d, q: gptq_refine.scale_system(w, h, q),
+        _refine_inputs,
+        rtol=1e-4,
+    ),
+    KernelCase("gptq_refine.row_objective", gptq_refine.row_objective, _refine_inputs, rtol=1e-4),
     KernelCase("q2_0.pack", q2_0.pack, _q2_blocks, rtol=0.0),
     KernelCase("q2_0.unpack", q2_0.unpack, _q2_packed, rtol=0.0),
     KernelCase("iq4_nl.quantize", iq4_nl.quantize, _iq4_blocks, rtol=0.0),
