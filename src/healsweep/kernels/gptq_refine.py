@@ -48,34 +48,47 @@ def code_descent(w: jax.Array, h: jax.Array, d: jax.Array, q: jax.Array, sweeps:
     ``w`` [E, out, in], ``h`` [E, in, in] (damped, positive diagonal), ``d`` [E, out, in/64]
     (fp16 values), ``q`` [E, out, in] codes. Returns the new codes [E, out, in] int8; a column
     whose block scale is 0 keeps its code (any code gives the value 0).
+
+    ``H r`` is kept for the whole row but updated lazily, as GPTQ does: inside a 64-column block
+    only the block's own columns, then the block's changes reach every column in one product.
     """
-    n_in = w.shape[2]
+    n_exp, n_out, n_in = w.shape
     d_full = jnp.repeat(d.astype(jnp.float32), QK, axis=-1)  # [E, out, in]
     v = q.astype(jnp.float32) * d_full
     hr = jnp.einsum("eoi,eij->eoj", w - v, h, precision=_HIGHEST)  # H r per row
-    diag = jnp.diagonal(h, axis1=1, axis2=2)  # [E, in]
 
-    def one_column(k, carry):
-        v, codes, hr = carry
-        j = k % n_in
-        dj = jax.lax.dynamic_index_in_dim(d_full, j, axis=2, keepdims=False)  # [E, out]
-        vj = jax.lax.dynamic_index_in_dim(v, j, axis=2, keepdims=False)
-        hj = jax.lax.dynamic_index_in_dim(hr, j, axis=2, keepdims=False)
-        h_jj = jax.lax.dynamic_index_in_dim(diag, j, axis=1, keepdims=True)  # [E, 1]
-        old = jax.lax.dynamic_index_in_dim(codes, j, axis=2, keepdims=False)
-        zero = dj == 0
-        target = (vj + hj / h_jj) / jnp.where(zero, 1.0, dj)
-        new = jnp.where(zero, old, round_code(target))
-        dv = new * dj - vj  # the value moves by dv, so r moves by -dv
-        h_row = jax.lax.dynamic_index_in_dim(h, j, axis=1, keepdims=False)  # [E, in]
-        hr = hr - dv[:, :, None] * h_row[:, None, :]
-        v = jax.lax.dynamic_update_index_in_dim(v, new * dj, j, axis=2)
-        codes = jax.lax.dynamic_update_index_in_dim(codes, new, j, axis=2)
-        return v, codes, hr
+    def one_block(k, carry):
+        v, hr = carry
+        start = (k % (n_in // QK)) * QK
+        h_bb = jax.lax.dynamic_slice(h, (0, start, start), (n_exp, QK, QK))  # [E, 64, 64]
+        diag = jnp.diagonal(h_bb, axis1=1, axis2=2)  # [E, 64]
+        d_b = jax.lax.dynamic_slice_in_dim(d_full, start, QK, axis=2)  # [E, out, 64]
+        zero = d_b == 0
+        safe = jnp.where(zero, 1.0, d_b)
 
-    carry = (v, q.astype(jnp.float32), hr)
-    _, codes, _ = jax.lax.fori_loop(0, sweeps * n_in, one_column, carry)
-    return codes.astype(jnp.int8)
+        def one_column(j, inner):
+            v_b, hr_b = inner
+            vj = jax.lax.dynamic_index_in_dim(v_b, j, axis=2, keepdims=False)  # [E, out]
+            hj = jax.lax.dynamic_index_in_dim(hr_b, j, axis=2, keepdims=False)
+            h_jj = jax.lax.dynamic_index_in_dim(diag, j, axis=1, keepdims=True)  # [E, 1]
+            dj = jax.lax.dynamic_index_in_dim(d_b, j, axis=2, keepdims=False)
+            sj = jax.lax.dynamic_index_in_dim(safe, j, axis=2, keepdims=False)
+            zj = jax.lax.dynamic_index_in_dim(zero, j, axis=2, keepdims=False)
+            new = jnp.where(zj, vj, round_code((vj + hj / h_jj) / sj) * dj)
+            h_row = jax.lax.dynamic_index_in_dim(h_bb, j, axis=1, keepdims=False)  # [E, 64]
+            hr_b = hr_b - (new - vj)[:, :, None] * h_row[:, None, :]  # r_j moved by -(new - vj)
+            return jax.lax.dynamic_update_index_in_dim(v_b, new, j, axis=2), hr_b
+
+        v_b0 = jax.lax.dynamic_slice_in_dim(v, start, QK, axis=2)
+        hr_b0 = jax.lax.dynamic_slice_in_dim(hr, start, QK, axis=2)
+        v_b, _ = jax.lax.fori_loop(0, QK, one_column, (v_b0, hr_b0))
+        h_rows = jax.lax.dynamic_slice_in_dim(h, start, QK, axis=1)  # [E, 64, in]
+        hr = hr - jnp.einsum("eoj,ejk->eok", v_b - v_b0, h_rows, precision=_HIGHEST)
+        return jax.lax.dynamic_update_slice_in_dim(v, v_b, start, axis=2), hr
+
+    v, _ = jax.lax.fori_loop(0, sweeps * (n_in // QK), one_block, (v, hr))
+    codes = jnp.where(d_full == 0, q.astype(jnp.float32), v / jnp.where(d_full == 0, 1.0, d_full))
+    return jnp.round(codes).astype(jnp.int8)
 
 
 @healing_jit
