@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from healsweep.bundled import demo_corpus_path, demo_tokenizer_path
 from healsweep.data.chatml import parse_chatml
 from healsweep.data.corpus import load_corpus
 from healsweep.demo.corpus_builder import DemoCorpusConfig, build_demo_corpus, write_demo_assets
-from healsweep.bundled import demo_corpus_path, demo_tokenizer_path
 from healsweep.demo.stdlib_facts import MODULE_GROUPS
 from healsweep.demo.tokenizer import ADDED_TOKENS, SPECIAL_TOKENS
 

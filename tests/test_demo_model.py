@@ -9,8 +9,8 @@ import torch
 
 @pytest.fixture(scope="module")
 def demo():
-    from healsweep.data.corpus import load_corpus
     from healsweep.bundled import demo_corpus_path, demo_model_path
+    from healsweep.data.corpus import load_corpus
     from healsweep.gguf_io import open_model
 
     return open_model(demo_model_path()), load_corpus(demo_corpus_path())
@@ -52,8 +52,8 @@ def test_demo_gguf_matches_transformers_on_a_dev_document(demo) -> None:
     """transformers loading the shipped GGUF agrees with healsweep.model.forward."""
     from transformers import AutoModelForCausalLM
 
-    from healsweep.demo.build import dev_documents, encode_documents
     from healsweep.bundled import demo_model_path
+    from healsweep.demo.build import dev_documents, encode_documents
     from healsweep.model import forward
 
     model, corpus = demo

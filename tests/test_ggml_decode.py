@@ -300,8 +300,8 @@ def test_q2_0_against_float64_spec():
 
 
 def test_q2_0_agrees_with_project_codec():
-    from healsweep.kernels.q2_0 import pack_codes
     from healsweep.kernels import q2_0
+    from healsweep.kernels.q2_0 import pack_codes
 
     rng = np.random.default_rng(7)
     w = rng.standard_normal((3, 16, 128)).astype(np.float32)  # [E, out, in]

@@ -325,8 +325,7 @@ def test_bad_shapes_raise_value_error_naming_the_function():
 
 def test_packed_weight_is_the_same_matrix_as_the_unpacked_one():
     """Q2Packed (codes four to a byte, decoded in the graph) equals Q2Weight bit for bit."""
-    from healsweep.kernels.q2_0 import pack_codes
-    from healsweep.kernels.q2_0 import Q2Packed, Q2Weight
+    from healsweep.kernels.q2_0 import Q2Packed, Q2Weight, pack_codes
 
     rng = np.random.default_rng(7)
     q = rng.integers(-1, 3, size=(3, 5, 128)).astype(np.int8)  # [E, out, in]
