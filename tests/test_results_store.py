@@ -117,3 +117,25 @@ print(json.dumps({{"rows": len(windows), "kld": float(windows.kld_sum.sum()),
     got = json.loads(out.stdout)
     assert got["rows"] == 3 and got["status"] == ["completed"] and got["knob"] == "gaussian"
     assert math.isclose(got["kld"], 3 * 0.1 * 10)
+
+
+def test_a_sweep_written_before_a_knob_existed_reads_back_with_its_default(tmp_path):
+    """An older trials.parquet has no column for a newer knob: it reads back null, and
+    ``knobs_of`` leaves it out so the knob's default (what the trial ran with) applies."""
+    from healsweep.results.schema import knobs_of
+    from healsweep.results.store import read_trials
+
+    row = {
+        "sweep": "s",
+        "trial_id": "t1",
+        "config_hash": "c1",
+        "is_baseline": False,
+        **knob_columns(Knobs(quantizer="gptq", gptq_damp=0.3).model_dump()),
+    }
+    table = to_table([row], trial_schema()).drop_columns(["knob_gptq_refine"])
+    pq.write_table(table, tmp_path / "trials.parquet")
+    read = read_trials(tmp_path).to_pylist()[0]
+    assert read["knob_gptq_refine"] is None
+    knobs = Knobs(**knobs_of(read))
+    assert knobs.gptq_refine == Knobs().gptq_refine == 0
+    assert (knobs.quantizer, knobs.gptq_damp) == ("gptq", 0.3)

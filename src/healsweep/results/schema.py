@@ -125,8 +125,16 @@ def knob_columns(knobs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def knobs_of(row: Mapping[str, Any]) -> dict[str, Any]:
-    """The knob dict in a row's ``knob_<name>`` columns (inverse of :func:`knob_columns`)."""
-    return {k[len(KNOB_PREFIX) :]: v for k, v in row.items() if k.startswith(KNOB_PREFIX)}
+    """The knob dict in a row's ``knob_<name>`` columns (inverse of :func:`knob_columns`).
+
+    A null knob is one the row's sweep predates: it is left out, so the knob's default (what
+    that trial ran with, since a new knob's default keeps the old behaviour) applies.
+    """
+    return {
+        k[len(KNOB_PREFIX) :]: v
+        for k, v in row.items()
+        if k.startswith(KNOB_PREFIX) and v is not None
+    }
 
 
 __all__ = [
