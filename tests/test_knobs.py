@@ -175,3 +175,19 @@ def test_calibration_config_validates_and_keys_only_what_changes_the_trace():
                 {"tokens": 5}, {"max_tokens": True}):
         with pytest.raises(KnobError):
             CalibrationConfig(**bad)
+
+
+def test_a_knob_added_later_keeps_earlier_config_hashes_at_its_default():
+    """Config hashes and confirm's frozen hash name a config by ``Knobs.identity()``: a knob of
+    ``ADDED_LATER`` at its default is not in it, so the hashes recorded before it existed (these
+    two: the shipped healer and gptq without the ridge, from a sweep run before ``gptq_refine``)
+    stay valid; set to anything else it is part of the identity."""
+    from healsweep.heal.knobs import ADDED_LATER
+    from healsweep.sweep.space import config_hash
+
+    assert config_hash(Knobs()) == "46a7eedd3d4d3150"
+    assert config_hash(Knobs(quantizer="gptq", ridge=False)) == "517a39f0711fa200"
+    assert "gptq_refine" in ADDED_LATER and "gptq_refine" not in Knobs().identity()
+    refined = Knobs(quantizer="gptq", gptq_refine=3)
+    assert refined.identity()["gptq_refine"] == 3
+    assert config_hash(refined) != config_hash(refined.replace(gptq_refine=0))

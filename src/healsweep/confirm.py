@@ -62,7 +62,7 @@ def frozen_hash(knobs: dict[str, Any], model_fingerprint: str, calibration: dict
 
     body = {
         "tag": _FREEZE_TAG,
-        "knobs": Knobs(**knobs).model_dump(),
+        "knobs": Knobs(**knobs).identity(),
         "model_fingerprint": model_fingerprint,
         "calibration": calibration,
     }

@@ -56,6 +56,11 @@ def _float(default: float, lo: float, hi: float, *, lo_open: bool = False) -> An
     return Field(default=default, le=hi, allow_inf_nan=False, **bounds)
 
 
+# Knobs added after sweeps and confirmations were recorded, with the default that reproduces the
+# behaviour from before them: at that value they are not part of a config's identity.
+ADDED_LATER: dict[str, Any] = {"gptq_refine": 0}
+
+
 class Knobs(BaseModel):
     """The knobs of one trial (frozen; ``Knobs(**values)`` validates and raises ``KnobError``)."""
 
@@ -128,6 +133,16 @@ class Knobs(BaseModel):
                 return {"ridge": False}
             return {"ridge": True, "eta": self.eta}
         return {}
+
+    def identity(self) -> dict[str, Any]:
+        """The knob values that name this config (config hashes, confirm's frozen hash): all of
+        them, except a knob of :data:`ADDED_LATER` at its default, so adding a knob leaves every
+        earlier config hash and confirmation as it was."""
+        return {
+            k: v
+            for k, v in self.model_dump().items()
+            if not (k in ADDED_LATER and v == ADDED_LATER[k])
+        }
 
     def replace(self, **changes: Any) -> Knobs:
         """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""

@@ -52,7 +52,7 @@ class FixedConfig:
         identity = {
             "role": self.role,
             "label": self.label,
-            "knobs": self.knobs.model_dump() if self.knobs is not None else None,
+            "knobs": self.knobs.identity() if self.knobs is not None else None,
             "fingerprint": self.fingerprint,
         }
         return hashlib.sha256(canonical_json(identity).encode()).hexdigest()[:16]

@@ -28,7 +28,7 @@ _DEFAULTS = Knobs().model_dump()
 
 def config_hash(knobs: Knobs | Mapping[str, Any]) -> str:
     """A short content hash of a full knob set (the identity of a config across trials/runs)."""
-    values = knobs.model_dump() if isinstance(knobs, Knobs) else Knobs(**knobs).model_dump()
+    values = (knobs if isinstance(knobs, Knobs) else Knobs(**knobs)).identity()
     return hashlib.sha256(canonical_json(values).encode()).hexdigest()[:16]
 
 
