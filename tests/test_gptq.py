@@ -219,3 +219,24 @@ def test_experts_with_too_few_tokens_fall_back_to_search_and_are_counted(setup, 
             )
             np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(ref.codes))
             np.testing.assert_array_equal(np.asarray(got.d), np.asarray(ref.d))
+
+
+def test_stacks_sharing_an_input_give_what_each_gives_alone():
+    """gate and up read the same x: quantized together (one H_e, one factorization per expert)
+    each stack's codes and scales are exactly those of quantizing it alone, refine included."""
+    rng = np.random.default_rng(5)
+    n_exp, n_in, n_tokens = 10, 128, 600  # more experts than GROUP: a padded second group
+    x = (rng.standard_normal((n_tokens, n_in)) * np.exp(rng.standard_normal(n_in))).astype(
+        np.float32
+    )
+    ids = rng.integers(0, n_exp, size=(n_tokens, 2))
+    gate = rng.standard_normal((n_exp, 16, n_in)).astype(np.float32)
+    up = rng.standard_normal((n_exp, 24, n_in)).astype(np.float32)
+    experts = np.arange(n_exp)
+    for rounds in (0, 1):
+        joint, ok = gptq.quantize_experts([gate, up], x, ids, experts, 0.3, 0.01, rounds=rounds)
+        assert ok.all()
+        for w, (d, q) in zip((gate, up), joint, strict=True):
+            [(d1, q1)], ok1 = gptq.quantize_experts([w], x, ids, experts, 0.3, 0.01, rounds=rounds)
+            assert ok1.all() and np.array_equal(q, q1)
+            assert np.array_equal(d.view(np.uint16), d1.view(np.uint16))

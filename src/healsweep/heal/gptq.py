@@ -166,13 +166,19 @@ def refine(w, h: np.ndarray, d: np.ndarray, q: np.ndarray, rounds: int):
 
 
 def quantize_stack(
-    w, hessians: np.ndarray, gain: float, damp: float, rounds: int = 0
+    w,
+    hessians: np.ndarray,
+    gain: float,
+    damp: float,
+    rounds: int = 0,
+    factor: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GPTQ Q2_0 of ``w`` [G, out, in] (device or numpy) with second moments ``hessians``
     [G, in, in], then ``rounds`` of :func:`refine`. Returns ``(d [G, out, in/64] float16,
     q [G, out, in] int8, ok [G] bool)``; rows with ``ok`` False are not valid (their ``H`` did
-    not factor; the caller falls back)."""
-    u, ok = inverse_factor(hessians, damp)
+    not factor; the caller falls back). ``factor``: :func:`inverse_factor` of ``hessians`` at
+    ``damp`` when the caller has it already (matrices that share their input)."""
+    u, ok = factor if factor is not None else inverse_factor(hessians, damp)
     diag = np.einsum("gii->gi", np.asarray(hessians, np.float64))
     importance = diag + damp * diag.mean(axis=1, keepdims=True)  # the damped H's diagonal
     top = importance.max(axis=1, keepdims=True)
@@ -185,7 +191,7 @@ def quantize_stack(
 
 
 def quantize_experts(
-    w,
+    stacks,
     x: np.ndarray,
     ids: np.ndarray,
     experts: np.ndarray,
@@ -193,15 +199,21 @@ def quantize_experts(
     damp: float,
     gate_up: tuple | None = None,
     rounds: int = 0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GPTQ Q2_0 of the ``experts`` of the stack ``w`` [E, out, in], in groups of ``GROUP``,
-    each refined by ``rounds`` of :func:`refine`.
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    """GPTQ Q2_0 of the ``experts`` of each stack [E, out, in] of ``stacks`` (stacks that read
+    the same input, as gate and up do: one ``H_e`` and one factorization serve all of them), in
+    groups of ``GROUP``, each refined by ``rounds`` of :func:`refine`.
 
-    Returns ``(d [len(experts), out, in/64] float16, q [len(experts), out, in] int8, ok)``.
+    Returns per stack ``(d [len(experts), out, in/64] float16, q [len(experts), out, in] int8)``,
+    and ``ok`` [len(experts)] (the expert's ``H`` factored).
     """
-    n_out, n_in = w.shape[1:]
-    d = np.zeros((len(experts), n_out, n_in // 64), np.float16)
-    q = np.zeros((len(experts), n_out, n_in), np.int8)
+    out = [
+        (
+            np.zeros((len(experts), w.shape[1], w.shape[2] // 64), np.float16),
+            np.zeros((len(experts), w.shape[1], w.shape[2]), np.int8),
+        )
+        for w in stacks
+    ]
     ok = np.zeros(len(experts), bool)
     for a in range(0, len(experts), GROUP):
         group = np.asarray(experts[a : a + GROUP])
@@ -209,7 +221,10 @@ def quantize_experts(
         pad = GROUP - len(group) if len(experts) > GROUP else 0
         idx = np.concatenate([group, np.repeat(group[:1], pad)])  # inert repeats: one shape
         h = np.concatenate([h, np.repeat(h[:1], pad, axis=0)])
-        d_g, q_g, ok_g = quantize_stack(w[idx], h, gain, damp, rounds)
+        factor = inverse_factor(h, damp)
         n = len(group)
-        d[a : a + n], q[a : a + n], ok[a : a + n] = d_g[:n], q_g[:n], ok_g[:n]
-    return d, q, ok
+        ok[a : a + n] = factor[1][:n]
+        for w, (d, q) in zip(stacks, out, strict=True):
+            d_g, q_g, _ = quantize_stack(w[idx], h, gain, damp, rounds, factor)
+            d[a : a + n], q[a : a + n] = d_g[:n], q_g[:n]
+    return out, ok

@@ -165,7 +165,6 @@ def quantize_layer(
     )
     down_imp = imp.down_importance(knobs, get("h_sq_sums"), get("counts"), min_tokens)
     arrays: dict[str, np.ndarray] = {}
-    report: dict[str, Any] = {}
     for name, importance, gain in (
         ("gate", gate_up_imp, knobs.gain_gu),
         ("up", gate_up_imp, knobs.gain_gu),
@@ -173,14 +172,14 @@ def quantize_layer(
     ):
         w = weights[f"ffn_{name}_exps.weight"]  # [E, out, in]; in checked by check_quantizable
         q2 = q2_0.quantize_matrix(w, importance, gain, packed=True)
-        d, codes = np.asarray(q2.d, np.float16), np.asarray(q2.codes)
-        if knobs.quantizer == "gptq":
-            d, codes, report[name] = _gptq_experts(
-                name, w, d, codes, weights, knobs, trace_layer, min_tokens
-            )
-        arrays[f"{name}.d"] = d
-        arrays[f"{name}.codes"] = codes
-    return arrays, ({"gptq_fallback": report} if report else {})
+        arrays[f"{name}.d"] = np.asarray(q2.d, np.float16)
+        arrays[f"{name}.codes"] = np.asarray(q2.codes)
+    if knobs.quantizer != "gptq":
+        return arrays, {}
+    report: dict[str, Any] = {}
+    for names in (("gate", "up"), ("down",)):  # gate and up read one input: one H_e for both
+        report.update(_gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens))
+    return arrays, {"gptq_fallback": report}
 
 
 def plain_layer(weights: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -197,20 +196,21 @@ def plain_layer(weights: dict[str, Any]) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _gptq_experts(name, w, d, codes, weights, knobs, trace_layer, min_tokens):
-    """Replace the ``search`` result ``(d, codes)`` of every expert with enough routed tokens
-    by its GPTQ quantization; returns the new arrays and the fallback counts."""
+def _gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens):
+    """Replace, in ``arrays``, the ``search`` result of the tensors ``names`` (all reading one
+    input) for every expert with enough routed tokens by its GPTQ quantization; returns the
+    fallback counts per tensor."""
     from healsweep.heal import gptq
     from healsweep.kernels.q2_0 import pack_codes
 
     counts = np.asarray(trace_layer["counts"])
     enough = np.nonzero(counts >= min_tokens)[0]
     gate_up = None
-    if name == "down":
+    if names == ("down",):
         gate_up = (weights["ffn_gate_exps.weight"], weights["ffn_up_exps.weight"])
-    gain = knobs.gain_d if name == "down" else knobs.gain_gu
-    d_g, q_g, ok = gptq.quantize_experts(
-        w,
+    gain = knobs.gain_d if names == ("down",) else knobs.gain_gu
+    found, ok = gptq.quantize_experts(
+        [weights[f"ffn_{name}_exps.weight"] for name in names],
         trace_layer["x"],
         trace_layer["ids"],
         enough,
@@ -219,12 +219,14 @@ def _gptq_experts(name, w, d, codes, weights, knobs, trace_layer, min_tokens):
         gate_up,
         knobs.gptq_refine,
     )
-    d, codes = d.copy(), codes.copy()
     done = enough[ok]
-    d[done] = d_g[ok]
-    codes[done] = np.asarray(pack_codes(q_g[ok]))
     fallback = {"few_tokens": int(len(counts) - len(enough)), "not_factored": int((~ok).sum())}
-    return d, codes, fallback
+    for name, (d_g, q_g) in zip(names, found, strict=True):
+        d, codes = arrays[f"{name}.d"].copy(), arrays[f"{name}.codes"].copy()
+        d[done] = d_g[ok]
+        codes[done] = np.asarray(pack_codes(q_g[ok]))
+        arrays[f"{name}.d"], arrays[f"{name}.codes"] = d, codes
+    return {name: dict(fallback) for name in names}
 
 
 def q2_weights(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
