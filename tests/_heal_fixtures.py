@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from healsweep.data.corpus import load_corpus
@@ -31,3 +32,15 @@ def heal_setup(tmp_path_factory):
     model = open_model(write_random_model(root / "m.gguf", n_layer=2, n_ff_exp=64,
                                           types={"ffn_down_shexp.weight": "Q8_0"}))
     return model, load_corpus(_corpus_file(root / "corpus.jsonl"))
+
+
+def correlated_layer(seed, n_exp=3, n_out=32, n_in=192, n_tokens=1500):
+    """Random expert weights [E, out, in] and second moments H [E, in, in] of correlated inputs
+    whose channels differ widely in size (as in an LLM), float32."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n_exp, n_out, n_in)).astype(np.float32)
+    mix = np.eye(n_in) + 0.4 * rng.standard_normal((n_exp, n_in, n_in)) / np.sqrt(n_in)
+    scales = np.exp(rng.standard_normal(n_in))  # channels of very different size, as in an LLM
+    x = rng.standard_normal((n_exp, n_tokens, n_in)) * scales @ mix
+    h = np.einsum("eti,etj->eij", x, x).astype(np.float32)
+    return w, h

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _heal_fixtures import heal_setup
+from _heal_fixtures import correlated_layer, heal_setup
 from healsweep.cache import StageCache
 from healsweep.errors import KnobError
 from healsweep.heal import gptq, stages
@@ -30,16 +30,6 @@ def _h_error(w, d, q, h):
     return np.einsum("eoi,eij,eoj->e", r, np.asarray(h, np.float64), r)
 
 
-def _correlated_layer(seed, n_exp=3, n_out=32, n_in=192, n_tokens=1500):
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n_exp, n_out, n_in)).astype(np.float32)
-    mix = np.eye(n_in) + 0.4 * rng.standard_normal((n_exp, n_in, n_in)) / np.sqrt(n_in)
-    scales = np.exp(rng.standard_normal(n_in))  # channels of very different size, as in an LLM
-    x = rng.standard_normal((n_exp, n_tokens, n_in)) * scales @ mix
-    h = np.einsum("eti,etj->eij", x, x).astype(np.float32)
-    return w, h
-
-
 def test_identity_second_moment_equals_search_bit_for_bit():
     # H = I without damping: u = I, nothing propagates and the block importance is uniform, so
     # every code and every fp16 scale must be the codec's own (importance none).
@@ -58,7 +48,7 @@ def test_identity_second_moment_equals_search_bit_for_bit():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_h_weighted_error_never_above_search(seed):
-    w, h = _correlated_layer(seed)
+    w, h = correlated_layer(seed)
     importance = np.einsum("eii->ei", h)  # search's best importance for this objective
     for gain in (0.0, 0.3):
         d, q, ok = gptq.quantize_stack(w, h, gain, damp=0.01)
@@ -103,7 +93,7 @@ def test_matches_a_float64_reference():
     # column. Their weights drift apart by ~1e-6 relative, so a code sitting within that of a
     # rounding boundary may differ, and a different code changes every later error in its row.
     # On these 3 x 16 x 192 weights that is at most a few in a thousand codes (measured: 0).
-    w, h = _correlated_layer(7, n_out=16)
+    w, h = correlated_layer(7, n_out=16)
     d, q, ok = gptq.quantize_stack(w, h, 0.3, damp=0.01)
     d_ref, q_ref = _reference_gptq(w, h, 0.3, 0.01)
     assert ok.all()

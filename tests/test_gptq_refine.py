@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _heal_fixtures import heal_setup
+from _heal_fixtures import correlated_layer, heal_setup
 from healsweep.cache import StageCache
 from healsweep.errors import KnobError
 from healsweep.heal import gptq
@@ -25,14 +25,6 @@ def _row_error(w, d, q, h):
     """(w − q·d)ᵀ H (w − q·d) per row [E, out], float64."""
     r = np.asarray(w, np.float64) - _values(d, q)
     return np.einsum("eoi,eij,eoj->eo", r, np.asarray(h, np.float64), r)
-
-
-def _layer(seed, n_exp=3, n_out=24, n_in=192, n_tokens=1500):
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n_exp, n_out, n_in)).astype(np.float32)
-    mix = np.eye(n_in) + 0.4 * rng.standard_normal((n_exp, n_in, n_in)) / np.sqrt(n_in)
-    x = rng.standard_normal((n_exp, n_tokens, n_in)) * np.exp(rng.standard_normal(n_in)) @ mix
-    return w, np.einsum("eti,etj->eij", x, x).astype(np.float32)
 
 
 def _reference_descent(w, h, d, q, sweeps):
@@ -67,7 +59,7 @@ def _reference_scales(w, h, q):
 
 
 def test_code_descent_matches_float64_and_never_raises_the_objective():
-    w, h = _layer(1, n_out=12)
+    w, h = correlated_layer(1, n_out=12)
     hd = gptq.damped(h, 0.01)
     d, q, _ = gptq.quantize_stack(w, h, 0.3, damp=0.01)
     new = np.asarray(gptq_refine.code_descent(w, hd, d, q, sweeps=2))
@@ -80,7 +72,7 @@ def test_code_descent_matches_float64_and_never_raises_the_objective():
 
 
 def test_scale_system_and_solve_match_a_float64_least_squares():
-    w, h = _layer(2, n_out=8)
+    w, h = correlated_layer(2, n_out=8)
     hd = gptq.damped(h, 0.01)
     d, q, _ = gptq.quantize_stack(w, h, 0.3, damp=0.01)
     a, b = gptq_refine.scale_system(w, hd, q)
@@ -101,7 +93,7 @@ def test_empty_block_keeps_its_scale():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_refine_is_never_above_gptq_and_clearly_below_on_correlated_inputs(seed):
-    w, h = _layer(seed)
+    w, h = correlated_layer(seed, n_out=24)
     hd = gptq.damped(h, 0.01)
     d0, q0, ok = gptq.quantize_stack(w, h, 0.3, damp=0.01)
     d3, q3, ok3 = gptq.quantize_stack(w, h, 0.3, damp=0.01, rounds=3)
