@@ -23,6 +23,8 @@ so the host holds a few ``[n, n]`` matrices at a time and the kernel compiles on
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,17 +88,18 @@ def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
     ``u = R⁻¹ = J·L̃⁻¹·J``. Returns ``(u [G, n, n] float32, ok [G] bool)``; a matrix that does
     not factor (not positive definite even after damping) has ``ok`` False and ``u = I``.
     """
+    return _inverse_factor(_damped64(h, damp))
+
+
+def _inverse_factor(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`inverse_factor` of the already damped float64 ``h`` [G, n, n]."""
     from scipy.linalg import lapack
 
-    h = np.asarray(h, np.float64)
-    n = h.shape[-1]
-    eye = np.eye(n)
-    u = np.broadcast_to(eye, h.shape).copy()
+    u = np.broadcast_to(np.eye(h.shape[-1]), h.shape).copy()
     ok = np.zeros(h.shape[0], bool)
     for g, hg in enumerate(h):
         if not np.all(np.isfinite(hg)):
             continue
-        hg = 0.5 * (hg + hg.T) + damp * np.mean(np.diag(hg)) * eye
         lower, info = lapack.dpotrf(hg[::-1, ::-1], lower=1, clean=1)
         if info != 0:
             continue
@@ -108,13 +111,37 @@ def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
     return u.astype(np.float32), ok
 
 
-def damped(h: np.ndarray, damp: float) -> np.ndarray:
-    """``H + damp·mean(diag H)·I`` per matrix of ``h`` [G, n, n], symmetrized, float32."""
+def _damped64(h: np.ndarray, damp: float) -> np.ndarray:
+    """``H + damp·mean(diag H)·I`` per matrix of ``h`` [G, n, n], symmetrized, float64."""
     h = np.asarray(h, np.float64)
     n = h.shape[-1]
     mean = np.einsum("gii->g", h) / n
-    sym = 0.5 * (h + np.swapaxes(h, 1, 2))
-    return (sym + damp * mean[:, None, None] * np.eye(n)).astype(np.float32)
+    return 0.5 * (h + np.swapaxes(h, 1, 2)) + damp * mean[:, None, None] * np.eye(n)
+
+
+def damped(h: np.ndarray, damp: float) -> np.ndarray:
+    """``H + damp·mean(diag H)·I`` per matrix of ``h`` [G, n, n], symmetrized, float32."""
+    return _damped64(h, damp).astype(np.float32)
+
+
+class Prepared(NamedTuple):
+    """What GPTQ needs of one group's second moments, computed once for every stack that reads
+    the same input: the factor ``u`` with ``ok``, the damped diagonal as block importance, and
+    the damped ``H`` for :func:`refine`."""
+
+    u: np.ndarray  # [G, n, n] float32
+    ok: np.ndarray  # [G] bool
+    importance: np.ndarray  # [G, n] float32
+    damped: np.ndarray  # [G, n, n] float64 (refine takes it to the device as float32)
+
+
+def prepare(hessians: np.ndarray, damp: float) -> Prepared:
+    """:class:`Prepared` of ``hessians`` [G, n, n] at ``damp`` (host, float64 inside)."""
+    h = _damped64(hessians, damp)
+    importance = np.einsum("gii->gi", h)  # the damped H's diagonal
+    top = importance.max(axis=1, keepdims=True)
+    importance = np.maximum(importance, np.where(top > 0, top * 1e-6, 1.0))
+    return Prepared(*_inverse_factor(h), importance.astype(np.float32), h)
 
 
 def solve_scales(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -143,8 +170,8 @@ def solve_scales(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 def refine(w, h: np.ndarray, d: np.ndarray, q: np.ndarray, rounds: int):
     """``rounds`` of code descent and scale refit of ``(d, q)`` under the damped ``h`` [G, in, in]
-    (float32, from :func:`damped`). Each row keeps its lowest-objective state, so no row ends
-    above its start. Returns ``(d float16, q int8)`` of the shapes given."""
+    (from :func:`damped` or :func:`prepare`; used in float32). Each row keeps its
+    lowest-objective state, so no row ends above its start. Returns ``(d float16, q int8)`` of the shapes given."""
     w = jnp.asarray(w, jnp.float32)
     h_dev = jnp.asarray(h, jnp.float32)
     n_exp, n_out, n_in = w.shape
@@ -171,23 +198,19 @@ def quantize_stack(
     gain: float,
     damp: float,
     rounds: int = 0,
-    factor: tuple[np.ndarray, np.ndarray] | None = None,
+    prepared: Prepared | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GPTQ Q2_0 of ``w`` [G, out, in] (device or numpy) with second moments ``hessians``
     [G, in, in], then ``rounds`` of :func:`refine`. Returns ``(d [G, out, in/64] float16,
     q [G, out, in] int8, ok [G] bool)``; rows with ``ok`` False are not valid (their ``H`` did
-    not factor; the caller falls back). ``factor``: :func:`inverse_factor` of ``hessians`` at
-    ``damp`` when the caller has it already (matrices that share their input)."""
-    u, ok = factor if factor is not None else inverse_factor(hessians, damp)
-    diag = np.einsum("gii->gi", np.asarray(hessians, np.float64))
-    importance = diag + damp * diag.mean(axis=1, keepdims=True)  # the damped H's diagonal
-    top = importance.max(axis=1, keepdims=True)
-    importance = np.maximum(importance, np.where(top > 0, top * 1e-6, 1.0)).astype(np.float32)
-    d, q = gptq_kernel.quantize(jnp.asarray(w), u, importance, jnp.float32(gain))
+    not factor; the caller falls back). ``prepared``: :func:`prepare` of ``hessians`` at
+    ``damp`` when the caller has it already (stacks that share their input)."""
+    p = prepared if prepared is not None else prepare(hessians, damp)
+    d, q = gptq_kernel.quantize(jnp.asarray(w), p.u, p.importance, jnp.float32(gain))
     d, q = np.asarray(d), np.asarray(q)
     if rounds:
-        d, q = refine(w, damped(hessians, damp), d, q, rounds)
-    return d, q, ok
+        d, q = refine(w, p.damped, d, q, rounds)
+    return d, q, p.ok
 
 
 def quantize_experts(
@@ -221,10 +244,10 @@ def quantize_experts(
         pad = GROUP - len(group) if len(experts) > GROUP else 0
         idx = np.concatenate([group, np.repeat(group[:1], pad)])  # inert repeats: one shape
         h = np.concatenate([h, np.repeat(h[:1], pad, axis=0)])
-        factor = inverse_factor(h, damp)
+        prepared = prepare(h, damp)
         n = len(group)
-        ok[a : a + n] = factor[1][:n]
+        ok[a : a + n] = prepared.ok[:n]
         for w, (d, q) in zip(stacks, out, strict=True):
-            d_g, q_g, _ = quantize_stack(w[idx], h, gain, damp, rounds, factor)
+            d_g, q_g, _ = quantize_stack(w[idx], h, gain, damp, rounds, prepared)
             d[a : a + n], q[a : a + n] = d_g[:n], q_g[:n]
     return out, ok
