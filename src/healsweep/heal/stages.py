@@ -205,10 +205,9 @@ def _gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens):
 
     counts = np.asarray(trace_layer["counts"])
     enough = np.nonzero(counts >= min_tokens)[0]
-    gate_up = None
-    if names == ("down",):
-        gate_up = (weights["ffn_gate_exps.weight"], weights["ffn_up_exps.weight"])
-    gain = knobs.gain_d if names == ("down",) else knobs.gain_gu
+    down = names == ("down",)  # its input h comes from the teacher's gate and up
+    gate_up = (weights["ffn_gate_exps.weight"], weights["ffn_up_exps.weight"]) if down else None
+    gain = knobs.gain_d if down else knobs.gain_gu
     found, ok = gptq.quantize_experts(
         [weights[f"ffn_{name}_exps.weight"] for name in names],
         trace_layer["x"],
