@@ -103,6 +103,34 @@ def test_matches_a_float64_reference():
     np.testing.assert_allclose(_h_error(w, d, q, h), _h_error(w, d_ref, q_ref, h), rtol=1e-3)
 
 
+def test_second_moments_and_inverse_factor_match_float64():
+    # Each expert's H over its routed rows (and the down projection's, over h), then uᵀu = the
+    # damped H⁻¹ with u upper: against numpy in float64.
+    rng = np.random.default_rng(3)
+    n_tok, dim, ffn, n_exp = 300, 64, 128, 5
+    x = rng.standard_normal((n_tok, dim)).astype(np.float32)
+    ids = rng.integers(0, n_exp, (n_tok, 2)).astype(np.int32)
+    ids[:, 1] = (ids[:, 0] + 1) % n_exp
+    wg, wu = (0.2 * rng.standard_normal((n_exp, ffn, dim)).astype(np.float32) for _ in range(2))
+    experts = np.array([4, 0, 2])
+    h = gptq.second_moments(x, ids, experts)
+    h_down = gptq.second_moments(x, ids, experts, (wg, wu))
+    x64 = x.astype(np.float64)
+    for i, e in enumerate(experts):
+        rows = x64[np.any(ids == e, axis=1)]
+        np.testing.assert_allclose(h[i], rows.T @ rows, rtol=1e-5, atol=1e-4)
+        g = rows @ wg[e].T.astype(np.float64)
+        hid = g / (1 + np.exp(-g)) * (rows @ wu[e].T.astype(np.float64))
+        np.testing.assert_allclose(h_down[i], hid.T @ hid, rtol=1e-4, atol=1e-4)
+    u, ok = gptq.inverse_factor(h, 0.05)
+    assert ok.all() and np.array_equal(u, np.triu(u))
+    for i in range(len(experts)):
+        hd = h[i].astype(np.float64) + 0.05 * np.trace(h[i].astype(np.float64)) / dim * np.eye(dim)
+        np.testing.assert_allclose(
+            u[i].T.astype(np.float64) @ u[i], np.linalg.inv(hd), rtol=1e-4, atol=1e-7
+        )
+
+
 def test_unfactorable_second_moment_is_reported_not_trusted():
     h = np.zeros((2, 64, 64), np.float32)
     h[0] = np.eye(64)

@@ -41,43 +41,51 @@ _SYSTEM_FLOATS = 1 << 26  # bound on the [E, rows, in, nb] buffer of one scale_s
 
 
 @healing_jit
-def _gram(x_rows: jax.Array) -> jax.Array:
-    """``xᵀx`` [D, D] of the (zero-padded) rows ``x_rows`` [P, D]."""
-    return jnp.matmul(x_rows.T, x_rows, precision=_HIGHEST)
+def _grams(x_rows: jax.Array) -> jax.Array:
+    """``xᵀx`` [G, D, D] of each expert's (zero-padded) rows ``x_rows`` [G, P, D]."""
+    return _symmetric(jnp.einsum("gpd,gpe->gde", x_rows, x_rows, precision=_HIGHEST))
 
 
 @healing_jit
-def _hidden_gram(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, e) -> jax.Array:
-    """``hᵀh`` [F, F] with ``h = silu(x·Wg[e]ᵀ)·(x·Wu[e]ᵀ)``; zero rows give h = 0."""
-    g = jnp.matmul(x_rows, w_gate[e].T, precision=_HIGHEST)
-    h = jax.nn.silu(g) * jnp.matmul(x_rows, w_up[e].T, precision=_HIGHEST)  # [P, F]
-    return jnp.matmul(h.T, h, precision=_HIGHEST)
+def _hidden_grams(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, experts) -> jax.Array:
+    """``hᵀh`` [G, F, F] with ``h = silu(x·Wg[e]ᵀ)·(x·Wu[e]ᵀ)`` per expert ``e`` of ``experts``
+    [G]; zero rows give h = 0."""
+    g = jnp.einsum("gpd,gfd->gpf", x_rows, w_gate[experts], precision=_HIGHEST)
+    h = jax.nn.silu(g) * jnp.einsum("gpd,gfd->gpf", x_rows, w_up[experts], precision=_HIGHEST)
+    return _symmetric(jnp.einsum("gpf,gpk->gfk", h, h, precision=_HIGHEST))
 
 
-def _routed_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    size = max(_MIN_ROWS, 1 << max(len(rows) - 1, 0).bit_length())
-    out = np.zeros((size, x.shape[1]), np.float32)
-    out[: len(rows)] = x[rows]
+def _symmetric(g: jax.Array) -> jax.Array:
+    """``(G + Gᵀ)/2`` per matrix: exactly symmetric, as the host's factorization and the refine
+    objective take it (done here, where the transpose is free; on the host it cost ~30 ms per
+    2048² matrix)."""
+    return 0.5 * (g + jnp.swapaxes(g, 1, 2))
+
+
+def _routed_rows(x: np.ndarray, ids: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """[len(experts), P, D]: each expert's routed rows of ``x``, zero-padded to one power of two
+    P of at least ``_MIN_ROWS`` (few compiles)."""
+    rows = [np.nonzero(np.any(ids == e, axis=1))[0] for e in experts]
+    size = max(_MIN_ROWS, 1 << max(max(map(len, rows)) - 1, 0).bit_length())
+    out = np.zeros((len(experts), size, x.shape[1]), np.float32)
+    for o, r in zip(out, rows, strict=True):
+        o[: len(r)] = x[r]
     return out
 
 
 def second_moments(
     x: np.ndarray, ids: np.ndarray, experts: np.ndarray, gate_up: tuple | None = None
 ) -> np.ndarray:
-    """``H_e = Σ x xᵀ`` [len(experts), n, n] float32 over the tokens routed to each expert.
+    """``H_e = Σ x xᵀ`` [len(experts), n, n] float32, exactly symmetric, over the tokens routed
+    to each expert (one device call for all of ``experts``).
 
     ``x`` [T, D] (the FFN input), ``ids`` [T, k]. With ``gate_up = (Wg [E, F, D], Wu [E, F, D])``
     the moments are those of the down projection's input ``h`` of each expert instead.
     """
-    x = np.asarray(x)
-    out = []
-    for e in experts:
-        rows = _routed_rows(x, np.nonzero(np.any(ids == e, axis=1))[0])
-        if gate_up is None:
-            out.append(np.asarray(_gram(rows)))
-        else:
-            out.append(np.asarray(_hidden_gram(rows, *gate_up, np.int32(e))))
-    return np.stack(out)
+    x_rows = _routed_rows(np.asarray(x), np.asarray(ids), np.asarray(experts))
+    if gate_up is None:
+        return np.asarray(_grams(x_rows))
+    return np.asarray(_hidden_grams(x_rows, *gate_up, jnp.asarray(experts, jnp.int32)))
 
 
 def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
@@ -92,35 +100,44 @@ def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _inverse_factor(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`inverse_factor` of the already damped float64 ``h`` [G, n, n]."""
+    """:func:`inverse_factor` of the already damped float64 ``h`` [G, n, n].
+
+    LAPACK works in place on a reversed copy read as a Fortran array (the transpose of a
+    symmetric matrix is itself), in its ``upper`` mode: ``J·H·J = UᵀU`` with ``U = L̃ᵀ``, and
+    ``U⁻¹`` read back in C order is ``L̃⁻¹``; no transposing copies.
+    """
     from scipy.linalg import lapack
 
-    u = np.broadcast_to(np.eye(h.shape[-1]), h.shape).copy()
+    u = np.zeros(h.shape, np.float32)
     ok = np.zeros(h.shape[0], bool)
     for g, hg in enumerate(h):
         if not np.all(np.isfinite(hg)):
             continue
-        lower, info = lapack.dpotrf(hg[::-1, ::-1], lower=1, clean=1)
+        reversed_h = hg[::-1, ::-1].copy()
+        upper, info = lapack.dpotrf(reversed_h.T, lower=0, clean=1, overwrite_a=1)
         if info != 0:
             continue
-        lower_inv, info = lapack.dtrtri(lower, lower=1)
+        upper_inv, info = lapack.dtrtri(upper, lower=0, overwrite_c=1)
+        lower_inv = upper_inv.T  # L̃⁻¹; its upper part stays clean's zeros
         if info != 0 or not np.all(np.isfinite(lower_inv)):
             continue
-        u[g] = np.triu(lower_inv[::-1, ::-1])
+        u[g] = lower_inv[::-1, ::-1]
         ok[g] = True
-    return u.astype(np.float32), ok
+    u[~ok] = np.eye(h.shape[-1], dtype=np.float32)
+    return u, ok
 
 
 def _damped64(h: np.ndarray, damp: float) -> np.ndarray:
-    """``H + damp·mean(diag H)·I`` per matrix of ``h`` [G, n, n], symmetrized, float64."""
-    h = np.asarray(h, np.float64)
-    n = h.shape[-1]
-    mean = np.einsum("gii->g", h) / n
-    return 0.5 * (h + np.swapaxes(h, 1, 2)) + damp * mean[:, None, None] * np.eye(n)
+    """``H + damp·mean(diag H)·I`` per matrix of the symmetric ``h`` [G, n, n], float64 (the
+    damping added in place on the diagonal: no [n, n] temporaries)."""
+    out = np.array(h, np.float64)
+    for m in out:
+        np.einsum("ii->i", m)[...] += damp * (np.einsum("ii->", m) / len(m))
+    return out
 
 
 def damped(h: np.ndarray, damp: float) -> np.ndarray:
-    """``H + damp·mean(diag H)·I`` per matrix of ``h`` [G, n, n], symmetrized, float32."""
+    """``H + damp·mean(diag H)·I`` per matrix of the symmetric ``h`` [G, n, n], float32."""
     return _damped64(h, damp).astype(np.float32)
 
 
