@@ -207,6 +207,39 @@ def test_grid_puts_baseline_first_applies_fixed_and_drops_repeats():
     assert [c["gain_d"] for c in grid_configs(plain)] == [0.3, 0.0]
 
 
+def test_grid_drops_points_that_repeat_an_earlier_student():
+    # gptq_damp is read only by gptq, gamma only when alpha is not none: crossing them with
+    # search / none would score the same student again under another name.
+    spec = spec_from_dict(
+        {
+            "name": "x",
+            "search_space": {
+                "quantizer": ["search", "gptq"],
+                "gptq_damp": [0.01, 0.5],
+                "alpha": ["gaussian", "none"],
+                "gamma": [0.75, 0.5],
+            },
+        }
+    )
+    got = [(c["quantizer"], c["gptq_damp"], c["alpha"], c["gamma"]) for c in grid_configs(spec)]
+    assert got == [
+        ("search", 0.01, "gaussian", 0.75),  # the baseline
+        ("search", 0.01, "gaussian", 0.5),
+        ("search", 0.01, "none", 0.75),
+        ("gptq", 0.01, "gaussian", 0.75),
+        ("gptq", 0.01, "gaussian", 0.5),
+        ("gptq", 0.01, "none", 0.75),
+        ("gptq", 0.5, "gaussian", 0.75),
+        ("gptq", 0.5, "gaussian", 0.5),
+        ("gptq", 0.5, "none", 0.75),
+    ]
+    # score-time knobs are not heal knobs, and still make distinct configs
+    cache = spec_from_dict(
+        {"name": "x", "fixed": {}, "search_space": {"moce_bonus": [0.0, 0.5]}, "baseline": {}}
+    )
+    assert [c["moce_bonus"] for c in grid_configs(cache)] == [0.0, 0.5]
+
+
 def test_resolve_knobs_from_tune_configs():
     spec = spec_from_dict(
         {

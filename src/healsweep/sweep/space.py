@@ -3,8 +3,9 @@ into validated knobs.
 
 Every trial's knobs are ``baseline ∪ fixed ∪ sampled point``. The baseline runs first and is
 itself a trial. For ``grid`` the trial configs are expanded here, in a fixed order (baseline
-first, then the grid in ``itertools.product`` order of the spec's keys, duplicates of the
-baseline dropped) and handed to Tune as one ``grid_search`` over full knob dicts, so the trial
+first, then the grid in ``itertools.product`` order of the spec's keys, a point dropped when an
+earlier config would build and score the same student: the same knobs read by every stage and
+at scoring, e.g. ``gptq_damp`` crossed with ``quantizer: search``) and handed to Tune as one ``grid_search`` over full knob dicts, so the trial
 list is explicit, ordered and free of repeats. For ``tpe``/``random`` the searched knobs become
 Optuna distributions and the baseline is enqueued as the first point; a sampled point equal to
 the baseline's searched values is the baseline.
@@ -19,7 +20,7 @@ from typing import Any
 
 from healsweep.cache import canonical_json
 from healsweep.errors import KnobError, SpecError
-from healsweep.heal.knobs import Knobs
+from healsweep.heal.knobs import SCORE_KNOBS, STAGES, Knobs
 from healsweep.sweep.spec import ChoicesSpec, RangeSpec, SweepSpec, field_name, locate
 
 KNOB_NAMES: tuple[str, ...] = tuple(Knobs.model_fields)
@@ -166,17 +167,24 @@ def _with_point(spec: SweepSpec, point: Mapping[str, Any]) -> Knobs:
 
 
 def grid_configs(spec: SweepSpec) -> list[dict[str, Any]]:
-    """Full knob dicts of a grid sweep: the baseline first, then the grid without repeats."""
-    configs = [baseline_knobs(spec).model_dump()]
-    seen = {config_hash(configs[0])}
+    """Full knob dicts of a grid sweep: the baseline first, then the grid without points that
+    repeat an earlier config's student (:func:`_effect`)."""
+    baseline = baseline_knobs(spec)
+    configs, seen = [baseline.model_dump()], {_effect(baseline)}
     names = list(spec.search_space)
     for point in itertools.product(*(spec.search_space[k] for k in names)):
-        knobs = _with_point(spec, dict(zip(names, point, strict=True))).model_dump()
-        key = config_hash(knobs)
-        if key not in seen:
-            seen.add(key)
-            configs.append(knobs)
+        knobs = _with_point(spec, dict(zip(names, point, strict=True)))
+        if _effect(knobs) not in seen:
+            seen.add(_effect(knobs))
+            configs.append(knobs.model_dump())
     return configs
+
+
+def _effect(knobs: Knobs) -> str:
+    """What a config changes: the knobs each heal stage reads and the score-time knobs."""
+    read = {stage: knobs.for_stage(stage) for stage in STAGES}
+    read.update({k: getattr(knobs, k) for k in SCORE_KNOBS})
+    return canonical_json(read)
 
 
 def optuna_space(spec: SweepSpec) -> dict[str, Any]:
