@@ -16,6 +16,7 @@ from typing import Any
 from healsweep.errors import ResultsError
 from healsweep.results.schema import Q2_0_BPW, REFERENCES, knobs_of, row_role
 from healsweep.results.store import read_manifest, read_trials, read_windows
+from healsweep.score.expert_cache import pooled_cache
 from healsweep.score.record import WindowRecord
 
 MAX_LEVELS = 6
@@ -48,6 +49,11 @@ class ConfigResult:
     def n_windows(self) -> int:
         """Windows scored."""
         return len(self.windows)
+
+    @property
+    def cache(self) -> dict[str, Any] | None:
+        """Token-pooled expert-cache figures of its windows (None when scored without a cache)."""
+        return pooled_cache([w.metrics.to_dict() for w in self.windows.values()])
 
 
 @dataclass

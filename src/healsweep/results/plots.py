@@ -7,7 +7,9 @@
 - ``paired_windows.png``: per window, a config's KLD against the baseline's on the same window
   (one panel per config, log-log, the diagonal = no change; points below it are windows the
   config improves);
-- ``knob_effects.png``: mean relative change vs the baseline per value of each varied knob.
+- ``knob_effects.png``: mean relative change vs the baseline per value of each varied knob;
+- ``kld_vs_mib.png`` (configs scored through a simulated expert cache only): pooled KLD against
+  MiB of experts read per token, the quality-for-bytes trade-off of the cache bonus.
 """
 
 from __future__ import annotations
@@ -174,20 +176,54 @@ def knob_effects(summary: SweepSummary, path: Path) -> Path:
     return save(fig, path)
 
 
+def kld_vs_mib(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
+    """Pooled KLD against MiB read per token, one point per config; configs that differ only
+    in ``moce_bonus`` are joined in bonus order (the bonus's trade-off curve)."""
+    plt = _pyplot()
+    points = [(c, f) for c in summary.configs if (f := c.cache) is not None]
+    curves: dict[tuple, list[tuple[ConfigResult, dict]]] = {}
+    for config, figures in points:
+        rest = tuple(sorted((k, str(v)) for k, v in config.knobs.items() if k != "moce_bonus"))
+        curves.setdefault(rest, []).append((config, figures))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for curve in curves.values():
+        curve.sort(key=lambda p: p[0].knobs.get("moce_bonus") or 0.0)
+        xs = [f["mib_per_token"] for _, f in curve]
+        ys = [c.pooled["kld_mean"] for c, _ in curve]
+        ax.plot(xs, ys, marker="o", lw=1, label=label(curve[0][0])[:48])  # the lowest bonus
+        for (config, _), x, y in zip(curve, xs, ys, strict=True):
+            ax.annotate(f"{config.knobs.get('moce_bonus') or 0:g}", (x, y), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    if all(f["mib_per_token"] > 0 for _, f in points):
+        ax.set_xscale("log")
+    ax.legend(fontsize=6, title="config (points: moce_bonus)", title_fontsize=6)
+    ax.set_xlabel("MiB of experts read per token (misses x stored expert size)")
+    ax.set_ylabel("pooled KLD")
+    ax.set_title("quality vs expert I/O per config", fontsize=9)
+    return save(fig, path)
+
+
 def write_plots(
     summary: SweepSummary, folder: Path, label: Callable[[ConfigResult], str]
 ) -> dict[str, Path]:
     """All plots into ``folder``; returns ``{caption: path}``."""
-    from healsweep.results.expert_cache import cache_plots
-
-    return {
+    plots = {
         FOREST_CAPTION: forest(summary, folder / "forest.png", label),
         "per-window KLD vs baseline": paired_scatter(summary, folder / "paired_windows.png", label),
         "knob main effects": knob_effects(summary, folder / "knob_effects.png"),
-        **cache_plots(summary, folder, label),  # KLD vs MiB/token, with an expert cache
     }
+    if any(c.cache for c in summary.configs):
+        plots["KLD vs MiB read per token"] = kld_vs_mib(summary, folder / "kld_vs_mib.png", label)
+    return plots
 
 
 FOREST_CAPTION = "every config: Δ KLD vs baseline with its paired-bootstrap CI (forest plot)"
 
-__all__ = ["FOREST_CAPTION", "forest", "knob_effects", "paired_scatter", "write_plots"]
+__all__ = [
+    "FOREST_CAPTION",
+    "forest",
+    "kld_vs_mib",
+    "knob_effects",
+    "paired_scatter",
+    "write_plots",
+]

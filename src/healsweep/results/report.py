@@ -61,13 +61,22 @@ def _bpw(config: ConfigResult) -> str:
     return "-" if bpw is None or not math.isfinite(bpw) else f"{bpw:.3g}"
 
 
+def _cache_cells(config: ConfigResult) -> list[str]:
+    figures = config.cache
+    if figures is None:
+        return ["-", "-"]
+    return [f"{figures['hit_rate']:.2%}", f"{figures['mib_per_token']:.3g}"]
+
+
 def leaderboard(summary: SweepSummary) -> Table:
     """Rank, config, role, status, windows, routed bpw, pooled KLD (with an expert cache: hit
     rate, MiB/token), Δ KLD [CI] vs the baseline and vs each reference row, top-1, top-1 Δ,
     wins/losses, verdict."""
     level = summary.rule.ci_level
     refs = [str(r.label) for r in summary.references]
+    cached = any(c.cache for c in summary.configs)  # scored through a simulated expert cache
     header = ["#", "config", "role", "status", "windows", "bpw", "pooled KLD",
+              *(["hit rate", "MiB/token"] if cached else []),
               f"Δ KLD vs baseline [{level:.0%} CI]",
               *(f"Δ KLD vs {name} [{level:.0%} CI]" for name in refs),
               "top-1", "Δ top-1 (pt)", "wins/losses", "verdict"]  # fmt: skip
@@ -85,6 +94,7 @@ def leaderboard(summary: SweepSummary) -> Table:
                 f"{config.n_windows}/{summary.windows_total}",
                 _bpw(config),
                 f"{config.pooled['kld_mean']:.5f}",
+                *(_cache_cells(config) if cached else []),
                 _delta(comp, level),
                 *(_delta(config.vs_references.get(name), level) for name in refs),
                 f"{config.pooled['top1']:.2%}",
@@ -93,9 +103,7 @@ def leaderboard(summary: SweepSummary) -> Table:
                 _verdict(config),
             ]
         )
-    from healsweep.results.expert_cache import with_cache_columns
-
-    return with_cache_columns(summary, header, rows)  # hit rate, MiB/token when simulated
+    return header, rows
 
 
 def strata_table(summary: SweepSummary) -> Table:
