@@ -183,7 +183,10 @@ def _sections(
     return [
         ("Leaderboard against the baseline and the references", leaderboard(summary)),
         *([("Every config against the baseline", first)] if first else []),
-        *confirmed_sections(summary, confirmed or []),  # `healsweep confirm`: dev next to test
+        *(
+            (f"Dev and test (milestone {m['milestone']})", confirmed_table(summary, m))
+            for m in confirmed or []
+        ),
         ("Decision-rule reasons", reasons),
         ("Per-stratum pooled KLD", strata_table(summary)),
         ("Main effects per knob", effects_table(summary)),
@@ -271,26 +274,18 @@ def write_report(
     plots = write_plots(summary, out, label=lambda c: describe(c, summary.baseline))
     relative = {caption: path.name for caption, path in plots.items()}
     md, page = out / "report.md", out / "report.html"
-    confirmed = confirmed or []
     atomic_write_text(md, render_markdown(summary, relative, confirmed))
     atomic_write_text(page, render_html(summary, relative, confirmed))
-    return {"markdown": md, "html": page, **{c: p for c, p in plots.items()}}
+    return {"markdown": md, "html": page, **plots}
 
 
 # The test split (`healsweep confirm`) --------------------------------------------------------
 
 
-def confirmed_sections(summary: SweepSummary, confirmed: list[dict]) -> list[tuple[str, Table]]:
-    """One table per confirmed milestone: each frozen config's dev figures next to its test
-    figures (pooled KLD, relative change vs the baseline with its CI, top-1 change, verdict)."""
-    return [
-        (f"Dev and test (milestone {m['milestone']})", confirmed_table(summary, m))
-        for m in confirmed
-    ]
-
-
 def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
-    """The dev/test table of one ``confirm.json`` summary (see :func:`confirmed_sections`)."""
+    """The table of one milestone ``healsweep confirm`` opened (a ``confirm.json`` summary): each
+    frozen config's dev figures next to its test figures (pooled KLD, relative change vs the
+    baseline with its CI, top-1 change, verdict)."""
     level = summary.rule.ci_level
     header = ["config", "dev pooled KLD", f"dev Δ KLD [{level:.0%} CI]", "dev verdict",
               f"test pooled KLD ({milestone['windows']} windows)", f"test Δ KLD [{level:.0%} CI]",
@@ -324,7 +319,6 @@ __all__ = [
     "render_html",
     "render_markdown",
     "strata_table",
-    "confirmed_sections",
     "confirmed_table",
     "write_report",
 ]

@@ -110,23 +110,21 @@ def sweep_lock(sweep_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, num_cpus: int | None) -> Iterator[None]:
-    """Use a running Ray, connect to ``address``, or start an embedded local one (and stop it)."""
+def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> Iterator[None]:
+    """Use a running Ray, connect to ``address``, or start an embedded local one (and stop it);
+    then refuse a cluster that cannot give a trial the resources the spec asks for."""
     import ray
 
-    if ray.is_initialized():
-        yield
-        return
-    kwargs: dict[str, Any] = {
-        "include_dashboard": False,
-        "logging_level": logging.WARNING,
-        "log_to_driver": False,
-    }
-    if address:  # one-line errors for an unreachable head or a refused join
+    # Tune's own console table: our progress view replaces it (a user can still set these
+    # variables to turn it back on).
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    started = not ray.is_initialized()
+    if started and address:  # one-line errors for an unreachable head or a refused join
         from healsweep.cluster import connect
 
         connect(address)
-    else:
+    elif started:
         # An embedded cluster is this process's own: Ray's notice that it enabled token
         # authentication by default (it did; nothing to act on) is noise on the sweep's console.
         auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
@@ -135,47 +133,31 @@ def ray_session(address: str | None, num_cpus: int | None) -> Iterator[None]:
         def drop_notice(record: logging.LogRecord) -> bool:
             return not record.getMessage().startswith(notice)
 
+        per_trial = max(1, int(spec.trial_resources()["cpu"]))
+        local = num_cpus or max(1, min(os.cpu_count() or 1, spec.max_concurrent * per_trial))
         auth_log.addFilter(drop_notice)
         try:
-            ray.init(num_cpus=num_cpus, **kwargs)
+            ray.init(
+                num_cpus=local,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
         finally:
             auth_log.removeFilter(drop_notice)
     try:
+        available = ray.cluster_resources()
+        for name, amount in spec.trial_resources().items():
+            have = available.get(_RAY_NAMES.get(name, name), 0)
+            if amount > 0 and have < amount:
+                raise SpecError(
+                    f"field 'resources.{name}' = {amount}: the Ray cluster offers {have} {name}; "
+                    "join workers that provide it (see metal/README.md) or lower the request"
+                )
         yield
     finally:
-        ray.shutdown()
-
-
-def _quiet_tune() -> None:
-    # Tune's own console table: our progress view replaces it (a user can still set these
-    # variables to turn it back on).
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-
-
-def trial_resources(spec: SweepSpec) -> dict[str, float]:
-    """Per-trial resources for ``tune.with_resources`` (one CPU unless the spec says otherwise)."""
-    return {"cpu": 1.0, **spec.resources}
-
-
-def _check_resources(spec: SweepSpec) -> None:
-    import ray
-
-    available = ray.cluster_resources()
-    for name, amount in trial_resources(spec).items():
-        have = available.get(_RAY_NAMES.get(name, name), 0)
-        if amount > 0 and have < amount:
-            raise SpecError(
-                f"field 'resources.{name}' = {amount}: the Ray cluster offers {have} {name}; "
-                "join workers that provide it (see metal/README.md) or lower the request"
-            )
-
-
-def _local_cpus(spec: SweepSpec, num_cpus: int | None) -> int:
-    if num_cpus:
-        return num_cpus
-    per_trial = max(1, int(trial_resources(spec)["cpu"]))
-    return max(1, min(os.cpu_count() or 1, spec.max_concurrent * per_trial))
+        if started:
+            ray.shutdown()
 
 
 def prior_windows(sweep_dir: Path) -> dict[str, dict[str, WindowRecord]]:
@@ -195,7 +177,7 @@ def _trainable(spec: SweepSpec, prior: dict, work_fn: WorkFn) -> Any:
     # break every later ray.init in this process.
     ray.cloudpickle.dumps(work_fn)
     trainable = tune.with_parameters(sweep_trial, spec=spec, book=open_book(prior), work_fn=work_fn)
-    return tune.with_resources(trainable, trial_resources(spec))
+    return tune.with_resources(trainable, spec.trial_resources())
 
 
 def _search(spec: SweepSpec) -> tuple[Any, dict[str, Any], int]:
@@ -317,10 +299,8 @@ def run_sweep(
     _refuse_existing(sweep_dir, spec.name)
     require_writable(root)  # before Ray starts: a read-only or full root is refused at once
     identity = identity_fn(spec)
-    _quiet_tune()
     # Connect and check resources before the folder is created, so a refused start leaves none.
-    with ray_session(address, _local_cpus(spec, num_cpus)):
-        _check_resources(spec)
+    with ray_session(spec, address, num_cpus):
         with sweep_lock(sweep_dir):
             _refuse_existing(sweep_dir, spec.name)  # another `run` of this name got here first
             start_manifest(sweep_dir, spec, identity, kind="run")
@@ -347,9 +327,7 @@ def resume_sweep(
     re-scored (they are replayed from the Parquet rows and the trials' checkpoints)."""
     sweep_dir = Path(sweep_dir).resolve()
     spec = read_spec(sweep_dir)
-    _quiet_tune()
-    with sweep_lock(sweep_dir), ray_session(address, _local_cpus(spec, num_cpus)):
-        _check_resources(spec)
+    with sweep_lock(sweep_dir), ray_session(spec, address, num_cpus):
         start_manifest(sweep_dir, spec, None, kind="resume")
         repair_journal(sweep_dir / JOURNAL_FILE)
         return _run(spec, sweep_dir, work_fn, on_progress)

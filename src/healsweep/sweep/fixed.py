@@ -104,7 +104,7 @@ def _score_fixed(
 
 
 def _task_options(spec: Any) -> dict[str, Any]:
-    resources = {"cpu": 1.0, **spec.resources}
+    resources = spec.trial_resources()
     return {
         "num_cpus": resources.pop("cpu"),
         "num_gpus": resources.pop("gpu", 0),

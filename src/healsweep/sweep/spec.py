@@ -168,6 +168,11 @@ class SweepSpec(_Strict):
 
         return CalibrationConfig(**{"corpus": self.corpus, **self.calibration})
 
+    def trial_resources(self) -> dict[str, float]:
+        """Per-trial resources (also of a fixed row's task): one CPU unless the spec says
+        otherwise."""
+        return {"cpu": 1.0, **self.resources}
+
     def reference_names(self) -> tuple[str, ...]:
         """The reference rows this sweep scores (``unhealed``, ``plain``, both or none)."""
         if self.references is True:
