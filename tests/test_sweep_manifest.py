@@ -11,7 +11,8 @@ import pytest
 from healsweep.errors import ResultsError
 from healsweep.results.schema import KNOB_PREFIX
 from healsweep.results.store import MANIFEST_FILE, TRIALS_FILE
-from healsweep.sweep.manifest import knob_names, start_manifest
+from healsweep.sweep.manifest import start_manifest
+from healsweep.sweep.space import KNOB_NAMES
 from healsweep.sweep.spec import load_spec
 
 
@@ -23,7 +24,7 @@ def spec():
 def test_a_resume_with_the_same_knobs_appends_a_run(spec, tmp_path):
     start_manifest(tmp_path, spec, {}, kind="run")
     manifest = start_manifest(tmp_path, spec, None, kind="resume")
-    assert manifest["knobs"] == knob_names() and [r["kind"] for r in manifest["runs"]] == [
+    assert manifest["knobs"] == sorted(KNOB_NAMES) and [r["kind"] for r in manifest["runs"]] == [
         "run",
         "resume",
     ]
@@ -32,7 +33,7 @@ def test_a_resume_with_the_same_knobs_appends_a_run(spec, tmp_path):
 def test_a_resume_with_other_knobs_is_refused_and_changes_nothing(spec, tmp_path):
     start_manifest(tmp_path, spec, {}, kind="run")
     manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
-    manifest["knobs"] = [k for k in knob_names() if k != "quantizer"] + ["retired"]
+    manifest["knobs"] = [k for k in sorted(KNOB_NAMES) if k != "quantizer"] + ["retired"]
     (tmp_path / MANIFEST_FILE).write_text(json.dumps(manifest))
     before = (tmp_path / MANIFEST_FILE).read_text()
     with pytest.raises(ResultsError, match=r"new knobs \['quantizer'\]; knobs gone \['retired'\]"):
@@ -46,7 +47,7 @@ def test_an_older_sweep_is_checked_by_the_knob_columns_of_its_trials(spec, tmp_p
     manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
     del manifest["knobs"]
     (tmp_path / MANIFEST_FILE).write_text(json.dumps(manifest))
-    old = [k for k in knob_names() if k not in ("quantizer", "gptq_damp")]
+    old = [k for k in sorted(KNOB_NAMES) if k not in ("quantizer", "gptq_damp")]
     columns = {"trial_id": pa.array(["t0"]), **{KNOB_PREFIX + k: pa.array([None]) for k in old}}
     pq.write_table(pa.table(columns), tmp_path / TRIALS_FILE)
     with pytest.raises(ResultsError, match=r"new knobs \['gptq_damp', 'quantizer'\]"):

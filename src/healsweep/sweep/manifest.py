@@ -18,7 +18,7 @@ from healsweep._atomic import atomic_write_text
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.results.store import MANIFEST_FILE, SPEC_FILE, read_manifest
-from healsweep.sweep.space import planned_trials
+from healsweep.sweep.space import KNOB_NAMES, planned_trials
 from healsweep.sweep.spec import SweepSpec
 
 
@@ -39,13 +39,6 @@ def _versions() -> dict[str, str]:
     return {**versions, "python": platform.python_version()}
 
 
-def knob_names() -> list[str]:
-    """The knobs this healsweep has (a config's identity is its value of each)."""
-    from healsweep.heal.knobs import Knobs
-
-    return sorted(Knobs.model_fields)
-
-
 def _check_same_knobs(sweep_dir: Path, manifest: dict[str, Any]) -> None:
     """ResultsError unless the sweep was started with this healsweep's knobs: with another set,
     every config's identity (its hash over all knobs) changes, and a resume would score the
@@ -60,7 +53,7 @@ def _check_same_knobs(sweep_dir: Path, manifest: dict[str, Any]) -> None:
     if recorded is None and (sweep_dir / TRIALS_FILE).exists():
         names = pq.read_schema(sweep_dir / TRIALS_FILE).names
         recorded = sorted(n[len(KNOB_PREFIX) :] for n in names if n.startswith(KNOB_PREFIX))
-    current = knob_names()
+    current = sorted(KNOB_NAMES)
     if recorded is None or sorted(recorded) == current:
         return
     changes = (
@@ -90,7 +83,7 @@ def start_manifest(
         manifest = {
             "sweep": spec.name,
             "spec_hash": spec_hash(spec),
-            "knobs": knob_names(),
+            "knobs": sorted(KNOB_NAMES),  # a config's identity is its value of each
             "package_version": run["versions"]["healsweep"],
             **(identity or {}),
             "seeds": {"window_order": spec.seed, "sampler": spec.sampler.seed},

@@ -302,17 +302,16 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
 
 def _key_lines(node: Any, prefix: tuple = ()) -> dict[tuple, int]:
     """Map every key path of a composed YAML mapping to its 1-based line number."""
-    lines: dict[tuple, int] = {}
     if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            path = (*prefix, key_node.value)
-            lines[path] = key_node.start_mark.line + 1
-            lines.update(_key_lines(value_node, path))
+        items = [(key.value, key, value) for key, value in node.value]
     elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            path = (*prefix, i)
-            lines[path] = item.start_mark.line + 1
-            lines.update(_key_lines(item, path))
+        items = [(i, item, item) for i, item in enumerate(node.value)]
+    else:
+        items = []
+    lines: dict[tuple, int] = {}
+    for key, marked, value in items:  # a list item's line is its own
+        lines[(*prefix, key)] = marked.start_mark.line + 1
+        lines.update(_key_lines(value, (*prefix, key)))
     return lines
 
 
