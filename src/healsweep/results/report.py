@@ -1,10 +1,5 @@
-"""``report/report.md`` and ``report/report.html`` of a sweep, with PNG plots beside them.
-
-The same tables feed both files: the leaderboard against the baseline (pooled KLD, relative
-change with its paired-bootstrap CI, the same against each reference row, top-1 change, window
-wins, the decision-rule verdict), the verdict reasons, per-stratum KLD, knob main effects, the
-pruning summary and the manifest. The first plot is the forest plot of every config's change
-against the baseline with its CI.
+"""``report/report.md`` of a sweep (the tables and plots of :func:`_sections`, the leaderboard
+first) and ``report/report.html`` (the same Markdown rendered), with PNG plots beside them.
 """
 
 from __future__ import annotations

@@ -30,33 +30,26 @@ REFERENCES = ("unhealed", "plain")  # the reference rows, in the order they run 
 Q2_0_BPW = 8 * 18 / 64
 
 _KNOB_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
-
-
-def knob_fields() -> list[pa.Field]:
-    """One column per knob, ``knob_<name>``, typed from the knob's default."""
-    defaults = Knobs().model_dump()
-    return [pa.field(KNOB_PREFIX + name, _KNOB_TYPES[type(v)]) for name, v in defaults.items()]
-
-
 _TS = pa.timestamp("us", tz="UTC")
 
 
 def _config_fields(*extra: pa.Field) -> list[pa.Field]:
-    """Who scored a row: the trial, its config and role (``extra`` after them), every knob."""
+    """Who scored a row: the trial, its config and role (``extra`` after them), every knob
+    (``knob_<name>``, typed from the knob's default)."""
     text = pa.string()
+    knobs = Knobs().model_dump()
     return [
         *(pa.field(name, text) for name in ("sweep", "trial_id", "config_hash")),
         pa.field("is_baseline", pa.bool_()),
         pa.field("role", text),
         pa.field("label", text),
         *extra,
-        *knob_fields(),
+        *(pa.field(KNOB_PREFIX + name, _KNOB_TYPES[type(v)]) for name, v in knobs.items()),
     ]
 
 
 def window_schema() -> pa.Schema:
-    """Schema of a row of the windows dataset: the config, the window's record, and the
-    trial's running pooled figures when it was reported."""
+    """Schema of a row of the windows dataset (see the module docstring)."""
     return pa.schema(
         [
             *_config_fields(),
@@ -143,7 +136,6 @@ __all__ = [
     "REFERENCES",
     "ROLES",
     "knob_columns",
-    "knob_fields",
     "knobs_of",
     "row_role",
     "to_table",

@@ -1,13 +1,8 @@
-"""The driver's record of a sweep: window rows to Parquet as they arrive, ``trials.parquet``, and
-the live progress, for the Tune trials (as a Tune callback) and for the fixed rows alike.
-
-Each window result becomes one row written atomically under ``windows/`` before the next result
-is processed, so a crash of the driver loses no window that reached it. A row already present
-for the same ``(config_hash, window_id)`` (a replay after a retry or a resume) is not written
-again. When a trial ends its rows are consolidated with the final ``pruned`` flag, and
-``trials.parquet`` is rewritten. The Parquet rows are the record of what is finished: ``setup``
-rebuilds every count from them (and each trial's status from ``trials.parquet``), so a restored
-sweep picks up where the files left off.
+"""The driver's record of a sweep, for the Tune trials (as a Tune callback) and the fixed rows
+alike: each window row written atomically under ``windows/`` before the next result is processed
+(a crash of the driver loses no window that reached it; a replayed window is not written twice),
+``trials.parquet``, and the live progress. The Parquet rows are the record of what is finished:
+``setup`` rebuilds everything from the folder (docs/contracts.md, "Sweeps and results").
 """
 
 from __future__ import annotations
