@@ -199,11 +199,7 @@ class WindowPruningScheduler(FIFOScheduler):
         return self._live[trial.trial_id]
 
     def _tell(self, trial: Any, value: float | None = None, state: str | None = None) -> None:
-        ot_trial = self._live.pop(trial.trial_id)
-        if state is None:
-            self.study.tell(ot_trial, value)
-        else:
-            self.study.tell(ot_trial, state=TrialState[state])
+        self.study.tell(self._live.pop(trial.trial_id), value, state=state and TrialState[state])
         self._done[trial.trial_id] = state or "COMPLETE"
         if state == "PRUNED":
             self.pruned.add(trial.trial_id)
