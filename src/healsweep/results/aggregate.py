@@ -213,6 +213,3 @@ def pruning_summary(trials: list[dict[str, Any]], windows_total: int) -> dict[st
         "saved_fraction": saved / full if full else 0.0,
         "pruned_windows_scored": sum(int(t["windows_scored"] or 0) for t in pruned),
     }
-
-
-__all__ = ["ConfigResult", "SweepSummary", "main_effects", "pruning_summary", "summarize"]

@@ -21,6 +21,7 @@ from pathlib import Path
 from healsweep.results.aggregate import ConfigResult, SweepSummary
 
 MAX_PANELS = 16  # the 12-config methods grid and its two reference rows
+FOREST_CAPTION = "every config: Δ KLD vs baseline with its paired-bootstrap CI (forest plot)"
 
 
 def _pyplot():
@@ -215,15 +216,3 @@ def write_plots(
     if any(c.cache for c in summary.configs):
         plots["KLD vs MiB read per token"] = kld_vs_mib(summary, folder / "kld_vs_mib.png", label)
     return plots
-
-
-FOREST_CAPTION = "every config: Δ KLD vs baseline with its paired-bootstrap CI (forest plot)"
-
-__all__ = [
-    "FOREST_CAPTION",
-    "forest",
-    "kld_vs_mib",
-    "knob_effects",
-    "paired_scatter",
-    "write_plots",
-]

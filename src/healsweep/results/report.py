@@ -306,14 +306,3 @@ def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
             ]
         )
     return header, rows
-
-
-__all__ = [
-    "describe",
-    "leaderboard",
-    "render_html",
-    "render_markdown",
-    "strata_table",
-    "confirmed_table",
-    "write_report",
-]

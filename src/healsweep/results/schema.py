@@ -128,17 +128,3 @@ def knobs_of(row: Mapping[str, Any]) -> dict[str, Any]:
         for k, v in row.items()
         if k.startswith(KNOB_PREFIX) and v is not None
     }
-
-
-__all__ = [
-    "KNOB_PREFIX",
-    "Q2_0_BPW",
-    "REFERENCES",
-    "ROLES",
-    "knob_columns",
-    "knobs_of",
-    "row_role",
-    "to_table",
-    "trial_schema",
-    "window_schema",
-]

@@ -142,21 +142,3 @@ def read_manifest(sweep_dir: str | Path) -> dict[str, Any]:
         ) from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ResultsError(f"{path} is unreadable ({exc}); the results folder is damaged") from None
-
-
-__all__ = [
-    "MANIFEST_FILE",
-    "SPEC_FILE",
-    "TRIALS_FILE",
-    "WINDOWS_DIR",
-    "atomic_write_table",
-    "consolidate_trial",
-    "dedupe",
-    "part_files",
-    "read_manifest",
-    "read_trials",
-    "read_windows",
-    "tidy_windows_dir",
-    "trial_file",
-    "write_windows",
-]

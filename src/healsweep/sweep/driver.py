@@ -361,6 +361,3 @@ def _run(
     finally:
         register_sink(sweep_dir, None)
     return SweepRun(sweep_dir, read_trials(sweep_dir).to_pylist())
-
-
-__all__ = ["SweepRun", "prior_windows", "resume_sweep", "run_sweep", "sweep_lock", "trial_dirname"]

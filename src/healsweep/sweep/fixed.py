@@ -164,6 +164,3 @@ def run_fixed(
         complete = bool(pool.total) and len(pool.window_ids) >= pool.total
         recorder.finish(fixed.trial_id, status or ("completed" if complete else "running"))
     return pending
-
-
-__all__ = ["FixedConfig", "fixed_configs", "reference_knobs", "run_fixed"]

@@ -116,6 +116,3 @@ def read_spec(sweep_dir: str | Path) -> SweepSpec:
         raise ResultsError(f"{path} is missing; the sweep folder is incomplete") from None
     except ValueError as exc:
         raise ResultsError(f"{path} is not a valid sweep spec ({exc}); restore it") from None
-
-
-__all__ = ["read_spec", "spec_hash", "start_manifest"]

@@ -119,6 +119,3 @@ class ProgressCallback(Callback):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pass
-
-
-__all__ = ["Progress", "ProgressSink", "progress_sink", "register_sink"]

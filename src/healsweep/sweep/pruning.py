@@ -263,6 +263,3 @@ class WindowPruningScheduler(FIFOScheduler):
     def debug_string(self) -> str:
         """One line for Tune's status output."""
         return f"WindowPruningScheduler({self.kind}): {len(self.pruned)} pruned"
-
-
-__all__ = ["JOURNAL_FILE", "STUDY_NAME", "WindowPruningScheduler", "futile", "repair_journal"]

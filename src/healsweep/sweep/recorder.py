@@ -190,6 +190,3 @@ class ResultsRecorder(Callback):
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         self._write_trials(final=True)
-
-
-__all__ = ["ResultsRecorder"]

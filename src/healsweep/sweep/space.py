@@ -220,17 +220,3 @@ def resolve_knobs(spec: SweepSpec, config: Mapping[str, Any]) -> Knobs:
 def planned_trials(spec: SweepSpec) -> int:
     """How many trials the sweep runs (grid size, or num_samples)."""
     return len(grid_configs(spec)) if spec.sampler.type == "grid" else int(spec.num_samples or 0)
-
-
-__all__ = [
-    "KNOB_NAMES",
-    "baseline_knobs",
-    "baseline_point",
-    "check_space",
-    "config_hash",
-    "grid_configs",
-    "optuna_space",
-    "parse_dimension",
-    "planned_trials",
-    "resolve_knobs",
-]

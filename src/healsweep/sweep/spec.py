@@ -365,19 +365,3 @@ def _allowed(loc: tuple) -> str | None:
         if len(names) >= cut and ".".join(names[:cut]) in ALLOWED:
             return ALLOWED[".".join(names[:cut])]
     return None
-
-
-__all__ = [
-    "REFERENCES",
-    "ChoicesSpec",
-    "ExternalSpec",
-    "FutilitySpec",
-    "PrunerSpec",
-    "RangeSpec",
-    "SamplerSpec",
-    "ScoringSpec",
-    "SweepSpec",
-    "check_externals",
-    "load_spec",
-    "spec_from_dict",
-]

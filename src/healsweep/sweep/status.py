@@ -65,6 +65,3 @@ def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
             else math.nan
         ),
     }
-
-
-__all__ = ["driver_running", "sweep_status"]

@@ -213,16 +213,3 @@ def sweep_trial(
         fresh += 1
         last = len(pool.window_ids) + 1 == record.windows_total
         report(record, replayed=False, save=fresh % every == 0 or last)
-
-
-__all__ = [
-    "CHECKPOINT_FILE",
-    "TARGET_METRIC",
-    "RunningPool",
-    "WindowBook",
-    "enable_compilation_cache",
-    "open_book",
-    "stamped",
-    "sweep_trial",
-    "trial_seed",
-]

@@ -146,15 +146,3 @@ def sweep_identity(spec: Any) -> dict[str, Any]:
         "model_fingerprint": model.fingerprint,
         "split_lock_id": split_lock_id(split_cfg, corpus.documents),
     }
-
-
-__all__ = [
-    "WorkFn",
-    "dev_windows",
-    "run_external_work",
-    "run_trial_work",
-    "spec_split",
-    "sweep_identity",
-    "trial_order",
-    "window_options",
-]
