@@ -26,9 +26,10 @@ def _fit(z, gate, dy, rho, eta):
     zg = z * gate[:, None]
     design = lambda a, b: jnp.asarray(zg[a:b])  # noqa: E731
     basis, basis_meta = ridge.basis_from_design(design, len(z))
-    fit, fit_meta = ridge.fit_from_design(design, dy, basis, basis_meta, rho)
-    folds = ridge.heldout_from_design(design, dy, basis, basis_meta, fit, fit_meta)
-    stats = ridge.ridge_stats(basis, fit, fit_meta, eta, eta * fit["delta"], folds)
+    rhs, rhs_meta = ridge.rhs_from_design(design, dy, basis)
+    fit, fit_meta = ridge.fit_from_rhs(rhs, rhs_meta, basis, basis_meta, rho)
+    folds = ridge.heldout_from_design(design, dy, basis, basis_meta, rhs, fit_meta)
+    stats = ridge.ridge_stats(basis, rhs, fit_meta, eta, eta * fit["delta"], folds)
     return fit["delta"], stats
 
 
@@ -101,11 +102,12 @@ def test_one_basis_serves_every_rho_and_eta():
     zg = z * gate[:, None]
     design = lambda a, b: jnp.asarray(zg[a:b])  # noqa: E731
     basis, meta = ridge.basis_from_design(design, len(z))
+    rhs, rhs_meta = ridge.rhs_from_design(design, dy, basis)
     for rho in (0.1, 2.0, 30.0):
-        fit, fit_meta = ridge.fit_from_design(design, dy, basis, meta, rho)
-        folds = ridge.heldout_from_design(design, dy, basis, meta, fit, fit_meta)
+        fit, fit_meta = ridge.fit_from_rhs(rhs, rhs_meta, basis, meta, rho)
+        folds = ridge.heldout_from_design(design, dy, basis, meta, rhs, fit_meta)
         for eta in (0.15, 0.7, 2.0):
-            stats = ridge.ridge_stats(basis, fit, fit_meta, eta, eta * fit["delta"], folds)
+            stats = ridge.ridge_stats(basis, rhs, fit_meta, eta, eta * fit["delta"], folds)
             dw, _, _, _, in_sample, heldout = _ref_fit(z, gate, dy, rho, eta)
             np.testing.assert_allclose(fit["delta"], dw, rtol=2e-4, atol=2e-5 * np.abs(dw).max())
             assert stats["in_sample_change"] == pytest.approx(in_sample, rel=1e-3, abs=1e-6)

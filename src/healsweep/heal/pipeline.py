@@ -179,8 +179,11 @@ def build_student(
             found = timer.run("ridge_heldout", folds.result)
             layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
         if heldout:
-            say("ridge_heldout", "held-out change per layer: " + ", ".join(
-                f"{100 * r['ridge']['heldout_change']:+.2f}%" for r, _ in heldout))
+            say(
+                "ridge_heldout",
+                "held-out change per layer: "
+                + ", ".join(f"{100 * r['ridge']['heldout_change']:+.2f}%" for r, _ in heldout),
+            )
         timer.run("cache_write", cache.flush)  # what is still being written: not overlapped
     report = {
         "knobs": knobs.model_dump(),
@@ -369,7 +372,7 @@ def _part_b(model, i, trace, trace_layer, y_q, alpha, knobs, upstream, cache, ti
         lambda: cache.get_or_compute(
             "part_b",
             bkey,
-            lambda: ridge.ridge_layer(model, i, basis()[0], *fit(), knobs.eta),
+            lambda: ridge.ridge_layer(model, i, basis()[0], rhs()[0], *fit(), knobs.eta),
         ),
     )
     hkey = ridge.heldout_key(fkey)
@@ -378,7 +381,7 @@ def _part_b(model, i, trace, trace_layer, y_q, alpha, knobs, upstream, cache, ti
         folds: Future = Future()
         folds.set_result(held["folds"])
     else:  # its inputs are read here, the host solves run beside the next layers
-        args = (model, i, trace_layer(), y_q(), alpha, *basis(), *fit())
+        args = (model, i, trace_layer(), y_q(), alpha, *basis(), rhs()[0], fit()[1])
         folds = _HELDOUT.submit(
             lambda: cache.get_or_compute(
                 "ridge_heldout", hkey, lambda: ridge.compute_heldout(*args)

@@ -11,7 +11,8 @@ layer's shared-expert weights.
 * ``ridge_rhs`` (adds part_a and routed_q, no knobs): B = Z'ᵀdY, C = VᵀB, the in-sample |dY|²
   and, per fold block, tr(Z'_kᵀZ'_k) — the one pass over Z' a target needs, shared by every rho.
 * ``ridge_fit`` (adds rho): dW = V diag(1/(sigma+lambda)) C — one matrix product, no Z' (a
-  rho-only trial used to recompute Z' for B). It stores dW, B and the in-sample sums.
+  rho-only trial used to recompute Z' for B). It stores dW and the in-sample sums; B and C stay
+  in the ``ridge_rhs`` entry, which ``part_b`` and ``ridge_heldout`` read beside the fit.
 * ``ridge_heldout`` (the fit's key, nothing more): the leave-one-block-out diagnostic without
   refactoring G: the fit without block k predicts block k with residual ``(I - H_k)^-1 e_k``
   (H_k = Z'_k (G + lambda_k I)^-1 Z'_kᵀ, ``e_k`` the block's residual under the full fit at
@@ -45,7 +46,9 @@ def shexp_weights(model: Any, layer: int) -> tuple[jax.Array, jax.Array]:
     """The layer's shared-expert gate and up weights [Fs, D] as float32 device arrays."""
     from healsweep.model.forward import dense_on_device
 
-    return tuple(dense_on_device(model, f"blk.{layer}.ffn_{n}_shexp.weight") for n in ("gate", "up"))
+    return tuple(
+        dense_on_device(model, f"blk.{layer}.ffn_{n}_shexp.weight") for n in ("gate", "up")
+    )
 
 
 @healing_jit
@@ -261,17 +264,6 @@ def rhs_from_design(
     }
 
 
-def fit_from_design(
-    design: Design,
-    target: np.ndarray,
-    basis: dict[str, np.ndarray],
-    basis_meta: dict[str, Any],
-    rho: float,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """:func:`fit_from_rhs` of :func:`rhs_from_design` (the two stages in one call)."""
-    return fit_from_rhs(*rhs_from_design(design, target, basis), basis, basis_meta, rho)
-
-
 @full_float32
 def fit_from_rhs(
     rhs_arrays: dict[str, np.ndarray],
@@ -280,26 +272,30 @@ def fit_from_rhs(
     basis_meta: dict[str, Any],
     rho: float,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """dW [Fs, D], B [Fs, D] and the in-sample residual sums; per fold block, tr(Z'_kᵀZ'_k).
+    """dW [Fs, D] and the in-sample residual sums; per fold block, tr(Z'_kᵀZ'_k).
 
-    The held-out diagnostic is not here: :func:`heldout_from_design` (its own stage, off a
-    trial's critical path) reads this fit.
+    B stays in the ``ridge_rhs`` entry (one copy per target, not one per rho: 46 MB a layer at
+    real size). The held-out diagnostic is not here: :func:`heldout_from_design` (its own
+    stage, off a trial's critical path) reads this fit's meta.
     """
     v, sigma = jnp.asarray(basis["basis"]), jnp.asarray(basis["sigma"])
     rhs, total = rhs_arrays["rhs"], rhs_meta["total"]
     width, n_tokens = int(v.shape[0]), int(basis_meta["n_tokens"])
     lam = kr.ridge_lambda(basis_meta["trace_g"], width, rho)
     meta: dict[str, Any] = {
-        "lambda": lam, "n_tokens": n_tokens, "width": width, "rho": rho,
+        "lambda": lam,
+        "n_tokens": n_tokens,
+        "width": width,
+        "rho": rho,
         "block_trace": list(rhs_meta["block_trace"]),
     }
     if not lam > 0.0:  # Z' is all zeros: there is nothing to fit
         zero = np.zeros(rhs.shape, np.float32)
         meta["in_sample"] = [total, 0.0, 0.0]
-        return {"delta": zero, "rhs": rhs}, meta
+        return {"delta": zero}, meta
     delta, explained, quad = kr.eigen_fit(v, sigma, kr.shrink(sigma, lam), rhs_arrays["coef"])
     meta["in_sample"] = [total, float(explained), float(quad)]
-    return {"delta": np.asarray(delta), "rhs": rhs}, meta
+    return {"delta": np.asarray(delta)}, meta
 
 
 # --- ridge_heldout -----------------------------------------------------------------------------
@@ -318,13 +314,13 @@ def compute_heldout(
     alpha: float,
     basis: dict[str, np.ndarray],
     basis_meta: dict[str, Any],
-    fit: dict[str, np.ndarray],
+    rhs: dict[str, np.ndarray],
     fit_meta: dict[str, Any],
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The ``ridge_heldout`` entry of a layer's fit (no arrays; the fold sums in its meta)."""
     design = layer_design(model, layer, trace_layer)
     folds = heldout_from_design(
-        design, _target(trace_layer, y_q, alpha), basis, basis_meta, fit, fit_meta
+        design, _target(trace_layer, y_q, alpha), basis, basis_meta, rhs, fit_meta
     )
     return {}, {"folds": folds}
 
@@ -335,7 +331,7 @@ def heldout_from_design(
     target: np.ndarray,
     basis: dict[str, np.ndarray],
     basis_meta: dict[str, Any],
-    fit: dict[str, np.ndarray],
+    rhs: dict[str, np.ndarray],
     fit_meta: dict[str, Any],
 ) -> list[list[float]]:
     """Per fold block, the sums (|Y|², <Y, P>, |P|²) of its prediction P by the fit without it.
@@ -348,11 +344,12 @@ def heldout_from_design(
     blocks = fold_blocks(n_tokens)
     if len(blocks) < 2 or not fit_meta["lambda"] > 0.0:
         return []
-    coef = matmul(v.T, jnp.asarray(fit["rhs"]))  # Vᵀ B [Fs, D]
+    coef = jnp.asarray(rhs["coef"])  # Vᵀ B [Fs, D], from the ridge_rhs pass
     folds = []
     for k, (a, b) in enumerate(blocks):
-        lam_k = kr.ridge_lambda(basis_meta["trace_g"] - fit_meta["block_trace"][k], width,
-                                fit_meta["rho"])
+        lam_k = kr.ridge_lambda(
+            basis_meta["trace_g"] - fit_meta["block_trace"][k], width, fit_meta["rho"]
+        )
         if not lam_k > 0.0:  # the other blocks are all zeros: the refit predicts nothing
             folds.append(_sums(target[a:b], target[a:b]))
             continue
@@ -394,6 +391,7 @@ def ridge_layer(
     model: Any,
     layer: int,
     basis: dict[str, np.ndarray],
+    rhs: dict[str, np.ndarray],
     fit: dict[str, np.ndarray],
     fit_meta: dict[str, Any],
     eta: float,
@@ -420,7 +418,7 @@ def ridge_layer(
     else:
         raw, stored = requantize(name, np.asarray(new), qtype)
     quad, lin, moved, size = (
-        float(v) for v in kr.step_moments(basis["basis"], basis["sigma"], fit["rhs"], w, stored)
+        float(v) for v in kr.step_moments(basis["basis"], basis["sigma"], rhs["rhs"], w, stored)
     )
     stats = _stats(basis, fit_meta, eta, quad, lin)
     stats.update(relative_update=moved / max(size, 1e-30), storage_type=qtype.name)
@@ -429,7 +427,7 @@ def ridge_layer(
 
 def ridge_stats(
     basis: dict[str, np.ndarray],
-    fit: dict[str, np.ndarray],
+    rhs: dict[str, np.ndarray],
     fit_meta: dict[str, Any],
     eta: float,
     step: np.ndarray,
@@ -438,10 +436,10 @@ def ridge_stats(
     """rank, dof, in-sample (and, given the fold sums, held-out) changes at ``eta``; realized
     change of ``step`` [Fs, D].
 
-    Every figure comes from the basis and the fit's sums: no Z', no solve.
+    Every figure comes from the basis, B and the fit's sums: no Z', no solve.
     """
     quad = float(kr.gram_quadratic(basis["basis"], basis["sigma"], step))
-    stats = _stats(basis, fit_meta, eta, quad, float(jnp.vdot(jnp.asarray(fit["rhs"]), step)))
+    stats = _stats(basis, fit_meta, eta, quad, float(jnp.vdot(jnp.asarray(rhs["rhs"]), step)))
     return stats if folds is None else {**stats, **heldout_figures(folds, eta)}
 
 

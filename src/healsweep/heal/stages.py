@@ -42,7 +42,7 @@ VERSIONS = {
     "residuals": 1,
     "ridge_basis": 1,
     "ridge_rhs": 1,
-    "ridge_fit": 3,
+    "ridge_fit": 4,
     "ridge_heldout": 1,
     "part_b": 3,
 }
