@@ -86,20 +86,6 @@ class ScoringSpec(_Strict):
     """compact (default) or exact"""
 
 
-class RangeSpec(_Strict):
-    """A continuous range for tpe/random: ``{low, high, log}``."""
-
-    low: float
-    high: float
-    log: bool = False
-
-
-class ChoicesSpec(_Strict):
-    """A categorical dimension for tpe/random: ``{choices: [...]}``."""
-
-    choices: list[Any] = Field(min_length=1)
-
-
 class ExternalSpec(_Strict):
     """A fixed GGUF student (e.g. from ``healsweep baseline llama``) scored like a trial."""
 
