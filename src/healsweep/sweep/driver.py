@@ -90,7 +90,7 @@ def sweep_lock(sweep_dir: Path) -> Iterator[None]:
         handle = open(sweep_dir / LOCK_FILE, "a+")
     except OSError as exc:
         raise _unwritable(sweep_dir, exc) from None
-    try:
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -105,8 +105,6 @@ def sweep_lock(sweep_dir: Path) -> Iterator[None]:
         handle.write(f"pid {os.getpid()}")
         handle.flush()
         yield
-    finally:
-        handle.close()
 
 
 @contextlib.contextmanager
@@ -247,11 +245,7 @@ def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -
     )
 
 
-_DISK_ERRORS = {
-    errno.ENOSPC: "No space left on device",
-    errno.EDQUOT: "Disk quota exceeded",
-    errno.EROFS: "Read-only file system",
-}
+_DISK_ERRORS = {code: os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)}
 
 
 def _disk_error(exc: BaseException | None) -> str | None:
