@@ -233,21 +233,19 @@ _FILES = {"model": "demo", "corpus": "demo", "split": "auto"}  # field -> its va
 
 
 def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
-    changes: dict[str, Any] = {}
-    for field, keep in _FILES.items():
-        value = getattr(spec, field)
-        if value != keep and not Path(value).is_absolute():
-            changes[field] = str((folder / value).resolve())
-    calib = dict(spec.calibration)
-    corpus = calib.get("corpus")
-    if isinstance(corpus, str) and corpus != "demo" and not Path(corpus).is_absolute():
-        calib["corpus"] = str((folder / corpus).resolve())
-        changes["calibration"] = calib
-    if any(not Path(e.path).is_absolute() for e in spec.external):
-        changes["external"] = [
-            e.model_copy(update={"path": str((folder / e.path).resolve())}) for e in spec.external
-        ]
-    return spec.model_copy(update=changes) if changes else spec
+    def resolved(value: str) -> str:
+        return value if Path(value).is_absolute() else str((folder / value).resolve())
+
+    changes: dict[str, Any] = {
+        field: resolved(getattr(spec, field))
+        for field, keep in _FILES.items()
+        if getattr(spec, field) != keep
+    }
+    corpus = spec.calibration.get("corpus")
+    if isinstance(corpus, str) and corpus != "demo":
+        changes["calibration"] = {**spec.calibration, "corpus": resolved(corpus)}
+    changes["external"] = [e.model_copy(update={"path": resolved(e.path)}) for e in spec.external]
+    return spec.model_copy(update=changes)
 
 
 def _check_paths(spec: SweepSpec, where: str) -> None:
