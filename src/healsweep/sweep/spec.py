@@ -156,11 +156,8 @@ class SweepSpec(_Strict):
 
     def reference_names(self) -> tuple[str, ...]:
         """The reference rows this sweep scores (``unhealed``, ``plain``, both or none)."""
-        if self.references is True:
-            return REFERENCES
-        if self.references is False:
-            return ()
-        return tuple(r for r in REFERENCES if r in self.references)
+        chosen = REFERENCES if self.references is True else self.references or ()
+        return tuple(r for r in REFERENCES if r in chosen)
 
 
 def spec_from_dict(
