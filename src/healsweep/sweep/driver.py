@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import glob
 import logging
 import os
 import tempfile
@@ -341,7 +340,7 @@ def _run(
     run_fixed(spec, sweep_dir, work_fn)  # references, externals: before the trials
     register_sink(sweep_dir, on_progress)
     try:
-        saved = glob.glob(str(sweep_dir / "experiment_state-*.json"))
+        saved = any(sweep_dir.glob("experiment_state-*.json"))  # tuner.pkl alone is no state
         if saved and tune.Tuner.can_restore(str(sweep_dir)):
             tuner = tune.Tuner.restore(
                 str(sweep_dir),
