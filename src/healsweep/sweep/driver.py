@@ -33,7 +33,6 @@ from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import TARGET_METRIC, open_book, sweep_trial
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
-KEEP_CHECKPOINTS = 8
 _RAY_NAMES = {"cpu": "CPU", "gpu": "GPU"}  # spec/Tune spelling -> ray.cluster_resources()
 
 
@@ -235,9 +234,6 @@ def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -
             name=sweep_dir.name,
             storage_path=str(sweep_dir.parent),
             failure_config=tune.FailureConfig(max_failures=spec.max_failures),
-            # Each checkpoint holds every finished window of its trial, so only the newest few
-            # are kept; Tune snapshots the experiment before deleting one it may still name.
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=KEEP_CHECKPOINTS),
             callbacks=[ResultsRecorder(sweep_dir, spec)],
             verbose=0,
         ),
@@ -317,7 +313,7 @@ def resume_sweep(
     on_progress: Callable[[Any], None] | None = None,
 ) -> SweepRun:
     """Finish an interrupted sweep: finished trials are not re-run, finished windows not
-    re-scored (they are replayed from the Parquet rows and the trials' checkpoints)."""
+    re-scored (they are replayed from the Parquet rows)."""
     sweep_dir = Path(sweep_dir).resolve()
     spec = read_spec(sweep_dir)
     with sweep_lock(sweep_dir), ray_session(spec, address, num_cpus):

@@ -69,8 +69,8 @@ class PrunerSpec(_Strict):
 
 
 class ScoringSpec(_Strict):
-    """Which dev windows every trial scores, how often a trial checkpoints, and the teacher
-    cache's format (``compact``: unbiased KLD from a small record; ``exact``: full log-softmax)."""
+    """Which dev windows every trial scores, in batches of how many, and the teacher cache's
+    format (``compact``: unbiased KLD from a small record; ``exact``: full log-softmax)."""
 
     max_scored: int = Field(default=128, ge=1, le=4096)
     """an integer in [1, 4096]"""
@@ -78,8 +78,6 @@ class ScoringSpec(_Strict):
     """an integer >= 1, or null for no cap"""
     max_windows: int | None = Field(default=None, ge=1)
     """an integer >= 1, or null for every dev window"""
-    checkpoint_every: int = Field(default=8, ge=1)
-    """an integer >= 1 (windows between trial checkpoints)"""
     batch: int = Field(default=4, ge=1, le=256)
     """an integer in [1, 256] (windows per student forward)"""
     teacher_cache: Literal["compact", "exact"] = "compact"
@@ -129,7 +127,7 @@ class SweepSpec(_Strict):
     results: str = "results"
     """a directory path (the results root)"""
     scoring: ScoringSpec = Field(default_factory=ScoringSpec)
-    """a mapping of max_scored, max_context, max_windows, checkpoint_every, batch, teacher_cache"""
+    """a mapping of max_scored, max_context, max_windows, batch, teacher_cache"""
     seed: int = 0
     """an integer (seeds each trial's window order)"""
     references: bool | list[Literal["unhealed", "plain"]] = True
