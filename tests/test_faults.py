@@ -6,7 +6,7 @@ double-counted: the raw rows of ``windows/`` (every file, before any de-duplicat
 ``(config hash, window id)`` exactly once, with metrics.
 
 - a Ray worker node SIGKILLed (its whole ``ray start`` process tree) mid-trial: the trial is
-  retried on the other node from its checkpoint and the window book, finished windows are not
+  retried on the other node from the window book, finished windows are not
   scored again;
 - the driver SIGKILLed mid-sweep: ``sweep resume`` finishes, and the rows equal those of an
   uninterrupted run of the same spec (KLD to 1e-6 relative);
@@ -67,8 +67,7 @@ def spec_file(folder: Path, name: str, *, windows: int, gains: list[float], **ex
         "pruner": "none",
         "max_concurrent": 1,
         "max_failures": 1,
-        "scoring": {"max_scored": 32, "max_context": 64, "max_windows": windows,
-                    "checkpoint_every": 1, "batch": 1},
+        "scoring": {"max_scored": 32, "max_context": 64, "max_windows": windows, "batch": 1},
         "references": False,  # the faults are the Tune trials'; reference rows: test_sweep_*
         **extra,
     }  # fmt: skip

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import glob
 import logging
 import os
 import tempfile
@@ -34,7 +33,6 @@ from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import TARGET_METRIC, open_book, sweep_trial
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
-KEEP_CHECKPOINTS = 8
 _RAY_NAMES = {"cpu": "CPU", "gpu": "GPU"}  # spec/Tune spelling -> ray.cluster_resources()
 
 
@@ -90,7 +88,7 @@ def sweep_lock(sweep_dir: Path) -> Iterator[None]:
         handle = open(sweep_dir / LOCK_FILE, "a+")
     except OSError as exc:
         raise _unwritable(sweep_dir, exc) from None
-    try:
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -105,8 +103,6 @@ def sweep_lock(sweep_dir: Path) -> Iterator[None]:
         handle.write(f"pid {os.getpid()}")
         handle.flush()
         yield
-    finally:
-        handle.close()
 
 
 @contextlib.contextmanager
@@ -238,20 +234,13 @@ def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -
             name=sweep_dir.name,
             storage_path=str(sweep_dir.parent),
             failure_config=tune.FailureConfig(max_failures=spec.max_failures),
-            # Each checkpoint holds every finished window of its trial, so only the newest few
-            # are kept; Tune snapshots the experiment before deleting one it may still name.
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=KEEP_CHECKPOINTS),
             callbacks=[ResultsRecorder(sweep_dir, spec)],
             verbose=0,
         ),
     )
 
 
-_DISK_ERRORS = {
-    errno.ENOSPC: "No space left on device",
-    errno.EDQUOT: "Disk quota exceeded",
-    errno.EROFS: "Read-only file system",
-}
+_DISK_ERRORS = {code: os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)}
 
 
 def _disk_error(exc: BaseException | None) -> str | None:
@@ -324,7 +313,7 @@ def resume_sweep(
     on_progress: Callable[[Any], None] | None = None,
 ) -> SweepRun:
     """Finish an interrupted sweep: finished trials are not re-run, finished windows not
-    re-scored (they are replayed from the Parquet rows and the trials' checkpoints)."""
+    re-scored (they are replayed from the Parquet rows)."""
     sweep_dir = Path(sweep_dir).resolve()
     spec = read_spec(sweep_dir)
     with sweep_lock(sweep_dir), ray_session(spec, address, num_cpus):
@@ -347,7 +336,7 @@ def _run(
     run_fixed(spec, sweep_dir, work_fn)  # references, externals: before the trials
     register_sink(sweep_dir, on_progress)
     try:
-        saved = glob.glob(str(sweep_dir / "experiment_state-*.json"))
+        saved = any(sweep_dir.glob("experiment_state-*.json"))  # tuner.pkl alone is no state
         if saved and tune.Tuner.can_restore(str(sweep_dir)):
             tuner = tune.Tuner.restore(
                 str(sweep_dir),

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ray.tune import Callback
-
 from healsweep.results.schema import row_role
 
 ProgressSink = Callable[["Progress"], None]
@@ -111,11 +109,3 @@ def _duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
-class ProgressCallback(Callback):
-    """Does nothing: the recorder sends progress now. Kept so that a sweep started by an older
-    healsweep, whose pickled experiment state holds one, can still be resumed."""
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        pass

@@ -157,11 +157,10 @@ class WindowPruningScheduler(FIFOScheduler):
                 pruner=self._pruner(),
                 load_if_exists=True,
             )
-            latest = {}  # tune trial id -> its latest Optuna trial (a replaced one came first)
-            for frozen in sorted(self._study.get_trials(deepcopy=False), key=lambda t: t.number):
-                tune_id = frozen.user_attrs.get("tune_trial_id")
-                if tune_id is not None:
-                    latest[tune_id] = frozen
+            trials = sorted(self._study.get_trials(deepcopy=False), key=lambda t: t.number)
+            latest = {  # tune trial id -> its latest Optuna trial (a replaced one came first)
+                t.user_attrs["tune_trial_id"]: t for t in trials if "tune_trial_id" in t.user_attrs
+            }
             for tune_id, frozen in latest.items():
                 if frozen.state.name != "RUNNING":
                     self._done[tune_id] = frozen.state.name
@@ -212,8 +211,7 @@ class WindowPruningScheduler(FIFOScheduler):
             return TrialScheduler.CONTINUE
         ot_trial = self._optuna_trial(trial, result)
         if ot_trial is None:
-            done = self._done[trial.trial_id]
-            return TrialScheduler.STOP if done == "PRUNED" else TrialScheduler.CONTINUE
+            return TrialScheduler.STOP if trial.trial_id in self.pruned else TrialScheduler.CONTINUE
         if self.kind == "wilcoxon":
             step, value = int(result["window_index"]), float(result["kld_mean"])
         else:

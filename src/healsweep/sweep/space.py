@@ -5,11 +5,11 @@ Every trial's knobs are ``baseline ∪ fixed ∪ sampled point``. The baseline r
 itself a trial. For ``grid`` the trial configs are expanded here, in a fixed order (baseline
 first, then the grid in ``itertools.product`` order of the spec's keys, a point dropped when an
 earlier config would build and score the same student: the same knobs read by every stage and
-at scoring, e.g. ``gptq_damp`` crossed with ``quantizer: search``) and handed to Tune as one ``grid_search`` over full knob dicts, so the trial
-list is explicit, ordered and free of repeats. For ``tpe``/``random`` the searched knobs become
-Optuna distributions and the baseline is enqueued as the first point; a sampled point equal to
-the baseline's searched values is the baseline.
-"""
+at scoring, e.g. ``gptq_damp`` crossed with ``quantizer: search``) and handed to Tune as one
+``grid_search`` over full knob dicts, so the trial list is explicit, ordered and free of
+repeats. For ``tpe``/``random`` the searched knobs become Optuna distributions and the baseline
+is enqueued as the first point; a sampled point equal to the baseline's searched values is the
+baseline."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any
 from healsweep.cache import canonical_json
 from healsweep.errors import KnobError, SpecError
 from healsweep.heal.knobs import SCORE_KNOBS, STAGES, Knobs
-from healsweep.sweep.spec import ChoicesSpec, RangeSpec, SweepSpec, field_name, locate
+from healsweep.sweep.spec import SweepSpec, field_name, locate
 
 KNOB_NAMES: tuple[str, ...] = tuple(Knobs.model_fields)
 _DEFAULTS = Knobs().model_dump()
@@ -31,14 +31,6 @@ def config_hash(knobs: Knobs | Mapping[str, Any]) -> str:
     """A short content hash of a full knob set (the identity of a config across trials/runs)."""
     values = (knobs if isinstance(knobs, Knobs) else Knobs(**knobs)).identity()
     return hashlib.sha256(canonical_json(values).encode()).hexdigest()[:16]
-
-
-def parse_dimension(spec: SweepSpec, knob: str) -> list[Any] | RangeSpec | ChoicesSpec:
-    """The dimension of ``knob`` as written (assumes :func:`check_space` passed)."""
-    raw = spec.search_space[knob]
-    if isinstance(raw, Mapping):
-        return ChoicesSpec(**raw) if "choices" in raw else RangeSpec(**raw)
-    return list(raw)
 
 
 def check_space(
@@ -79,18 +71,18 @@ def check_space(
             f"{where}: field 'num_samples' is missing; sampler {kind} needs an integer >= 1"
         )
     for knob, value in baseline.model_dump().items():
-        dim = parse_dimension(spec, knob) if knob in spec.search_space else None
-        if isinstance(dim, ChoicesSpec):
-            inside = value in [_value(knob, c) for c in dim.choices]
+        dim = spec.search_space.get(knob, {})
+        if "choices" in dim:
+            inside = value in [_value(knob, c) for c in dim["choices"]]
         else:
-            inside = dim is None or dim.low <= value <= dim.high
+            inside = not dim or _value(knob, dim["low"]) <= value <= _value(knob, dim["high"])
         if not inside:
             raise SpecError(
                 f"{locate(where, lines, ('search_space', knob))}: the baseline's {knob} = "
                 f"{value!r} lies outside search_space.{knob}; the baseline runs through the "
                 "sampler, so widen the dimension or change the baseline"
             )
-        if dim is None and knob in spec.fixed and fixed[knob] != value:
+        if not dim and knob in spec.fixed and fixed[knob] != value:
             raise SpecError(
                 f"{locate(where, lines, ('fixed', knob))}: field 'fixed.{knob}' = "
                 f"{spec.fixed[knob]!r} differs from the baseline's {value!r}; with sampler {kind} "
@@ -192,14 +184,14 @@ def optuna_space(spec: SweepSpec) -> dict[str, Any]:
     import optuna
 
     space: dict[str, Any] = {}
-    for knob in spec.search_space:
-        dim = parse_dimension(spec, knob)
-        if isinstance(dim, ChoicesSpec):
-            choices = [_value(knob, c) for c in dim.choices]
+    for knob, dim in spec.search_space.items():  # checked by check_space
+        if "choices" in dim:
+            choices = [_value(knob, c) for c in dim["choices"]]
             space[knob] = optuna.distributions.CategoricalDistribution(choices)
         else:
+            low, high = (float(_value(knob, dim[k])) for k in ("low", "high"))
             space[knob] = optuna.distributions.FloatDistribution(
-                float(dim.low), float(dim.high), log=dim.log
+                low, high, log=dim.get("log", False)
             )
     return space
 

@@ -7,7 +7,6 @@ checked by :class:`healsweep.heal.knobs.Knobs` itself, so the spec and the heale
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -18,58 +17,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from healsweep.errors import SpecError
 from healsweep.results.schema import REFERENCES
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-# What each field accepts, in words, for error messages.
-ALLOWED = {
-    "name": "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
-    "model": "a GGUF file path or 'demo'",
-    "corpus": "a corpus JSONL path or 'demo'",
-    "split": "a split YAML path or 'auto' (the parity split of the corpus)",
-    "calibration": "a mapping of calibration settings (corpus, max_tokens, chunk_length, ...)",
-    "baseline": "a mapping of knob: value",
-    "fixed": "a mapping of knob: value",
-    "search_space": "a mapping of knob: [grid values] | {low, high, log} | {choices: [...]}",
-    "sampler": "grid, tpe or random, or {type: grid|tpe|random, seed: int}",
-    "sampler.type": "grid, tpe or random",
-    "sampler.seed": "an integer",
-    "pruner": "wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps, futility}",
-    "pruner.type": "wilcoxon, median or none",
-    "pruner.p_threshold": "a float in (0, 1)",
-    "pruner.n_startup_steps": "an integer >= 0",
-    "pruner.futility": "{confidence, min_windows} or false (off); with type wilcoxon only",
-    "pruner.futility.confidence": "a float in [0.5, 1)",
-    "pruner.futility.min_windows": "an integer >= 2",
-    "num_samples": "an integer >= 1 (tpe/random), or omitted for grid",
-    "resources": "a mapping of resource: amount >= 0, e.g. {cpu: 1} or {metal: 1}",
-    "max_concurrent": "an integer >= 1",
-    "max_failures": "an integer >= 0",
-    "results": "a directory path (the results root)",
-    "scoring": "a mapping with max_scored, max_context, max_windows, checkpoint_every, batch, "
-    "teacher_cache",
-    "scoring.max_scored": "an integer in [1, 4096]",
-    "scoring.max_context": "an integer >= 1, or null for no cap",
-    "scoring.max_windows": "an integer >= 1, or null for every dev window",
-    "scoring.checkpoint_every": "an integer >= 1 (windows between trial checkpoints)",
-    "scoring.batch": "an integer in [1, 256] (windows per student forward)",
-    "scoring.teacher_cache": "compact (default) or exact",
-    "seed": "an integer (seeds each trial's window order)",
-    "references": "true (default: unhealed and plain), false, or a list of unhealed, plain",
-    "external": "a list of {name, path}: GGUF students scored beside the trials",
-    "external.name": "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
-    "external.path": "a GGUF file path (relative to the spec's folder)",
-}
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A field's docstring says what it accepts, in words: error messages quote it.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class SamplerSpec(_Strict):
     """How configs are chosen: the full grid in order, Optuna TPE, or Optuna random."""
 
     type: Literal["grid", "tpe", "random"] = "grid"
+    """grid, tpe or random"""
     seed: int = 0
+    """an integer"""
 
 
 class FutilitySpec(_Strict):
@@ -77,7 +39,9 @@ class FutilitySpec(_Strict):
     (:func:`healsweep.sweep.pruning.futile`)."""
 
     confidence: float = Field(default=0.9, ge=0.5, lt=1.0)
+    """a float in [0.5, 1)"""
     min_windows: int = Field(default=12, ge=2)
+    """an integer >= 2"""
 
 
 class PrunerSpec(_Strict):
@@ -85,9 +49,13 @@ class PrunerSpec(_Strict):
     unless ``futility: false``), median rule, or never."""
 
     type: Literal["wilcoxon", "median", "none"] = "none"
+    """wilcoxon, median or none"""
     p_threshold: float = Field(default=0.1, gt=0.0, lt=1.0)
+    """a float in (0, 1)"""
     n_startup_steps: int = Field(default=4, ge=0)
+    """an integer >= 0"""
     futility: FutilitySpec | None = Field(default="auto", validate_default=True)
+    """{confidence, min_windows} or false (off); with type wilcoxon only"""
 
     @field_validator("futility", mode="before")
     @classmethod
@@ -101,60 +69,71 @@ class PrunerSpec(_Strict):
 
 
 class ScoringSpec(_Strict):
-    """Which dev windows every trial scores, how often a trial checkpoints, and the teacher
-    cache's format (``compact``: unbiased KLD from a small record; ``exact``: full log-softmax)."""
+    """Which dev windows every trial scores, in batches of how many, and the teacher cache's
+    format (``compact``: unbiased KLD from a small record; ``exact``: full log-softmax)."""
 
     max_scored: int = Field(default=128, ge=1, le=4096)
+    """an integer in [1, 4096]"""
     max_context: int | None = Field(default=None, ge=1)
+    """an integer >= 1, or null for no cap"""
     max_windows: int | None = Field(default=None, ge=1)
-    checkpoint_every: int = Field(default=8, ge=1)
+    """an integer >= 1, or null for every dev window"""
     batch: int = Field(default=4, ge=1, le=256)
+    """an integer in [1, 256] (windows per student forward)"""
     teacher_cache: Literal["compact", "exact"] = "compact"
-
-
-class RangeSpec(_Strict):
-    """A continuous range for tpe/random: ``{low, high, log}``."""
-
-    low: float
-    high: float
-    log: bool = False
-
-
-class ChoicesSpec(_Strict):
-    """A categorical dimension for tpe/random: ``{choices: [...]}``."""
-
-    choices: list[Any] = Field(min_length=1)
+    """compact (default) or exact"""
 
 
 class ExternalSpec(_Strict):
     """A fixed GGUF student (e.g. from ``healsweep baseline llama``) scored like a trial."""
 
-    name: str = Field(pattern=NAME_PATTERN.pattern)
+    name: str = Field(pattern=NAME_PATTERN)
+    """1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"""
     path: str
+    """a GGUF file path (relative to the spec's folder)"""
 
 
 class SweepSpec(_Strict):
     """A validated sweep spec (see ``sweeps/*.yaml`` for examples)."""
 
-    name: str = Field(pattern=NAME_PATTERN.pattern)
+    name: str = Field(pattern=NAME_PATTERN)
+    """1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"""
     model: str = "demo"
+    """a GGUF file path or 'demo'"""
     corpus: str = "demo"
+    """a corpus JSONL path or 'demo'"""
     split: str = "auto"
+    """a split YAML path or 'auto' (the parity split of the corpus)"""
     calibration: dict[str, Any] = Field(default_factory=dict)
+    """a mapping of calibration settings (corpus, max_tokens, chunk_length, ...)"""
     baseline: dict[str, Any] = Field(default_factory=dict)
+    """a mapping of knob: value"""
     fixed: dict[str, Any] = Field(default_factory=dict)
+    """a mapping of knob: value"""
     search_space: dict[str, Any] = Field(default_factory=dict)
+    """a mapping of knob: [grid values] | {low, high, log} | {choices: [...]}"""
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    """grid, tpe or random, or {type: grid|tpe|random, seed: int}"""
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    """wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps, futility}"""
     num_samples: int | None = Field(default=None, ge=1)
+    """an integer >= 1 (tpe/random), or omitted for grid"""
     resources: dict[str, float] = Field(default_factory=lambda: {"cpu": 1.0})
+    """a mapping of resource: amount >= 0, e.g. {cpu: 1} or {metal: 1}"""
     max_concurrent: int = Field(default=2, ge=1)
+    """an integer >= 1"""
     max_failures: int = Field(default=2, ge=0)
+    """an integer >= 0"""
     results: str = "results"
+    """a directory path (the results root)"""
     scoring: ScoringSpec = Field(default_factory=ScoringSpec)
+    """a mapping of max_scored, max_context, max_windows, batch, teacher_cache"""
     seed: int = 0
+    """an integer (seeds each trial's window order)"""
     references: bool | list[Literal["unhealed", "plain"]] = True
+    """true (default: unhealed and plain), false, or a list of unhealed, plain"""
     external: list[ExternalSpec] = Field(default_factory=list)
+    """a list of {name, path}: GGUF students scored beside the trials"""
 
     @field_validator("sampler", "pruner", mode="before")
     @classmethod
@@ -175,17 +154,14 @@ class SweepSpec(_Strict):
 
     def reference_names(self) -> tuple[str, ...]:
         """The reference rows this sweep scores (``unhealed``, ``plain``, both or none)."""
-        if self.references is True:
-            return REFERENCES
-        if self.references is False:
-            return ()
-        return tuple(r for r in REFERENCES if r in self.references)
+        chosen = REFERENCES if self.references is True else self.references or ()
+        return tuple(r for r in REFERENCES if r in chosen)
 
 
 def spec_from_dict(
     raw: Any, *, where: str = "sweep spec", lines: Mapping | None = None
 ) -> SweepSpec:
-    """Validate a parsed spec mapping; raise ``SpecError`` naming field, value and what is allowed."""
+    """Validate a parsed spec mapping; ``SpecError`` names the field, value and what is allowed."""
     if not isinstance(raw, Mapping):
         raise SpecError(f"{where}: a sweep spec is a YAML mapping, got {type(raw).__name__}")
     lines = lines or {}
@@ -252,29 +228,28 @@ _FILES = {"model": "demo", "corpus": "demo", "split": "auto"}  # field -> its va
 
 
 def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
-    changes: dict[str, Any] = {}
-    for field, keep in _FILES.items():
-        value = getattr(spec, field)
-        if value != keep and not Path(value).is_absolute():
-            changes[field] = str((folder / value).resolve())
-    calib = dict(spec.calibration)
-    corpus = calib.get("corpus")
-    if isinstance(corpus, str) and corpus != "demo" and not Path(corpus).is_absolute():
-        calib["corpus"] = str((folder / corpus).resolve())
-        changes["calibration"] = calib
-    if any(not Path(e.path).is_absolute() for e in spec.external):
-        changes["external"] = [
-            e.model_copy(update={"path": str((folder / e.path).resolve())}) for e in spec.external
-        ]
-    return spec.model_copy(update=changes) if changes else spec
+    def resolved(value: str) -> str:
+        return value if Path(value).is_absolute() else str((folder / value).resolve())
+
+    changes: dict[str, Any] = {
+        field: resolved(getattr(spec, field))
+        for field, keep in _FILES.items()
+        if getattr(spec, field) != keep
+    }
+    corpus = spec.calibration.get("corpus")
+    if isinstance(corpus, str) and corpus != "demo":
+        changes["calibration"] = {**spec.calibration, "corpus": resolved(corpus)}
+    changes["external"] = [e.model_copy(update={"path": resolved(e.path)}) for e in spec.external]
+    return spec.model_copy(update=changes)
 
 
 def _check_paths(spec: SweepSpec, where: str) -> None:
     for field, keep in _FILES.items():
         value = getattr(spec, field)
         if value != keep and not Path(value).is_file():
+            allowed = SweepSpec.model_fields[field].description
             raise SpecError(
-                f"{where}: field '{field}' = {value!r}: no such file; allowed: {ALLOWED[field]}"
+                f"{where}: field '{field}' = {value!r}: no such file; allowed: {allowed}"
             )
     if spec.external:
         check_externals(spec, where)
@@ -291,9 +266,8 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
     for i, entry in enumerate(spec.external):
         at = f"{where}: field 'external[{i}]' ({entry.name})"
         if not Path(entry.path).is_file():
-            raise SpecError(
-                f"{at}: {entry.path}: no such file; expected {ALLOWED['external.path']}"
-            )
+            expected = ExternalSpec.model_fields["path"].description
+            raise SpecError(f"{at}: {entry.path}: no such file; expected {expected}")
         try:
             check_same_tokenizer(teacher, open_model(entry.path))
         except HealsweepError as exc:
@@ -338,30 +312,28 @@ def _pydantic_error(exc: ValidationError, where: str, lines: Mapping) -> SpecErr
         loc = loc[:1]
     name = field_name(loc) or "(top level)"
     at = locate(where, lines, loc)
+    names = [part for part in loc if isinstance(part, str)]  # list indices dropped
     if err["type"] == "extra_forbidden":
-        parent = field_name(loc[:-1])
-        known = _known_fields(parent)
+        known = ", ".join(_MODELS[".".join(names[:-1])].model_fields)
         return SpecError(f"{at}: unknown field '{name}'; known fields: {known}")
+    allowed = _allowed(names) or err["msg"]
     if err["type"] == "missing":
-        return SpecError(f"{at}: field '{name}' is missing; expected {_allowed(loc) or err['msg']}")
-    allowed = _allowed(loc) or err["msg"]
+        return SpecError(f"{at}: field '{name}' is missing; expected {allowed}")
     return SpecError(f"{at}: field '{name}' = {err['input']!r} is not allowed; expected {allowed}")
 
 
-def _known_fields(parent: str) -> str:
-    models = {"": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec,
-              "pruner.futility": FutilitySpec, "scoring": ScoringSpec}  # fmt: skip
-    model = models.get(parent)
-    if model is None and parent.startswith("external["):
-        model = ExternalSpec
-    if model is None and parent.startswith("search_space."):
-        return "low, high, log (a range) or choices"
-    return ", ".join(model.model_fields) if model else "see the spec reference"
+# The model of each field path that holds one (only these can have an unknown field).
+_MODELS: dict[str, type[BaseModel]] = {
+    "": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec, "pruner.futility": FutilitySpec,
+    "scoring": ScoringSpec, "external": ExternalSpec,
+}  # fmt: skip
 
 
-def _allowed(loc: tuple) -> str | None:
-    names = [str(p) for p in loc if isinstance(p, str)]
-    for cut in (3, 2, 1):
-        if len(names) >= cut and ".".join(names[:cut]) in ALLOWED:
-            return ALLOWED[".".join(names[:cut])]
+def _allowed(names: list[str]) -> str | None:
+    """What the deepest described field of the path ``names`` accepts (its docstring)."""
+    for cut in range(len(names), 0, -1):
+        model = _MODELS.get(".".join(names[: cut - 1]))
+        field = model.model_fields.get(names[cut - 1]) if model else None
+        if field is not None and field.description:
+            return field.description
     return None

@@ -2,24 +2,21 @@
 window) and the window book its trials share.
 
 A trial scores its dev windows in a seeded per-trial order and calls ``tune.report`` after each
-with the window's record and the running token-pooled KLD and top-1; every
-``scoring.checkpoint_every`` windows the report carries a JSON checkpoint of every finished
-window. A trial that starts or restarts takes the windows its config has finished from the
-:class:`WindowBook` and from its checkpoint, and *replays* them (reports them again, flagged
-``replayed``) instead of scoring them twice; the recorder writes no row twice.
+with the window's record and the running token-pooled KLD and top-1. A trial that starts or
+restarts takes the windows its config has finished from the :class:`WindowBook` and *replays*
+them (reports them again, flagged ``replayed``) instead of scoring them twice; the recorder
+writes no row twice. The book is filled from the Parquet rows, the one record of what is
+finished, so a trial keeps no Tune checkpoint of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import socket
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -28,7 +25,6 @@ from healsweep.score.record import WindowMetrics, WindowRecord
 from healsweep.sweep.space import baseline_knobs, config_hash, resolve_knobs
 from healsweep.sweep.work import WorkFn
 
-CHECKPOINT_FILE = "windows.json"
 TARGET_METRIC = "running_kld_mean"
 # Ray gives the head node this resource; Ray Train pins its own state actor the same way.
 HEAD_NODE_RESOURCE = "node:__internal_head__"
@@ -37,9 +33,8 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"
 @ray.remote(num_cpus=0, max_restarts=0)
 class WindowBook:
     """``{config_hash: {window_id: WindowRecord}}`` of one sweep run: trials add each window
-    they finish and ask for their config's when they start, so a trial retried on another
-    machine, which cannot read a checkpoint left on the first one's disk, scores no window
-    twice. It dies with the driver; a resumed sweep fills a new one from the Parquet rows."""
+    they finish and ask for their config's when they start, so a trial retried (on this
+    machine or another) scores no window twice. It dies with the driver; a resumed sweep fills a new one from the Parquet rows."""
 
     def __init__(self, prior: Mapping[str, Mapping[str, WindowRecord]]) -> None:
         self._done = {chash: dict(windows) for chash, windows in prior.items()}
@@ -145,20 +140,6 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _read_checkpoint(checkpoint: Any) -> dict[str, WindowRecord]:
-    """Finished windows of a trial's checkpoint; {} when it is missing or unreadable (e.g. it
-    was written on another node without shared storage): those windows are then scored again
-    and the results writer keeps the first row of each."""
-    if checkpoint is None:
-        return {}
-    try:
-        with checkpoint.as_directory() as folder:
-            done = json.loads((Path(folder) / CHECKPOINT_FILE).read_text())["done"]
-            return {window_id: WindowRecord.from_dict(row) for window_id, row in done.items()}
-    except (OSError, ValueError, KeyError):
-        return {}
-
-
 def sweep_trial(
     config: Mapping[str, Any],
     *,
@@ -175,41 +156,16 @@ def sweep_trial(
     chash = config_hash(knobs)
     is_baseline = chash == config_hash(baseline_knobs(spec))
     done: dict[str, WindowRecord] = dict(ray.get(book.done.remote(chash)))
-    from_checkpoint = _read_checkpoint(tune.get_checkpoint())
-    done.update(from_checkpoint)
     pool = RunningPool()
-    every = spec.scoring.checkpoint_every
 
-    def report(record: WindowRecord, *, replayed: bool, save: bool) -> None:
+    def report(record: WindowRecord, *, replayed: bool) -> None:
         row = record.to_dict()
         pool.add(row)
-        metrics = {
-            **row,
-            "config_hash": chash,
-            "is_baseline": is_baseline,
-            "replayed": replayed,
-            **pool.summary(),
-        }
-        if not save:
-            tune.report(metrics)
-            return
-        with tempfile.TemporaryDirectory(
-            prefix="healsweep-ckpt-", ignore_cleanup_errors=True
-        ) as ckpt:
-            rows = {window_id: record.to_dict() for window_id, record in done.items()}
-            payload = {"version": 1, "config_hash": chash, "done": rows}
-            (Path(ckpt) / CHECKPOINT_FILE).write_text(json.dumps(payload))
-            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(ckpt))
+        extra = {"config_hash": chash, "is_baseline": is_baseline, "replayed": replayed}
+        tune.report({**row, **extra, **pool.summary()})
 
-    replay = sorted(done.values(), key=lambda r: r.position)
-    for i, record in enumerate(replay):
-        # One checkpoint after the replay when it holds windows the checkpoint did not.
-        last = i == len(replay) - 1
-        report(record, replayed=True, save=last and len(done) > len(from_checkpoint))
-    fresh = 0
+    for record in sorted(done.values(), key=lambda r: r.position):
+        report(record, replayed=True)
     for record in stamped(work_fn(spec, knobs, frozenset(done), trial_seed(spec.seed, chash))):
-        done[record.window_id] = record
         book.add.remote(chash, record)
-        fresh += 1
-        last = len(pool.window_ids) + 1 == record.windows_total
-        report(record, replayed=False, save=fresh % every == 0 or last)
+        report(record, replayed=False)

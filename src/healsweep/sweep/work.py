@@ -81,12 +81,10 @@ def run_trial_work(
     from healsweep.heal.pipeline import build_student
     from healsweep.score.expert_cache import ExpertCacheConfig
 
-    expert_cache = ExpertCacheConfig.from_knobs(knobs)
-
     def healed(teacher: Any, cache: Any) -> Any:
         return build_student(teacher, knobs, spec.calibration_config(), cache)
 
-    yield from _score_dev(spec, healed, windows_done, seed, expert_cache)
+    yield from _score_dev(spec, healed, windows_done, seed, ExpertCacheConfig.from_knobs(knobs))
 
 
 def run_external_work(

@@ -1,13 +1,10 @@
-"""How much does checkpointing a trial after every window cost? Prints a table.
+"""What does the sweep machinery cost per window? Prints a table.
 
 One trial reports N windows whose "scoring" is instant (a formula), so the time per window is
-pure orchestration: ``tune.report`` round trips, the per-window Parquet row on the driver, and
-the JSON checkpoint of all finished windows (``scoring.checkpoint_every``). Compare the
-per-window cost at several checkpoint intervals with the time the real scorer needs per window.
+pure orchestration: the ``tune.report`` round trip and the per-window Parquet row on the driver.
+Compare it with the time the real scorer needs per window.
 
-    .venv/bin/python benchmarks/sweep_checkpoint.py [--windows 200] [--every 1 4 16 0]
-
-``--every 0`` means a checkpoint only after the last window.
+    .venv/bin/python benchmarks/sweep_orchestration.py [--windows 200] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -47,19 +44,12 @@ def instant_work(spec, knobs, done, seed, *, n_windows: int):
         yield WindowRecord(ids[wi], wi, position, n_windows, "s", "src", f"d{wi}", "text", metrics)
 
 
-def measure(root: Path, n_windows: int, every: int) -> dict[str, float]:
+def measure(root: Path, n_windows: int, repeat: int) -> dict[str, float]:
     """Seconds per window (first to last row written) and wall time of one sweep."""
     import functools
 
-    name = f"ckpt-{every}"
-    spec = spec_from_dict(
-        {
-            "name": name,
-            "search_space": {},
-            "max_concurrent": 1,
-            "scoring": {"checkpoint_every": every or n_windows},
-        }
-    )
+    name = f"orchestration-{repeat}"
+    spec = spec_from_dict({"name": name, "search_space": {}, "max_concurrent": 1})
     start = time.time()
     run_sweep(
         spec,
@@ -71,33 +61,26 @@ def measure(root: Path, n_windows: int, every: int) -> dict[str, float]:
     rows = pq.read_table(root / name / "windows").to_pylist()
     written = sorted(r["written_at"].timestamp() for r in rows)
     per_window = (written[-1] - written[0]) / (len(written) - 1)
-    ckpts = len(list((root / name).glob("trial_*/checkpoint_*")))
-    return {
-        "every": every,
-        "per_window_ms": 1000 * per_window,
-        "wall_s": wall,
-        "checkpoints": ckpts,
-    }
+    return {"per_window_ms": 1000 * per_window, "wall_s": wall}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=200)
-    parser.add_argument("--every", type=int, nargs="+", default=[1, 4, 16, 0])
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     ray.init(
         num_cpus=1, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
     )
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for every in args.every:
-            results.append(measure(Path(tmp), args.windows, every))
+        for repeat in range(args.repeats):
+            results.append(measure(Path(tmp), args.windows, repeat))
     ray.shutdown()
     print(f"{args.windows} windows, one trial, instant scoring")
-    print(f"{'checkpoint_every':>16} {'checkpoints':>11} {'ms/window':>10} {'wall s':>8}")
-    for r in results:
-        label = "end only" if r["every"] == 0 else str(r["every"])
-        print(f"{label:>16} {r['checkpoints']:>11} {r['per_window_ms']:>10.1f} {r['wall_s']:>8.1f}")
+    print(f"{'run':>4} {'ms/window':>10} {'wall s':>8}")
+    for i, r in enumerate(results):
+        print(f"{i + 1:>4} {r['per_window_ms']:>10.1f} {r['wall_s']:>8.1f}")
 
 
 if __name__ == "__main__":
