@@ -149,45 +149,45 @@ def pruning_table(summary: SweepSummary) -> Table:
     return header, [row]
 
 
-def _md(table: Table) -> str:
+def _md(table: Table) -> list[str]:
     header, rows = table
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return lines + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
 
 
 def _sections(
     summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
-) -> list[tuple[str, Any]]:
+) -> list[tuple[str, list[str]]]:
+    """Each section's title and Markdown lines, in order (``plots``: {caption: file name})."""
+    from healsweep.results.plots import FOREST_CAPTION
+
     m = summary.manifest
-    reasons = [
-        (describe(c, summary.baseline), list(c.verdict.reasons))
-        for c in summary.configs
-        if c.verdict is not None and c.status == "completed"
-    ]
+    reasons = []
+    for config in summary.configs:
+        if config.verdict is not None and config.status == "completed":
+            reasons.append(f"- **{describe(config, summary.baseline)}**")
+            reasons += [f"  - {line}" for line in config.verdict.reasons]
     identity = (
         ["spec hash", "split lock id", "model fingerprint", "package", "seeds (window order, sampler)"],
         [[m.get("spec_hash", "-")[:16], str(m.get("split_lock_id", "-"))[:16],
           str(m.get("model_fingerprint", "-"))[:16], str(m.get("package_version", "-")),
           f"{m.get('seeds', {}).get('window_order')}, {m.get('seeds', {}).get('sampler')}"]],
     )  # fmt: skip
-    from healsweep.results.plots import FOREST_CAPTION
-
-    first = {c: p for c, p in plots.items() if c == FOREST_CAPTION}
-    rest = {c: p for c, p in plots.items() if c != FOREST_CAPTION}
+    first = [f"![{c}]({path})" for c, path in plots.items() if c == FOREST_CAPTION]
+    rest = [f"![{c}]({path})" for c, path in plots.items() if c != FOREST_CAPTION]
     return [
-        ("Leaderboard against the baseline and the references", leaderboard(summary)),
+        ("Leaderboard against the baseline and the references", _md(leaderboard(summary))),
         *([("Every config against the baseline", first)] if first else []),
         *(
-            (f"Dev and test (milestone {m['milestone']})", confirmed_table(summary, m))
-            for m in confirmed or []
+            (f"Dev and test (milestone {ms['milestone']})", _md(confirmed_table(summary, ms)))
+            for ms in confirmed or []
         ),
         ("Decision-rule reasons", reasons),
-        ("Per-stratum pooled KLD", strata_table(summary)),
-        ("Main effects per knob", effects_table(summary)),
-        ("Pruning", pruning_table(summary)),
+        ("Per-stratum pooled KLD", _md(strata_table(summary))),
+        ("Main effects per knob", _md(effects_table(summary))),
+        ("Pruning", _md(pruning_table(summary))),
         ("Plots", rest),
-        ("Manifest", identity),
+        ("Manifest", _md(identity)),
     ]
 
 
@@ -201,8 +201,7 @@ def _intro(summary: SweepSummary) -> str:
         "(unhealed: the baseline's quantizer without Part A and Part B; plain: round-to-nearest "
         "Q2_0 with d = amax/2) and external GGUFs are scored on the same windows, never pruned "
         "and not tuned; bpw = stored bits per weight of the routed experts. A config is "
-        "accepted when the CI lies "
-        "below 0, no stratum regresses by more than "
+        "accepted when the CI lies below 0, no stratum regresses by more than "
         f"{summary.rule.max_stratum_regression:.0%}, and top-1 drops by at most "
         f"{summary.rule.max_top1_drop_points:.1f} pt."
     )
@@ -213,16 +212,8 @@ def render_markdown(
 ) -> str:
     """The Markdown report."""
     out = [f"# Sweep report: {summary.name}", "", _intro(summary), ""]
-    for title, content in _sections(summary, plots, confirmed):
-        out += [f"## {title}", ""]
-        if title == "Decision-rule reasons":
-            for name, lines in content:
-                out += [f"- **{name}**"] + [f"  - {line}" for line in lines]
-        elif isinstance(content, dict):  # pictures: {caption: file name}
-            out += [f"![{caption}]({path})" for caption, path in content.items()]
-        else:
-            out.append(_md(content))
-        out.append("")
+    for title, lines in _sections(summary, plots, confirmed):
+        out += [f"## {title}", "", *lines, ""]
     return "\n".join(out)
 
 
