@@ -108,13 +108,12 @@ def summarize(
     rows = read_windows(sweep_dir).to_pylist()
     trials = read_trials(sweep_dir).to_pylist()
     configs = _configs(rows, trials)
-    baselines = [c for c in configs.values() if c.is_baseline and c.windows]
-    if not baselines:
+    baseline = next((c for c in configs.values() if c.is_baseline and c.windows), None)
+    if baseline is None:
         raise ResultsError(
             f"{sweep_dir}: the baseline has no scored windows yet; let the sweep run (or resume "
             "it) until the baseline trial has finished"
         )
-    baseline = baselines[0]
     rule = rule or DecisionRule()
     strata = sorted({w.stratum for w in baseline.windows.values()})
     references = sorted(
@@ -143,8 +142,7 @@ def summarize(
         if config.comparison is not None and config.role in ("trial", "external"):
             config.verdict = decision(config.comparison, rule)
         for reference in references:
-            found = compare(reference, config)
-            if found is not None:
+            if (found := compare(reference, config)) is not None:
                 config.vs_references[str(reference.label)] = found
     ranked = sorted(
         (c for c in configs.values() if c is not baseline and c.windows),
@@ -211,5 +209,4 @@ def pruning_summary(trials: list[dict[str, Any]], windows_total: int) -> dict[st
         "windows_scored": scored,
         "windows_saved": saved,
         "saved_fraction": saved / full if full else 0.0,
-        "pruned_windows_scored": sum(int(t["windows_scored"] or 0) for t in pruned),
     }

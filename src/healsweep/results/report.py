@@ -35,9 +35,7 @@ def _pct(value: float) -> str:
 
 def _verdict(config: ConfigResult) -> str:
     if config.verdict is None:
-        if config.is_baseline:
-            return "baseline"
-        return "reference" if config.role == "reference" else "-"
+        return config.role if config.role in ("baseline", "reference") else "-"
     if config.status != "completed":
         return f"{config.status} (not judged)"
     return "ACCEPT" if config.verdict.accepted else "reject"
@@ -78,8 +76,6 @@ def leaderboard(summary: SweepSummary) -> Table:
     rows = []
     for rank, config in enumerate(summary.configs):
         comp = config.comparison
-        top1_delta = "-" if comp is None else f"{comp.top1_delta_points:+.2f}"
-        wins = "-" if comp is None else f"{comp.wins}/{comp.losses}"
         rows.append(
             [
                 str(rank),
@@ -93,8 +89,8 @@ def leaderboard(summary: SweepSummary) -> Table:
                 _delta(comp, level),
                 *(_delta(config.vs_references.get(name), level) for name in refs),
                 f"{config.pooled['top1']:.2%}",
-                top1_delta,
-                wins,
+                "-" if comp is None else f"{comp.top1_delta_points:+.2f}",
+                "-" if comp is None else f"{comp.wins}/{comp.losses}",
                 _verdict(config),
             ]
         )
@@ -108,13 +104,13 @@ def strata_table(summary: SweepSummary) -> Table:
     rows = []
     for config in summary.configs:
         per = config.pooled.get("per_stratum", {})
+        paired = config.comparison.per_stratum if config.comparison is not None else {}
         cells = []
         for stratum in summary.strata:
             if stratum not in per:
                 cells.append("-")
                 continue
             kld = per[stratum]["kld_mean"]
-            paired = config.comparison.per_stratum if config.comparison is not None else {}
             if stratum in paired:  # on the windows both scored (all of them unless pruned)
                 rel = paired[stratum].rel_change
             else:
