@@ -82,7 +82,7 @@ def leaderboard(summary: SweepSummary) -> Table:
                 describe(config, summary.baseline),
                 config.role,
                 config.status,
-                f"{config.n_windows}/{summary.windows_total}",
+                f"{len(config.windows)}/{summary.windows_total}",
                 _bpw(config),
                 f"{config.pooled['kld_mean']:.5f}",
                 *(_cache_cells(config) if cached else []),
@@ -143,6 +143,37 @@ def pruning_table(summary: SweepSummary) -> Table:
     row = [str(p["trials"]), str(p["pruned"]), str(p["windows_scored"]), str(p["windows_saved"]),
            f"{p['saved_fraction']:.1%}"]  # fmt: skip
     return header, [row]
+
+
+def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
+    """The table of one milestone ``healsweep confirm`` opened (a ``confirm.json`` summary): each
+    frozen config's dev figures next to its test figures (pooled KLD, relative change vs the
+    baseline with its CI, top-1 change, verdict)."""
+    level = summary.rule.ci_level
+    header = ["config", "dev pooled KLD", f"dev Δ KLD [{level:.0%} CI]", "dev verdict",
+              f"test pooled KLD ({milestone['windows']} windows)", f"test Δ KLD [{level:.0%} CI]",
+              "test Δ top-1 (pt)", "test verdict", "ledger"]  # fmt: skip
+    dev = {c.config_hash: c for c in summary.configs}
+    rows = []
+    for entry in milestone["configs"]:
+        config = dev.get(entry["config_hash"])
+        comp, verdict = entry["comparison"], entry["verdict"]
+        dev_cells = ["-"] * 3
+        if config is not None:
+            kld = f"{config.pooled['kld_mean']:.5f}"
+            dev_cells = [kld, _delta(config.comparison, level), _verdict(config)]
+        rows.append(
+            [
+                describe(config, summary.baseline) if config else entry["config_hash"][:12],
+                *dev_cells,
+                f"{entry['pooled']['kld_mean']:.5f}",
+                "-" if comp is None else _ci(comp["rel_change"], *comp["rel_change_ci"]),
+                "-" if comp is None else f"{comp['top1_delta_points']:+.2f}",
+                "baseline" if verdict is None else ("ACCEPT" if verdict["accepted"] else "reject"),
+                milestone.get("integrity", "-"),
+            ]
+        )
+    return header, rows
 
 
 def _md(table: Table) -> list[str]:
@@ -259,37 +290,3 @@ def write_report(
     atomic_write_text(md, render_markdown(summary, relative, confirmed))
     atomic_write_text(page, render_html(summary, relative, confirmed))
     return {"markdown": md, "html": page, **plots}
-
-
-# The test split (`healsweep confirm`) --------------------------------------------------------
-
-
-def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
-    """The table of one milestone ``healsweep confirm`` opened (a ``confirm.json`` summary): each
-    frozen config's dev figures next to its test figures (pooled KLD, relative change vs the
-    baseline with its CI, top-1 change, verdict)."""
-    level = summary.rule.ci_level
-    header = ["config", "dev pooled KLD", f"dev Δ KLD [{level:.0%} CI]", "dev verdict",
-              f"test pooled KLD ({milestone['windows']} windows)", f"test Δ KLD [{level:.0%} CI]",
-              "test Δ top-1 (pt)", "test verdict", "ledger"]  # fmt: skip
-    dev = {c.config_hash: c for c in summary.configs}
-    rows = []
-    for entry in milestone["configs"]:
-        config = dev.get(entry["config_hash"])
-        comp, verdict = entry["comparison"], entry["verdict"]
-        dev_cells = ["-"] * 3
-        if config is not None:
-            kld = f"{config.pooled['kld_mean']:.5f}"
-            dev_cells = [kld, _delta(config.comparison, level), _verdict(config)]
-        rows.append(
-            [
-                describe(config, summary.baseline) if config else entry["config_hash"][:12],
-                *dev_cells,
-                f"{entry['pooled']['kld_mean']:.5f}",
-                "-" if comp is None else _ci(comp["rel_change"], *comp["rel_change_ci"]),
-                "-" if comp is None else f"{comp['top1_delta_points']:+.2f}",
-                "baseline" if verdict is None else ("ACCEPT" if verdict["accepted"] else "reject"),
-                milestone.get("integrity", "-"),
-            ]
-        )
-    return header, rows
