@@ -29,8 +29,9 @@ def _value(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _pct(value: float) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:+.2%}"
+def _fmt(value: float | None, spec: str = "+.2%") -> str:
+    """``value`` in ``spec`` (a signed percentage unless told); "-" when missing or not finite."""
+    return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
 
 def _verdict(config: ConfigResult) -> str:
@@ -42,16 +43,11 @@ def _verdict(config: ConfigResult) -> str:
 
 
 def _ci(rel: float | None, lo: float | None, hi: float | None) -> str:
-    return f"{_pct(rel)} [{_pct(lo)}, {_pct(hi)}]"
+    return f"{_fmt(rel)} [{_fmt(lo)}, {_fmt(hi)}]"
 
 
 def _delta(comp: Any, level: float) -> str:
     return "-" if comp is None else _ci(comp.rel_change, *comp.rel_change_ci(level))
-
-
-def _bpw(config: ConfigResult) -> str:
-    bpw = config.routed_bpw
-    return "-" if bpw is None or not math.isfinite(bpw) else f"{bpw:.3g}"
 
 
 def _cache_cells(config: ConfigResult) -> list[str]:
@@ -77,8 +73,9 @@ def leaderboard(summary: SweepSummary) -> Table:
     for rank, config in enumerate(summary.configs):
         comp = config.comparison
         rows.append([str(rank), describe(config, summary.baseline), config.role, config.status,
-                     f"{len(config.windows)}/{summary.windows_total}", _bpw(config),
-                     f"{config.pooled['kld_mean']:.5f}", *(_cache_cells(config) if cached else []),
+                     f"{len(config.windows)}/{summary.windows_total}",
+                     _fmt(config.routed_bpw, ".3g"), f"{config.pooled['kld_mean']:.5f}",
+                     *(_cache_cells(config) if cached else []),
                      _delta(comp, level),
                      *(_delta(config.vs_references.get(name), level) for name in refs),
                      f"{config.pooled['top1']:.2%}",
@@ -106,7 +103,7 @@ def strata_table(summary: SweepSummary) -> Table:
                 rel = paired[stratum].rel_change
             else:
                 rel = kld / base[stratum]["kld_mean"] - 1 if stratum in base else math.nan
-            cells.append(f"{kld:.5f}" + ("" if config is summary.baseline else f" ({_pct(rel)})"))
+            cells.append(f"{kld:.5f}" + ("" if config is summary.baseline else f" ({_fmt(rel)})"))
         rows.append([describe(config, summary.baseline), *cells])
     return header, rows
 
@@ -115,7 +112,7 @@ def effects_table(summary: SweepSummary) -> Table:
     """Main effect of each varied knob: mean pooled KLD and mean Δ vs baseline per value."""
     header = ["knob", "value", "configs", "mean pooled KLD", "mean Δ vs baseline"]
     rows = [[e["knob"], _value(e["value"]), str(e["configs"]), f"{e['kld_mean']:.5f}",
-             _pct(e["rel_change"])] for e in summary.effects]  # fmt: skip
+             _fmt(e["rel_change"])] for e in summary.effects]  # fmt: skip
     return header, rows
 
 
