@@ -36,11 +36,10 @@ def save(fig, path: Path) -> Path:
 def paired_scatter(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
     """Window KLD of each config vs the baseline's on the same windows, one panel per config
     (log-log; points below the diagonal are windows the config improves)."""
-    plt = _pyplot()
     others = [c for c in summary.configs[1:] if c.comparison is not None][:MAX_PANELS]
     cols = min(4, max(1, len(others)))
     rows = max(1, math.ceil(len(others) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = _pyplot().subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
     base = summary.baseline.windows
     for ax, config in zip(axes.flat, others, strict=False):
         shared = [w for w in config.windows if w in base]
@@ -89,23 +88,20 @@ def forest(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], st
     """Every config's Δ pooled KLD vs the baseline (%) with its CI, best at the top; reference
     and external rows marked by shape and colour, each stratum's point estimate as a small
     marker (the per-stratum bars this replaces reused colours past ten configs and had no CIs)."""
-    plt = _pyplot()
     level = summary.rule.ci_level
     configs = sorted(
         (c for c in summary.configs if c.comparison is not None),
         key=lambda c: c.comparison.rel_change,
         reverse=True,  # the last row is drawn at the top
     )
-    fig, ax = plt.subplots(figsize=(8.5, 1.2 + 0.32 * max(1, len(configs))))
+    fig, ax = _pyplot().subplots(figsize=(8.5, 1.2 + 0.32 * max(1, len(configs))))
     for y, config in enumerate(configs):
         comp = config.comparison
         lo, hi = comp.rel_change_ci(level)
         x = 100 * comp.rel_change
         xerr = [[100 * (comp.rel_change - lo)], [100 * (hi - comp.rel_change)]]
         marker, colour, legend = _trial_style(config)  # the error bars take the marker's colour
-        ax.errorbar(
-            x, y, xerr=xerr, fmt=marker, color=colour, capsize=3, markersize=6, label=legend
-        )
+        ax.errorbar(x, y, xerr=xerr, fmt=marker, color=colour, capsize=3, ms=6, label=legend)
         for stratum, shape in zip(summary.strata, itertools.cycle(_STRATUM_MARKERS)):
             if stratum in comp.per_stratum:
                 rel = 100 * comp.per_stratum[stratum].rel_change
@@ -128,10 +124,9 @@ def forest(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], st
 
 def knob_effects(summary: SweepSummary, path: Path) -> Path:
     """One panel per varied knob: mean relative change vs the baseline per value."""
-    plt = _pyplot()
     knobs = list(dict.fromkeys(e["knob"] for e in summary.effects))
     panels = max(1, len(knobs))
-    fig, axes = plt.subplots(1, panels, figsize=(3.2 * panels, 3.2), squeeze=False)
+    fig, axes = _pyplot().subplots(1, panels, figsize=(3.2 * panels, 3.2), squeeze=False)
     for ax, knob in zip(axes.flat, knobs, strict=False):
         rows = [e for e in summary.effects if e["knob"] == knob]
         values = [str(e["value"]) for e in rows]
@@ -149,13 +144,12 @@ def knob_effects(summary: SweepSummary, path: Path) -> Path:
 def kld_vs_mib(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
     """Pooled KLD against MiB read per token, one point per config; configs that differ only
     in ``moce_bonus`` are joined in bonus order (the bonus's trade-off curve)."""
-    plt = _pyplot()
     points = [(c, f) for c in summary.configs if (f := c.cache) is not None]
     curves: dict[tuple, list[tuple[ConfigResult, dict]]] = {}
     for config, figures in points:
         rest = tuple(sorted((k, str(v)) for k, v in config.knobs.items() if k != "moce_bonus"))
         curves.setdefault(rest, []).append((config, figures))
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = _pyplot().subplots(figsize=(6.4, 4.4))
     for curve in curves.values():
         curve.sort(key=lambda p: p[0].knobs.get("moce_bonus") or 0.0)
         xs = [f["mib_per_token"] for _, f in curve]

@@ -51,10 +51,8 @@ def _delta(comp: Any, level: float) -> str:
 
 
 def _cache_cells(config: ConfigResult) -> list[str]:
-    figures = config.cache
-    if figures is None:
-        return ["-", "-"]
-    return [f"{figures['hit_rate']:.2%}", f"{figures['mib_per_token']:.3g}"]
+    figures = config.cache or {}  # none: scored without a cache
+    return [_fmt(figures.get("hit_rate"), ".2%"), _fmt(figures.get("mib_per_token"), ".3g")]
 
 
 def leaderboard(summary: SweepSummary) -> Table:
