@@ -225,18 +225,15 @@ _STYLE = (
 )
 
 
-def render_html(
-    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
-) -> str:
-    """The HTML report: the Markdown one rendered (raw HTML in a cell is escaped, not passed)."""
+def render_html(name: str, markdown: str) -> str:
+    """The HTML page of sweep ``name``: its Markdown report rendered (raw HTML in a cell is
+    escaped, not passed)."""
     from markdown_it import MarkdownIt
 
-    body = MarkdownIt("commonmark", {"html": False}).enable("table")
-    title = html.escape(summary.name)
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
     return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{_STYLE}"
-        f"</style></head><body>\n{body.render(render_markdown(summary, plots, confirmed))}"
-        "</body></html>"
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(name)}</title>"
+        f"<style>{_STYLE}</style></head><body>\n{body}</body></html>"
     )
 
 
@@ -261,6 +258,7 @@ def write_report(
     plots = write_plots(summary, out, label=lambda c: describe(c, summary.baseline))
     relative = {caption: path.name for caption, path in plots.items()}
     md, page = out / "report.md", out / "report.html"
-    atomic_write_text(md, render_markdown(summary, relative, confirmed))
-    atomic_write_text(page, render_html(summary, relative, confirmed))
+    markdown = render_markdown(summary, relative, confirmed)
+    atomic_write_text(md, markdown)
+    atomic_write_text(page, render_html(summary.name, markdown))
     return {"markdown": md, "html": page, **plots}
