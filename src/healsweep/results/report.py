@@ -51,7 +51,7 @@ def _delta(comp: Any, level: float) -> str:
 
 
 def _cache_cells(config: ConfigResult) -> list[str]:
-    figures = config.cache or {}  # none: scored without a cache
+    figures = config.cache or {}  # {}: scored without a cache, both cells "-"
     return [_fmt(figures.get("hit_rate"), ".2%"), _fmt(figures.get("mib_per_token"), ".3g")]
 
 
