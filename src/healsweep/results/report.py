@@ -70,16 +70,24 @@ def leaderboard(summary: SweepSummary) -> Table:
     rows = []
     for rank, config in enumerate(summary.configs):
         comp = config.comparison
-        rows.append([str(rank), describe(config, summary.baseline), config.role, config.status,
-                     f"{len(config.windows)}/{summary.windows_total}",
-                     _fmt(config.routed_bpw, ".3g"), f"{config.pooled['kld_mean']:.5f}",
-                     *(_cache_cells(config) if cached else []),
-                     _delta(comp, level),
-                     *(_delta(config.vs_references.get(name), level) for name in refs),
-                     f"{config.pooled['top1']:.2%}",
-                     "-" if comp is None else f"{comp.top1_delta_points:+.2f}",
-                     "-" if comp is None else f"{comp.wins}/{comp.losses}",
-                     _verdict(config)])  # fmt: skip
+        rows.append(
+            [
+                str(rank),
+                describe(config, summary.baseline),
+                config.role,
+                config.status,
+                f"{len(config.windows)}/{summary.windows_total}",
+                _fmt(config.routed_bpw, ".3g"),
+                f"{config.pooled['kld_mean']:.5f}",
+                *(_cache_cells(config) if cached else []),
+                _delta(comp, level),
+                *(_delta(config.vs_references.get(name), level) for name in refs),
+                f"{config.pooled['top1']:.2%}",
+                "-" if comp is None else f"{comp.top1_delta_points:+.2f}",
+                "-" if comp is None else f"{comp.wins}/{comp.losses}",
+                _verdict(config),
+            ]
+        )
     return header, rows
 
 
@@ -109,8 +117,16 @@ def strata_table(summary: SweepSummary) -> Table:
 def effects_table(summary: SweepSummary) -> Table:
     """Main effect of each varied knob: mean pooled KLD and mean Δ vs baseline per value."""
     header = ["knob", "value", "configs", "mean pooled KLD", "mean Δ vs baseline"]
-    rows = [[e["knob"], _value(e["value"]), str(e["configs"]), f"{e['kld_mean']:.5f}",
-             _fmt(e["rel_change"])] for e in summary.effects]  # fmt: skip
+    rows = [
+        [
+            e["knob"],
+            _value(e["value"]),
+            str(e["configs"]),
+            f"{e['kld_mean']:.5f}",
+            _fmt(e["rel_change"]),
+        ]
+        for e in summary.effects
+    ]
     return header, rows
 
 
@@ -140,13 +156,17 @@ def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
         if config is not None:
             kld = f"{config.pooled['kld_mean']:.5f}"
             dev_cells = [kld, _delta(config.comparison, level), _verdict(config)]
-        rows.append([describe(config, summary.baseline) if config else entry["config_hash"][:12],
-                     *dev_cells, f"{entry['pooled']['kld_mean']:.5f}",
-                     "-" if comp is None else _ci(comp["rel_change"], *comp["rel_change_ci"]),
-                     "-" if comp is None else f"{comp['top1_delta_points']:+.2f}",
-                     "baseline" if verdict is None
-                     else ("ACCEPT" if verdict["accepted"] else "reject"),
-                     milestone.get("integrity", "-")])  # fmt: skip
+        rows.append(
+            [
+                describe(config, summary.baseline) if config else entry["config_hash"][:12],
+                *dev_cells,
+                f"{entry['pooled']['kld_mean']:.5f}",
+                "-" if comp is None else _ci(comp["rel_change"], *comp["rel_change_ci"]),
+                "-" if comp is None else f"{comp['top1_delta_points']:+.2f}",
+                "baseline" if verdict is None else ("ACCEPT" if verdict["accepted"] else "reject"),
+                milestone.get("integrity", "-"),
+            ]
+        )
     return header, rows
 
 
