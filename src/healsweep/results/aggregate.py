@@ -46,11 +46,6 @@ class ConfigResult:
         return self.role in ("reference", "external")
 
     @property
-    def n_windows(self) -> int:
-        """Windows scored."""
-        return len(self.windows)
-
-    @property
     def cache(self) -> dict[str, Any] | None:
         """Token-pooled expert-cache figures of its windows (None when scored without a cache)."""
         return pooled_cache([w.metrics.to_dict() for w in self.windows.values()])
@@ -108,15 +103,13 @@ def summarize(
     rows = read_windows(sweep_dir).to_pylist()
     trials = read_trials(sweep_dir).to_pylist()
     configs = _configs(rows, trials)
-    baselines = [c for c in configs.values() if c.is_baseline and c.windows]
-    if not baselines:
+    baseline = next((c for c in configs.values() if c.is_baseline and c.windows), None)
+    if baseline is None:
         raise ResultsError(
             f"{sweep_dir}: the baseline has no scored windows yet; let the sweep run (or resume "
             "it) until the baseline trial has finished"
         )
-    baseline = baselines[0]
     rule = rule or DecisionRule()
-    strata = sorted({w.stratum for w in baseline.windows.values()})
     references = sorted(
         (c for c in configs.values() if c.role == "reference" and c.windows),
         key=lambda c: (REFERENCES.index(c.label) if c.label in REFERENCES else 9, str(c.label)),
@@ -143,24 +136,22 @@ def summarize(
         if config.comparison is not None and config.role in ("trial", "external"):
             config.verdict = decision(config.comparison, rule)
         for reference in references:
-            found = compare(reference, config)
-            if found is not None:
+            if (found := compare(reference, config)) is not None:
                 config.vs_references[str(reference.label)] = found
     ranked = sorted(
         (c for c in configs.values() if c is not baseline and c.windows),
         key=lambda c: (c.status != "completed", c.pooled["kld_mean"]),
     )
     windows_total = max((int(r["windows_total"]) for r in rows if r["windows_total"]), default=0)
-    tuned = [c for c in ranked if not c.is_fixed]
     return SweepSummary(
         name=manifest.get("sweep", sweep_dir.name),
         manifest=manifest,
         baseline=baseline,
         configs=[baseline, *ranked],
         references=references,
-        strata=strata,
+        strata=sorted({w.stratum for w in baseline.windows.values()}),
         windows_total=windows_total,
-        effects=main_effects([baseline, *tuned], windows_total),
+        effects=main_effects([baseline, *(c for c in ranked if not c.is_fixed)], windows_total),
         pruning=pruning_summary(
             [t for t in trials if row_role(t) in ("trial", "baseline")], windows_total
         ),
@@ -175,7 +166,7 @@ def main_effects(configs: list[ConfigResult], windows_total: int) -> list[dict[s
     Knobs with more than ``MAX_LEVELS`` distinct values (continuous knobs of a tpe/random
     sweep) are left out: one config per value says nothing about a main effect.
     """
-    full = [c for c in configs if c.windows and c.n_windows == windows_total]
+    full = [c for c in configs if c.windows and len(c.windows) == windows_total]
     if not full:
         return []
     base_kld = configs[0].pooled["kld_mean"]
@@ -211,5 +202,4 @@ def pruning_summary(trials: list[dict[str, Any]], windows_total: int) -> dict[st
         "windows_scored": scored,
         "windows_saved": saved,
         "saved_fraction": saved / full if full else 0.0,
-        "pruned_windows_scored": sum(int(t["windows_scored"] or 0) for t in pruned),
     }

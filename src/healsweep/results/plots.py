@@ -1,19 +1,11 @@
-"""PNG plots of a sweep report (matplotlib, Agg backend: no display needed).
-
-- ``forest.png`` (the first): every config's relative change of pooled KLD vs the baseline with
-  its paired-bootstrap CI, sorted, reference and external rows marked by shape and colour, each
-  stratum's point estimate as a small marker (the per-stratum bars it replaces reused colours
-  past ten configs and had no CIs);
-- ``paired_windows.png``: per window, a config's KLD against the baseline's on the same window
-  (one panel per config, log-log, the diagonal = no change; points below it are windows the
-  config improves);
-- ``knob_effects.png``: mean relative change vs the baseline per value of each varied knob;
-- ``kld_vs_mib.png`` (configs scored through a simulated expert cache only): pooled KLD against
-  MiB of experts read per token, the quality-for-bytes trade-off of the cache bonus.
+"""PNG plots of a sweep report (matplotlib, Agg backend: no display needed): ``forest.png``
+(the report's first picture), ``paired_windows.png``, ``knob_effects.png`` and, for configs
+scored through a simulated expert cache, ``kld_vs_mib.png``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -42,29 +34,27 @@ def save(fig, path: Path) -> Path:
 
 
 def paired_scatter(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
-    """Window KLD of each config vs the baseline's on the same windows."""
-    plt = _pyplot()
+    """Window KLD of each config vs the baseline's on the same windows, one panel per config
+    (log-log; points below the diagonal are windows the config improves)."""
     others = [c for c in summary.configs[1:] if c.comparison is not None][:MAX_PANELS]
     cols = min(4, max(1, len(others)))
     rows = max(1, math.ceil(len(others) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = _pyplot().subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
     base = summary.baseline.windows
     for ax, config in zip(axes.flat, others, strict=False):
         shared = [w for w in config.windows if w in base]
         x = [base[w].metrics.kld_mean for w in shared]
         y = [config.windows[w].metrics.kld_mean for w in shared]
-        ax.scatter(
-            x, y, s=10, alpha=0.7, color="tab:red" if config.status == "pruned" else "tab:blue"
-        )
+        colour = "tab:red" if config.status == "pruned" else "tab:blue"
+        ax.scatter(x, y, s=10, alpha=0.7, color=colour)
         lo, hi = min(x + y), max(x + y)
         ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8)
         if lo > 0:
             from matplotlib.ticker import NullFormatter
 
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.set(xscale="log", yscale="log")
+            for axis in (ax.xaxis, ax.yaxis):
+                axis.set_minor_formatter(NullFormatter())
         ax.set_title(label(config)[:48], fontsize=8)
         ax.set_xlabel("baseline window KLD", fontsize=7)
         ax.set_ylabel("config window KLD", fontsize=7)
@@ -79,7 +69,9 @@ _ROLE_STYLE = {
     "reference": ("D", "tab:orange", "reference (unhealed, plain)"),
     "external": ("s", "tab:purple", "external GGUF"),
 }
+_ROLE_TAG = {"reference": "[ref] ", "external": "[ext] "}
 _STRATUM_MARKERS = "^v<>pP*Xh"
+_STRATUM_STYLE = {"color": "black", "markersize": 4, "fillstyle": "none", "alpha": 0.5}
 
 
 def _trial_style(config: ConfigResult) -> tuple[str, str, str]:
@@ -93,80 +85,52 @@ def _trial_style(config: ConfigResult) -> tuple[str, str, str]:
 
 
 def forest(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
-    """Every config's Δ pooled KLD vs the baseline (%) with its CI, best at the top."""
-    plt = _pyplot()
+    """Every config's Δ pooled KLD vs the baseline (%) with its CI, best at the top; reference
+    and external rows marked by shape and colour, each stratum's point estimate as a small
+    marker (the per-stratum bars this replaces reused colours past ten configs and had no CIs)."""
     level = summary.rule.ci_level
     configs = sorted(
         (c for c in summary.configs if c.comparison is not None),
         key=lambda c: c.comparison.rel_change,
         reverse=True,  # the last row is drawn at the top
     )
-    fig, ax = plt.subplots(figsize=(8.5, 1.2 + 0.32 * max(1, len(configs))))
-    seen: set[str] = set()
+    fig, ax = _pyplot().subplots(figsize=(8.5, 1.2 + 0.32 * max(1, len(configs))))
     for y, config in enumerate(configs):
         comp = config.comparison
         lo, hi = comp.rel_change_ci(level)
-        marker, colour, legend = _trial_style(config)
-        ax.errorbar(
-            100 * comp.rel_change,
-            y,
-            xerr=[[100 * (comp.rel_change - lo)], [100 * (hi - comp.rel_change)]],
-            fmt=marker,
-            color=colour,
-            ecolor=colour,
-            capsize=3,
-            markersize=6,
-            label=None if legend in seen else legend,
-        )
-        seen.add(legend)
-        for k, stratum in enumerate(summary.strata):
-            change = comp.per_stratum.get(stratum)
-            if change is None:
-                continue
-            name = f"stratum {stratum}"
-            ax.plot(
-                100 * change.rel_change,
-                y,
-                _STRATUM_MARKERS[k % len(_STRATUM_MARKERS)],
-                color="black",
-                markersize=4,
-                fillstyle="none",
-                alpha=0.5,
-                label=None if name in seen else name,
-            )
-            seen.add(name)
+        x = 100 * comp.rel_change
+        xerr = [[100 * (comp.rel_change - lo)], [100 * (hi - comp.rel_change)]]
+        marker, colour, legend = _trial_style(config)  # the error bars take the marker's colour
+        ax.errorbar(x, y, xerr=xerr, fmt=marker, color=colour, capsize=3, ms=6, label=legend)
+        for stratum, shape in zip(summary.strata, itertools.cycle(_STRATUM_MARKERS)):
+            if stratum in comp.per_stratum:
+                rel = 100 * comp.per_stratum[stratum].rel_change
+                ax.plot(rel, y, shape, **_STRATUM_STYLE, label=f"stratum {stratum}")
     ax.axvline(0, color="gray", lw=0.8)
     ax.set_yticks(range(len(configs)))
-    ax.set_yticklabels([_tag(c) + label(c)[:48] for c in configs], fontsize=7)
+    ax.set_yticklabels([_ROLE_TAG.get(c.role, "") + label(c)[:48] for c in configs], fontsize=7)
     ax.set_ylim(-0.7, len(configs) - 0.3)
     ax.set_xlabel(f"Δ pooled KLD vs baseline (%), {level:.0%} paired-bootstrap CI", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     ax.set_title("every config against the baseline (negative = better)", fontsize=9)
-    if configs:
-        ax.legend(fontsize=6, loc="best")
+    if configs:  # one legend entry per label
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=True))
+        ax.legend(unique.values(), unique.keys(), fontsize=6, loc="best")
     else:
         ax.text(0.5, 0.5, "no config shares windows with the baseline yet", ha="center")
     return save(fig, path)
 
 
-def _tag(config: ConfigResult) -> str:
-    return {"reference": "[ref] ", "external": "[ext] "}.get(config.role, "")
-
-
 def knob_effects(summary: SweepSummary, path: Path) -> Path:
     """One panel per varied knob: mean relative change vs the baseline per value."""
-    plt = _pyplot()
     knobs = list(dict.fromkeys(e["knob"] for e in summary.effects))
-    fig, axes = plt.subplots(
-        1, max(1, len(knobs)), figsize=(3.2 * max(1, len(knobs)), 3.2), squeeze=False
-    )
+    panels = max(1, len(knobs))
+    fig, axes = _pyplot().subplots(1, panels, figsize=(3.2 * panels, 3.2), squeeze=False)
     for ax, knob in zip(axes.flat, knobs, strict=False):
         rows = [e for e in summary.effects if e["knob"] == knob]
-        ax.bar(
-            [str(e["value"]) for e in rows],
-            [100 * e["rel_change"] for e in rows],
-            color="tab:green",
-        )
+        values = [str(e["value"]) for e in rows]
+        ax.bar(values, [100 * e["rel_change"] for e in rows], color="tab:green")
         ax.axhline(0, color="gray", lw=0.8)
         ax.set_title(knob, fontsize=9)
         ax.set_ylabel("mean Δ KLD vs baseline (%)", fontsize=7)
@@ -180,13 +144,12 @@ def knob_effects(summary: SweepSummary, path: Path) -> Path:
 def kld_vs_mib(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
     """Pooled KLD against MiB read per token, one point per config; configs that differ only
     in ``moce_bonus`` are joined in bonus order (the bonus's trade-off curve)."""
-    plt = _pyplot()
     points = [(c, f) for c in summary.configs if (f := c.cache) is not None]
     curves: dict[tuple, list[tuple[ConfigResult, dict]]] = {}
     for config, figures in points:
         rest = tuple(sorted((k, str(v)) for k, v in config.knobs.items() if k != "moce_bonus"))
         curves.setdefault(rest, []).append((config, figures))
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = _pyplot().subplots(figsize=(6.4, 4.4))
     for curve in curves.values():
         curve.sort(key=lambda p: p[0].knobs.get("moce_bonus") or 0.0)
         xs = [f["mib_per_token"] for _, f in curve]

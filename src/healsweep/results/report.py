@@ -29,38 +29,30 @@ def _value(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _pct(value: float) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:+.2%}"
+def _fmt(value: float | None, spec: str = "+.2%") -> str:
+    """``value`` in ``spec`` (a signed percentage unless told); "-" when missing or not finite."""
+    return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
 
 def _verdict(config: ConfigResult) -> str:
     if config.verdict is None:
-        if config.is_baseline:
-            return "baseline"
-        return "reference" if config.role == "reference" else "-"
+        return config.role if config.role in ("baseline", "reference") else "-"
     if config.status != "completed":
         return f"{config.status} (not judged)"
     return "ACCEPT" if config.verdict.accepted else "reject"
 
 
 def _ci(rel: float | None, lo: float | None, hi: float | None) -> str:
-    return f"{_pct(rel)} [{_pct(lo)}, {_pct(hi)}]"
+    return f"{_fmt(rel)} [{_fmt(lo)}, {_fmt(hi)}]"
 
 
 def _delta(comp: Any, level: float) -> str:
     return "-" if comp is None else _ci(comp.rel_change, *comp.rel_change_ci(level))
 
 
-def _bpw(config: ConfigResult) -> str:
-    bpw = config.routed_bpw
-    return "-" if bpw is None or not math.isfinite(bpw) else f"{bpw:.3g}"
-
-
 def _cache_cells(config: ConfigResult) -> list[str]:
-    figures = config.cache
-    if figures is None:
-        return ["-", "-"]
-    return [f"{figures['hit_rate']:.2%}", f"{figures['mib_per_token']:.3g}"]
+    figures = config.cache or {}  # {}: scored without a cache, both cells "-"
+    return [_fmt(figures.get("hit_rate"), ".2%"), _fmt(figures.get("mib_per_token"), ".3g")]
 
 
 def leaderboard(summary: SweepSummary) -> Table:
@@ -78,23 +70,21 @@ def leaderboard(summary: SweepSummary) -> Table:
     rows = []
     for rank, config in enumerate(summary.configs):
         comp = config.comparison
-        top1_delta = "-" if comp is None else f"{comp.top1_delta_points:+.2f}"
-        wins = "-" if comp is None else f"{comp.wins}/{comp.losses}"
         rows.append(
             [
                 str(rank),
                 describe(config, summary.baseline),
                 config.role,
                 config.status,
-                f"{config.n_windows}/{summary.windows_total}",
-                _bpw(config),
+                f"{len(config.windows)}/{summary.windows_total}",
+                _fmt(config.routed_bpw, ".3g"),
                 f"{config.pooled['kld_mean']:.5f}",
                 *(_cache_cells(config) if cached else []),
                 _delta(comp, level),
                 *(_delta(config.vs_references.get(name), level) for name in refs),
                 f"{config.pooled['top1']:.2%}",
-                top1_delta,
-                wins,
+                "-" if comp is None else f"{comp.top1_delta_points:+.2f}",
+                "-" if comp is None else f"{comp.wins}/{comp.losses}",
                 _verdict(config),
             ]
         )
@@ -108,18 +98,18 @@ def strata_table(summary: SweepSummary) -> Table:
     rows = []
     for config in summary.configs:
         per = config.pooled.get("per_stratum", {})
+        paired = config.comparison.per_stratum if config.comparison is not None else {}
         cells = []
         for stratum in summary.strata:
             if stratum not in per:
                 cells.append("-")
                 continue
             kld = per[stratum]["kld_mean"]
-            paired = config.comparison.per_stratum if config.comparison is not None else {}
             if stratum in paired:  # on the windows both scored (all of them unless pruned)
                 rel = paired[stratum].rel_change
             else:
                 rel = kld / base[stratum]["kld_mean"] - 1 if stratum in base else math.nan
-            cells.append(f"{kld:.5f}" + ("" if config is summary.baseline else f" ({_pct(rel)})"))
+            cells.append(f"{kld:.5f}" + ("" if config is summary.baseline else f" ({_fmt(rel)})"))
         rows.append([describe(config, summary.baseline), *cells])
     return header, rows
 
@@ -133,7 +123,7 @@ def effects_table(summary: SweepSummary) -> Table:
             _value(e["value"]),
             str(e["configs"]),
             f"{e['kld_mean']:.5f}",
-            _pct(e["rel_change"]),
+            _fmt(e["rel_change"]),
         ]
         for e in summary.effects
     ]
@@ -147,134 +137,6 @@ def pruning_table(summary: SweepSummary) -> Table:
     row = [str(p["trials"]), str(p["pruned"]), str(p["windows_scored"]), str(p["windows_saved"]),
            f"{p['saved_fraction']:.1%}"]  # fmt: skip
     return header, [row]
-
-
-def _md(table: Table) -> str:
-    header, rows = table
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _sections(
-    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
-) -> list[tuple[str, Any]]:
-    m = summary.manifest
-    reasons = [
-        (describe(c, summary.baseline), list(c.verdict.reasons))
-        for c in summary.configs
-        if c.verdict is not None and c.status == "completed"
-    ]
-    identity = (
-        ["spec hash", "split lock id", "model fingerprint", "package", "seeds (window order, sampler)"],
-        [[m.get("spec_hash", "-")[:16], str(m.get("split_lock_id", "-"))[:16],
-          str(m.get("model_fingerprint", "-"))[:16], str(m.get("package_version", "-")),
-          f"{m.get('seeds', {}).get('window_order')}, {m.get('seeds', {}).get('sampler')}"]],
-    )  # fmt: skip
-    from healsweep.results.plots import FOREST_CAPTION
-
-    first = {c: p for c, p in plots.items() if c == FOREST_CAPTION}
-    rest = {c: p for c, p in plots.items() if c != FOREST_CAPTION}
-    return [
-        ("Leaderboard against the baseline and the references", leaderboard(summary)),
-        *([("Every config against the baseline", first)] if first else []),
-        *(
-            (f"Dev and test (milestone {m['milestone']})", confirmed_table(summary, m))
-            for m in confirmed or []
-        ),
-        ("Decision-rule reasons", reasons),
-        ("Per-stratum pooled KLD", strata_table(summary)),
-        ("Main effects per knob", effects_table(summary)),
-        ("Pruning", pruning_table(summary)),
-        ("Plots", rest),
-        ("Manifest", identity),
-    ]
-
-
-def _intro(summary: SweepSummary) -> str:
-    base = summary.baseline
-    return (
-        f"{len(summary.configs)} configs on {summary.windows_total} dev windows; baseline pooled "
-        f"KLD {base.pooled['kld_mean']:.5f}, top-1 {base.pooled['top1']:.2%}. Δ KLD is the "
-        "relative change of token-pooled KLD vs the baseline (or a reference row) on the same "
-        "windows (negative = better), with a paired bootstrap CI over windows. Reference rows "
-        "(unhealed: the baseline's quantizer without Part A and Part B; plain: round-to-nearest "
-        "Q2_0 with d = amax/2) and external GGUFs are scored on the same windows, never pruned "
-        "and not tuned; bpw = stored bits per weight of the routed experts. A config is "
-        "accepted when the CI lies "
-        "below 0, no stratum regresses by more than "
-        f"{summary.rule.max_stratum_regression:.0%}, and top-1 drops by at most "
-        f"{summary.rule.max_top1_drop_points:.1f} pt."
-    )
-
-
-def render_markdown(
-    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
-) -> str:
-    """The Markdown report."""
-    out = [f"# Sweep report: {summary.name}", "", _intro(summary), ""]
-    for title, content in _sections(summary, plots, confirmed):
-        out += [f"## {title}", ""]
-        if title == "Decision-rule reasons":
-            for name, lines in content:
-                out += [f"- **{name}**"] + [f"  - {line}" for line in lines]
-        elif isinstance(content, dict):  # pictures: {caption: file name}
-            out += [f"![{caption}]({path})" for caption, path in content.items()]
-        else:
-            out.append(_md(content))
-        out.append("")
-    return "\n".join(out)
-
-
-_STYLE = (
-    "body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:"
-    "collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
-    "td:nth-child(2),th:nth-child(2){text-align:left}img{max-width:100%}"
-)
-
-
-def render_html(
-    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
-) -> str:
-    """The HTML report: the Markdown one rendered (raw HTML in a cell is escaped, not passed)."""
-    from markdown_it import MarkdownIt
-
-    body = MarkdownIt("commonmark", {"html": False}).enable("table")
-    title = html.escape(summary.name)
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{_STYLE}"
-        f"</style></head><body>\n{body.render(render_markdown(summary, plots, confirmed))}"
-        "</body></html>"
-    )
-
-
-def write_report(
-    sweep_dir: str | Path,
-    n_boot: int = 10_000,
-    seed: int = 0,
-    summary: SweepSummary | None = None,
-    confirmed: list[dict[str, Any]] | None = None,
-) -> dict[str, Path]:
-    """Write ``report/report.md``, ``report/report.html`` and the PNG plots; return their paths
-    (``summary`` = an already computed :func:`summarize` of the same folder; ``confirmed`` = the
-    milestones `healsweep confirm` opened, :func:`healsweep.confirm.read_confirmed`, shown dev
-    beside test — passed in, since results sit below confirm in the layer order)."""
-    from healsweep._atomic import atomic_write_text
-    from healsweep.results.plots import write_plots
-
-    sweep_dir = Path(sweep_dir)
-    summary = summary or summarize(sweep_dir, n_boot=n_boot, seed=seed)
-    out = sweep_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    plots = write_plots(summary, out, label=lambda c: describe(c, summary.baseline))
-    relative = {caption: path.name for caption, path in plots.items()}
-    md, page = out / "report.md", out / "report.html"
-    atomic_write_text(md, render_markdown(summary, relative, confirmed))
-    atomic_write_text(page, render_html(summary, relative, confirmed))
-    return {"markdown": md, "html": page, **plots}
-
-
-# The test split (`healsweep confirm`) --------------------------------------------------------
 
 
 def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
@@ -306,3 +168,117 @@ def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
             ]
         )
     return header, rows
+
+
+def _md(table: Table) -> list[str]:
+    header, rows = table
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+
+
+def _sections(
+    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
+) -> list[tuple[str, list[str]]]:
+    """Each section's title and Markdown lines, in order (``plots``: {caption: file name})."""
+    from healsweep.results.plots import FOREST_CAPTION
+
+    m = summary.manifest
+    reasons = []
+    for config in summary.configs:
+        if config.verdict is not None and config.status == "completed":
+            reasons.append(f"- **{describe(config, summary.baseline)}**")
+            reasons += [f"  - {line}" for line in config.verdict.reasons]
+    identity = (
+        ["spec hash", "split lock id", "model fingerprint", "package", "seeds (window order, sampler)"],
+        [[m.get("spec_hash", "-")[:16], str(m.get("split_lock_id", "-"))[:16],
+          str(m.get("model_fingerprint", "-"))[:16], str(m.get("package_version", "-")),
+          f"{m.get('seeds', {}).get('window_order')}, {m.get('seeds', {}).get('sampler')}"]],
+    )  # fmt: skip
+    first = [f"![{c}]({path})" for c, path in plots.items() if c == FOREST_CAPTION]
+    rest = [f"![{c}]({path})" for c, path in plots.items() if c != FOREST_CAPTION]
+    return [
+        ("Leaderboard against the baseline and the references", _md(leaderboard(summary))),
+        *([("Every config against the baseline", first)] if first else []),
+        *(
+            (f"Dev and test (milestone {ms['milestone']})", _md(confirmed_table(summary, ms)))
+            for ms in confirmed or []
+        ),
+        ("Decision-rule reasons", reasons),
+        ("Per-stratum pooled KLD", _md(strata_table(summary))),
+        ("Main effects per knob", _md(effects_table(summary))),
+        ("Pruning", _md(pruning_table(summary))),
+        ("Plots", rest),
+        ("Manifest", _md(identity)),
+    ]
+
+
+def _intro(summary: SweepSummary) -> str:
+    base = summary.baseline
+    return (
+        f"{len(summary.configs)} configs on {summary.windows_total} dev windows; baseline pooled "
+        f"KLD {base.pooled['kld_mean']:.5f}, top-1 {base.pooled['top1']:.2%}. Δ KLD is the "
+        "relative change of token-pooled KLD vs the baseline (or a reference row) on the same "
+        "windows (negative = better), with a paired bootstrap CI over windows. Reference rows "
+        "(unhealed: the baseline's quantizer without Part A and Part B; plain: round-to-nearest "
+        "Q2_0 with d = amax/2) and external GGUFs are scored on the same windows, never pruned "
+        "and not tuned; bpw = stored bits per weight of the routed experts. A config is "
+        "accepted when the CI lies below 0, no stratum regresses by more than "
+        f"{summary.rule.max_stratum_regression:.0%}, and top-1 drops by at most "
+        f"{summary.rule.max_top1_drop_points:.1f} pt."
+    )
+
+
+def render_markdown(
+    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
+) -> str:
+    """The Markdown report."""
+    out = [f"# Sweep report: {summary.name}", "", _intro(summary), ""]
+    for title, lines in _sections(summary, plots, confirmed):
+        out += [f"## {title}", "", *lines, ""]
+    return "\n".join(out)
+
+
+_STYLE = (
+    "body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:"
+    "collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+    "td:nth-child(2),th:nth-child(2){text-align:left}img{max-width:100%}"
+)
+
+
+def render_html(name: str, markdown: str) -> str:
+    """The HTML page of sweep ``name``: its Markdown report rendered (raw HTML in a cell is
+    escaped, not passed)."""
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(name)}</title>"
+        f"<style>{_STYLE}</style></head><body>\n{body}</body></html>"
+    )
+
+
+def write_report(
+    sweep_dir: str | Path,
+    n_boot: int = 10_000,
+    seed: int = 0,
+    summary: SweepSummary | None = None,
+    confirmed: list[dict[str, Any]] | None = None,
+) -> dict[str, Path]:
+    """Write ``report/report.md``, ``report/report.html`` and the PNG plots; return their paths
+    (``summary`` = an already computed :func:`summarize` of the same folder; ``confirmed`` = the
+    milestones `healsweep confirm` opened, :func:`healsweep.confirm.read_confirmed`, shown dev
+    beside test — passed in, since results sit below confirm in the layer order)."""
+    from healsweep._atomic import atomic_write_text
+    from healsweep.results.plots import write_plots
+
+    sweep_dir = Path(sweep_dir)
+    summary = summary or summarize(sweep_dir, n_boot=n_boot, seed=seed)
+    out = sweep_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(summary, out, label=lambda c: describe(c, summary.baseline))
+    relative = {caption: path.name for caption, path in plots.items()}
+    md, page = out / "report.md", out / "report.html"
+    markdown = render_markdown(summary, relative, confirmed)
+    atomic_write_text(md, markdown)
+    atomic_write_text(page, render_html(summary.name, markdown))
+    return {"markdown": md, "html": page, **plots}

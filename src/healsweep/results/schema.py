@@ -20,10 +20,9 @@ from healsweep.score.record import WindowRecord
 
 KNOB_PREFIX = "knob_"
 
-# What a config is to the sweep: a tuned `trial`, the `baseline` (itself a trial), a fixed
-# `reference` (unhealed, plain) or an `external` GGUF; references and externals are scored on
-# the same windows, never pruned, and kept out of the Optuna study.
-ROLES = ("trial", "baseline", "reference", "external")
+# A row's `role` says what its config is to the sweep: a tuned `trial`, the `baseline` (itself a
+# trial), a fixed `reference` (unhealed, plain) or an `external` GGUF; references and externals
+# are scored on the same windows, never pruned, and kept out of the Optuna study.
 REFERENCES = ("unhealed", "plain")  # the reference rows, in the order they run and are listed
 # Bits per weight of the routed experts of every healsweep student: Q2_0's 18 bytes per 64
 # weights (kernels.q2_0.BYTES_PER_BLOCK; not imported: reading results needs no jax).

@@ -93,8 +93,7 @@ def consolidate_trial(windows_dir: Path, trial_id: str, pruned: bool) -> int:
     sources = ([target] if target.exists() else []) + paths
     if not sources:
         return 0
-    table = pa.concat_tables([pq.read_table(p, schema=window_schema()) for p in sources])
-    table = dedupe(table)
+    table = dedupe(pa.concat_tables([pq.read_table(p, schema=window_schema()) for p in sources]))
     flag = pa.array([pruned] * table.num_rows, type=pa.bool_())
     table = table.set_column(table.schema.get_field_index("pruned"), "pruned", flag)
     atomic_write_table(table, target)
