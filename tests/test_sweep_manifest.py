@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from healsweep.errors import ResultsError, SpecError
+from healsweep.errors import ResultsError
 from healsweep.results.schema import KNOB_PREFIX
-from healsweep.results.store import MANIFEST_FILE, SPEC_FILE, TRIALS_FILE
-from healsweep.sweep.manifest import read_spec, start_manifest
+from healsweep.results.store import MANIFEST_FILE, TRIALS_FILE
+from healsweep.sweep.manifest import read_spec, spec_hash, start_manifest
 from healsweep.sweep.space import KNOB_NAMES
 from healsweep.sweep.spec import load_spec, spec_from_dict
 
@@ -57,12 +57,15 @@ def test_an_older_sweep_is_checked_by_the_knob_columns_of_its_trials(spec, tmp_p
     assert start_manifest(tmp_path, spec, None, kind="resume")["runs"][-1]["kind"] == "resume"
 
 
-def test_a_spec_stored_with_the_retired_checkpoint_interval_still_resumes(spec, tmp_path):
-    """Sweeps started while trials kept Tune checkpoints stored ``scoring.checkpoint_every``."""
-    start_manifest(tmp_path, spec, {}, kind="run")
-    stored = json.loads((tmp_path / SPEC_FILE).read_text())
-    stored["scoring"]["checkpoint_every"] = 8
-    (tmp_path / SPEC_FILE).write_text(json.dumps(stored))
-    assert read_spec(tmp_path) == spec
-    with pytest.raises(SpecError, match=r"unknown field 'scoring.checkpoint_every'"):
-        spec_from_dict({"name": "x", "scoring": {"checkpoint_every": 8}})
+
+
+def test_the_retired_checkpoint_interval_still_loads_and_hashes_as_before(tmp_path):
+    """Specs and sweep folders from when trials kept Tune checkpoints set or stored
+    ``scoring.checkpoint_every`` (8 by default): it is accepted, ignored, and part of the
+    stored spec's hash as it was, so such a sweep still resumes."""
+    old = spec_from_dict({"name": "x", "scoring": {"checkpoint_every": 8}})
+    assert old == spec_from_dict({"name": "x"})
+    assert json.loads(old.model_dump_json())["scoring"]["checkpoint_every"] == 8
+    start_manifest(tmp_path, old, {}, kind="run")
+    resumed = start_manifest(tmp_path, read_spec(tmp_path), None, kind="resume")
+    assert resumed["spec_hash"] == spec_hash(old) and len(resumed["runs"]) == 2

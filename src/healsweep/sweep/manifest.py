@@ -111,9 +111,7 @@ def read_spec(sweep_dir: str | Path) -> SweepSpec:
     path = Path(sweep_dir) / SPEC_FILE
     read_manifest(sweep_dir)  # a clear error when this is not a sweep folder
     try:
-        stored = json.loads(path.read_text(encoding="utf-8"))
-        stored.get("scoring", {}).pop("checkpoint_every", None)  # stored before trials dropped Tune checkpoints
-        return SweepSpec.model_validate(stored)
+        return SweepSpec.model_validate_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ResultsError(f"{path} is missing; the sweep folder is incomplete") from None
     except ValueError as exc:

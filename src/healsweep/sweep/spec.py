@@ -78,6 +78,10 @@ class ScoringSpec(_Strict):
     """an integer >= 1, or null for no cap"""
     max_windows: int | None = Field(default=None, ge=1)
     """an integer >= 1, or null for every dev window"""
+    checkpoint_every: int = 8
+    """ignored: trials keep no checkpoint since the Parquet rows are the one record of what is
+    finished; kept so that specs and sweep folders written before still load (and hash) as they
+    did"""
     batch: int = Field(default=4, ge=1, le=256)
     """an integer in [1, 256] (windows per student forward)"""
     teacher_cache: Literal["compact", "exact"] = "compact"
