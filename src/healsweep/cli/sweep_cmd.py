@@ -121,9 +121,8 @@ def status(sweep_dir: Path = _SWEEP_DIR) -> None:
         kld = "" if row["kld_mean"] is None else f", pooled KLD {row['kld_mean']:.5f}"
         typer.echo(f"{row['role']} {label}: {row['status']}{kld}")
     typer.echo(f"windows recorded: {info['windows_recorded']}")
-    if info["best"]:
-        rel = info["best_vs_baseline"]
+    progress = info["progress"]
+    if progress.best_trial:
+        rel = progress.best_kld / progress.baseline_kld - 1 if progress.baseline_kld else math.nan
         vs = "" if math.isnan(rel) else f", {rel:+.2%} vs baseline"
-        typer.echo(
-            f"best: trial {info['best']['trial_id']} pooled KLD {info['best']['kld_mean']:.5f}{vs}"
-        )
+        typer.echo(f"best: trial {progress.best_trial} pooled KLD {progress.best_kld:.5f}{vs}")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import fcntl
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from healsweep.results.schema import row_role
 from healsweep.results.store import LOCK_FILE, read_manifest, read_trials, read_windows
+from healsweep.sweep.progress import Progress
 
 
 def driver_running(sweep_dir: Path) -> str | None:
@@ -32,36 +32,25 @@ def driver_running(sweep_dir: Path) -> str | None:
 
 
 def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
-    """Counts of trials by status, windows recorded, the best completed config and the baseline;
-    reference and external rows are listed apart (``fixed``: label -> status, pooled KLD)."""
+    """Counts of trials by status, windows recorded, and the :class:`Progress` of the trials
+    (best completed config, baseline); reference and external rows are listed apart
+    (``fixed``: label -> role, status, pooled KLD)."""
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
     rows = read_trials(sweep_dir).to_pylist()
-    trials = [t for t in rows if row_role(t) in ("trial", "baseline")]
     fixed = {
         t["label"]: {"role": row_role(t), "status": t["status"], "kld_mean": t["kld_mean"]}
         for t in rows
         if row_role(t) in ("reference", "external")
     }
-    done = [t for t in trials if t["status"] == "completed" and t["kld_mean"] is not None]
-    best = min(done, key=lambda t: t["kld_mean"], default=None)
-    baseline = next((t for t in trials if t["is_baseline"] and t["kld_mean"] is not None), None)
     return {
         "sweep": manifest.get("sweep", sweep_dir.name),
         "folder": str(sweep_dir),
         "planned_trials": manifest.get("planned_trials"),
         "runs": len(manifest.get("runs", [])),
         "driver": driver_running(sweep_dir),
-        "trials": dict(Counter(t["status"] for t in trials)),
+        "trials": dict(Counter(t["status"] for t in rows if row_role(t) in ("trial", "baseline"))),
         "fixed": fixed,
         "windows_recorded": read_windows(sweep_dir).num_rows,
-        "best": None
-        if best is None
-        else {k: best[k] for k in ("trial_id", "config_hash", "kld_mean")},
-        "baseline_kld": None if baseline is None else baseline["kld_mean"],
-        "best_vs_baseline": (
-            best["kld_mean"] / baseline["kld_mean"] - 1
-            if best is not None and baseline is not None and baseline["kld_mean"]
-            else math.nan
-        ),
+        "progress": Progress.of(rows, manifest.get("planned_trials") or 0, 0, 0.0),
     }
