@@ -115,12 +115,12 @@ class WindowPruningScheduler(FIFOScheduler):
         self._study: Any = None
         self._live: dict[str, Any] = {}  # tune trial id -> its running optuna.trial.Trial
         self._steps: dict[str, dict[int, float]] = {}  # tune trial id -> its reports by step
-        self._done: dict[str, str] = {}  # tune trial id -> the state it was told
+        self._done: set[str] = set()  # tune trial ids told their end (pruned: also in .pruned)
         self.pruned: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_study=None, _live={}, _steps={}, _done={})  # reopened from the journal
+        state.update(_study=None, _live={}, _steps={}, _done=set())  # reopened from the journal
         return state
 
     # The study -----------------------------------------------------------------------------
@@ -163,7 +163,7 @@ class WindowPruningScheduler(FIFOScheduler):
             }
             for tune_id, frozen in latest.items():
                 if frozen.state.name != "RUNNING":
-                    self._done[tune_id] = frozen.state.name
+                    self._done.add(tune_id)
                     if frozen.state.name == "PRUNED":
                         self.pruned.add(tune_id)
                     continue
@@ -199,7 +199,7 @@ class WindowPruningScheduler(FIFOScheduler):
 
     def _tell(self, trial: Any, value: float | None = None, state: str | None = None) -> None:
         self.study.tell(self._live.pop(trial.trial_id), value, state=state and TrialState[state])
-        self._done[trial.trial_id] = state or "COMPLETE"
+        self._done.add(trial.trial_id)
         if state == "PRUNED":
             self.pruned.add(trial.trial_id)
 
