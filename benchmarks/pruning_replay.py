@@ -24,6 +24,7 @@ from ray.tune.schedulers import TrialScheduler
 from healsweep.results.schema import row_role
 from healsweep.results.store import read_trials, read_windows
 from healsweep.sweep.pruning import WindowPruningScheduler
+from healsweep.sweep.spec import PrunerSpec
 
 
 @dataclass
@@ -45,7 +46,10 @@ def replay(
     total = max(t["windows_total"] for t in trials)
     scored, pruned = 0, []
     with tempfile.TemporaryDirectory() as tmp:
-        sched = WindowPruningScheduler(Path(tmp) / "journal", "wilcoxon", p, startup, futility)
+        pruner = PrunerSpec(
+            type="wilcoxon", p_threshold=p, n_startup_steps=startup, futility=futility or False
+        )
+        sched = WindowPruningScheduler(Path(tmp) / "journal", pruner)
         for start in range(0, len(trials), concurrency):
             group = trials[start : start + concurrency]
             orders = {

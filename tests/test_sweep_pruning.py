@@ -14,6 +14,7 @@ from ray.tune.schedulers import TrialScheduler
 from scipy import stats
 
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, futile, repair_journal
+from healsweep.sweep.spec import PrunerSpec
 
 
 @dataclass
@@ -45,6 +46,14 @@ def _result(index: int, kld: float, done: int, baseline: bool = False) -> dict:
     }
 
 
+def _scheduler_of(tmp_path, kind, p_threshold, n_startup_steps, futility=False):
+    """A scheduler with a journal in ``tmp_path`` (futility off unless given)."""
+    pruner = PrunerSpec(
+        type=kind, p_threshold=p_threshold, n_startup_steps=n_startup_steps, futility=futility
+    )
+    return WindowPruningScheduler(tmp_path / JOURNAL_FILE, pruner)
+
+
 def _run_complete(sched, trial, values, baseline=False):
     for done, (index, value) in enumerate(values, start=1):
         decision = sched.on_trial_result(None, trial, _result(index, value, done, baseline))
@@ -54,7 +63,7 @@ def _run_complete(sched, trial, values, baseline=False):
 
 
 def test_worse_trial_is_pruned_exactly_when_scipy_says_so(tmp_path):
-    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "wilcoxon", 0.05, n_startup_steps=5)
+    sched = _scheduler_of(tmp_path, "wilcoxon", 0.05, 5)
     base = _TuneTrial("base")
     _run_complete(sched, base, list(enumerate(WINDOW_DIFFICULTY)), baseline=True)
 
@@ -92,7 +101,7 @@ def test_worse_trial_is_pruned_exactly_when_scipy_says_so(tmp_path):
 
 def test_baseline_is_never_pruned_and_last_window_never_pruned(tmp_path):
     futility = {"confidence": 0.9, "min_windows": 2}
-    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "wilcoxon", 0.5, 2, futility)
+    sched = _scheduler_of(tmp_path, "wilcoxon", 0.5, 2, futility)
     _run_complete(sched, _TuneTrial("best"), list(enumerate(WINDOW_DIFFICULTY * 0.5)))
     base = _TuneTrial("base")
     for done, index in enumerate(range(N_WINDOWS), start=1):
@@ -105,7 +114,7 @@ def test_baseline_is_never_pruned_and_last_window_never_pruned(tmp_path):
 
 def test_journal_keeps_the_history_across_a_restored_scheduler(tmp_path):
     journal = tmp_path / JOURNAL_FILE
-    sched = WindowPruningScheduler(journal, "wilcoxon", 0.05, n_startup_steps=3)
+    sched = _scheduler_of(tmp_path, "wilcoxon", 0.05, 3)
     _run_complete(sched, _TuneTrial("base"), list(enumerate(WINDOW_DIFFICULTY)), baseline=True)
     running = _TuneTrial("running")
     for done, index in enumerate(range(3), start=1):
@@ -145,7 +154,7 @@ def test_journal_keeps_the_history_across_a_restored_scheduler(tmp_path):
 
 
 def test_median_pruner_uses_running_mean(tmp_path):
-    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "median", 0.1, n_startup_steps=3)
+    sched = _scheduler_of(tmp_path, "median", 0.1, 3)
     _run_complete(sched, _TuneTrial("a"), list(enumerate(WINDOW_DIFFICULTY)))
     bad = _TuneTrial("bad")
     decisions = [
@@ -184,7 +193,7 @@ def _race(sched, name, candidate, order):
 
 
 def test_futility_stops_a_slightly_worse_trial_before_it_is_significantly_worse(tmp_path):
-    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "wilcoxon", 0.1, 4, FUTILITY)
+    sched = _scheduler_of(tmp_path, "wilcoxon", 0.1, 4, FUTILITY)
     _run_complete(sched, _TuneTrial("base"), list(enumerate(WINDOW_DIFFICULTY)), baseline=True)
     rng = np.random.default_rng(11)
     order = rng.permutation(N_WINDOWS)
@@ -206,7 +215,7 @@ def test_futility_stops_a_slightly_worse_trial_before_it_is_significantly_worse(
 
 
 def test_futility_never_stops_a_trial_that_can_still_reach_the_needed_improvement(tmp_path):
-    sched = WindowPruningScheduler(tmp_path / JOURNAL_FILE, "wilcoxon", 0.1, 4, FUTILITY)
+    sched = _scheduler_of(tmp_path, "wilcoxon", 0.1, 4, FUTILITY)
     _run_complete(sched, _TuneTrial("base"), list(enumerate(WINDOW_DIFFICULTY)), baseline=True)
     rng = np.random.default_rng(12)
     order = rng.permutation(N_WINDOWS)

@@ -165,13 +165,8 @@ def prior_windows(sweep_dir: Path) -> dict[str, dict[str, WindowRecord]]:
 
 
 def _trainable(spec: SweepSpec, prior: dict, work_fn: WorkFn) -> Any:
-    import ray
     from ray import tune
 
-    # Serialize the work function before Tune registers it: an unpicklable one (a ledger grant
-    # inside, say) must fail here, not linger in Tune's process-wide parameter registry and
-    # break every later ray.init in this process.
-    ray.cloudpickle.dumps(work_fn)
     trainable = tune.with_parameters(sweep_trial, spec=spec, book=open_book(prior), work_fn=work_fn)
     return tune.with_resources(trainable, spec.trial_resources())
 
@@ -202,13 +197,7 @@ def _scheduler(spec: SweepSpec, sweep_dir: Path) -> Any:
 
     if spec.pruner.type == "none":
         return FIFOScheduler()
-    return WindowPruningScheduler(
-        sweep_dir / JOURNAL_FILE,
-        spec.pruner.type,
-        spec.pruner.p_threshold,
-        spec.pruner.n_startup_steps,
-        spec.pruner.futility and spec.pruner.futility.model_dump(),
-    )
+    return WindowPruningScheduler(sweep_dir / JOURNAL_FILE, spec.pruner)
 
 
 def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -> Any:
@@ -328,10 +317,15 @@ def _run(
     """Score the fixed rows not completed yet, then run the Tune experiment: a new one, or the
     saved one restored (a resumed sweep killed before Tune saved any state starts over,
     replaying what the Parquet rows hold)."""
+    import ray
     from ray import tune
 
     from healsweep.sweep.progress import register_sink
 
+    # An unpicklable work function (a ledger grant inside, say) fails here with its own error,
+    # not as a Ray serialization error of a task, nor lingering in Tune's process-wide parameter
+    # registry to break every later ray.init in this process.
+    ray.cloudpickle.dumps(work_fn)
     prior = prior_windows(sweep_dir)
     run_fixed(spec, sweep_dir, work_fn)  # references, externals: before the trials
     register_sink(sweep_dir, on_progress)

@@ -137,9 +137,6 @@ def run_fixed(
             pending.append(fixed)
     if not pending:
         return []
-    # An unpicklable work function (a ledger grant inside, say) fails here with its own error,
-    # as the trainable's check would, not as a Ray serialization error of the first task.
-    ray.cloudpickle.dumps(work_fn)
     task = ray.remote(_score_fixed).options(**_task_options(spec))
     started = time.time()
     waiting = list(pending)

@@ -32,6 +32,7 @@ import numpy as np
 from optuna.trial import TrialState
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
+from healsweep.sweep.spec import PrunerSpec
 from healsweep.sweep.trial import TARGET_METRIC
 
 STUDY_NAME = "healsweep-pruning"
@@ -93,25 +94,14 @@ def repair_journal(path: str | Path) -> None:
 class WindowPruningScheduler(FIFOScheduler):
     """A FIFO scheduler that stops trials an Optuna pruner judges worse than the best trial."""
 
-    def __init__(
-        self,
-        journal_path: str | Path,
-        kind: str,
-        p_threshold: float,
-        n_startup_steps: int,
-        futility: Mapping[str, Any] | None = None,
-    ):
-        """``futility``: ``{confidence, min_windows}`` for :func:`futile` (wilcoxon only)."""
+    def __init__(self, journal_path: str | Path, pruner: PrunerSpec):
+        """``pruner``: the spec's, of type ``wilcoxon`` or ``median``."""
         super().__init__()
-        if kind not in ("wilcoxon", "median"):
-            raise ValueError(
-                f"WindowPruningScheduler: kind must be wilcoxon or median, got {kind!r}"
-            )
         self.journal_path = str(journal_path)
-        self.kind = kind
-        self.p_threshold = p_threshold
-        self.n_startup_steps = n_startup_steps
-        self.futility = dict(futility) if futility and kind == "wilcoxon" else None
+        self.kind = pruner.type
+        self.p_threshold = pruner.p_threshold
+        self.n_startup_steps = pruner.n_startup_steps
+        self.futility = pruner.futility and pruner.futility.model_dump()
         self._study: Any = None
         self._live: dict[str, Any] = {}  # tune trial id -> its running optuna.trial.Trial
         self._steps: dict[str, dict[int, float]] = {}  # tune trial id -> its reports by step
@@ -257,7 +247,3 @@ class WindowPruningScheduler(FIFOScheduler):
         self.study  # noqa: B018 - opens the journal (see on_trial_complete)
         if trial.trial_id in self._live and not trial.should_recover():
             self._tell(trial, state="FAIL")
-
-    def debug_string(self) -> str:
-        """One line for Tune's status output."""
-        return f"WindowPruningScheduler({self.kind}): {len(self.pruned)} pruned"
