@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from healsweep.errors import ResultsError
-from healsweep.results.schema import KNOB_PREFIX
-from healsweep.results.store import MANIFEST_FILE, TRIALS_FILE
+from healsweep.results.store import MANIFEST_FILE
 from healsweep.sweep.manifest import read_spec, spec_hash, start_manifest
 from healsweep.sweep.space import KNOB_NAMES
 from healsweep.sweep.spec import load_spec, spec_from_dict
@@ -41,22 +38,17 @@ def test_a_resume_with_other_knobs_is_refused_and_changes_nothing(spec, tmp_path
     assert (tmp_path / MANIFEST_FILE).read_text() == before
 
 
-def test_an_older_sweep_is_checked_by_the_knob_columns_of_its_trials(spec, tmp_path):
-    """Manifests written before they recorded their knobs: trials.parquet says which it had."""
+def test_a_manifest_without_its_knob_list_is_refused(spec, tmp_path):
+    """Only development builds before 0.1.0's wrote manifests without the knob list: their
+    configs' identities cannot be checked, so resuming them is refused, changing nothing."""
     start_manifest(tmp_path, spec, {}, kind="run")
     manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
     del manifest["knobs"]
     (tmp_path / MANIFEST_FILE).write_text(json.dumps(manifest))
-    old = [k for k in sorted(KNOB_NAMES) if k not in ("quantizer", "gptq_damp")]
-    columns = {"trial_id": pa.array(["t0"]), **{KNOB_PREFIX + k: pa.array([None]) for k in old}}
-    pq.write_table(pa.table(columns), tmp_path / TRIALS_FILE)
-    with pytest.raises(ResultsError, match=r"new knobs \['gptq_damp', 'quantizer'\]"):
+    before = (tmp_path / MANIFEST_FILE).read_text()
+    with pytest.raises(ResultsError, match=r"other knobs \(new knobs \['alpha'.*start a new"):
         start_manifest(tmp_path, spec, None, kind="resume")
-    columns.update({KNOB_PREFIX + k: pa.array([None]) for k in ("quantizer", "gptq_damp")})
-    pq.write_table(pa.table(columns), tmp_path / TRIALS_FILE)
-    assert start_manifest(tmp_path, spec, None, kind="resume")["runs"][-1]["kind"] == "resume"
-
-
+    assert (tmp_path / MANIFEST_FILE).read_text() == before
 
 
 def test_the_retired_checkpoint_interval_still_loads_and_hashes_as_before(tmp_path):

@@ -42,19 +42,11 @@ def _versions() -> dict[str, str]:
 def _check_same_knobs(sweep_dir: Path, manifest: dict[str, Any]) -> None:
     """ResultsError unless the sweep was started with this healsweep's knobs: with another set,
     every config's identity (its hash over all knobs) changes, and a resume would score the
-    remaining trials as new configs beside the old ones. Sweeps from before the manifest
-    recorded its knobs are checked against the knob columns of their trials.parquet."""
-    import pyarrow.parquet as pq
-
-    from healsweep.results.schema import KNOB_PREFIX
-    from healsweep.results.store import TRIALS_FILE
-
-    recorded = manifest.get("knobs")
-    if recorded is None and (sweep_dir / TRIALS_FILE).exists():
-        names = pq.read_schema(sweep_dir / TRIALS_FILE).names
-        recorded = sorted(n[len(KNOB_PREFIX) :] for n in names if n.startswith(KNOB_PREFIX))
+    remaining trials as new configs beside the old ones. (A manifest without its knob list is
+    from a development build before 0.1.0's: refused as well.)"""
+    recorded = manifest.get("knobs") or []
     current = sorted(KNOB_NAMES)
-    if recorded is None or sorted(recorded) == current:
+    if sorted(recorded) == current:
         return
     changes = (
         ("new knobs", set(current) - set(recorded)),
