@@ -82,6 +82,8 @@ def _folder(tmp_path):
                 "trial_id": name,
                 "config_hash": chash,
                 "is_baseline": name == "base",
+                "role": "baseline" if name == "base" else "trial",
+                "routed_bpw": 2.25,
                 **knob_columns(knobs.model_dump()),
                 "status": status,
                 "windows_scored": scored,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from healsweep.errors import ResultsError
-from healsweep.results.schema import Q2_0_BPW, REFERENCES, knobs_of, row_role
+from healsweep.results.schema import REFERENCES, knobs_of, row_role
 from healsweep.results.store import read_manifest, read_trials, read_windows
 from healsweep.score.expert_cache import pooled_cache
 from healsweep.score.record import WindowRecord
@@ -78,8 +78,7 @@ def _configs(rows: list[dict[str, Any]], trials: list[dict[str, Any]]) -> dict[s
             ConfigResult(
                 chash, knobs_of(trial), role == "baseline", trial["status"], [], {},
                 role=role, label=trial.get("label"),
-                # rows from before the column: a trial's routed experts are always Q2_0
-                routed_bpw=trial.get("routed_bpw") or (None if role == "external" else Q2_0_BPW),
+                routed_bpw=trial.get("routed_bpw"),  # None in rows from before the column
             ),
         )  # fmt: skip
         config.trial_ids.append(trial["trial_id"])
