@@ -34,7 +34,8 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"
 class WindowBook:
     """``{config_hash: {window_id: WindowRecord}}`` of one sweep run: trials add each window
     they finish and ask for their config's when they start, so a trial retried (on this
-    machine or another) scores no window twice. It dies with the driver; a resumed sweep fills a new one from the Parquet rows."""
+    machine or another) scores no window twice. It dies with the driver; a resumed sweep
+    fills a new one from the Parquet rows."""
 
     def __init__(self, prior: Mapping[str, Mapping[str, WindowRecord]]) -> None:
         self._done = {chash: dict(windows) for chash, windows in prior.items()}
