@@ -8,12 +8,24 @@ from pathlib import Path
 import healsweep
 
 # Bottom to top. A module's layer is its subpackage (or top-level module) under healsweep.
-ORDER = ("base", "kernels", "gguf_io", "model", "data", "heal", "results", "sweep", "confirm", "cli")
+ORDER = (
+    "base",
+    "kernels",
+    "gguf_io",
+    "model",
+    "data",
+    "heal",
+    "results",
+    "sweep",
+    "confirm",
+    "cli",
+)
 LAYER_OF = {
     "": "base",  # the package root: its version and the error base class
     "errors": "base",
     "_atomic": "base",
     "_lru": "base",
+    "_code": "base",
     "cache": "base",
     "bundled": "base",
     "ledger": "data",
