@@ -4,8 +4,9 @@ Every type in ``IN_GRAPH_TYPES`` but Q2_0 is compared with gguf-py on random blo
 replaced by finite fp16 values of many magnitudes) and on adversarial blocks (all-zero and all-0xFF
 codes, fp16 fields at ±65504, ±smallest subnormal, ±0, ±1, ±inf and NaNs, every 6-bit pattern of
 the K-quants' packed scales). Q2_0, which gguf-py cannot read, is compared with a float64 numpy
-decoder written here from the block spec, and with the project's own Q2_0 codec. The layout
-tables below are ggml's block structs, written down independently of the module under test.
+decoder written from the block spec (``healsweep.conformance.references``, which doctor uses
+too), and with the project's own Q2_0 codec. The layout tables below are ggml's block structs,
+written down independently of the module under test.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
+from healsweep.conformance.references import q2_0_from_bytes as q2_0_reference
 from healsweep.errors import GGUFFormatError
 from healsweep.kernels import _decode_legacy as lg
 from healsweep.kernels.ggml_decode import (
@@ -230,19 +232,6 @@ def as_rows(blocks: np.ndarray, qtype: int, per_row: int = 2) -> tuple[np.ndarra
 def reference(rows: np.ndarray, qtype: int) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         return np.asarray(dequantize(rows, T(qtype)), np.float32)
-
-
-def q2_0_reference(rows: np.ndarray) -> np.ndarray:
-    """Q2_0 from the spec in float64: fp16 ``d`` (LE), 16 code bytes, weight ``j`` at bits
-    ``2*(j%4)`` of byte ``j//4``, value ``(code - 1) * d``."""
-    blocks = rows.reshape(-1, 18)
-    d = blocks[:, :2].copy().view("<f2")[:, 0].astype(np.float64)
-    codes = np.zeros((len(blocks), 64), np.int64)
-    for j in range(64):
-        codes[:, j] = (blocks[:, 2 + j // 4].astype(np.int64) >> (2 * (j % 4))) & 3
-    with np.errstate(invalid="ignore"):
-        values = (codes - 1).astype(np.float64) * d[:, None]
-    return values.reshape(rows.shape[0], -1)
 
 
 def test_type_ids_and_geometry():

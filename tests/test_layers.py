@@ -31,6 +31,7 @@ LAYER_OF = {
     "ledger": "data",
     "score": "heal",
     "cluster": "sweep",
+    "conformance": "model",  # checks the forward, so it sits with it; only the CLI imports it
     "deliver": "confirm",
     "__main__": "cli",
     "demo": "demo",  # the demo builder: outside the runtime, imported by the CLI alone

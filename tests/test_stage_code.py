@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import json
 import os
@@ -34,6 +35,7 @@ CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 PACKAGE = Path(healsweep.__file__).parent
 
 
+@functools.cache
 def _module_of(filename: str) -> str | None:
     path = Path(filename)
     if not path.is_relative_to(PACKAGE) or path.suffix != ".py":
