@@ -243,7 +243,10 @@ def _doctor_in_process(monkeypatch, names: tuple[str, ...], extra=()) -> object:
     monkeypatch.setattr(conformance, "all_cases", lambda: [*cases, *extra])
     jax.clear_caches()  # a fresh doctor traces the kernels as they are now
     _register()
-    return CliRunner().invoke(app, ["doctor", "--no-ray"])
+    done = CliRunner().invoke(app, ["doctor", "--no-ray"])
+    monkeypatch.undo()  # the planted kernels go, and so do the programs traced from them
+    jax.clear_caches()
+    return done
 
 
 def test_doctor_exits_1_with_one_line_naming_a_kernel_that_fails_to_lower(monkeypatch):

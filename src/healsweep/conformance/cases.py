@@ -64,18 +64,16 @@ def _q2_blocks(w, importance):
 
 
 def _q2_reference(w, importance):
-    return None  # judged by _q2_check, which runs the float64 search itself
+    """The float64 search of the blocks, with its near-tie margins."""
+    return ref.q2_0_search(*_q2_blocks(w, importance), GAIN)
 
 
 def _q2_check(got, want, inputs):
     """Every block with the float64 search's codes and fp16 scale, but where a near-tie explains
     the difference, and such blocks rare."""
     d, q = (np.asarray(leaf) for leaf in got)
-    blocks, importance = _q2_blocks(*inputs)
-    codes, scales, unexplained = ref.compare_q2_0(
-        d.reshape(-1), q.reshape(-1, q2_0.QK), blocks, importance, GAIN
-    )
-    n = len(blocks)
+    codes, scales, unexplained = ref.q2_0_disagreements(d.reshape(-1), q.reshape(-1, q2_0.QK), want)
+    n = len(want[0])
     err = (codes + scales) / n
     if unexplained:
         return err, f"{unexplained} of {n} blocks differ from the float64 search, no near-tie"
@@ -131,6 +129,12 @@ def _iq4_weighted(rng):
     return _iq4_blocks(rng)[0], np.abs(_f32(rng, 64, 32)) + 0.1
 
 
+def _iq4_reference(w, importance=None):
+    """The smallest weighted SSE over the documented candidates, per block."""
+    a = np.ones_like(w) if importance is None else importance
+    return ref.iq4_best_sse(w, a, iq4_nl.MULTIPLIERS)[0]
+
+
 def _iq4_check(got, want, inputs):
     """The weighted SSE of the result equals the best documented candidate's (and so never
     exceeds round-to-nearest's); indices in range."""
@@ -139,9 +143,8 @@ def _iq4_check(got, want, inputs):
     a = inputs[1] if len(inputs) > 1 else np.ones_like(w)
     if idx.min() < 0 or idx.max() > 15:
         return np.inf, "indices outside the codebook"
-    best, _ = ref.iq4_best_sse(w, a, iq4_nl.MULTIPLIERS)
     sse = (a * (w.astype(np.float64) - ref.iq4_values(d, idx)) ** 2).sum(1)
-    err = float(np.max((sse - best) / np.maximum(best, 1e-300)))
+    err = float(np.max((sse - want) / np.maximum(want, 1e-300)))
     if err <= 1e-4:
         return err, None
     return err, f"SSE {err:.2e} above the best documented candidate"
@@ -296,7 +299,7 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         device_rtol=None,
         driver=True,
         path=_q2_path,
-    ),  # fmt: skip
+    ),
     _q2_case(
         "q2_0.quantize_rows_grouped",  # one importance row per expert, as quantize_matrix
         _q2_production,
@@ -304,7 +307,7 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         device_rtol=None,
         driver=True,
         path=_q2_path,
-    ),  # fmt: skip
+    ),
     KernelCase(
         "q2_0_plain.quantize",
         q2_0_plain.quantize,
@@ -375,18 +378,18 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         "iq4_nl.quantize",
         iq4_nl.quantize,
         _iq4_blocks,
-        lambda w: None,
+        _iq4_reference,
         check=_iq4_check,
         device_rtol=0.0,
-    ),  # fmt: skip
+    ),
     KernelCase(
         "iq4_nl.quantize_weighted",
         iq4_nl.quantize,
         _iq4_weighted,
-        lambda w, a: None,
+        _iq4_reference,
         check=_iq4_check,
         device_rtol=0.0,
-    ),  # fmt: skip
+    ),
     KernelCase(
         "iq4_nl.dequantize",
         iq4_nl.dequantize,
@@ -394,7 +397,7 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         ref.iq4_values,
         rtol=0.0,
         device_rtol=0.0,
-    ),  # fmt: skip
+    ),
     KernelCase("iq4_nl.pack", iq4_nl.pack, _iq4_codes, ref.iq4_block_bytes, device_rtol=0.0),
     KernelCase("iq4_nl.unpack", iq4_nl.unpack, _iq4_packed, _iq4_unpacked, device_rtol=0.0),
     KernelCase(

@@ -91,7 +91,12 @@ def compare_q2_0(d: np.ndarray, q: np.ndarray, w: np.ndarray, a: np.ndarray, gai
     with the same codes whose fp16 scale differs, and how many of either no near-tie explains
     (a right kernel has none, and few of the others).
     """
-    d64, q_ref, margin, gap = q2_0_search(w, a, gain)
+    return q2_0_disagreements(d, q, q2_0_search(w, a, gain))
+
+
+def q2_0_disagreements(d: np.ndarray, q: np.ndarray, found: tuple) -> tuple[int, int, int]:
+    """:func:`compare_q2_0` given the search's result ``found`` (its four arrays)."""
+    d64, q_ref, margin, gap = found
     codes_differ = (np.asarray(q) != q_ref).any(axis=1)
     explained = (margin < ROUND_TIE) | (gap < SCORE_TIE)
     d_differ = ~codes_differ & (np.asarray(d, np.float16) != d64.astype(np.float16))

@@ -38,10 +38,10 @@ from healsweep.score.compact import (
 STAGE = "teacher_logits"
 VERSION = 1  # exact entries' format (code changes are in the key's code digest)
 COMPACT_VERSION = 1
-# Teacher outputs are computed by functions of this module, which also read the windows'
-# properties: the closure of their imports (the forward, the kernels, the compact record, the
-# window) is the code a key covers.
-CODE_ROOTS = ("healsweep.score.teacher_cache", "healsweep.data.windows")
+# Teacher outputs are computed by functions of this module, from the window's fields alone (no
+# method of the window's class runs): the closure of its imports (the forward, the kernels, the
+# compact record) is the code a key covers.
+CODE_ROOTS = ("healsweep.score.teacher_cache",)
 
 
 class TeacherOutput(NamedTuple):
@@ -97,7 +97,10 @@ def _entry(
     """The arrays stored for one window in ``fmt``."""
     if fmt.kind == "exact":
         return {"logprobs": out.logprobs, "topk_ids": out.topk_ids}
-    record = compact_record(out.logprobs, window.scored_tokens, out.topk_ids, window.window_id, fmt)
+    # the scored tokens from the fields the key holds (not Window.scored_tokens: its module is
+    # no part of this stage's code digest)
+    scored = window.tokens[window.scored_from : window.scored_from + window.n_scored]
+    record = compact_record(out.logprobs, scored, out.topk_ids, window.window_id, fmt)
     arrays = record._asdict()
     arrays["topk_ids"] = record.topk_ids.astype(router_dtype(model.hparams.n_expert))
     return arrays
