@@ -306,3 +306,48 @@ def test_random_adversarial_and_grid_blocks_decode_as_ggml(qtype):
         parts.append(grid_sweep_blocks(name, rng)[0])
     rows = as_rows(np.concatenate(parts), per_row=1)
     assert_bit_exact(decode_jit(rows, qtype, 256), dequantize_rows(rows, qtype, 256))
+
+
+@pytest.mark.slow
+def test_forward_decodes_every_new_type_in_the_graph(random_gguf, tmp_path, monkeypatch, caplog):
+    """A model whose routed experts use the nine types (three layers x gate/up/down), written
+    from ggml's quantizer: the forward decodes them in the graph (no host notice) and its logits
+    are those of the same forward fed gguf-py's host-dequantized float32 experts."""
+    import importlib
+    import logging
+
+    from healsweep.gguf_io import open_model
+    from healsweep.heal.export import write_replacing
+    from healsweep.heal.llama_baseline import quantize_expert_stack
+    from healsweep.model import forward
+
+    forward_module = importlib.import_module("healsweep.model.forward")
+    teacher = open_model(random_gguf("qwen2moe", n_layer=3, n_embd=256, n_head=4, n_head_kv=2,
+                                     n_expert=4, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256,
+                                     seed=29))  # fmt: skip
+    suffixes = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+    slots = [f"blk.{i}.{s}" for i in range(3) for s in suffixes]
+    qtypes = dict(zip(slots, TYPES, strict=True))
+    plan = {
+        name: (T(q), (4, 256, GGML_QUANT_SIZES[T(q)][1]), np.dtype(np.uint8))
+        for name, q in qtypes.items()
+    }
+    rng = np.random.default_rng(0)
+
+    def produce(name):
+        importance = rng.gamma(1.0, 1.0, (4, 256)).astype(np.float32)  # one row per expert
+        return quantize_expert_stack(teacher.tensor(name), qtypes[name], importance)
+
+    student = open_model(write_replacing(teacher, tmp_path / "s.gguf", plan, produce, {}))
+    assert {int(student.tensor_type(n)) for n in slots} == set(TYPES)
+    seqs = [rng.integers(0, student.hparams.n_vocab, 40).astype(np.int32)]
+    with caplog.at_level(logging.WARNING, logger="healsweep.model.forward"):
+        in_graph = forward(student, seqs).logits[0]
+    assert not [r for r in caplog.records if "dequantized on the host" in r.getMessage()]
+    monkeypatch.setattr(forward_module, "IN_GRAPH_TYPES", IN_GRAPH_TYPES - set(TYPES))
+    monkeypatch.setattr(forward_module, "_HOST_DECODED", set())
+    with caplog.at_level(logging.WARNING, logger="healsweep.model.forward"):
+        on_host = forward(student, seqs).logits[0]
+    assert [r for r in caplog.records if "dequantized on the host" in r.getMessage()]
+    assert np.abs(on_host).max() > 1.0
+    np.testing.assert_allclose(in_graph, on_host, rtol=0, atol=1e-5 * np.abs(on_host).max())
