@@ -321,9 +321,26 @@ def test_decoder_cases_follow_in_graph_types(monkeypatch):
     names = [case.name for case in decoder_cases()]
     assert names == [f"ggml_decode.{type_name(t)}" for t in sorted(ggml_decode.IN_GRAPH_TYPES)]
     assert "ggml_decode.Q2_0" in names and "ggml_decode.IQ4_XS" in names
-    # a type added to the in-graph set is checked without a change to the suite (here one with
-    # no decoder behind it: it fails to lower, and is named)
-    monkeypatch.setattr(ggml_decode, "IN_GRAPH_TYPES", ggml_decode.IN_GRAPH_TYPES | {10})
-    added = next(case for case in decoder_cases() if case.name == "ggml_decode.Q2_K")
+    # a type added to the in-graph set is checked without a change to the suite (here one that
+    # gguf-py decodes but that has no in-graph decoder behind it: it fails to lower, and is named)
+    from gguf import GGMLQuantizationType
+
+    from healsweep.conformance.decoders import gguf_reference
+
+    def gguf_decodes(qtype: int) -> bool:
+        try:
+            block, size = ggml_decode.block_geometry(qtype)
+            gguf_reference(qtype, np.zeros((1, size * max(1, 256 // block)), np.uint8))
+        except Exception:  # noqa: BLE001 (any failure: not a usable example)
+            return False
+        return True
+
+    spare = next(
+        int(t)
+        for t in GGMLQuantizationType
+        if int(t) not in ggml_decode.IN_GRAPH_TYPES and gguf_decodes(int(t))
+    )
+    monkeypatch.setattr(ggml_decode, "IN_GRAPH_TYPES", ggml_decode.IN_GRAPH_TYPES | {spare})
+    added = next(case for case in decoder_cases() if case.name == f"ggml_decode.{type_name(spare)}")
     result = run_case(added)
     assert not result.ok and result.note == f"fails to lower on {jax.default_backend()}"

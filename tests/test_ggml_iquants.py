@@ -20,9 +20,9 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import IQ2_XXS, dequantize
 
+from healsweep.conformance import backend_violations, iter_eqns
 from healsweep.kernels import _decode_iquants as iq
 from healsweep.kernels import _decode_legacy as lg
-from healsweep.kernels.conformance import backend_violations, iter_eqns
 from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, block_geometry, decode_rows
 from test_ggml_decode import FP16_SPECIAL, assert_bit_exact, finite_fp16, set_u16
 
