@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from healsweep.conformance import references as ref
-from healsweep.conformance.run import KernelCase, within
+from healsweep.conformance.run import KernelCase
 from healsweep.kernels import (
     alpha,
     gptq,
@@ -84,6 +84,12 @@ def _q2_check(got, want, inputs):
 
 def _q2_case(name, fn, inputs, **kwargs) -> KernelCase:
     return KernelCase(name, fn, inputs, _q2_reference, check=_q2_check, **kwargs)
+
+
+def _exact(name, fn, inputs, reference) -> KernelCase:
+    """A case whose result must equal its reference exactly, on every backend (codecs' bytes,
+    codes and the products of small integers with fp16 scales)."""
+    return KernelCase(name, fn, inputs, reference, rtol=0.0, device_rtol=0.0)
 
 
 # --- Q2_0 codec ----------------------------------------------------------------------------------
@@ -308,40 +314,32 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         driver=True,
         path=_q2_path,
     ),
-    KernelCase(
+    _exact(
         "q2_0_plain.quantize",
         q2_0_plain.quantize,
         lambda rng: (_f32(rng, 2, 16, 128),),
         ref.q2_0_plain,
-        rtol=0.0,
-        device_rtol=0.0,
     ),
-    KernelCase(
+    _exact(
         "q2_0.dequantize",
         q2_0.dequantize,
         _q2_block_inputs,
         lambda d, q: q.astype(np.float64) * d.astype(np.float64)[:, None],
-        rtol=0.0,
-        device_rtol=0.0,
     ),
-    KernelCase(
+    _exact(
         "q2_0.Q2Weight.dequantize",
         lambda d, q: q2_0.Q2Weight(d, q).dequantize(),
         _q2_matrix,
         ref.q2_0_values,
-        rtol=0.0,
-        device_rtol=0.0,
     ),
-    KernelCase(
+    _exact(
         "q2_0.Q2Packed.dequantize",  # what every student forward decodes in the graph
         lambda d, codes: q2_0.Q2Packed(d, codes.astype(np.uint8)).dequantize(),
         _q2_packed_matrix,
         lambda d, codes: ref.q2_0_values(d, ref.q2_0_codes_from_bytes(codes)),
-        rtol=0.0,
-        device_rtol=0.0,
     ),
-    KernelCase("q2_0.pack", q2_0.pack, _q2_block_inputs, ref.q2_0_block_bytes, device_rtol=0.0),
-    KernelCase("q2_0.unpack", q2_0.unpack, _q2_packed_bytes, _q2_unpacked, device_rtol=0.0),
+    _exact("q2_0.pack", q2_0.pack, _q2_block_inputs, ref.q2_0_block_bytes),
+    _exact("q2_0.unpack", q2_0.unpack, _q2_packed_bytes, _q2_unpacked),
     KernelCase(
         "gptq.quantize",
         lambda w, u, a: gptq.quantize(w, u, a, np.float32(GAIN)),
@@ -374,32 +372,16 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         rtol=1e-5,
         device_rtol=1e-4,
     ),
-    KernelCase(
-        "iq4_nl.quantize",
-        iq4_nl.quantize,
-        _iq4_blocks,
-        _iq4_reference,
-        check=_iq4_check,
-        device_rtol=0.0,
+    *(
+        KernelCase(name, iq4_nl.quantize, inputs, _iq4_reference, check=_iq4_check, device_rtol=0.0)
+        for name, inputs in (
+            ("iq4_nl.quantize", _iq4_blocks),
+            ("iq4_nl.quantize_weighted", _iq4_weighted),
+        )
     ),
-    KernelCase(
-        "iq4_nl.quantize_weighted",
-        iq4_nl.quantize,
-        _iq4_weighted,
-        _iq4_reference,
-        check=_iq4_check,
-        device_rtol=0.0,
-    ),
-    KernelCase(
-        "iq4_nl.dequantize",
-        iq4_nl.dequantize,
-        _iq4_codes,
-        ref.iq4_values,
-        rtol=0.0,
-        device_rtol=0.0,
-    ),
-    KernelCase("iq4_nl.pack", iq4_nl.pack, _iq4_codes, ref.iq4_block_bytes, device_rtol=0.0),
-    KernelCase("iq4_nl.unpack", iq4_nl.unpack, _iq4_packed, _iq4_unpacked, device_rtol=0.0),
+    _exact("iq4_nl.dequantize", iq4_nl.dequantize, _iq4_codes, ref.iq4_values),
+    _exact("iq4_nl.pack", iq4_nl.pack, _iq4_codes, ref.iq4_block_bytes),
+    _exact("iq4_nl.unpack", iq4_nl.unpack, _iq4_packed, _iq4_unpacked),
     KernelCase(
         "kld.token_stats",
         lambda t, s, n: kld.token_stats(t, s, n, chunk=128),
@@ -501,4 +483,4 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
     ),
 )
 
-__all__ = ["GAIN", "KERNEL_CASES", "within"]
+__all__ = ["GAIN", "KERNEL_CASES"]
