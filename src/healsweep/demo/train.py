@@ -416,7 +416,11 @@ def _read_checkpoint(path: Path, identity: str, template: Any) -> tuple | None:
             loaded = [saved[f"leaf_{i}"] for i in range(len(leaves))]
     except (OSError, ValueError, KeyError, json.JSONDecodeError):
         return None  # unreadable or partial: start over (it is overwritten at the next save)
-    if any(a.shape != np.shape(b) or a.dtype != np.asarray(b).dtype for a, b in zip(loaded, leaves)):
+    mismatched = (
+        a.shape != np.shape(b) or a.dtype != np.asarray(b).dtype
+        for a, b in zip(loaded, leaves, strict=True)
+    )
+    if any(mismatched):
         return None
     state = jax.tree_util.tree_unflatten(tree, [jnp.asarray(a) for a in loaded])
     return meta["step"], state, [TrainLog(*h) for h in meta["history"]]
