@@ -68,6 +68,25 @@ PRESETS: dict[str, Preset] = {
         # dev and test documents those of the shipped demo (and out of its training pool)
         packaged_corpus=True,
     ),
+    # the budget sweep's model that anyone can build (issue 29): rows of 256 and a shared expert
+    # like "medium", sized to train on a 2-core CPU within an hour; ~17 MB, shipped
+    "medium-cpu": Preset(
+        {
+            "n_layer": 4,
+            "n_embd": 256,
+            "n_head": 4,
+            "n_head_kv": 2,
+            "head_dim": 64,
+            "n_expert": 8,
+            "n_expert_used": 2,
+            "n_ff_exp": 256,
+            "n_ff_shexp": 512,
+        },
+        {"steps": 360, "learning_rate": 3e-3, "warmup_steps": 36},
+        "demo-moe-medium-cpu.gguf",
+        "Q8_0",
+        packaged_corpus=True,
+    ),
 }
 
 
@@ -369,7 +388,12 @@ def build_demo(
     corpus = load_corpus(corpus_path)
     cfg = demo_model_config(tokenizer.get_vocab_size(), preset)
     recipe = demo_train_config(seed, steps, preset)
-    result: TrainResult = train(training_stream(corpus, tokenizer), cfg, recipe, progress=progress)
+    # a killed build (a CPU build takes up to an hour) continues from its last checkpoint
+    checkpoint = out / f".{chosen.model_file}.train-checkpoint.npz"
+    result: TrainResult = train(
+        training_stream(corpus, tokenizer), cfg, recipe, progress=progress, checkpoint=checkpoint
+    )
+    checkpoint.unlink(missing_ok=True)
     seconds["training"] = time.perf_counter() - started
     backend = jax.default_backend()
     started = time.perf_counter()
