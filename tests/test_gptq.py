@@ -75,8 +75,8 @@ def _reference_gptq(w, h, gain, damp):
         importance = np.diag(he)[None].astype(np.float32)
         for b in range(n_in // 64):
             cols = slice(64 * b, 64 * b + 64)
-            d16, step = gptq_kernel.block_scale(
-                w[e][None, :, cols].astype(np.float32), importance[:, cols], np.float32(gain)
+            d16, step, _ = gptq_kernel.block_scale(
+                w[e][:, cols].T[None].astype(np.float32), importance[:, cols], np.float32(gain)
             )
             d16, step = np.asarray(d16)[0], np.asarray(step, np.float64)[0]
             d_out[e, :, b] = d16
@@ -103,11 +103,12 @@ def test_matches_a_float64_reference():
     np.testing.assert_allclose(_h_error(w, d, q, h), _h_error(w, d_ref, q_ref, h), rtol=1e-3)
 
 
-def test_second_moments_and_inverse_factor_match_float64():
-    # Each expert's H over its routed rows (and the down projection's, over h), then uᵀu = the
-    # damped H⁻¹ with u upper: against numpy in float64.
+def test_second_moments_and_factor_match_float64():
+    # Each expert's H over its routed rows (and the down projection's, over h), then the factor
+    # H = V·D·Vᵀ (V unit upper) as feedback V − I and the inverses of V's diagonal 64-blocks:
+    # against numpy in float64.
     rng = np.random.default_rng(3)
-    n_tok, dim, ffn, n_exp = 300, 64, 128, 5
+    n_tok, dim, ffn, n_exp = 300, 128, 128, 5
     x = rng.standard_normal((n_tok, dim)).astype(np.float32)
     ids = rng.integers(0, n_exp, (n_tok, 2)).astype(np.int32)
     ids[:, 1] = (ids[:, 0] + 1) % n_exp
@@ -122,22 +123,31 @@ def test_second_moments_and_inverse_factor_match_float64():
         g = rows @ wg[e].T.astype(np.float64)
         hid = g / (1 + np.exp(-g)) * (rows @ wu[e].T.astype(np.float64))
         np.testing.assert_allclose(h_down[i], hid.T @ hid, rtol=1e-4, atol=1e-4)
-    u, ok = gptq.inverse_factor(h, 0.05)
-    assert ok.all() and np.array_equal(u, np.triu(u))
+    p = gptq.prepare(h, 0.05)
+    assert p.ok.all()
+    flip = slice(None, None, -1)
     for i in range(len(experts)):
         hd = h[i].astype(np.float64) + 0.05 * np.trace(h[i].astype(np.float64)) / dim * np.eye(dim)
-        np.testing.assert_allclose(
-            u[i].T.astype(np.float64) @ u[i], np.linalg.inv(hd), rtol=1e-4, atol=1e-7
-        )
+        np.testing.assert_allclose(p.damped[i], hd, rtol=1e-12)
+        r = np.linalg.cholesky(hd[flip, flip])[flip, flip]  # upper, H = R·Rᵀ
+        v = r / np.diag(r)
+        np.testing.assert_allclose(p.feedback[i], v - np.eye(dim), rtol=1e-5, atol=1e-6)
+        assert np.array_equal(p.feedback[i], np.triu(p.feedback[i], 1))
+        for b in range(dim // 64):
+            block = v[64 * b : 64 * b + 64, 64 * b : 64 * b + 64]
+            np.testing.assert_allclose(p.block_inverse[i, b] @ block, np.eye(64), atol=1e-4)
+        np.testing.assert_allclose(p.importance[i], np.diag(hd), rtol=1e-6)
 
 
 def test_unfactorable_second_moment_is_reported_not_trusted():
-    h = np.zeros((2, 64, 64), np.float32)
+    h = np.zeros((3, 64, 64), np.float32)
     h[0] = np.eye(64)
     h[1, 0, 0] = np.nan
-    u, ok = gptq.inverse_factor(h, 0.01)
-    assert ok.tolist() == [True, False]
-    np.testing.assert_array_equal(u[1], np.eye(64))
+    h[2] = -np.eye(64)  # not positive definite however damped
+    p = gptq.prepare(h, 0.01)
+    assert p.ok.tolist() == [True, False, False]
+    np.testing.assert_array_equal(p.feedback[1:], 0.0)
+    np.testing.assert_array_equal(p.block_inverse[1:], np.broadcast_to(np.eye(64), (2, 1, 64, 64)))
 
 
 def test_quantizer_knobs_are_validated_and_keyed_only_when_read():
