@@ -144,12 +144,18 @@ def _iq4_packed(rng):
 
 
 def _gptq_inputs(rng):
-    # u: upper Cholesky factor of the inverse of a well-conditioned SPD matrix (made on the host)
+    # f = V − I and the inverses of V's diagonal 64-blocks for H = V·D·Vᵀ (V unit upper) of a
+    # well-conditioned SPD matrix (made on the host)
     w = _f32(rng, 2, 16, 128)
     x = rng.standard_normal((2, 400, 128)) @ (np.eye(128) + 0.1 * rng.standard_normal((128, 128)))
     h = np.einsum("eti,etj->eij", x, x) + 4.0 * np.eye(128)
-    u = np.linalg.cholesky(np.linalg.inv(h)).transpose(0, 2, 1).astype(np.float32)
-    return w, u, np.einsum("eii->ei", h).astype(np.float32)
+    flip = slice(None, None, -1)
+    r = np.linalg.cholesky(h[:, flip, flip])[:, flip, flip]  # upper, H = R·Rᵀ
+    v = r / np.einsum("eii->ei", r)[:, None, :]
+    blocks = np.stack([v[:, a : a + 64, a : a + 64] for a in (0, 64)], axis=1)
+    f = (v - np.eye(128)).astype(np.float32)
+    g = np.linalg.inv(blocks).astype(np.float32)
+    return w, f, g, np.einsum("eii->ei", h).astype(np.float32)
 
 
 def _refine_inputs(rng):
@@ -185,7 +191,7 @@ CASES: tuple[KernelCase, ...] = (
     ),
     KernelCase(
         "gptq.quantize",
-        lambda w, u, a: gptq.quantize(w, u, a, np.float32(0.3)),
+        lambda w, f, g, a: gptq.quantize(w, f, g, a, np.float32(0.3)),
         _gptq_inputs,
         rtol=0.0,
     ),
