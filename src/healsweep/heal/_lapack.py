@@ -52,8 +52,11 @@ def cholesky_lower(a: np.ndarray) -> int:
     A C array is the transpose of the Fortran array LAPACK sees, so LAPACK's ``U`` (``UᵀU``) is
     this ``Lᵀ``: no transposing copies.
     """
-    if a.dtype != np.float64 or not a.flags.c_contiguous or a.ndim != 2:
-        raise ValueError(f"cholesky_lower: expected a C-contiguous float64 matrix, got {a.dtype}")
+    if a.dtype != np.float64 or not a.flags.c_contiguous or a.ndim != 2 or len(set(a.shape)) > 1:
+        raise ValueError(
+            f"cholesky_lower: expected a square C-contiguous float64 matrix, got {a.dtype} "
+            f"{a.shape}"
+        )
     n, info = ctypes.c_int(a.shape[0]), ctypes.c_int(0)
     _dpotrf()(b"U", ctypes.byref(n), a.ctypes.data, ctypes.byref(n), ctypes.byref(info))
     return info.value
@@ -83,3 +86,12 @@ def one_blas_thread() -> None:
     """Make this thread's BLAS and LAPACK calls single-threaded (an executor's initializer)."""
     for setter in _local_thread_setters():
         setter(1)
+
+
+def threads_for_factoring(limit: int) -> int:
+    """Host threads to factor matrices side by side: up to ``limit``, one core left to the
+    device's driver (and on a CPU backend to XLA); 1 where LAPACK's own threads cannot be
+    limited per thread (each call then spreads over the cores itself)."""
+    if not _local_thread_setters():
+        return 1
+    return max(1, min(limit, (os.cpu_count() or 2) - 1))

@@ -26,7 +26,6 @@ group (one matrix per thread, :mod:`healsweep.heal._lapack`) while the device qu
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import NamedTuple
@@ -35,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from healsweep.heal._lapack import cholesky_lower, one_blas_thread
+from healsweep.heal._lapack import cholesky_lower, one_blas_thread, threads_for_factoring
 from healsweep.kernels import gptq as gptq_kernel
 from healsweep.kernels import gptq_refine as refine_kernel
 from healsweep.kernels._precision import healing_jit
@@ -279,12 +278,6 @@ def _by_routed_rows(ids: np.ndarray, experts: np.ndarray) -> np.ndarray:
     return np.argsort(-counts, kind="stable")
 
 
-def _factor_threads() -> int:
-    """Host threads that factor beside the device: one core is left to the device's driver
-    (and, on a CPU backend, to XLA), at most one thread per expert of a group."""
-    return max(1, min(GROUP, (os.cpu_count() or 2) - 1))
-
-
 def quantize_experts(
     stacks,
     x: np.ndarray,
@@ -323,7 +316,7 @@ def quantize_experts(
         pad = GROUP - len(group) if len(experts) > GROUP else 0
         return np.concatenate([group, np.repeat(group[:1], pad)])
 
-    with ThreadPoolExecutor(_factor_threads(), initializer=one_blas_thread) as pool:
+    with ThreadPoolExecutor(threads_for_factoring(GROUP), initializer=one_blas_thread) as pool:
 
         def factored(moments: jax.Array, group: np.ndarray) -> tuple[list, np.ndarray]:
             h = np.asarray(moments)
