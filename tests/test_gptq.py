@@ -50,6 +50,15 @@ def test_h_weighted_error_never_above_search(seed):
         assert np.all(err_gptq < 0.9 * err_search)  # and clearly below on correlated inputs
 
 
+def _with_float64_reference(w, h, gain=0.3, damp=0.01):
+    """``(d, q, ok)`` of :func:`gptq.quantize_stack` and ``(d, q)`` of the float64 textbook
+    GPTQ (``references.gptq``, through the Cholesky factor of the damped H⁻¹) on ``w``, ``h``."""
+    d, q, ok = gptq.quantize_stack(w, h, gain, damp=damp)
+    hd = gptq.damped(h, damp).astype(np.float64)
+    u = np.linalg.cholesky(np.linalg.inv(hd)).transpose(0, 2, 1)
+    return (d, q, ok), references.gptq(w, u, np.einsum("eii->ei", hd), gain)
+
+
 def test_matches_a_float64_reference():
     # The kernel runs in float32 with lazy block updates; the reference in float64, column by
     # column, each block's scale by the float64 search. Their weights drift apart by ~1e-6
@@ -57,10 +66,7 @@ def test_matches_a_float64_reference():
     # different code changes every later error in its row.
     # On these 3 x 16 x 192 weights that is at most a few in a thousand codes (measured: 0).
     w, h = correlated_layer(7, n_out=16)
-    d, q, ok = gptq.quantize_stack(w, h, 0.3, damp=0.01)
-    hd = gptq.damped(h, 0.01).astype(np.float64)
-    u = np.linalg.cholesky(np.linalg.inv(hd)).transpose(0, 2, 1)
-    d_ref, q_ref = references.gptq(w, u, np.einsum("eii->ei", hd), 0.3)
+    (d, q, ok), (d_ref, q_ref) = _with_float64_reference(w, h)
     assert ok.all()
     assert np.mean(q != q_ref) <= 5e-3
     assert np.mean(d.view(np.uint16) != d_ref.view(np.uint16)) <= 2e-2
@@ -79,10 +85,7 @@ def test_h_weighted_error_over_several_spans_no_worse_than_float64_textbook_gptq
     # LDL form change only float32 rounding), and the codes agree but for a few near-ties.
     assert 640 > 2 * gptq_kernel.SPAN
     w, h = correlated_layer(seed, n_exp=2, n_out=8, n_in=640, n_tokens=2000)
-    d, q, ok = gptq.quantize_stack(w, h, 0.3, damp=0.01)
-    hd = gptq.damped(h, 0.01).astype(np.float64)
-    u = np.linalg.cholesky(np.linalg.inv(hd)).transpose(0, 2, 1)
-    d_ref, q_ref = references.gptq(w, u, np.einsum("eii->ei", hd), 0.3)
+    (d, q, ok), (d_ref, q_ref) = _with_float64_reference(w, h)
     assert ok.all()
     assert np.mean(q != q_ref) <= 1e-2
     err = references.h_objective(w, d, q, h).sum(1)
