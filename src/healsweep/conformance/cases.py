@@ -176,12 +176,19 @@ def _iq4_unpacked(packed):
 
 
 def _gptq_inputs(rng):
-    # u: upper Cholesky factor of the inverse of a well-conditioned SPD matrix (made on the host)
+    # H = V·D·Vᵀ (V unit upper) of a well-conditioned SPD matrix, made on the host: the kernel
+    # takes f = V − I and the inverses of V's diagonal 64-blocks, the reference u with uᵀu = H⁻¹
     w = _f32(rng, 2, 16, 128)
     x = rng.standard_normal((2, 400, 128)) @ (np.eye(128) + 0.1 * rng.standard_normal((128, 128)))
     h = np.einsum("eti,etj->eij", x, x) + 4.0 * np.eye(128)
+    flip = slice(None, None, -1)
+    r = np.linalg.cholesky(h[:, flip, flip])[:, flip, flip]  # upper, H = R·Rᵀ
+    v = r / np.einsum("eii->ei", r)[:, None, :]
+    blocks = np.stack([v[:, a : a + 64, a : a + 64] for a in (0, 64)], axis=1)
+    f = (v - np.eye(128)).astype(np.float32)
+    g = np.linalg.inv(blocks).astype(np.float32)
     u = np.linalg.cholesky(np.linalg.inv(h)).transpose(0, 2, 1).astype(np.float32)
-    return w, u, np.einsum("eii->ei", h).astype(np.float32)
+    return w, f, g, np.einsum("eii->ei", h).astype(np.float32), u
 
 
 def _gptq_check(got, want, inputs):
@@ -189,7 +196,7 @@ def _gptq_check(got, want, inputs):
     later error of its row), and the objective GPTQ minimizes within 0.1% of the reference's."""
     d, q = (np.asarray(leaf) for leaf in got)
     d_ref, q_ref = want
-    w, u, _ = inputs
+    w, *_, u = inputs
     h = np.linalg.inv(np.einsum("eji,ejk->eik", u.astype(np.float64), u.astype(np.float64)))
     differ = float(np.mean(q != q_ref))
     objective = ref.h_objective(w, d, q, h).sum(1)
@@ -342,9 +349,9 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
     _exact("q2_0.unpack", q2_0.unpack, _q2_packed_bytes, _q2_unpacked),
     KernelCase(
         "gptq.quantize",
-        lambda w, u, a: gptq.quantize(w, u, a, np.float32(GAIN)),
+        lambda w, f, g, a, u: gptq.quantize(w, f, g, a, np.float32(GAIN)),
         _gptq_inputs,
-        lambda w, u, a: ref.gptq(w, u, a, GAIN),
+        lambda w, f, g, a, u: ref.gptq(w, u, a, GAIN),
         check=_gptq_check,
         device_rtol=0.0,
     ),

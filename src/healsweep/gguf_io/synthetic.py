@@ -148,6 +148,7 @@ def write_random_model(
     types: Any = None,
     seed: int = 0,
     tokenizer: Any = None,
+    vocab_size: int | None = None,
     bos: str = "<|endoftext|>",
     eos: str = "<|im_end|>",
     pre: str | None = None,
@@ -170,8 +171,15 @@ def write_random_model(
     ``bos``/``eos`` name the tokenizer's special tokens (the padding token is ``bos``); ``pre``
     records another ``tokenizer.ggml.pre`` than the one the tokenizer's regexes imply (for names
     that share regexes); ``chat_template`` is stored as ``tokenizer.chat_template``.
+    ``vocab_size`` grows the tokenizer (the given one or the tiny one) to that many tokens in
+    all, e.g. 151936 for Qwen (:func:`_synthetic_vocab.grown_tokenizer`), so that the
+    embedding and the output head have a real model's rows.
     """
     tokenizer = tokenizer or train_tiny_tokenizer()
+    if vocab_size is not None:
+        from healsweep.gguf_io._synthetic_vocab import grown_tokenizer
+
+        tokenizer = grown_tokenizer(tokenizer, vocab_size)
     tok_meta = tokenizer_metadata_from_tokenizer(tokenizer, bos=bos, eos=eos, pad=bos)
     if pre is not None:
         tok_meta = dataclasses.replace(tok_meta, pre=pre)

@@ -122,8 +122,6 @@ def quantize_layer(
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Q2_0 codes and scales of the layer's routed experts, as cache arrays, and the stage's
     report (``gptq``: how many experts fell back to ``search``, per tensor)."""
-    from healsweep.kernels import q2_0
-
     if knobs.quantizer == "plain":
         return plain_layer(weights), {}
     min_tokens = calibration.min_tokens_per_expert
@@ -133,21 +131,41 @@ def quantize_layer(
     )
     down_imp = imp.down_importance(knobs, get("h_sq_sums"), get("counts"), min_tokens)
     arrays: dict[str, np.ndarray] = {}
+    report: dict[str, Any] = {}
+    left: dict[str, np.ndarray] = {}  # per tensor, the experts gptq leaves to the search
+    if knobs.quantizer == "gptq":  # first, so that the search runs only where it is needed
+        for names in (("gate", "up"), ("down",)):  # gate and up read one input: one H_e
+            found = _gptq_experts(names, weights, knobs, trace_layer, min_tokens)
+            for name, (d, codes, rest, fallback) in found.items():
+                arrays[f"{name}.d"], arrays[f"{name}.codes"], left[name] = d, codes, rest
+                report[name] = fallback
     for name, importance, gain in (
         ("gate", gate_up_imp, knobs.gain_gu),
         ("up", gate_up_imp, knobs.gain_gu),
         ("down", down_imp, knobs.gain_d),
     ):
         w = weights[f"ffn_{name}_exps.weight"]  # [E, out, in]; in checked by check_quantizable
+        _search_experts(name, arrays, left.get(name), w, importance, gain)
+    return arrays, ({"gptq_fallback": report} if knobs.quantizer == "gptq" else {})
+
+
+def _search_experts(name, arrays, rest, w, importance, gain) -> None:
+    """The codec's search (:func:`q2_0.quantize_matrix`) of ``w`` [E, out, in] into ``arrays``:
+    of every expert, or with ``rest`` (expert indices) of those only, the others' entries of
+    ``arrays`` already filled."""
+    from healsweep.kernels import q2_0
+
+    if rest is None:
         q2 = q2_0.quantize_matrix(w, importance, gain, packed=True)
         arrays[f"{name}.d"] = np.asarray(q2.d, np.float16)
         arrays[f"{name}.codes"] = np.asarray(q2.codes)
-    if knobs.quantizer != "gptq":
-        return arrays, {}
-    report: dict[str, Any] = {}
-    for names in (("gate", "up"), ("down",)):  # gate and up read one input: one H_e for both
-        report.update(_gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens))
-    return arrays, {"gptq_fallback": report}
+    elif len(rest):
+        per_expert = importance is not None and np.ndim(importance) == 2
+        q2 = q2_0.quantize_matrix(
+            w[rest], importance[rest] if per_expert else importance, gain, packed=True
+        )
+        arrays[f"{name}.d"][rest] = np.asarray(q2.d, np.float16)
+        arrays[f"{name}.codes"][rest] = np.asarray(q2.codes)
 
 
 def plain_layer(weights: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -164,10 +182,11 @@ def plain_layer(weights: dict[str, Any]) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens):
-    """Replace, in ``arrays``, the ``search`` result of the tensors ``names`` (all reading one
-    input) for every expert with enough routed tokens by its GPTQ quantization; returns the
-    fallback counts per tensor."""
+def _gptq_experts(names, weights, knobs, trace_layer, min_tokens):
+    """GPTQ of the tensors ``names`` (all reading one input) for every expert with enough
+    routed tokens. Returns per tensor ``(d, codes, rest, fallback)``: the cache arrays with
+    the GPTQ experts filled, the indices of the experts left to the search (too few tokens, or
+    an ``H`` that did not factor), and the fallback counts."""
     from healsweep.heal import gptq
     from healsweep.kernels.q2_0 import pack_codes
 
@@ -188,12 +207,15 @@ def _gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens):
     )
     done = enough[ok]
     fallback = {"few_tokens": int(len(counts) - len(enough)), "not_factored": int((~ok).sum())}
+    out = {}
     for name, (d_g, q_g) in zip(names, found, strict=True):
-        d, codes = arrays[f"{name}.d"].copy(), arrays[f"{name}.codes"].copy()
+        n_expert, n_out, n_in = weights[f"ffn_{name}_exps.weight"].shape
+        d = np.zeros((n_expert, n_out, n_in // 64), np.float16)
+        codes = np.zeros((n_expert, n_out, n_in // 4), np.uint8)
         d[done] = d_g[ok]
         codes[done] = np.asarray(pack_codes(q_g[ok]))
-        arrays[f"{name}.d"], arrays[f"{name}.codes"] = d, codes
-    return {name: dict(fallback) for name in names}
+        out[name] = (d, codes, np.setdiff1d(np.arange(n_expert), done), dict(fallback))
+    return out
 
 
 def q2_weights(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
