@@ -20,11 +20,11 @@ import pytest
 from _heal_fixtures import heal_setup
 from healsweep.cache import StageCache
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io import GGML_Q2_0, open_model, q2_0_type
+from healsweep.gguf_io import GGML_Q2_0, q2_0_type
 from healsweep.heal.export import type42_rows, write_healed_gguf, write_q2_sidecar
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
-from healsweep.model import forward
+from healsweep.model import forward, open_model
 
 setup = heal_setup
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)

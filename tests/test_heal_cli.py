@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 
 from healsweep.cli import _register
 from healsweep.cli._apps import app
-from healsweep.gguf_io import open_model, q2_0_type
-from healsweep.gguf_io.synthetic import write_random_model
+from healsweep.gguf_io import q2_0_type
+from healsweep.model import open_model
+from healsweep.model.synthetic import write_random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ROOT / "configs" / "knobs"

@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from healsweep.gguf_io import open_model
 from healsweep.kernels.conformance import backend_violations
-from healsweep.model import LayerReplacement, forward, matmul, router_topk
+from healsweep.model import LayerReplacement, forward, matmul, open_model, router_topk
 from healsweep.model.forward import _block
 from healsweep.model.layers import expert_tile_rows, rope_neox, routed_experts
 

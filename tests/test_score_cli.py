@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from healsweep.data.corpus import Document, Message, write_corpus
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import train_tiny_tokenizer, write_random_model
-from healsweep.model import forward
+from healsweep.model import forward, open_model
+from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 
 
 def _cli(tmp_path, *args):

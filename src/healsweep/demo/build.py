@@ -166,7 +166,8 @@ def write_demo_model(
     Matrices are stored F16 and vectors (norms, biases, the shared-expert gate) F32 unless
     ``types`` says otherwise.
     """
-    from healsweep.gguf_io import tokenizer_metadata_from_tokenizer, write_model
+    from healsweep.gguf_io import tokenizer_metadata_from_tokenizer
+    from healsweep.model import write_model
 
     if "blk" in tensors:
         tensors = to_gguf_tensors(tensors)

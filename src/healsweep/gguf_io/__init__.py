@@ -1,34 +1,47 @@
-"""Reading and writing GGUF MoE models: hparams, lazy tensors, tokenizer, writer, layer slices."""
+"""Reading and writing GGUF files: metadata, lazy tensors, tokenizer, writer, layer slices.
+
+What a file's metadata and tensors mean for its architecture is :mod:`healsweep.model`'s part
+(``healsweep.model.open_model`` opens a model through this package).
+"""
 
 from healsweep.gguf_io._ggml_types import GGML_Q2_0, q2_0_type
-from healsweep.gguf_io._hparams import SUPPORTED_ARCHS, ModelHparams, expected_tensor_shapes
-from healsweep.gguf_io._model import GGUFModel, file_fingerprint, open_model
+from healsweep.gguf_io._hparams import ModelHparams
+from healsweep.gguf_io._model import GGUFModel, check_tensors, file_fingerprint, read_gguf
 from healsweep.gguf_io._slice import parse_layer_range, slice_model
-from healsweep.gguf_io._summary import routed_expert_bpw
+from healsweep.gguf_io._summary import (
+    chat_template_summary,
+    layer_bytes,
+    routed_expert_bpw,
+    tensor_storage,
+    tokenizer_summary,
+)
 from healsweep.gguf_io._tokenizer import (
     TokenizerMetadata,
     build_tokenizer,
     load_tokenizer_file,
     tokenizer_metadata_from_tokenizer,
 )
-from healsweep.gguf_io._writer import encode_tensor, write_model
+from healsweep.gguf_io._writer import encode_tensor, write_gguf
 
 __all__ = [
     "GGML_Q2_0",
-    "SUPPORTED_ARCHS",
     "GGUFModel",
     "ModelHparams",
     "TokenizerMetadata",
     "build_tokenizer",
+    "chat_template_summary",
+    "check_tensors",
     "encode_tensor",
-    "expected_tensor_shapes",
     "file_fingerprint",
+    "layer_bytes",
     "load_tokenizer_file",
-    "open_model",
     "parse_layer_range",
     "q2_0_type",
+    "read_gguf",
     "routed_expert_bpw",
     "slice_model",
+    "tensor_storage",
     "tokenizer_metadata_from_tokenizer",
-    "write_model",
+    "tokenizer_summary",
+    "write_gguf",
 ]

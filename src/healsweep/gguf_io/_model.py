@@ -17,15 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from healsweep.errors import GGUFFormatError, UnsupportedArchitectureError
+from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io._ggml_types import q2_0_type
-from healsweep.gguf_io._hparams import (
-    SUPPORTED_ARCHS,
-    ModelHparams,
-    expected_tensor_shapes,
-    hparams_from_metadata,
-    missing_required_keys,
-)
+from healsweep.gguf_io._hparams import ModelHparams
 from healsweep.gguf_io._tokenizer import (
     build_tokenizer,
     load_tokenizer_file,
@@ -71,8 +65,9 @@ class GGUFModel:
 
     def with_hparams(self, **changes: Any) -> GGUFModel:
         """The same file seen with some hyperparameters overridden (for what-if forwards)."""
-        return GGUFModel(self.path, self._reader, self.hparams.replace(**changes),
-                         self._tokenizer_path)
+        return GGUFModel(
+            self.path, self._reader, self.hparams.replace(**changes), self._tokenizer_path
+        )
 
     # --- tensors --------------------------------------------------------------------------
     def _info(self, name: str):
@@ -146,8 +141,9 @@ class GGUFModel:
         stop = shape[0] if stop is None else min(stop, shape[0])
         inner = (*shape[1:-1], self.row_bytes(name))
         first_bytes = int(np.prod(inner, dtype=np.int64))
-        raw = _read_aligned(self.path, int(info.data_offset) + start * first_bytes,
-                            (stop - start) * first_bytes)
+        raw = _read_aligned(
+            self.path, int(info.data_offset) + start * first_bytes, (stop - start) * first_bytes
+        )
         return raw.reshape((stop - start, *inner))
 
     def tensor_take(self, name: str, rows: Iterable[int]) -> np.ndarray:
@@ -165,7 +161,7 @@ class GGUFModel:
                 f"layer {i} is out of range for {self.path} ({self.hparams.n_layer} layers)"
             )
         prefix = f"blk.{i}."
-        return {n[len(prefix):]: self.tensor(n) for n in self._tensors if n.startswith(prefix)}
+        return {n[len(prefix) :]: self.tensor(n) for n in self._tensors if n.startswith(prefix)}
 
     # --- tokenizer ------------------------------------------------------------------------
     def tokenizer(self):
@@ -181,8 +177,10 @@ class GGUFModel:
 
     def __repr__(self) -> str:
         hp = self.hparams
-        return (f"GGUFModel({str(self.path)!r}, arch={hp.arch}, layers={hp.n_layer}, "
-                f"experts={hp.n_expert}x top{hp.n_expert_used})")
+        return (
+            f"GGUFModel({str(self.path)!r}, arch={hp.arch}, layers={hp.n_layer}, "
+            f"experts={hp.n_expert}x top{hp.n_expert_used})"
+        )
 
 
 def _dequantize(raw: np.ndarray, qtype: Any, n_in: int) -> np.ndarray:
@@ -325,6 +323,17 @@ def _bounded_reader_class():
     return BoundedReader
 
 
+def read_gguf(path_or_demo: str | Path) -> tuple[Path, Any]:
+    """``(path, reader)`` of a GGUF file (``"demo"`` is the packaged demo model), with a missing
+    file and gguf-py's failures on a damaged one turned into one-line :class:`GGUFFormatError`."""
+    from healsweep.bundled import resolve_model
+
+    path = resolve_model(path_or_demo)
+    if not path.is_file():
+        raise GGUFFormatError(f"model file {path} does not exist; pass a .gguf path or `demo`")
+    return path, _read_reader(path)
+
+
 def _read_reader(path: Path):
     """``gguf.GGUFReader`` of ``path``, with gguf-py's failures turned into one-line errors."""
     with path.open("rb") as fh:
@@ -353,22 +362,25 @@ def _read_reader(path: Path):
         ) from exc
 
 
-def _check_tensors(path: Path, reader: Any, hp: ModelHparams) -> None:
+def check_tensors(path: Path, reader: Any, expected: dict[str, tuple], arch: str) -> None:
+    """Raise :class:`GGUFFormatError` unless every ``expected`` tensor (name → numpy shape) is in
+    the file with that shape and a type healsweep can decode."""
     from gguf import GGMLQuantizationType
     from gguf.quants import _type_traits
 
-    decodable = {int(t) for t in _type_traits} | {int(GGMLQuantizationType.F32),
-                                                   int(GGMLQuantizationType.F16)}
+    decodable = {int(t) for t in _type_traits} | {
+        int(GGMLQuantizationType.F32),
+        int(GGMLQuantizationType.F16),
+    }
     if any(int(t.tensor_type) not in decodable for t in reader.tensors):
         from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES  # jax: only for such files
 
         decodable |= IN_GRAPH_TYPES
     infos = {t.name: t for t in reader.tensors}
-    tied = "output.weight" not in infos
-    for name, shape in expected_tensor_shapes(hp, tied_output=tied).items():
+    for name, shape in expected.items():
         if name not in infos:
             raise GGUFFormatError(
-                f"{path} is missing tensor {name} required by {hp.arch}; the file is "
+                f"{path} is missing tensor {name} required by {arch}; the file is "
                 "incomplete, re-export it"
             )
         got = tuple(int(n) for n in reversed(infos[name].shape.tolist()))
@@ -382,52 +394,3 @@ def _check_tensors(path: Path, reader: Any, hp: ModelHparams) -> None:
                 f"{path}: tensor {name} has type {infos[name].tensor_type.name}, which healsweep "
                 "cannot decode; requantize the model to a supported type"
             )
-
-
-def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = None) -> GGUFModel:
-    """Open and validate a GGUF model (``"demo"`` is the packaged demo model).
-
-    Raises :class:`GGUFFormatError` (one line) for a missing, non-GGUF or truncated file, an
-    unsupported ``general.architecture`` (:class:`UnsupportedArchitectureError`), a missing
-    hyperparameter, and a missing or misshapen tensor. ``tokenizer_path`` replaces the GGUF's
-    own tokenizer metadata with a tokenizer.json.
-    """
-    from healsweep.bundled import resolve_model
-
-    path = resolve_model(path_or_demo)
-    if not path.is_file():
-        raise GGUFFormatError(f"model file {path} does not exist; pass a .gguf path or `demo`")
-    reader = _read_reader(path)
-
-    def get(key: str) -> Any:
-        field = reader.get_field(key)
-        return None if field is None else field.contents()
-
-    arch = get("general.architecture")
-    if arch is None:
-        raise GGUFFormatError(
-            f"{path} is missing hparam general.architecture; the file is incomplete, re-export it"
-        )
-    if arch not in SUPPORTED_ARCHS:
-        raise UnsupportedArchitectureError(
-            f"{path} has architecture {arch!r}; healsweep supports {', '.join(SUPPORTED_ARCHS)}"
-        )
-    if arch == "llama" and not any(t.name.endswith("ffn_gate_inp.weight") for t in reader.tensors):
-        raise UnsupportedArchitectureError(
-            f"{path} is a dense llama model (no ffn_gate_inp/ffn_*_exps expert tensors); "
-            f"healsweep supports MoE models: {', '.join(SUPPORTED_ARCHS)} (llama with experts)"
-        )
-    missing = missing_required_keys(arch, lambda k: reader.get_field(k) is not None)
-    if missing:
-        raise GGUFFormatError(
-            f"{path} is missing hparam {missing[0]}; the file is incomplete, re-export it"
-        )
-    shapes = {
-        t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors
-    }
-    try:
-        hp = hparams_from_metadata(arch, get, shapes)
-    except GGUFFormatError as exc:  # raised without the file's name
-        raise GGUFFormatError(f"{path}: {exc}") from None
-    _check_tensors(path, reader, hp)
-    return GGUFModel(path, reader, hp, tokenizer_path)

@@ -15,7 +15,7 @@ from typing import Any
 
 from healsweep._atomic import atomic_file
 from healsweep.errors import HealsweepError, SliceError
-from healsweep.gguf_io._model import GGUFModel, open_model
+from healsweep.gguf_io._model import GGUFModel
 
 PROVENANCE_FINGERPRINT = "healsweep.slice.source_fingerprint"
 PROVENANCE_LAYERS = "healsweep.slice.layers"
@@ -181,10 +181,8 @@ def _copy_range(src_fh: Any, dst_fh: Any, offset: int, n_bytes: int, buffer: mem
         left -= got
 
 
-def slice_model(
-    src: str | Path | GGUFModel, layers: tuple[int | None, int | None], out: str | Path
-) -> Path:
-    """Write layers ``A..B-1`` of the model ``src`` to ``out`` as a valid GGUF; return ``out``.
+def slice_model(model: GGUFModel, layers: tuple[int | None, int | None], out: str | Path) -> Path:
+    """Write layers ``A..B-1`` of ``model`` to ``out`` as a valid GGUF; return ``out``.
 
     ``layers`` is ``(A, B)``; ``None`` for A or B means the first layer or one past the last.
     The slice holds blocks ``blk.{A+i}.*`` renamed ``blk.{i}.*``, every non-block tensor
@@ -197,13 +195,11 @@ def slice_model(
     stored bytes (any ggml type) in 16 MiB chunks. The file is written to a temp name in the
     destination folder and renamed; on any error no output is left behind.
 
-    ``src`` may be an open :class:`GGUFModel` (opening a model with a 150k-entry vocabulary
-    parses its metadata for seconds). Raises :class:`SliceError` for a bad range or output path,
-    and ``open_model``'s errors for a source that is not a valid model.
+    ``model`` is an open model (``healsweep.model.open_model``). Raises :class:`SliceError` for a
+    bad range or output path.
     """
     from gguf import GGUFEndian
 
-    model = src if isinstance(src, GGUFModel) else open_model(src)
     src_path, out = model.path, Path(out)
     _check_out(src_path, out)
     start, stop = _resolve_range(layers, model.hparams.n_layer, src_path)

@@ -76,39 +76,6 @@ def tokenizer_summary(model: GGUFModel) -> dict[str, Any]:
     }
 
 
-def describe_model(model: GGUFModel) -> dict[str, Any]:
-    """Everything ``healsweep model info`` prints, as plain data."""
-    hp = model.hparams
-    stored, dequantized = layer_bytes(model, 0)
-    return {
-        "path": str(model.path),
-        "arch": hp.arch,
-        "layers": hp.n_layer,
-        "experts": hp.n_expert,
-        "experts_used": hp.n_expert_used,
-        "norm_topk_prob": hp.norm_topk_prob,
-        "routing": hp.routing_summary(),
-        "attention": hp.attention_summary(),
-        "moe_layers": [hp.moe_layers.start, hp.moe_layers.stop],
-        "n_embd": hp.n_embd,
-        "n_head": hp.n_head,
-        "n_head_kv": hp.n_head_kv,
-        "head_dim": hp.head_dim,
-        "n_ff_exp": hp.n_ff_exp,
-        "n_ff_shexp": hp.n_ff_shexp,
-        "n_vocab": hp.n_vocab,
-        "context_length": hp.context_length,
-        "rope_freq_base": hp.rope_freq_base,
-        "rms_norm_eps": hp.rms_norm_eps,
-        "file_bytes": model.path.stat().st_size,
-        "layer_bytes": stored,
-        "layer_bytes_f32": dequantized,
-        "tensor_types": tensor_storage(model),
-        "tokenizer": tokenizer_summary(model),
-        "chat_template": chat_template_summary(model),
-    }
-
-
 def chat_template_summary(model: GGUFModel) -> dict[str, Any] | None:
     """Size and sha256 (first 12 hex digits) of ``tokenizer.chat_template``; None without one."""
     template = model.metadata("tokenizer.chat_template")

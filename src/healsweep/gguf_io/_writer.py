@@ -1,4 +1,4 @@
-"""Write a GGUF MoE model (any supported architecture) with the gguf-py writer.
+"""Write a GGUF model with the gguf-py writer: metadata, tokenizer and tensors.
 
 Tensors are converted (``gguf.quants.quantize``) and spooled one at a time, so ``tensors`` may be
 a lazy mapping that builds each array on access: writing a model larger than memory then needs
@@ -15,7 +15,6 @@ import numpy as np
 
 from healsweep._atomic import atomic_path
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io._hparams import ModelHparams, metadata_from_hparams
 from healsweep.gguf_io._kquant import KQUANT_TYPES, quantize_kquant
 from healsweep.gguf_io._tokenizer import TokenizerMetadata
 
@@ -64,10 +63,10 @@ def _add_value(writer: Any, key: str, value: Any) -> None:
         raise TypeError(f"metadata {key}: cannot store a {type(value).__name__}")
 
 
-def write_model(
+def write_gguf(
     path: str | Path,
     arch: str,
-    hparams: ModelHparams,
+    metadata: Mapping[str, Any],
     tensors: Mapping[str, np.ndarray],
     types: Mapping[str, Any] | None = None,
     tokenizer_metadata: TokenizerMetadata | None = None,
@@ -76,7 +75,8 @@ def write_model(
     extra_metadata: Mapping[str, Any] | None = None,
     drop_keys: tuple[str, ...] = (),
 ) -> Path:
-    """Write a GGUF: ``{arch}.*`` hparams, tokenizer metadata and the tensors, in mapping order.
+    """Write a GGUF: ``metadata`` (the ``{arch}.*`` hparams), tokenizer metadata and the tensors,
+    in mapping order (``healsweep.model.write_model`` builds the metadata from hparams).
 
     ``types[name]`` chooses a ``GGMLQuantizationType`` per tensor (F32, F16, Q8_0, Q4_0, ... as
     ``gguf.quants.quantize`` supports); the default is F32 for 1-D and F16 for the rest.
@@ -91,7 +91,7 @@ def write_model(
         writer = GGUFWriter(tmp, arch, use_temp_file=True)
         try:
             writer.add_string("general.name", name)
-            for key, value in metadata_from_hparams(hparams.replace(arch=arch)).items():
+            for key, value in metadata.items():
                 if key not in drop_keys:
                     _add_value(writer, key, value)
             if tokenizer_metadata is not None:

@@ -72,7 +72,7 @@ def layer_scaling(
     seq_len: int = 256, workdir: str | Path | None = None,
 ) -> list[dict[str, Any]]:
     """Bench random models shaped like ``model`` with each layer count, one process each."""
-    from healsweep.gguf_io.synthetic import write_random_model
+    from healsweep.model.synthetic import write_random_model
 
     hp = model.hparams
     types = {n.split(".", 2)[2] if n.startswith("blk.") else n: model.tensor_type(n)

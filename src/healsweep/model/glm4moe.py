@@ -13,7 +13,30 @@ probabilities plus ``exp_probs_b`` (the weights stay unbiased), within the best
 Trailing ``nextn_predict_layers`` (multi-token prediction) are not run.
 """
 
-from healsweep.model.layers import moe_ffn as moe_block
-from healsweep.model.layers import self_attention as attention
+from __future__ import annotations
 
-__all__ = ["attention", "moe_block"]
+from healsweep.gguf_io import ModelHparams
+from healsweep.model.arch import RoutingFromFile, Value, qk_bias_shapes, refuse_rope_scaling
+
+
+class Glm4Moe(RoutingFromFile):
+    name = "glm4moe"
+    attention_kind = "GQA with q/k/v bias"
+    ffn_norm = "post_attention_norm.weight"
+    default_gating = "sigmoid"
+
+    def read_rope_scaling(self, value: Value) -> dict:
+        refuse_rope_scaling(self.name, value)
+        return {}
+
+    def random_hparams(self, hp: ModelHparams) -> ModelHparams:
+        return hp.replace(n_ff_shexp=0, gating="sigmoid", n_ff=2 * hp.n_ff_exp, n_expert_shared=1)
+
+    def attention_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
+        return super().attention_shapes(hp) | qk_bias_shapes(hp)
+
+    def router_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
+        return {"exp_probs_b.bias": (hp.n_expert,)}  # the selection-only bias
+
+
+ARCH = Glm4Moe()
