@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from gguf import Keys
 
 from healsweep.demo.train import MoEConfig, Params, TrainConfig, TrainResult, to_gguf_tensors, train
 
@@ -173,7 +174,7 @@ def write_demo_model(
         tensors = to_gguf_tensors(tensors)
     meta = tokenizer_metadata_from_tokenizer(tokenizer, bos=EOT, eos="<|im_end|>", pad=EOT)
     ordered = {name: tensors[name] for name in _tensor_order(cfg.n_layer) if name in tensors}
-    extra = {"general.description": description} if description else None
+    extra = {Keys.General.DESCRIPTION: description} if description else None
     return write_model(
         path,
         "qwen2moe",

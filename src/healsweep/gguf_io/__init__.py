@@ -4,9 +4,18 @@ What a file's metadata and tensors mean for its architecture is :mod:`healsweep.
 (``healsweep.model.open_model`` opens a model through this package).
 """
 
-from healsweep.gguf_io._ggml_types import GGML_Q2_0, q2_0_type
+from healsweep.gguf_io._ggml_types import (
+    GGML_Q2_0,
+    QUANT_SIZES,
+    GGMLType,
+    add_tensor_info,
+    element_shape,
+    q2_0_type,
+)
+from healsweep.gguf_io._header import GGUFHeader, read_header
 from healsweep.gguf_io._hparams import ModelHparams
 from healsweep.gguf_io._model import GGUFModel, check_tensors, file_fingerprint, read_gguf
+from healsweep.gguf_io._names import block_prefix, layer_tensor, split_block, tensor_name
 from healsweep.gguf_io._slice import parse_layer_range, slice_model
 from healsweep.gguf_io._summary import (
     chat_template_summary,
@@ -25,21 +34,31 @@ from healsweep.gguf_io._writer import encode_tensor, write_gguf
 
 __all__ = [
     "GGML_Q2_0",
+    "QUANT_SIZES",
+    "GGMLType",
+    "GGUFHeader",
     "GGUFModel",
     "ModelHparams",
     "TokenizerMetadata",
+    "add_tensor_info",
+    "block_prefix",
     "build_tokenizer",
     "chat_template_summary",
     "check_tensors",
+    "element_shape",
     "encode_tensor",
     "file_fingerprint",
     "layer_bytes",
+    "layer_tensor",
     "load_tokenizer_file",
     "parse_layer_range",
     "q2_0_type",
     "read_gguf",
+    "read_header",
     "routed_expert_bpw",
     "slice_model",
+    "split_block",
+    "tensor_name",
     "tensor_storage",
     "tokenizer_metadata_from_tokenizer",
     "tokenizer_summary",

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import Keys
 
 from healsweep._atomic import atomic_path
 from healsweep.errors import GGUFFormatError
+from healsweep.gguf_io._ggml_types import QUANT_SIZES, GGMLType
 from healsweep.gguf_io._kquant import KQUANT_TYPES, quantize_kquant
 from healsweep.gguf_io._tokenizer import TokenizerMetadata
 
@@ -28,10 +30,9 @@ def default_type(array_ndim: int):
 
 def encode_tensor(name: str, values: np.ndarray, qtype) -> np.ndarray:
     """``values`` (float32) in the storage format ``qtype``: float arrays or packed bytes."""
-    from gguf import GGML_QUANT_SIZES
     from gguf.quants import quantize
 
-    block, _ = GGML_QUANT_SIZES[qtype]
+    block, _ = QUANT_SIZES[GGMLType(int(qtype))]
     if values.shape[-1] % block:
         raise GGUFFormatError(
             f"cannot store {name} {tuple(values.shape)} as {qtype.name}: rows of "
@@ -90,7 +91,7 @@ def write_gguf(
     with atomic_path(path) as tmp:
         writer = GGUFWriter(tmp, arch, use_temp_file=True)
         try:
-            writer.add_string("general.name", name)
+            writer.add_string(Keys.General.NAME, name)
             for key, value in metadata.items():
                 if key not in drop_keys:
                     _add_value(writer, key, value)

@@ -28,6 +28,7 @@ import numpy as np
 
 from healsweep.cache import content_key
 from healsweep.errors import GGUFFormatError
+from healsweep.gguf_io import block_prefix
 from healsweep.heal import importance as imp
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.kernels import alpha as alpha_kernels
@@ -140,9 +141,9 @@ def expert_weights(
 
     out = {}
     for suffix in (f"ffn_{n}_exps.weight" for n in tensors):
-        out[suffix] = dense_on_device(model, f"blk.{layer}.{suffix}")
+        out[suffix] = dense_on_device(model, block_prefix(layer) + suffix)
     # the FFN's input norm, whatever the architecture calls it (glm4moe: post_attention_norm)
-    out["ffn_norm.weight"] = model.tensor(f"blk.{layer}.{architecture(model.arch).ffn_norm}")
+    out["ffn_norm.weight"] = model.tensor(block_prefix(layer) + architecture(model.arch).ffn_norm)
     return out
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gguf import MODEL_TENSOR as T
 from gguf import Keys
 
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io import ModelHparams
+from healsweep.gguf_io import ModelHparams, block_prefix, layer_tensor, tensor_name
 from healsweep.model import layers
 
 GATING_FUNC = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -78,7 +79,7 @@ class Architecture:
     rope_kind = "neox"  # "neox" (rotate halves) | "norm" (rotate consecutive pairs)
     norm_topk_prob = False  # llama.cpp's build_moe_ffn ``norm_w``: top-k weights sum to one
     attention_kind = "GQA"  # what ``model info`` says about the attention
-    ffn_norm = "ffn_norm.weight"  # the layer's norm before its FFN
+    ffn_norm = layer_tensor(T.FFN_NORM)  # the layer's norm before its FFN
 
     # --- reading a file ---------------------------------------------------------------------
     def check_file(self, path: Any, tensor_names: list[str]) -> None:
@@ -103,16 +104,16 @@ class Architecture:
             return default if found is None else found
 
         n_embd, n_head = int(value("n_embd")), int(value("n_head"))
-        exps = next((s for n, s in tensor_shapes.items() if n.endswith(".ffn_gate_exps.weight")),
+        exps = next((s for n, s in tensor_shapes.items() if n.endswith("." + layer_tensor(T.FFN_GATE_EXP))),
                     (0, 0, 0))  # fmt: skip
-        embd = tensor_shapes.get("token_embd.weight", (0, 0))
+        embd = tensor_shapes.get(tensor_name(T.TOKEN_EMBD), (0, 0))
         head_dim = int(value("head_dim", n_embd // n_head))
         n_ff_exp = int(value("n_ff_exp", exps[1]))
         shared = self.read_shared_expert(value, n_ff_exp, tensor_shapes)
         routing = self.read_routing(value)
         n_layer_nextn = int(value("n_layer_nextn", 0))
         scaling = self.read_rope_scaling(value)
-        if "rope_freqs.weight" in tensor_shapes:
+        if tensor_name(T.ROPE_FREQS) in tensor_shapes:
             raise GGUFFormatError(
                 "the file has rope_freqs.weight (per-dimension RoPE factors, Llama-3 style), "
                 "which healsweep does not apply: its positions would be wrong; open an issue for it"
@@ -213,11 +214,11 @@ class Architecture:
         d, hd = hp.n_embd, hp.head_dim
         q_dim, kv_dim = hp.n_head * hd, hp.n_head_kv * hd
         return {
-            "attn_norm.weight": (d,),
-            "attn_q.weight": (q_dim, d),
-            "attn_k.weight": (kv_dim, d),
-            "attn_v.weight": (kv_dim, d),
-            "attn_output.weight": (d, q_dim),
+            layer_tensor(T.ATTN_NORM): (d,),
+            layer_tensor(T.ATTN_Q): (q_dim, d),
+            layer_tensor(T.ATTN_K): (kv_dim, d),
+            layer_tensor(T.ATTN_V): (kv_dim, d),
+            layer_tensor(T.ATTN_OUT): (d, q_dim),
         }
 
     def router_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
@@ -229,17 +230,17 @@ class Architecture:
         d, e, f, fs = hp.n_embd, hp.n_expert, hp.n_ff_exp, hp.n_ff_shexp
         shapes: dict[str, tuple] = {
             self.ffn_norm: (d,),
-            "ffn_gate_inp.weight": (e, d),
-            "ffn_gate_exps.weight": (e, f, d),
-            "ffn_up_exps.weight": (e, f, d),
-            "ffn_down_exps.weight": (e, d, f),
+            layer_tensor(T.FFN_GATE_INP): (e, d),
+            layer_tensor(T.FFN_GATE_EXP): (e, f, d),
+            layer_tensor(T.FFN_UP_EXP): (e, f, d),
+            layer_tensor(T.FFN_DOWN_EXP): (e, d, f),
         }
         shapes |= self.router_shapes(hp)
         if fs:
             shapes |= {
-                "ffn_gate_shexp.weight": (fs, d),
-                "ffn_up_shexp.weight": (fs, d),
-                "ffn_down_shexp.weight": (d, fs),
+                layer_tensor(T.FFN_GATE_SHEXP): (fs, d),
+                layer_tensor(T.FFN_UP_SHEXP): (fs, d),
+                layer_tensor(T.FFN_DOWN_SHEXP): (d, fs),
             }
         return shapes
 
@@ -248,17 +249,20 @@ class Architecture:
         d, f = hp.n_embd, hp.n_ff
         return {
             self.ffn_norm: (d,),
-            "ffn_gate.weight": (f, d),
-            "ffn_up.weight": (f, d),
-            "ffn_down.weight": (d, f),
+            layer_tensor(T.FFN_GATE): (f, d),
+            layer_tensor(T.FFN_UP): (f, d),
+            layer_tensor(T.FFN_DOWN): (d, f),
         }
 
     def tensor_shapes(self, hp: ModelHparams, *, tied_output: bool = False) -> dict[str, tuple]:
         """Every tensor the forward reads, with its numpy shape (reversed ggml ``ne``)."""
         d, v = hp.n_embd, hp.n_vocab
-        shapes: dict[str, tuple] = {"token_embd.weight": (v, d), "output_norm.weight": (d,)}
+        shapes: dict[str, tuple] = {
+            tensor_name(T.TOKEN_EMBD): (v, d),
+            tensor_name(T.OUTPUT_NORM): (d,),
+        }
         if not tied_output:
-            shapes["output.weight"] = (v, d)
+            shapes[tensor_name(T.OUTPUT)] = (v, d)
         attention, moe, dense = (
             self.attention_shapes(hp),
             self.moe_shapes(hp),
@@ -266,7 +270,7 @@ class Architecture:
         )
         for i in range(hp.n_layer):
             per_layer = attention | (dense if i < hp.n_leading_dense else moe)
-            shapes |= {f"blk.{i}.{suffix}": shape for suffix, shape in per_layer.items()}
+            shapes |= {block_prefix(i) + name: shape for name, shape in per_layer.items()}
         return shapes
 
     # --- what ``model info`` says -------------------------------------------------------------
@@ -335,4 +339,8 @@ def refuse_rope_scaling(arch: str, value: Value) -> None:
 def qk_bias_shapes(hp: ModelHparams) -> dict[str, tuple]:
     """q/k/v projection biases (qwen2moe, glm4moe)."""
     q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
-    return {"attn_q.bias": (q_dim,), "attn_k.bias": (kv_dim,), "attn_v.bias": (kv_dim,)}
+    return {
+        layer_tensor(T.ATTN_Q, "bias"): (q_dim,),
+        layer_tensor(T.ATTN_K, "bias"): (kv_dim,),
+        layer_tensor(T.ATTN_V, "bias"): (kv_dim,),
+    }

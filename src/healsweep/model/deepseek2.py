@@ -23,8 +23,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from gguf import MODEL_TENSOR as T
 
-from healsweep.gguf_io import ModelHparams
+from healsweep.gguf_io import ModelHparams, layer_tensor
 from healsweep.model.arch import RoutingFromFile, Value
 from healsweep.model.layers import as_dense, causal_attention, matmul, rms_norm, rope
 
@@ -88,28 +89,28 @@ class Deepseek2(RoutingFromFile):
         d, h, hk, hv, r = hp.n_embd, hp.n_head, hp.head_dim, hp.head_dim_v, hp.kv_lora_rank
         nope = hk - hp.rope_dim
         shapes: dict[str, tuple] = {
-            "attn_norm.weight": (d,),
-            "attn_kv_a_mqa.weight": (r + hp.rope_dim, d),
-            "attn_kv_a_norm.weight": (r,),
-            "attn_output.weight": (d, h * hv),
+            layer_tensor(T.ATTN_NORM): (d,),
+            layer_tensor(T.ATTN_KV_A_MQA): (r + hp.rope_dim, d),
+            layer_tensor(T.ATTN_KV_A_NORM): (r,),
+            layer_tensor(T.ATTN_OUT): (d, h * hv),
         }
         if hp.q_lora_rank:
             shapes |= {
-                "attn_q_a.weight": (hp.q_lora_rank, d),
-                "attn_q_a_norm.weight": (hp.q_lora_rank,),
-                "attn_q_b.weight": (h * hk, hp.q_lora_rank),
+                layer_tensor(T.ATTN_Q_A): (hp.q_lora_rank, d),
+                layer_tensor(T.ATTN_Q_A_NORM): (hp.q_lora_rank,),
+                layer_tensor(T.ATTN_Q_B): (h * hk, hp.q_lora_rank),
             }
         else:
-            shapes["attn_q.weight"] = (h * hk, d)
+            shapes[layer_tensor(T.ATTN_Q)] = (h * hk, d)
         if hp.kv_b_split:
-            shapes |= {"attn_k_b.weight": (h, r, nope), "attn_v_b.weight": (h, hv, r)}
+            shapes |= {layer_tensor(T.ATTN_K_B): (h, r, nope), layer_tensor(T.ATTN_V_B): (h, hv, r)}
         else:
-            shapes["attn_kv_b.weight"] = (h * (nope + hv), r)
+            shapes[layer_tensor(T.ATTN_KV_B)] = (h * (nope + hv), r)
         return shapes
 
     def router_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
         # DeepSeek-V3 style selection bias; V2 (softmax) has none
-        return {"exp_probs_b.bias": (hp.n_expert,)} if hp.gating == "sigmoid" else {}
+        return {layer_tensor(T.FFN_EXP_PROBS_B, "bias"): (hp.n_expert,)} if hp.gating == "sigmoid" else {}
 
     def attention_summary(self, hp: ModelHparams) -> str:
         q = f"q_lora {hp.q_lora_rank}" if hp.q_lora_rank else "attn_q"

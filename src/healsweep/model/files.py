@@ -36,33 +36,29 @@ def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = 
     hyperparameter, and a missing or misshapen tensor. ``tokenizer_path`` replaces the GGUF's
     own tokenizer metadata with a tokenizer.json.
     """
-    path, reader = read_gguf(path_or_demo)
-
-    def get(key: str) -> Any:
-        field = reader.get_field(key)
-        return None if field is None else field.contents()
-
-    name = get(Keys.General.ARCHITECTURE)
+    header = read_gguf(path_or_demo)
+    path = header.path
+    name = header.get(Keys.General.ARCHITECTURE)
     if name is None:
         raise GGUFFormatError(
             f"{path} is missing hparam {Keys.General.ARCHITECTURE}; the file is incomplete, "
             "re-export it"
         )
     arch = architecture(name, where=path)
-    shapes = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}
+    shapes = {t.name: t.shape for t in header.tensors}
     arch.check_file(path, list(shapes))
-    missing = arch.missing_keys(lambda k: reader.get_field(k) is not None)
+    missing = arch.missing_keys(lambda key: key in header.fields)
     if missing:
         raise GGUFFormatError(
             f"{path} is missing hparam {missing[0]}; the file is incomplete, re-export it"
         )
     try:
-        hp = arch.read_hparams(get, shapes)
+        hp = arch.read_hparams(header.get, shapes)
     except GGUFFormatError as exc:  # raised without the file's name
         raise GGUFFormatError(f"{path}: {exc}") from None
     tied = "output.weight" not in shapes
-    check_tensors(path, reader, arch.tensor_shapes(hp, tied_output=tied), hp.arch)
-    return GGUFModel(path, reader, hp, tokenizer_path)
+    check_tensors(header, arch.tensor_shapes(hp, tied_output=tied), hp.arch)
+    return GGUFModel(header, hp, tokenizer_path)
 
 
 def expected_tensor_shapes(hp: ModelHparams, *, tied_output: bool = False) -> dict[str, tuple]:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from healsweep.gguf_io import GGUFModel, ModelHparams
+from healsweep.gguf_io import GGUFModel, ModelHparams, block_prefix
 from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, GGMLWeight
 from healsweep.model.expert_cache import CacheState, ExpertCacheInput, layer_routing
 from healsweep.model.layers import expert_tile_rows, matmul, rms_norm, swiglu
@@ -139,7 +139,7 @@ def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | Non
     The model's own tensors come through :data:`RESIDENT` (kept on an accelerator between
     forwards, within its budget); replacements are sent as they are.
     """
-    prefix = f"blk.{i}."
+    prefix = block_prefix(i)
     stat = model.path.stat()
 
     def load() -> dict[str, Any]:

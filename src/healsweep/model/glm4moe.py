@@ -15,14 +15,16 @@ Trailing ``nextn_predict_layers`` (multi-token prediction) are not run.
 
 from __future__ import annotations
 
-from healsweep.gguf_io import ModelHparams
+from gguf import MODEL_TENSOR as T
+
+from healsweep.gguf_io import ModelHparams, layer_tensor
 from healsweep.model.arch import RoutingFromFile, Value, qk_bias_shapes, refuse_rope_scaling
 
 
 class Glm4Moe(RoutingFromFile):
     name = "glm4moe"
     attention_kind = "GQA with q/k/v bias"
-    ffn_norm = "post_attention_norm.weight"
+    ffn_norm = layer_tensor(T.ATTN_POST_NORM)
     default_gating = "sigmoid"
 
     def read_rope_scaling(self, value: Value) -> dict:
@@ -36,7 +38,7 @@ class Glm4Moe(RoutingFromFile):
         return super().attention_shapes(hp) | qk_bias_shapes(hp)
 
     def router_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
-        return {"exp_probs_b.bias": (hp.n_expert,)}  # the selection-only bias
+        return {layer_tensor(T.FFN_EXP_PROBS_B, "bias"): (hp.n_expert,)}  # the selection-only bias
 
 
 ARCH = Glm4Moe()

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gguf import MODEL_TENSOR as T
+
 from healsweep.errors import UnsupportedArchitectureError
+from healsweep.gguf_io import layer_tensor
 from healsweep.model.arch import Architecture, Value, refuse_rope_scaling
 
 
@@ -22,7 +25,7 @@ class Llama(Architecture):
     norm_topk_prob = True
 
     def check_file(self, path: Any, tensor_names: list[str]) -> None:
-        if not any(name.endswith("ffn_gate_inp.weight") for name in tensor_names):
+        if not any(name.endswith(layer_tensor(T.FFN_GATE_INP)) for name in tensor_names):
             from healsweep.model.registry import SUPPORTED_ARCHS
 
             raise UnsupportedArchitectureError(

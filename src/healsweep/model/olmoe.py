@@ -9,7 +9,9 @@ renormalization). There is no shared expert, so Part B does not apply.
 
 from __future__ import annotations
 
-from healsweep.gguf_io import ModelHparams
+from gguf import MODEL_TENSOR as T
+
+from healsweep.gguf_io import ModelHparams, layer_tensor
 from healsweep.model.arch import Architecture, Value, refuse_rope_scaling
 
 
@@ -23,7 +25,7 @@ class Olmoe(Architecture):
 
     def attention_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
         q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
-        norms = {"attn_q_norm.weight": (q_dim,), "attn_k_norm.weight": (kv_dim,)}
+        norms = {layer_tensor(T.ATTN_Q_NORM): (q_dim,), layer_tensor(T.ATTN_K_NORM): (kv_dim,)}
         return super().attention_shapes(hp) | norms
 
 

@@ -9,7 +9,9 @@ these variants off the layer's tensors and ``hp``.
 
 from __future__ import annotations
 
-from healsweep.gguf_io import ModelHparams
+from gguf import MODEL_TENSOR as T
+
+from healsweep.gguf_io import ModelHparams, layer_tensor
 from healsweep.model.arch import Architecture, Value, qk_bias_shapes
 
 
@@ -18,7 +20,7 @@ class Qwen2Moe(Architecture):
     attention_kind = "GQA with q/k/v bias"
 
     def read_shared_expert(self, value: Value, n_ff_exp: int, shapes) -> dict[str, int]:
-        gate = next((s for n, s in shapes.items() if n.endswith(".ffn_gate_shexp.weight")), (0, 0))
+        gate = next((s for n, s in shapes.items() if n.endswith("." + layer_tensor(T.FFN_GATE_SHEXP))), (0, 0))
         return {"n_ff_shexp": int(value("n_ff_shexp", gate[0]))}
 
     def shared_expert_metadata(self, hp: ModelHparams) -> dict[str, int]:
@@ -31,7 +33,8 @@ class Qwen2Moe(Architecture):
         return super().attention_shapes(hp) | qk_bias_shapes(hp)
 
     def router_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
-        return {"ffn_gate_inp_shexp.weight": (hp.n_embd,)}  # the shared expert's sigmoid gate
+        # the shared expert's sigmoid gate
+        return {layer_tensor(T.FFN_GATE_INP_SHEXP): (hp.n_embd,)}
 
 
 ARCH = Qwen2Moe()

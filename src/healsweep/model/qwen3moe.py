@@ -8,7 +8,9 @@ probabilities to sum to one (``hp.norm_topk_prob`` is True). There is no shared 
 
 from __future__ import annotations
 
-from healsweep.gguf_io import ModelHparams
+from gguf import MODEL_TENSOR as T
+
+from healsweep.gguf_io import ModelHparams, layer_tensor
 from healsweep.model.arch import Architecture
 
 
@@ -19,7 +21,7 @@ class Qwen3Moe(Architecture):
 
     def attention_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
         hd = hp.head_dim  # one RMSNorm gain per head dim
-        norms = {"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)}
+        norms = {layer_tensor(T.ATTN_Q_NORM): (hd,), layer_tensor(T.ATTN_K_NORM): (hd,)}
         return super().attention_shapes(hp) | norms
 
 

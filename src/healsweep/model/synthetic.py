@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import Keys
 
-from healsweep.gguf_io import ModelHparams, tokenizer_metadata_from_tokenizer
+from healsweep.gguf_io import ModelHparams, split_block, tokenizer_metadata_from_tokenizer
 from healsweep.gguf_io._tokenizer import PRE_PATTERNS, byte_level_pre_tokenizer
 from healsweep.model.files import write_model
 from healsweep.model.registry import ARCHITECTURES
@@ -88,7 +89,7 @@ class RandomTensors(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         shape = self._shapes[name]
-        suffix = name.split(".", 2)[2] if name.startswith("blk.") else name
+        suffix = split_block(name)[1]
         mean, std = _init_scale(suffix, shape)
         rng = np.random.default_rng([self._seed, zlib.crc32(name.encode())])
         return (mean + std * rng.standard_normal(shape)).astype(np.float32)
@@ -113,7 +114,7 @@ def _resolve_types(types: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[st
         return {n: as_type(types) for n, s in shapes.items() if len(s) >= 2}
     out = {}
     for name in shapes:
-        suffix = name.split(".", 2)[2] if name.startswith("blk.") else name
+        suffix = split_block(name)[1]
         chosen = types[name] if name in types else types.get(suffix)
         if chosen is not None:
             out[name] = as_type(chosen)
@@ -167,7 +168,7 @@ def write_random_model(
     if pre is not None:
         tok_meta = dataclasses.replace(tok_meta, pre=pre)
     if chat_template is not None:
-        extra_metadata = {"tokenizer.chat_template": chat_template, **(extra_metadata or {})}
+        extra_metadata = {Keys.Tokenizer.CHAT_TEMPLATE: chat_template, **(extra_metadata or {})}
     layout = ARCHITECTURES.get(arch, ARCHITECTURES["qwen2moe"])
     hp = ModelHparams(
         arch=layout.name, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,

@@ -121,26 +121,19 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
 
         connect(address)
     elif started:
-        # An embedded cluster is this process's own: Ray's notice that it enabled token
-        # authentication by default (it did; nothing to act on) is noise on the sweep's console.
-        auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
-        notice = "Token authentication is enabled for this Ray cluster"
-
-        def drop_notice(record: logging.LogRecord) -> bool:
-            return not record.getMessage().startswith(notice)
-
+        # An embedded cluster is this process's own. Ray turns token authentication on for it
+        # by default and says so in a warning (nothing to act on, noise on the sweep's
+        # console); asking for it with Ray's documented variable gives the same cluster
+        # quietly, and a user's own RAY_AUTH_MODE is kept.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
         per_trial = max(1, int(spec.trial_resources()["cpu"]))
         local = num_cpus or max(1, min(os.cpu_count() or 1, spec.max_concurrent * per_trial))
-        auth_log.addFilter(drop_notice)
-        try:
-            ray.init(
-                num_cpus=local,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                log_to_driver=False,
-            )
-        finally:
-            auth_log.removeFilter(drop_notice)
+        ray.init(
+            num_cpus=local,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
     try:
         available = ray.cluster_resources()
         for name, amount in spec.trial_resources().items():
