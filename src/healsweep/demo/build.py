@@ -24,6 +24,7 @@ import numpy as np
 from gguf import Keys
 
 from healsweep.demo.train import MoEConfig, Params, TrainConfig, TrainResult, to_gguf_tensors, train
+from healsweep.gguf_io import block_prefix
 
 EOT = "<|endoftext|>"
 MODEL_FILE, CORPUS_FILE, TOKENIZER_FILE = (
@@ -207,7 +208,7 @@ def _tensor_order(n_layer: int) -> list[str]:
         "ffn_up_shexp.weight",
         "ffn_down_shexp.weight",
     ]
-    layers = [f"blk.{i}.{name}" for i in range(n_layer) for name in per_layer]
+    layers = [block_prefix(i) + name for i in range(n_layer) for name in per_layer]
     return ["token_embd.weight", *layers, "output_norm.weight", "output.weight"]
 
 
@@ -379,7 +380,7 @@ def build_demo(
     if chosen.expert_type is not None:
         qtype = GGMLQuantizationType[chosen.expert_type]
         types = {
-            f"blk.{i}.ffn_{part}_exps.weight": qtype
+            f"{block_prefix(i)}ffn_{part}_exps.weight": qtype
             for i in range(cfg.n_layer)
             for part in ("gate", "up", "down")
         }

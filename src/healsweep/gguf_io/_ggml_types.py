@@ -1,4 +1,4 @@
-"""ggml tensor types: gguf-py's, plus the ones it does not name yet (Q2_0, type 42, in gguf-py 0.19).
+"""ggml tensor types: gguf-py's, plus those it does not name yet (Q2_0, type 42, in gguf-py 0.19).
 
 :class:`GGMLType` is an ``IntEnum`` with every member of gguf-py's ``GGMLQuantizationType`` (same
 names, same values, so the two compare and hash alike and gguf-py's functions accept either) and

@@ -1,9 +1,10 @@
 """A GGUF model file with its hparams; its tensors read lazily, one layer at a time.
 
-Opening reads only the header (:mod:`healsweep.gguf_io._header`). Dequantizing goes through ``os.pread``-style reads (``np.fromfile`` with an offset)
-into a fresh buffer instead of through the memmap: pages of a memmap stay in the process's RSS
-once touched, so a forward over every layer would end up holding the whole file; a plain read is
-freed with the array, and peak RSS follows one layer.
+Opening reads only the header (:mod:`healsweep.gguf_io._header`). Dequantizing goes through
+``os.pread``-style reads (``np.fromfile`` with an offset) into a fresh buffer instead of through
+the memmap: pages of a memmap stay in the process's RSS once touched, so a forward over every
+layer would end up holding the whole file; a plain read is freed with the array, and peak RSS
+follows one layer.
 """
 
 from __future__ import annotations

@@ -81,9 +81,8 @@ def write_gguf(
 
     ``types[name]`` chooses a ``GGMLQuantizationType`` per tensor (F32, F16, Q8_0, Q4_0, ... as
     ``gguf.quants.quantize`` supports); the default is F32 for 1-D and F16 for the rest.
-    ``arch`` is written as ``general.architecture`` and as the key prefix (any string, so tests
-    can write architectures healsweep refuses); ``drop_keys`` leaves hparam keys out (to make
-    deliberately incomplete files). The file is written to a temp name and renamed.
+    ``arch`` is written as ``general.architecture``; ``drop_keys`` leaves metadata keys out (to
+    make deliberately incomplete files). The file is written to a temp name and renamed.
     """
     from gguf import GGMLQuantizationType, GGUFWriter
 

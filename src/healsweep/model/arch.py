@@ -104,8 +104,8 @@ class Architecture:
             return default if found is None else found
 
         n_embd, n_head = int(value("n_embd")), int(value("n_head"))
-        exps = next((s for n, s in tensor_shapes.items() if n.endswith("." + layer_tensor(T.FFN_GATE_EXP))),
-                    (0, 0, 0))  # fmt: skip
+        gate_exps = "." + layer_tensor(T.FFN_GATE_EXP)
+        exps = next((s for n, s in tensor_shapes.items() if n.endswith(gate_exps)), (0, 0, 0))
         embd = tensor_shapes.get(tensor_name(T.TOKEN_EMBD), (0, 0))
         head_dim = int(value("head_dim", n_embd // n_head))
         n_ff_exp = int(value("n_ff_exp", exps[1]))

@@ -110,7 +110,9 @@ class Deepseek2(RoutingFromFile):
 
     def router_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
         # DeepSeek-V3 style selection bias; V2 (softmax) has none
-        return {layer_tensor(T.FFN_EXP_PROBS_B, "bias"): (hp.n_expert,)} if hp.gating == "sigmoid" else {}
+        if hp.gating != "sigmoid":
+            return {}
+        return {layer_tensor(T.FFN_EXP_PROBS_B, "bias"): (hp.n_expert,)}
 
     def attention_summary(self, hp: ModelHparams) -> str:
         q = f"q_lora {hp.q_lora_rank}" if hp.q_lora_rank else "attn_q"

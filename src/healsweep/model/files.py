@@ -73,16 +73,22 @@ def write_model(
     tensors: Mapping[str, Any],
     types: Mapping[str, Any] | None = None,
     tokenizer_metadata: TokenizerMetadata | None = None,
-    **options: Any,
+    *,
+    name: str = "healsweep",
+    extra_metadata: Mapping[str, Any] | None = None,
+    drop_keys: tuple[str, ...] = (),
 ) -> Path:
     """Write a GGUF of ``hparams`` (metadata as its architecture writes it) with ``tensors``.
 
     ``arch`` is written as ``general.architecture`` and as the key prefix: any string, so tests
-    can write architectures healsweep refuses (with the shared keys only). ``options`` are
-    :func:`healsweep.gguf_io.write_gguf`'s (``name``, ``extra_metadata``, ``drop_keys``).
+    can write architectures healsweep refuses (with the shared keys only). ``types``, ``name``,
+    ``extra_metadata`` and ``drop_keys`` are :func:`healsweep.gguf_io.write_gguf`'s.
     """
     metadata = ARCHITECTURES.get(arch, GENERIC).metadata(hparams.replace(arch=arch))
-    return write_gguf(path, arch, metadata, tensors, types, tokenizer_metadata, **options)
+    return write_gguf(
+        path, arch, metadata, tensors, types, tokenizer_metadata,
+        name=name, extra_metadata=extra_metadata, drop_keys=drop_keys,
+    )  # fmt: skip
 
 
 def describe_model(model: GGUFModel) -> dict[str, Any]:

@@ -20,7 +20,8 @@ class Qwen2Moe(Architecture):
     attention_kind = "GQA with q/k/v bias"
 
     def read_shared_expert(self, value: Value, n_ff_exp: int, shapes) -> dict[str, int]:
-        gate = next((s for n, s in shapes.items() if n.endswith("." + layer_tensor(T.FFN_GATE_SHEXP))), (0, 0))
+        gate_name = "." + layer_tensor(T.FFN_GATE_SHEXP)
+        gate = next((s for n, s in shapes.items() if n.endswith(gate_name)), (0, 0))
         return {"n_ff_shexp": int(value("n_ff_shexp", gate[0]))}
 
     def shared_expert_metadata(self, hp: ModelHparams) -> dict[str, int]:
