@@ -16,7 +16,6 @@ from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io import (
     GGUFModel,
     ModelHparams,
-    TokenizerMetadata,
     chat_template_summary,
     check_tensors,
     layer_bytes,
@@ -67,28 +66,18 @@ def expected_tensor_shapes(hp: ModelHparams, *, tied_output: bool = False) -> di
 
 
 def write_model(
-    path: str | Path,
-    arch: str,
-    hparams: ModelHparams,
-    tensors: Mapping[str, Any],
-    types: Mapping[str, Any] | None = None,
-    tokenizer_metadata: TokenizerMetadata | None = None,
-    *,
-    name: str = "healsweep",
-    extra_metadata: Mapping[str, Any] | None = None,
-    drop_keys: tuple[str, ...] = (),
-) -> Path:
+    path: str | Path, arch: str, hparams: ModelHparams, tensors: Mapping[str, Any], *args: Any,
+    **options: Any,
+) -> Path:  # fmt: skip
     """Write a GGUF of ``hparams`` (metadata as its architecture writes it) with ``tensors``.
 
     ``arch`` is written as ``general.architecture`` and as the key prefix: any string, so tests
-    can write architectures healsweep refuses (with the shared keys only). ``types``, ``name``,
-    ``extra_metadata`` and ``drop_keys`` are :func:`healsweep.gguf_io.write_gguf`'s.
+    can write architectures healsweep refuses (with the shared keys only). The other arguments
+    are :func:`healsweep.gguf_io.write_gguf`'s: ``types``, ``tokenizer_metadata``, ``name``,
+    ``extra_metadata``, ``drop_keys``.
     """
     metadata = ARCHITECTURES.get(arch, GENERIC).metadata(hparams.replace(arch=arch))
-    return write_gguf(
-        path, arch, metadata, tensors, types, tokenizer_metadata,
-        name=name, extra_metadata=extra_metadata, drop_keys=drop_keys,
-    )  # fmt: skip
+    return write_gguf(path, arch, metadata, tensors, *args, **options)
 
 
 def describe_model(model: GGUFModel) -> dict[str, Any]:
