@@ -121,19 +121,30 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
 
         connect(address)
     elif started:
-        # An embedded cluster is this process's own. Ray turns token authentication on for it
-        # by default and says so in a warning (nothing to act on, noise on the sweep's
-        # console); asking for it with Ray's documented variable gives the same cluster
-        # quietly, and a user's own RAY_AUTH_MODE is kept.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # An embedded cluster is this process's own: Ray's notice that it enabled token
+        # authentication by default (it did; nothing to act on) is noise on the sweep's console.
+        # It reaches the console through the handlers of Ray's public "ray" logger (its own
+        # loggers propagate to it), so the filter sits on those while the cluster starts.
+        notice = "Token authentication is enabled for this Ray cluster"
+
+        def drop_notice(record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(notice)
+
         per_trial = max(1, int(spec.trial_resources()["cpu"]))
         local = num_cpus or max(1, min(os.cpu_count() or 1, spec.max_concurrent * per_trial))
-        ray.init(
-            num_cpus=local,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
+        handlers = list(logging.getLogger("ray").handlers)
+        for handler in handlers:
+            handler.addFilter(drop_notice)
+        try:
+            ray.init(
+                num_cpus=local,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
+        finally:
+            for handler in handlers:
+                handler.removeFilter(drop_notice)
     try:
         available = ray.cluster_resources()
         for name, amount in spec.trial_resources().items():
