@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import healsweep
-from healsweep.gguf_io import GGMLType, read_header
+from healsweep.gguf_io import TensorType, read_header
 from healsweep.model import ARCHITECTURES, SUPPORTED_ARCHS, open_model
 from healsweep.model.synthetic import write_random_model
 
@@ -88,7 +88,7 @@ def test_the_header_reader_agrees_with_gguf_pys_reader(random_gguf):
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     model = open_model(path)
     for mine, t in zip(ours.tensors, theirs.tensors, strict=True):
-        assert mine.type == t.tensor_type and isinstance(mine.type, GGMLType)
+        assert mine.type == t.tensor_type and isinstance(mine.type, TensorType)
         assert mine.dims == tuple(t.shape.tolist())
         assert (mine.offset, mine.n_bytes) == (t.data_offset, t.n_bytes)
         _, stored = model.raw_tensor(t.name)

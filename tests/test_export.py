@@ -20,7 +20,7 @@ import pytest
 from _heal_fixtures import heal_setup
 from healsweep.cache import StageCache
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io import GGML_Q2_0, QUANT_SIZES, GGMLType, q2_0_type
+from healsweep.gguf_io import GGML_Q2_0, QUANT_SIZES, TensorType, q2_0_type
 from healsweep.heal.export import type42_rows, write_healed_gguf, write_q2_sidecar
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
@@ -54,12 +54,12 @@ def test_type_42_is_a_local_type_with_the_decoders_geometry_and_gguf_py_is_left_
     from healsweep.kernels.ggml_decode import block_geometry
 
     member = q2_0_type()
-    assert q2_0_type() is member is GGMLType(GGML_Q2_0)
+    assert q2_0_type() is member is TensorType(GGML_Q2_0)
     assert member.name == "Q2_0" and int(member) == 42
     assert QUANT_SIZES[member] == block_geometry(42) == (64, 18)
-    # every gguf-py type is a GGMLType of the same name, value and geometry, and compares equal
+    # every gguf-py type is a TensorType of the same name, value and geometry, and compares equal
     for qtype, sizes in gguf.GGML_QUANT_SIZES.items():
-        ours = GGMLType[qtype.name]
+        ours = TensorType[qtype.name]
         assert ours == qtype and hash(ours) == hash(qtype) and QUANT_SIZES[ours] == sizes
     # nothing was registered into gguf-py's own enum or table
     assert all(type(t) is gguf.GGMLQuantizationType for t in gguf.GGML_QUANT_SIZES)

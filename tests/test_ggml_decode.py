@@ -4,8 +4,9 @@ Every type in ``IN_GRAPH_TYPES`` but Q2_0 is compared with gguf-py on random blo
 replaced by finite fp16 values of many magnitudes) and on adversarial blocks (all-zero and all-0xFF
 codes, fp16 fields at ±65504, ±smallest subnormal, ±0, ±1, ±inf and NaNs, every 6-bit pattern of
 the K-quants' packed scales). Q2_0, which gguf-py cannot read, is compared with a float64 numpy
-decoder written here from the block spec, and with the project's own Q2_0 codec. The layout
-tables below are ggml's block structs, written down independently of the module under test.
+decoder written from the block spec (``healsweep.conformance.references``, which doctor uses
+too), and with the project's own Q2_0 codec. The layout tables below are ggml's block structs,
+written down independently of the module under test.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
+from healsweep.conformance.references import q2_0_from_bytes as q2_0_reference
 from healsweep.errors import GGUFFormatError
 from healsweep.kernels import _decode_legacy as lg
 from healsweep.kernels.ggml_decode import (
@@ -232,19 +234,6 @@ def reference(rows: np.ndarray, qtype: int) -> np.ndarray:
         return np.asarray(dequantize(rows, T(qtype)), np.float32)
 
 
-def q2_0_reference(rows: np.ndarray) -> np.ndarray:
-    """Q2_0 from the spec in float64: fp16 ``d`` (LE), 16 code bytes, weight ``j`` at bits
-    ``2*(j%4)`` of byte ``j//4``, value ``(code - 1) * d``."""
-    blocks = rows.reshape(-1, 18)
-    d = blocks[:, :2].copy().view("<f2")[:, 0].astype(np.float64)
-    codes = np.zeros((len(blocks), 64), np.int64)
-    for j in range(64):
-        codes[:, j] = (blocks[:, 2 + j // 4].astype(np.int64) >> (2 * (j % 4))) & 3
-    with np.errstate(invalid="ignore"):
-        values = (codes - 1).astype(np.float64) * d[:, None]
-    return values.reshape(rows.shape[0], -1)
-
-
 def test_type_ids_and_geometry():
     for name in REQUIRED:
         assert int(T[name]) in IN_GRAPH_TYPES
@@ -254,7 +243,7 @@ def test_type_ids_and_geometry():
     from healsweep.gguf_io import QUANT_SIZES, q2_0_type  # gguf-py 0.19 does not name type 42
 
     assert int(q2_0_type()) == 42 and QUANT_SIZES[q2_0_type()] == (64, 18)  # the local table
-    assert block_geometry(int(T.Q2_K)) == GGML_QUANT_SIZES[T.Q2_K]  # host-fallback types too
+    assert block_geometry(int(T.TQ1_0)) == GGML_QUANT_SIZES[T.TQ1_0]  # host-fallback types too
     with pytest.raises(GGUFFormatError):
         block_geometry(999)
 
@@ -396,7 +385,7 @@ def test_deliberately_wrong_decoder_fails(qtype, wrong):
 def test_bad_inputs_raise():
     raw = np.zeros((2, 34), np.uint8)
     with pytest.raises(GGUFFormatError):
-        decode_rows(raw, int(T.Q2_K), 256)  # no in-graph decoder
+        decode_rows(raw, int(T.TQ1_0), 256)  # no in-graph decoder
     with pytest.raises(GGUFFormatError):
         decode_rows(raw, int(T.Q8_0), 64)  # 64 weights need 68 bytes
     with pytest.raises(GGUFFormatError):

@@ -7,27 +7,15 @@ import pytest
 
 from _heal_fixtures import correlated_layer, heal_setup
 from healsweep.cache import StageCache
+from healsweep.conformance import references
 from healsweep.errors import KnobError
 from healsweep.heal import gptq, stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student, needs_trace
-from healsweep.kernels import gptq as gptq_kernel
 from healsweep.kernels import q2_0
 
 setup = heal_setup
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
-
-
-def _dequantize(d, q):
-    n_exp, n_out, n_in = q.shape
-    blocks = q.reshape(n_exp, n_out, n_in // 64, 64).astype(np.float64)
-    return (blocks * np.asarray(d, np.float64)[..., None]).reshape(n_exp, n_out, n_in)
-
-
-def _h_error(w, d, q, h):
-    """tr((W − Q) H (W − Q)ᵀ) per expert, float64: the output error on the inputs behind H."""
-    r = np.asarray(w, np.float64) - _dequantize(d, q)
-    return np.einsum("eoi,eij,eoj->e", r, np.asarray(h, np.float64), r)
 
 
 def test_identity_second_moment_equals_search_bit_for_bit():
@@ -54,53 +42,32 @@ def test_h_weighted_error_never_above_search(seed):
         d, q, ok = gptq.quantize_stack(w, h, gain, damp=0.01)
         ref = q2_0.quantize_matrix(w, importance, gain)
         assert ok.all()
-        err_gptq = _h_error(w, d, q, h)
-        err_search = _h_error(w, np.asarray(ref.d), np.asarray(ref.q), h)
+        err_gptq = references.h_objective(w, d, q, h).sum(1)
+        err_search = references.h_objective(w, np.asarray(ref.d), np.asarray(ref.q), h).sum(1)
         assert np.all(err_gptq <= err_search), (err_gptq, err_search)
         assert np.all(err_gptq < 0.9 * err_search)  # and clearly below on correlated inputs
 
 
-def _reference_gptq(w, h, gain, damp):
-    """Textbook GPTQ in float64: every column's error is applied to all later columns at once
-    (no lazy batches), H⁻¹'s upper factor by numpy. Only each block's scale search runs the
-    float32 codec (block_scale), on the float64 weights as they are at the block's start."""
-    w = np.array(w, np.float64)
-    n_exp, n_out, n_in = w.shape
-    d_out = np.zeros((n_exp, n_out, n_in // 64), np.float16)
-    q_out = np.zeros((n_exp, n_out, n_in), np.int8)
-    for e in range(n_exp):
-        he = h[e].astype(np.float64)
-        he = he + damp * np.mean(np.diag(he)) * np.eye(n_in)
-        u = np.linalg.cholesky(np.linalg.inv(he)).T
-        importance = np.diag(he)[None].astype(np.float32)
-        for b in range(n_in // 64):
-            cols = slice(64 * b, 64 * b + 64)
-            d16, step = gptq_kernel.block_scale(
-                w[e][None, :, cols].astype(np.float32), importance[:, cols], np.float32(gain)
-            )
-            d16, step = np.asarray(d16)[0], np.asarray(step, np.float64)[0]
-            d_out[e, :, b] = d16
-            for j in range(64 * b, 64 * b + 64):
-                q = np.clip(np.round(w[e, :, j] * step), -1, 2)
-                q_out[e, :, j] = q
-                err = (w[e, :, j] - q * d16.astype(np.float64)) / u[j, j]
-                w[e, :, j + 1 :] -= np.outer(err, u[j, j + 1 :])
-    return d_out, q_out
-
-
 def test_matches_a_float64_reference():
     # The kernel runs in float32 with lazy block updates; the reference in float64, column by
-    # column. Their weights drift apart by ~1e-6 relative, so a code sitting within that of a
-    # rounding boundary may differ, and a different code changes every later error in its row.
+    # column, each block's scale by the float64 search. Their weights drift apart by ~1e-6
+    # relative, so a code sitting within that of a rounding boundary may differ, and a
+    # different code changes every later error in its row.
     # On these 3 x 16 x 192 weights that is at most a few in a thousand codes (measured: 0).
     w, h = correlated_layer(7, n_out=16)
     d, q, ok = gptq.quantize_stack(w, h, 0.3, damp=0.01)
-    d_ref, q_ref = _reference_gptq(w, h, 0.3, 0.01)
+    hd = gptq.damped(h, 0.01).astype(np.float64)
+    u = np.linalg.cholesky(np.linalg.inv(hd)).transpose(0, 2, 1)
+    d_ref, q_ref = references.gptq(w, u, np.einsum("eii->ei", hd), 0.3)
     assert ok.all()
     assert np.mean(q != q_ref) <= 5e-3
     assert np.mean(d.view(np.uint16) != d_ref.view(np.uint16)) <= 2e-2
     # and both are equally good by the objective they minimize
-    np.testing.assert_allclose(_h_error(w, d, q, h), _h_error(w, d_ref, q_ref, h), rtol=1e-3)
+    np.testing.assert_allclose(
+        references.h_objective(w, d, q, h).sum(1),
+        references.h_objective(w, d_ref, q_ref, h).sum(1),
+        rtol=1e-3,
+    )
 
 
 def test_second_moments_and_inverse_factor_match_float64():
@@ -213,7 +180,11 @@ def test_gptq_lowers_the_routed_output_error_of_gate_and_up(setup, tmp_path):
     errors = {}
     for name, built in (("gptq", student), ("search", search)):
         gate = built.replacements[0].gate_exps
-        errors[name] = _h_error(w[enough], np.asarray(gate.d)[enough], gate.q[enough], h).sum()
+        errors[name] = (
+            references.h_objective(w[enough], np.asarray(gate.d)[enough], gate.q[enough], h)
+            .sum(1)
+            .sum()
+        )
     assert errors["gptq"] < errors["search"]
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from _tiny_corpus import write_tiny_corpus
 from healsweep.cache import StageCache
+from healsweep.conformance.references import q2_0_plain as _plain_f64
 from healsweep.gguf_io import routed_expert_bpw
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
@@ -26,18 +27,6 @@ from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 ROOT = Path(__file__).resolve().parents[1]
 CAL = {"chunk_length": 64, "min_tokens_per_expert": 4}
 PLAIN = Knobs(quantizer="plain", alpha="none", ridge=False)
-
-
-def _plain_f64(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The definition, in float64 numpy: d = fp16(signed amax / 2), q = clip(rint(w/d), -1, 2)."""
-    blocks = w.astype(np.float64).reshape(*w.shape[:-1], -1, 64)
-    at = np.abs(blocks).argmax(-1)[..., None]
-    amax = np.take_along_axis(blocks, at, -1)[..., 0]
-    d = (amax / 2).astype(np.float16)
-    d64 = d.astype(np.float64)[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(d64 == 0, 0, np.clip(np.rint(blocks / d64), -1, 2))
-    return d, q.astype(np.int8).reshape(w.shape)
 
 
 def test_plain_codes_and_scales_are_the_definition_and_round_trip_within_half_a_step():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from healsweep.cache import StageCache
+from healsweep.conformance.references import log_softmax as _np_log_softmax
 from healsweep.data.corpus import Document, Message, load_corpus, write_corpus
 from healsweep.data.split import parity_split
 from healsweep.data.windows import make_windows
@@ -65,12 +66,6 @@ def windows(models, tmp_path_factory):
     )
     assert len(found) == 12
     return found[:8]  # two batches of BATCH: few shapes to compile
-
-
-def _np_log_softmax(x):
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 def _independent(teacher, student_model, window, replacements=None):

@@ -1,13 +1,15 @@
-"""Reading and writing GGUF files: metadata, lazy tensors, tokenizer, writer, layer slices.
+"""Reading and writing GGUF files: metadata, lazy tensors, tokenizer, writer, layer slices,
+scales folded into stored blocks.
 
 What a file's metadata and tensors mean for its architecture is :mod:`healsweep.model`'s part
 (``healsweep.model.open_model`` opens a model through this package).
 """
 
+from healsweep.gguf_io._fold import FOLDABLE_TYPES, fold_scale
 from healsweep.gguf_io._ggml_types import (
     GGML_Q2_0,
     QUANT_SIZES,
-    GGMLType,
+    TensorType,
     add_tensor_info,
     element_shape,
     q2_0_type,
@@ -33,9 +35,10 @@ from healsweep.gguf_io._tokenizer import (
 from healsweep.gguf_io._writer import encode_tensor, write_gguf
 
 __all__ = [
+    "FOLDABLE_TYPES",
     "GGML_Q2_0",
     "QUANT_SIZES",
-    "GGMLType",
+    "TensorType",
     "GGUFHeader",
     "GGUFModel",
     "ModelHparams",
@@ -50,6 +53,7 @@ __all__ = [
     "file_fingerprint",
     "layer_bytes",
     "layer_tensor",
+    "fold_scale",
     "load_tokenizer_file",
     "parse_layer_range",
     "q2_0_type",

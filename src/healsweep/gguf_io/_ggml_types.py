@@ -1,6 +1,6 @@
 """ggml tensor types: gguf-py's, plus those it does not name yet (Q2_0, type 42, in gguf-py 0.19).
 
-:class:`GGMLType` is an ``IntEnum`` with every member of gguf-py's ``GGMLQuantizationType`` (same
+:class:`TensorType` is an ``IntEnum`` with every member of gguf-py's ``GGMLQuantizationType`` (same
 names, same values, so the two compare and hash alike and gguf-py's functions accept either) and
 the local types; :data:`QUANT_SIZES` is gguf-py's ``GGML_QUANT_SIZES`` plus the local block
 geometries. gguf-py's own enum and table are never changed: healsweep reads and writes tensor
@@ -21,26 +21,26 @@ GGML_Q2_0 = 42
 _LOCAL_TYPES = {"Q2_0": (GGML_Q2_0, (64, 18))}  # fp16 d, then 16 bytes of 2-bit codes LSB first
 
 _GGUF_IDS = {int(member) for member in GGMLQuantizationType}
-GGMLType = IntEnum(
-    "GGMLType",
+TensorType = IntEnum(
+    "TensorType",
     {m.name: int(m) for m in GGMLQuantizationType}
     | {name: id_ for name, (id_, _) in _LOCAL_TYPES.items() if id_ not in _GGUF_IDS},
 )
-QUANT_SIZES: dict[GGMLType, tuple[int, int]] = {
-    GGMLType(int(t)): (int(s[0]), int(s[1])) for t, s in GGML_QUANT_SIZES.items()
+QUANT_SIZES: dict[TensorType, tuple[int, int]] = {
+    TensorType(int(t)): (int(s[0]), int(s[1])) for t, s in GGML_QUANT_SIZES.items()
 }
 for _name, (_id, _sizes) in _LOCAL_TYPES.items():
-    if QUANT_SIZES.setdefault(GGMLType(_id), _sizes) != _sizes:
+    if QUANT_SIZES.setdefault(TensorType(_id), _sizes) != _sizes:
         raise RuntimeError(
-            f"gguf-py gives ggml type {_id} ({GGMLType(_id).name}) blocks of "
-            f"{QUANT_SIZES[GGMLType(_id)]}, healsweep's {_name} is {_sizes}; this gguf-py is "
+            f"gguf-py gives ggml type {_id} ({TensorType(_id).name}) blocks of "
+            f"{QUANT_SIZES[TensorType(_id)]}, healsweep's {_name} is {_sizes}; this gguf-py is "
             "incompatible"
         )
 
 
-def q2_0_type() -> GGMLType:
+def q2_0_type() -> TensorType:
     """The member for ggml type 42 (Q2_0)."""
-    return GGMLType(GGML_Q2_0)
+    return TensorType(GGML_Q2_0)
 
 
 def gguf_py_names(qtype: int) -> bool:
@@ -50,7 +50,7 @@ def gguf_py_names(qtype: int) -> bool:
 
 def element_shape(byte_shape: tuple[int, ...], qtype: int) -> tuple[int, ...]:
     """The numpy shape in weights of a tensor stored as ``[..., row bytes]`` of type ``qtype``."""
-    block, size = QUANT_SIZES[GGMLType(int(qtype))]
+    block, size = QUANT_SIZES[TensorType(int(qtype))]
     return (*byte_shape[:-1], byte_shape[-1] // size * block)
 
 
@@ -65,7 +65,7 @@ def add_tensor_info(
     data's dtype given as whole blocks (``np.void`` of the block's bytes), which gguf-py writes
     as it is.
     """
-    qtype = GGMLType(int(qtype))
+    qtype = TensorType(int(qtype))
     if gguf_py_names(qtype) or np.dtype(dtype) != np.uint8:
         writer.add_tensor_info(name, shape, np.dtype(dtype), nbytes, raw_dtype=qtype)
         return

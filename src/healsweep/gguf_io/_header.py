@@ -4,7 +4,7 @@ gguf-py's reader turns every tensor's type id into its own enum while it opens a
 on an id it does not name (Q2_0, type 42, in gguf-py 0.19), so healsweep reads the header itself
 (the layout gguf-py's reader and writer implement: magic, version, counts, key/value fields,
 tensor infos, aligned data) with gguf-py's constants, and maps tensor types to
-:class:`GGMLType`. Only the header's pages are read; tensor data is read by the caller.
+:class:`TensorType`. Only the header's pages are read; tensor data is read by the caller.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from gguf import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUFValueType, Keys
 
-from healsweep.gguf_io._ggml_types import QUANT_SIZES, GGMLType
+from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
 
 _SUPPORTED_VERSIONS = (2, 3)
 # GGUFValueType → struct format of the scalar types
@@ -62,7 +62,7 @@ class TensorInfo(NamedTuple):
 
     name: str
     dims: tuple[int, ...]
-    type: GGMLType
+    type: TensorType
     offset: int
     n_bytes: int
 
@@ -192,12 +192,12 @@ def read_header(path: Path) -> GGUFHeader:
         if name in names:
             raise ValueError(f"duplicate tensor {name}")
         names.add(name)
-        block, type_size = QUANT_SIZES[GGMLType(qtype)]
+        block, type_size = QUANT_SIZES[TensorType(qtype)]
         n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
         start = data_offset + offset
         if start + n_bytes > size:
             raise TruncatedTensor(name, start + n_bytes, size)
-        tensors.append(TensorInfo(name, dims, GGMLType(qtype), start, n_bytes))
+        tensors.append(TensorInfo(name, dims, TensorType(qtype), start, n_bytes))
     return GGUFHeader(path, version, order == "<", alignment, data_offset, kv_end, fields,
                       tensors)  # fmt: skip
 

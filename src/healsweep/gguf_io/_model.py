@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io._ggml_types import QUANT_SIZES, GGMLType
+from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
 from healsweep.gguf_io._header import (
     GGUFHeader,
     TruncatedTensor,
@@ -82,8 +82,8 @@ class GGUFModel:
                 f"tensor {name!r} is not in {self.path}; list them with `healsweep model info`"
             ) from None
 
-    def tensor_type(self, name: str) -> GGMLType:
-        """The tensor's ggml type (a :class:`GGMLType`, equal to gguf-py's member where it has
+    def tensor_type(self, name: str) -> TensorType:
+        """The tensor's ggml type (a :class:`TensorType`, equal to gguf-py's member where it has
         one)."""
         return self._info(name).type
 
@@ -95,7 +95,7 @@ class GGUFModel:
         """Bytes the tensor occupies in the file."""
         return self._info(name).n_bytes
 
-    def raw_tensor(self, name: str) -> tuple[GGMLType, np.ndarray]:
+    def raw_tensor(self, name: str) -> tuple[TensorType, np.ndarray]:
         """``(ggml_type, raw)``: the stored values, or bytes ``[..., row bytes]`` of a block type
         (a read-only memmap view)."""
         info = self._info(name)
@@ -201,7 +201,7 @@ def host_decodable(qtype: int) -> bool:
     gguf-py raises ``NotImplementedError`` for a type it has no code for)."""
     from gguf.quants import dequantize
 
-    qtype = GGMLType(int(qtype))
+    qtype = TensorType(int(qtype))
     block, size = QUANT_SIZES[qtype]
     try:
         dequantize(np.zeros(size if block > 1 else 4, np.uint8), qtype)

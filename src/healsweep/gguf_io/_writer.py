@@ -16,7 +16,7 @@ from gguf import Keys
 
 from healsweep._atomic import atomic_path
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io._ggml_types import QUANT_SIZES, GGMLType
+from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
 from healsweep.gguf_io._kquant import KQUANT_TYPES, quantize_kquant
 from healsweep.gguf_io._tokenizer import TokenizerMetadata
 
@@ -32,7 +32,7 @@ def encode_tensor(name: str, values: np.ndarray, qtype) -> np.ndarray:
     """``values`` (float32) in the storage format ``qtype``: float arrays or packed bytes."""
     from gguf.quants import quantize
 
-    block, _ = QUANT_SIZES[GGMLType(int(qtype))]
+    block, _ = QUANT_SIZES[TensorType(int(qtype))]
     if values.shape[-1] % block:
         raise GGUFFormatError(
             f"cannot store {name} {tuple(values.shape)} as {qtype.name}: rows of "

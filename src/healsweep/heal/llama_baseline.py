@@ -102,13 +102,13 @@ def write_llama_baseline(
     """
     from importlib.metadata import PackageNotFoundError, version
 
-    from healsweep.gguf_io import GGMLType
+    from healsweep.gguf_io import TensorType
     from healsweep.gguf_io._ggml_lib import block_geometry
     from healsweep.heal.export import write_replacing
 
     say = progress or (lambda stage, message: None)
     qtype = check_baseline(model, type_name, calibration is not None)
-    ggml_type = GGMLType(qtype)
+    ggml_type = TensorType(qtype)
     trace = None
     if calibration is not None:
         from healsweep.cache import StageCache

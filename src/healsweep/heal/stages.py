@@ -17,15 +17,13 @@ Each stage is a function of explicit inputs whose cache key is built from exactl
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-from functools import cache, partial
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import jax
 import numpy as np
 
+from healsweep._code import code_digest
 from healsweep.cache import content_key
 from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io import block_prefix
@@ -33,6 +31,9 @@ from healsweep.heal import importance as imp
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.kernels import alpha as alpha_kernels
 
+# Entry format numbers. A key's code digest already changes with any edit to the code the stage
+# can run, so a code change needs no bump here; bump one to drop a stage's entries for a reason
+# outside healsweep's source (say, a dependency release that changes its numerics).
 VERSIONS = {
     "quantize": 1,
     "quantize_gptq": 2,
@@ -51,48 +52,15 @@ ROUTED_CHUNK = 2048  # tokens per routed-output call (padded), bounds memory and
 
 
 # The code a stage runs is one of its inputs: a fix in the codec or the forward must not be
-# served stale results from the cache, so each key holds a digest of the modules' sources.
-STAGE_CODE = {
-    "quantize": ("healsweep.kernels.q2_0", "healsweep.heal.importance"),
-    "quantize_gptq": (
-        "healsweep.kernels.q2_0",
-        "healsweep.heal.importance",
-        "healsweep.kernels.gptq",
-        "healsweep.kernels.gptq_refine",
-        "healsweep.heal.gptq",
-    ),
-    "quantize_plain": ("healsweep.kernels.q2_0_plain", "healsweep.kernels.q2_0"),
-    "routed_q": ("healsweep.model.layers",),
-    "part_a": ("healsweep.kernels.alpha",),
-    "residuals": ("healsweep.kernels.alpha", "healsweep.heal.stages"),
-    "ridge_basis": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
-    "ridge_rhs": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
-    "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge"),
-    "ridge_heldout": (
-        "healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"
-    ),
-    "part_b": (
-        "healsweep.kernels.ridge",
-        "healsweep.heal.ridge",
-        "healsweep.kernels.iq4_nl",
-        "healsweep.heal.requant",
-    ),
-}
-
-
-@cache
-def code_digest(modules: tuple[str, ...]) -> str:
-    """sha256 over the source files of ``modules`` (first 16 hex digits)."""
-    digest = hashlib.sha256()
-    for name in modules:
-        digest.update(name.encode() + b"\0")
-        digest.update(Path(importlib.import_module(name).__file__).read_bytes())
-    return digest.hexdigest()[:16]
+# served stale results from the cache. Every stage here is computed by functions and closures of
+# heal.pipeline, and heal.evaluate computes quantize and routed_q entries with its own; their
+# import closure (healsweep._code, read from the source) holds every module these stages run.
+CODE_ROOTS = ("healsweep.heal.pipeline", "healsweep.heal.evaluate")
 
 
 def stage_key(stage: str, inputs: dict[str, Any]) -> str:
     """Content key of ``stage`` over ``inputs`` plus its version and its code digest."""
-    return content_key(stage, VERSIONS[stage], {**inputs, "code": code_digest(STAGE_CODE[stage])})
+    return content_key(stage, VERSIONS[stage], {**inputs, "code": code_digest(CODE_ROOTS)})
 
 
 # --- quantize ----------------------------------------------------------------------------------
@@ -300,9 +268,7 @@ def gaussian_alpha(weights: dict[str, np.ndarray], experts: dict[str, Any], gamm
     x = alpha_kernels.gaussian_probe_inputs(imp.gaussian_probe_scale(weights["ffn_norm.weight"]))
     dense = tuple(np.asarray(weights[f"ffn_{n}_exps.weight"][probe]) for n in EXPERT_TENSORS)
     quantized = tuple(
-        np.asarray(
-            jax.tree_util.tree_map(lambda leaf: leaf[probe], experts[n]).dequantize()
-        )
+        np.asarray(jax.tree_util.tree_map(lambda leaf: leaf[probe], experts[n]).dequantize())
         for n in EXPERT_TENSORS
     )
     return float(alpha_kernels.alpha_gaussian(x, dense, quantized, gamma))

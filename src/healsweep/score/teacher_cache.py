@@ -6,7 +6,8 @@ Two entry formats live side by side in stage ``teacher_logits`` (their keys diff
   ... scored_from + n - 2``), the teacher's float32 log-softmax ``[n, V]`` (exact to float32,
   never a 16-bit clamp; an entry is bounded by ``max_scored x V``) and its router top-k expert
   ids ``[n, L, k]``. Its key is the model file's fingerprint, the window's token ids and its
-  scored range (unchanged since version 1): nothing else can change the teacher's output.
+  scored range, and the digest of the code that computes it (the forward, the kernels, this
+  module: :data:`CODE_ROOTS`' import closure).
 - ``compact`` (the default): a fixed-size record per position, see
   :mod:`healsweep.score.compact`; the key adds the record format, (K, S), the tail sampler and
   the window id that seeds the draws.
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key
 from healsweep.score.compact import (
     COMPACT,
@@ -34,8 +36,12 @@ from healsweep.score.compact import (
 )
 
 STAGE = "teacher_logits"
-VERSION = 1  # exact entries
+VERSION = 1  # exact entries' format (code changes are in the key's code digest)
 COMPACT_VERSION = 1
+# Teacher outputs are computed by functions of this module, from the window's fields alone (no
+# method of the window's class runs): the closure of its imports (the forward, the kernels, the
+# compact record) is the code a key covers.
+CODE_ROOTS = ("healsweep.score.teacher_cache",)
 
 
 class TeacherOutput(NamedTuple):
@@ -54,7 +60,7 @@ def scored_positions(window: Any) -> np.ndarray:
 
 
 def teacher_key(model: Any, window: Any, fmt: str | TeacherCacheFormat = COMPACT) -> str:
-    """Cache key of a window's teacher output in ``fmt`` (``exact`` keys are as in version 1)."""
+    """Cache key of a window's teacher output in ``fmt``."""
     fmt = cache_format(fmt)
     tokens = np.ascontiguousarray(window.tokens, dtype="<i4").tobytes()
     inputs = {
@@ -63,6 +69,7 @@ def teacher_key(model: Any, window: Any, fmt: str | TeacherCacheFormat = COMPACT
         "n_tokens": int(len(window.tokens)),
         "scored_from": int(window.scored_from),
         "n_scored": int(window.n_scored),
+        "code": code_digest(CODE_ROOTS),
     }
     if fmt.kind == "exact":
         return content_key(STAGE, VERSION, inputs)
@@ -90,7 +97,10 @@ def _entry(
     """The arrays stored for one window in ``fmt``."""
     if fmt.kind == "exact":
         return {"logprobs": out.logprobs, "topk_ids": out.topk_ids}
-    record = compact_record(out.logprobs, window.scored_tokens, out.topk_ids, window.window_id, fmt)
+    # the scored tokens from the fields the key holds (not Window.scored_tokens: its module is
+    # no part of this stage's code digest)
+    scored = window.tokens[window.scored_from : window.scored_from + window.n_scored]
+    record = compact_record(out.logprobs, scored, out.topk_ids, window.window_id, fmt)
     arrays = record._asdict()
     arrays["topk_ids"] = record.topk_ids.astype(router_dtype(model.hparams.n_expert))
     return arrays
@@ -137,6 +147,7 @@ def teacher_outputs(
 
 
 __all__ = [
+    "CODE_ROOTS",
     "COMPACT_VERSION",
     "STAGE",
     "VERSION",
