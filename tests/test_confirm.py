@@ -45,7 +45,7 @@ def _cli(*args: str, env: dict, timeout: int = 600) -> subprocess.CompletedProce
 def swept(tmp_path_factory, tiny_tokenizer):
     """A finished 2-config sweep (baseline and gain_d=0, with the unhealed and plain reference
     rows) on a tiny model, run by the CLI."""
-    from healsweep.gguf_io.synthetic import write_random_model
+    from healsweep.model.synthetic import write_random_model
 
     root = tmp_path_factory.mktemp("confirm")
     model = write_random_model(
@@ -296,7 +296,7 @@ def sealed_work(spec, knobs, done, seed, *, log: str, grant=None):
     """A trainable body that asks for the test windows (what a hand-written sweep might try)."""
     from healsweep.data.split import load_split
     from healsweep.data.windows import make_windows
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     corpus = load_corpus(spec.corpus)
     try:

@@ -19,10 +19,10 @@ import pytest
 
 from _tiny_corpus import write_tiny_corpus
 from healsweep.cache import StageCache
-from healsweep.gguf_io import open_model
 from healsweep.heal.export import type42_rows
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.model import open_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TRIALS = {  # trial id -> (is_baseline, status, dev KLD, knob changes)
@@ -35,7 +35,7 @@ TRIALS = {  # trial id -> (is_baseline, status, dev KLD, knob changes)
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, tiny_tokenizer):
-    from healsweep.gguf_io.synthetic import write_random_model
+    from healsweep.model.synthetic import write_random_model
     from healsweep.results.schema import knob_columns, to_table, trial_schema
     from healsweep.results.store import TRIALS_FILE, atomic_write_table
     from healsweep.sweep.manifest import start_manifest

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from healsweep.gguf_io import open_model
 from healsweep.gguf_io._ggml_lib import dequantize_rows
+from healsweep.model import open_model
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

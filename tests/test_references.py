@@ -17,11 +17,12 @@ import pytest
 from _tiny_corpus import write_tiny_corpus
 from healsweep.cache import StageCache
 from healsweep.conformance.references import q2_0_plain as _plain_f64
-from healsweep.gguf_io import open_model, routed_expert_bpw
-from healsweep.gguf_io.synthetic import train_tiny_tokenizer, write_random_model
+from healsweep.gguf_io import routed_expert_bpw
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.kernels import q2_0_plain
+from healsweep.model import open_model
+from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CAL = {"chunk_length": 64, "min_tokens_per_expert": 4}

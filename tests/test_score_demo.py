@@ -14,8 +14,8 @@ from healsweep.cache import StageCache
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import parity_split
 from healsweep.data.windows import interleave_strata, make_windows
-from healsweep.gguf_io import open_model, write_model
 from healsweep.gguf_io._tokenizer import tokenizer_metadata_from_gguf
+from healsweep.model import open_model, write_model
 from healsweep.score import pooled, score_windows
 from healsweep.score.report import check_same_tokenizer
 from healsweep.score.teacher_cache import STAGE

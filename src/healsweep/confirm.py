@@ -82,7 +82,7 @@ def calibration_identity(calibration: Any) -> dict[str, Any]:
 def sweep_model(sweep_dir: Path, spec: Any, manifest: dict[str, Any], remedy: str) -> Any:
     """The sweep's model, opened; ResultsError (ending in ``remedy``) when its fingerprint is
     not the one the manifest recorded."""
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     teacher = open_model(spec.model)
     if manifest.get("model_fingerprint") not in (None, teacher.fingerprint):

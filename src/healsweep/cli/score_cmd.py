@@ -98,7 +98,7 @@ def score(
     from healsweep.data.leakage import calibration_tokens, check_leakage
     from healsweep.data.split import load_split, parity_split
     from healsweep.data.windows import interleave_strata, make_windows
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
     from healsweep.score.compact import TeacherCacheError, cache_format
     from healsweep.score.report import check_same_tokenizer, format_summary, score_report
 

@@ -18,6 +18,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from healsweep.errors import KnobError
+from healsweep.gguf_io import block_prefix
 from healsweep.score.record import CacheWindowStats, per_token
 
 MIB = float(1 << 20)
@@ -69,7 +70,7 @@ def expert_bytes(student: Any) -> list[int]:
             if weight is not None:
                 total += int(weight.nbytes)
             else:
-                total += model.tensor_nbytes(f"blk.{layer}.ffn_{field}.weight")
+                total += model.tensor_nbytes(f"{block_prefix(layer)}ffn_{field}.weight")
         sizes.append(total // n_expert)
     return sizes
 

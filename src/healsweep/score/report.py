@@ -14,12 +14,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gguf import Keys
+
 from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
 from healsweep.score.runner import score_windows, student_model
 from healsweep.score.stats import pooled
 
-TOKENS_KEY = "tokenizer.ggml.tokens"
+TOKENS_KEY = Keys.Tokenizer.LIST
 
 
 def check_same_tokenizer(teacher: Any, student: Any) -> int:

@@ -123,7 +123,8 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
     elif started:
         # An embedded cluster is this process's own: Ray's notice that it enabled token
         # authentication by default (it did; nothing to act on) is noise on the sweep's console.
-        auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+        # It reaches the console through the handlers of Ray's public "ray" logger (its own
+        # loggers propagate to it), so the filter sits on those while the cluster starts.
         notice = "Token authentication is enabled for this Ray cluster"
 
         def drop_notice(record: logging.LogRecord) -> bool:
@@ -131,7 +132,9 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
 
         per_trial = max(1, int(spec.trial_resources()["cpu"]))
         local = num_cpus or max(1, min(os.cpu_count() or 1, spec.max_concurrent * per_trial))
-        auth_log.addFilter(drop_notice)
+        handlers = list(logging.getLogger("ray").handlers)
+        for handler in handlers:
+            handler.addFilter(drop_notice)
         try:
             ray.init(
                 num_cpus=local,
@@ -140,7 +143,8 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
                 log_to_driver=False,
             )
         finally:
-            auth_log.removeFilter(drop_notice)
+            for handler in handlers:
+                handler.removeFilter(drop_notice)
     try:
         available = ray.cluster_resources()
         for name, amount in spec.trial_resources().items():

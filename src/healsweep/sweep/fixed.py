@@ -80,7 +80,8 @@ def reference_knobs(spec: Any, name: str) -> Knobs:
 
 def fixed_configs(spec: Any) -> list[FixedConfig]:
     """The spec's references (in ``REFERENCES`` order), then its external entries."""
-    from healsweep.gguf_io import open_model, routed_expert_bpw
+    from healsweep.gguf_io import routed_expert_bpw
+    from healsweep.model import open_model
 
     out = [FixedConfig("reference", n, reference_knobs(spec, n)) for n in spec.reference_names()]
     for entry in spec.external:

@@ -263,7 +263,7 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
     """Each ``external`` GGUF opens, and has the token list of the sweep's model; else one
     ``SpecError`` line naming the entry (before anything is started)."""
     from healsweep.errors import HealsweepError
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
     from healsweep.score.report import check_same_tokenizer
 
     teacher = open_model(spec.model)

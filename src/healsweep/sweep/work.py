@@ -92,7 +92,7 @@ def run_external_work(
 ) -> Iterator[WindowRecord]:
     """Score the GGUF at ``path`` as the student on the sweep's dev windows (an ``external``
     entry of the spec), like :func:`run_trial_work` scores a healed config."""
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     yield from _score_dev(spec, lambda teacher, cache: open_model(path), windows_done, seed)
 
@@ -105,7 +105,7 @@ def _score_dev(
     expert_cache: Any = None,
 ) -> Iterator[WindowRecord]:
     from healsweep.cache import StageCache
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
     from healsweep.score.runner import score_windows
 
     teacher = open_model(spec.model)
@@ -134,8 +134,8 @@ def _score_dev(
 def sweep_identity(spec: Any) -> dict[str, Any]:
     """What the manifest records about the sweep's inputs: model fingerprint, split lock id."""
     from healsweep.data.split import split_lock_id
-    from healsweep.gguf_io import open_model
     from healsweep.heal.stages import check_quantizable
+    from healsweep.model import open_model
 
     model = open_model(spec.model)
     check_quantizable(model)  # before any trial starts
