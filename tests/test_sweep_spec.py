@@ -336,3 +336,29 @@ def test_a_max_context_the_model_cannot_hold_is_refused_before_the_sweep_starts(
         "sweep x: field 'scoring.max_context': max_context 1000 + max_scored 128 exceeds the "
         "model's context length 1024; lower one of them"
     )
+
+
+def test_a_spec_pickled_before_its_sections_were_typed_unpickles_typed():
+    """Tune keeps the results recorder, and the spec in it, in a running sweep's tuner.pkl and
+    restores it on resume. This recorder was pickled by b05fe56 (the pinned spec's sections
+    as raw dicts, a wilcoxon pruner): its spec comes back typed, with the same hash."""
+    import pickle
+
+    from healsweep.sweep.manifest import spec_hash
+
+    fixture = Path(__file__).parent / "fixtures" / "pickles" / "recorder-b05fe56.pkl"
+    recorder = pickle.loads(fixture.read_bytes())
+    spec = recorder.spec
+    assert spec.baseline == Knobs(gain_d=0.0, gamma=1.0, eta=0.0)
+    assert spec.fixed.model_fields_set == {"eta"} and spec.calibration.max_tokens == 1000
+    assert set(spec.search_space.dimensions()) == {"rho", "alpha"}
+    assert spec.pruner.futility == FutilitySpec(min_windows=6)
+    expected = spec_hash(spec_from_dict({**PINNED, "pruner": spec.pruner.model_dump()}))
+    assert (
+        spec_hash(spec)
+        == expected
+        == "80afc79c6e24c8dd6b9fa881c72a58a31076f77754f7a3298698b4fbfbcc3a03"
+    )
+    assert trial_identity(spec, {"rho": 2.0, "alpha": "none"}).knobs == Knobs(
+        gain_d=0.0, gamma=1.0, eta=0.0, rho=2.0, alpha="none"
+    )

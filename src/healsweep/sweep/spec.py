@@ -198,6 +198,15 @@ class SweepSpec(_Strict):
                 del dumped[name]
         return dumped
 
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        """Unpickle. A spec pickled before its sections were typed (the results recorder held
+        in a running sweep's ``tuner.pkl``) is validated again from what it holds: its
+        sections become typed and its stored form, so its hash, stays what it was."""
+        fields = state.get("__dict__", {})
+        if isinstance(fields.get("baseline"), Mapping):
+            state = type(self).model_validate(fields).__getstate__()
+        super().__setstate__(state)
+
     def trial_resources(self) -> dict[str, float]:
         """Per-trial resources (also of a fixed row's task): one CPU unless the spec says
         otherwise."""
