@@ -82,7 +82,7 @@ def _students(teacher, spec, cache, folder: Path):
     out = {}
     for name, file in STUDENTS.items():
         knobs = Knobs(**yaml.safe_load((ROOT / "configs" / "knobs" / file).read_text()))
-        out[name] = build_student(teacher, knobs, spec.calibration_config(), cache)
+        out[name] = build_student(teacher, knobs, spec.calibration, cache)
     out["Q8"] = _q8_student(teacher, folder)
     return out
 

@@ -58,7 +58,7 @@ def sweep(tmp_path_factory, tiny_tokenizer):
     start_manifest(sweep_dir, spec, sweep_identity(spec), "run")
     rows = []
     for trial_id, (is_base, status, kld, changes) in TRIALS.items():
-        knobs = Knobs(**changes).model_dump()
+        knobs = Knobs(**changes)
         rows.append({"sweep": "tiny", "trial_id": trial_id, "config_hash": config_hash(knobs),
                      "is_baseline": is_base, **knob_columns(knobs), "status": status,
                      "pruned": status == "pruned", "kld_mean": kld})  # fmt: skip
@@ -92,7 +92,7 @@ def test_best_trial_is_rebuilt_from_its_knobs_and_says_it_is_unconfirmed(sweep, 
     assert model.metadata("healsweep.trial_id") == "t-good"
     assert model.metadata("healsweep.ledger_entry") is None
     student = build_student(
-        open_model(sweep["spec"].model), knobs, sweep["spec"].calibration_config(),
+        open_model(sweep["spec"].model), knobs, sweep["spec"].calibration,
         StageCache(tmp_path / "cache"),
     )  # fmt: skip
     assert model.metadata("healsweep.student_key") == student.key

@@ -120,7 +120,7 @@ def parity_setup(tmp_path_factory):
     teacher = open_model(spec.model)
     windows = dev_windows(spec, teacher)
     positions = [scored_positions(w) for w in windows]
-    student = build_student(teacher, Knobs(), spec.calibration_config(),
+    student = build_student(teacher, Knobs(), spec.calibration,
                             StageCache(root / "cache"))  # fmt: skip
     teacher_log = _log_softmax(_ours(teacher, windows, positions))
     return {"root": root, "windows": windows, "positions": positions, "student": student,

@@ -15,19 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from healsweep.errors import GGUFFormatError, SettingError
 from healsweep.gguf_io import block_prefix
 
+if TYPE_CHECKING:
+    from healsweep.gguf_io import GGUFModel
+
 LLAMA_TYPES = {"q2_0": 42, "q2_k": 10, "iq2_xxs": 16, "iq2_xs": 17, "iq2_s": 22}
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 Progress = Callable[[str, str], None]
 
 
-def check_baseline(model: Any, type_name: str, imatrix: bool) -> int:
+def check_baseline(model: GGUFModel, type_name: str, imatrix: bool) -> int:
     """The ggml type id of ``type_name``; raises one line when the rows of the routed experts do
     not fill its blocks or when it needs an importance matrix that was not asked for."""
     from healsweep.gguf_io import _ggml_lib
@@ -87,7 +90,7 @@ def bits_per_weight(qtype: int) -> float:
 
 
 def write_llama_baseline(
-    model: Any,
+    model: GGUFModel,
     type_name: str,
     out: str | Path,
     *,
