@@ -16,13 +16,25 @@ that reuses it). Entries read or written lately stay in memory, least recently u
 inode, size and mtime: a sweep worker runs trial after trial in one process, and a trial that
 changes only ``rho`` or ``eta`` reads what the one before it read. A file rewritten or damaged
 since is read again (and checked), never served from memory.
+
+An entry is computed once per cache root, however many processes share it (the trials of a
+multi-GPU host, or every worker of a pool whose root is on shared storage): a process that misses
+takes the entry's lock file (a POSIX record lock, ``<key>.hsc.lock`` beside the entry) before it
+computes, and a second process that misses the same entry meanwhile waits on that lock, then
+finds the entry written. The kernel drops a dead process's lock, so none goes stale; the lock is
+released only once the entry is on disk (after a write behind, too). Two processes writing one
+entry without the lock (``put``) still leave one whole entry: each writes its own temp file and
+renames it into place.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import struct
 import threading
@@ -45,7 +57,10 @@ _HEAD = len(_MAGIC) + _DIGEST_BYTES + 8  # magic, sha256 of the header, header l
 _ALIGN = 64
 PIECE = 32 << 20  # bytes of array data per checksum (pieces are checked in parallel)
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-write")
-_HASHERS = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cache-sha")
+_HASHERS = ThreadPoolExecutor(
+    max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cache-sha"
+)
+log = logging.getLogger(__name__)
 
 
 def canonical_json(obj: Any) -> str:
@@ -92,18 +107,128 @@ def recent_budget() -> int:
 
 _RECENT = BoundedLRU(recent_budget, lambda entry: entry[2])  # (arrays, meta, bytes)
 
+# What every StageCache of this process did, per stage: entries served from disk or memory
+# ("hits"), computed, and served after waiting for another process that was computing them.
+_ACTIVITY = {"hits": Counter(), "computed": Counter(), "waited": Counter()}
+_ACTIVITY_LOCK = threading.Lock()
+
+
+class _Tally(Counter):
+    """A cache's own per-stage counter whose every change also counts in the process-wide
+    :func:`activity` (so a caller that never sees the cache, e.g. a sweep task around a trial's
+    work, can tell what the trial's caches did)."""
+
+    def __init__(self, total: Counter) -> None:
+        self._total = total
+        super().__init__()
+
+    def __setitem__(self, stage: str, value: int) -> None:
+        with _ACTIVITY_LOCK:
+            self._total[stage] += value - self.get(stage, 0)
+        super().__setitem__(stage, value)
+
+    def __reduce__(self) -> tuple:  # a copy elsewhere is a plain Counter, counting nothing here
+        return Counter, (dict(self),)
+
+
+def activity() -> dict[str, dict[str, int]]:
+    """Per stage, what every :class:`StageCache` of this process has done so far: ``hits``,
+    ``computed`` and ``waited`` (hits that waited for another process computing the entry).
+    The difference of two snapshots (:func:`activity_since`) is what happened in between."""
+    with _ACTIVITY_LOCK:
+        return {name: dict(counts) for name, counts in _ACTIVITY.items()}
+
+
+def activity_since(before: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    """:func:`activity` less the snapshot ``before`` (stages with no change left out)."""
+    now = activity()
+    out = {}
+    for name, counts in now.items():
+        was = before.get(name, {})
+        out[name] = {s: n - was.get(s, 0) for s, n in counts.items() if n != was.get(s, 0)}
+    return out
+
+
+# Errors of a file system that cannot lock (NFS without its lock service, some FUSE mounts).
+_NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+_THREAD_LOCKS: dict[str, threading.Lock] = {}  # entry path -> lock among this process's threads
+_THREAD_LOCKS_GUARD = threading.Lock()
+_UNLOCKED_ROOTS: set[str] = set()  # roots whose file system refused a lock (warned once)
+
+
+class _EntryLock:
+    """The right to compute one entry: a lock among this process's threads, then an exclusive
+    POSIX record lock on the entry's lock file among processes (``lockf``: also across the hosts
+    of a network file system with lock support). Released by :meth:`release`, from any thread."""
+
+    def __init__(self, entry: Path) -> None:
+        self.path = entry.with_name(entry.name + ".lock")
+        with _THREAD_LOCKS_GUARD:
+            self._thread = _THREAD_LOCKS.setdefault(str(entry), threading.Lock())
+        self._fd: int | None = None
+
+    def acquire(self, root: Path) -> bool:
+        """Block until held; True when another holder made this call wait."""
+        waited = not self._thread.acquire(blocking=False)
+        if waited:
+            self._thread.acquire()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            self._thread.release()
+            raise CacheError(
+                f"cannot write cache entry under {root}: {exc.strerror or exc}; free disk "
+                "space or point HEALSWEEP_CACHE at a writable directory"
+            ) from exc
+        try:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except (BlockingIOError, PermissionError):  # held by another process: wait for it
+                waited = True
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_LOCKING:
+                self._thread.release()
+                raise CacheError(f"cannot lock cache entry {self.path}: {exc}") from exc
+            if str(root) not in _UNLOCKED_ROOTS:
+                _UNLOCKED_ROOTS.add(str(root))
+                log.warning(
+                    "the file system of %s cannot lock files (%s): processes sharing "
+                    "it may compute one entry twice",
+                    root,
+                    exc.strerror,
+                )
+            return waited
+        self._fd = fd
+        return waited
+
+    def release(self) -> None:
+        """Let the next process (or thread) waiting for this entry go on."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+        self._thread.release()
+
 
 class StageCache:
     """A directory of content-keyed stage outputs.
 
     ``computed`` and ``hits`` count, per stage name, how often an entry was computed or served
     from disk in this process: tests use them to prove that a knob change re-uses upstream stages.
+    ``waited`` counts the hits that first waited for another process computing the entry. Each
+    also counts in the process-wide :func:`activity`.
     """
 
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         self.root = Path(root) if root is not None else default_cache_dir()
-        self.computed: Counter[str] = Counter()
-        self.hits: Counter[str] = Counter()
+        self.computed: Counter[str] = _Tally(_ACTIVITY["computed"])
+        self.hits: Counter[str] = _Tally(_ACTIVITY["hits"])
+        self.waited: Counter[str] = _Tally(_ACTIVITY["waited"])
         self.corrupt: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._behind = 0  # depth of writing_behind blocks
@@ -160,25 +285,43 @@ class StageCache:
             return None
         return json.loads(body)["meta"]
 
-    def put(self, stage: str, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping | None = None) -> None:
+    def put(
+        self, stage: str, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping | None = None
+    ) -> None:
         """Write an entry atomically (:func:`healsweep._atomic.atomic_file`); inside
         :meth:`writing_behind`, on the writer thread while the caller goes on.
 
         The arrays are made read-only: what a later trial of this worker reads back from memory
         must be what was written."""
+        self._store(stage, key, arrays, meta, None)
+
+    def _store(
+        self,
+        stage: str,
+        key: str,
+        arrays: Mapping[str, np.ndarray],
+        meta: Mapping | None,
+        lock: _EntryLock | None,
+    ) -> None:
+        """:meth:`put`, releasing ``lock`` once the entry is on disk (or its write failed)."""
         for value in arrays.values():
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False
-        kept = ({name: np.asarray(v) for name, v in arrays.items()}, copy.deepcopy(dict(meta or {})))
+        kept = (
+            {name: np.asarray(v) for name, v in arrays.items()},
+            copy.deepcopy(dict(meta or {})),
+        )
         path = self.path(stage, key)
         if not self._behind:
-            self._write(path, *kept)
+            self._write(path, *kept, lock)
             return
         with self._lock:
             self._pending[path] = kept
-            self._writes.append(_WRITER.submit(self._write, path, *kept))
+            self._writes.append(_WRITER.submit(self._write, path, *kept, lock))
 
-    def _write(self, path: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    def _write(
+        self, path: Path, arrays: dict[str, np.ndarray], meta: dict, lock: _EntryLock | None
+    ) -> None:
         try:
             header, data = _layout(arrays, meta)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +345,8 @@ class StageCache:
         finally:
             with self._lock:
                 self._pending.pop(path, None)
+            if lock is not None:
+                lock.release()
 
     @contextmanager
     def writing_behind(self) -> Iterator[None]:
@@ -230,15 +375,31 @@ class StageCache:
         key: str,
         compute: Callable[[], tuple[Mapping[str, np.ndarray], Mapping]],
     ) -> tuple[dict[str, np.ndarray], dict]:
-        """Serve ``stage/key`` from disk, or run ``compute() -> (arrays, meta)`` and store it."""
+        """Serve ``stage/key`` from disk, or run ``compute() -> (arrays, meta)`` and store it;
+        while one process computes an entry, another that needs it waits and then reads it (see
+        the module docstring)."""
         found = self.get(stage, key)
         if found is not None:
             with self._lock:
                 self.hits[stage] += 1
             return found
-        arrays, meta = compute()
-        arrays = {name: np.asarray(value) for name, value in arrays.items()}
-        self.put(stage, key, arrays, meta)
+        lock = _EntryLock(self.path(stage, key))
+        waited = lock.acquire(self.root)
+        try:
+            found = self.get(stage, key)  # written while this process waited, or just before
+            if found is None:
+                arrays, meta = compute()
+                arrays = {name: np.asarray(value) for name, value in arrays.items()}
+        except BaseException:
+            lock.release()
+            raise
+        if found is not None:
+            lock.release()
+            with self._lock:
+                self.hits[stage] += 1
+                self.waited[stage] += waited
+            return found
+        self._store(stage, key, arrays, meta, lock)  # releases the lock once on disk
         with self._lock:
             self.computed[stage] += 1
         return arrays, dict(meta)
@@ -261,8 +422,10 @@ def _layout(
     """(magic + header digest + header, [(zero padding before it, bytes) per array])."""
     values = {name: np.asarray(value, order="C") for name, value in arrays.items()}  # keeps 0-d
     specs, data = [], []
-    buffers = [memoryview(v.reshape(-1).view(np.uint8)) if v.size else memoryview(b"")
-               for v in values.values()]
+    buffers = [
+        memoryview(v.reshape(-1).view(np.uint8)) if v.size else memoryview(b"")
+        for v in values.values()
+    ]
     digests = iter(_digests(buffers))
     offset = 0
     for (name, value), buf in zip(values.items(), buffers, strict=True):
@@ -271,11 +434,16 @@ def _layout(
         pad = -offset % _ALIGN
         offset += pad
         n_pieces = len(_pieces(buf))
-        specs.append({
-            "name": name, "dtype": value.dtype.str, "shape": list(value.shape),
-            "offset": offset, "nbytes": len(buf),
-            "sha256": [next(digests) for _ in range(n_pieces)],
-        })
+        specs.append(
+            {
+                "name": name,
+                "dtype": value.dtype.str,
+                "shape": list(value.shape),
+                "offset": offset,
+                "nbytes": len(buf),
+                "sha256": [next(digests) for _ in range(n_pieces)],
+            }
+        )
         data.append((pad, buf))
         offset += len(buf)
     body = canonical_json({"meta": meta, "arrays": specs, "piece": PIECE}).encode()
@@ -321,8 +489,12 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict, int] | None:
         return None
     mapped.flags.writeable = False  # kept in memory for later trials: nobody may change them
     arrays = {
-        spec["name"]: np.frombuffer(mapped, np.dtype(spec["dtype"]), count=int(np.prod(
-            spec["shape"], dtype=np.int64)), offset=base + spec["offset"]).reshape(spec["shape"])
+        spec["name"]: np.frombuffer(
+            mapped,
+            np.dtype(spec["dtype"]),
+            count=int(np.prod(spec["shape"], dtype=np.int64)),
+            offset=base + spec["offset"],
+        ).reshape(spec["shape"])
         for spec in specs
     }
     return arrays, header["meta"], size
