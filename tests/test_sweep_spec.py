@@ -302,12 +302,31 @@ def test_a_spec_field_added_later_keeps_earlier_spec_hashes():
     from healsweep.sweep.spec import SweepSpec
 
     class WithBudget(SweepSpec):
-        added_later: ClassVar[dict] = {"budget": None}
+        added_later: ClassVar[dict] = {**SweepSpec.added_later, "budget": None}
         budget: float | None = None
         """routed bits per weight at most, or null"""
 
     assert spec_hash(WithBudget.model_validate(PINNED)) == PINNED_HASH
     assert spec_hash(WithBudget.model_validate({**PINNED, "budget": 2.5})) != PINNED_HASH
+
+
+def test_placement_and_a_shared_cache_root_keep_earlier_spec_hashes(tmp_path):
+    """``placement`` and ``cache_root`` came after sweeps were recorded: at their defaults a
+    spec stores and hashes as before; ``placement: ray`` is a different sweep, while the cache
+    root, like the results root, is a location (a resume may name another)."""
+    from healsweep.sweep.manifest import spec_hash
+
+    spec = spec_from_dict(PINNED)
+    assert (spec.placement, spec.cache_root) == ("cache", None)
+    assert "placement" not in spec.model_dump() and "cache_root" not in spec.model_dump()
+    assert spec_hash(spec_from_dict({**PINNED, "placement": "cache"})) == PINNED_HASH
+    assert spec_hash(spec_from_dict({**PINNED, "cache_root": "/pool/cache"})) == PINNED_HASH
+    assert spec_hash(spec_from_dict({**PINNED, "placement": "ray"})) != PINNED_HASH
+    with pytest.raises(SpecError, match="field 'placement' = 'nearest' is not allowed; expected"):
+        spec_from_dict({**PINNED, "placement": "nearest"})
+    path = tmp_path / "spec.yaml"
+    path.write_text("name: x\ncache_root: shared/cache\n")
+    assert load_spec(path).cache_root == str(tmp_path / "shared" / "cache")  # beside the spec
 
 
 def test_a_range_may_have_a_step():

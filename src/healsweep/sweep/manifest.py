@@ -23,8 +23,9 @@ from healsweep.sweep.spec import SweepSpec
 
 
 def spec_hash(spec: SweepSpec) -> str:
-    """sha256 of the spec's canonical JSON (results location excluded: moving them is fine)."""
-    body = canonical_json(spec.model_dump(mode="json", exclude={"results"}))
+    """sha256 of the spec's canonical JSON (the results and stage-cache locations excluded:
+    moving them is fine, and a resume may name another shared cache root)."""
+    body = canonical_json(spec.model_dump(mode="json", exclude={"results", "cache_root"}))
     return hashlib.sha256(body.encode()).hexdigest()
 
 

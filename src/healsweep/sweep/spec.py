@@ -160,10 +160,16 @@ class SweepSpec(_Strict):
     """true (default: unhealed and plain), false, or a list of unhealed, plain"""
     external: list[ExternalSpec] = Field(default_factory=list)
     """a list of {name, path}: GGUF students scored beside the trials"""
+    placement: Literal["cache", "ray"] = "cache"
+    """cache (default: a trial runs on the node that holds its quantized experts, by Ray's soft
+    node affinity) or ray (wherever Ray's default scheduling puts it)"""
+    cache_root: str | None = None
+    """a stage-cache folder every worker mounts at this same path (shared storage: each entry
+    is then computed once for the whole pool), or null for each worker's own ($HEALSWEEP_CACHE)"""
 
     # Fields added after sweeps were recorded, with the value that means "as before": at it they
     # are left out of the stored form, so every earlier spec keeps its hash (as Knobs.ADDED_LATER).
-    added_later: ClassVar[dict[str, Any]] = {}
+    added_later: ClassVar[dict[str, Any]] = {"placement": "cache", "cache_root": None}
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @field_validator("sampler", "pruner", mode="before")
@@ -305,6 +311,8 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
     if corpus != "demo":
         changes["calibration"] = spec.calibration.model_copy(update={"corpus": resolved(corpus)})
     changes["external"] = [e.model_copy(update={"path": resolved(e.path)}) for e in spec.external]
+    if spec.cache_root is not None:
+        changes["cache_root"] = resolved(spec.cache_root)
     out = spec.model_copy(update=changes)
     given = spec._given.get("calibration")
     if isinstance(given, Mapping) and given.get("corpus", "demo") != "demo":  # stored resolved

@@ -130,7 +130,7 @@ def _score_dev(
     if not todo:
         return
     index = {w.window_id: i for i, w in enumerate(windows)}
-    cache = StageCache()
+    cache = StageCache(spec.cache_root)  # None: this worker's own ($HEALSWEEP_CACHE)
     scored = score_windows(
         teacher,
         make_student(teacher, cache),
