@@ -7,25 +7,54 @@ out, up to a budget: ``HEALSWEEP_RESIDENT_GB`` when set, else half the accelerat
 CUDA/ROCm, and 0 on the CPU and on unified-memory backends (Metal), where device memory is the
 host's and a layer's memory is the rule. Entries are keyed by the file's path, size and mtime, so
 a rewritten file is never served stale.
+
+The budget is per GPU, not per host: each trial process of a multi-GPU host has one GPU of its
+own (Ray's ``CUDA_VISIBLE_DEVICES``) and keeps ``HEALSWEEP_RESIDENT_GB`` on it. A process that
+holds a share of a GPU (a sweep with ``resources: {gpu: 0.5}`` runs two trials on each;
+``HEALSWEEP_GPU_SHARE``, set by the sweep's trial task) keeps that share of it, so the processes
+of one GPU together keep at most its budget. The default (half the device memory) is half of
+this process's allocator limit, which a trial task sets to its share of the GPU.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import jax
 import numpy as np
 
 from healsweep._lru import BoundedLRU, gib_setting
+from healsweep.errors import SettingError
 
 _ENV = "HEALSWEEP_RESIDENT_GB"
+SHARE_ENV = "HEALSWEEP_GPU_SHARE"
+
+
+def gpu_share() -> float:
+    """This process's share of its GPU: ``HEALSWEEP_GPU_SHARE`` (a number in (0, 1]), else 1."""
+    raw = os.environ.get(SHARE_ENV)
+    if not raw:
+        return 1.0
+    try:
+        share = float(raw)
+    except ValueError:
+        share = math.nan
+    if not 0.0 < share <= 1.0:
+        raise SettingError(
+            f"{SHARE_ENV}={raw!r} is not a number in (0, 1]; set it to this process's share of "
+            "its GPU (a sweep's trial task sets it from the spec's resources) or unset it"
+        )
+    return share
 
 
 def resident_budget() -> int:
-    """Bytes of layer weights to keep on the device between forwards."""
-    configured = gib_setting(_ENV, "layer weights to keep on the device")
+    """Bytes of layer weights to keep on the device between forwards: the per-GPU budget times
+    this process's share of its GPU (see the module docstring)."""
+    configured = gib_setting(_ENV, "layer weights to keep on one GPU")
     if configured is not None:
-        return configured
+        return int(configured * gpu_share())
     device = jax.devices()[0]
     if device.platform not in ("gpu", "cuda", "rocm"):
         return 0

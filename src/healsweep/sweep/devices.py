@@ -1,0 +1,83 @@
+"""The devices and compiled code of a trial's process: its GPU, JAX's memory on it, and the
+compilation cache the trials of a host share.
+
+A trial's work runs as a Ray task (:mod:`healsweep.sweep.placed`) with the spec's resources. A
+task that asks for GPUs gets a worker process of its own (Ray's default ``max_calls=1`` for GPU
+tasks: a reused process would keep the GPU its JAX backend opened for an earlier task) whose
+``CUDA_VISIBLE_DEVICES`` Ray sets to the GPUs it was given before the task's code runs. JAX reads
+it when its backend starts, at the first computation, so :func:`prepare_trial_process` runs before
+the work and refuses a process whose backend has already started. On a GPU, JAX preallocates a
+fraction of the device per process (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 by default): one
+trial per GPU keeps that; a trial holding a share of a GPU (``gpu: 0.5``) gets that share of it,
+and so does its resident-layer budget (:mod:`healsweep.model.resident`). Settings the worker's
+environment already has are left as they are.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from healsweep.errors import HealsweepError
+from healsweep.model.resident import SHARE_ENV
+
+PREALLOCATED = 0.75  # the fraction of a GPU JAX's allocator takes per process by default
+
+
+class DeviceSetupError(HealsweepError):
+    """A trial process cannot be given its own GPU."""
+
+
+def trial_device_env(resources: Mapping[str, float]) -> dict[str, str]:
+    """The environment a trial process with ``resources`` (the spec's, per trial) runs with:
+    its share of its GPU and, below one GPU, JAX's allocator limited to that share. Empty for
+    a trial without GPUs."""
+    gpus = float(resources.get("gpu", 0.0))
+    if gpus <= 0:
+        return {}
+    share = min(gpus, 1.0)  # a trial of several GPUs keeps its layers on the first, whole
+    env = {SHARE_ENV: f"{share:g}"}
+    if share < 1.0:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{PREALLOCATED * share:.4g}"
+    return env
+
+
+def prepare_trial_process(
+    resources: Mapping[str, float], *, own_process: bool = True
+) -> dict[str, Any]:
+    """Set up this process for a trial's work, before any JAX computation: the environment of
+    :func:`trial_device_env` (what the worker's environment sets already wins), the host's
+    compilation cache; what it was given, for the trial's row (``gpus``: the
+    ``CUDA_VISIBLE_DEVICES`` JAX will see, None without GPUs). ``own_process=False``: a process
+    that runs one trial after another on the same GPUs (a Tune actor), whose backend may be up."""
+    from jax._src import xla_bridge
+
+    wants_gpu = float(resources.get("gpu", 0.0)) > 0
+    if own_process and wants_gpu and xla_bridge.backends_are_initialized():
+        raise DeviceSetupError(
+            f"trial process {os.getpid()}: JAX's backend started before the trial's GPU "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}) was set, so it "
+            "may use another trial's GPU; run trials with GPUs as Ray tasks with num_gpus set "
+            "where they are declared (a fresh process per trial)"
+        )
+    for name, value in trial_device_env(resources).items():
+        os.environ.setdefault(name, value)
+    enable_compilation_cache()
+    return {"gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if wants_gpu else None}
+
+
+def enable_compilation_cache() -> None:
+    """Keep JAX's compiled code on disk in one folder of the host (``$HEALSWEEP_CACHE/jax`` of
+    the worker's environment, host-local even when the stage cache is shared storage), so the
+    trial processes of a host, and those of a re-run or resumed sweep, compile each shape once.
+    A folder the user configured (``JAX_COMPILATION_CACHE_DIR``) is left alone. Takes effect
+    only before the process's first compilation."""
+    import jax
+
+    from healsweep.cache import default_cache_dir
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
