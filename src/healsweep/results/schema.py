@@ -114,8 +114,32 @@ def trial_schema() -> pa.Schema:
             pa.field("nodes", pa.string()),
             pa.field("started_at", _TS),
             pa.field("ended_at", _TS),
+            *placement_fields(),
         ]
     )
+
+
+def placement_fields() -> list[pa.Field]:
+    """Where a row's work ran and what its stage caches did (its last attempt; null in rows
+    written before placement was recorded): ``placement`` (``cache`` | ``ray``), the node
+    (``placed_node``), the nodes that held its quantization when it was placed (``holders``,
+    comma-separated; empty for a trial with none, i.e. not a follow-up) and whether it ran on one
+    (``on_holder``), its ``quantization`` (``sweep.holders.quantization_of``), the GPUs it saw
+    (``gpus``: ``CUDA_VISIBLE_DEVICES``), stage-cache entries served, computed and served after
+    waiting for another process (``cache_hits``, ``cache_computed``, ``cache_waited``; per stage in
+    ``cache_detail``, JSON), and the work's wall and CPU seconds and its process's peak RSS."""
+    text, count, seconds = pa.string(), pa.int64(), pa.float64()
+    return [
+        *(pa.field(name, text) for name in ("placement", "placed_node", "holders")),
+        pa.field("on_holder", pa.bool_()),
+        *(pa.field(name, text) for name in ("quantization", "gpus")),
+        *(pa.field(name, count) for name in ("cache_hits", "cache_computed", "cache_waited")),
+        pa.field("cache_detail", text),
+        *(pa.field(name, seconds) for name in ("work_s", "work_cpu_s", "peak_rss_mb")),
+    ]
+
+
+PLACEMENT_COLUMNS = tuple(field.name for field in placement_fields())
 
 
 def _cell(value: Any, kind: pa.DataType) -> Any:

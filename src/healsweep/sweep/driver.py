@@ -27,12 +27,19 @@ from healsweep.errors import ResultsError, SpecError
 from healsweep.results.schema import scored_all
 from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials
 from healsweep.sweep.fixed import run_fixed
+from healsweep.sweep.holders import open_holders, prior_holders
 from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.progress import ProgressSink
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
 from healsweep.sweep.space import baseline_point, grid_configs, optuna_space
 from healsweep.sweep.spec import SweepSpec
-from healsweep.sweep.trial import TARGET_METRIC, open_book, prior_windows, sweep_trial
+from healsweep.sweep.trial import (
+    COORDINATOR_RESOURCES,
+    TARGET_METRIC,
+    open_book,
+    prior_windows,
+    sweep_trial,
+)
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
 _RAY_NAMES = {"cpu": "CPU", "gpu": "GPU"}  # spec/Tune spelling -> ray.cluster_resources()
@@ -164,11 +171,16 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
             ray.shutdown()
 
 
-def _trainable(spec: SweepSpec, prior: dict, work_fn: WorkFn) -> Any:
+def _trainable(spec: SweepSpec, prior: dict, holders: Any, work_fn: WorkFn) -> Any:
+    """The trainable: a coordinator on the head node; each trial's work is a Ray task with
+    the spec's resources (``healsweep.sweep.placed``), so Tune's ``max_concurrent`` bounds the
+    trials at work while Ray places each where its stage entries are."""
     from ray import tune
 
-    trainable = tune.with_parameters(sweep_trial, spec=spec, book=open_book(prior), work_fn=work_fn)
-    return tune.with_resources(trainable, spec.trial_resources())
+    trainable = tune.with_parameters(
+        sweep_trial, spec=spec, book=open_book(prior), holders=holders, work_fn=work_fn
+    )
+    return tune.with_resources(trainable, COORDINATOR_RESOURCES)
 
 
 def _search(spec: SweepSpec) -> tuple[Any, dict[str, Any], int]:
@@ -201,14 +213,14 @@ def _scheduler(spec: SweepSpec, sweep_dir: Path) -> Any:
     return WindowPruningScheduler(sweep_dir / JOURNAL_FILE, spec.pruner)
 
 
-def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -> Any:
+def _new_tuner(spec: SweepSpec, sweep_dir: Path, trainable: Any) -> Any:
     from ray import tune
 
     from healsweep.sweep.recorder import ResultsRecorder
 
     search, space, samples = _search(spec)
     return tune.Tuner(
-        _trainable(spec, prior, work_fn),
+        trainable,
         param_space=space,
         tune_config=tune.TuneConfig(
             metric=TARGET_METRIC,
@@ -218,7 +230,7 @@ def _new_tuner(spec: SweepSpec, sweep_dir: Path, prior: dict, work_fn: WorkFn) -
             num_samples=samples,
             max_concurrent_trials=spec.max_concurrent,
             trial_dirname_creator=trial_dirname,
-            reuse_actors=True,  # a new trial keeps the worker's imports (jax) and warm caches
+            reuse_actors=True,  # a new trial's coordinator keeps its process
         ),
         run_config=tune.RunConfig(
             name=sweep_dir.name,
@@ -327,20 +339,22 @@ def _run(
     # not as a Ray serialization error of a task, nor lingering in Tune's process-wide parameter
     # registry to break every later ray.init in this process.
     ray.cloudpickle.dumps(work_fn)
-    run_fixed(spec, sweep_dir, work_fn)  # references, externals: before the trials
+    holders = open_holders(prior_holders(sweep_dir))  # where earlier runs left entries
+    run_fixed(spec, sweep_dir, work_fn, holders)  # references, externals: before the trials
     prior = prior_windows(sweep_dir)  # with the fixed rows': a trial of their student replays
     register_sink(sweep_dir, on_progress)
     try:
+        trainable = _trainable(spec, prior, holders, work_fn)
         saved = any(sweep_dir.glob("experiment_state-*.json"))  # tuner.pkl alone is no state
         if saved and tune.Tuner.can_restore(str(sweep_dir)):
             tuner = tune.Tuner.restore(
                 str(sweep_dir),
-                trainable=_trainable(spec, prior, work_fn),
+                trainable=trainable,
                 resume_unfinished=True,
                 resume_errored=True,
             )
         else:
-            tuner = _new_tuner(spec, sweep_dir, prior, work_fn)
+            tuner = _new_tuner(spec, sweep_dir, trainable)
         _fit(tuner, sweep_dir)
     finally:
         register_sink(sweep_dir, None)

@@ -2,8 +2,10 @@
 (docs/contracts.md, "Sweeps and results").
 
 Each runs as one Ray task with a trial's resources before the Tune experiment, so neither the
-pruner nor the Optuna study ever sees it; its windows come back when the task ends and the results
-recorder writes them with the config's ``trials.parquet`` row. A window another row has already
+pruner nor the Optuna study ever sees it; it is placed like a trial (:mod:`healsweep.sweep.placed`:
+the ``unhealed`` reference quantizes as the baseline does, so the baseline trial then runs where
+those entries are). Its windows come back when the task ends and the results recorder writes them
+with the config's ``trials.parquet`` row. A window another row has already
 scored for the same student is taken from that row instead of scored again (and the trials of a
 reference's student replay the reference's windows: :mod:`healsweep.sweep.trial`).
 """
@@ -15,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,9 @@ from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
 from healsweep.results.schema import Q2_0_BPW, Role, TrialStatus, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
+from healsweep.sweep.placed import PlacedWork, work_task
 from healsweep.sweep.spec import SweepSpec
-from healsweep.sweep.trial import enable_compilation_cache, prior_windows, stamped, trial_seed
+from healsweep.sweep.trial import prior_windows, trial_seed
 from healsweep.sweep.work import WorkFn, run_external_work
 
 log = logging.getLogger(__name__)
@@ -98,38 +102,30 @@ def fixed_configs(spec: SweepSpec) -> list[FixedConfig]:
     return out
 
 
-def _score_fixed(
+def _job(
     spec: SweepSpec,
     fixed: FixedConfig,
     done: frozenset[str],
     work_fn: WorkFn,
     external_fn: ExternalFn,
-) -> list[WindowRecord]:
-    """(A Ray task) score the config's missing windows; their records."""
-    enable_compilation_cache()
+) -> Iterator[WindowRecord]:
+    """(In the Ray task) score the config's missing windows."""
     seed = trial_seed(spec.seed, fixed.config_hash)
     if fixed.knobs is not None:
-        results = work_fn(spec, fixed.knobs, done, seed)
-    else:
-        results = external_fn(spec, fixed.path, done, seed)
-    return list(stamped(results))
-
-
-def _task_options(spec: SweepSpec) -> dict[str, Any]:
-    resources = spec.trial_resources()
-    return {
-        "num_cpus": resources.pop("cpu"),
-        "num_gpus": resources.pop("gpu", 0),
-        "resources": resources,
-        "max_retries": spec.max_failures,
-    }
+        return work_fn(spec, fixed.knobs, done, seed)
+    return external_fn(spec, fixed.path, done, seed)
 
 
 def run_fixed(
-    spec: SweepSpec, sweep_dir: Path, work_fn: WorkFn, external_fn: ExternalFn = run_external_work
+    spec: SweepSpec,
+    sweep_dir: Path,
+    work_fn: WorkFn,
+    holders: Any,
+    external_fn: ExternalFn = run_external_work,
 ) -> list[FixedConfig]:
     """Score every fixed config not yet completed (only its student's windows missing from the
-    Parquet rows) and record it; returns the configs that were run."""
+    Parquet rows) and record it; returns the configs that were run. ``holders``: the sweep's
+    :class:`~healsweep.sweep.holders.StageHolders`."""
     import ray
 
     from healsweep.sweep.recorder import ResultsRecorder
@@ -156,24 +152,30 @@ def run_fixed(
         known = prior.get(fixed.student, {}).values()
         replayed = sorted((r for r in known if r.window_id not in mine), key=lambda r: r.position)
         recorder.record(fixed.trial_id, [record.to_dict() for record in replayed])
-    task = ray.remote(_score_fixed).options(**_task_options(spec))
+    task = work_task(spec, collected=True)
     started = time.time()
     waiting = list(pending)
-    running: dict[Any, FixedConfig] = {}
+    running: dict[Any, tuple[FixedConfig, PlacedWork]] = {}
     while waiting or running:
         while waiting and len(running) < spec.max_concurrent:
             fixed = waiting.pop(0)
             done = frozenset(recorder.pool(fixed.trial_id).window_ids)
-            running[task.remote(spec, fixed, done, work_fn, external_fn)] = fixed
+            work = PlacedWork(spec, holders, fixed.knobs)
+            job = partial(_job, spec, fixed, done, work_fn, external_fn)
+            options = task.options(scheduling_strategy=work.place().strategy)
+            running[options.remote(job, spec.trial_resources())] = (fixed, work)
         ready, _ = ray.wait(list(running), num_returns=1)
-        fixed = running.pop(ready[0])
+        fixed, work = running.pop(ready[0])
         try:
-            records, status = ray.get(ready[0]), None
+            events, status = ray.get(ready[0]), None
         except Exception as exc:  # recorded as an error row; a resume tries it again
             log.warning("%s %s failed: %s", fixed.role, fixed.label, str(exc).splitlines()[0])
-            records, status = [], TrialStatus.ERROR
+            events, status = [], TrialStatus.ERROR
+        records = [r for r in map(work.observe, events) if r is not None]
+        work.close()
         row = recorder.open(fixed.trial_id, fixed.columns())
         row.update(started_at=started, n_failures=int(status == TrialStatus.ERROR))
+        row.update(work.columns)
         records = sorted(records, key=lambda record: record.position)
         recorder.record(fixed.trial_id, [record.to_dict() for record in records])
         pool = recorder.pool(fixed.trial_id)

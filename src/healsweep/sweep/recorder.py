@@ -15,7 +15,14 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.experiment import Trial
 
-from healsweep.results.schema import KNOB_PREFIX, TrialStatus, end_status, to_table, trial_schema
+from healsweep.results.schema import (
+    KNOB_PREFIX,
+    PLACEMENT_COLUMNS,
+    TrialStatus,
+    end_status,
+    to_table,
+    trial_schema,
+)
 from healsweep.results.store import (
     TRIALS_FILE,
     WINDOWS_DIR,
@@ -161,7 +168,11 @@ class ResultsRecorder(Callback):
     ) -> None:
         if "window_id" not in result:
             return
-        self._tune_trial(trial)["status"] = TrialStatus.RUNNING
+        row = self._tune_trial(trial)
+        row["status"] = TrialStatus.RUNNING
+        # Where its work runs and what its caches did so far (a result replayed before the
+        # work started carries none of it).
+        row.update({k: result[k] for k in PLACEMENT_COLUMNS if result.get(k) is not None})
         self.record(trial.trial_id, [result])
         self._scored += not result.get("replayed")
         self._progress()

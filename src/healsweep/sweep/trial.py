@@ -2,7 +2,12 @@
 window) and the window book its trials share.
 
 A trial scores its dev windows in a seeded per-trial order and calls ``tune.report`` after each
-with the window's record and the running token-pooled KLD and top-1. A trial that starts or
+with the window's record and the running token-pooled KLD and top-1. The trainable itself is a
+light coordinator on the head node (a sliver of the head's own resource, so Tune counts it
+against ``max_concurrent`` but never against a worker's CPUs or GPUs); the scoring runs as a Ray
+task with the trial's resources, placed where its stage entries are
+(:mod:`healsweep.sweep.placed`), and each report carries where it ran and what its caches did.
+A trial that starts or
 restarts takes the windows its student has finished from the :class:`WindowBook` and *replays*
 them (reports them again, flagged ``replayed``) instead of scoring them twice; the recorder
 writes no row twice. The book is keyed by student
@@ -20,12 +25,13 @@ import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from healsweep.results.schema import student_of
+from healsweep.results.schema import scored_all, student_of
 from healsweep.results.store import read_windows
 from healsweep.score.record import WindowMetrics, WindowRecord
 from healsweep.sweep.space import trial_identity
@@ -35,6 +41,8 @@ from healsweep.sweep.work import WorkFn
 TARGET_METRIC = "running_kld_mean"
 # Ray gives the head node this resource; Ray Train pins its own state actor the same way.
 HEAD_NODE_RESOURCE = "node:__internal_head__"
+# What a trial's coordinator (the Tune trainable) takes: a sliver of the head's resource.
+COORDINATOR_RESOURCES = {HEAD_NODE_RESOURCE: 0.001}
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -145,45 +153,42 @@ class RunningPool:
         }
 
 
-def enable_compilation_cache() -> None:
-    """Keep JAX's compiled forwards on disk (``$HEALSWEEP_CACHE/jax``) so that a new worker
-    process, e.g. of a re-run or resumed sweep, does not compile every window shape again.
-    A cache directory the user configured (``JAX_COMPILATION_CACHE_DIR``) is left alone."""
-    import jax
-
-    from healsweep.cache import default_cache_dir
-
-    if jax.config.jax_compilation_cache_dir:
-        return
-    jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 def sweep_trial(
     config: Mapping[str, Any],
     *,
     spec: SweepSpec,
     book: ray.actor.ActorHandle,
+    holders: ray.actor.ActorHandle,
     work_fn: WorkFn,
 ) -> None:
-    """The function trainable (wrap with ``tune.with_parameters``); ``book`` is the handle of
-    the sweep's :class:`WindowBook`. See the module docstring."""
+    """The function trainable (wrap with ``tune.with_parameters``); ``book`` and ``holders``
+    are the handles of the sweep's :class:`WindowBook` and
+    :class:`~healsweep.sweep.holders.StageHolders`. See the module docstring."""
     from ray import tune
 
-    enable_compilation_cache()
+    from healsweep.sweep.placed import PlacedWork
+
     trial = trial_identity(spec, config)
     done: dict[str, WindowRecord] = dict(ray.get(book.done.remote(trial.student)))
     pool = RunningPool()
     sent = {"config_hash": trial.config_hash, "is_baseline": trial.is_baseline}
+    work = PlacedWork(spec, holders, trial.knobs)
 
     def report(record: WindowRecord, *, replayed: bool) -> None:
         row = record.to_dict()
         pool.add(row)
-        tune.report({**row, **sent, "replayed": replayed, **pool.summary()})
+        tune.report({**row, **sent, "replayed": replayed, **pool.summary(), **work.columns})
 
     for record in sorted(done.values(), key=lambda r: r.position):
         report(record, replayed=True)
+    if done and scored_all(len(done), pool.total):
+        return  # every window replayed: no work to place
     seed = trial_seed(spec.seed, trial.config_hash)
-    for record in stamped(work_fn(spec, trial.knobs, frozenset(done), seed)):
+    job = partial(work_fn, spec, trial.knobs, frozenset(done), seed)
+    # A trial restored from a sweep started before trials were placed still holds the work's
+    # CPUs or GPUs itself (Tune keeps a trial's resources): it works here, as trials did then.
+    held = tune.get_context().get_trial_resources().required_resources
+    here = held.get("CPU", 0.0) > 0 or held.get("GPU", 0.0) > 0
+    for record in work.records(job, here=here):
         book.add.remote(trial.student, record)
         report(record, replayed=False)

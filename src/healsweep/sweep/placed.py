@@ -1,0 +1,174 @@
+"""A trial's work (heal + score) as a Ray task placed where its stage entries are.
+
+The Tune trainable (:func:`healsweep.sweep.trial.sweep_trial`) stays a light coordinator on the
+head node: it replays what the window book holds, then runs the work as one Ray task with the
+spec's ``resources`` (one trial's worth: Tune's ``max_concurrent`` still bounds how many run) and
+the placement :mod:`healsweep.sweep.holders` gives it, and reports each window the task streams
+back, as the trainable did when it scored them itself. A task that fails fails the trial, which
+Tune retries as before (the task itself is never retried); a trial Tune stops (pruned) cancels
+its task. The fixed rows run the same task, collected whole (:func:`work_task`).
+
+The task first sets up its process (its GPU, JAX's memory, the compilation cache:
+:mod:`healsweep.sweep.devices`), then yields events: ``started`` (its node and GPUs), one
+``window`` per scored window with what the trial's stage caches did so far, then ``done``.
+:class:`PlacedWork` turns them into the trial's placement columns (``results.schema``,
+:data:`~healsweep.results.schema.PLACEMENT_COLUMNS`) and tells the holders which node now holds
+which entries.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping
+from functools import cache
+from typing import Any
+
+import ray
+
+from healsweep.heal.knobs import Knobs
+from healsweep.score.record import WindowRecord
+from healsweep.sweep.holders import Placement, held_keys, placement_for, quantization_of
+from healsweep.sweep.spec import SweepSpec
+
+Job = Callable[[], Iterator[WindowRecord]]  # the work, its arguments bound (functools.partial)
+
+
+def _events(
+    job: Job, resources: Mapping[str, float], own_process: bool = True
+) -> Iterator[dict[str, Any]]:
+    """(In the task's process) set the process up, run ``job`` and describe it as events.
+    ``own_process=False``: the work runs in the coordinator itself (see :meth:`PlacedWork.records`)."""
+    from healsweep.cache import activity, activity_since
+    from healsweep.model.bench import peak_rss_bytes
+    from healsweep.sweep.devices import prepare_trial_process
+    from healsweep.sweep.trial import stamped
+
+    seen = prepare_trial_process(resources, own_process=own_process)
+    started, cpu, before = time.time(), time.process_time(), activity()
+    yield {"event": "started", "node": ray.get_runtime_context().get_node_id(), **seen}
+
+    def stats() -> dict[str, Any]:
+        detail = activity_since(before)
+        return {
+            "cache_hits": sum(detail["hits"].values()),
+            "cache_computed": sum(detail["computed"].values()),
+            "cache_waited": sum(detail["waited"].values()),
+            "cache_detail": json.dumps(detail, sort_keys=True),
+            "work_s": time.time() - started,
+            "work_cpu_s": time.process_time() - cpu,
+            "peak_rss_mb": peak_rss_bytes() / 2**20,
+        }
+
+    for record in stamped(job()):
+        yield {"event": "window", "record": record, **stats()}
+    yield {"event": "done", **stats()}
+
+
+def _collected(job: Job, resources: Mapping[str, float]) -> list[dict[str, Any]]:
+    """(In the task's process) every event of :func:`_events`, returned when the work ends."""
+    return list(_events(job, resources))
+
+
+def _options(spec: SweepSpec, retries: int) -> dict[str, Any]:
+    resources = spec.trial_resources()
+    return {
+        "num_cpus": resources.pop("cpu"),
+        "num_gpus": resources.pop("gpu", 0),
+        "resources": resources,
+        "max_retries": retries,
+    }
+
+
+@cache
+def _remote(fn: Callable, options: str) -> Any:
+    # Resources are declared here, on the remote function, not in .options(): Ray then gives a
+    # task with GPUs a fresh worker process (max_calls=1), whose CUDA_VISIBLE_DEVICES is its own.
+    return ray.remote(**json.loads(options))(fn)
+
+
+def work_task(spec: SweepSpec, *, collected: bool = False) -> Any:
+    """The Ray remote function of the spec's trial work: streaming :func:`_events` (a trial:
+    never retried by Ray, Tune retries the trial), or returning them all at the end
+    (``collected``: a fixed row, retried on a lost worker up to ``max_failures`` times)."""
+    if collected:
+        return _remote(_collected, json.dumps(_options(spec, spec.max_failures), sort_keys=True))
+    return _remote(_events, json.dumps(_options(spec, 0), sort_keys=True))
+
+
+class PlacedWork:
+    """The work of one trial or fixed row: where it is asked to run and what it did there
+    (:attr:`columns`, the row's placement columns)."""
+
+    def __init__(self, spec: SweepSpec, holders: Any, knobs: Knobs | None) -> None:
+        self.spec = spec
+        self.holders = holders
+        self.quantization = quantization_of(knobs) if knobs is not None else None
+        self.placement: Placement | None = None
+        self.node: str | None = None
+        self._built = False
+        self.columns: dict[str, Any] = {"placement": spec.placement}
+
+    def place(self) -> Placement:
+        """Ask the holders where the work should run (placed on that node, for their count)."""
+        quantization, traces = ray.get(self.holders.ask.remote(self.quantization))
+        self.placement = placement_for(self.spec.placement, quantization, traces)
+        self.holders.move.remote(None, self.placement.target)
+        self.columns.update(
+            quantization=self.quantization, holders=",".join(self.placement.holders)
+        )
+        return self.placement
+
+    def observe(self, event: Mapping[str, Any]) -> WindowRecord | None:
+        """Take one event of the task; the window record it carries, if any."""
+        kind = event["event"]
+        if kind == "started":
+            self.node = event["node"]
+            self.holders.move.remote(self.placement.target, self.node)
+            holders = self.placement.holders
+            on_holder = self.node in holders if holders else None
+            self.columns.update(placed_node=self.node, on_holder=on_holder, gpus=event["gpus"])
+            return None
+        stats = {k: v for k, v in event.items() if k not in ("event", "record")}
+        self.columns.update(stats)
+        if not self._built:  # the student is built before its first window is scored
+            keys = held_keys(self.quantization, json.loads(stats["cache_detail"]))
+            if kind == "window" and keys:
+                self._built = True
+                self.holders.built.remote(self.node, keys)
+        return event.get("record")
+
+    def close(self) -> None:
+        """The work has ended (or failed, or was stopped): its node counts it no more."""
+        if self.placement is not None:
+            self.holders.move.remote(self.node or self.placement.target, None)
+            self.placement = None
+
+    def records(self, job: Job, *, here: bool = False) -> Iterator[WindowRecord]:
+        """Run ``job`` as a placed task, yielding its window records as they are scored; the
+        task is cancelled if the caller stops early (a pruned trial). ``here``: run it in this
+        process instead (a trial restored from a sweep started before trials were placed holds
+        the work's resources itself: a task would wait for them behind it)."""
+        if here:
+            self.placement = Placement("here", None, ())
+            events = _events(job, self.spec.trial_resources(), own_process=False)
+            try:
+                for event in events:
+                    record = self.observe(event)
+                    if record is not None:
+                        yield record
+            finally:
+                events.close()
+                self.close()
+            return
+        placement = self.place()
+        stream = work_task(self.spec).options(scheduling_strategy=placement.strategy)
+        events = stream.remote(job, self.spec.trial_resources())
+        try:
+            for ref in events:
+                record = self.observe(ray.get(ref))
+                if record is not None:
+                    yield record
+        finally:
+            ray.cancel(events)  # a stream that has ended ignores it
+            self.close()
