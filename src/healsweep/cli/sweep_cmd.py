@@ -121,6 +121,10 @@ def status(sweep_dir: Path = _SWEEP_DIR) -> None:
         kld = "" if row["kld_mean"] is None else f", pooled KLD {row['kld_mean']:.5f}"
         typer.echo(f"{row['role']} {label}: {row['status']}{kld}")
     typer.echo(f"windows recorded: {info['windows_recorded']}")
+    if info["pool"]:
+        from healsweep.results.placement import pool_line
+
+        typer.echo(f"pool: {pool_line(info['pool'])}")
     progress = info["progress"]
     if progress.best_trial:
         rel = progress.best_kld / progress.baseline_kld - 1 if progress.baseline_kld else math.nan

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
+from healsweep.results.placement import pool_summary
 from healsweep.results.schema import REFERENCES, Role, TrialStatus, knobs_of, row_role, student_of
 from healsweep.results.store import read_manifest, read_trials, read_windows
 from healsweep.score.expert_cache import pooled_cache
@@ -95,6 +96,7 @@ class SweepSummary:
     effects: list[dict[str, Any]]
     pruning: dict[str, Any]
     rule: Any
+    pool: dict[str, Any] | None = None  # results.placement.pool_summary of the trial rows
 
 
 # Which status a config shows when its rows differ, and which row names it first.
@@ -204,6 +206,7 @@ def summarize(
         effects=main_effects([baseline, *(c for c in ranked if not c.is_fixed)], windows_total),
         pruning=pruning_summary([t for t in trials if row_role(t).tuned], windows_total),
         rule=rule,
+        pool=pool_summary(trials),
     )
 
 

@@ -196,6 +196,7 @@ def _sections(
     summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
 ) -> list[tuple[str, list[str]]]:
     """Each section's title and Markdown lines, in order (``plots``: {caption: file name})."""
+    from healsweep.results.placement import pool_line
     from healsweep.results.plots import FOREST_CAPTION
 
     m = summary.manifest
@@ -223,6 +224,7 @@ def _sections(
         ("Per-stratum pooled KLD", _md(strata_table(summary))),
         ("Main effects per knob", _md(effects_table(summary))),
         ("Pruning", _md(pruning_table(summary))),
+        *([("Pool", [pool_line(summary.pool)])] if summary.pool else []),
         ("Plots", rest),
         ("Manifest", _md(identity)),
     ]

@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from healsweep.results.placement import pool_summary
 from healsweep.results.schema import row_role
 from healsweep.results.store import LOCK_FILE, read_manifest, read_trials, read_windows
 from healsweep.sweep.progress import Progress
@@ -34,7 +35,9 @@ def driver_running(sweep_dir: Path) -> str | None:
 def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
     """Counts of trials by status, windows recorded, and the :class:`Progress` of the trials
     (best completed config, baseline); reference and external rows are listed apart
-    (``fixed``: label -> role, status, pooled KLD)."""
+    (``fixed``: label -> role, status, pooled KLD); ``pool``: where the work ran and the
+    stage-cache hit rate (:func:`~healsweep.results.placement.pool_summary`, None before any
+    row recorded it)."""
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
     rows = read_trials(sweep_dir).to_pylist()
@@ -53,4 +56,5 @@ def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
         "fixed": fixed,
         "windows_recorded": read_windows(sweep_dir).num_rows,
         "progress": Progress.of(rows, manifest.get("planned_trials") or 0, 0, 0.0),
+        "pool": pool_summary(rows),
     }
