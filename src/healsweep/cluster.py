@@ -63,6 +63,12 @@ class NodeInfo:
     resources: dict[str, float]
     jax_backend: str = "?"
     jax_version: str = "?"
+    gpus: tuple[str, ...] = ()  # the GPU devices JAX sees on the node ("cuda:0 NVIDIA H200")
+
+    @property
+    def declared_gpus(self) -> int:
+        """The GPUs Ray offers on the node (its ``GPU`` resource)."""
+        return int(self.resources.get("GPU", 0))
 
 
 def parse_address(address: str, where: str = "--address") -> tuple[str, int]:
@@ -229,18 +235,26 @@ def _census(found: list[NodeInfo]) -> list[NodeInfo]:
             out.append(node)
             continue
         try:
-            backend, version = ray.get(refs[node.node_id], timeout=CENSUS_TIMEOUT_S)
+            backend, version, gpus = ray.get(refs[node.node_id], timeout=CENSUS_TIMEOUT_S)
         except Exception as exc:  # a node that cannot run the probe is reported, not fatal
-            backend, version = f"unreachable ({type(exc).__name__})", "?"
+            backend, version, gpus = f"unreachable ({type(exc).__name__})", "?", ()
         out.append(
-            NodeInfo(node.node_id, node.address, node.alive, node.resources, backend, version)
+            NodeInfo(node.node_id, node.address, node.alive, node.resources, backend, version, gpus)
         )
     return out
 
 
-def _probe() -> tuple[str, str]:
+def _probe() -> tuple[str, str, tuple[str, ...]]:
+    """(In a zero-resource task on the node) its JAX backend, version and GPU devices. The
+    task has no GPU of its own, so Ray leaves CUDA_VISIBLE_DEVICES as the node has it and JAX
+    sees every GPU of the node; its allocator is kept from preallocating them."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     info = jax_info()
-    return info.backend, info.jax_version
+    gpus = tuple(d for d in info.devices if d.split(":")[0] in ("gpu", "cuda", "rocm"))
+    return info.backend, info.jax_version, gpus
 
 
 __all__ = [

@@ -13,7 +13,7 @@ _ADDRESS = typer.Option(
 
 @cluster_app.command("status")
 def cluster_status(address: str | None = _ADDRESS) -> None:
-    """List the cluster's nodes, their resources and JAX backends."""
+    """List the cluster's nodes, their resources, JAX backends and GPUs."""
     from healsweep import cluster
 
     if not cluster.connect(address):
@@ -40,8 +40,18 @@ def format_resources(resources: dict[str, float]) -> str:
     return ", ".join(parts)
 
 
+def gpu_cell(node) -> str:
+    """The node's GPUs: those JAX sees there, and Ray's count when it differs; '' for none."""
+    if not node.gpus and not node.declared_gpus:
+        return ""
+    seen = ", ".join(node.gpus) if node.gpus else "none seen by JAX"
+    if node.declared_gpus != len(node.gpus):
+        seen += f" ({node.declared_gpus} declared to Ray)"
+    return f"; gpus: {seen}"
+
+
 def node_lines(nodes) -> list[str]:
-    """A table of nodes: short id, address, alive, JAX backend (version), resources."""
+    """A table of nodes: short id, address, alive, JAX backend (version), resources, GPUs."""
     lines = [f"{'node':<10} {'address':<16} {'alive':<6} {'jax backend':<22} resources"]
     for node in nodes:
         resources = format_resources(node.resources)
@@ -50,7 +60,7 @@ def node_lines(nodes) -> list[str]:
             backend = f"{backend} (jax {node.jax_version})"
         lines.append(
             f"{node.node_id[:8]:<10} {node.address:<16} {str(node.alive):<6} {backend:<22} "
-            f"{resources}"
+            f"{resources}{gpu_cell(node)}"
         )
     return lines
 
