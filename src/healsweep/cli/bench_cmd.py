@@ -1,5 +1,5 @@
 """`healsweep bench trial`: per-stage time and peak RSS of heal trials, and the forward beside
-llama.cpp's."""
+llama.cpp's; `healsweep bench night`: a real sweep run measured end to end."""
 
 from __future__ import annotations
 
@@ -72,3 +72,88 @@ def bench_trial(
         typer.echo(json.dumps(out, indent=2, default=str))
     elif counts:
         typer.echo(format_pairs(out["forward"]))
+
+
+@bench_app.command("night")
+def bench_night(
+    model: Annotated[str, typer.Argument(help="GGUF path, or `demo`.")] = "demo",
+    nodes: Annotated[
+        int,
+        typer.Option(
+            "--nodes",
+            min=0,
+            help="Start a local pool of N Ray nodes on this host, each with its "
+            "own stage cache (0: the sweep's embedded Ray).",
+        ),
+    ] = 0,
+    placement: Annotated[
+        str,
+        typer.Option(
+            "--placement",
+            help="cache (trials go where their quantization is), ray (Ray alone), "
+            "or both (each on a fresh pool, one after the other).",
+        ),
+    ] = "cache",
+    grid: Annotated[
+        str, typer.Option("--grid", help="QxRxE: quantization settings x rho values x eta values.")
+    ] = "3x2x2",
+    windows: Annotated[int, typer.Option("--windows", min=1, help="Dev windows per config.")] = 96,
+    cpus_per_node: Annotated[int, typer.Option("--cpus-per-node", min=1)] = 1,
+    gpus_per_node: Annotated[
+        int, typer.Option("--gpus-per-node", min=0, help="GPUs each pool node offers Ray.")
+    ] = 0,
+    gpu: Annotated[
+        bool, typer.Option("--gpu", help="One trial per GPU: resources {cpu: 1, gpu: 1}.")
+    ] = False,
+    max_concurrent: Annotated[
+        int | None,
+        typer.Option(
+            "--max-concurrent", min=1, help="Trials at once (default: one per CPU or GPU slot)."
+        ),
+    ] = None,
+    shared: Annotated[
+        bool,
+        typer.Option(
+            "--shared-cache", help="One stage-cache root for every node (the spec's cache_root)."
+        ),
+    ] = False,
+    calib_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--calib-tokens", min=64, help="Calibration tokens (default: the spec's default)."
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Folder for the runs, night.json and night.md (default: a temporary one, "
+            "removed after).",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """A real `sweep run` of a quantization x rho x eta grid: configs per hour and per night,
+    seconds per trial by kind, the stage-cache hit rate, the follow-ups run on the node holding
+    their quantization, CPU/GPU utilization and peak RSS (see docs/sizing.md)."""
+    import tempfile
+
+    from healsweep.sweep.night import NightError, night_table, parse_grid, run_night
+
+    modes = {"cache": ("cache",), "ray": ("ray",), "both": ("ray", "cache")}
+    if placement not in modes:
+        raise NightError(f"--placement {placement!r}: expected cache, ray or both")
+    with tempfile.TemporaryDirectory(prefix="healsweep-night-") as scratch:
+        folder = out or Path(scratch)
+        night = run_night(
+            model, folder, nodes=nodes, placements=modes[placement], grid=parse_grid(grid),
+            windows=windows, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, gpu=gpu,
+            max_concurrent=max_concurrent, shared=shared, calib_tokens=calib_tokens,
+        )  # fmt: skip
+        table = night_table(night)
+        (folder / "night.json").write_text(json.dumps(night, indent=2, default=str))
+        (folder / "night.md").write_text(table + "\n")
+    if as_json:
+        typer.echo(json.dumps(night, default=str))
+    else:
+        typer.echo(table)
