@@ -22,6 +22,8 @@ from typing import Any
 from healsweep.errors import HealsweepError
 from healsweep.model.resident import SHARE_ENV
 
+# The CUDA_VISIBLE_DEVICES this process's JAX backend started with (set before it started).
+_STARTED_WITH: list[str | None] = []
 PREALLOCATED = 0.75  # the fraction of a GPU JAX's allocator takes per process by default
 
 
@@ -54,7 +56,11 @@ def prepare_trial_process(
     from jax._src import xla_bridge
 
     wants_gpu = float(resources.get("gpu", 0.0)) > 0
-    if own_process and wants_gpu and xla_bridge.backends_are_initialized():
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not xla_bridge.backends_are_initialized():
+        _STARTED_WITH[:] = [visible]
+    elif own_process and wants_gpu and _STARTED_WITH != [visible]:
+        # (a process reused on a one-GPU node is given the GPU its backend started with)
         raise DeviceSetupError(
             f"trial process {os.getpid()}: JAX's backend started before the trial's GPU "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}) was set, so it "
@@ -64,7 +70,7 @@ def prepare_trial_process(
     for name, value in trial_device_env(resources).items():
         os.environ.setdefault(name, value)
     enable_compilation_cache()
-    return {"gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if wants_gpu else None}
+    return {"gpus": visible if wants_gpu else None}
 
 
 def enable_compilation_cache() -> None:

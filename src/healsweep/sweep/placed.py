@@ -72,18 +72,29 @@ def _collected(job: Job, resources: Mapping[str, float]) -> list[dict[str, Any]]
 
 def _options(spec: SweepSpec, retries: int) -> dict[str, Any]:
     resources = spec.trial_resources()
-    return {
+    options = {
         "num_cpus": resources.pop("cpu"),
         "num_gpus": resources.pop("gpu", 0),
         "resources": resources,
         "max_retries": retries,
     }
+    if options["num_gpus"] and _one_gpu_per_node():
+        # Every node has one GPU: a process reused for the next trial is given the same one, so
+        # it keeps its warm state (resident layers, compiled code) instead of starting afresh.
+        options["max_calls"] = 0
+    return options
+
+
+def _one_gpu_per_node() -> bool:
+    """Whether no alive node of the cluster offers Ray more than one GPU."""
+    return all(node["Resources"].get("GPU", 0) <= 1 for node in ray.nodes() if node["Alive"])
 
 
 @cache
 def _remote(fn: Callable, options: str) -> Any:
     # Resources are declared here, on the remote function, not in .options(): Ray then gives a
-    # task with GPUs a fresh worker process (max_calls=1), whose CUDA_VISIBLE_DEVICES is its own.
+    # task with GPUs a fresh worker process (max_calls=1) unless told otherwise (max_calls=0,
+    # one GPU per node), so a process's JAX backend only ever sees the GPU Ray gave it.
     return ray.remote(**json.loads(options))(fn)
 
 
