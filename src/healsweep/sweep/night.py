@@ -189,11 +189,15 @@ def night_figures(
         "gpu_utilization": gpu_util,
         "peak_rss_mb_per_node": {node: round(mb) for node, mb in rss.items()},
     }
+    computed: dict[str, int] = defaultdict(int)
+    for row in rows:
+        for stage, n in json.loads(row.get("cache_detail") or "{}").get("computed", {}).items():
+            computed[stage] += n
+    out["computed_by_stage"] = dict(computed)  # a quantization built on two nodes counts twice
+    out["work_cpu_s"] = round(
+        cpu_s, 1
+    )  # CPU seconds of the work: steadier than wall on a busy host
     if shared_root is not None:
-        computed: dict[str, int] = defaultdict(int)
-        for row in rows:
-            for stage, n in json.loads(row.get("cache_detail") or "{}").get("computed", {}).items():
-                computed[stage] += n
         on_disk = entries_on_disk(shared_root)
         out["shared_cache"] = {"computed": dict(computed), "entries": on_disk}
         out["entries_computed_twice"] = sum(
@@ -309,7 +313,7 @@ def run_night(
                     wall = _sweep_run(spec_path, results, pool.env, pool.address, None)
                 pool_cpus = float(nodes * cpus_per_node)
             else:
-                wall = _sweep_run(spec_path, results, env, None, slots)
+                wall = _sweep_run(spec_path, results, env, None, None if gpu else slots)
                 pool_cpus = float(slots)
         figures = night_figures(results / spec["name"], wall, pool_cpus, sampler.mean(),
                                 shared_root)  # fmt: skip
@@ -322,15 +326,16 @@ def run_night(
     if "cache" in out["placements"] and "ray" in out["placements"]:
         cache, ray = out["placements"]["cache"], out["placements"]["ray"]
         out["wall_ratio_cache_vs_ray"] = round(cache["wall_s"] / ray["wall_s"], 3)
+        out["cpu_ratio_cache_vs_ray"] = round(cache["work_cpu_s"] / max(ray["work_cpu_s"], 1e-9), 3)
     return out
 
 
 def night_table(night: Mapping[str, Any]) -> str:
     """The Markdown table docs/sizing.md quotes: one row per placement."""
     head = ("| placement | nodes | trials | wall s | configs/h | configs/night | cache hit rate "
-            "| follow-ups on holder | s/trial cold / quant / rho / eta | CPU util | GPU util "
-            "| peak RSS MiB/node |")  # fmt: skip
-    lines = [head, "|" + "---|" * 12]
+            "| follow-ups on holder | s/trial cold / quant / rho / eta | quantize entries computed "
+            "| work CPU s | CPU util | GPU util | peak RSS MiB/node |")  # fmt: skip
+    lines = [head, "|" + "---|" * 14]
 
     def share(v: float | None) -> str:
         return "-" if v is None else f"{v:.0%}"
@@ -346,6 +351,7 @@ def night_table(night: Mapping[str, Any]) -> str:
             f"| {f['trials']} | {f['wall_s']:.0f} | {f['configs_per_hour']:.1f} "
             f"| {f['configs_per_night']} | {share(f['cache_hit_rate'])} "
             f"| {share(f['follow_up_on_holder'])} ({f['follow_ups']}) | {per} "
+            f"| {f['computed_by_stage'].get('quantize', 0)} | {f['work_cpu_s']:.0f} "
             f"| {share(f['cpu_utilization'])} | {share(f['gpu_utilization'])} | {rss} |"
         )
     return "\n".join(lines)
