@@ -94,7 +94,7 @@ def night_spec(
         "pruner": "none",
         "resources": dict(resources),
         "max_concurrent": max_concurrent,
-        "max_failures": 0,
+        "max_failures": 2,  # a trial lost with its worker (e.g. memory) is retried, as at night
         "scoring": {"max_windows": windows, "batch": 8},
         "seed": 0,
         "placement": placement,
