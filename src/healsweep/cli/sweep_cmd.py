@@ -23,6 +23,11 @@ _RESULTS = typer.Option(None, "--results", help="Results root (default: the spec
 _CPUS = typer.Option(
     None, "--num-cpus", help="CPUs of the embedded local Ray (default: enough for max_concurrent)."
 )
+_CACHE_ROOT = typer.Option(
+    None,
+    "--cache-root",
+    help="A stage-cache folder every worker mounts at this path (overrides the spec's cache_root).",
+)
 
 
 class _Printer:
@@ -76,12 +81,15 @@ def run(
     address: str | None = _ADDRESS,
     results: Path | None = _RESULTS,
     num_cpus: int | None = _CPUS,
+    cache_root: Path | None = _CACHE_ROOT,
 ) -> None:
     """Run every trial of a sweep spec; results land in RESULTS/<name>/ as they arrive."""
     from healsweep.sweep.driver import run_sweep
     from healsweep.sweep.spec import load_spec
 
     loaded = load_spec(spec)
+    if cache_root is not None:  # a location, like --results: not part of the spec's hash
+        loaded = loaded.model_copy(update={"cache_root": str(cache_root.resolve())})
     root = results or Path(loaded.results)
     typer.echo(f"sweep {loaded.name}: {loaded.sampler.type} sampler, pruner {loaded.pruner.type}, "
                f"results in {root / loaded.name}")  # fmt: skip
