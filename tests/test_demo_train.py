@@ -289,8 +289,7 @@ def test_written_gguf_runs_the_same_in_the_runtime_forward(tmp_path) -> None:
     The GGUF stores matrices as F16, so the training forward gets the F16-rounded matrices.
     """
     from healsweep.demo.build import write_demo_model
-    from healsweep.gguf_io import open_model
-    from healsweep.model import forward
+    from healsweep.model import forward, open_model
 
     tokenizer = _tiny_tokenizer()
     cfg = dataclasses.replace(SMALL, n_vocab=tokenizer.get_vocab_size())

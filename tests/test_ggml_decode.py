@@ -240,9 +240,9 @@ def test_type_ids_and_geometry():
         assert block_geometry(int(T[name])) == GGML_QUANT_SIZES[T[name]]
         assert block_geometry(T[name]) == GGML_QUANT_SIZES[T[name]]
     assert GGML_Q2_0 == 42 and GGML_Q2_0 in IN_GRAPH_TYPES and block_geometry(42) == (64, 18)
-    from healsweep.gguf_io._ggml_types import q2_0_type  # gguf-py 0.19 does not name type 42
+    from healsweep.gguf_io import QUANT_SIZES, q2_0_type  # gguf-py 0.19 does not name type 42
 
-    assert int(q2_0_type()) == 42 and GGML_QUANT_SIZES[q2_0_type()] == (64, 18)  # registered
+    assert int(q2_0_type()) == 42 and QUANT_SIZES[q2_0_type()] == (64, 18)  # the local table
     assert block_geometry(int(T.TQ1_0)) == GGML_QUANT_SIZES[T.TQ1_0]  # host-fallback types too
     with pytest.raises(GGUFFormatError):
         block_geometry(999)

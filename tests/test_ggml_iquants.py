@@ -316,10 +316,9 @@ def test_forward_decodes_every_new_type_in_the_graph(random_gguf, tmp_path, monk
     import importlib
     import logging
 
-    from healsweep.gguf_io import open_model
     from healsweep.heal.export import write_replacing
     from healsweep.heal.llama_baseline import quantize_expert_stack
-    from healsweep.model import forward
+    from healsweep.model import forward, open_model
 
     forward_module = importlib.import_module("healsweep.model.forward")
     teacher = open_model(random_gguf("qwen2moe", n_layer=3, n_embd=256, n_head=4, n_head_kv=2,

@@ -9,8 +9,7 @@ import pytest
 
 from healsweep.conformance import backend_violations
 from healsweep.conformance.references import routed_experts as _routed_reference
-from healsweep.gguf_io import open_model
-from healsweep.model import LayerReplacement, forward, matmul, router_topk
+from healsweep.model import LayerReplacement, forward, matmul, open_model, router_topk
 from healsweep.model.forward import _block
 from healsweep.model.layers import expert_tile_rows, rope_neox, routed_experts
 

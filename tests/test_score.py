@@ -13,9 +13,8 @@ from healsweep.data.corpus import Document, Message, load_corpus, write_corpus
 from healsweep.data.split import parity_split
 from healsweep.data.windows import make_windows
 from healsweep.errors import TokenizerError
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
-from healsweep.model import LayerReplacement, forward
+from healsweep.model import LayerReplacement, forward, open_model
+from healsweep.model.synthetic import write_random_model
 from healsweep.score import pooled, score_windows
 from healsweep.score.compact import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K
 from healsweep.score.report import check_same_tokenizer
@@ -238,7 +237,7 @@ def test_a_healed_student_runs_the_base_with_its_replacements(models, windows, t
 
 
 def test_models_with_other_tokenizers_are_refused(models, tmp_path):
-    from healsweep.gguf_io.synthetic import train_tiny_tokenizer
+    from healsweep.model.synthetic import train_tiny_tokenizer
 
     other = train_tiny_tokenizer(("completely different text for another vocabulary",) * 3)
     stranger = open_model(write_random_model(tmp_path / "o.gguf", tokenizer=other))

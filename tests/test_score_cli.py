@@ -12,9 +12,8 @@ import pytest
 
 from healsweep.conformance.references import log_softmax as _np_log_softmax
 from healsweep.data.corpus import Document, Message, write_corpus
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import train_tiny_tokenizer, write_random_model
-from healsweep.model import forward
+from healsweep.model import forward, open_model
+from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 
 
 def _cli(tmp_path, *args):

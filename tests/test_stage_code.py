@@ -271,7 +271,7 @@ import numpy as np
 import healsweep
 from healsweep._code import module_closure
 from healsweep.data.windows import Window
-from healsweep.gguf_io import open_model
+from healsweep.model import open_model
 from healsweep.heal import ridge, stages, trace
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.score.teacher_cache import teacher_key

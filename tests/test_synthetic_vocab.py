@@ -11,10 +11,9 @@ from healsweep.data.corpus import load_corpus
 from healsweep.data.split import parity_split
 from healsweep.data.windows import make_windows
 from healsweep.errors import TokenizerError
-from healsweep.gguf_io import open_model
 from healsweep.gguf_io._synthetic_vocab import grown_tokenizer
-from healsweep.gguf_io.synthetic import train_tiny_tokenizer, write_random_model
-from healsweep.model import forward
+from healsweep.model import forward, open_model
+from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 
 SHAPE = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_expert=8, n_expert_used=2,
              n_ff_exp=64, n_ff_shexp=128, context_length=512)  # fmt: skip

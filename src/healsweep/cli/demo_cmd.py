@@ -96,7 +96,7 @@ def demo_build(
     _deterministic_gpu_ops()
     from healsweep.data.corpus import load_corpus
     from healsweep.demo.build import build_demo, demo_figures, demo_preset, demo_train_config
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     recipe = demo_train_config(seed, steps, preset)
     typer.echo(

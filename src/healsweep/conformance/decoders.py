@@ -23,14 +23,12 @@ GGML_RTOL = 1e-6  # ggml's C decoders against ours: the same float32 products, c
 
 
 def type_name(qtype: int) -> str:
-    """gguf-py's name of ggml type ``qtype`` (Q2_0 once registered), else ``type<id>``."""
-    from gguf import GGMLQuantizationType
+    """The name of ggml type ``qtype`` (gguf-py's, or Q2_0 from healsweep's table), else
+    ``type<id>``."""
+    from healsweep.gguf_io import TensorType
 
-    from healsweep.gguf_io import q2_0_type
-
-    q2_0_type()  # names type 42
     try:
-        return GGMLQuantizationType(qtype).name
+        return TensorType(qtype).name
     except ValueError:
         return f"type{qtype}"
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from healsweep.conformance import references as ref
 from healsweep.conformance.run import KernelCase, max_rel_err
+from healsweep.gguf_io import block_prefix
 
 N_TOKENS = 48
 ROUTING_TIE = 1e-4
@@ -30,7 +31,7 @@ FIELDS = ("ffn_input", "router_logits", "topk_weights", "routed_output", "shexp_
 @cache
 def demo_layer_model():
     """The packaged demo model, its first layer only."""
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     return open_model("demo").with_hparams(n_layer=1)
 
@@ -52,9 +53,9 @@ def _reference(tokens: np.ndarray) -> dict[str, np.ndarray]:
     model = demo_layer_model()
     hp = model.hparams
     weights = {
-        name.removeprefix("blk.0."): model.tensor(name)
+        name.removeprefix(block_prefix(0)): model.tensor(name)
         for name in model.tensor_names
-        if name.startswith("blk.0.")
+        if name.startswith(block_prefix(0))
     }
     weights["token_embd"] = model.tensor("token_embd.weight")
     weights["output_norm"] = model.tensor("output_norm.weight")

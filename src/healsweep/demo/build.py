@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from gguf import Keys
 
 from healsweep.demo.train import MoEConfig, Params, TrainConfig, TrainResult, to_gguf_tensors, train
+from healsweep.gguf_io import block_prefix
 
 EOT = "<|endoftext|>"
 MODEL_FILE, CORPUS_FILE, TOKENIZER_FILE = (
@@ -185,13 +187,14 @@ def write_demo_model(
     Matrices are stored F16 and vectors (norms, biases, the shared-expert gate) F32 unless
     ``types`` says otherwise.
     """
-    from healsweep.gguf_io import tokenizer_metadata_from_tokenizer, write_model
+    from healsweep.gguf_io import tokenizer_metadata_from_tokenizer
+    from healsweep.model import write_model
 
     if "blk" in tensors:
         tensors = to_gguf_tensors(tensors)
     meta = tokenizer_metadata_from_tokenizer(tokenizer, bos=EOT, eos="<|im_end|>", pad=EOT)
     ordered = {name: tensors[name] for name in _tensor_order(cfg.n_layer) if name in tensors}
-    extra = {"general.description": description} if description else None
+    extra = {Keys.General.DESCRIPTION: description} if description else None
     return write_model(
         path,
         "qwen2moe",
@@ -224,7 +227,7 @@ def _tensor_order(n_layer: int) -> list[str]:
         "ffn_up_shexp.weight",
         "ffn_down_shexp.weight",
     ]
-    layers = [f"blk.{i}.{name}" for i in range(n_layer) for name in per_layer]
+    layers = [block_prefix(i) + name for i in range(n_layer) for name in per_layer]
     return ["token_embd.weight", *layers, "output_norm.weight", "output.weight"]
 
 
@@ -401,7 +404,7 @@ def build_demo(
     if chosen.expert_type is not None:
         qtype = GGMLQuantizationType[chosen.expert_type]
         types = {
-            f"blk.{i}.ffn_{part}_exps.weight": qtype
+            f"{block_prefix(i)}ffn_{part}_exps.weight": qtype
             for i in range(cfg.n_layer)
             for part in ("gate", "up", "down")
         }

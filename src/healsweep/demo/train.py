@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from healsweep.gguf_io import block_prefix, split_block
+
 Params = dict[str, Any]
 
 
@@ -232,20 +234,18 @@ def to_gguf_tensors(params: Params) -> dict[str, np.ndarray]:
         name: np.asarray(value, np.float32) for name, value in params.items() if name != "blk"
     }
     for i, layer in enumerate(params["blk"]):
-        tensors.update({f"blk.{i}.{name}": np.asarray(v, np.float32) for name, v in layer.items()})
+        tensors.update({block_prefix(i) + n: np.asarray(v, np.float32) for n, v in layer.items()})
     return tensors
 
 
 def from_gguf_tensors(tensors: dict[str, np.ndarray], n_layer: int) -> Params:
     """Inverse of :func:`to_gguf_tensors` (float32 jax arrays)."""
-    params: Params = {
-        n: jnp.asarray(v, jnp.float32) for n, v in tensors.items() if not n.startswith("blk.")
-    }
+    named = [(split_block(name), value) for name, value in tensors.items()]
+    params: Params = {n: jnp.asarray(v, jnp.float32) for (i, n), v in named if i is None}
     params["blk"] = [{} for _ in range(n_layer)]
-    for name, value in tensors.items():
-        if name.startswith("blk."):
-            _, i, suffix = name.split(".", 2)
-            params["blk"][int(i)][suffix] = jnp.asarray(value, jnp.float32)
+    for (layer, inside), value in named:
+        if layer is not None:
+            params["blk"][layer][inside] = jnp.asarray(value, jnp.float32)
     return params
 
 

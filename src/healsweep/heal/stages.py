@@ -26,7 +26,7 @@ import numpy as np
 from healsweep._code import code_digest
 from healsweep.cache import content_key
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io._hparams import ffn_norm_name
+from healsweep.gguf_io import block_prefix
 from healsweep.heal import importance as imp
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.kernels import alpha as alpha_kernels
@@ -104,13 +104,14 @@ def expert_weights(
     """What quantize and Part A read of a layer: its routed expert stacks as float32 device
     arrays, decoded in the graph from their stored bytes (several times gguf-py's numpy speed;
     on an accelerator they never cross to the host), and ffn_norm."""
+    from healsweep.model import architecture
     from healsweep.model.forward import dense_on_device
 
     out = {}
     for suffix in (f"ffn_{n}_exps.weight" for n in tensors):
-        out[suffix] = dense_on_device(model, f"blk.{layer}.{suffix}")
+        out[suffix] = dense_on_device(model, block_prefix(layer) + suffix)
     # the FFN's input norm, whatever the architecture calls it (glm4moe: post_attention_norm)
-    out["ffn_norm.weight"] = model.tensor(f"blk.{layer}.{ffn_norm_name(model.arch)}")
+    out["ffn_norm.weight"] = model.tensor(block_prefix(layer) + architecture(model.arch).ffn_norm)
     return out
 
 

@@ -11,11 +11,15 @@ is reset before each trial where Linux allows it).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from healsweep.cache import StageCache
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+
+if TYPE_CHECKING:
+    from healsweep.data.corpus import Corpus
+    from healsweep.gguf_io import GGUFModel
 
 
 def trial_variants(base: Knobs) -> list[tuple[str, Knobs]]:
@@ -32,7 +36,7 @@ def trial_variants(base: Knobs) -> list[tuple[str, Knobs]]:
 
 
 def bench_trials(
-    model: Any, corpus: Any, cache: StageCache, calibration: CalibrationConfig,
+    model: GGUFModel, corpus: Corpus, cache: StageCache, calibration: CalibrationConfig,
     base: Knobs | None = None,
 ) -> list[dict[str, Any]]:
     """One row per variant of :func:`trial_variants`: seconds, stage timings, recomputed

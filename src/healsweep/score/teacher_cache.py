@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -34,6 +34,10 @@ from healsweep.score.compact import (
     compact_record,
     router_dtype,
 )
+
+if TYPE_CHECKING:
+    from healsweep.data.windows import Window
+    from healsweep.gguf_io import GGUFModel
 
 STAGE = "teacher_logits"
 VERSION = 1  # exact entries' format (code changes are in the key's code digest)
@@ -54,12 +58,12 @@ class TeacherOutput(NamedTuple):
 Teacher = TeacherOutput | CompactTeacher
 
 
-def scored_positions(window: Any) -> np.ndarray:
+def scored_positions(window: Window) -> np.ndarray:
     """Positions whose logits predict the scored tokens: ``scored_from - 1 + arange(n)``."""
     return np.arange(window.n_scored, dtype=np.int64) + (window.scored_from - 1)
 
 
-def teacher_key(model: Any, window: Any, fmt: str | TeacherCacheFormat = COMPACT) -> str:
+def teacher_key(model: GGUFModel, window: Window, fmt: str | TeacherCacheFormat = COMPACT) -> str:
     """Cache key of a window's teacher output in ``fmt``."""
     fmt = cache_format(fmt)
     tokens = np.ascontiguousarray(window.tokens, dtype="<i4").tobytes()
@@ -77,7 +81,7 @@ def teacher_key(model: Any, window: Any, fmt: str | TeacherCacheFormat = COMPACT
     return content_key(STAGE, COMPACT_VERSION, inputs)
 
 
-def run_teacher(model: Any, windows: Sequence[Any]) -> list[TeacherOutput]:
+def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutput]:
     """One batched teacher forward over ``windows`` (no cache)."""
     from healsweep.kernels.kld import log_softmax
     from healsweep.model import forward
@@ -92,7 +96,7 @@ def run_teacher(model: Any, windows: Sequence[Any]) -> list[TeacherOutput]:
 
 
 def _entry(
-    model: Any, window: Any, out: TeacherOutput, fmt: TeacherCacheFormat
+    model: GGUFModel, window: Window, out: TeacherOutput, fmt: TeacherCacheFormat
 ) -> dict[str, np.ndarray]:
     """The arrays stored for one window in ``fmt``."""
     if fmt.kind == "exact":
@@ -115,8 +119,8 @@ def _output(arrays: dict[str, np.ndarray], fmt: TeacherCacheFormat) -> Teacher:
 
 
 def teacher_outputs(
-    model: Any,
-    windows: Sequence[Any],
+    model: GGUFModel,
+    windows: Sequence[Window],
     cache: StageCache,
     fmt: str | TeacherCacheFormat = COMPACT,
 ) -> list[Teacher]:
