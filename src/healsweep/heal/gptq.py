@@ -18,6 +18,13 @@ counted in the stage's report).
 block scales of every row (codes fixed; the small ``nb × nb`` systems solved here on the host, in
 float64), each row keeping its lowest-objective state (:mod:`healsweep.kernels.gptq_refine`).
 
+An expert with few routed rows (``n ≤ LOWRANK_SHARE·in``, as with small calibration budgets)
+takes the low-rank path instead: its ``H = c·I + XᵀX`` has the feedback ``V − I = triu(Xᵀ·U)``
+in terms of its ``n`` rows ``X`` (:func:`factor_rows`, ``O(in·n²)`` host work instead of a
+``in³/3`` Cholesky) and :func:`healsweep.kernels.gptq.quantize_lowrank` gathers each block's
+errors through the rows (``2·P`` products per weight for ``P`` padded rows instead of up to
+``in``): the same codes up to float rounding.
+
 Experts are processed in groups of at most ``GROUP`` (the last group padded with inert repeats),
 most-routed first so that a group's routed rows pad to a similar count; the host holds a few
 ``[n, n]`` matrices at a time and each kernel compiles once per shape. The host factors the next
