@@ -47,7 +47,7 @@ from healsweep.kernels import gptq_refine as refine_kernel
 from healsweep.kernels._precision import healing_jit
 
 GROUP = 8  # experts per kernel call
-LOWRANK_SHARE = 0.25  # low-rank path up to this many routed rows per input channel (measured)
+LOWRANK_SHARE = 0.25  # low-rank path up to this many routed rows per input channel (docs/sizing.md)
 _MIN_ROWS = 64  # routed rows are padded to a power of two of at least this many: few compiles
 _HIGHEST = jax.lax.Precision.HIGHEST
 SWEEPS = 2  # code-descent passes over the columns per refine round
