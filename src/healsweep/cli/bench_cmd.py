@@ -14,7 +14,7 @@ from healsweep.cli._apps import bench_app
 
 @bench_app.command("trial")
 def bench_trial(
-    model: Annotated[str, typer.Argument(help="GGUF path, or `demo`.")] = "demo",
+    model: Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")] = "demo",
     knobs: Annotated[Path | None, typer.Option(
         "--knobs", help="Base knobs of the cold trial; default: the shipped healer.")] = None,
     corpus: Annotated[str, typer.Option(

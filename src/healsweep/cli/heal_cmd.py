@@ -10,7 +10,7 @@ import typer
 
 from healsweep.cli._apps import app, bench_app
 
-ModelArg = Annotated[str, typer.Argument(help="GGUF path, or `demo`.")]
+ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")]
 CorpusOpt = Annotated[str, typer.Option(
     "--corpus", help="Corpus JSONL whose `pool: calibration` documents calibrate, or `demo`.")]
 MaxTokensOpt = Annotated[int | None, typer.Option(
