@@ -42,7 +42,7 @@ TENSORS = ("gate", "up", "down")
 A27B_LAYER = "one layer of the Qwen1.5-MoE-A2.7B shape, random, Q8_0 experts (docs/sizing.md)"
 A27B = dict(
     n_layer=1, n_embd=2048, n_head=16, n_head_kv=16, n_expert=60, n_expert_used=4,
-    n_ff_exp=1408, n_ff_shexp=5632,
+    n_ff_exp=1408, n_ff_shexp=5632, context_length=4096,
     types={f"ffn_{n}_exps.weight": "Q8_0" for n in TENSORS},
 )  # fmt: skip
 
