@@ -191,6 +191,39 @@ def _gptq_inputs(rng):
     return w, f, g, np.einsum("eii->ei", h).astype(np.float32), u
 
 
+def _gptq_lowrank_inputs(rng):
+    # H = c·I + XᵀX of 40 rows (zero-padded to 64) of 128 columns, in the kernel's factored form:
+    # u_k = (c·I + Σ_{i≥k} x_i x_iᵀ)⁻¹ x_k by a direct solve per column (not factor_rows's
+    # block recursion), V's diagonal blocks and their inverses from numpy's Cholesky of H; the
+    # last input is the reference's u with uᵀu = H⁻¹
+    w = _f32(rng, 2, 16, 128)
+    rows = rng.standard_normal((2, 40, 128)) * np.exp(rng.standard_normal((2, 1, 128)))
+    x = np.concatenate([rows, np.zeros((2, 24, 128))], axis=1).astype(np.float32)
+    x64 = x.astype(np.float64)
+    u_rows = np.zeros_like(x64)
+    h = np.einsum("epi,epj->eij", x64, x64)
+    for e in range(2):
+        c = 0.01 * np.trace(h[e]) / 128
+        h[e] += c * np.eye(128)
+        for k in range(128):
+            tail = x64[e, :, k:]
+            u_rows[e, :, k] = np.linalg.solve(c * np.eye(64) + tail @ tail.T, x64[e, :, k])
+    flip = slice(None, None, -1)
+    r = np.linalg.cholesky(h[:, flip, flip])[:, flip, flip]  # upper, H = R·Rᵀ
+    v = r / np.einsum("eii->ei", r)[:, None, :]
+    blocks = np.stack([v[:, a : a + 64, a : a + 64] for a in (0, 64)], axis=1)
+    u = np.linalg.cholesky(np.linalg.inv(h)).transpose(0, 2, 1).astype(np.float32)
+    return (
+        w,
+        x,
+        u_rows.astype(np.float32),
+        (blocks - np.eye(64)).astype(np.float32),
+        np.linalg.inv(blocks).astype(np.float32),
+        np.einsum("eii->ei", h).astype(np.float32),
+        u,
+    )
+
+
 def _gptq_check(got, want, inputs):
     """Codes equal the float64 GPTQ's but for a few knife-edge roundings (one changes every
     later error of its row), and the objective GPTQ minimizes within 0.1% of the reference's."""
@@ -358,6 +391,14 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         # (inside _gptq_check's bounds) but 5.9e-3 (max rel) from the CPU's, so the float64
         # reference judges each backend, as for the layer forward
         device_rtol=None,
+    ),
+    KernelCase(
+        "gptq.quantize_lowrank",  # the path of experts with few routed rows
+        lambda w, x, u, f, g, a, _: gptq.quantize_lowrank(w, x, u, f, g, a, np.float32(GAIN)),
+        _gptq_lowrank_inputs,
+        lambda w, x, u, f, g, a, u_ref: ref.gptq(w, u_ref, a, GAIN),
+        check=_gptq_check,
+        device_rtol=None,  # as gptq.quantize: knife-edge roundings differ by backend
     ),
     KernelCase(
         "gptq_refine.code_descent",
