@@ -10,7 +10,7 @@ documents held out of the fit. With the ridge, the residual counts the shared ex
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,11 +20,15 @@ from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import Student, build_student
 from healsweep.heal.trace import calibration_documents, calibration_trace
 
+if TYPE_CHECKING:
+    from healsweep.data.corpus import Corpus
+    from healsweep.gguf_io import GGUFModel
+
 VARIANTS = ("alpha_1", "gaussian", "mse", "gaussian_ridge", "mse_ridge")
 
 
 def heldout_split(
-    corpus: Any, calibration: CalibrationConfig, every: int = 4
+    corpus: Corpus, calibration: CalibrationConfig, every: int = 4
 ) -> tuple[CalibrationConfig, CalibrationConfig]:
     """(fit, held-out) configs: every ``every``-th calibration document of each stratum is held out."""
     docs = calibration_documents(corpus, calibration)
@@ -60,8 +64,8 @@ def _shared_change(student: Student, layer: int, trace_layer: dict[str, np.ndarr
 
 
 def residual_table(
-    model: Any,
-    corpus: Any,
+    model: GGUFModel,
+    corpus: Corpus,
     cache: StageCache,
     calibration: CalibrationConfig,
     base: Knobs | None = None,
@@ -99,7 +103,9 @@ def residual_table(
     rows, totals = [], {}
     for position, layer in enumerate(model.hparams.moe_layers):
         qkey = stages.quantize_key(model, base, fit_trace.key, layer)
-        experts = stages.q2_weights(cache.get_or_compute("quantize", qkey, _missing)[0])
+        experts = stages.QuantizedExperts.from_entry(
+            *cache.get_or_compute("quantize", qkey, _missing)
+        ).experts
         row: dict[str, Any] = {
             "layer": layer,
             "alpha_gaussian": shipped.alphas[position],

@@ -19,12 +19,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from healsweep._atomic import atomic_file, atomic_path
 from healsweep.errors import GGUFFormatError
+
+if TYPE_CHECKING:
+    from healsweep.gguf_io import GGUFModel
+    from healsweep.heal.pipeline import Student
 
 _EXPERT_FIELDS = {
     "ffn_gate_exps.weight": "gate_exps",
@@ -62,7 +66,7 @@ def type42_rows(weight: Any) -> np.ndarray:
     return blocks.reshape(*d.shape[:-1], nb * _BLOCK_BYTES)
 
 
-def _expert_plan(student: Any, name: str, experts: str) -> tuple[Any, tuple[int, ...], Any]:
+def _expert_plan(student: Student, name: str, experts: str) -> tuple[Any, tuple[int, ...], Any]:
     """(ggml type, stored array shape, dtype) of one healed expert stack in the chosen format."""
     from gguf import GGMLQuantizationType
 
@@ -86,7 +90,7 @@ def _expert_data(weight: Any, experts: str) -> np.ndarray:
     return np.asarray(dense, np.float32).astype(np.float16)
 
 
-def _replacement(student: Any, name: str) -> tuple[str, Any] | None:
+def _replacement(student: Student, name: str) -> tuple[str, Any] | None:
     """``("experts", weight)`` or ``("shexp", raw)`` for a tensor the student replaces."""
     if not name.startswith("blk."):
         return None
@@ -102,7 +106,7 @@ def _replacement(student: Any, name: str) -> tuple[str, Any] | None:
     return None
 
 
-def heal_metadata(student: Any, experts: str) -> dict[str, Any]:
+def heal_metadata(student: Student, experts: str) -> dict[str, Any]:
     """The ``healsweep.*`` fields every healed GGUF carries (str, float list)."""
     return {
         "knobs": json.dumps(student.knobs.model_dump(), sort_keys=True),
@@ -114,7 +118,7 @@ def heal_metadata(student: Any, experts: str) -> dict[str, Any]:
 
 
 def write_healed_gguf(
-    student: Any,
+    student: Student,
     out: str | Path,
     *,
     experts: str = "q2_0",
@@ -153,7 +157,7 @@ TensorPlan = tuple[Any, tuple[int, ...], Any]  # (ggml type, stored array shape,
 
 
 def write_replacing(
-    base: Any,
+    base: GGUFModel,
     out: str | Path,
     plan: Mapping[str, TensorPlan],
     produce: Callable[[str], np.ndarray],
@@ -228,7 +232,7 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
         raise TypeError(f"metadata {key}: cannot store a {type(value).__name__}")
 
 
-def _check_shape(base: Any, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
+def _check_shape(base: GGUFModel, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import quant_shape_from_byte_shape
 
@@ -240,7 +244,7 @@ def _check_shape(base: Any, name: str, shape: tuple, dtype: np.dtype, qtype: Any
         raise GGUFFormatError(f"replaced tensor {name} has shape {shape}, the model's is {want}")
 
 
-def write_q2_sidecar(student: Any, out: str | Path) -> Path:
+def write_q2_sidecar(student: Student, out: str | Path) -> Path:
     """Save type-42 blocks (uint8 ``[..., out, in/64, 18]``) of every healed expert tensor,
     the alphas and the knobs."""
     out = Path(out)

@@ -15,18 +15,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from healsweep.errors import GGUFFormatError, SettingError
+
+if TYPE_CHECKING:
+    from healsweep.cache import StageCache
+    from healsweep.gguf_io import GGUFModel
+    from healsweep.heal.knobs import CalibrationConfig
 
 LLAMA_TYPES = {"q2_0": 42, "q2_k": 10, "iq2_xxs": 16, "iq2_xs": 17, "iq2_s": 22}
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 Progress = Callable[[str, str], None]
 
 
-def check_baseline(model: Any, type_name: str, imatrix: bool) -> int:
+def check_baseline(model: GGUFModel, type_name: str, imatrix: bool) -> int:
     """The ggml type id of ``type_name``; raises one line when the rows of the routed experts do
     not fill its blocks or when it needs an importance matrix that was not asked for."""
     from healsweep.gguf_io import _ggml_lib
@@ -38,7 +43,10 @@ def check_baseline(model: Any, type_name: str, imatrix: bool) -> int:
     qtype = LLAMA_TYPES[type_name]
     block, _ = _ggml_lib.block_geometry(qtype)
     hp = model.hparams
-    for tensors, width in (("ffn_gate_exps/ffn_up_exps", hp.n_embd), ("ffn_down_exps", hp.n_ff_exp)):
+    for tensors, width in (
+        ("ffn_gate_exps/ffn_up_exps", hp.n_embd),
+        ("ffn_down_exps", hp.n_ff_exp),
+    ):
         if width % block:
             raise GGUFFormatError(
                 f"{model.path}: the rows of {tensors} hold {width} values, not a multiple of the "
@@ -86,12 +94,12 @@ def bits_per_weight(qtype: int) -> float:
 
 
 def write_llama_baseline(
-    model: Any,
+    model: GGUFModel,
     type_name: str,
     out: str | Path,
     *,
-    calibration: Any = None,
-    cache: Any = None,
+    calibration: CalibrationConfig | None = None,
+    cache: StageCache | None = None,
     progress: Progress | None = None,
 ) -> Path:
     """Write ``model`` with its routed experts quantized by ggml to ``type_name``.

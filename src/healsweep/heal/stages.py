@@ -21,7 +21,7 @@ import hashlib
 import importlib
 from functools import cache, partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -32,6 +32,9 @@ from healsweep.gguf_io._hparams import ffn_norm_name
 from healsweep.heal import importance as imp
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.kernels import alpha as alpha_kernels
+
+if TYPE_CHECKING:
+    from healsweep.gguf_io import GGUFModel
 
 VERSIONS = {
     "quantize": 1,
@@ -48,6 +51,7 @@ VERSIONS = {
 }
 EXPERT_TENSORS = ("gate", "up", "down")
 ROUTED_CHUNK = 2048  # tokens per routed-output call (padded), bounds memory and recompiles
+Arrays = dict[str, np.ndarray]
 
 
 # The code a stage runs is one of its inputs: a fix in the codec or the forward must not be
@@ -68,9 +72,7 @@ STAGE_CODE = {
     "ridge_basis": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
     "ridge_rhs": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
     "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge"),
-    "ridge_heldout": (
-        "healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"
-    ),
+    "ridge_heldout": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
     "part_b": (
         "healsweep.kernels.ridge",
         "healsweep.heal.ridge",
@@ -98,7 +100,7 @@ def stage_key(stage: str, inputs: dict[str, Any]) -> str:
 # --- quantize ----------------------------------------------------------------------------------
 
 
-def quantize_key(model: Any, knobs: Knobs, trace_key: str | None, layer: int) -> str:
+def quantize_key(model: GGUFModel, knobs: Knobs, trace_key: str | None, layer: int) -> str:
     """Key of the quantized experts of ``layer``: the trace enters only for ``act`` importance
     or ``gptq``. ``gptq`` and ``plain`` entries are keyed under their own names and code
     (``quantize_gptq``, ``quantize_plain``), so adding them left the keys of ``search`` entries
@@ -116,7 +118,7 @@ def quantize_key(model: Any, knobs: Knobs, trace_key: str | None, layer: int) ->
     )
 
 
-def check_quantizable(model: Any) -> None:
+def check_quantizable(model: GGUFModel) -> None:
     """Raise :class:`GGUFFormatError` unless every routed expert's rows split into Q2_0 blocks
     of 64: gate/up rows hold ``n_embd`` values, down rows ``n_ff_exp``. Called before any
     teacher pass, so that such a model fails in seconds, naming its file."""
@@ -131,7 +133,7 @@ def check_quantizable(model: Any) -> None:
 
 
 def expert_weights(
-    model: Any, layer: int, tensors: tuple[str, ...] = EXPERT_TENSORS
+    model: GGUFModel, layer: int, tensors: tuple[str, ...] = EXPERT_TENSORS
 ) -> dict[str, Any]:
     """What quantize and Part A read of a layer: its routed expert stacks as float32 device
     arrays, decoded in the graph from their stored bytes (several times gguf-py's numpy speed;
@@ -146,18 +148,50 @@ def expert_weights(
     return out
 
 
+class ExpertStacks(NamedTuple):
+    """A layer's routed expert stacks ``[E, out, in]``, each a quantized pytree (``Q2Packed``) or
+    a dense array: what the forward's ``LayerReplacement`` and the routed output take."""
+
+    gate: Any
+    up: Any
+    down: Any
+
+
+class QuantizedExperts(NamedTuple):
+    """``quantize``: the layer's routed experts as Q2_0 and the stage's report (``gptq``: how
+    many experts fell back to ``search``, per tensor; else empty)."""
+
+    experts: ExpertStacks
+    report: dict[str, Any]
+
+    def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
+        arrays: Arrays = {}
+        for name, packed in zip(EXPERT_TENSORS, self.experts, strict=True):
+            arrays[f"{name}.d"] = np.asarray(packed.d, np.float16)
+            arrays[f"{name}.codes"] = np.asarray(packed.codes)
+        return arrays, self.report
+
+    @classmethod
+    def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> QuantizedExperts:
+        """Packed ``Q2Packed`` pytrees (decoded in the graph; unpacking 3 x 173M codes per
+        layer on the host cost a warm trial seconds a layer)."""
+        from healsweep.kernels.q2_0 import Q2Packed
+
+        stacks = (Q2Packed(d=arrays[f"{n}.d"], codes=arrays[f"{n}.codes"]) for n in EXPERT_TENSORS)
+        return cls(ExpertStacks(*stacks), meta)
+
+
 def quantize_layer(
     weights: dict[str, Any],
     knobs: Knobs,
     trace_layer: dict[str, np.ndarray] | None,
     calibration: CalibrationConfig,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Q2_0 codes and scales of the layer's routed experts, as cache arrays, and the stage's
-    report (``gptq``: how many experts fell back to ``search``, per tensor)."""
+) -> QuantizedExperts:
+    """Q2_0 of the layer's routed experts under ``knobs``."""
     from healsweep.kernels import q2_0
 
     if knobs.quantizer == "plain":
-        return plain_layer(weights), {}
+        return QuantizedExperts.from_entry(plain_layer(weights), {})
     min_tokens = calibration.min_tokens_per_expert
     get = (lambda k: trace_layer[k]) if trace_layer is not None else (lambda k: None)
     gate_up_imp = imp.gate_up_importance(
@@ -175,11 +209,11 @@ def quantize_layer(
         arrays[f"{name}.d"] = np.asarray(q2.d, np.float16)
         arrays[f"{name}.codes"] = np.asarray(q2.codes)
     if knobs.quantizer != "gptq":
-        return arrays, {}
+        return QuantizedExperts.from_entry(arrays, {})
     report: dict[str, Any] = {}
     for names in (("gate", "up"), ("down",)):  # gate and up read one input: one H_e for both
         report.update(_gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens))
-    return arrays, {"gptq_fallback": report}
+    return QuantizedExperts.from_entry(arrays, {"gptq_fallback": report})
 
 
 def plain_layer(weights: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -228,15 +262,20 @@ def _gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens):
     return {name: dict(fallback) for name in names}
 
 
-def q2_weights(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    """{gate, up, down}: packed ``Q2Packed`` pytrees of a ``quantize`` entry (decoded in the
-    graph; unpacking 3 x 173M codes per layer on the host cost a warm trial seconds a layer)."""
-    from healsweep.kernels.q2_0 import Q2Packed
-
-    return {n: Q2Packed(d=arrays[f"{n}.d"], codes=arrays[f"{n}.codes"]) for n in EXPERT_TENSORS}
-
-
 # --- routed_q ----------------------------------------------------------------------------------
+
+
+class RoutedOutput(NamedTuple):
+    """``routed_q``: the quantized experts' routed output on the trace's inputs and routing."""
+
+    y_q: np.ndarray  # [T, D] float32
+
+    def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
+        return {"y_q": self.y_q}, {}
+
+    @classmethod
+    def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> RoutedOutput:
+        return cls(arrays["y_q"])
 
 
 def routed_q_key(quantize: str, trace_key: str, layer: int) -> str:
@@ -253,7 +292,7 @@ def _routed(x, ids, weights, experts, n_expert: int, tile: int):
 
 
 def routed_output(
-    experts: dict[str, Any], trace_layer: dict[str, np.ndarray], n_expert: int
+    experts: ExpertStacks, trace_layer: dict[str, np.ndarray], n_expert: int
 ) -> np.ndarray:
     """y_q [T, D]: routing-weighted sum of the given experts on the trace's inputs and routing."""
     from healsweep.model.layers import expert_tile_rows
@@ -262,7 +301,7 @@ def routed_output(
     n_tokens = x.shape[0]
     chunk = min(ROUTED_CHUNK, -(-n_tokens // 64) * 64)
     tile = expert_tile_rows(chunk * ids.shape[1], n_expert)
-    stacked = (experts["gate"], experts["up"], experts["down"])
+    stacked = tuple(experts)
     out = np.empty(x.shape, np.float32)
     for a in range(0, n_tokens, chunk):
         b = min(a + chunk, n_tokens)
@@ -277,7 +316,27 @@ def routed_output(
 # --- part_a ------------------------------------------------------------------------------------
 
 
-def part_a_key(knobs: Knobs, model: Any, quantize: str, routed_q: str | None, layer: int) -> str:
+class LayerAlpha(NamedTuple):
+    """``part_a``: the layer's alpha and, under ``alpha_granularity: expert``, one per expert
+    (folded into each expert's down scales; the layer's is then 1)."""
+
+    alpha: float
+    expert_alpha: np.ndarray | None = None  # [E] float32
+
+    def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
+        arrays = {"alpha": np.float32(self.alpha)}
+        if self.expert_alpha is not None:
+            arrays["expert_alpha"] = self.expert_alpha
+        return arrays, {}
+
+    @classmethod
+    def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> LayerAlpha:
+        return cls(float(arrays["alpha"]), arrays.get("expert_alpha"))
+
+
+def part_a_key(
+    knobs: Knobs, model: GGUFModel, quantize: str, routed_q: str | None, layer: int
+) -> str:
     """Key of the layer's alpha: mse reads routed_q (and through it the trace)."""
     return stage_key(
         "part_a",
@@ -291,7 +350,7 @@ def part_a_key(knobs: Knobs, model: Any, quantize: str, routed_q: str | None, la
     )
 
 
-def gaussian_alpha(weights: dict[str, np.ndarray], experts: dict[str, Any], gamma: float) -> float:
+def gaussian_alpha(weights: dict[str, np.ndarray], experts: ExpertStacks, gamma: float) -> float:
     """The shipped Part A on the fixed probe experts with Gaussian inputs (legacy baseline)."""
     probe = np.asarray(
         list(alpha_kernels.gaussian_probe_experts(weights["ffn_gate_exps.weight"].shape[0]))
@@ -299,10 +358,8 @@ def gaussian_alpha(weights: dict[str, np.ndarray], experts: dict[str, Any], gamm
     x = alpha_kernels.gaussian_probe_inputs(imp.gaussian_probe_scale(weights["ffn_norm.weight"]))
     dense = tuple(np.asarray(weights[f"ffn_{n}_exps.weight"][probe]) for n in EXPERT_TENSORS)
     quantized = tuple(
-        np.asarray(
-            jax.tree_util.tree_map(lambda leaf: leaf[probe], experts[n]).dequantize()
-        )
-        for n in EXPERT_TENSORS
+        np.asarray(jax.tree_util.tree_map(lambda leaf: leaf[probe], stack).dequantize())
+        for stack in experts
     )
     return float(alpha_kernels.alpha_gaussian(x, dense, quantized, gamma))
 
@@ -312,10 +369,26 @@ def residuals_key(routed_q: str, part_a: str) -> str:
     return stage_key("residuals", {"routed_q": routed_q, "part_a": part_a})
 
 
-def residual_report(y_ref: np.ndarray, y_q: np.ndarray, alpha: float) -> dict[str, float]:
+class Residuals(NamedTuple):
+    """``residuals``: the layer's in-sample relative routed residual at alpha=1, at the chosen
+    alpha, and the MSE-optimal alpha (no arrays)."""
+
+    residual_alpha_1: float
+    residual: float
+    alpha_mse_optimal: float
+
+    def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
+        return {}, self._asdict()
+
+    @classmethod
+    def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> Residuals:
+        return cls(**meta)
+
+
+def residual_report(y_ref: np.ndarray, y_q: np.ndarray, alpha: float) -> Residuals:
     """In-sample relative routed residual at alpha=1, at the chosen alpha, and the MSE optimum."""
-    return {
-        "residual_alpha_1": float(alpha_kernels.residual_fraction(y_ref, y_q, 1.0)),
-        "residual": float(alpha_kernels.residual_fraction(y_ref, y_q, alpha)),
-        "alpha_mse_optimal": float(alpha_kernels.alpha_mse(y_ref, y_q, 0.0)),
-    }
+    return Residuals(
+        float(alpha_kernels.residual_fraction(y_ref, y_q, 1.0)),
+        float(alpha_kernels.residual_fraction(y_ref, y_q, alpha)),
+        float(alpha_kernels.alpha_mse(y_ref, y_q, 0.0)),
+    )
