@@ -254,7 +254,7 @@ def test_type_ids_and_geometry():
     from healsweep.gguf_io._ggml_types import q2_0_type  # gguf-py 0.19 does not name type 42
 
     assert int(q2_0_type()) == 42 and GGML_QUANT_SIZES[q2_0_type()] == (64, 18)  # registered
-    assert block_geometry(int(T.Q2_K)) == GGML_QUANT_SIZES[T.Q2_K]  # host-fallback types too
+    assert block_geometry(int(T.TQ1_0)) == GGML_QUANT_SIZES[T.TQ1_0]  # host-fallback types too
     with pytest.raises(GGUFFormatError):
         block_geometry(999)
 
@@ -396,7 +396,7 @@ def test_deliberately_wrong_decoder_fails(qtype, wrong):
 def test_bad_inputs_raise():
     raw = np.zeros((2, 34), np.uint8)
     with pytest.raises(GGUFFormatError):
-        decode_rows(raw, int(T.Q2_K), 256)  # no in-graph decoder
+        decode_rows(raw, int(T.TQ1_0), 256)  # no in-graph decoder
     with pytest.raises(GGUFFormatError):
         decode_rows(raw, int(T.Q8_0), 64)  # 64 weights need 68 bytes
     with pytest.raises(GGUFFormatError):

@@ -1,4 +1,4 @@
-"""Decoders of ggml's 256-weight super-block types (Q4_K, Q5_K, Q6_K, IQ4_XS) to float32.
+"""Decoders of ggml's 256-weight super-block types (Q2_K-Q6_K, IQ4_XS) to float32.
 
 Same contract as ``_decode_legacy``: ``b`` int32 ``[..., nb, type_size]`` -> float32
 ``[..., nb, 256]``, with ``gguf.quants.dequantize``'s float32 operation order (the sub-block scale
@@ -42,6 +42,45 @@ def _affine(b: jax.Array, q: jax.Array) -> jax.Array:
     dl = (d * sc.astype(jnp.float32))[..., None]  # [..., 8, 1]
     ml = (dmin * mn.astype(jnp.float32))[..., None]
     return (dl * q.astype(jnp.float32) - ml).reshape(*q.shape[:-2], QK_K)
+
+
+def _crumbs(qs: jax.Array) -> jax.Array:
+    """Q2_K/Q3_K 2-bit codes: ``[..., 64]`` bytes -> ``[..., 256]``. Each 32-byte half ``h``
+    holds weights ``128h + 32j + l`` at bits ``2j`` of byte ``32h + l``."""
+    halves = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    crumbs = (halves >> jnp.arange(0, 8, 2, dtype=jnp.int32)[:, None]) & 3  # [..., 2, 4, 32]
+    return crumbs.reshape(*qs.shape[:-1], QK_K)
+
+
+def decode_q2_k(b: jax.Array) -> jax.Array:
+    """Q2_K: 16 scale bytes (low nibble scale, high nibble min, one per 16 weights), 64 code
+    bytes, fp16 ``d``, ``dmin``; ``(d*sc) * q - dmin*m``. ``[..., nb, 84]`` -> ``[..., nb, 256]``."""
+    lead = b.shape[:-1]
+    d, dmin = fp16_at(b, 80)[..., None], fp16_at(b, 82)[..., None]  # [..., 1]
+    dl = (d * (b[..., 0:16] & 0x0F).astype(jnp.float32))[..., None]  # [..., 16, 1]
+    ml = (dmin * (b[..., 0:16] >> 4).astype(jnp.float32))[..., None]
+    q = _crumbs(b[..., 16:80]).reshape(*lead, 16, 16).astype(jnp.float32)
+    return (dl * q - ml).reshape(*lead, QK_K)
+
+
+def q3_k_scales(scales: jax.Array) -> jax.Array:
+    """Q3_K's 16 packed 6-bit scales, ``[..., 12]`` bytes -> int32 ``[..., 16]`` in -32..31:
+    low nibbles from bytes 0-7 (scales 0-7 low, 8-15 high nibble), top 2 bits of scale ``j``
+    at bits ``2*(j//4)`` of byte ``8 + j%4``."""
+    low = jnp.concatenate([scales[..., 0:8] & 0x0F, scales[..., 0:8] >> 4], axis=-1)
+    top = (scales[..., None, 8:12] >> jnp.arange(0, 8, 2, dtype=jnp.int32)[:, None]) & 3
+    return (low | (top.reshape(*scales.shape[:-1], 16) << 4)) - 32
+
+
+def decode_q3_k(b: jax.Array) -> jax.Array:
+    """Q3_K: 32 bytes of high-bit masks, 64 code bytes, 12 bytes of packed scales, fp16 ``d``;
+    value ``(d*sc) * (q - 4*(1 - h))`` with ``h`` bit ``i`` of mask byte ``l`` for weight
+    ``32i + l``. ``[..., nb, 110]`` -> ``[..., nb, 256]``."""
+    lead = b.shape[:-1]
+    high = (b[..., None, 0:32] >> jnp.arange(8, dtype=jnp.int32)[:, None]) & 1  # [..., 8, 32]
+    q = _crumbs(b[..., 32:96]) - 4 * (1 - high.reshape(*lead, QK_K))
+    dl = (fp16_at(b, 108)[..., None] * q3_k_scales(b[..., 96:108]).astype(jnp.float32))[..., None]
+    return (dl * q.reshape(*lead, 16, 16).astype(jnp.float32)).reshape(*lead, QK_K)
 
 
 def decode_q4_k(b: jax.Array) -> jax.Array:

@@ -19,13 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from healsweep.errors import GGUFFormatError
+from healsweep.kernels import _decode_iquants as iq
 from healsweep.kernels import _decode_kquants as kq
 from healsweep.kernels import _decode_legacy as lg
 
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
 GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
-GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
-GGML_IQ4_NL, GGML_IQ4_XS = 20, 23
+GGML_Q2_K, GGML_Q3_K, GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 10, 11, 12, 13, 14
+GGML_IQ2_XXS, GGML_IQ2_XS, GGML_IQ3_XXS, GGML_IQ1_S = 16, 17, 18, 19
+GGML_IQ4_NL, GGML_IQ3_S, GGML_IQ2_S, GGML_IQ4_XS, GGML_IQ1_M = 20, 21, 22, 23, 29
 GGML_Q2_0 = 42
 
 # qtype -> (weights per block, bytes per block, decoder of int32 [..., nb, bytes] blocks)
@@ -40,10 +42,19 @@ _DECODERS: dict[int, tuple[int, int, Callable[[jax.Array], jax.Array]]] = {
     GGML_Q5_1: (32, 24, lg.decode_q5_1),
     GGML_IQ4_NL: (32, 18, lg.decode_iq4_nl),
     GGML_Q2_0: (64, 18, lg.decode_q2_0),
+    GGML_Q2_K: (256, 84, kq.decode_q2_k),
+    GGML_Q3_K: (256, 110, kq.decode_q3_k),
     GGML_Q4_K: (256, 144, kq.decode_q4_k),
     GGML_Q5_K: (256, 176, kq.decode_q5_k),
     GGML_Q6_K: (256, 210, kq.decode_q6_k),
     GGML_IQ4_XS: (256, 136, kq.decode_iq4_xs),
+    GGML_IQ1_S: (256, 50, iq.decode_iq1_s),
+    GGML_IQ1_M: (256, 56, iq.decode_iq1_m),
+    GGML_IQ2_XXS: (256, 66, iq.decode_iq2_xxs),
+    GGML_IQ2_XS: (256, 74, iq.decode_iq2_xs),
+    GGML_IQ2_S: (256, 82, iq.decode_iq2_s),
+    GGML_IQ3_XXS: (256, 98, iq.decode_iq3_xxs),
+    GGML_IQ3_S: (256, 110, iq.decode_iq3_s),
 }
 
 IN_GRAPH_TYPES: frozenset[int] = frozenset(_DECODERS)

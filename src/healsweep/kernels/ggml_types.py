@@ -1,0 +1,76 @@
+"""The ggml types a routed expert can be stored in: name, id, block geometry, bits per weight.
+
+One table for every layer that needs these facts (the decoders, the heal stages, the knobs, the
+size budget), without asking gguf-py: gguf-py does not name Q2_0 (type 42), and healsweep does not
+patch its enum for that. Names are the knob spellings (llama.cpp's type names, lower case).
+``requires_imatrix`` is what ggml's ``ggml_quantize_requires_imatrix`` answers: its quantizer
+refuses those types without an importance row. (llama-quantize, the tool, also refuses IQ2_S and
+IQ1_M without an imatrix; healsweep always passes the calibration importance to ggml anyway.)
+
+Every type here has an in-graph decoder (``kernels.ggml_decode``) and an fp16 block or
+super-block scale that Part A's alpha folds into (``gguf_io.fold_scale``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from healsweep.errors import KnobError
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    """One ggml storage type: ``block_weights`` weights take ``block_bytes`` bytes."""
+
+    name: str
+    ggml_id: int
+    block_weights: int
+    block_bytes: int
+    requires_imatrix: bool
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight, ``8 * block_bytes / block_weights`` (exact in binary)."""
+        return 8 * self.block_bytes / self.block_weights
+
+    def row_bytes(self, n_in: int) -> int:
+        """Stored bytes of one row of ``n_in`` weights; raises :class:`KnobError` when the row
+        does not fill whole blocks (a model whose rows this type cannot store)."""
+        if n_in % self.block_weights:
+            raise KnobError(
+                f"rows of {n_in} weights do not fill whole {self.name} blocks of "
+                f"{self.block_weights}; choose a type with blocks that divide {n_in}"
+            )
+        return n_in // self.block_weights * self.block_bytes
+
+
+# Ordered by bits per weight; ids and geometry as in ggml's type traits (ggml.c).
+ROUTED_TYPES: tuple[GGMLType, ...] = (
+    GGMLType("iq1_s", 19, 256, 50, True),
+    GGMLType("iq1_m", 29, 256, 56, False),
+    GGMLType("iq2_xxs", 16, 256, 66, True),
+    GGMLType("q2_0", 42, 64, 18, False),
+    GGMLType("iq2_xs", 17, 256, 74, True),
+    GGMLType("iq2_s", 22, 256, 82, False),
+    GGMLType("q2_k", 10, 256, 84, False),
+    GGMLType("iq3_xxs", 18, 256, 98, False),
+    GGMLType("iq3_s", 21, 256, 110, False),
+    GGMLType("q3_k", 11, 256, 110, False),
+    GGMLType("iq4_xs", 23, 256, 136, False),
+    GGMLType("iq4_nl", 20, 32, 18, False),
+    GGMLType("q4_k", 12, 256, 144, False),
+)
+_BY_NAME = {t.name: t for t in ROUTED_TYPES}
+_BY_ID = {t.ggml_id: t for t in ROUTED_TYPES}
+
+
+def ggml_type(key: str | int) -> GGMLType:
+    """The routed-expert type named ``key`` (``"iq2_xs"``, any case) or with ggml id ``key``;
+    raises :class:`KnobError` for any other."""
+    found = _BY_NAME.get(key.lower()) if isinstance(key, str) else _BY_ID.get(int(key))
+    if found is None:
+        raise KnobError(
+            f"{key!r} is not a routed-expert type healsweep offers; choose one of "
+            f"{', '.join(_BY_NAME)}"
+        )
+    return found
