@@ -78,6 +78,7 @@ def doctor(
 ) -> None:
     """JAX backend and devices, the Ray cluster, and the kernel conformance suite."""
     from healsweep import cluster
+    from healsweep.gguf_io._ggml_lib import status_line
     from healsweep.kernels.conformance import run_conformance
 
     info = cluster.jax_info()
@@ -88,6 +89,7 @@ def doctor(
         typer.echo(f"  device {device}")
     if not no_ray:
         typer.echo(_cluster_line(address))
+    typer.echo(status_line())
     typer.echo("kernel conformance (default backend vs CPU):")
     results = run_conformance()
     for r in results:

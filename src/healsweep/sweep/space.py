@@ -20,7 +20,7 @@ from typing import Any
 
 from healsweep.cache import canonical_json
 from healsweep.errors import KnobError, SpecError
-from healsweep.heal.knobs import SCORE_KNOBS, STAGES, Knobs
+from healsweep.heal.knobs import SCORE_KNOBS, STAGES, Knobs, require_ggml
 from healsweep.sweep.spec import SweepSpec, field_name, locate
 
 KNOB_NAMES: tuple[str, ...] = tuple(Knobs.model_fields)
@@ -39,6 +39,8 @@ def check_space(
     """Check baseline, fixed knobs, search space and sample count; raise ``SpecError``."""
     lines = lines or {}
     baseline = _knobs(spec.baseline, ("baseline",), where, lines)
+    for values in (spec.baseline, spec.fixed, spec.search_space):  # ggml types need ggml
+        require_ggml(values)
     fixed = _knobs(spec.fixed, ("fixed",), where, lines).model_dump()
     for knob in spec.search_space:
         at = locate(where, lines, ("search_space", knob))
