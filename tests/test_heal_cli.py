@@ -74,7 +74,11 @@ def test_healed_gguf_copies_the_teacher_and_replaces_only_healed_tensors(
     s_fields = {k: f for k, f in student.fields.items() if not k.startswith("GGUF.")}
     assert set(s_fields) - set(t_fields) == {
         "healsweep.knobs", "healsweep.student_key", "healsweep.alphas",
-        "healsweep.teacher_fingerprint", "healsweep.experts"}
+        "healsweep.teacher_fingerprint", "healsweep.experts", "healsweep.expert_types",
+        "healsweep.routed_bpw"}
+    assert s_fields["healsweep.expert_types"].contents() == "0:q2_0/q2_0,1:q2_0/q2_0"
+    assert s_fields["healsweep.routed_bpw"].contents() == (2.25 if expert_type == 42 else 16.0)
+    assert s_fields["healsweep.experts"].contents() == ("q2_0" if expert_type == 42 else "f16")
     for key, field in t_fields.items():
         assert s_fields[key].types == field.types, key
         assert s_fields[key].contents() == field.contents(), key

@@ -13,6 +13,7 @@ from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.heal import stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.heal.quantize import cached_experts, layer_keys
 from healsweep.kernels.alpha import gaussian_probe_experts
 from healsweep.model import forward
 
@@ -48,10 +49,10 @@ def test_healed_layers_match_independent_computations(setup, shared_cache):
 
     for layer in range(model.hparams.n_layer):
         arrays = cache.get(LAYER_STAGE, layer_key(trace_key, layer))[0]
-        qkey = stages.quantize_key(model, knobs, trace_key, layer)
-        experts = stages.QuantizedExperts.from_entry(*cache.get("quantize", qkey)).experts
+        qkeys = layer_keys(model, knobs, trace_key, layer)
+        experts = cached_experts(cache, qkeys)
         dense = {n: np.asarray(w.dequantize(), np.float64) for n, w in experts._asdict().items()}
-        y_q = cache.get("routed_q", stages.routed_q_key(qkey, trace_key, layer))[0]["y_q"]
+        y_q = cache.get("routed_q", stages.routed_q_key(qkeys, trace_key, layer))[0]["y_q"]
         want = _routed_float64(
             arrays["x"], arrays["ids"], arrays["weights"], dense["gate"], dense["up"], dense["down"]
         )
@@ -110,8 +111,7 @@ def test_gaussian_alpha_is_the_shipped_probe(setup, shared_cache):
     knobs = Knobs(alpha="gaussian", gamma=0.75, ridge=False)
     student = build_student(model, knobs, CAL, cache, corpus=corpus)
     weights = model.layer(1)
-    qkey = stages.quantize_key(model, knobs, None, 1)
-    experts = stages.QuantizedExperts.from_entry(*cache.get("quantize", qkey)).experts._asdict()
+    experts = cached_experts(cache, layer_keys(model, knobs, None, 1))._asdict()
     probe = list(gaussian_probe_experts(model.hparams.n_expert))
     scale = np.abs(weights["ffn_norm.weight"]).astype(np.float64)
     x = np.random.default_rng(0).standard_normal((16, scale.size), dtype=np.float32) * scale

@@ -27,17 +27,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
-from healsweep.heal import expert_alpha, ridge, stages
+from healsweep.heal import expert_alpha, quantize, ridge, stages
 from healsweep.heal._runner import StageRunner
-from healsweep.heal.knobs import CalibrationConfig, Knobs
+from healsweep.heal.knobs import GROUPS, CalibrationConfig, Knobs, LayerTypes, require_ggml
+from healsweep.heal.quantize import QuantizedGroup, layer_experts, scaled
 from healsweep.heal.ridge import HealedShexp, HeldoutFolds, RidgeBasis, RidgeFit, RidgeRhs
-from healsweep.heal.stages import (
-    ExpertStacks,
-    LayerAlpha,
-    QuantizedExperts,
-    Residuals,
-    RoutedOutput,
-)
+from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
 
@@ -103,15 +98,12 @@ def skip_notices(knobs: Knobs, model: GGUFModel) -> list[Notice]:
 def needs_trace(knobs: Knobs, model: GGUFModel) -> bool:
     """Whether any stage of this trial reads the calibration trace."""
     ridge = knobs.ridge and model.hparams.n_ff_shexp > 0
-    return knobs.alpha == "mse" or ridge or knobs.uses_activation_statistics()
-
-
-def scaled_down(down: Any, alpha: float | np.ndarray) -> Any:
-    """The down experts with every scale d multiplied by alpha (stored back as fp16); an array
-    of one alpha per expert ``[E, 1, 1]`` scales each expert's."""
-    if np.ndim(alpha) == 0 and alpha == 1.0:
-        return down
-    return down.scale_d(alpha)
+    reads = any(
+        quantize.reads_trace(knobs, group, types.of(group))
+        for types in quantize.expert_types(model, knobs).values()
+        for group in GROUPS
+    )
+    return knobs.alpha == "mse" or ridge or reads
 
 
 @dataclass(frozen=True)
@@ -124,6 +116,7 @@ class LayerInputs:
     index: int
     knobs: Knobs
     calibration: CalibrationConfig
+    types: LayerTypes  # the storage types of its gate/up and down experts
     trace: Trace | None
     weights: Callable[[], dict[str, Any]]  # the teacher's routed experts and ffn_norm
     trace_layer: Callable[[], dict[str, np.ndarray]]  # only when trace is not None
@@ -158,7 +151,9 @@ def build_student(
     """
     from healsweep.model import LayerReplacement
 
-    stages.check_quantizable(model)
+    quantize.check_quantizable(model, knobs)
+    require_ggml(knobs.model_dump())
+    types = quantize.expert_types(model, knobs)
     say = progress or (lambda stage, message: None)
     hp = model.hparams
     run = StageRunner(cache)
@@ -186,6 +181,7 @@ def build_student(
                 i,
                 knobs,
                 calibration,
+                types[i],
                 trace,
                 once(partial(stages.expert_weights, model, i)),
                 once(partial(run.timed, "calib_trace", partial(trace.layer, i)))
@@ -198,7 +194,7 @@ def build_student(
             replacements[i] = LayerReplacement(
                 gate_exps=healed.experts.gate,
                 up_exps=healed.experts.up,
-                down_exps=scaled_down(healed.experts.down, healed.alpha),
+                down_exps=scaled(healed.experts.down, healed.alpha),
                 down_shexp=None if healed.shexp is None else healed.shexp.dense,
             )
             if healed.shexp is not None:
@@ -239,37 +235,41 @@ def _no_trace() -> dict[str, np.ndarray]:
 
 
 def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
-    """One layer: quantize → routed_q → part_a (→ expert alphas folded) → residuals → part_b.
+    """One layer: quantize (per tensor group) → routed_q → part_a (→ expert alphas folded) →
+    residuals → part_b.
 
     Each stage is cached; routed_q and Part B's upstream stages are loaders, read only when a
     stage that needs them computes, so a trial that changes only ``eta`` reads the quantized
     experts, the basis and the fit, nothing else.
     """
     knobs, trace = layer.knobs, layer.trace
-    qkey = stages.quantize_key(layer.model, knobs, trace.key if trace else None, layer.index)
-    quantize = run.value("quantize", qkey, QuantizedExperts, partial(_quantize, layer))
-    quantized = quantize.experts
+    qkeys = {g: _quantize_key(layer, g) for g in GROUPS}
+    groups = {
+        g: run.value("quantize", qkeys[g], QuantizedGroup, partial(_quantize, layer, g))
+        for g in GROUPS
+    }
+    quantized = layer_experts(groups["gu"], groups["d"])
     rkey, y_q = None, None
     if trace is not None:
-        rkey = stages.routed_q_key(qkey, trace.key, layer.index)
+        rkey = stages.routed_q_key(qkeys, trace.key, layer.index)
         y_q = _routed_q(run, layer, rkey, quantized)
     akey = stages.part_a_key(
-        knobs, layer.model, qkey, rkey if knobs.alpha == "mse" else None, layer.index
+        knobs, layer.model, qkeys, rkey if knobs.alpha == "mse" else None, layer.index
     )
     alpha = run.value("part_a", akey, LayerAlpha, partial(_part_a, layer, quantized, y_q))
     report: dict[str, Any] = {"layer": layer.index, "alpha": alpha.alpha}
-    if quantize.report:
-        report["quantize"] = quantize.report
+    report["types"] = layer.types._asdict()
+    fallback = {k: v for g in GROUPS for k, v in groups[g].report.get("gptq_fallback", {}).items()}
+    if fallback:
+        report["quantize"] = {"gptq_fallback": fallback}
     experts, y_healed = quantized, y_q
     if alpha.expert_alpha is not None:
         # Folded into each expert's down scales now; what Part B and the residuals see is the
         # routed output of those scaled experts (alpha 1), computed once and cached.
         report["expert_alphas"] = [float(a) for a in alpha.expert_alpha]
-        experts = quantized._replace(
-            down=scaled_down(quantized.down, alpha.expert_alpha[:, None, None])
-        )
+        experts = quantized._replace(down=scaled(quantized.down, alpha.expert_alpha))
         if y_q is not None:
-            skey = stages.routed_q_key(f"{qkey}+{akey}", trace.key, layer.index)
+            skey = stages.routed_q_key({**qkeys, "part_a": akey}, trace.key, layer.index)
             y_healed = _routed_q(run, layer, skey, experts)
     if y_healed is not None:
         residuals = run.value(
@@ -287,14 +287,28 @@ def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
             1 + stats["realized_in_sample_change"]
         )
         report["ridge"] = stats
-    keys = {"quantize": qkey, "part_a": akey, "part_b": bkey}
+    keys = {"quantize_gu": qkeys["gu"], "quantize_d": qkeys["d"], "part_a": akey, "part_b": bkey}
     return HealedLayer(experts, alpha.alpha, shexp, report, keys, folds)
 
 
-def _quantize(layer: LayerInputs) -> QuantizedExperts:
-    act = layer.knobs.uses_activation_statistics()
-    trace_layer = layer.trace_layer() if act else None
-    return stages.quantize_layer(layer.weights(), layer.knobs, trace_layer, layer.calibration)
+def _quantize_key(layer: LayerInputs, group: str) -> str:
+    trace_key = layer.trace.key if layer.trace else None
+    return quantize.quantize_key(
+        layer.model, layer.knobs, trace_key, layer.index, group, layer.types.of(group)
+    )
+
+
+def _quantize(layer: LayerInputs, group: str) -> QuantizedGroup:
+    stored_as = layer.types.of(group)
+    reads = quantize.reads_trace(layer.knobs, group, stored_as)
+    return quantize.quantize_group(
+        layer.weights(),
+        layer.knobs,
+        layer.trace_layer() if reads else None,
+        layer.calibration,
+        group,
+        stored_as,
+    )
 
 
 def _routed_q(

@@ -4,11 +4,8 @@ Each stage is a function of explicit inputs whose cache key is built from exactl
 (DESIGN.md): the model fingerprint, the keys of the upstream entries it reads and the knobs of
 ``Knobs.for_stage``. Entries are per layer, so a stage loads and stores one layer at a time.
 
-* ``quantize``: Q2_0 of the layer's routed gate/up/down experts (importance, gains; ``quantizer:
-  plain`` is round-to-nearest with ``d = amax/2`` and reads no knob; ``quantizer:
-  gptq`` adds error feedback over each expert's input second moment, :mod:`healsweep.heal.gptq`).
-  Keyed by the trace only when an importance is ``act`` or the quantizer is ``gptq`` — a gain
-  sweep of ``search`` never re-runs the teacher.
+* ``quantize``: one layer's routed gate and up, or down, experts in the type chosen for them
+  (Q2_0 by healsweep's quantizers, any other by ggml's), in :mod:`healsweep.heal.quantize`.
 * ``routed_q``: the quantized experts' routed output on the trace's inputs and routing.
 * ``part_a``: the layer's alpha (``none`` | ``gaussian`` | ``mse``) and the in-sample residuals.
 * ``ridge_basis`` / ``ridge_fit`` / ``part_b``: the ridge on ``ffn_down_shexp`` and its
@@ -27,19 +24,19 @@ import jax
 import numpy as np
 
 from healsweep.cache import content_key
-from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io._hparams import ffn_norm_name
 from healsweep.heal import importance as imp
-from healsweep.heal.knobs import CalibrationConfig, Knobs
+from healsweep.heal.knobs import Knobs
 from healsweep.kernels import alpha as alpha_kernels
 
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
 
 VERSIONS = {
-    "quantize": 1,
-    "quantize_gptq": 2,
-    "quantize_plain": 1,
+    "quantize": 2,  # 2: one entry per tensor group (gate+up, down) instead of per layer
+    "quantize_gptq": 3,
+    "quantize_plain": 2,
+    "quantize_ggml": 1,
     "routed_q": 1,
     "part_a": 1,
     "residuals": 1,
@@ -57,20 +54,43 @@ Arrays = dict[str, np.ndarray]
 # The code a stage runs is one of its inputs: a fix in the codec or the forward must not be
 # served stale results from the cache, so each key holds a digest of the modules' sources.
 STAGE_CODE = {
-    "quantize": ("healsweep.kernels.q2_0", "healsweep.heal.importance"),
+    "quantize": ("healsweep.kernels.q2_0", "healsweep.heal.importance", "healsweep.heal.quantize"),
     "quantize_gptq": (
         "healsweep.kernels.q2_0",
         "healsweep.heal.importance",
         "healsweep.kernels.gptq",
         "healsweep.kernels.gptq_refine",
         "healsweep.heal.gptq",
+        "healsweep.heal.quantize",
     ),
-    "quantize_plain": ("healsweep.kernels.q2_0_plain", "healsweep.kernels.q2_0"),
-    "routed_q": ("healsweep.model.layers",),
+    "quantize_plain": (
+        "healsweep.kernels.q2_0_plain",
+        "healsweep.kernels.q2_0",
+        "healsweep.heal.quantize",
+    ),
+    "quantize_ggml": (
+        "healsweep.heal.quantize",
+        "healsweep.heal.llama_baseline",
+        "healsweep.gguf_io._ggml_lib",
+        "healsweep.heal.importance",
+    ),
+    # a routed output of experts with alphas folded into their scales runs the folding code
+    "routed_q": ("healsweep.model.layers", "healsweep.heal.quantize", "healsweep.gguf_io._fold"),
     "part_a": ("healsweep.kernels.alpha",),
-    "residuals": ("healsweep.kernels.alpha", "healsweep.heal.stages"),
+    "residuals": (
+        "healsweep.kernels.alpha",
+        "healsweep.heal.stages",
+        "healsweep.heal.quantize",
+        "healsweep.gguf_io._fold",
+    ),
     "ridge_basis": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
-    "ridge_rhs": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
+    "ridge_rhs": (
+        "healsweep.kernels.ridge",
+        "healsweep.heal.ridge",
+        "healsweep.model.layers",
+        "healsweep.heal.quantize",
+        "healsweep.gguf_io._fold",
+    ),
     "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge"),
     "ridge_heldout": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
     "part_b": (
@@ -100,38 +120,6 @@ def stage_key(stage: str, inputs: dict[str, Any]) -> str:
 # --- quantize ----------------------------------------------------------------------------------
 
 
-def quantize_key(model: GGUFModel, knobs: Knobs, trace_key: str | None, layer: int) -> str:
-    """Key of the quantized experts of ``layer``: the trace enters only for ``act`` importance
-    or ``gptq``. ``gptq`` and ``plain`` entries are keyed under their own names and code
-    (``quantize_gptq``, ``quantize_plain``), so adding them left the keys of ``search`` entries
-    as they were."""
-    uses_trace = knobs.uses_activation_statistics()
-    named = {"gptq": "quantize_gptq", "plain": "quantize_plain"}
-    return stage_key(
-        named.get(knobs.quantizer, "quantize"),
-        {
-            "model": model.fingerprint,
-            "knobs": knobs.for_stage("quantize"),
-            "trace": trace_key if uses_trace else None,
-            "layer": layer,
-        },
-    )
-
-
-def check_quantizable(model: GGUFModel) -> None:
-    """Raise :class:`GGUFFormatError` unless every routed expert's rows split into Q2_0 blocks
-    of 64: gate/up rows hold ``n_embd`` values, down rows ``n_ff_exp``. Called before any
-    teacher pass, so that such a model fails in seconds, naming its file."""
-    hp = model.hparams
-    widths = (("ffn_gate_exps/ffn_up_exps", hp.n_embd), ("ffn_down_exps", hp.n_ff_exp))
-    for tensors, width in widths:
-        if width % 64:
-            raise GGUFFormatError(
-                f"{model.path}: the rows of {tensors} hold {width} values, not a multiple of the "
-                "Q2_0 block of 64; this model's routed experts cannot be quantized to Q2_0"
-            )
-
-
 def expert_weights(
     model: GGUFModel, layer: int, tensors: tuple[str, ...] = EXPERT_TENSORS
 ) -> dict[str, Any]:
@@ -157,111 +145,6 @@ class ExpertStacks(NamedTuple):
     down: Any
 
 
-class QuantizedExperts(NamedTuple):
-    """``quantize``: the layer's routed experts as Q2_0 and the stage's report (``gptq``: how
-    many experts fell back to ``search``, per tensor; else empty)."""
-
-    experts: ExpertStacks
-    report: dict[str, Any]
-
-    def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
-        arrays: Arrays = {}
-        for name, packed in zip(EXPERT_TENSORS, self.experts, strict=True):
-            arrays[f"{name}.d"] = np.asarray(packed.d, np.float16)
-            arrays[f"{name}.codes"] = np.asarray(packed.codes)
-        return arrays, self.report
-
-    @classmethod
-    def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> QuantizedExperts:
-        """Packed ``Q2Packed`` pytrees (decoded in the graph; unpacking 3 x 173M codes per
-        layer on the host cost a warm trial seconds a layer)."""
-        from healsweep.kernels.q2_0 import Q2Packed
-
-        stacks = (Q2Packed(d=arrays[f"{n}.d"], codes=arrays[f"{n}.codes"]) for n in EXPERT_TENSORS)
-        return cls(ExpertStacks(*stacks), meta)
-
-
-def quantize_layer(
-    weights: dict[str, Any],
-    knobs: Knobs,
-    trace_layer: dict[str, np.ndarray] | None,
-    calibration: CalibrationConfig,
-) -> QuantizedExperts:
-    """Q2_0 of the layer's routed experts under ``knobs``."""
-    from healsweep.kernels import q2_0
-
-    if knobs.quantizer == "plain":
-        return QuantizedExperts.from_entry(plain_layer(weights), {})
-    min_tokens = calibration.min_tokens_per_expert
-    get = (lambda k: trace_layer[k]) if trace_layer is not None else (lambda k: None)
-    gate_up_imp = imp.gate_up_importance(
-        knobs, weights["ffn_norm.weight"], get("x_sq_sums"), get("counts"), min_tokens
-    )
-    down_imp = imp.down_importance(knobs, get("h_sq_sums"), get("counts"), min_tokens)
-    arrays: dict[str, np.ndarray] = {}
-    for name, importance, gain in (
-        ("gate", gate_up_imp, knobs.gain_gu),
-        ("up", gate_up_imp, knobs.gain_gu),
-        ("down", down_imp, knobs.gain_d),
-    ):
-        w = weights[f"ffn_{name}_exps.weight"]  # [E, out, in]; in checked by check_quantizable
-        q2 = q2_0.quantize_matrix(w, importance, gain, packed=True)
-        arrays[f"{name}.d"] = np.asarray(q2.d, np.float16)
-        arrays[f"{name}.codes"] = np.asarray(q2.codes)
-    if knobs.quantizer != "gptq":
-        return QuantizedExperts.from_entry(arrays, {})
-    report: dict[str, Any] = {}
-    for names in (("gate", "up"), ("down",)):  # gate and up read one input: one H_e for both
-        report.update(_gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens))
-    return QuantizedExperts.from_entry(arrays, {"gptq_fallback": report})
-
-
-def plain_layer(weights: dict[str, Any]) -> dict[str, np.ndarray]:
-    """``quantizer: plain`` (round-to-nearest, ``d = amax/2``, :mod:`healsweep.kernels.q2_0_plain`)
-    of the layer's routed experts, as the same cache arrays as ``search`` (ordinary Q2_0)."""
-    from healsweep.kernels import q2_0_plain
-    from healsweep.kernels.q2_0 import pack_codes
-
-    arrays: dict[str, np.ndarray] = {}
-    for name in EXPERT_TENSORS:
-        d, q = q2_0_plain.quantize(weights[f"ffn_{name}_exps.weight"])  # [E, out, in]
-        arrays[f"{name}.d"] = np.asarray(d, np.float16)
-        arrays[f"{name}.codes"] = np.asarray(pack_codes(q))
-    return arrays
-
-
-def _gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens):
-    """Replace, in ``arrays``, the ``search`` result of the tensors ``names`` (all reading one
-    input) for every expert with enough routed tokens by its GPTQ quantization; returns the
-    fallback counts per tensor."""
-    from healsweep.heal import gptq
-    from healsweep.kernels.q2_0 import pack_codes
-
-    counts = np.asarray(trace_layer["counts"])
-    enough = np.nonzero(counts >= min_tokens)[0]
-    down = names == ("down",)  # its input h comes from the teacher's gate and up
-    gate_up = (weights["ffn_gate_exps.weight"], weights["ffn_up_exps.weight"]) if down else None
-    gain = knobs.gain_d if down else knobs.gain_gu
-    found, ok = gptq.quantize_experts(
-        [weights[f"ffn_{name}_exps.weight"] for name in names],
-        trace_layer["x"],
-        trace_layer["ids"],
-        enough,
-        gain,
-        knobs.gptq_damp,
-        gate_up,
-        knobs.gptq_refine,
-    )
-    done = enough[ok]
-    fallback = {"few_tokens": int(len(counts) - len(enough)), "not_factored": int((~ok).sum())}
-    for name, (d_g, q_g) in zip(names, found, strict=True):
-        d, codes = arrays[f"{name}.d"].copy(), arrays[f"{name}.codes"].copy()
-        d[done] = d_g[ok]
-        codes[done] = np.asarray(pack_codes(q_g[ok]))
-        arrays[f"{name}.d"], arrays[f"{name}.codes"] = d, codes
-    return {name: dict(fallback) for name in names}
-
-
 # --- routed_q ----------------------------------------------------------------------------------
 
 
@@ -278,8 +161,9 @@ class RoutedOutput(NamedTuple):
         return cls(arrays["y_q"])
 
 
-def routed_q_key(quantize: str, trace_key: str, layer: int) -> str:
-    """Key of the quantized experts' routed output on the trace of ``layer``."""
+def routed_q_key(quantize: Any, trace_key: str, layer: int) -> str:
+    """Key of the quantized experts' routed output on the trace of ``layer``; ``quantize`` names
+    the experts (the keys of the layer's quantize entries, and of any alphas folded in)."""
     return stage_key("routed_q", {"quantize": quantize, "trace": trace_key, "layer": layer})
 
 
@@ -335,7 +219,7 @@ class LayerAlpha(NamedTuple):
 
 
 def part_a_key(
-    knobs: Knobs, model: GGUFModel, quantize: str, routed_q: str | None, layer: int
+    knobs: Knobs, model: GGUFModel, quantize: Any, routed_q: str | None, layer: int
 ) -> str:
     """Key of the layer's alpha: mse reads routed_q (and through it the trace)."""
     return stage_key(

@@ -135,7 +135,7 @@ def sweep_identity(spec: Any) -> dict[str, Any]:
     """What the manifest records about the sweep's inputs: model fingerprint, split lock id."""
     from healsweep.data.split import split_lock_id
     from healsweep.gguf_io import open_model
-    from healsweep.heal.stages import check_quantizable
+    from healsweep.heal.quantize import check_quantizable
 
     model = open_model(spec.model)
     check_quantizable(model)  # before any trial starts
