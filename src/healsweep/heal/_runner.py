@@ -11,9 +11,9 @@ cached never runs (nor reads the inputs of) an upstream stage it does not need.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache
-from typing import Any, Protocol, Self, TypeVar
+from typing import Any, NamedTuple, Protocol, Self, TypeVar
 
 import numpy as np
 
@@ -75,3 +75,32 @@ class StageRunner:
     ) -> Callable[[], T]:
         """:meth:`value` on the first call of the returned loader, remembered after it."""
         return cache(lambda: self.value(stage, key, output, compute))
+
+
+def split_entry(
+    value: NamedTuple, arrays: tuple[str, ...], renamed: Mapping[str, str] | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A NamedTuple stage output as a cache entry: the fields named in ``arrays`` as arrays,
+    every other as a metadata key (``renamed`` maps a field to the key it is stored under)."""
+    fields, renamed = value._asdict(), renamed or {}
+    meta = {renamed.get(k, k): v for k, v in fields.items() if k not in arrays}
+    return {k: fields[k] for k in arrays if fields[k] is not None}, meta
+
+
+def join_entry(
+    output: type[T],
+    arrays: Mapping[str, np.ndarray],
+    meta: Mapping[str, Any],
+    renamed: Mapping[str, str] | None = None,
+) -> T:
+    """The inverse of :func:`split_entry`: each field from the arrays, else from the metadata,
+    else its default."""
+    renamed = renamed or {}
+    values = {}
+    for name in output._fields:
+        key = renamed.get(name, name)
+        if name in arrays:
+            values[name] = arrays[name]
+        elif key in meta:
+            values[name] = meta[key]
+    return output(**values)

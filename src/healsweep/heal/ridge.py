@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from healsweep.heal._runner import join_entry, split_entry
 from healsweep.heal.stages import stage_key
 from healsweep.kernels import ridge as kr
 from healsweep.kernels._precision import full_float32, healing_jit, matmul
@@ -58,22 +59,11 @@ class RidgeBasis(NamedTuple):
     eigh_seconds: float
 
     def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
-        meta = {
-            "trace_g": self.trace_g,
-            "n_tokens": self.n_tokens,
-            "eigh_seconds": self.eigh_seconds,
-        }
-        return {"basis": self.basis, "sigma": self.sigma}, meta
+        return split_entry(self, ("basis", "sigma"))
 
     @classmethod
     def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> RidgeBasis:
-        return cls(
-            arrays["basis"],
-            arrays["sigma"],
-            meta["trace_g"],
-            meta["n_tokens"],
-            meta["eigh_seconds"],
-        )
+        return join_entry(cls, arrays, meta)
 
 
 class RidgeRhs(NamedTuple):
@@ -86,14 +76,11 @@ class RidgeRhs(NamedTuple):
     total: float  # |dY|²
 
     def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
-        return {"rhs": self.rhs, "coef": self.coef}, {
-            "block_trace": self.block_trace,
-            "total": self.total,
-        }
+        return split_entry(self, ("rhs", "coef"))
 
     @classmethod
     def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> RidgeRhs:
-        return cls(arrays["rhs"], arrays["coef"], meta["block_trace"], meta["total"])
+        return join_entry(cls, arrays, meta)
 
 
 class RidgeFit(NamedTuple):
@@ -101,7 +88,7 @@ class RidgeFit(NamedTuple):
     from which any eta's change follows (:func:`healsweep.kernels.ridge.eta_change`)."""
 
     delta: np.ndarray  # dW [Fs, D] float32
-    lam: float
+    lam: float  # stored as "lambda"
     n_tokens: int
     width: int
     rho: float
@@ -109,26 +96,14 @@ class RidgeFit(NamedTuple):
     in_sample: list[float]
 
     def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
-        return {"delta": self.delta}, {
-            "lambda": self.lam,
-            "n_tokens": self.n_tokens,
-            "width": self.width,
-            "rho": self.rho,
-            "block_trace": self.block_trace,
-            "in_sample": self.in_sample,
-        }
+        return split_entry(self, ("delta",), _FIT_KEYS)
 
     @classmethod
     def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> RidgeFit:
-        return cls(
-            arrays["delta"],
-            meta["lambda"],
-            meta["n_tokens"],
-            meta["width"],
-            meta["rho"],
-            meta["block_trace"],
-            meta["in_sample"],
-        )
+        return join_entry(cls, arrays, meta, _FIT_KEYS)
+
+
+_FIT_KEYS = {"lam": "lambda"}
 
 
 class HeldoutFolds(NamedTuple):
@@ -137,11 +112,11 @@ class HeldoutFolds(NamedTuple):
     folds: list[list[float]]
 
     def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
-        return {}, {"folds": self.folds}
+        return split_entry(self, ())
 
     @classmethod
     def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> HeldoutFolds:
-        return cls(meta["folds"])
+        return join_entry(cls, arrays, meta)
 
 
 class HealedShexp(NamedTuple):
