@@ -218,3 +218,36 @@ def test_every_type_round_trips_through_our_reader_against_gguf_py(rows256, tmp_
                 if type_name != "q2_0":  # gguf-py does not know type 42
                     ref = dequantize(written.raw_rows(name), gguf.GGMLQuantizationType(qtype))
                     np.testing.assert_array_equal(ours, ref.reshape(ours.shape), err_msg=name)
+
+
+@pytest.mark.slow
+def test_gptq_on_the_k_grids_lowers_the_routed_error_and_is_keyed_by_its_knobs(rows256):
+    model, corpus, cache = rows256
+    n = model.hparams.n_layer
+    plain = Knobs(type_gu="q2_k", type_d="q3_k", alpha="none", ridge=False)
+    ggml = build_student(model, plain, CAL, cache, corpus=corpus)
+    before = dict(cache.computed)
+    refined = build_student(model, plain.replace(quantizer="gptq"), CAL, cache, corpus=corpus)
+    assert _delta(cache, before)["quantize"] == 2 * n  # both groups: both types have a K grid
+    for layer in refined.report["layers"]:
+        assert set(layer["quantize"]["gptq_fallback"]) == {"gate", "up", "down"}
+    error = {s: sum(r["residual_alpha_1"] for r in b.report["layers"])
+             for s, b in (("ggml", ggml), ("gptq", refined))}  # fmt: skip
+    print(f"routed residual at alpha 1, summed over layers: {error}")
+    assert error["gptq"] < error["ggml"]
+    for i in range(n):  # the same grid (scales), other codes
+        a, b = ggml.replacements[i].down_exps.raw, refined.replacements[i].down_exps.raw
+        np.testing.assert_array_equal(a.reshape(*a.shape[:-1], -1, 110)[..., 96:],
+                                      b.reshape(*b.shape[:-1], -1, 110)[..., 96:])  # fmt: skip
+        assert not np.array_equal(a, b)
+    before = dict(cache.computed)
+    build_student(model, plain.replace(quantizer="gptq", gptq_damp=0.1), CAL, cache, corpus=corpus)
+    assert _delta(cache, before)["quantize"] == 2 * n
+    # IQ2_XS has no such grid: gptq is not read there (and the gptq q3_k down is cached)
+    mixed = build_student(model, plain.replace(type_gu="iq2_xs", quantizer="gptq"), CAL, cache,
+                          corpus=corpus)  # fmt: skip
+    before = dict(cache.computed)
+    again = build_student(model, plain.replace(type_gu="iq2_xs", quantizer="gptq", gain_gu=1.7),
+                          CAL, cache, corpus=corpus)  # fmt: skip
+    assert _delta(cache, before) == {} and again.key == mixed.key
+    assert "gate" not in mixed.report["layers"][0]["quantize"]["gptq_fallback"]

@@ -113,9 +113,9 @@ def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
     assert Knobs().for_stage("quantize") == {
         "importance": "norm_proxy", "importance_down": "none", "gain_gu": 0.3, "gain_d": 0.3
     }  # fmt: skip
-    ggml = Knobs(type_gu="iq2_xs", type_d="q2_k")
-    assert ggml.for_stage("quantize") == {"type_gu": "iq2_xs", "type_d": "q2_k"}
-    # the same student, whatever the quantizer knobs say...
+    ggml = Knobs(type_gu="iq2_xs", type_d="iq3_s")
+    assert ggml.for_stage("quantize") == {"type_gu": "iq2_xs", "type_d": "iq3_s"}
+    # the same student, whatever the quantizer knobs say (no K grid for gptq to refine)...
     twin = ggml.replace(quantizer="gptq", gain_gu=1.5, importance_down="act")
     assert all(twin.for_stage(s) == ggml.for_stage(s) for s in STAGES)
     # ...unless some layer may be Q2_0: iq2_xxs steps up to q2_0
@@ -123,6 +123,14 @@ def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
     assert "gain_gu" in stepped.for_stage("quantize") and "gain_d" not in stepped.for_stage(
         "quantize"
     )
+    grid = Knobs(quantizer="gptq", gptq_damp=0.1, gain_d=0.2)  # gptq refines the K grids
+    assert grid.for_stage("quantize", group="d", stored_as="q3_k") == {
+        "type": "q3_k", "quantizer": "gptq", "gptq_damp": 0.1
+    }  # fmt: skip
+    assert grid.for_stage("quantize", group="d", stored_as="iq3_s") == {"type": "iq3_s"}
+    assert grid.replace(type_gu="q2_k", type_d="q2_k").for_stage("quantize") == {
+        "type_gu": "q2_k", "type_d": "q2_k", "quantizer": "gptq", "gptq_damp": 0.1
+    }  # fmt: skip
     named = Knobs(type_gu="iq2_xs", type_d="q2_k", layer_types="0:iq2_xs/q2_0")
     assert "gain_d" in named.for_stage("quantize") and "gain_gu" not in named.for_stage("quantize")
 

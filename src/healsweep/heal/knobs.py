@@ -28,6 +28,8 @@ STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "ridge_basis", "ridge
 EXPERT_TYPES: tuple[str, ...] = tuple(t.name for t in ROUTED_TYPES)
 Q2_0 = "q2_0"
 GROUPS = ("gu", "d")  # the routed tensor groups a type is chosen for: gate and up, down
+# ggml types whose grid `quantizer: gptq` refines with error feedback (heal.kgrid)
+GPTQ_GRID_TYPES = ("q2_k", "q3_k")
 _TYPE_LIST = ", ".join(EXPERT_TYPES)
 
 # What each knob accepts, in words, for error messages (mirrors the Field constraints below).
@@ -178,7 +180,8 @@ class Knobs(BaseModel):
         ``quantize`` is one stage per layer and tensor group: with ``group`` (``gu`` or ``d``)
         and the type that group of the layer is ``stored_as`` (:meth:`expert_types`), what that
         quantization reads: for ``q2_0`` the quantizer's knobs of that group, for a ggml type
-        ``{"type": name}`` (ggml reads no knob; its importance comes from the trace). Without
+        ``{"type": name}`` (ggml reads no knob; its importance comes from the trace; ``gptq``
+        adds ``quantizer`` and ``gptq_damp`` for the Q2_K and Q3_K grids). Without
         ``group``, what quantizing the whole model may read, for any model: the type knobs and
         the quantizer knobs of each group some layer may store as ``q2_0``.
         """
@@ -186,13 +189,16 @@ class Knobs(BaseModel):
             raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
         if stage == "quantize":
             if group is not None:
-                if stored_as != Q2_0:
-                    return {"type": stored_as}
-                return self._q2_0_reads(group)
+                if stored_as == Q2_0:
+                    return self._q2_0_reads(group)
+                return {"type": stored_as, **self._grid_reads(stored_as)}
             read: dict[str, Any] = {}
             for group in GROUPS:
-                if Q2_0 in self._possible_types(group):
+                possible = self._possible_types(group)
+                if Q2_0 in possible:
                     read.update(self._q2_0_reads(group))
+                for name in possible:
+                    read.update(self._grid_reads(name))
             read.update(
                 {k: getattr(self, k) for k in _TYPE_KNOBS if getattr(self, k) != ADDED_LATER[k]}
             )
@@ -271,6 +277,13 @@ class Knobs(BaseModel):
         base = getattr(self, f"type_{group}")
         found = {base, step_up(base)} if self.up_first or self.up_last else {base}
         return found | {t.of(group) for _, t in parse_layer_types(self.layer_types)}
+
+    def _grid_reads(self, stored_as: str) -> dict[str, Any]:
+        """The knobs ggml's quantization in ``stored_as`` reads: none, but ``gptq`` (with its
+        damping) refines the codes on the Q2_K and Q3_K grids."""
+        if self.quantizer == "gptq" and stored_as in GPTQ_GRID_TYPES:
+            return {"quantizer": "gptq", "gptq_damp": self.gptq_damp}
+        return {}
 
     def _q2_0_reads(self, group: str) -> dict[str, Any]:
         """The knobs the Q2_0 quantization of tensor group ``group`` reads."""

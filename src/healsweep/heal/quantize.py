@@ -180,7 +180,7 @@ def quantize_group(
     """``group``'s routed stacks of one layer in ``stored_as``; ``weights`` from
     :func:`healsweep.heal.stages.expert_weights`, ``trace_layer`` where :func:`reads_trace`."""
     if stored_as != Q2_0:
-        return _ggml_group(weights, trace_layer, calibration, group, stored_as)
+        return _ggml_group(weights, knobs, trace_layer, calibration, group, stored_as)
     if knobs.quantizer == "plain":
         return QuantizedGroup(_plain(weights, group), Q2_0, {})
     from healsweep.kernels import q2_0
@@ -254,24 +254,40 @@ def _gptq(names, stacks, weights, knobs, trace_layer, min_tokens) -> dict[str, d
 
 def _ggml_group(
     weights: dict[str, Any],
+    knobs: Knobs,
     trace_layer: dict[str, np.ndarray],
     calibration: CalibrationConfig,
     group: str,
     stored_as: str,
 ) -> QuantizedGroup:
     """ggml's quantization of the group's stacks to ``stored_as`` with one importance row per
-    expert from the trace, as ``baseline llama --imatrix-from-calibration`` makes it."""
+    expert from the trace, as ``baseline llama --imatrix-from-calibration`` makes it; under
+    ``quantizer: gptq`` the codes on a Q2_K / Q3_K grid are then chosen again with error
+    feedback (:mod:`healsweep.heal.kgrid`)."""
     from healsweep.heal.llama_baseline import expert_importance, quantize_expert_stack
     from healsweep.kernels.ggml_decode import GGMLWeight
 
     qtype = ggml_type(stored_as).ggml_id
     rows = expert_importance(trace_layer, calibration.min_tokens_per_expert)
-    stacks = []
-    for name in GROUP_TENSORS[group]:
-        suffix = f"ffn_{name}_exps.weight"
-        w = weights[suffix]  # [E, out, in]
-        stacks.append(GGMLWeight(quantize_expert_stack(w, qtype, rows[suffix]), qtype, w.shape[-1]))
-    return QuantizedGroup(tuple(stacks), stored_as, {})
+    names = GROUP_TENSORS[group]
+    stacks = [weights[f"ffn_{n}_exps.weight"] for n in names]  # [E, out, in] each
+    raws = [
+        quantize_expert_stack(w, qtype, rows[f"ffn_{n}_exps.weight"])
+        for n, w in zip(names, stacks, strict=True)
+    ]
+    report: dict[str, Any] = {}
+    if knobs.for_stage("quantize", group=group, stored_as=stored_as).get("quantizer") == "gptq":
+        from healsweep.heal import kgrid
+
+        down = group == "d"  # its input h comes from the teacher's gate and up
+        gate_up = (weights["ffn_gate_exps.weight"], weights["ffn_up_exps.weight"]) if down else None
+        raws, fallback = kgrid.gptq_stacks(
+            raws, stacks, qtype, trace_layer, knobs.gptq_damp, calibration.min_tokens_per_expert,
+            gate_up,
+        )  # fmt: skip
+        report["gptq_fallback"] = {name: dict(fallback) for name in names}
+    n_in = stacks[0].shape[-1]
+    return QuantizedGroup(tuple(GGMLWeight(r, qtype, n_in) for r in raws), stored_as, report)
 
 
 def scaled(stack: Any, factor: float | np.ndarray) -> Any:

@@ -26,6 +26,7 @@ import numpy as np
 from healsweep.cache import content_key
 from healsweep.gguf_io._hparams import ffn_norm_name
 from healsweep.heal import importance as imp
+from healsweep.heal._runner import join_entry, split_entry
 from healsweep.heal.knobs import Knobs
 from healsweep.kernels import alpha as alpha_kernels
 
@@ -73,6 +74,10 @@ STAGE_CODE = {
         "healsweep.heal.llama_baseline",
         "healsweep.gguf_io._ggml_lib",
         "healsweep.heal.importance",
+        "healsweep.heal.kgrid",
+        "healsweep.heal.gptq",
+        "healsweep.kernels.gptq_grid",
+        "healsweep.kernels._decode_kquants",
     ),
     # a routed output of experts with alphas folded into their scales runs the folding code
     "routed_q": ("healsweep.model.layers", "healsweep.heal.quantize", "healsweep.gguf_io._fold"),
@@ -154,11 +159,11 @@ class RoutedOutput(NamedTuple):
     y_q: np.ndarray  # [T, D] float32
 
     def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
-        return {"y_q": self.y_q}, {}
+        return split_entry(self, ("y_q",))
 
     @classmethod
     def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> RoutedOutput:
-        return cls(arrays["y_q"])
+        return join_entry(cls, arrays, meta)
 
 
 def routed_q_key(quantize: Any, trace_key: str, layer: int) -> str:
@@ -262,11 +267,11 @@ class Residuals(NamedTuple):
     alpha_mse_optimal: float
 
     def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
-        return {}, self._asdict()
+        return split_entry(self, ())
 
     @classmethod
     def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> Residuals:
-        return cls(**meta)
+        return join_entry(cls, arrays, meta)
 
 
 def residual_report(y_ref: np.ndarray, y_q: np.ndarray, alpha: float) -> Residuals:

@@ -11,6 +11,7 @@ import numpy as np
 from healsweep.kernels import (
     alpha,
     gptq,
+    gptq_grid,
     gptq_refine,
     iq4_nl,
     kld,
@@ -152,6 +153,13 @@ def _gptq_inputs(rng):
     return w, u, np.einsum("eii->ei", h).astype(np.float32)
 
 
+def _grid_inputs(rng):
+    # a Q2_K-like grid (one scale and offset per 16 weights) and _gptq_inputs' factor
+    w, u, _ = _gptq_inputs(rng)
+    scale = (np.abs(_f32(rng, 2, 16, 8)) + 0.2).astype(np.float32)
+    return w, scale, np.abs(_f32(rng, 2, 16, 8)), u
+
+
 def _refine_inputs(rng):
     # a damped second moment, a Q2_0 start (codes and fp16 scales) for 2 experts of 8 x 128
     x = rng.standard_normal((2, 300, 128)) * np.exp(rng.standard_normal(128))
@@ -187,6 +195,12 @@ CASES: tuple[KernelCase, ...] = (
         "gptq.quantize",
         lambda w, u, a: gptq.quantize(w, u, a, np.float32(0.3)),
         _gptq_inputs,
+        rtol=0.0,
+    ),
+    KernelCase(
+        "gptq_grid.quantize",
+        lambda w, s, o, u: gptq_grid.quantize(w, s, o, u, 0, 4),
+        _grid_inputs,
         rtol=0.0,
     ),
     KernelCase(
