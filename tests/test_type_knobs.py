@@ -15,9 +15,9 @@ from healsweep.errors import KnobError, SettingError
 from healsweep.heal.knobs import (
     ADDED_LATER,
     EXPERT_TYPES,
-    STAGES,
     Knobs,
     LayerTypes,
+    Stage,
     load_knobs,
     require_ggml,
 )
@@ -117,7 +117,8 @@ def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
     assert ggml.for_stage("quantize") == {"type_gu": "iq2_xs", "type_d": "iq3_s"}
     # the same student, whatever the quantizer knobs say (no K grid for gptq to refine)...
     twin = ggml.replace(quantizer="gptq", gain_gu=1.5, importance_down="act")
-    assert all(twin.for_stage(s) == ggml.for_stage(s) for s in STAGES)
+    assert all(twin.for_stage(s) == ggml.for_stage(s) for s in Stage)
+    assert twin.student_key() == ggml.student_key()  # a sweep scores it once
     # ...unless some layer may be Q2_0: iq2_xxs steps up to q2_0
     stepped = Knobs(type_gu="iq2_xxs", type_d="q2_k", up_last=1)
     assert "gain_gu" in stepped.for_stage("quantize") and "gain_d" not in stepped.for_stage(
