@@ -195,7 +195,7 @@ def test_build_student_with_gptq_runs_caches_and_keys_by_the_trace(setup, tmp_pa
     assert needs_trace(knobs, model) and not needs_trace(Knobs(alpha="none", ridge=False), model)
     student = build_student(model, knobs, CAL, cache, corpus=corpus)
     assert student.report["calibration"] is not None
-    assert cache.computed["quantize"] == model.hparams.n_layer
+    assert cache.computed["quantize"] == 2 * model.hparams.n_layer  # gate/up and down entries
     for layer in student.report["layers"]:
         fallback = layer["quantize"]["gptq_fallback"]
         assert set(fallback) == {"gate", "up", "down"}
@@ -214,10 +214,10 @@ def test_build_student_with_gptq_runs_caches_and_keys_by_the_trace(setup, tmp_pa
     other_cal = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4, max_tokens=200)
     before = dict(cache.computed)
     build_student(model, knobs, other_cal, cache, corpus=corpus)
-    assert cache.computed["quantize"] - before["quantize"] == model.hparams.n_layer
+    assert cache.computed["quantize"] - before["quantize"] == 2 * model.hparams.n_layer
     before = dict(cache.computed)
     build_student(model, knobs.replace(gptq_damp=0.1), CAL, cache, corpus=corpus)
-    assert cache.computed["quantize"] - before["quantize"] == model.hparams.n_layer
+    assert cache.computed["quantize"] - before["quantize"] == 2 * model.hparams.n_layer
 
 
 def test_gptq_lowers_the_routed_output_error_of_gate_and_up(setup, tmp_path):

@@ -16,6 +16,7 @@ from healsweep.conformance.run import KernelCase
 from healsweep.kernels import (
     alpha,
     gptq,
+    gptq_grid,
     gptq_refine,
     iq4_nl,
     kld,
@@ -242,6 +243,33 @@ def _gptq_check(got, want, inputs):
     return max(differ, gap), None
 
 
+def _grid_inputs(rng):
+    # a Q2_K-like grid (one scale and offset per 16 weights) and _gptq_inputs' factors
+    w, f, _, _, u = _gptq_inputs(rng)
+    scale = np.abs(_f32(rng, 2, 16, 8)) + 0.2
+    return w, scale, np.abs(_f32(rng, 2, 16, 8)), f, u
+
+
+def _grid_check(got, want, inputs):
+    """Codes equal the float64 GPTQ's but for a few knife-edge roundings, and the objective
+    within 0.5% of the reference's."""
+    w, scale, offset, _, u = inputs
+    h = np.linalg.inv(np.einsum("eji,ejk->eik", u.astype(np.float64), u.astype(np.float64)))
+    values = np.repeat(ref.grid_values(scale, offset, 0, 4), 16, axis=2)
+
+    def objective(codes):
+        r = w - np.take_along_axis(values, np.asarray(codes)[..., None], axis=-1)[..., 0]
+        return np.einsum("eoi,eij,eoj->e", r, h, r)
+
+    differ = float(np.mean(np.asarray(got) != want))
+    gap = float(np.max(np.abs(objective(got) - objective(want)) / objective(want)))
+    if differ > 2e-2:
+        return differ, f"{differ:.2%} of codes differ from the float64 GPTQ"
+    if gap > 5e-3:
+        return gap, f"objective {gap:.2e} (relative) off the float64 GPTQ's"
+    return max(differ, gap), None
+
+
 def _refine_inputs(rng):
     # a damped second moment, a Q2_0 start (codes and fp16 scales) for 2 experts of 8 x 128
     x = rng.standard_normal((2, 300, 128)) * np.exp(rng.standard_normal(128))
@@ -399,6 +427,14 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         lambda w, x, u, f, g, a, u_ref: ref.gptq(w, u_ref, a, GAIN),
         check=_gptq_check,
         device_rtol=None,  # as gptq.quantize: knife-edge roundings differ by backend
+    ),
+    KernelCase(
+        "gptq_grid.quantize",
+        lambda w, s, o, f, u: gptq_grid.quantize(w, s, o, f, 0, 4),
+        _grid_inputs,
+        lambda w, s, o, f, u: ref.gptq_grid(w, s, o, u, 0, 4),
+        check=_grid_check,
+        device_rtol=0.0,
     ),
     KernelCase(
         "gptq_refine.code_descent",
