@@ -54,13 +54,24 @@ def test_select_experts_matches_llama_cpp_rules(variant):
     logits = rng.standard_normal((50, 16)).astype(np.float32)
     bias = rng.standard_normal(16).astype(np.float32) if variant["bias"] else None
     ids, weights = select_experts(
-        jnp.asarray(logits), 4, normalize=variant["normalize"], gating=variant["gating"],
-        scale=variant["scale"], selection_bias=None if bias is None else jnp.asarray(bias),
-        n_groups=variant["n_groups"], n_groups_used=variant["n_used"],
+        jnp.asarray(logits),
+        4,
+        normalize=variant["normalize"],
+        gating=variant["gating"],
+        scale=variant["scale"],
+        selection_bias=None if bias is None else jnp.asarray(bias),
+        n_groups=variant["n_groups"],
+        n_groups_used=variant["n_used"],
     )
     ref_ids, ref_w = _reference_selection(
-        logits, 4, normalize=variant["normalize"], gating=variant["gating"],
-        scale=variant["scale"], bias=bias, n_groups=variant["n_groups"], n_used=variant["n_used"],
+        logits,
+        4,
+        normalize=variant["normalize"],
+        gating=variant["gating"],
+        scale=variant["scale"],
+        bias=bias,
+        n_groups=variant["n_groups"],
+        n_used=variant["n_used"],
     )
     np.testing.assert_array_equal(np.asarray(ids), ref_ids)
     np.testing.assert_allclose(np.asarray(weights), ref_w, rtol=2e-6, atol=1e-7)
@@ -89,7 +100,8 @@ def test_rope_kinds_against_numpy(kind, n_rot):
 @pytest.mark.parametrize("arch", ["olmoe", "llama"])
 def test_part_b_is_skipped_with_one_line_without_a_shared_expert(random_gguf, arch):
     model = open_model(random_gguf(arch, n_head_kv=4))
-    lines = skip_notices(Knobs(ridge=True), model)
-    assert len(lines) == 1 and lines[0].startswith(f"Part B skipped: {arch} has no shared expert")
+    notices = skip_notices(Knobs(ridge=True), model)
+    assert len(notices) == 1 and notices[0].stage == "part_b"
+    assert notices[0].text.startswith(f"Part B skipped: {arch} has no shared expert")
     assert skip_notices(Knobs(ridge=False), model) == []
     assert skip_notices(Knobs(ridge=True), open_model(random_gguf("qwen2moe"))) == []

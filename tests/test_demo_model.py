@@ -110,6 +110,31 @@ def test_model_info_demo_cli() -> None:
     assert "qwen2moe" in done.stdout and "16" in done.stdout
 
 
+def test_the_packaged_medium_cpu_model_opens_by_name_with_rows_for_ggml_types(tmp_path) -> None:
+    """`demo-medium-cpu` (issue 29): the medium-cpu preset's seed-0 file, shipped; rows of 256
+    (llama.cpp's K- and IQ-quant super-block), a shared expert, Q8_0 experts, the demo tokenizer;
+    a spec names it like `demo` and keeps the name."""
+    from tokenizers import Tokenizer
+
+    from healsweep.bundled import demo_model_path, demo_tokenizer_path, resolve_model
+    from healsweep.model import open_model
+    from healsweep.sweep.spec import load_spec
+
+    path = resolve_model("demo-medium-cpu")
+    assert path == demo_model_path("demo-medium-cpu") and path.stat().st_size <= 25 * 10**6
+    model = open_model("demo-medium-cpu")
+    hp = model.hparams
+    assert (hp.n_layer, hp.n_embd, hp.n_expert, hp.n_expert_used) == (4, 256, 8, 2)
+    assert hp.n_ff_exp == 256 and hp.n_ff_shexp == 512
+    assert model.tensor_type("blk.0.ffn_down_exps.weight").name == "Q8_0"
+    text = "def f(x):\n    return x + 1\n"
+    ids = Tokenizer.from_file(str(demo_tokenizer_path())).encode(text).ids
+    assert model.tokenizer().encode(text).ids == ids
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text("name: s\nmodel: demo-medium-cpu\n")
+    assert load_spec(spec_file).model == "demo-medium-cpu"
+
+
 @pytest.mark.slow
 def test_demo_figures_full_dev_and_calibration(demo) -> None:
     """Acceptance figures on the whole dev half and the whole calibration pool."""

@@ -43,17 +43,14 @@ def test_mse_alphas_match_a_float64_reference(setup, tmp_path):
     student = build_student(model, Knobs(alpha="none", ridge=False), CAL, cache, corpus=corpus)
     layer = calibration_trace(model, CAL, cache, corpus).layer(1)
     weights = stages.expert_weights(model, 1)
-    experts = {
-        "gate": student.replacements[1].gate_exps,
-        "up": student.replacements[1].up_exps,
-        "down": student.replacements[1].down_exps,
-    }
+    replacement = student.replacements[1]
+    experts = stages.ExpertStacks(replacement.gate_exps, replacement.up_exps, replacement.down_exps)
     got = expert_alpha.mse_alphas(weights, experts, layer, 0.0, -7.0, CAL.min_tokens_per_expert)
     x = np.asarray(layer["x"], np.float64)
     dense = [
         np.asarray(weights[f"ffn_{n}_exps.weight"], np.float64) for n in ("gate", "up", "down")
     ]
-    quant = [np.asarray(experts[n].dequantize(), np.float64) for n in ("gate", "up", "down")]
+    quant = [np.asarray(stack.dequantize(), np.float64) for stack in experts]
     for e in range(model.hparams.n_expert):
         routed = layer["ids"] == e
         rows = np.any(routed, axis=1)

@@ -15,6 +15,7 @@ from healsweep.data.corpus import load_corpus
 from healsweep.heal import stages
 from healsweep.heal.evaluate import VARIANTS, heldout_split, residual_table
 from healsweep.heal.knobs import CalibrationConfig, Knobs
+from healsweep.heal.quantize import layer_keys
 from healsweep.heal.trace import LAYER_STAGE, calibration_trace, layer_key
 from healsweep.model import open_model
 from healsweep.model.synthetic import write_random_model
@@ -69,8 +70,8 @@ def test_table_rederived_in_float64_and_mse_never_loses_in_sample(table):
     for row in result["rows"]:
         assert row["cal.mse"] <= row["cal.alpha_1"] + 1e-9
         arrays = cache.get(LAYER_STAGE, layer_key(fit_trace.key, row["layer"]))[0]
-        qkey = stages.quantize_key(model, Knobs(), fit_trace.key, row["layer"])
-        y_q = cache.get("routed_q", stages.routed_q_key(qkey, fit_trace.key, row["layer"]))[0][
+        qkeys = layer_keys(model, Knobs(), fit_trace.key, row["layer"])
+        y_q = cache.get("routed_q", stages.routed_q_key(qkeys, fit_trace.key, row["layer"]))[0][
             "y_q"
         ]
         y_ref = arrays["y_ref"].astype(np.float64)
@@ -90,7 +91,9 @@ def test_table_rederived_in_float64_and_mse_never_loses_in_sample(table):
     n = model.hparams.n_layer
     assert result["trial_eta_only"]["executed"] == {"part_b": n}
     assert result["trial_rho_only"]["executed"] == {  # no new basis
-        "ridge_fit": n, "ridge_heldout": n, "part_b": n
+        "ridge_fit": n,
+        "ridge_heldout": n,
+        "part_b": n,
     }
     assert result["trial_quant_only"]["executed"] == {
         "quantize": n,

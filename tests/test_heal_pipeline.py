@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from _heal_fixtures import heal_setup
 from healsweep.cache import StageCache
-from healsweep.heal import stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.heal.quantize import layer_keys
 
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 STAGES = (
@@ -37,7 +37,7 @@ def test_each_knob_recomputes_only_the_stages_that_read_it(setup, tmp_path):
     build_student(model, Knobs(), CAL, cache, corpus=corpus)
     assert dict(cache.computed) == {
         "calib_trace": 1,
-        "quantize": n,
+        "quantize": 2 * n,  # gate/up and down: one entry each per layer
         "routed_q": n,
         "part_a": n,
         "residuals": n,
@@ -51,6 +51,7 @@ def test_each_knob_recomputes_only_the_stages_that_read_it(setup, tmp_path):
     heal = {"ridge_fit": n, "ridge_heldout": n, "part_b": n}
     # a new target dY: B once more (one pass over Z'), then the same
     alpha = {"part_a": n, "residuals": n, "ridge_rhs": n}
+    # a knob of one tensor group re-quantizes that group only
     requant = {"quantize": n, "routed_q": n, **alpha, **heal}
     steps = [
         (Knobs(), {}),  # same knobs: everything from the cache
@@ -114,9 +115,7 @@ def test_act_importance_keys_quantization_by_the_trace(setup, tmp_path):
     build_student(model, Knobs(), other_cal, cache, corpus=corpus)  # norm proxy: not trace-keyed
     assert _delta(cache, before)["quantize"] == 0
     assert _delta(cache, before)["routed_q"] == model.hparams.n_layer  # new inputs, same experts
-    assert stages.quantize_key(model, Knobs(), "trace-a", 0) == stages.quantize_key(
-        model, Knobs(), "trace-b", 0
-    )
-    assert stages.quantize_key(model, Knobs(importance="act"), "trace-a", 0) != stages.quantize_key(
-        model, Knobs(importance="act"), "trace-b", 0
-    )
+    assert layer_keys(model, Knobs(), "trace-a", 0) == layer_keys(model, Knobs(), "trace-b", 0)
+    act_a = layer_keys(model, Knobs(importance="act"), "trace-a", 0)
+    act_b = layer_keys(model, Knobs(importance="act"), "trace-b", 0)
+    assert act_a["gu"] != act_b["gu"] and act_a["d"] == act_b["d"]  # act reads gate/up's

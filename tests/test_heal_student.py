@@ -12,6 +12,7 @@ from healsweep.data.corpus import load_corpus
 from healsweep.heal import stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.heal.quantize import cached_experts, layer_keys
 from healsweep.kernels.alpha import gaussian_probe_experts
 from healsweep.model import forward, open_model
 from healsweep.model.synthetic import write_random_model
@@ -38,10 +39,10 @@ def test_healed_layers_match_independent_computations(setup, shared_cache):
 
     for layer in range(model.hparams.n_layer):
         arrays = cache.get(LAYER_STAGE, layer_key(trace_key, layer))[0]
-        qkey = stages.quantize_key(model, knobs, trace_key, layer)
-        experts = stages.q2_weights(cache.get("quantize", qkey)[0])
-        dense = {n: np.asarray(experts[n].dequantize(), np.float64) for n in ("gate", "up", "down")}
-        y_q = cache.get("routed_q", stages.routed_q_key(qkey, trace_key, layer))[0]["y_q"]
+        qkeys = layer_keys(model, knobs, trace_key, layer)
+        experts = cached_experts(cache, qkeys)
+        dense = {n: np.asarray(w.dequantize(), np.float64) for n, w in experts._asdict().items()}
+        y_q = cache.get("routed_q", stages.routed_q_key(qkeys, trace_key, layer))[0]["y_q"]
         want = _routed_float64(
             arrays["x"], arrays["ids"], arrays["weights"], dense["gate"], dense["up"], dense["down"]
         )
@@ -53,7 +54,7 @@ def test_healed_layers_match_independent_computations(setup, shared_cache):
         assert report["residual"] <= report["residual_alpha_1"] + 1e-7  # mse never loses to 1
         replacement = student.replacements[layer]
         d_scaled = np.asarray(replacement.down_exps.d, np.float32)
-        d_plain = np.asarray(experts["down"].d, np.float32)
+        d_plain = np.asarray(experts.down.d, np.float32)
         np.testing.assert_array_equal(
             d_scaled, (d_plain * np.float32(student.alphas[layer])).astype(np.float16)
         )
@@ -100,9 +101,7 @@ def test_gaussian_alpha_is_the_shipped_probe(setup, shared_cache):
     knobs = Knobs(alpha="gaussian", gamma=0.75, ridge=False)
     student = build_student(model, knobs, CAL, cache, corpus=corpus)
     weights = model.layer(1)
-    experts = stages.q2_weights(
-        cache.get("quantize", stages.quantize_key(model, knobs, None, 1))[0]
-    )
+    experts = cached_experts(cache, layer_keys(model, knobs, None, 1))._asdict()
     probe = list(gaussian_probe_experts(model.hparams.n_expert))
     scale = np.abs(weights["ffn_norm.weight"]).astype(np.float64)
     x = np.random.default_rng(0).standard_normal((16, scale.size), dtype=np.float32) * scale

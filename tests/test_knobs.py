@@ -40,7 +40,7 @@ def test_defaults_are_the_contract_table():
         elif isinstance(value, int):
             assert value == int(default)
         else:
-            assert value == default
+            assert value == default, name
 
 
 @pytest.mark.parametrize(
@@ -87,9 +87,11 @@ def test_knobs_are_frozen_hashable_and_picklable():
 
 def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
     knobs = Knobs()
-    # gptq (with refine rounds) and per-expert alpha make every knob live (quantizer, gptq_damp,
-    # gptq_refine and alpha_granularity are unkeyed at their defaults)
-    live = Knobs(quantizer="gptq", gptq_refine=1, alpha_granularity="expert")
+    # gptq (with refine rounds), per-expert alpha and ggml types with a Q2_0 layer make every
+    # knob live (quantizer, gptq_damp, gptq_refine, alpha_granularity and the type knobs are
+    # unkeyed at their defaults)
+    live = Knobs(quantizer="gptq", gptq_refine=1, alpha_granularity="expert", type_gu="iq2_xs",
+                 type_d="q2_k", up_first=1, up_last=1, layer_types="0:q2_0")  # fmt: skip
     read = [set(live.for_stage(s)) for s in Stage]
     union = set().union(*read)
     assert union == set(Knobs.model_fields) - set(SCORE_KNOBS)
@@ -168,11 +170,17 @@ def test_calibration_config_validates_and_keys_only_what_changes_the_trace():
     cfg = CalibrationConfig(max_tokens=4096, chunk_length=256)
     assert cfg.key_inputs()["max_tokens"] == 4096
     assert "corpus" not in cfg.key_inputs()  # the corpus enters the key by content hash
-    assert CalibrationConfig(exclude_doc_ids=("b", "a")).key_inputs() == CalibrationConfig(
-        exclude_doc_ids=("a", "b")
-    ).key_inputs()
-    for bad in ({"max_tokens": 0}, {"chunk_length": 8}, {"min_tokens_per_expert": 0},
-                {"tokens": 5}, {"max_tokens": True}):
+    assert (
+        CalibrationConfig(exclude_doc_ids=("b", "a")).key_inputs()
+        == CalibrationConfig(exclude_doc_ids=("a", "b")).key_inputs()
+    )
+    for bad in (
+        {"max_tokens": 0},
+        {"chunk_length": 8},
+        {"min_tokens_per_expert": 0},
+        {"tokens": 5},
+        {"max_tokens": True},
+    ):
         with pytest.raises(KnobError):
             CalibrationConfig(**bad)
 

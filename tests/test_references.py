@@ -58,7 +58,7 @@ def test_plain_codes_and_scales_are_the_definition_and_round_trip_within_half_a_
 
 def test_plain_reads_no_knob_and_exports_as_ordinary_q2_0(tmp_path, tiny_tokenizer):
     from healsweep.heal.export import write_healed_gguf
-    from healsweep.heal.stages import quantize_key
+    from healsweep.heal.quantize import layer_keys
 
     assert PLAIN.for_stage("quantize") == {"quantizer": "plain"}
     assert not PLAIN.uses_activation_statistics()
@@ -66,7 +66,7 @@ def test_plain_reads_no_knob_and_exports_as_ordinary_q2_0(tmp_path, tiny_tokeniz
                               tokenizer=tiny_tokenizer)  # fmt: skip
     model = open_model(path)
     other = PLAIN.replace(gain_d=0.0, gain_gu=1.0, importance="act")  # read by search, not plain
-    assert quantize_key(model, PLAIN, None, 0) == quantize_key(model, other, "trace", 0)
+    assert layer_keys(model, PLAIN, None, 0) == layer_keys(model, other, "trace", 0)
     corpus = str(write_tiny_corpus(tmp_path / "c.jsonl"))
     cache = StageCache(tmp_path / "cache")
     student = build_student(model, PLAIN, CalibrationConfig(corpus=corpus, **CAL), cache)

@@ -25,12 +25,12 @@ def _fit(z, gate, dy, rho, eta):
     """The stages' arithmetic on given arrays: basis, fit at rho, figures at eta (step eta*dW)."""
     zg = z * gate[:, None]
     design = lambda a, b: jnp.asarray(zg[a:b])  # noqa: E731
-    basis, basis_meta = ridge.basis_from_design(design, len(z))
-    rhs, rhs_meta = ridge.rhs_from_design(design, dy, basis)
-    fit, fit_meta = ridge.fit_from_rhs(rhs, rhs_meta, basis, basis_meta, rho)
-    folds = ridge.heldout_from_design(design, dy, basis, basis_meta, rhs, fit_meta)
-    stats = ridge.ridge_stats(basis, rhs, fit_meta, eta, eta * fit["delta"], folds)
-    return fit["delta"], stats
+    basis = ridge.basis_from_design(design, len(z))
+    rhs = ridge.rhs_from_design(design, dy, basis)
+    fit = ridge.fit_from_rhs(rhs, basis, rho)
+    folds = ridge.heldout_from_design(design, dy, basis, rhs, fit)
+    stats = ridge.ridge_stats(basis, rhs, fit, eta, eta * fit.delta, folds)
+    return fit.delta, stats
 
 
 def _ref_fit(z, gate, dy, rho, eta, n_blocks=4):
@@ -101,15 +101,15 @@ def test_one_basis_serves_every_rho_and_eta():
     z, gate, dy = _problem(np.random.default_rng(8), t=150)
     zg = z * gate[:, None]
     design = lambda a, b: jnp.asarray(zg[a:b])  # noqa: E731
-    basis, meta = ridge.basis_from_design(design, len(z))
-    rhs, rhs_meta = ridge.rhs_from_design(design, dy, basis)
+    basis = ridge.basis_from_design(design, len(z))
+    rhs = ridge.rhs_from_design(design, dy, basis)
     for rho in (0.1, 2.0, 30.0):
-        fit, fit_meta = ridge.fit_from_rhs(rhs, rhs_meta, basis, meta, rho)
-        folds = ridge.heldout_from_design(design, dy, basis, meta, rhs, fit_meta)
+        fit = ridge.fit_from_rhs(rhs, basis, rho)
+        folds = ridge.heldout_from_design(design, dy, basis, rhs, fit)
         for eta in (0.15, 0.7, 2.0):
-            stats = ridge.ridge_stats(basis, rhs, fit_meta, eta, eta * fit["delta"], folds)
+            stats = ridge.ridge_stats(basis, rhs, fit, eta, eta * fit.delta, folds)
             dw, _, _, _, in_sample, heldout = _ref_fit(z, gate, dy, rho, eta)
-            np.testing.assert_allclose(fit["delta"], dw, rtol=2e-4, atol=2e-5 * np.abs(dw).max())
+            np.testing.assert_allclose(fit.delta, dw, rtol=2e-4, atol=2e-5 * np.abs(dw).max())
             assert stats["in_sample_change"] == pytest.approx(in_sample, rel=1e-3, abs=1e-6)
             assert stats["heldout_change"] == pytest.approx(heldout, rel=1e-3, abs=1e-6)
 
@@ -159,12 +159,12 @@ def test_step_moments_equal_the_float64_products_over_z():
     rng = np.random.default_rng(6)
     z, gate, dy = _problem(rng, t=80, fs=24, d=16)
     zg = (z * gate[:, None]).astype(np.float32)
-    basis, _ = ridge.basis_from_design(lambda a, b: jnp.asarray(zg[a:b]), len(zg))
+    basis = ridge.basis_from_design(lambda a, b: jnp.asarray(zg[a:b]), len(zg))
     old = rng.standard_normal((16, 24)).astype(np.float32)  # GGUF [D, Fs]
     new = old + 0.05 * rng.standard_normal((16, 24)).astype(np.float32)
     rhs = zg.T @ dy
     quad, lin, moved, size = (
-        float(x) for x in kr.step_moments(basis["basis"], basis["sigma"], rhs, old, new)
+        float(x) for x in kr.step_moments(basis.basis, basis.sigma, rhs, old, new)
     )
     step = (new.astype(np.float64) - old).T  # [Fs, D]
     z64 = zg.astype(np.float64)

@@ -149,22 +149,30 @@ def test_every_module_a_stage_executes_is_in_its_digest(traced_runs, run):
     )
 
 
+# The stage helper passes its caller's stage name through: its callers are the call sites.
+_PASS_THROUGH = {"healsweep.cache", "healsweep.heal._runner"}
+_CALLS = ("get_or_compute", "put", "value", "lazy")  # the cache's, and StageRunner's
+
+
 def _call_sites() -> list[tuple[str, str]]:
     """``(module, stage)`` of every call in the package that computes or stores a cache entry
-    (``get_or_compute`` / ``put`` with a stage name), the cache itself left out."""
+    (``get_or_compute`` / ``put``, or :class:`~healsweep.heal._runner.StageRunner`'s ``value``
+    / ``lazy``, with a stage name), the cache and the stage helper themselves left out."""
     sites = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = _module_of(str(path))
-        if module == "healsweep.cache":
+        if module in _PASS_THROUGH:
             continue
         for node in ast.walk(ast.parse(path.read_bytes())):
             if not (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("get_or_compute", "put")
+                and node.func.attr in _CALLS
                 and node.args
             ):
                 continue
+            if node.func.attr in ("value", "lazy") and not isinstance(node.args[0], ast.Constant):
+                continue  # another object's value()/lazy(), not a stage
             arg = node.args[0]
             if isinstance(arg, ast.Constant):
                 sites.append((module, arg.value))
@@ -272,12 +280,12 @@ import healsweep
 from healsweep._code import module_closure
 from healsweep.data.windows import Window
 from healsweep.model import open_model
-from healsweep.heal import ridge, stages, trace
+from healsweep.heal import quantize, ridge, stages, trace
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.score.teacher_cache import teacher_key
 model = open_model(sys.argv[1])
 knobs = Knobs(quantizer="gptq")
-q = stages.quantize_key(model, knobs, "t", 0)
+q = quantize.layer_keys(model, knobs, "t", 0)
 r = stages.routed_q_key(q, "t", 0)
 a = stages.part_a_key(knobs, model, q, r, 0)
 n = ridge.basis_key(model, "t", 0)
@@ -287,7 +295,8 @@ print(json.dumps({
     "file": healsweep.__file__,
     "closure": sorted(module_closure(stages.CODE_ROOTS)),
     "keys": {
-        "quantize": q, "routed_q": r, "part_a": a, "ridge_basis": n, "ridge_fit": f,
+        "quantize": q["gu"], "quantize_d": q["d"], "routed_q": r, "part_a": a,
+        "ridge_basis": n, "ridge_fit": f,
         "part_b": ridge.part_b_key(knobs, model, f, 0),
         "calib_trace": trace.trace_key(model, CalibrationConfig(), []),
         "teacher_logits": teacher_key(model, window),

@@ -3,7 +3,7 @@
 A sweep stores, per trial, every knob (``trials.parquet``) and, per sweep, the model and the
 calibration settings (``spec.json``, ``manifest.json``). That is all a student needs: the trial's
 student is rebuilt through the stage cache (``build_student``; whatever the cache lacks is
-recomputed) and written as in ``healsweep heal`` (type-42 experts by default).
+recomputed) and written as in ``healsweep heal`` (experts as healed by default).
 
 A trial confirmed on the test split is found by its frozen hash (knobs, model fingerprint,
 calibration with its corpus content: exactly what ``confirm`` froze) among the sweep's
@@ -98,7 +98,7 @@ def export_trial(
     out: str | Path,
     *,
     trial_id: str | None = None,
-    experts: str = "q2_0",
+    experts: str = "healed",
     cache: StageCache | None = None,
     progress: Progress | None = None,
 ) -> ExportResult:

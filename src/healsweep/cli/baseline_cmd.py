@@ -13,7 +13,7 @@ from healsweep.cli.heal_cmd import CacheOpt, ChunkOpt, CorpusOpt, MaxTokensOpt, 
 
 @baseline_app.command("llama")
 def llama(
-    model: Annotated[str, typer.Argument(help="Teacher GGUF path, or `demo`.")],
+    model: Annotated[str, typer.Argument(help="Teacher GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")],
     qtype: Annotated[
         str, typer.Option("--type", help="q2_0 | q2_k | iq2_xxs | iq2_xs | iq2_s (ggml's names).")
     ],

@@ -14,7 +14,7 @@ from healsweep.cli._apps import bench_app
 
 @bench_app.command("trial")
 def bench_trial(
-    model: Annotated[str, typer.Argument(help="GGUF path, or `demo`.")] = "demo",
+    model: Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")] = "demo",
     knobs: Annotated[Path | None, typer.Option(
         "--knobs", help="Base knobs of the cold trial; default: the shipped healer.")] = None,
     corpus: Annotated[str, typer.Option(
@@ -36,9 +36,10 @@ def bench_trial(
         "--trials/--no-trials", help="Run the heal trials (else only the forward).")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
-    """Cold, quant-knob-only, rho-only and eta-only heal trials (stage times, peak RSS), then
-    teacher-forced tokens/s and peak RSS of the forward beside llama.cpp's (when the optional
-    `llama-cpp-python` is installed; `pip install -e ".\\[bench]"`)."""
+    """Cold, quant-knob-only, rho-only, eta-only and (with ggml's quantizer) type_d-only heal
+    trials (stage times, peak RSS), then teacher-forced tokens/s and peak RSS of the forward
+    beside llama.cpp's (when the optional `llama-cpp-python` is installed; `pip install -e
+    ".\\[bench]"`)."""
     import tempfile
 
     from healsweep.cache import StageCache

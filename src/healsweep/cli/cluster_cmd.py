@@ -90,6 +90,7 @@ def doctor(
     decoder and a model layer against float64 references (and the device against the CPU)."""
     from healsweep import cluster
     from healsweep.conformance import run_conformance
+    from healsweep.gguf_io._ggml_lib import status_line
 
     info = cluster.jax_info()
     typer.echo(
@@ -99,6 +100,7 @@ def doctor(
         typer.echo(f"  device {device}")
     if not no_ray:
         typer.echo(_cluster_line(address))
+    typer.echo(status_line())
     accelerator = info.backend != "cpu"
     where = f"{info.devices[0]}" if accelerator and info.devices else info.backend
     if accelerator:

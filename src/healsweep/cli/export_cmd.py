@@ -1,4 +1,4 @@
-"""`healsweep export`: a sweep's trial as a deployable GGUF (type-42 experts by default)."""
+"""`healsweep export`: a sweep's trial as a deployable GGUF (experts as healed by default)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,13 @@ def export(
         ),
     ] = False,
     experts: Annotated[
-        str, typer.Option("--experts", help="Routed experts as q2_0 (ggml type 42) or f16.")
-    ] = "q2_0",
+        str,
+        typer.Option(
+            "--experts",
+            help="Routed experts as healed (each tensor in its healed type: Q2_0 as ggml type "
+            "42, the others as theirs), q2_0 (the same, refused unless all are Q2_0) or f16.",
+        ),
+    ] = "healed",
     cache: Annotated[
         Path | None,
         typer.Option(
@@ -76,4 +81,4 @@ def export(
             f"[test] confirmed in milestone {conf.milestone!r} ({verdict} vs the baseline); "
             f"ledger entry {conf.result_entry_hash}"
         )
-    typer.echo(f"[write] {result.path} (routed experts {experts.upper()})")
+    typer.echo(f"[write] {result.path} (routed experts {experts})")

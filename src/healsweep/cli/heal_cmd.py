@@ -10,7 +10,7 @@ import typer
 
 from healsweep.cli._apps import app, bench_app
 
-ModelArg = Annotated[str, typer.Argument(help="GGUF path, or `demo`.")]
+ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")]
 CorpusOpt = Annotated[str, typer.Option(
     "--corpus", help="Corpus JSONL whose `pool: calibration` documents calibrate, or `demo`.")]
 MaxTokensOpt = Annotated[int | None, typer.Option(
@@ -41,8 +41,10 @@ def heal(
     knobs: Annotated[Path, typer.Option("--knobs", help="Knob file (YAML); see configs/knobs/.")],
     out: Annotated[Path, typer.Option("--out", help="Where to write the healed GGUF.")],
     experts: Annotated[str, typer.Option(
-        "--experts", help="Routed experts in the GGUF: q2_0 (ggml type 42, the healed blocks "
-        "as they are; llama.cpp runs it) or f16 (dequantized, for any GGUF tool).")] = "q2_0",
+        "--experts", help="Routed experts in the GGUF: healed (each tensor in the type it was "
+        "healed in, its blocks as scored, alpha folded in: Q2_0 as ggml type 42; llama.cpp runs "
+        "it), q2_0 (the same, refused unless all are Q2_0) or f16 (dequantized, for any GGUF "
+        "tool).")] = "healed",
     q2: Annotated[Path | None, typer.Option(
         "--q2", help="Also write the packed Q2_0 blocks and alphas to this .npz sidecar.")] = None,
     report: Annotated[Path | None, typer.Option(
@@ -53,20 +55,21 @@ def heal(
     min_tokens_per_expert: MinTokensOpt = 16,
     cache: CacheOpt = None,
 ) -> None:
-    """Quantize the routed experts to Q2_0 and heal them under one knob file; write a GGUF.
+    """Quantize the routed experts (Q2_0, or the types the knobs choose) and heal them under one
+    knob file; write a GGUF.
 
-    The GGUF holds the healed experts as Q2_0 (ggml type 42, alpha folded into the scales) or,
-    with ``--experts f16``, dequantized to F16; every other tensor as the model stores it; a
-    ridge-healed shared-expert down projection keeps its storage type.
+    The GGUF holds the healed experts in their types (Q2_0 as ggml type 42; alpha folded into
+    the scales) or, with ``--experts f16``, dequantized to F16; every other tensor as the model
+    stores it; a ridge-healed shared-expert down projection keeps its storage type.
     """
     from healsweep.cache import StageCache
-    from healsweep.heal.export import EXPERT_FORMATS, write_healed_gguf, write_q2_sidecar
+    from healsweep.heal import export
     from healsweep.heal.knobs import load_knobs
     from healsweep.heal.pipeline import build_student
     from healsweep.model import open_model
 
-    if experts not in EXPERT_FORMATS:
-        raise typer.BadParameter(f"{experts!r}: choose one of {', '.join(EXPERT_FORMATS)}",
+    if experts not in export.EXPERT_FORMATS:
+        raise typer.BadParameter(f"{experts!r}: choose one of {', '.join(export.EXPERT_FORMATS)}",
                                  param_hint="--experts")
     chosen = load_knobs(knobs)
     calibration = _calibration(corpus, max_tokens, chunk_length, min_tokens_per_expert)
@@ -81,10 +84,12 @@ def heal(
     for warning in {(r.get("ridge") or {}).get("warning") for r in student.report["layers"]}:
         if warning:
             typer.echo(f"[warning] {warning}")
-    write_healed_gguf(student, out, experts=experts)
-    typer.echo(f"[write] {out} (routed experts {experts.upper()})")
+    export.write_healed_gguf(student, out, experts=experts)
+    written = export.heal_metadata(student, experts)
+    typer.echo(f"[write] {out} (routed experts {written['experts']}: "
+               f"{written['routed_bpw']:.4g} bits a weight)")
     if q2 is not None:
-        write_q2_sidecar(student, q2)
+        export.write_q2_sidecar(student, q2)
         typer.echo(f"[write] {q2}")
     if report is not None:
         report.write_text(json.dumps(student.report, indent=2, default=str))

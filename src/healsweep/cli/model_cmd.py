@@ -10,7 +10,7 @@ import typer
 
 from healsweep.cli._apps import bench_app, model_app
 
-ModelArg = Annotated[str, typer.Argument(help="GGUF path, or `demo`.")]
+ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
 

@@ -21,8 +21,8 @@ def _progress(done: int, total: int, elapsed: float) -> None:
 
 @app.command("score")
 def score(
-    model: Annotated[str, typer.Option("--model", help="Student GGUF path, or `demo`.")],
-    ref: Annotated[str, typer.Option("--ref", help="Reference (teacher) GGUF path, or `demo`.")],
+    model: Annotated[str, typer.Option("--model", help="Student GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")],
+    ref: Annotated[str, typer.Option("--ref", help="Reference (teacher) GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")],
     corpus: Annotated[str, typer.Option("--corpus", help="Corpus JSONL, or `demo`.")] = "demo",
     split: Annotated[
         str, typer.Option("--split", help="dev | canary | test (test needs a ledger grant).")

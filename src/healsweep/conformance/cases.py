@@ -16,6 +16,7 @@ from healsweep.conformance.run import KernelCase
 from healsweep.kernels import (
     alpha,
     gptq,
+    gptq_grid,
     gptq_refine,
     iq4_nl,
     kld,
@@ -191,6 +192,39 @@ def _gptq_inputs(rng):
     return w, f, g, np.einsum("eii->ei", h).astype(np.float32), u
 
 
+def _gptq_lowrank_inputs(rng):
+    # H = c·I + XᵀX of 40 rows (zero-padded to 64) of 128 columns, in the kernel's factored form:
+    # u_k = (c·I + Σ_{i≥k} x_i x_iᵀ)⁻¹ x_k by a direct solve per column (not factor_rows's
+    # block recursion), V's diagonal blocks and their inverses from numpy's Cholesky of H; the
+    # last input is the reference's u with uᵀu = H⁻¹
+    w = _f32(rng, 2, 16, 128)
+    rows = rng.standard_normal((2, 40, 128)) * np.exp(rng.standard_normal((2, 1, 128)))
+    x = np.concatenate([rows, np.zeros((2, 24, 128))], axis=1).astype(np.float32)
+    x64 = x.astype(np.float64)
+    u_rows = np.zeros_like(x64)
+    h = np.einsum("epi,epj->eij", x64, x64)
+    for e in range(2):
+        c = 0.01 * np.trace(h[e]) / 128
+        h[e] += c * np.eye(128)
+        for k in range(128):
+            tail = x64[e, :, k:]
+            u_rows[e, :, k] = np.linalg.solve(c * np.eye(64) + tail @ tail.T, x64[e, :, k])
+    flip = slice(None, None, -1)
+    r = np.linalg.cholesky(h[:, flip, flip])[:, flip, flip]  # upper, H = R·Rᵀ
+    v = r / np.einsum("eii->ei", r)[:, None, :]
+    blocks = np.stack([v[:, a : a + 64, a : a + 64] for a in (0, 64)], axis=1)
+    u = np.linalg.cholesky(np.linalg.inv(h)).transpose(0, 2, 1).astype(np.float32)
+    return (
+        w,
+        x,
+        u_rows.astype(np.float32),
+        (blocks - np.eye(64)).astype(np.float32),
+        np.linalg.inv(blocks).astype(np.float32),
+        np.einsum("eii->ei", h).astype(np.float32),
+        u,
+    )
+
+
 def _gptq_check(got, want, inputs):
     """Codes equal the float64 GPTQ's but for a few knife-edge roundings (one changes every
     later error of its row), and the objective GPTQ minimizes within 0.1% of the reference's."""
@@ -205,6 +239,33 @@ def _gptq_check(got, want, inputs):
     if differ > 5e-3:
         return differ, f"{differ:.2%} of codes differ from the float64 GPTQ"
     if gap > 1e-3:
+        return gap, f"objective {gap:.2e} (relative) off the float64 GPTQ's"
+    return max(differ, gap), None
+
+
+def _grid_inputs(rng):
+    # a Q2_K-like grid (one scale and offset per 16 weights) and _gptq_inputs' factors
+    w, f, _, _, u = _gptq_inputs(rng)
+    scale = np.abs(_f32(rng, 2, 16, 8)) + 0.2
+    return w, scale, np.abs(_f32(rng, 2, 16, 8)), f, u
+
+
+def _grid_check(got, want, inputs):
+    """Codes equal the float64 GPTQ's but for a few knife-edge roundings, and the objective
+    within 0.5% of the reference's."""
+    w, scale, offset, _, u = inputs
+    h = np.linalg.inv(np.einsum("eji,ejk->eik", u.astype(np.float64), u.astype(np.float64)))
+    values = np.repeat(ref.grid_values(scale, offset, 0, 4), 16, axis=2)
+
+    def objective(codes):
+        r = w - np.take_along_axis(values, np.asarray(codes)[..., None], axis=-1)[..., 0]
+        return np.einsum("eoi,eij,eoj->e", r, h, r)
+
+    differ = float(np.mean(np.asarray(got) != want))
+    gap = float(np.max(np.abs(objective(got) - objective(want)) / objective(want)))
+    if differ > 2e-2:
+        return differ, f"{differ:.2%} of codes differ from the float64 GPTQ"
+    if gap > 5e-3:
         return gap, f"objective {gap:.2e} (relative) off the float64 GPTQ's"
     return max(differ, gap), None
 
@@ -358,6 +419,22 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         # (inside _gptq_check's bounds) but 5.9e-3 (max rel) from the CPU's, so the float64
         # reference judges each backend, as for the layer forward
         device_rtol=None,
+    ),
+    KernelCase(
+        "gptq.quantize_lowrank",  # the path of experts with few routed rows
+        lambda w, x, u, f, g, a, _: gptq.quantize_lowrank(w, x, u, f, g, a, np.float32(GAIN)),
+        _gptq_lowrank_inputs,
+        lambda w, x, u, f, g, a, u_ref: ref.gptq(w, u_ref, a, GAIN),
+        check=_gptq_check,
+        device_rtol=None,  # as gptq.quantize: knife-edge roundings differ by backend
+    ),
+    KernelCase(
+        "gptq_grid.quantize",
+        lambda w, s, o, f, u: gptq_grid.quantize(w, s, o, f, 0, 4),
+        _grid_inputs,
+        lambda w, s, o, f, u: ref.gptq_grid(w, s, o, u, 0, 4),
+        check=_grid_check,
+        device_rtol=0.0,
     ),
     KernelCase(
         "gptq_refine.code_descent",

@@ -403,6 +403,34 @@ def gptq(w, u, importance, gain) -> tuple[np.ndarray, np.ndarray]:
     return d_out, q_out
 
 
+def grid_values(scale, offset, shift: int, n_codes: int) -> np.ndarray:
+    """Every code's value ``scale·(c − shift) − offset`` of an affine grid ``[..., n_codes]``."""
+    levels = np.arange(n_codes, dtype=np.float64) - shift
+    return (
+        np.asarray(scale, np.float64)[..., None] * levels
+        - np.asarray(offset, np.float64)[..., None]
+    )
+
+
+def gptq_grid(w, scale, offset, u, shift: int, n_codes: int) -> np.ndarray:
+    """Classic GPTQ's codes on a fixed affine grid (ggml's Q2_K / Q3_K: ``scale``, ``offset``
+    [E, out, in/16]) in float64, one row at a time: each column rounded to its nearest grid
+    value, its error ``(w_j − v_j)/u_jj`` taken off the later columns through row ``j`` of ``u``
+    (``uᵀu = H⁻¹``). The kernel computes the LDLQ form of the same (QuIP: equal codes)."""
+    w = np.asarray(w, np.float64)
+    u = np.asarray(u, np.float64)
+    values = np.repeat(grid_values(scale, offset, shift, n_codes), 16, axis=2)  # [E, out, in, K]
+    codes = np.zeros(w.shape, np.int32)
+    for e in range(w.shape[0]):
+        for o in range(w.shape[1]):
+            row = w[e, o].copy()
+            for j in range(w.shape[2]):
+                codes[e, o, j] = np.argmin(np.abs(values[e, o, j] - row[j]))
+                err = (row[j] - values[e, o, j, codes[e, o, j]]) / u[e, j, j]
+                row[j + 1 :] -= err * u[e, j, j + 1 :]
+    return codes
+
+
 def code_descent(w, h, d, q, sweeps: int) -> np.ndarray:
     """``sweeps`` passes of coordinate descent over the codes in float64, one column at a time,
     the residual recomputed at each step; a column whose scale is 0 keeps its code."""

@@ -2,8 +2,9 @@
 
 Used for the external baseline (``healsweep baseline llama``: llama.cpp's quantization of the
 routed experts) and, in tests, as an implementation of every block format independent of
-healsweep's decoders. ``llama-cpp-python`` is an optional extra (``pip install -e ".[bench]"``);
-without it these functions raise :class:`~healsweep.errors.SettingError`. The library is loaded
+healsweep's decoders, and for the routed experts stored in a ggml type (knobs ``type_gu``,
+``type_d``). ``llama-cpp-python`` is an optional extra (``pip install -e ".[ggml]"``, also in
+``[bench]``); without it these functions raise :class:`~healsweep.errors.SettingError`. The library is loaded
 with ``ctypes`` directly, without importing ``llama_cpp`` (which would load libllama and its CPU
 backend into the process).
 """
@@ -36,14 +37,13 @@ class _TypeTraits(ctypes.Structure):
     ]
 
 
-@cache
-def libggml() -> ctypes.CDLL:
-    """libggml-base of the installed llama-cpp-python, with the prototypes used here."""
+def _library_path() -> Path:
+    """Where the installed llama-cpp-python keeps its libggml-base; SettingError if nowhere."""
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         raise SettingError(
-            "llama-cpp-python is not installed; install the bench extra "
-            '(pip install -e ".[bench]") to use ggml\'s quantizer'
+            "llama-cpp-python is not installed; install the ggml extra "
+            '(pip install -e ".[ggml]") to use ggml\'s quantizer'
         )
     folder = Path(next(iter(spec.submodule_search_locations))) / "lib"
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
@@ -51,7 +51,13 @@ def libggml() -> ctypes.CDLL:
     path = next((p for p in candidates if p.exists()), None)
     if path is None:
         raise SettingError(f"llama-cpp-python has no libggml-base in {folder}; reinstall it")
-    lib = ctypes.CDLL(str(path))
+    return path
+
+
+@cache
+def libggml() -> ctypes.CDLL:
+    """libggml-base of the installed llama-cpp-python, with the prototypes used here."""
+    lib = ctypes.CDLL(str(_library_path()))
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     lib.ggml_quantize_chunk.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -68,6 +74,23 @@ def libggml() -> ctypes.CDLL:
     lib.ggml_quantize_init.restype = None
     lib.ggml_quantize_init.argtypes = [ctypes.c_int]
     return lib
+
+
+def status_line() -> str:
+    """One line for ``healsweep doctor``: whether ggml's quantizer loads (and which
+    llama-cpp-python provides it), or why not."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        path = _library_path()
+        libggml()
+    except SettingError as exc:
+        return f"ggml quantizer: absent ({exc}); routed-expert types other than q2_0 need it"
+    try:
+        provider = f"llama-cpp-python {version('llama-cpp-python')}"
+    except PackageNotFoundError:  # pragma: no cover - the library loaded, so it is installed
+        provider = "llama-cpp-python"
+    return f"ggml quantizer: present ({provider}, {path.name})"
 
 
 def block_geometry(qtype: int) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from healsweep.cache import StageCache
-from healsweep.heal import ridge, stages
+from healsweep.heal import quantize, ridge, stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import Student, build_student
 from healsweep.heal.trace import calibration_documents, calibration_trace
@@ -28,7 +28,7 @@ VARIANTS = ("alpha_1", "gaussian", "mse", "gaussian_ridge", "mse_ridge")
 
 
 def heldout_split(
-    corpus: Any, calibration: CalibrationConfig, every: int = 4
+    corpus: Corpus, calibration: CalibrationConfig, every: int = 4
 ) -> tuple[CalibrationConfig, CalibrationConfig]:
     """(fit, held-out) configs: every ``every``-th calibration document of each stratum is held out."""
     docs = calibration_documents(corpus, calibration)
@@ -102,8 +102,8 @@ def residual_table(
 
     rows, totals = [], {}
     for position, layer in enumerate(model.hparams.moe_layers):
-        qkey = stages.quantize_key(model, base, fit_trace.key, layer)
-        experts = stages.q2_weights(cache.get_or_compute("quantize", qkey, _missing)[0])
+        qkeys = quantize.layer_keys(model, base, fit_trace.key, layer)
+        experts = quantize.cached_experts(cache, qkeys)  # built by the students above
         row: dict[str, Any] = {
             "layer": layer,
             "alpha_gaussian": shipped.alphas[position],
@@ -111,7 +111,7 @@ def residual_table(
         }
         for split, trace in (("cal", fit_trace), ("heldout", held_trace)):
             arrays = trace.layer(layer)
-            rkey = stages.routed_q_key(qkey, trace.key, layer)
+            rkey = stages.routed_q_key(qkeys, trace.key, layer)
             y_q = cache.get_or_compute(
                 "routed_q",
                 rkey,
@@ -169,7 +169,3 @@ def residual_table(
         "trial_cold": cold,
         **{f"trial_{name}": trial for name, trial in trials.items()},
     }
-
-
-def _missing():
-    raise RuntimeError("residual_table: the quantized experts should already be cached")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from healsweep.heal import importance as imp
+from healsweep.heal.stages import ExpertStacks
 from healsweep.kernels import alpha as alpha_kernels
 from healsweep.kernels._precision import healing_jit
 
@@ -26,11 +27,11 @@ _MIN_ROWS = 256  # routed rows padded to a power of two of at least this: few co
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _expert(experts: dict, e: int) -> tuple:
+def _expert(experts: ExpertStacks, e: int) -> tuple:
     """(gate, up, down) of quantized expert ``e``, dequantized, each with a leading axis of 1."""
     return tuple(
-        jax.tree_util.tree_map(lambda leaf: leaf[e : e + 1], experts[n]).dequantize()
-        for n in ("gate", "up", "down")
+        jax.tree_util.tree_map(lambda leaf: leaf[e : e + 1], stack).dequantize()
+        for stack in experts
     )
 
 
@@ -49,7 +50,7 @@ def _contribution_stats(x_rows, route_w, dense, quantized) -> jax.Array:
 
 def mse_alphas(
     weights: dict,
-    experts: dict,
+    experts: ExpertStacks,
     trace_layer: dict,
     gamma: float,
     layer_alpha: float,
@@ -74,7 +75,7 @@ def mse_alphas(
     return alphas
 
 
-def gaussian_alphas(weights: dict, experts: dict, gamma: float) -> np.ndarray:
+def gaussian_alphas(weights: dict, experts: ExpertStacks, gamma: float) -> np.ndarray:
     """[E] float32: the shipped Gaussian-probe alpha of each expert alone."""
     x = alpha_kernels.gaussian_probe_inputs(imp.gaussian_probe_scale(weights["ffn_norm.weight"]))
     n_expert = weights["ffn_gate_exps.weight"].shape[0]

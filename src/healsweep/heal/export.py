@@ -1,17 +1,22 @@
 """Writing a healed student: a GGUF that llama.cpp runs, and the packed Q2_0 sidecar.
 
 The GGUF keeps every metadata field of the teacher with its exact value type, and every tensor
-in file order. The routed experts of healed layers are written as ggml type 42 (Q2_0) by default:
-the student's packed blocks byte for byte (fp16 ``d`` with alpha already folded in, then the 16
-code bytes), so nothing is re-quantized and llama.cpp runs exactly the weights healsweep scored.
-``experts="f16"`` writes them dequantized to F16 instead, for tools that do not know type 42. A
-ridge-healed ``ffn_down_shexp`` holds its requantized bytes in the teacher's storage type; every
-other tensor is the teacher's bytes, copied unchanged. Tensors are streamed one at a time, so
-writing needs about one expert stack of memory. The knobs, the student's cache key, the alphas,
-the teacher's fingerprint and the expert format go into ``healsweep.*`` metadata.
+in file order. The routed experts of healed layers are written as healed by default
+(``experts="healed"``): each tensor in the type the student holds it in, its blocks byte for
+byte (Q2_0 as ggml type 42: fp16 ``d`` with alpha already folded in, then the 16 code bytes;
+a ggml type as its rows, alpha folded into their fp16 block scales), so nothing is
+re-quantized and llama.cpp runs exactly the weights healsweep scored; a file may mix types
+(knobs ``type_gu``, ``type_d``, ``up_first``/``up_last``, ``layer_types``). ``experts="q2_0"``
+asks for the same, and refuses a student with experts in another type; ``experts="f16"`` writes
+them dequantized to F16, for tools that do not know a type. A ridge-healed ``ffn_down_shexp``
+holds its requantized bytes in the teacher's storage type; every other tensor is the teacher's
+bytes, copied unchanged. Tensors are streamed one at a time, so writing needs about one expert
+stack of memory. The knobs, the student's cache key, the alphas, the teacher's fingerprint, the
+expert format, the allocation (``expert_types``, in the ``layer_types`` knob's syntax) and the
+routed experts' stored bits per weight go into ``healsweep.*`` metadata.
 
 The sidecar (``.npz``) holds the same type-42 blocks ``[..., out, in/64, 18]`` of every healed
-expert tensor, plus the alphas and knobs.
+Q2_0 expert tensor, plus the alphas and knobs.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ import numpy as np
 from healsweep._atomic import atomic_file, atomic_path
 from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io import block_prefix, split_block
+from healsweep.heal.knobs import LayerTypes
+from healsweep.kernels.ggml_types import ggml_type
 
 if TYPE_CHECKING:
+    from healsweep.gguf_io import GGUFModel
     from healsweep.heal.pipeline import Student
 
 _EXPERT_FIELDS = {
@@ -36,8 +44,9 @@ _EXPERT_FIELDS = {
     "ffn_down_exps.weight": "down_exps",
 }
 HEAL_KEY_PREFIX = "healsweep."
-EXPERT_FORMATS = ("q2_0", "f16")
+EXPERT_FORMATS = ("healed", "q2_0", "f16")
 _QK, _BLOCK_BYTES = 64, 18
+TensorPlan = tuple[Any, tuple[int, ...], Any]  # (ggml type, stored array shape, numpy dtype)
 
 
 def type42_rows(weight: Any) -> np.ndarray:
@@ -66,28 +75,74 @@ def type42_rows(weight: Any) -> np.ndarray:
     return blocks.reshape(*d.shape[:-1], nb * _BLOCK_BYTES)
 
 
-def _expert_plan(student: Student, name: str, experts: str) -> tuple[Any, tuple[int, ...], Any]:
+def expert_type(weight: Any) -> str:
+    """The routed-expert type name of a student's expert stack: ``q2_0`` for a ``Q2Packed`` /
+    ``Q2Weight``, the ggml type of a ``GGMLWeight``."""
+    from healsweep.kernels.ggml_decode import GGMLWeight
+    from healsweep.kernels.ggml_types import ggml_type
+
+    if isinstance(weight, GGMLWeight):
+        return ggml_type(weight.qtype).name
+    if isinstance(weight, np.ndarray):
+        raise GGUFFormatError("a healed expert stack is dense; write it with experts='f16'")
+    return "q2_0"
+
+
+def _expert_plan(student: Student, name: str, experts: str) -> TensorPlan:
     """(ggml type, stored array shape, dtype) of one healed expert stack in the chosen format."""
     from gguf import GGMLQuantizationType
 
     from healsweep.gguf_io import q2_0_type
 
     shape = tuple(student.base.tensor_shape(name))
-    if experts == "q2_0":
+    if experts == "f16":
+        return GGMLQuantizationType.F16, shape, np.dtype(np.float16)
+    _, weight = _replacement(student, name)
+    stored = expert_type(weight)
+    if stored == "q2_0":
         return q2_0_type(), (*shape[:-1], shape[-1] // _QK * _BLOCK_BYTES), np.dtype(np.uint8)
-    return GGMLQuantizationType.F16, shape, np.dtype(np.float16)
+    if experts == "q2_0":
+        raise GGUFFormatError(
+            f"{name} of this student is stored as {stored}, not q2_0; write the experts as "
+            "healed (experts='healed', each in its own type) or as f16"
+        )
+    return GGMLQuantizationType(weight.qtype), tuple(weight.raw.shape), np.dtype(np.uint8)
 
 
 def _expert_data(weight: Any, experts: str) -> np.ndarray:
-    """One healed expert stack in the chosen format (type-42 rows or float16)."""
-    if experts == "q2_0":
-        if isinstance(weight, np.ndarray):
-            raise GGUFFormatError(
-                "a healed expert stack is dense, not Q2_0; write it with experts='f16'"
-            )
+    """One healed expert stack in the chosen format (its stored rows, or float16)."""
+    if experts == "f16":
+        dense = weight if isinstance(weight, np.ndarray) else np.asarray(weight.dequantize())
+        return np.asarray(dense, np.float32).astype(np.float16)
+    if expert_type(weight) == "q2_0":
         return type42_rows(weight)
-    dense = weight if isinstance(weight, np.ndarray) else np.asarray(weight.dequantize())
-    return np.asarray(dense, np.float32).astype(np.float16)
+    return np.asarray(weight.raw, np.uint8)
+
+
+def allocation(student: Student) -> dict[int, LayerTypes]:
+    """The types of the student's routed experts, per healed layer (gate/up, down)."""
+    return {
+        layer: LayerTypes(expert_type(r.gate_exps), expert_type(r.down_exps))
+        for layer, r in sorted(student.replacements.items())
+        if r.gate_exps is not None and r.down_exps is not None
+    }
+
+
+def routed_bits_per_weight(student: Student) -> float:
+    """Stored bits per weight of the student's routed experts over the whole model (a routed
+    tensor the student leaves alone counts as the teacher stores it)."""
+    bits, weights = 0.0, 0
+    for name in student.base.tensor_names:
+        if not name.endswith(tuple(_EXPERT_FIELDS)):
+            continue
+        n = int(np.prod(student.base.tensor_shape(name), dtype=np.int64))
+        found = _replacement(student, name)
+        if found is None:
+            bits += 8.0 * student.base.tensor_nbytes(name)
+        else:
+            bits += n * ggml_type(expert_type(found[1])).bits_per_weight
+        weights += n
+    return bits / max(weights, 1)
 
 
 def _replacement(student: Student, name: str) -> tuple[str, Any] | None:
@@ -107,13 +162,19 @@ def _replacement(student: Student, name: str) -> tuple[str, Any] | None:
 
 
 def heal_metadata(student: Student, experts: str) -> dict[str, Any]:
-    """The ``healsweep.*`` fields every healed GGUF carries (str, float list)."""
+    """The ``healsweep.*`` fields every healed GGUF carries (str, float list): ``experts`` is
+    ``f16``, or the one type of every healed expert tensor, or ``mixed``."""
+    types = allocation(student)
+    named = {name for layer in types.values() for name in layer}
+    stored = "f16" if experts == "f16" else (named.pop() if len(named) == 1 else "mixed")
     return {
         "knobs": json.dumps(student.knobs.model_dump(), sort_keys=True),
         "student_key": student.key,
         "alphas": [float(a) for a in student.alphas],
         "teacher_fingerprint": student.base.fingerprint,
-        "experts": experts,
+        "experts": stored,
+        "expert_types": ",".join(f"{i}:{t.gu}/{t.d}" for i, t in types.items()),
+        "routed_bpw": 16.0 if experts == "f16" else routed_bits_per_weight(student),
     }
 
 
@@ -121,13 +182,15 @@ def write_healed_gguf(
     student: Student,
     out: str | Path,
     *,
-    experts: str = "q2_0",
+    experts: str = "healed",
     metadata: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``student`` as a GGUF at ``out`` (atomically: temp file, then rename).
 
-    ``experts`` is ``"q2_0"`` (ggml type 42, the student's blocks as they are) or ``"f16"``;
-    ``metadata`` adds ``healsweep.<key>`` string/number fields (e.g. the sweep and trial).
+    ``experts`` is ``"healed"`` (each expert tensor in the type the student holds it in, its
+    blocks as they are), ``"q2_0"`` (the same, for a student whose experts are all Q2_0) or
+    ``"f16"``; ``metadata`` adds ``healsweep.<key>`` string/number fields (e.g. the sweep and
+    trial).
     """
     if experts not in EXPERT_FORMATS:
         raise ValueError(
@@ -153,11 +216,8 @@ def write_healed_gguf(
     )
 
 
-TensorPlan = tuple[Any, tuple[int, ...], Any]  # (ggml type, stored array shape, numpy dtype)
-
-
 def write_replacing(
-    base: Any,
+    base: GGUFModel,
     out: str | Path,
     plan: Mapping[str, TensorPlan],
     produce: Callable[[str], np.ndarray],
@@ -234,7 +294,7 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
         raise TypeError(f"metadata {key}: cannot store a {type(value).__name__}")
 
 
-def _check_shape(base: Any, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
+def _check_shape(base: GGUFModel, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
     from gguf import GGMLQuantizationType
 
     from healsweep.gguf_io import element_shape
@@ -248,14 +308,14 @@ def _check_shape(base: Any, name: str, shape: tuple, dtype: np.dtype, qtype: Any
 
 
 def write_q2_sidecar(student: Student, out: str | Path) -> Path:
-    """Save type-42 blocks (uint8 ``[..., out, in/64, 18]``) of every healed expert tensor,
-    the alphas and the knobs."""
+    """Save type-42 blocks (uint8 ``[..., out, in/64, 18]``) of every healed Q2_0 expert tensor
+    (those in another type are not in it), the alphas and the knobs."""
     out = Path(out)
     arrays: dict[str, np.ndarray] = {"alphas": np.asarray(student.alphas, np.float32)}
     for layer, replacement in sorted(student.replacements.items()):
         for suffix, field in _EXPERT_FIELDS.items():
             weight = getattr(replacement, field)
-            if weight is None or isinstance(weight, np.ndarray):
+            if weight is None or isinstance(weight, np.ndarray) or expert_type(weight) != "q2_0":
                 continue
             rows = type42_rows(weight)  # [..., out, nb * 18]
             arrays[block_prefix(layer) + suffix] = rows.reshape(*rows.shape[:-1], -1, _BLOCK_BYTES)

@@ -18,6 +18,13 @@ counted in the stage's report).
 block scales of every row (codes fixed; the small ``nb × nb`` systems solved here on the host, in
 float64), each row keeping its lowest-objective state (:mod:`healsweep.kernels.gptq_refine`).
 
+An expert with few routed rows (``n ≤ LOWRANK_SHARE·in``, as with small calibration budgets)
+takes the low-rank path instead: its ``H = c·I + XᵀX`` has the feedback ``V − I = triu(Xᵀ·U)``
+in terms of its ``n`` rows ``X`` (:func:`factor_rows`, ``O(in·n²)`` host work instead of a
+``in³/3`` Cholesky) and :func:`healsweep.kernels.gptq.quantize_lowrank` gathers each block's
+errors through the rows (``2·P`` products per weight for ``P`` padded rows instead of up to
+``in``): the same codes up to float rounding.
+
 Experts are processed in groups of at most ``GROUP`` (the last group padded with inert repeats),
 most-routed first so that a group's routed rows pad to a similar count; the host holds a few
 ``[n, n]`` matrices at a time and each kernel compiles once per shape. The host factors the next
@@ -40,6 +47,7 @@ from healsweep.kernels import gptq_refine as refine_kernel
 from healsweep.kernels._precision import healing_jit
 
 GROUP = 8  # experts per kernel call
+LOWRANK_SHARE = 0.25  # low-rank path up to this many routed rows per input channel (docs/sizing.md)
 _MIN_ROWS = 64  # routed rows are padded to a power of two of at least this many: few compiles
 _HIGHEST = jax.lax.Precision.HIGHEST
 SWEEPS = 2  # code-descent passes over the columns per refine round
@@ -203,6 +211,92 @@ def damped(h: np.ndarray, damp: float) -> np.ndarray:
     return out.astype(np.float32)
 
 
+class RowFactor(NamedTuple):
+    """What the low-rank GPTQ needs of one expert whose ``H = XᵀX`` has fewer rows ``X``
+    [m, n] than columns (see :func:`factor_rows`)."""
+
+    u: np.ndarray  # [P, n] float32: column k is (c·I + Σ_{i≥k} x_i x_iᵀ)⁻¹ x_k, 0 below m
+    block_feedback: np.ndarray  # [n/64, 64, 64] float32: V − I inside each diagonal 64-block
+    block_inverse: np.ndarray  # [n/64, 64, 64] float32: inverses of V's diagonal 64-blocks
+    importance: np.ndarray  # [n] float32: the damped H's diagonal, floored
+    ok: bool  # the damped H factored
+    damped: np.ndarray | None  # [n, n] float64, the damped H (for refine), when asked for
+
+
+def _importance(diagonal: np.ndarray) -> np.ndarray:
+    """The damped ``H``'s diagonal floored at 1e-6 of its largest entry (1 where all are 0)."""
+    top = diagonal.max(initial=0.0)
+    return np.maximum(diagonal, top * 1e-6 if top > 0 else 1.0).astype(np.float32)
+
+
+def _unit_upper(a: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(V, diag D)`` with ``a = V·D·Vᵀ``, ``V`` unit upper, of the symmetric ``a`` [k, k]
+    (float64, GIL-free LAPACK), or None when it does not factor."""
+    reversed_a = np.array(a[::-1, ::-1], np.float64)  # J·A·J, a C-contiguous copy
+    if cholesky_lower(reversed_a) != 0:
+        return None
+    upper = np.triu(reversed_a[::-1, ::-1])  # R with A = R·Rᵀ
+    pivots = np.einsum("ii->i", upper).copy()
+    return upper / pivots, pivots * pivots
+
+
+def factor_rows(rows: np.ndarray, damp: float, size: int, keep_damped: bool = False) -> RowFactor:
+    """:class:`RowFactor` of ``H = XᵀX`` for the rows ``X`` [m, n] (``m ≤ size``) damped to
+    ``H + c·I``, ``c = damp·mean(diag H)`` as :func:`factor` damps: the same ``V`` in factored
+    form, in ``O(n·m²)`` host float64 work instead of :func:`factor`'s ``O(n³)``.
+
+    With ``M_k = c·I + Σ_{i>k} x_i x_iᵀ`` ([m, m], ``x_i`` column ``i`` of ``X``), the
+    ``V`` of ``H + c·I = V·D·Vᵀ`` is ``V_jk = x_jᵀ u_k`` for ``j < k``, ``u_k =
+    M_{k−1}⁻¹ x_k`` (the Schur complement of the columns after ``k`` is ``c·I + c·Xᵀ M_k⁻¹ X``).
+    Blocks of 64 columns are taken from the last: for block ``b`` and ``M`` of the columns after
+    it, ``S_b = c·(I + X_bᵀ M⁻¹ X_b)`` is the Schur complement whose factor ``V_bb·D_b·V_bbᵀ``
+    is ``V``'s diagonal block, ``U_b = c·M⁻¹X_b·V_bb⁻ᵀ·D_b⁻¹``, and ``M⁻¹`` takes the block's
+    columns by Woodbury, ``M⁻¹ − U_b·D_b·U_bᵀ/c`` (in exact arithmetic ``M`` only grows: its
+    inverse stays between ``0`` and ``I/c``). Each step is a product of ``[m, m]`` and ``[m, 64]``
+    matrices and one 64² factorization.
+    """
+    x = np.asarray(rows, np.float64)
+    m, n = x.shape
+    column_sq = np.einsum("ij,ij->j", x, x)  # diag(XᵀX)
+    c = damp * float(np.mean(column_sq))
+    importance = _importance(column_sq + c)
+    damped = None
+    if keep_damped:
+        damped = x.T @ x
+        np.einsum("ii->i", damped)[...] += c
+    nb = n // QK
+    u = np.zeros((size, n), np.float32)
+    feedback = np.zeros((nb, QK, QK), np.float32)
+    inverse = np.empty((nb, QK, QK), np.float32)
+    identity = np.broadcast_to(np.eye(QK, dtype=np.float32), (nb, QK, QK))
+    failed = RowFactor(u, feedback, identity, importance, False, damped)
+    if not (c > 0 and np.isfinite(c)):
+        return failed
+    m_inverse = np.eye(m) / c
+    for b in range(nb - 1, -1, -1):
+        x_b = np.ascontiguousarray(x[:, b * QK : (b + 1) * QK])  # [m, 64]
+        y = m_inverse @ x_b
+        schur = x_b.T @ y
+        schur += schur.T  # symmetric to the last bit; c·(I + X_bᵀM⁻¹X_b) after the next two
+        schur *= 0.5 * c
+        np.einsum("ii->i", schur)[...] += c
+        found = _unit_upper(schur)
+        if found is None:
+            u[...], feedback[...] = 0.0, 0.0
+            return failed
+        v, pivots = found
+        v_inverse = np.linalg.inv(v)
+        u_b = (c * y) @ v_inverse.T / pivots  # [m, 64]
+        m_inverse -= (u_b * (pivots / c)) @ u_b.T
+        u[:m, b * QK : (b + 1) * QK] = u_b
+        feedback[b] = v - np.eye(QK)
+        inverse[b] = v_inverse
+    if not (np.all(np.isfinite(u)) and np.all(np.isfinite(inverse))):
+        u[...], feedback[...] = 0.0, 0.0
+        return failed
+    return RowFactor(u, feedback, inverse, importance, True, damped)
+
+
 def solve_scales(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
     """The block scales [..., nb] float16 solving ``a·d = b`` per row (host, float64).
 
@@ -272,10 +366,85 @@ def quantize_stack(
     return d, q, p.ok
 
 
-def _by_routed_rows(ids: np.ndarray, experts: np.ndarray) -> np.ndarray:
-    """Positions into ``experts``, the most-routed expert first (stable among equals)."""
+def _by_routed_rows(ids: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions into ``experts``, the most-routed expert first (stable among equals), and
+    each one's routed-row count in that order."""
     counts = _routed_mask(ids, experts).sum(axis=1)
-    return np.argsort(-counts, kind="stable")
+    order = np.argsort(-counts, kind="stable")
+    return order, counts[order]
+
+
+@healing_jit
+def _hidden_rows(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, experts) -> jax.Array:
+    """``h = silu(x·Wg[e]ᵀ)·(x·Wu[e]ᵀ)`` [G, P, F] of each expert's rows ``x_rows`` [G, P, D];
+    zero rows give h = 0."""
+    g = jnp.einsum("gpd,gfd->gpf", x_rows, w_gate[experts], precision=_HIGHEST)
+    return jax.nn.silu(g) * jnp.einsum("gpd,gfd->gpf", x_rows, w_up[experts], precision=_HIGHEST)
+
+
+class RowsPrepared(NamedTuple):
+    """The low-rank factors of one group, stacked (see :class:`RowFactor`)."""
+
+    rows: jax.Array | np.ndarray  # [G, P, n] float32: each expert's routed rows, zero-padded
+    u: np.ndarray  # [G, P, n] float32
+    block_feedback: np.ndarray  # [G, n/64, 64, 64] float32
+    block_inverse: np.ndarray  # [G, n/64, 64, 64] float32
+    importance: np.ndarray  # [G, n] float32
+    ok: np.ndarray  # [G] bool
+    damped: np.ndarray | None  # [G, n, n] float64
+
+
+def _dispatch(low_rank: bool, members, x, ids, gate_up):
+    """A group's inputs: dense, its second moments (device); low-rank, its rows (the FFN
+    input's on the host, the down projection's ``h`` on the device). Returns without waiting."""
+    if not low_rank:
+        return _moments_on_device(x, ids, members, gate_up)
+    x_rows = _routed_rows(np.asarray(x), np.asarray(ids), members)
+    if gate_up is None:
+        return x_rows
+    return _hidden_rows(x_rows, *gate_up, jnp.asarray(members, jnp.int32))
+
+
+def _factor_jobs(pool, low_rank: bool, inputs, counts, damp: float, keep_damped: bool):
+    """Host factorizations of a group's first ``len(counts)`` experts (the rest are inert
+    repeats of the first), queued on ``pool``; returns a function that waits and stacks them
+    (:class:`Prepared` or :class:`RowsPrepared`)."""
+    host = np.asarray(inputs)
+    n_slots, n = len(host), len(counts)
+    if low_rank:
+        size = host.shape[1]
+        jobs = [
+            pool.submit(factor_rows, r[:m], damp, size, keep_damped)
+            for r, m in zip(host[:n], counts, strict=True)
+        ]
+
+        def rows_done() -> RowsPrepared:
+            done = [j.result() for j in jobs]
+            done += done[:1] * (n_slots - n)
+            damped = None if done[0].damped is None else np.stack([f.damped for f in done])
+            stacked = (np.stack([getattr(f, k) for f in done]) for k in RowFactor._fields[:4])
+            return RowsPrepared(inputs, *stacked, np.array([f.ok for f in done]), damped)
+
+        return rows_done
+    slots = np.empty(host.shape, np.float32)  # the feedback is written here: no copies
+    own = zip(host[:n], slots[:n], strict=True)
+    jobs = [pool.submit(factor, m, damp, keep_damped, s) for m, s in own]
+
+    def dense_done() -> Prepared:
+        done = [j.result() for j in jobs]
+        slots[n:] = slots[0]
+        return _stacked(done + done[:1] * (n_slots - n), slots)
+
+    return dense_done
+
+
+def _kernel(w, p: Prepared | RowsPrepared, gain: float, idx: np.ndarray):
+    """The GPTQ kernel of ``w[idx]`` down ``p``'s path (device arrays, not waited for)."""
+    if isinstance(p, RowsPrepared):
+        return gptq_kernel.quantize_lowrank(
+            w, p.rows, p.u, p.block_feedback, p.block_inverse, p.importance, gain, idx
+        )
+    return gptq_kernel.quantize(w, p.feedback, p.block_inverse, p.importance, gain, idx)
 
 
 def quantize_experts(
@@ -287,6 +456,7 @@ def quantize_experts(
     damp: float,
     gate_up: tuple | None = None,
     rounds: int = 0,
+    low_rank_share: float | None = None,
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
     """GPTQ Q2_0 of the ``experts`` of each stack [E, out, in] of ``stacks`` (stacks that read
     the same input, as gate and up do: one ``H_e`` and one factorization serve all of them), in
@@ -295,10 +465,14 @@ def quantize_experts(
     Returns per stack ``(d [len(experts), out, in/64] float16, q [len(experts), out, in] int8)``,
     and ``ok`` [len(experts)] (the expert's ``H`` factored).
 
-    A pipeline: the next group's second moments are dispatched to the device before this
-    group's kernel, then factored on the host (one matrix per thread) while the device runs it.
+    An expert with at most ``low_rank_share·in`` routed rows (default :data:`LOWRANK_SHARE`)
+    takes the low-rank path (:func:`factor_rows`), the others the dense one (:func:`factor`):
+    the same codes up to float rounding, at the cost of the smaller. A pipeline: the next
+    group's inputs are dispatched to the device before this group's kernel, then factored on
+    the host (one expert per thread) while the device runs it.
     """
     experts = np.asarray(experts)
+    share = LOWRANK_SHARE if low_rank_share is None else low_rank_share
     out = [
         (
             np.zeros((len(experts), w.shape[1], w.shape[2] // QK), np.float16),
@@ -307,8 +481,13 @@ def quantize_experts(
         for w in stacks
     ]
     ok = np.zeros(len(experts), bool)
-    order = _by_routed_rows(ids, experts)
-    groups = [order[a : a + GROUP] for a in range(0, len(order), GROUP)]
+    order, counts = _by_routed_rows(ids, experts)
+    low = counts <= share * stacks[0].shape[2]  # the most-routed first: dense, then low-rank
+    groups = [
+        (bool(low_rank), order[part][a : a + GROUP], counts[part][a : a + GROUP])
+        for low_rank, part in ((False, ~low), (True, low))
+        for a in range(0, int(part.sum()), GROUP)
+    ]
     if not groups:
         return out, ok
 
@@ -316,29 +495,25 @@ def quantize_experts(
         pad = GROUP - len(group) if len(experts) > GROUP else 0
         return np.concatenate([group, np.repeat(group[:1], pad)])
 
+    def dispatched(i: int):
+        low_rank, group, _ = groups[i]
+        return _dispatch(low_rank, experts[padded(group)], x, ids, gate_up)
+
     with ThreadPoolExecutor(threads_for_factoring(GROUP), initializer=one_blas_thread) as pool:
 
-        def factored(moments: jax.Array, group: np.ndarray) -> tuple[list, np.ndarray]:
-            h = np.asarray(moments)
-            slots = np.empty((len(padded(group)), *h.shape[1:]), np.float32)
-            own = zip(h, slots[: len(h)], strict=True)
-            return [pool.submit(factor, m, damp, rounds > 0, s) for m, s in own], slots
+        def queued(i: int, inputs):
+            low_rank, _, group_counts = groups[i]
+            return _factor_jobs(pool, low_rank, inputs, group_counts, damp, rounds > 0)
 
-        moments = _moments_on_device(x, ids, experts[groups[0]], gate_up)
-        factors, slots = factored(moments, groups[0])
-        for i, group in enumerate(groups):
+        pending = queued(0, dispatched(0))
+        for i, (_, group, _) in enumerate(groups):
             if i + 1 < len(groups):  # queued ahead of this group's kernel
-                moments = _moments_on_device(x, ids, experts[groups[i + 1]], gate_up)
-            done = [f.result() for f in factors]
-            slots[len(group) :] = slots[0]  # the inert repeats
-            p = _stacked(done + done[:1] * (len(slots) - len(group)), slots)
+                inputs = dispatched(i + 1)
+            p = pending()
             idx = experts[padded(group)]
-            found = [
-                gptq_kernel.quantize(w, p.feedback, p.block_inverse, p.importance, gain, idx)
-                for w in stacks
-            ]
+            found = [_kernel(w, p, gain, idx) for w in stacks]
             if i + 1 < len(groups):
-                factors, slots = factored(moments, groups[i + 1])
+                pending = queued(i + 1, inputs)
             n = len(group)
             ok[group] = p.ok[:n]
             for w, (d, q), result in zip(stacks, out, found, strict=True):

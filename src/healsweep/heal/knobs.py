@@ -11,17 +11,18 @@ tune them); they live in :class:`CalibrationConfig` and key the calibration-trac
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
 from healsweep.cache import canonical_json
-from healsweep.errors import KnobError
+from healsweep.errors import KnobError, SettingError
+from healsweep.kernels.ggml_types import ROUTED_TYPES, step_up
 
 
 class Stage(StrEnum):
@@ -40,6 +41,15 @@ class Stage(StrEnum):
 _STAGE_NAMES = frozenset(Stage)
 # Knobs that change how a student is scored, not how it is healed: no stage reads them.
 SCORE_KNOBS = ("moce_bonus", "cache_experts")
+# The routed experts' storage types: q2_0 through healsweep's own quantizers (knob `quantizer`),
+# every other through ggml's quantizer with the calibration importance; ordered by bits per weight.
+EXPERT_TYPES: tuple[str, ...] = tuple(t.name for t in ROUTED_TYPES)
+Q2_0 = "q2_0"
+GROUPS = ("gu", "d")  # the routed tensor groups a type is chosen for: gate and up, down
+# ggml types whose grid `quantizer: gptq` refines with error feedback (heal.kgrid)
+GPTQ_GRID_TYPES = ("q2_k", "q3_k")
+_TYPE_LIST = ", ".join(EXPERT_TYPES)
+_TYPE_KNOBS = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
 
 
 def _float(default: float, lo: float, hi: float, *, lo_open: bool = False) -> Any:
@@ -50,7 +60,47 @@ def _float(default: float, lo: float, hi: float, *, lo_open: bool = False) -> An
 
 # Knobs added after sweeps and confirmations were recorded, with the default that reproduces the
 # behaviour from before them: at that value they are not part of a config's identity.
-ADDED_LATER: dict[str, Any] = {"gptq_refine": 0}
+ADDED_LATER: dict[str, Any] = {
+    "gptq_refine": 0,
+    "type_gu": Q2_0,
+    "type_d": Q2_0,
+    "up_first": 0,
+    "up_last": 0,
+    "layer_types": "",
+}
+
+
+class LayerTypes(NamedTuple):
+    """The storage types of one layer's routed experts: gate and up, and down."""
+
+    gu: str
+    d: str
+
+    def of(self, group: str) -> str:
+        """The type of tensor group ``group`` (``gu`` or ``d``)."""
+        return self.gu if group == "gu" else self.d
+
+
+def parse_layer_types(text: str) -> list[tuple[int, LayerTypes]]:
+    """``layer_types`` as ``[(layer index as written, LayerTypes)]``; raises ``ValueError``."""
+    entries = []
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        layer, sep, types = entry.partition(":")
+        names = [t.strip().lower() for t in types.split("/")]
+        if not sep or len(names) not in (1, 2):
+            raise ValueError(f"entry {entry!r} is not LAYER:GU/DOWN or LAYER:TYPE")
+        try:
+            index = int(layer.strip())
+        except ValueError:
+            raise ValueError(f"entry {entry!r}: {layer.strip()!r} is not a layer index") from None
+        for name in names:
+            if name not in EXPERT_TYPES:
+                raise ValueError(f"entry {entry!r}: {name!r} is not a routed-expert type")
+        entries.append((index, LayerTypes(names[0], names[-1])))
+    indices = [index for index, _ in entries]
+    if len(set(indices)) != len(indices):
+        raise ValueError("a layer is listed twice")
+    return entries
 
 
 class _Settings(BaseModel):
@@ -113,31 +163,69 @@ class Knobs(_Settings):
     """a float in [0, 1] (acts only with cache_experts > 0)"""
     cache_experts: int = Field(default=0, ge=0, strict=True)
     """an integer >= 0 (0: no expert-cache simulation)"""
+    # The routed experts' storage types (docs/contracts.md, Knobs): gate/up and down, then the
+    # first/last N MoE layers one step up the ladder (`kernels.ggml_types.step_up`), then the
+    # explicit per-layer types of `layer_types`, which win over both.
+    type_gu: Literal[EXPERT_TYPES] = Field(  # type: ignore[valid-type]
+        default=Q2_0, description=f"one of {_TYPE_LIST} (the routed gate and up experts' type)"
+    )
+    type_d: Literal[EXPERT_TYPES] = Field(  # type: ignore[valid-type]
+        default=Q2_0, description=f"one of {_TYPE_LIST} (the routed down experts' type)"
+    )
+    up_first: int = Field(default=0, ge=0, strict=True)
+    """an integer >= 0 (the first N MoE layers one type step up)"""
+    up_last: int = Field(default=0, ge=0, strict=True)
+    """an integer >= 0 (the last N MoE layers one type step up)"""
+    layer_types: str = Field(
+        default="",
+        strict=True,
+        description="'' or comma-separated LAYER:GU/DOWN or LAYER:TYPE entries, e.g. "
+        "'0:iq2_xs/iq3_xxs,-1:iq3_xxs' (LAYER a block index, negative from the last; types of "
+        f"{_TYPE_LIST})",
+    )
 
-    def for_stage(self, stage: Stage | str) -> dict[str, Any]:
+    @field_validator("layer_types")
+    @classmethod
+    def _canonical_layer_types(cls, text: str) -> str:
+        """One spelling per allocation: ``LAYER:GU/DOWN`` entries, lower case, no spaces."""
+        return ",".join(f"{i}:{t.gu}/{t.d}" for i, t in parse_layer_types(text))
+
+    def for_stage(
+        self, stage: Stage | str, *, group: str | None = None, stored_as: str | None = None
+    ) -> dict[str, Any]:
         """Exactly the knobs ``stage`` reads (its cache-key contribution); {} for knob-free stages.
 
         Knobs that cannot change a stage's output under the current setting are left out (gamma
         when alpha is none (alpha_granularity too), rho/eta when the ridge is off, gptq_damp
-        under the ``search`` quantizer; importance and gains under ``plain``, which reads none),
-        so equal outputs share one cache entry.
+        under the ``search`` quantizer; importance and gains under ``plain``, which reads none;
+        every quantizer knob for a tensor group stored as a ggml type), so equal outputs share
+        one cache entry.
+
+        ``quantize`` is one stage per layer and tensor group: with ``group`` (``gu`` or ``d``)
+        and the type that group of the layer is ``stored_as`` (:meth:`expert_types`), what that
+        quantization reads: for ``q2_0`` the quantizer's knobs of that group, for a ggml type
+        ``{"type": name}`` (ggml reads no knob; its importance comes from the trace; ``gptq``
+        adds ``quantizer`` and ``gptq_damp`` for the Q2_K and Q3_K grids). Without ``group``,
+        what quantizing the whole model may read, for any model: the type knobs and the
+        quantizer knobs of each group some layer may store as ``q2_0`` (or on a K grid).
         """
         if stage not in _STAGE_NAMES:
             raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(Stage)}")
         if stage == Stage.QUANTIZE:
-            if self.quantizer == "plain":  # round-to-nearest, d = amax/2: reads no other knob
-                return {"quantizer": "plain"}
-            read = {
-                "importance": self.importance,
-                "importance_down": self.importance_down,
-                "gain_gu": self.gain_gu,
-                "gain_d": self.gain_d,
-            }
-            # `search` (the default) adds nothing, so its keys are those from before `gptq`.
-            if self.quantizer == "gptq":
-                read.update(quantizer="gptq", gptq_damp=self.gptq_damp)
-                if self.gptq_refine:  # 0 adds nothing: keys of plain gptq as before
-                    read["gptq_refine"] = self.gptq_refine
+            if group is not None:
+                if stored_as == Q2_0:
+                    return self._q2_0_reads(group)
+                return {"type": stored_as, **self._grid_reads(stored_as)}
+            read: dict[str, Any] = {}
+            for group in GROUPS:
+                possible = self._possible_types(group)
+                if Q2_0 in possible:
+                    read.update(self._q2_0_reads(group))
+                for name in possible:
+                    read.update(self._grid_reads(name))
+            read.update(
+                {k: getattr(self, k) for k in _TYPE_KNOBS if getattr(self, k) != ADDED_LATER[k]}
+            )
             return read
         if stage == Stage.PART_A:
             if self.alpha == "none":
@@ -177,13 +265,73 @@ class Knobs(_Settings):
         """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""
         return Knobs(**{**self.model_dump(), **changes})
 
-    def uses_activation_statistics(self) -> bool:
-        """True when quantization reads the calibration trace (``act`` importance anywhere, or
-        the ``gptq`` quantizer, which needs each expert's routed inputs); never for ``plain``,
-        which reads no importance."""
+    def uses_activation_statistics(self, group: str | None = None) -> bool:
+        """True when the Q2_0 quantization of ``group`` (``gu``, ``d``; None: either) reads the
+        calibration trace (``act`` importance, or the ``gptq`` quantizer, which needs each
+        expert's routed inputs); never for ``plain``, which reads no importance. (A group stored
+        as a ggml type always reads it: :meth:`expert_types`.)"""
         if self.quantizer == "plain":
             return False
-        return self.importance == "act" or self.importance_down == "act" or self.quantizer == "gptq"
+        act = {"gu": self.importance == "act", "d": self.importance_down == "act"}
+        return self.quantizer == "gptq" or (act[group] if group else any(act.values()))
+
+    def expert_types(self, moe_layers: Sequence[int], n_layer: int) -> dict[int, LayerTypes]:
+        """The storage types of each MoE layer's routed experts: ``type_gu``/``type_d``, the
+        first ``up_first`` and last ``up_last`` MoE layers one step up the ladder (once, where
+        they overlap), then ``layer_types`` (``LAYER`` a block index, negative counted from
+        ``n_layer``). A ``layer_types`` entry that names no MoE layer, or names one twice,
+        raises :class:`KnobError`."""
+        moe = list(moe_layers)
+        stepped = set(moe[: self.up_first]) | set(
+            moe[len(moe) - self.up_last :] if self.up_last else ()
+        )
+        base = LayerTypes(self.type_gu, self.type_d)
+        up = LayerTypes(step_up(self.type_gu), step_up(self.type_d))
+        types = {i: up if i in stepped else base for i in moe}
+        named: dict[int, int] = {}
+        for index, chosen in parse_layer_types(self.layer_types):
+            layer = index + n_layer if index < 0 else index
+            if layer not in types:
+                raise KnobError(
+                    f"knob layer_types = {self.layer_types!r}: layer {index} is not a MoE layer "
+                    f"of this model (its MoE layers are {moe[0]}..{moe[-1]}, of {n_layer})"
+                )
+            if layer in named:
+                raise KnobError(
+                    f"knob layer_types = {self.layer_types!r}: entries {named[layer]} and {index} "
+                    f"both name layer {layer} of this model; keep one"
+                )
+            named[layer] = index
+            types[layer] = chosen
+        return types
+
+    def _possible_types(self, group: str) -> set[str]:
+        """The types some layer of some model may store ``group`` in under these knobs."""
+        base = getattr(self, f"type_{group}")
+        found = {base, step_up(base)} if self.up_first or self.up_last else {base}
+        return found | {t.of(group) for _, t in parse_layer_types(self.layer_types)}
+
+    def _grid_reads(self, stored_as: str) -> dict[str, Any]:
+        """The knobs ggml's quantization in ``stored_as`` reads: none, but ``gptq`` (with its
+        damping) refines the codes on the Q2_K and Q3_K grids."""
+        if self.quantizer == "gptq" and stored_as in GPTQ_GRID_TYPES:
+            return {"quantizer": "gptq", "gptq_damp": self.gptq_damp}
+        return {}
+
+    def _q2_0_reads(self, group: str) -> dict[str, Any]:
+        """The knobs the Q2_0 quantization of tensor group ``group`` reads."""
+        if self.quantizer == "plain":  # round-to-nearest, d = amax/2: reads no other knob
+            return {"quantizer": "plain"}
+        if group == "gu":
+            read: dict[str, Any] = {"importance": self.importance, "gain_gu": self.gain_gu}
+        else:
+            read = {"importance_down": self.importance_down, "gain_d": self.gain_d}
+        # `search` (the default) adds nothing, so its keys are those from before `gptq`.
+        if self.quantizer == "gptq":
+            read.update(quantizer="gptq", gptq_damp=self.gptq_damp)
+            if self.gptq_refine:  # 0 adds nothing: keys of plain gptq as before
+                read["gptq_refine"] = self.gptq_refine
+        return read
 
 
 class CalibrationConfig(_Settings):
@@ -241,9 +389,60 @@ def load_knobs(path: str | Path) -> Knobs:
             f"{path}: a knob file must be a mapping of knob: value, got {type(values).__name__}"
         )
     try:
-        return Knobs(**{str(k): v for k, v in values.items()})
+        knobs = Knobs(**{str(k): v for k, v in values.items()})
     except KnobError as exc:
         raise KnobError(f"{path}: {exc}") from None
+    try:
+        require_ggml(knobs.model_dump())
+    except SettingError as exc:
+        raise SettingError(f"{path}: {exc}") from None
+    return knobs
+
+
+def require_ggml(values: Mapping[str, Any]) -> None:
+    """Raise :class:`SettingError` (one line: which knob, what to install) when ``values`` may
+    put a routed-expert tensor in a type other than ``q2_0`` and ggml's quantizer
+    (llama-cpp-python, the ``[ggml]`` extra) is not installed. ``values`` maps knob names to a
+    value, or to a list or ``{choices: [...]}`` of them (a sweep's search space); other knobs
+    are ignored. A step up the ladder (``up_first``/``up_last`` > 0) always involves a ggml
+    type (``q2_0`` steps to ``iq2_xs``; only ``iq2_xxs`` steps to ``q2_0``). Called where knobs
+    enter: a knob file, a sweep spec, ``build_student``."""
+    for knob in ("type_gu", "type_d", "layer_types", "up_first", "up_last"):
+        for value in _leaves(values.get(knob)):
+            if knob == "layer_types":
+                ggml = any(name != Q2_0 for name in _layer_type_names(value))
+            elif knob.startswith("up_"):
+                ggml = isinstance(value, int) and value > 0
+            else:
+                ggml = value != Q2_0
+            if not ggml:
+                continue
+            from healsweep.gguf_io._ggml_lib import libggml
+
+            try:
+                libggml()
+            except SettingError as exc:
+                raise SettingError(
+                    f"knob {knob} = {value!r} needs ggml's quantizer: {exc}"
+                ) from None
+            return
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, Mapping):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [] if value is None else [value]
+
+
+def _layer_type_names(text: Any) -> list[str]:
+    if not isinstance(text, str):
+        return []
+    try:
+        return [name for _, types in parse_layer_types(text) for name in types]
+    except ValueError:  # not a valid value: the knob's own check says so
+        return []
 
 
 def problem(model: type[_Settings], error: ErrorDetails) -> str:
@@ -255,4 +454,8 @@ def problem(model: type[_Settings], error: ErrorDetails) -> str:
         return f"unknown {model.noun} {name!r}; known: {', '.join(model.model_fields)}"
     field = model.model_fields.get(name)
     expected = field.description if field is not None and field.description else error["msg"]
-    return f"{model.noun} {name!r} = {error['input']!r} is not allowed: expected {expected}"
+    reason = (error.get("ctx") or {}).get("error") if error["type"] == "value_error" else None
+    because = f" ({reason})" if reason else ""
+    return (
+        f"{model.noun} {name!r} = {error['input']!r} is not allowed{because}: expected {expected}"
+    )

@@ -3,17 +3,21 @@
 What a llama.cpp user has today: ``ggml_quantize_chunk`` (from the libggml-base that
 llama-cpp-python bundles) on each routed expert's matrices, everything else of the teacher kept
 byte for byte, so the file differs from the teacher exactly where a healed student does. Types:
-Q2_0 (ggml type 42, the format healsweep writes), Q2_K and IQ2_XXS / IQ2_XS / IQ2_S (blocks of
-256). With ``imatrix`` the quantizer gets, as llama-quantize passes it, one importance row per
+every routed-expert type of :mod:`healsweep.kernels.ggml_types` (Q2_0, ggml type 42, the format
+healsweep writes, the K- and IQ-types with blocks of 256, IQ4_NL with 32). With ``imatrix`` the quantizer gets, as llama-quantize passes it, one importance row per
 expert: E[x²] over the tokens routed to that expert for gate/up and E[h²] of the teacher expert's
 hidden activation for down, from healsweep's calibration trace (an expert with fewer than
-``min_tokens_per_expert`` tokens takes the layer-wide statistic). IQ2_XXS and IQ2_XS cannot be
-made without one.
+``min_tokens_per_expert`` tokens takes the layer-wide statistic). IQ1_S, IQ2_XXS and IQ2_XS
+cannot be made without one. The heal layer quantizes routed experts stored in a ggml type with
+the same two functions (:func:`expert_importance`, :func:`quantize_expert_stack`), so its
+unhealed student of a uniform type is this baseline, byte for byte.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,11 +25,14 @@ import numpy as np
 
 from healsweep.errors import GGUFFormatError, SettingError
 from healsweep.gguf_io import block_prefix
+from healsweep.kernels.ggml_types import ROUTED_TYPES
 
 if TYPE_CHECKING:
+    from healsweep.cache import StageCache
     from healsweep.gguf_io import GGUFModel
+    from healsweep.heal.knobs import CalibrationConfig
 
-LLAMA_TYPES = {"q2_0": 42, "q2_k": 10, "iq2_xxs": 16, "iq2_xs": 17, "iq2_s": 22}
+LLAMA_TYPES = {t.name: t.ggml_id for t in ROUTED_TYPES}
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 Progress = Callable[[str, str], None]
 
@@ -42,7 +49,10 @@ def check_baseline(model: GGUFModel, type_name: str, imatrix: bool) -> int:
     qtype = LLAMA_TYPES[type_name]
     block, _ = _ggml_lib.block_geometry(qtype)
     hp = model.hparams
-    for tensors, width in (("ffn_gate_exps/ffn_up_exps", hp.n_embd), ("ffn_down_exps", hp.n_ff_exp)):
+    for tensors, width in (
+        ("ffn_gate_exps/ffn_up_exps", hp.n_embd),
+        ("ffn_down_exps", hp.n_ff_exp),
+    ):
         if width % block:
             raise GGUFFormatError(
                 f"{model.path}: the rows of {tensors} hold {width} values, not a multiple of the "
@@ -70,15 +80,18 @@ def expert_importance(trace_layer: dict[str, np.ndarray], min_tokens: int) -> di
 def quantize_expert_stack(
     weights: np.ndarray, qtype: int, importance: np.ndarray | None
 ) -> np.ndarray:
-    """``weights`` float32 ``[E, out, in]`` by ggml, expert by expert: uint8 ``[E, out, row]``."""
+    """``weights`` float32 ``[E, out, in]`` (numpy or a device array) by ggml, expert by expert:
+    uint8 ``[E, out, row]``. Experts are quantized on a thread per core (ggml's quantizer runs
+    outside the GIL); the result does not depend on the order."""
     from healsweep.gguf_io._ggml_lib import quantize_rows
 
-    return np.stack(
-        [
-            quantize_rows(weights[e], qtype, None if importance is None else importance[e])
-            for e in range(weights.shape[0])
-        ]
-    )
+    def one(e: int) -> np.ndarray:
+        rows = np.asarray(weights[e], np.float32)  # one expert on the host at a time
+        return quantize_rows(rows, qtype, None if importance is None else importance[e])
+
+    n_expert = weights.shape[0]
+    with ThreadPoolExecutor(max_workers=max(1, min(n_expert, os.cpu_count() or 1))) as pool:
+        return np.stack(list(pool.map(one, range(n_expert))))
 
 
 def bits_per_weight(qtype: int) -> float:
@@ -94,8 +107,8 @@ def write_llama_baseline(
     type_name: str,
     out: str | Path,
     *,
-    calibration: Any = None,
-    cache: Any = None,
+    calibration: CalibrationConfig | None = None,
+    cache: StageCache | None = None,
     progress: Progress | None = None,
 ) -> Path:
     """Write ``model`` with its routed experts quantized by ggml to ``type_name``.

@@ -17,21 +17,29 @@ teacher trace and the factored Gram.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cache as cache_fn
+from functools import cache as once
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
-from healsweep.heal import expert_alpha, ridge, stages
-from healsweep.heal.knobs import CalibrationConfig, Knobs
+from healsweep.heal import expert_alpha, quantize, ridge, stages
+from healsweep.heal._runner import StageRunner
+from healsweep.heal.knobs import GROUPS, CalibrationConfig, Knobs, LayerTypes, require_ggml
+from healsweep.heal.quantize import QuantizedGroup, layer_experts, scaled
+from healsweep.heal.ridge import HealedShexp, HeldoutFolds, RidgeBasis, RidgeFit, RidgeRhs
+from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
+
+if TYPE_CHECKING:
+    from healsweep.data.corpus import Corpus
+    from healsweep.gguf_io import GGUFModel
+    from healsweep.model import LayerReplacement
 
 STUDENT_VERSION = 1
 # Two threads for the held-out diagnostic of Part B: nothing a trial builds reads it, so its host
@@ -46,8 +54,8 @@ Progress = Callable[[str, str], None]
 class Student:
     """A healed student: the base model plus per-layer replacements, and what built it."""
 
-    base: Any  # the teacher's GGUFModel
-    replacements: dict[int, Any]  # layer → LayerReplacement (Q2Weight experts, healed shexp)
+    base: GGUFModel  # the teacher
+    replacements: dict[int, LayerReplacement]  # quantized experts, healed shexp
     report: dict[str, Any]
     key: str
     knobs: Knobs
@@ -55,71 +63,85 @@ class Student:
     shexp_raw: dict[int, np.ndarray] = field(default_factory=dict)  # requantized bytes/values
 
 
-def skip_notices(knobs: Knobs, model: Any) -> list[str]:
-    """One line per part of the method this model cannot take (a user reads them, the trial
+class Notice(NamedTuple):
+    """A line for the user about a part of the method this model cannot take, and the stage
+    (or ``layers``) it concerns."""
+
+    stage: str
+    text: str
+
+
+def skip_notices(knobs: Knobs, model: GGUFModel) -> list[Notice]:
+    """One notice per part of the method this model cannot take (a user reads them, the trial
     goes on): Part B on a model without a shared expert, and leading dense layers."""
     hp = model.hparams
-    lines = []
+    notices = []
     if knobs.ridge and hp.n_ff_shexp == 0:
-        lines.append(
-            f"Part B skipped: {hp.arch} has no shared expert, so the ridge does not apply "
-            "(ridge/rho/eta are ignored; quantization and Part A run as asked)"
+        notices.append(
+            Notice(
+                "part_b",
+                f"Part B skipped: {hp.arch} has no shared expert, so the ridge does not apply "
+                "(ridge/rho/eta are ignored; quantization and Part A run as asked)",
+            )
         )
     if hp.n_leading_dense:
-        lines.append(
-            f"layers 0..{hp.n_leading_dense - 1} skipped: dense FFN, no routed experts to "
-            "quantize or heal (they stay as in the teacher)"
+        notices.append(
+            Notice(
+                "layers",
+                f"layers 0..{hp.n_leading_dense - 1} skipped: dense FFN, no routed experts to "
+                "quantize or heal (they stay as in the teacher)",
+            )
         )
-    return lines
+    return notices
 
 
-def needs_trace(knobs: Knobs, model: Any) -> bool:
+def needs_trace(knobs: Knobs, model: GGUFModel) -> bool:
     """Whether any stage of this trial reads the calibration trace."""
     ridge = knobs.ridge and model.hparams.n_ff_shexp > 0
-    return knobs.alpha == "mse" or ridge or knobs.uses_activation_statistics()
+    reads = any(
+        quantize.reads_trace(knobs, group, types.of(group))
+        for types in quantize.expert_types(model, knobs).values()
+        for group in GROUPS
+    )
+    return knobs.alpha == "mse" or ridge or reads
 
 
-def scaled_down(down: Any, alpha: float) -> Any:
-    """The down experts with every scale d multiplied by alpha (stored back as fp16)."""
-    if alpha == 1.0:
-        return down
-    from healsweep.kernels.q2_0 import Q2Weight
+@dataclass(frozen=True)
+class LayerInputs:
+    """What the stages of one MoE layer read. The teacher's experts and the layer's trace are
+    loaders, called only when a stage computes: a trial whose stages are all cached reads
+    neither (hundreds of MB a layer at real size)."""
 
-    if hasattr(down, "scale_d"):
-        return down.scale_d(alpha)
-    d = (np.asarray(down.d, np.float32) * np.float32(alpha)).astype(np.float16)
-    return Q2Weight(d=d, q=down.q)
+    model: GGUFModel
+    index: int
+    knobs: Knobs
+    calibration: CalibrationConfig
+    types: LayerTypes  # the storage types of its gate/up and down experts
+    trace: Trace | None
+    weights: Callable[[], dict[str, Any]]  # the teacher's routed experts and ffn_norm
+    trace_layer: Callable[[], dict[str, np.ndarray]]  # only when trace is not None
 
 
-class _Timer:
-    """Wall seconds per stage, summed over layers (cache hits included: that is what a trial
-    pays). Stages run inside one another (a stage reads its upstream entries only when it
-    computes), so each is charged its own time, without the stages nested in it."""
+class HealedLayer(NamedTuple):
+    """One layer's result: the student's experts (expert alphas folded), the layer alpha (not
+    yet folded into ``down``), the healed shared expert, the report, the stage keys that name
+    it, and the held-out fold sums of Part B still being computed."""
 
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._nested: list[float] = []  # per open stage: seconds of the stages run inside it
-
-    def run(self, stage: str, fn: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
-        self._nested.append(0.0)
-        try:
-            return fn()
-        finally:
-            elapsed = time.perf_counter() - start
-            inner = self._nested.pop()
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + elapsed - inner
-            if self._nested:
-                self._nested[-1] += elapsed
+    experts: ExpertStacks
+    alpha: float
+    shexp: HealedShexp | None
+    report: dict[str, Any]
+    keys: dict[str, str | None]
+    folds: Future | None
 
 
 def build_student(
-    model: Any,
+    model: GGUFModel,
     knobs: Knobs,
     calibration: CalibrationConfig,
     cache: StageCache,
     *,
-    corpus: Any | None = None,
+    corpus: Corpus | None = None,
     progress: Progress | None = None,
 ) -> Student:
     """Quantize and heal every layer of ``model`` under ``knobs``; stages come from ``cache``.
@@ -129,56 +151,60 @@ def build_student(
     """
     from healsweep.model import LayerReplacement
 
-    stages.check_quantizable(model)
+    quantize.check_quantizable(model, knobs)
+    require_ggml(knobs.model_dump())
+    types = quantize.expert_types(model, knobs)
     say = progress or (lambda stage, message: None)
     hp = model.hparams
-    timer = _Timer()
+    run = StageRunner(cache)
     computed_before = dict(cache.computed)
     # Entries are written on the cache's writer thread while the next stages run; all are
     # on disk when the block ends.
     with cache.writing_behind():
         trace: Trace | None = None
         if needs_trace(knobs, model):
-            trace = timer.run(
+            trace = run.timed(
                 "calib_trace", lambda: calibration_trace(model, calibration, cache, corpus)
             )
             for line in report_lines(trace.report):
                 say("calib_trace", line)
         else:
             say("calib_trace", "not needed by these knobs (no teacher pass)")
-        for line in skip_notices(knobs, model):
-            say("part_b" if "shared expert" in line else "layers", line)
+        notices = skip_notices(knobs, model)
+        for notice in notices:
+            say(notice.stage, notice.text)
         replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
         heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
         for i in hp.moe_layers:
-            # Read only if a stage computes: a trial whose stages are all cached reads neither
-            # the teacher's experts nor the layer's trace (hundreds of MB a layer at real size).
-            weights = cache_fn(partial(stages.expert_weights, model, i))
-            trace_layer = (
-                cache_fn(partial(timer.run, "calib_trace", partial(trace.layer, i)))
+            layer = LayerInputs(
+                model,
+                i,
+                knobs,
+                calibration,
+                types[i],
+                trace,
+                once(partial(stages.expert_weights, model, i)),
+                once(partial(run.timed, "calib_trace", partial(trace.layer, i)))
                 if trace
-                else None
+                else _no_trace,
             )
-            built = _heal_layer(
-                model, i, weights, trace, trace_layer, knobs, calibration, cache, timer
-            )
-            experts, alpha, shexp, report, layer_keys, folds = built
-            if folds is not None:
-                heldout.append((report, folds))
+            healed = _heal_layer(run, layer)
+            if healed.folds is not None:
+                heldout.append((healed.report, healed.folds))
             replacements[i] = LayerReplacement(
-                gate_exps=experts["gate"],
-                up_exps=experts["up"],
-                down_exps=scaled_down(experts["down"], alpha),
-                down_shexp=None if shexp is None else shexp["dense"],
+                gate_exps=healed.experts.gate,
+                up_exps=healed.experts.up,
+                down_exps=scaled(healed.experts.down, healed.alpha),
+                down_shexp=None if healed.shexp is None else healed.shexp.dense,
             )
-            if shexp is not None:
-                shexp_raw[i] = shexp["raw"]
-            alphas.append(alpha)
-            layer_reports.append(report)
-            keys.append(layer_keys)
-            say(f"layer {i + 1}/{hp.n_layer}", _layer_line(report))
+            if healed.shexp is not None:
+                shexp_raw[i] = healed.shexp.raw
+            alphas.append(healed.alpha)
+            layer_reports.append(healed.report)
+            keys.append(healed.keys)
+            say(f"layer {i + 1}/{hp.n_layer}", _layer_line(healed.report))
         for layer_report, folds in heldout:
-            found = timer.run("ridge_heldout", folds.result)
+            found = run.timed("ridge_heldout", folds.result)
             layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
         if heldout:
             say(
@@ -186,14 +212,14 @@ def build_student(
                 "held-out change per layer: "
                 + ", ".join(f"{100 * r['ridge']['heldout_change']:+.2f}%" for r, _ in heldout),
             )
-        timer.run("cache_write", cache.flush)  # what is still being written: not overlapped
+        run.timed("cache_write", cache.flush)  # what is still being written: not overlapped
     report = {
         "knobs": knobs.model_dump(),
         "calibration": trace.report if trace else None,
         "trace_key": trace.key if trace else None,
         "layers": layer_reports,
-        "notices": skip_notices(knobs, model),
-        "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
+        "notices": [notice.text for notice in notices],
+        "timings_s": {k: round(v, 4) for k, v in run.seconds.items()},
         "executed": {
             k: v - computed_before.get(k, 0)
             for k, v in cache.computed.items()
@@ -204,192 +230,194 @@ def build_student(
     return Student(model, replacements, report, key, knobs, alphas, shexp_raw)
 
 
-def _heal_layer(model, i, weights, trace, trace_layer, knobs, calibration, cache, timer):
-    """One layer through quantize → routed_q → part_a → part_b (each cached).
+def _no_trace() -> dict[str, np.ndarray]:
+    raise RuntimeError("a stage read the calibration trace of a trial that has none")
 
-    ``weights`` and ``trace_layer`` are loaders (called only when a stage computes); the
-    routed output y_q is read only when a stage that needs it computes, so a trial that
-    changes only ``eta`` reads the quantized experts, the basis and the fit, nothing else.
+
+def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
+    """One layer: quantize (per tensor group) → routed_q → part_a (→ expert alphas folded) →
+    residuals → part_b.
+
+    Each stage is cached; routed_q and Part B's upstream stages are loaders, read only when a
+    stage that needs them computes, so a trial that changes only ``eta`` reads the quantized
+    experts, the basis and the fit, nothing else.
     """
-    act = knobs.uses_activation_statistics()
-    qkey = stages.quantize_key(model, knobs, trace.key if trace else None, i)
-    q_arrays, q_report = timer.run(
-        "quantize",
-        lambda: cache.get_or_compute(
-            "quantize",
-            qkey,
-            lambda: stages.quantize_layer(
-                weights(), knobs, trace_layer() if act else None, calibration
-            ),
-        ),
-    )
-    experts = stages.q2_weights(q_arrays)
-
+    knobs, trace = layer.knobs, layer.trace
+    qkeys = {g: _quantize_key(layer, g) for g in GROUPS}
+    groups = {
+        g: run.value("quantize", qkeys[g], QuantizedGroup, partial(_quantize, layer, g))
+        for g in GROUPS
+    }
+    quantized = layer_experts(groups["gu"], groups["d"])
     rkey, y_q = None, None
     if trace is not None:
-        rkey = stages.routed_q_key(qkey, trace.key, i)
-        y_q = cache_fn(
-            lambda: timer.run(
-                "routed_q",
-                lambda: cache.get_or_compute(
-                    "routed_q",
-                    rkey,
-                    lambda: (
-                        {
-                            "y_q": stages.routed_output(
-                                experts, trace_layer(), model.hparams.n_expert
-                            )
-                        },
-                        {},
-                    ),
-                ),
-            )[0]["y_q"]
-        )
-
-    akey = stages.part_a_key(knobs, model, qkey, rkey if knobs.alpha == "mse" else None, i)
-
-    per_expert = knobs.alpha != "none" and knobs.alpha_granularity == "expert"
-
-    def compute_alpha():
-        if knobs.alpha == "gaussian":
-            if per_expert:
-                alphas = expert_alpha.gaussian_alphas(weights(), experts, knobs.gamma)
-                return {"alpha": np.float32(1.0), "expert_alpha": alphas}, {}
-            value = stages.gaussian_alpha(weights(), experts, knobs.gamma)
-        elif knobs.alpha == "mse":
-            value = float(alpha_kernels.alpha_mse(trace_layer()["y_ref"], y_q(), knobs.gamma))
-            if per_expert:  # starved experts keep the layer's alpha
-                alphas = expert_alpha.mse_alphas(
-                    weights(),
-                    experts,
-                    trace_layer(),
-                    knobs.gamma,
-                    value,
-                    calibration.min_tokens_per_expert,
-                )
-                return {"alpha": np.float32(1.0), "expert_alpha": alphas}, {}
-        else:
-            value = 1.0
-        return {"alpha": np.float32(value)}, {}
-
-    a_arrays = timer.run("part_a", lambda: cache.get_or_compute("part_a", akey, compute_alpha))[0]
-    alpha = float(a_arrays["alpha"])
-    report: dict[str, Any] = {"layer": i, "alpha": alpha}
-    if q_report:
-        report["quantize"] = q_report
-    y_q_raw, healed = y_q, experts
-    if "expert_alpha" in a_arrays:
+        rkey = stages.routed_q_key(qkeys, trace.key, layer.index)
+        y_q = _routed_q(run, layer, rkey, quantized)
+    akey = stages.part_a_key(
+        knobs, layer.model, qkeys, rkey if knobs.alpha == "mse" else None, layer.index
+    )
+    alpha = run.value("part_a", akey, LayerAlpha, partial(_part_a, layer, quantized, y_q))
+    report: dict[str, Any] = {"layer": layer.index, "alpha": alpha.alpha}
+    report["types"] = layer.types._asdict()
+    fallback = {k: v for g in GROUPS for k, v in groups[g].report.get("gptq_fallback", {}).items()}
+    if fallback:
+        report["quantize"] = {"gptq_fallback": fallback}
+    experts, y_healed = quantized, y_q
+    if alpha.expert_alpha is not None:
         # Folded into each expert's down scales now; what Part B and the residuals see is the
         # routed output of those scaled experts (alpha 1), computed once and cached.
-        report["expert_alphas"] = [float(a) for a in a_arrays["expert_alpha"]]
-        # A new name: the routed_q closure above must keep reading the unscaled experts.
-        healed = {
-            **experts,
-            "down": experts["down"].scale_d(a_arrays["expert_alpha"][:, None, None]),
-        }
+        report["expert_alphas"] = [float(a) for a in alpha.expert_alpha]
+        experts = quantized._replace(down=scaled(quantized.down, alpha.expert_alpha))
         if y_q is not None:
-            skey = stages.routed_q_key(f"{qkey}+{akey}", trace.key, i)
-            y_q = cache_fn(
-                lambda: timer.run(
-                    "routed_q",
-                    lambda: cache.get_or_compute(
-                        "routed_q",
-                        skey,
-                        lambda: (
-                            {
-                                "y_q": stages.routed_output(
-                                    healed, trace_layer(), model.hparams.n_expert
-                                )
-                            },
-                            {},
-                        ),
-                    ),
-                )[0]["y_q"]
-            )
-    if y_q is not None:
-
-        def residuals():
-            found = stages.residual_report(trace_layer()["y_ref"], y_q(), alpha)
-            if y_q_raw is not y_q:  # at alpha 1 means: before Part A, i.e. the unscaled experts
-                unscaled = stages.residual_report(trace_layer()["y_ref"], y_q_raw(), 1.0)
-                found["residual_alpha_1"] = unscaled["residual_alpha_1"]
-            return {}, found
-
-        _, found = timer.run(
-            "part_a",
-            lambda: cache.get_or_compute("residuals", stages.residuals_key(rkey, akey), residuals),
+            skey = stages.routed_q_key({**qkeys, "part_a": akey}, trace.key, layer.index)
+            y_healed = _routed_q(run, layer, skey, experts)
+    if y_healed is not None:
+        residuals = run.value(
+            "residuals",
+            stages.residuals_key(rkey, akey),
+            Residuals,
+            partial(_residuals, layer, y_healed, y_q, alpha.alpha),
         )
-        report.update(found)
-
+        report.update(residuals._asdict())
     shexp, bkey, folds = None, None, None
-    if knobs.ridge and model.hparams.n_ff_shexp > 0:
-        shexp, stats, bkey, folds = _part_b(
-            model, i, trace, trace_layer, y_q, alpha, knobs, (akey, rkey), cache, timer
-        )
-        stats = dict(stats)
+    if knobs.ridge and layer.model.hparams.n_ff_shexp > 0:
+        shexp, bkey, folds = _part_b(run, layer, y_healed, alpha.alpha, akey, rkey)
+        stats = dict(shexp.stats)
         stats["residual_after_ridge"] = report["residual"] * (
             1 + stats["realized_in_sample_change"]
         )
         report["ridge"] = stats
-    keys = {"quantize": qkey, "part_a": akey, "part_b": bkey}
-    return healed, alpha, shexp, report, keys, folds
+    keys = {"quantize_gu": qkeys["gu"], "quantize_d": qkeys["d"], "part_a": akey, "part_b": bkey}
+    return HealedLayer(experts, alpha.alpha, shexp, report, keys, folds)
 
 
-def _part_b(model, i, trace, trace_layer, y_q, alpha, knobs, upstream, cache, timer):
+def _quantize_key(layer: LayerInputs, group: str) -> str:
+    trace_key = layer.trace.key if layer.trace else None
+    return quantize.quantize_key(
+        layer.model, layer.knobs, trace_key, layer.index, group, layer.types.of(group)
+    )
+
+
+def _quantize(layer: LayerInputs, group: str) -> QuantizedGroup:
+    stored_as = layer.types.of(group)
+    reads = quantize.reads_trace(layer.knobs, group, stored_as)
+    return quantize.quantize_group(
+        layer.weights(),
+        layer.knobs,
+        layer.trace_layer() if reads else None,
+        layer.calibration,
+        group,
+        stored_as,
+    )
+
+
+def _routed_q(
+    run: StageRunner, layer: LayerInputs, key: str, experts: ExpertStacks
+) -> Callable[[], np.ndarray]:
+    """A loader of y_q [T, D], the routed output of ``experts`` on the layer's trace."""
+    n_expert = layer.model.hparams.n_expert
+
+    def compute() -> RoutedOutput:
+        return RoutedOutput(stages.routed_output(experts, layer.trace_layer(), n_expert))
+
+    load = run.lazy("routed_q", key, RoutedOutput, compute)
+    return lambda: load().y_q
+
+
+def _part_a(
+    layer: LayerInputs, experts: ExpertStacks, y_q: Callable[[], np.ndarray] | None
+) -> LayerAlpha:
+    """The layer's alpha (``gaussian`` probe or ``mse`` on the trace), or one per expert."""
+    knobs = layer.knobs
+    per_expert = knobs.alpha_granularity == "expert"
+    if knobs.alpha == "gaussian":
+        if per_expert:
+            found = expert_alpha.gaussian_alphas(layer.weights(), experts, knobs.gamma)
+            return LayerAlpha(1.0, found)
+        return LayerAlpha(stages.gaussian_alpha(layer.weights(), experts, knobs.gamma))
+    if knobs.alpha == "mse":
+        y_ref = layer.trace_layer()["y_ref"]
+        value = float(alpha_kernels.alpha_mse(y_ref, y_q(), knobs.gamma))
+        if per_expert:  # starved experts keep the layer's alpha
+            found = expert_alpha.mse_alphas(
+                layer.weights(),
+                experts,
+                layer.trace_layer(),
+                knobs.gamma,
+                value,
+                layer.calibration.min_tokens_per_expert,
+            )
+            return LayerAlpha(1.0, found)
+        return LayerAlpha(value)
+    return LayerAlpha(1.0)
+
+
+def _residuals(
+    layer: LayerInputs,
+    y_healed: Callable[[], np.ndarray],
+    y_raw: Callable[[], np.ndarray],
+    alpha: float,
+) -> Residuals:
+    """The residuals of the healed experts at ``alpha``; at alpha 1 means before Part A, i.e.
+    of the experts before any expert alpha was folded into them."""
+    y_ref = layer.trace_layer()["y_ref"]
+    found = stages.residual_report(y_ref, y_healed(), alpha)
+    if y_raw is not y_healed:
+        unscaled = stages.residual_report(y_ref, y_raw(), 1.0)
+        found = found._replace(residual_alpha_1=unscaled.residual_alpha_1)
+    return found
+
+
+def _part_b(
+    run: StageRunner,
+    layer: LayerInputs,
+    y_q: Callable[[], np.ndarray],
+    alpha: float,
+    akey: str,
+    rkey: str,
+) -> tuple[HealedShexp, str, Future]:
     """ridge_basis (once per trace) → ridge_rhs (per target) → ridge_fit (per rho) → part_b
-    (per eta), each cached and each read only when a stage after it computes."""
-    akey, rkey = upstream
-    nkey = ridge.basis_key(model, trace.key, i)
-    basis = cache_fn(
-        lambda: timer.run(
-            "ridge_basis",
-            lambda: cache.get_or_compute(
-                "ridge_basis", nkey, lambda: ridge.compute_basis(model, i, trace_layer())
-            ),
-        )
+    (per eta), each cached and each read only when a stage after it computes; the held-out
+    diagnostic of the fit on a background thread (its fold sums are the returned future)."""
+    model, i, knobs, trace_layer = layer.model, layer.index, layer.knobs, layer.trace_layer
+    nkey = ridge.basis_key(model, layer.trace.key, i)
+    basis = run.lazy(
+        "ridge_basis", nkey, RidgeBasis, lambda: ridge.compute_basis(model, i, trace_layer())
     )
     hskey = ridge.rhs_key(nkey, akey, rkey, i)
-    rhs = cache_fn(
-        lambda: timer.run(
-            "ridge_rhs",
-            lambda: cache.get_or_compute(
-                "ridge_rhs",
-                hskey,
-                lambda: ridge.compute_rhs(model, i, trace_layer(), y_q(), alpha, basis()[0]),
-            ),
-        )
+    rhs = run.lazy(
+        "ridge_rhs",
+        hskey,
+        RidgeRhs,
+        lambda: ridge.compute_rhs(model, i, trace_layer(), y_q(), alpha, basis()),
     )
     fkey = ridge.fit_key(knobs, nkey, hskey, i)
-    fit = cache_fn(
-        lambda: timer.run(
-            "ridge_fit",
-            lambda: cache.get_or_compute(
-                "ridge_fit", fkey, lambda: ridge.fit_from_rhs(*rhs(), *basis(), knobs.rho)
-            ),
-        )
+    fit = run.lazy(
+        "ridge_fit", fkey, RidgeFit, lambda: ridge.fit_from_rhs(rhs(), basis(), knobs.rho)
     )
     bkey = ridge.part_b_key(knobs, model, fkey, i)
-    shexp, stats = timer.run(
+    shexp = run.value(
         "part_b",
-        lambda: cache.get_or_compute(
-            "part_b",
-            bkey,
-            lambda: ridge.ridge_layer(model, i, basis()[0], rhs()[0], *fit(), knobs.eta),
-        ),
+        bkey,
+        HealedShexp,
+        lambda: ridge.ridge_layer(model, i, basis(), rhs(), fit(), knobs.eta),
     )
     hkey = ridge.heldout_key(fkey)
-    held = cache.meta("ridge_heldout", hkey)
+    held = run.cache.meta("ridge_heldout", hkey)
     if held is not None:
         folds: Future = Future()
-        folds.set_result(held["folds"])
+        folds.set_result(HeldoutFolds.from_entry({}, held).folds)
     else:  # its inputs are read here, the host solves run beside the next layers
-        args = (model, i, trace_layer(), y_q(), alpha, *basis(), rhs()[0], fit()[1])
-        folds = _HELDOUT.submit(
-            lambda: cache.get_or_compute(
-                "ridge_heldout", hkey, lambda: ridge.compute_heldout(*args)
-            )[1]["folds"]
-        )
-    return shexp, stats, bkey, folds
+        args = (model, i, trace_layer(), y_q(), alpha, basis(), rhs(), fit())
+
+        def heldout() -> list[list[float]]:
+            found = run.cache.get_or_compute(
+                "ridge_heldout", hkey, lambda: ridge.compute_heldout(*args).to_entry()
+            )
+            return HeldoutFolds.from_entry(*found).folds
+
+        folds = _HELDOUT.submit(heldout)
+    return shexp, bkey, folds
 
 
 def _layer_line(report: dict[str, Any]) -> str:

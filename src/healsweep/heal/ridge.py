@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,15 +37,107 @@ import numpy as np
 from gguf import MODEL_TENSOR
 
 from healsweep.gguf_io import tensor_name
+from healsweep.heal._runner import join_entry, split_entry
 from healsweep.heal.stages import stage_key
 from healsweep.kernels import ridge as kr
 from healsweep.kernels._precision import full_float32, healing_jit, matmul
 
+if TYPE_CHECKING:
+    from healsweep.gguf_io import GGUFModel
+    from healsweep.heal.knobs import Knobs
+
 LOBO_BLOCKS = 4
 CHUNK = 2048  # tokens of Z' alive at a time (padded to a multiple of 64)
+Arrays = dict[str, np.ndarray]
 
 
-def shexp_weights(model: Any, layer: int) -> tuple[jax.Array, jax.Array]:
+class RidgeBasis(NamedTuple):
+    """``ridge_basis``: ``G = V diag(sigma) Vᵀ`` of a layer's gated Gram ``G = Z'ᵀZ'``."""
+
+    basis: np.ndarray  # V [Fs, Fs] float32
+    sigma: np.ndarray  # [Fs] float32
+    trace_g: float  # tr(G)
+    n_tokens: int
+    eigh_seconds: float
+
+    def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
+        return split_entry(self, ("basis", "sigma"))
+
+    @classmethod
+    def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> RidgeBasis:
+        return join_entry(cls, arrays, meta)
+
+
+class RidgeRhs(NamedTuple):
+    """``ridge_rhs``: ``B = Z'ᵀdY`` and ``C = VᵀB`` of one target, |dY|², per fold block
+    ``tr(Z'_kᵀZ'_k)``."""
+
+    rhs: np.ndarray  # B [Fs, D] float32
+    coef: np.ndarray  # C [Fs, D] float32
+    block_trace: list[float]
+    total: float  # |dY|²
+
+    def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
+        return split_entry(self, ("rhs", "coef"))
+
+    @classmethod
+    def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> RidgeRhs:
+        return join_entry(cls, arrays, meta)
+
+
+class RidgeFit(NamedTuple):
+    """``ridge_fit``: dW at one rho, and the in-sample sums ``(|dY|², <B, dW>, tr(dWᵀGdW))``
+    from which any eta's change follows (:func:`healsweep.kernels.ridge.eta_change`)."""
+
+    delta: np.ndarray  # dW [Fs, D] float32
+    lam: float  # stored as "lambda"
+    n_tokens: int
+    width: int
+    rho: float
+    block_trace: list[float]
+    in_sample: list[float]
+
+    def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
+        return split_entry(self, ("delta",), _FIT_KEYS)
+
+    @classmethod
+    def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> RidgeFit:
+        return join_entry(cls, arrays, meta, _FIT_KEYS)
+
+
+_FIT_KEYS = {"lam": "lambda"}
+
+
+class HeldoutFolds(NamedTuple):
+    """``ridge_heldout``: per fold block, the sums (|Y|², <Y, P>, |P|²) (no arrays)."""
+
+    folds: list[list[float]]
+
+    def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
+        return split_entry(self, ())
+
+    @classmethod
+    def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> HeldoutFolds:
+        return join_entry(cls, arrays, meta)
+
+
+class HealedShexp(NamedTuple):
+    """``part_b``: the healed ``ffn_down_shexp`` as stored (``raw``, the writer's bytes or
+    values) and as read back (``dense`` float32 [D, Fs]), and the fit's figures at eta."""
+
+    raw: np.ndarray
+    dense: np.ndarray
+    stats: dict[str, Any]
+
+    def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
+        return {"raw": self.raw, "dense": self.dense}, self.stats
+
+    @classmethod
+    def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> HealedShexp:
+        return cls(arrays["raw"], arrays["dense"], meta)
+
+
+def shexp_weights(model: GGUFModel, layer: int) -> tuple[jax.Array, jax.Array]:
     """The layer's shared-expert gate and up weights [Fs, D] as float32 device arrays."""
     from healsweep.model.forward import dense_on_device
 
@@ -96,7 +189,7 @@ def _gram(z_gated):
 # --- ridge_basis -------------------------------------------------------------------------------
 
 
-def basis_key(model: Any, trace_key: str, layer: int) -> str:
+def basis_key(model: GGUFModel, trace_key: str, layer: int) -> str:
     """Key of the eigenbasis of layer ``layer``'s gated Gram: the trace and the shexp weights."""
     return stage_key(
         "ridge_basis", {"model": model.fingerprint, "trace": trace_key, "layer": layer}
@@ -120,24 +213,20 @@ def eigen_basis(gram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 Design = Callable[[int, int], jax.Array]  # (a, b) → Z' of tokens a..b [b - a, Fs]
 
 
-def layer_design(model: Any, layer: int, trace_layer: dict[str, np.ndarray]) -> Design:
+def layer_design(model: GGUFModel, layer: int, trace_layer: dict[str, np.ndarray]) -> Design:
     """Z' of the layer's trace tokens, recomputed from X and the shared-expert weights."""
     x, gate = trace_layer["x"], trace_layer["gate"]
     weights = shexp_weights(model, layer)
     return lambda a, b: gated_design(x, gate, weights, a, b)
 
 
-def compute_basis(
-    model: Any, layer: int, trace_layer: dict[str, np.ndarray]
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The ``ridge_basis`` entry of a trace layer."""
+def compute_basis(model: GGUFModel, layer: int, trace_layer: dict[str, np.ndarray]) -> RidgeBasis:
+    """The ``ridge_basis`` of a trace layer."""
     return basis_from_design(layer_design(model, layer, trace_layer), len(trace_layer["x"]))
 
 
 @full_float32
-def basis_from_design(
-    design: Design, n_tokens: int
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def basis_from_design(design: Design, n_tokens: int) -> RidgeBasis:
     """V, sigma (float32) and tr(G) of the float32 Gram G = Z'ᵀZ' accumulated over chunks."""
     gram = None
     for a, b in _pieces(n_tokens):
@@ -146,12 +235,8 @@ def basis_from_design(
     gram = np.asarray(gram)
     start = time.perf_counter()
     basis, sigma = eigen_basis(gram)
-    meta = {
-        "trace_g": float(np.trace(gram)),
-        "n_tokens": int(n_tokens),
-        "eigh_seconds": round(time.perf_counter() - start, 3),
-    }
-    return {"basis": basis, "sigma": sigma}, meta
+    seconds = round(time.perf_counter() - start, 3)
+    return RidgeBasis(basis, sigma, float(np.trace(gram)), int(n_tokens), seconds)
 
 
 # --- ridge_fit ---------------------------------------------------------------------------------
@@ -164,7 +249,7 @@ def rhs_key(basis: str, part_a: str, routed_q: str, layer: int) -> str:
     )
 
 
-def fit_key(knobs: Any, basis: str, rhs: str, layer: int) -> str:
+def fit_key(knobs: Knobs, basis: str, rhs: str, layer: int) -> str:
     """Key of dW at one rho: the basis, B (:func:`rhs_key`) and rho."""
     return stage_key(
         "ridge_fit",
@@ -230,14 +315,14 @@ def _sums(y: np.ndarray, left: Any) -> list[float]:
 
 
 def compute_rhs(
-    model: Any,
+    model: GGUFModel,
     layer: int,
     trace_layer: dict[str, np.ndarray],
     y_q: np.ndarray,
     alpha: float,
-    basis: dict[str, np.ndarray],
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The ``ridge_rhs`` entry of a layer: B for the target dY = y_ref - alpha * y_q (and VᵀB)."""
+    basis: RidgeBasis,
+) -> RidgeRhs:
+    """The ``ridge_rhs`` of a layer: B for the target dY = y_ref - alpha * y_q (and VᵀB)."""
     design = layer_design(model, layer, trace_layer)
     return rhs_from_design(design, _target(trace_layer, y_q, alpha), basis)
 
@@ -248,9 +333,7 @@ def _target(trace_layer: dict[str, np.ndarray], y_q: np.ndarray, alpha: float) -
 
 
 @full_float32
-def rhs_from_design(
-    design: Design, target: np.ndarray, basis: dict[str, np.ndarray]
-) -> tuple[dict[str, np.ndarray], dict]:
+def rhs_from_design(design: Design, target: np.ndarray, basis: RidgeBasis) -> RidgeRhs:
     """B = Z'ᵀdY and C = VᵀB [Fs, D] float32; in its meta |dY|² and per fold block
     tr(Z'_kᵀZ'_k)."""
     n_tokens, blocks = int(target.shape[0]), fold_blocks(int(target.shape[0]))
@@ -260,45 +343,27 @@ def rhs_from_design(
         rhs = part if rhs is None else rhs + part
         block_trace[next(k for k, (s, e) in enumerate(blocks) if s <= a < e)] += float(zz)
         total += float(yy)
-    coef = kr.coefficients(basis["basis"], rhs)
-    return {"rhs": np.asarray(rhs), "coef": np.asarray(coef)}, {
-        "block_trace": block_trace,
-        "total": total,
-    }
+    coef = kr.coefficients(basis.basis, rhs)
+    return RidgeRhs(np.asarray(rhs), np.asarray(coef), block_trace, total)
 
 
 @full_float32
-def fit_from_rhs(
-    rhs_arrays: dict[str, np.ndarray],
-    rhs_meta: dict[str, Any],
-    basis: dict[str, np.ndarray],
-    basis_meta: dict[str, Any],
-    rho: float,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def fit_from_rhs(rhs: RidgeRhs, basis: RidgeBasis, rho: float) -> RidgeFit:
     """dW [Fs, D] and the in-sample residual sums; per fold block, tr(Z'_kᵀZ'_k).
 
     B stays in the ``ridge_rhs`` entry (one copy per target, not one per rho: 46 MB a layer at
     real size). The held-out diagnostic is not here: :func:`heldout_from_design` (its own
     stage, off a trial's critical path) reads this fit's meta.
     """
-    v, sigma = jnp.asarray(basis["basis"]), jnp.asarray(basis["sigma"])
-    rhs, total = rhs_arrays["rhs"], rhs_meta["total"]
-    width, n_tokens = int(v.shape[0]), int(basis_meta["n_tokens"])
-    lam = kr.ridge_lambda(basis_meta["trace_g"], width, rho)
-    meta: dict[str, Any] = {
-        "lambda": lam,
-        "n_tokens": n_tokens,
-        "width": width,
-        "rho": rho,
-        "block_trace": list(rhs_meta["block_trace"]),
-    }
+    v, sigma = jnp.asarray(basis.basis), jnp.asarray(basis.sigma)
+    width, n_tokens = int(v.shape[0]), int(basis.n_tokens)
+    lam = kr.ridge_lambda(basis.trace_g, width, rho)
+    fit = partial(RidgeFit, lam=lam, n_tokens=n_tokens, width=width, rho=rho,
+                  block_trace=list(rhs.block_trace))  # fmt: skip
     if not lam > 0.0:  # Z' is all zeros: there is nothing to fit
-        zero = np.zeros(rhs.shape, np.float32)
-        meta["in_sample"] = [total, 0.0, 0.0]
-        return {"delta": zero}, meta
-    delta, explained, quad = kr.eigen_fit(v, sigma, kr.shrink(sigma, lam), rhs_arrays["coef"])
-    meta["in_sample"] = [total, float(explained), float(quad)]
-    return {"delta": np.asarray(delta)}, meta
+        return fit(np.zeros(rhs.rhs.shape, np.float32), in_sample=[rhs.total, 0.0, 0.0])
+    delta, explained, quad = kr.eigen_fit(v, sigma, kr.shrink(sigma, lam), rhs.coef)
+    return fit(np.asarray(delta), in_sample=[rhs.total, float(explained), float(quad)])
 
 
 # --- ridge_heldout -----------------------------------------------------------------------------
@@ -310,49 +375,40 @@ def heldout_key(fit: str) -> str:
 
 
 def compute_heldout(
-    model: Any,
+    model: GGUFModel,
     layer: int,
     trace_layer: dict[str, np.ndarray],
     y_q: np.ndarray,
     alpha: float,
-    basis: dict[str, np.ndarray],
-    basis_meta: dict[str, Any],
-    rhs: dict[str, np.ndarray],
-    fit_meta: dict[str, Any],
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The ``ridge_heldout`` entry of a layer's fit (no arrays; the fold sums in its meta)."""
+    basis: RidgeBasis,
+    rhs: RidgeRhs,
+    fit: RidgeFit,
+) -> HeldoutFolds:
+    """The ``ridge_heldout`` of a layer's fit."""
     design = layer_design(model, layer, trace_layer)
-    folds = heldout_from_design(
-        design, _target(trace_layer, y_q, alpha), basis, basis_meta, rhs, fit_meta
+    return HeldoutFolds(
+        heldout_from_design(design, _target(trace_layer, y_q, alpha), basis, rhs, fit)
     )
-    return {}, {"folds": folds}
 
 
 @full_float32
 def heldout_from_design(
-    design: Design,
-    target: np.ndarray,
-    basis: dict[str, np.ndarray],
-    basis_meta: dict[str, Any],
-    rhs: dict[str, np.ndarray],
-    fit_meta: dict[str, Any],
+    design: Design, target: np.ndarray, basis: RidgeBasis, rhs: RidgeRhs, fit: RidgeFit
 ) -> list[list[float]]:
     """Per fold block, the sums (|Y|², <Y, P>, |P|²) of its prediction P by the fit without it.
 
     Without refactoring G: the fit without block k predicts block k with residual
     ``(I - H_k)^-1 e_k``, ``e_k`` the block's residual under the full fit at lambda_k.
     """
-    v, sigma = jnp.asarray(basis["basis"]), jnp.asarray(basis["sigma"])
+    v, sigma = jnp.asarray(basis.basis), jnp.asarray(basis.sigma)
     width, n_tokens = int(v.shape[0]), int(target.shape[0])
     blocks = fold_blocks(n_tokens)
-    if len(blocks) < 2 or not fit_meta["lambda"] > 0.0:
+    if len(blocks) < 2 or not fit.lam > 0.0:
         return []
-    coef = jnp.asarray(rhs["coef"])  # Vᵀ B [Fs, D], from the ridge_rhs pass
+    coef = jnp.asarray(rhs.coef)  # Vᵀ B [Fs, D], from the ridge_rhs pass
     folds = []
     for k, (a, b) in enumerate(blocks):
-        lam_k = kr.ridge_lambda(
-            basis_meta["trace_g"] - fit_meta["block_trace"][k], width, fit_meta["rho"]
-        )
+        lam_k = kr.ridge_lambda(basis.trace_g - fit.block_trace[k], width, fit.rho)
         if not lam_k > 0.0:  # the other blocks are all zeros: the refit predicts nothing
             folds.append(_sums(target[a:b], target[a:b]))
             continue
@@ -376,7 +432,7 @@ def heldout_figures(folds: list[list[float]], eta: float) -> dict[str, Any]:
 # --- part_b ------------------------------------------------------------------------------------
 
 
-def part_b_key(knobs: Any, model: Any, fit: str, layer: int) -> str:
+def part_b_key(knobs: Knobs, model: GGUFModel, fit: str, layer: int) -> str:
     """Key of the healed shared-expert down weight: the fit at its rho, and eta."""
     return stage_key(
         "part_b",
@@ -391,14 +447,8 @@ def part_b_key(knobs: Any, model: Any, fit: str, layer: int) -> str:
 
 @full_float32
 def ridge_layer(
-    model: Any,
-    layer: int,
-    basis: dict[str, np.ndarray],
-    rhs: dict[str, np.ndarray],
-    fit: dict[str, np.ndarray],
-    fit_meta: dict[str, Any],
-    eta: float,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    model: GGUFModel, layer: int, basis: RidgeBasis, rhs: RidgeRhs, fit: RidgeFit, eta: float
+) -> HealedShexp:
     """Apply eta·dW to ``blk.{layer}.ffn_down_shexp.weight`` and requantize it to its type.
 
     On the default device, decoded there from the stored bytes; only a storage type that is
@@ -412,7 +462,7 @@ def ridge_layer(
     name = tensor_name(MODEL_TENSOR.FFN_DOWN_SHEXP, layer)
     qtype = model.tensor_type(name)
     w = dense_on_device(model, name)  # [D, Fs] as the teacher stores it
-    new = kr.apply_ridge(w, fit["delta"], eta)
+    new = kr.apply_ridge(w, fit.delta, eta)
     if qtype == T.F32:
         raw = stored = np.asarray(new)
     elif qtype == T.F16:
@@ -421,17 +471,17 @@ def ridge_layer(
     else:
         raw, stored = requantize(name, np.asarray(new), qtype)
     quad, lin, moved, size = (
-        float(v) for v in kr.step_moments(basis["basis"], basis["sigma"], rhs["rhs"], w, stored)
+        float(v) for v in kr.step_moments(basis.basis, basis.sigma, rhs.rhs, w, stored)
     )
-    stats = _stats(basis, fit_meta, eta, quad, lin)
+    stats = _stats(basis, fit, eta, quad, lin)
     stats.update(relative_update=moved / max(size, 1e-30), storage_type=qtype.name)
-    return {"raw": raw, "dense": np.asarray(stored, np.float32)}, stats
+    return HealedShexp(raw, np.asarray(stored, np.float32), stats)
 
 
 def ridge_stats(
-    basis: dict[str, np.ndarray],
-    rhs: dict[str, np.ndarray],
-    fit_meta: dict[str, Any],
+    basis: RidgeBasis,
+    rhs: RidgeRhs,
+    fit: RidgeFit,
     eta: float,
     step: np.ndarray,
     folds: list[list[float]] | None = None,
@@ -441,19 +491,17 @@ def ridge_stats(
 
     Every figure comes from the basis, B and the fit's sums: no Z', no solve.
     """
-    quad = float(kr.gram_quadratic(basis["basis"], basis["sigma"], step))
-    stats = _stats(basis, fit_meta, eta, quad, float(jnp.vdot(jnp.asarray(rhs["rhs"]), step)))
+    quad = float(kr.gram_quadratic(basis.basis, basis.sigma, step))
+    stats = _stats(basis, fit, eta, quad, float(jnp.vdot(jnp.asarray(rhs.rhs), step)))
     return stats if folds is None else {**stats, **heldout_figures(folds, eta)}
 
 
-def _stats(
-    basis: dict[str, np.ndarray], fit_meta: dict[str, Any], eta: float, quad: float, lin: float
-) -> dict[str, Any]:
+def _stats(basis: RidgeBasis, fit: RidgeFit, eta: float, quad: float, lin: float) -> dict[str, Any]:
     """:func:`ridge_stats` from the realized step's ``tr(ΔᵀGΔ)`` and ``<B, Δ>``."""
-    total = fit_meta["in_sample"][0]
+    total = fit.in_sample[0]
     realized = (-2.0 * lin + quad) / total if total > 0 else 0.0
-    lam, n_tokens, width = fit_meta["lambda"], fit_meta["n_tokens"], fit_meta["width"]
-    rank, dof = kr.spectrum_stats(basis["sigma"], lam)
+    lam, n_tokens, width = fit.lam, fit.n_tokens, fit.width
+    rank, dof = kr.spectrum_stats(basis.sigma, lam)
     warning = None
     if n_tokens < width:
         warning = (
@@ -466,14 +514,14 @@ def _stats(
         "dof": dof,
         "lambda": lam,
         "n_tokens": n_tokens,
-        "in_sample_change": kr.eta_change(tuple(fit_meta["in_sample"]), eta),
+        "in_sample_change": kr.eta_change(tuple(fit.in_sample), eta),
         "realized_in_sample_change": realized,
         "warning": warning,
     }
 
 
 def shared_change(
-    model: Any, layer: int, trace_layer: dict[str, np.ndarray], new_down: np.ndarray
+    model: GGUFModel, layer: int, trace_layer: dict[str, np.ndarray], new_down: np.ndarray
 ) -> np.ndarray:
     """gate·z·(W_new - W)ᵀ [T, D] in float64: how the healed shared expert moves the output."""
     old = model.tensor(tensor_name(MODEL_TENSOR.FFN_DOWN_SHEXP, layer))  # [D, Fs]

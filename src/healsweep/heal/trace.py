@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,10 @@ from healsweep.errors import CacheError, CorpusError
 from healsweep.heal.importance import expert_hidden_moments, expert_input_moments
 from healsweep.heal.knobs import CalibrationConfig
 from healsweep.heal.stages import expert_weights
+
+if TYPE_CHECKING:
+    from healsweep.data.corpus import Corpus, Document
+    from healsweep.gguf_io import GGUFModel
 
 STAGE = "calib_trace"
 LAYER_STAGE = "calib_trace_layer"
@@ -61,7 +65,7 @@ class CalibrationChunk:
     tool_tokens: int  # how many of them sit inside tool calls / tool turns
 
 
-def calibration_documents(corpus: Any, calibration: CalibrationConfig) -> list[Any]:
+def calibration_documents(corpus: Corpus, calibration: CalibrationConfig) -> list[Document]:
     """The calibration pool in corpus order, minus ``exclude_doc_ids``; CorpusError if empty."""
     excluded = set(calibration.exclude_doc_ids)
     docs = [d for d in corpus.pool("calibration") if d.doc_id not in excluded]
@@ -74,7 +78,7 @@ def calibration_documents(corpus: Any, calibration: CalibrationConfig) -> list[A
     return docs
 
 
-def documents_digest(docs: list[Any]) -> str:
+def documents_digest(docs: list[Document]) -> str:
     """sha256 over (doc_id, content hash) of the documents, in order."""
     digest = hashlib.sha256()
     for doc in docs:
@@ -82,7 +86,7 @@ def documents_digest(docs: list[Any]) -> str:
     return digest.hexdigest()
 
 
-def trace_key(model: Any, calibration: CalibrationConfig, docs: list[Any]) -> str:
+def trace_key(model: GGUFModel, calibration: CalibrationConfig, docs: list[Document]) -> str:
     """Content key of the trace: model fingerprint, calibration settings, document contents."""
     return content_key(
         STAGE,
@@ -194,7 +198,7 @@ def _batches(
 
 
 def run_trace(
-    model: Any,
+    model: GGUFModel,
     chunks: list[CalibrationChunk],
     sink: Callable[[int, dict], None],
     spill: str,
@@ -366,7 +370,10 @@ def _scratch(cache: StageCache) -> str:
 
 
 def calibration_trace(
-    model: Any, calibration: CalibrationConfig, cache: StageCache, corpus: Any | None = None
+    model: GGUFModel,
+    calibration: CalibrationConfig,
+    cache: StageCache,
+    corpus: Corpus | None = None,
 ) -> Trace:
     """The cached teacher trace over the calibration pool (computed once per key); documents
     are rendered in the model's chat format, which the model fingerprint in the key covers."""

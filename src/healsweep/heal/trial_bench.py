@@ -1,9 +1,10 @@
 """``healsweep bench trial``: what one heal trial costs on a model, stage by stage.
 
-Four trials run in one process against one stage cache, each after the one before: a cold trial
-(empty cache: teacher trace, quantization, Part A, the ridge factorization and fit), then trials
-that change only quantization knobs (``gain_gu``), only ``rho``, and only ``eta`` — the three
-kinds of step a sweep takes. Each reports its wall time, the time of every stage it ran, which
+Four or five trials run in one process against one stage cache, each after the one before: a
+cold trial (empty cache: teacher trace, quantization, Part A, the ridge factorization and fit),
+then trials that change only quantization knobs (``gain_gu``), only ``rho``, only ``eta``, and
+(where ggml's quantizer is installed and a bigger type fits the model's rows) only ``type_d`` —
+the kinds of step a sweep takes. Each reports its wall time, the time of every stage it ran, which
 stages were computed rather than read from the cache, and its own peak RSS (the high-water mark
 is reset before each trial where Linux allows it).
 """
@@ -22,21 +23,46 @@ if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
 
 
-def trial_variants(base: Knobs) -> list[tuple[str, Knobs]]:
-    """``(label, knobs)``: the cold trial, then one change of each kind a sweep makes."""
+def trial_variants(base: Knobs, model: GGUFModel | None = None) -> list[tuple[str, Knobs]]:
+    """``(label, knobs)``: the cold trial, then one change of each kind a sweep makes; with
+    ``model``, last a change of ``type_d`` alone (to the next type up the ladder whose blocks
+    fill the model's down rows), when ggml's quantizer is there to make it."""
     nudge = 0.1 if base.gain_gu <= 1.9 else -0.1
     eta = base.eta * 2 if base.eta * 2 <= 2.0 else base.eta / 2
-    return [
+    eta_only = base.replace(gain_gu=round(base.gain_gu + nudge, 6), rho=base.rho * 2, eta=eta)
+    variants = [
         ("cold", base),
         ("quant-knobs only (gain_gu)", base.replace(gain_gu=round(base.gain_gu + nudge, 6))),
         ("rho only", base.replace(gain_gu=round(base.gain_gu + nudge, 6), rho=base.rho * 2)),
-        ("eta only", base.replace(gain_gu=round(base.gain_gu + nudge, 6), rho=base.rho * 2,
-                                  eta=eta)),
+        ("eta only", eta_only),
     ]
+    found = None if model is None else _type_step(base.type_d, model.hparams.n_ff_exp)
+    if found is not None:
+        variants.append((f"type_d only ({base.type_d} -> {found})", eta_only.replace(type_d=found)))
+    return variants
+
+
+def _type_step(type_d: str, width: int) -> str | None:
+    """The next type above ``type_d`` in bits whose blocks fill rows of ``width`` weights, if
+    ggml's quantizer loads (None otherwise)."""
+    from healsweep.errors import SettingError
+    from healsweep.gguf_io._ggml_lib import libggml
+    from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
+
+    try:
+        libggml()
+    except SettingError:
+        return None
+    start = ggml_type(type_d)
+    bigger = [t for t in ROUTED_TYPES if t.bits_per_weight > start.bits_per_weight]
+    return next((t.name for t in bigger if width % t.block_weights == 0), None)
 
 
 def bench_trials(
-    model: GGUFModel, corpus: Corpus, cache: StageCache, calibration: CalibrationConfig,
+    model: GGUFModel,
+    corpus: Corpus,
+    cache: StageCache,
+    calibration: CalibrationConfig,
     base: Knobs | None = None,
 ) -> list[dict[str, Any]]:
     """One row per variant of :func:`trial_variants`: seconds, stage timings, recomputed
@@ -44,26 +70,34 @@ def bench_trials(
     from healsweep.model.bench import peak_rss_bytes, reset_peak_rss
 
     rows = []
-    for label, knobs in trial_variants(base or Knobs()):
+    for label, knobs in trial_variants(base or Knobs(), model):
         resettable = reset_peak_rss()
         start = time.perf_counter()
         student = build_student(model, knobs, calibration, cache, corpus=corpus)
-        rows.append({
-            "trial": label,
-            "seconds": time.perf_counter() - start,
-            "timings_s": dict(student.report["timings_s"]),
-            "executed": dict(sorted(student.report["executed"].items())),
-            "peak_rss_mib": peak_rss_bytes() / 2**20 if resettable else None,
-        })
+        rows.append(
+            {
+                "trial": label,
+                "seconds": time.perf_counter() - start,
+                "layers": len(student.report["layers"]),
+                "timings_s": dict(student.report["timings_s"]),
+                "executed": dict(sorted(student.report["executed"].items())),
+                "peak_rss_mib": peak_rss_bytes() / 2**20 if resettable else None,
+            }
+        )
     return rows
 
 
 def format_trials(rows: list[dict[str, Any]]) -> str:
-    """The rows of :func:`bench_trials` as text: one line per trial, its stages under it."""
-    lines = []
+    """The rows of :func:`bench_trials` as text: a table of trials (wall time, per healed
+    layer, peak RSS), then each trial's stages and what it computed."""
+    width = max(len("trial"), *(len(row["trial"]) for row in rows))
+    lines = [f"{'trial':<{width}}  {'seconds':>9}  {'per layer':>9}  peak RSS"]
     for row in rows:
         rss = "-" if row["peak_rss_mib"] is None else f"{row['peak_rss_mib']:.0f} MiB"
-        lines.append(f"{row['trial']:<28} {row['seconds']:8.2f} s  peak RSS {rss}")
+        per_layer = row["seconds"] / max(row["layers"], 1)
+        lines.append(f"{row['trial']:<{width}}  {row['seconds']:9.2f}  {per_layer:9.2f}  {rss}")
+    for row in rows:
+        lines.append(f"{row['trial']}:")
         stages = ", ".join(f"{k} {v:.2f}s" for k, v in row["timings_s"].items())
         computed = ", ".join(f"{k} x{v}" for k, v in row["executed"].items()) or "nothing"
         lines.append(f"    stages: {stages}")

@@ -74,3 +74,13 @@ def ggml_type(key: str | int) -> GGMLType:
             f"{', '.join(_BY_NAME)}"
         )
     return found
+
+
+def step_up(name: str) -> str:
+    """One step up the ladder of :data:`ROUTED_TYPES`: the first type after ``name`` in the table
+    with more bits per weight (``iq2_xxs`` → ``q2_0`` → ``iq2_xs`` → ``iq2_s`` → ``q2_k`` →
+    ``iq3_xxs`` → ``iq3_s`` → ``iq4_xs`` → ``iq4_nl``; ``q3_k`` → ``iq4_xs``); the largest
+    types (``iq4_nl``, ``q4_k``) stay as they are."""
+    start = ggml_type(name)
+    later = ROUTED_TYPES[ROUTED_TYPES.index(start) + 1 :]
+    return next((t.name for t in later if t.bits_per_weight > start.bits_per_weight), start.name)

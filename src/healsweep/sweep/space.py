@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from healsweep.cache import canonical_json
 from healsweep.errors import SpecError
-from healsweep.heal.knobs import Knobs
+from healsweep.heal.knobs import Knobs, require_ggml
 from healsweep.results.schema import Q2_0_BPW, Role, knob_columns
 from healsweep.sweep.dimensions import Choices, Range
 from healsweep.sweep.spec import SweepSpec, locate
@@ -51,6 +51,9 @@ def check_space(
     lines = lines or {}
     kind, dimensions = spec.sampler.type, spec.search_space.dimensions()
     written = spec.model_dump()["search_space"]
+    fixed = spec.fixed.model_dump(exclude_unset=True)
+    for values in (spec.baseline.model_dump(), fixed, written):  # ggml types need ggml
+        require_ggml(values)
     for knob, dim in dimensions.items():
         at = locate(where, lines, ("search_space", knob))
         if knob in spec.fixed.model_fields_set:

@@ -34,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from healsweep.bundled import is_bundled
 from healsweep.errors import KnobError, SpecError
 from healsweep.heal.knobs import CalibrationConfig, Knobs, problem
 from healsweep.results.schema import REFERENCES, Role
@@ -125,7 +126,7 @@ class SweepSpec(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     """1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"""
     model: str = "demo"
-    """a GGUF file path or 'demo'"""
+    """a GGUF file path, or a packaged model: 'demo', 'demo-medium-cpu'"""
     corpus: str = "demo"
     """a corpus JSONL path or 'demo'"""
     split: str = "auto"
@@ -298,14 +299,20 @@ def load_spec(path: str | Path, *, check_paths: bool = True) -> SweepSpec:
 _FILES = {"model": "demo", "corpus": "demo", "split": "auto"}  # field -> its value without a file
 
 
+def _named(field: str, value: str) -> bool:
+    """Whether a file field holds a name rather than a path (``demo``, ``auto``, a packaged
+    model such as ``demo-medium-cpu``)."""
+    return value == _FILES[field] or (field == "model" and is_bundled(value))
+
+
 def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
     def resolved(value: str) -> str:
         return value if Path(value).is_absolute() else str((folder / value).resolve())
 
     changes: dict[str, Any] = {
         field: resolved(getattr(spec, field))
-        for field, keep in _FILES.items()
-        if getattr(spec, field) != keep
+        for field in _FILES
+        if not _named(field, getattr(spec, field))
     }
     corpus = spec.calibration.corpus
     if corpus != "demo":
@@ -321,9 +328,9 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
 
 
 def _check_paths(spec: SweepSpec, where: str) -> None:
-    for field, keep in _FILES.items():
+    for field in _FILES:
         value = getattr(spec, field)
-        if value != keep and not Path(value).is_file():
+        if not _named(field, value) and not Path(value).is_file():
             allowed = SweepSpec.model_fields[field].description
             raise SpecError(
                 f"{where}: field '{field}' = {value!r}: no such file; allowed: {allowed}"

@@ -150,11 +150,12 @@ def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
     Refuses (before any trial starts) a model whose experts cannot be quantized and a
     ``scoring.max_context`` that does not fit the model's context."""
     from healsweep.data.split import split_lock_id
-    from healsweep.heal.stages import check_quantizable
+    from healsweep.heal.quantize import check_quantizable
     from healsweep.model import open_model
 
     model = open_model(spec.model)
-    check_quantizable(model)
+    # the baseline's types here; every other trial's when it starts
+    check_quantizable(model, spec.baseline)
     try:
         window_options(spec.scoring, model)
     except SplitError as exc:

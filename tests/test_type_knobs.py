@@ -1,0 +1,216 @@
+"""The routed experts' storage types as knobs: values, per-layer forms, what each stage reads,
+and the one-line refusal when ggml's quantizer is not installed.
+
+Everything here runs without ggml (the default tier has no llama-cpp-python): a knob set that
+names a ggml type is plain data until a knob file, a sweep spec or ``build_student`` takes it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from healsweep.errors import KnobError, SettingError
+from healsweep.heal.knobs import (
+    ADDED_LATER,
+    EXPERT_TYPES,
+    Knobs,
+    LayerTypes,
+    Stage,
+    load_knobs,
+    require_ggml,
+)
+from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type, step_up
+from healsweep.sweep.space import config_hash
+
+TYPE_KNOBS = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
+
+
+def test_type_knobs_at_their_defaults_leave_every_config_hash_unchanged():
+    assert config_hash(Knobs()) == "46a7eedd3d4d3150"  # pinned in test_knobs.py as well
+    assert all(k in ADDED_LATER and k not in Knobs().identity() for k in TYPE_KNOBS)
+    assert Knobs(type_gu="q2_0", type_d="q2_0", up_first=0, layer_types="") == Knobs()
+    assert config_hash(Knobs(type_d="iq2_xs")) != config_hash(Knobs())
+    assert set(EXPERT_TYPES) == {t.name for t in ROUTED_TYPES} and "q2_0" in EXPERT_TYPES
+
+
+def test_type_values_are_validated_with_what_is_allowed():
+    with pytest.raises(KnobError, match=r"^knob 'type_gu' = 'q8_0' is not allowed: expected one "):
+        Knobs(type_gu="q8_0")
+    with pytest.raises(KnobError, match="'up_last' = -1 is not allowed"):
+        Knobs(up_last=-1)
+    with pytest.raises(KnobError, match="'up_first' = True"):
+        Knobs(up_first=True)
+    bad = {
+        "1-iq2_xs": "not LAYER:GU/DOWN",
+        "x:iq2_xs": "'x' is not a layer index",
+        "0:iq2_xs/q2_k/q3_k": "not LAYER:GU/DOWN",
+        "0:iq9": "'iq9' is not a routed-expert type",
+        "1:iq2_xs,1:q2_k": "a layer is listed twice",
+    }
+    for value, why in bad.items():
+        with pytest.raises(KnobError) as info:
+            Knobs(layer_types=value)
+        message = str(info.value)
+        assert "\n" not in message and f"'layer_types' = {value!r}" in message, message
+        assert why in message and "LAYER:GU/DOWN" in message, message
+
+
+def test_layer_types_has_one_spelling_per_allocation():
+    knobs = Knobs(layer_types=" 0 : IQ2_XS / iq3_xxs , -1:q2_k ")
+    assert knobs.layer_types == "0:iq2_xs/iq3_xxs,-1:q2_k/q2_k"
+    assert knobs == Knobs(layer_types="0:iq2_xs/iq3_xxs,-1:q2_k/q2_k")
+    assert config_hash(knobs) == config_hash(Knobs(layer_types="0:iq2_xs/iq3_xxs,-1:q2_k"))
+
+
+def test_the_ladder_steps_to_the_next_type_with_more_bits():
+    for t in ROUTED_TYPES:
+        up = ggml_type(step_up(t.name))
+        later = ROUTED_TYPES[ROUTED_TYPES.index(t) + 1 :]
+        bigger = [u for u in later if u.bits_per_weight > t.bits_per_weight]
+        if bigger:
+            assert up == bigger[0]  # the next one up, skipping a type of the same size
+        else:
+            assert up == t  # the top of the ladder stays
+    assert [step_up(n) for n in ("iq2_xxs", "q2_0", "iq2_xs", "q3_k", "q4_k")] == [
+        "q2_0", "iq2_xs", "iq2_s", "iq4_xs", "q4_k"
+    ]  # fmt: skip
+
+
+def test_each_layer_gets_its_types():
+    moe, n_layer = range(1, 6), 6  # a dense first layer, then five MoE layers
+    knobs = Knobs(type_gu="iq2_xxs", type_d="iq2_xs", up_first=1, up_last=2)
+    base, up = LayerTypes("iq2_xxs", "iq2_xs"), LayerTypes("q2_0", "iq2_s")
+    assert knobs.expert_types(moe, n_layer) == {1: up, 2: base, 3: base, 4: up, 5: up}
+    # overlapping ends step once; layer_types wins over both, negative from the last layer
+    both = knobs.replace(up_first=4, up_last=4, layer_types="3:q4_k/iq1_m,-1:q2_k")
+    assert both.expert_types(moe, n_layer) == {
+        1: up, 2: up, 3: LayerTypes("q4_k", "iq1_m"), 4: up, 5: LayerTypes("q2_k", "q2_k")
+    }  # fmt: skip
+    assert Knobs().expert_types(moe, n_layer) == dict.fromkeys(moe, LayerTypes("q2_0", "q2_0"))
+    for text, why in (("0:iq2_xs", "layer 0 is not a MoE layer"),
+                      ("6:iq2_xs", "layer 6 is not a MoE layer"),
+                      ("5:iq2_xs,-1:q2_k", "entries 5 and -1 both name layer 5")):  # fmt: skip
+        with pytest.raises(KnobError, match=why):
+            Knobs(layer_types=text).expert_types(moe, n_layer)
+
+
+def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
+    knobs = Knobs(quantizer="gptq", gptq_refine=2, importance="act", gain_gu=0.1)
+    assert knobs.for_stage("quantize", group="gu", stored_as="iq2_xs") == {"type": "iq2_xs"}
+    assert knobs.for_stage("quantize", group="gu", stored_as="q2_0") == {
+        "importance": "act", "gain_gu": 0.1, "quantizer": "gptq", "gptq_damp": 0.01,
+        "gptq_refine": 2,
+    }  # fmt: skip
+    assert set(knobs.for_stage("quantize", group="d", stored_as="q2_0")) == {
+        "importance_down", "gain_d", "quantizer", "gptq_damp", "gptq_refine"
+    }  # fmt: skip
+    assert Knobs(quantizer="plain").for_stage("quantize", group="d", stored_as="q2_0") == {
+        "quantizer": "plain"
+    }
+    # the whole model: the default reads what it always read
+    assert Knobs().for_stage("quantize") == {
+        "importance": "norm_proxy", "importance_down": "none", "gain_gu": 0.3, "gain_d": 0.3
+    }  # fmt: skip
+    ggml = Knobs(type_gu="iq2_xs", type_d="iq3_s")
+    assert ggml.for_stage("quantize") == {"type_gu": "iq2_xs", "type_d": "iq3_s"}
+    # the same student, whatever the quantizer knobs say (no K grid for gptq to refine)...
+    twin = ggml.replace(quantizer="gptq", gain_gu=1.5, importance_down="act")
+    assert all(twin.for_stage(s) == ggml.for_stage(s) for s in Stage)
+    assert twin.student_key() == ggml.student_key()  # a sweep scores it once
+    # ...unless some layer may be Q2_0: iq2_xxs steps up to q2_0
+    stepped = Knobs(type_gu="iq2_xxs", type_d="q2_k", up_last=1)
+    assert "gain_gu" in stepped.for_stage("quantize") and "gain_d" not in stepped.for_stage(
+        "quantize"
+    )
+    grid = Knobs(quantizer="gptq", gptq_damp=0.1, gain_d=0.2)  # gptq refines the K grids
+    assert grid.for_stage("quantize", group="d", stored_as="q3_k") == {
+        "type": "q3_k", "quantizer": "gptq", "gptq_damp": 0.1
+    }  # fmt: skip
+    assert grid.for_stage("quantize", group="d", stored_as="iq3_s") == {"type": "iq3_s"}
+    assert grid.replace(type_gu="q2_k", type_d="q2_k").for_stage("quantize") == {
+        "type_gu": "q2_k", "type_d": "q2_k", "quantizer": "gptq", "gptq_damp": 0.1
+    }  # fmt: skip
+    named = Knobs(type_gu="iq2_xs", type_d="q2_k", layer_types="0:iq2_xs/q2_0")
+    assert "gain_d" in named.for_stage("quantize") and "gain_gu" not in named.for_stage("quantize")
+
+
+def test_a_ggml_type_reads_the_trace_and_q2_0_only_for_act_or_gptq():
+    assert not Knobs().uses_activation_statistics("gu")
+    assert Knobs(importance="act").uses_activation_statistics("gu")
+    assert not Knobs(importance="act").uses_activation_statistics("d")
+    assert Knobs(quantizer="gptq").uses_activation_statistics("d")
+    assert not Knobs(quantizer="plain", importance="act").uses_activation_statistics()
+
+
+@pytest.fixture
+def without_ggml(monkeypatch):
+    """ggml's quantizer as on a machine without llama-cpp-python."""
+    from healsweep.gguf_io import _ggml_lib
+
+    _ggml_lib.libggml.cache_clear()
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # find_spec answers None
+    yield
+    monkeypatch.undo()
+    _ggml_lib.libggml.cache_clear()
+
+
+def test_a_ggml_type_without_ggml_fails_in_one_line_at_load(without_ggml, tmp_path):
+    from healsweep.gguf_io._ggml_lib import status_line
+    from healsweep.sweep.spec import spec_from_dict
+
+    knobs = tmp_path / "k.yaml"
+    knobs.write_text("type_d: iq2_xs\n")
+    with pytest.raises(SettingError) as info:
+        load_knobs(knobs)
+    message = str(info.value)
+    assert message == (
+        f"{knobs}: knob type_d = 'iq2_xs' needs ggml's quantizer: llama-cpp-python is not "
+        'installed; install the ggml extra (pip install -e ".[ggml]") to use ggml\'s quantizer'
+    )
+    with pytest.raises(SettingError, match=r"^knob layer_types = '2:q2_0/q3_k' needs ggml's"):
+        require_ggml(Knobs(layer_types="2:q2_0/q3_k").model_dump())
+    with pytest.raises(SettingError, match="^knob type_gu = 'q2_k' needs ggml's quantizer"):
+        spec_from_dict({"name": "x", "search_space": {"type_gu": ["q2_0", "q2_k"]}})
+    with pytest.raises(SettingError, match="^knob up_first = 2 needs ggml's"):
+        require_ggml(Knobs(up_first=2).model_dump())  # q2_0 one step up is iq2_xs
+    require_ggml(Knobs(layer_types="0:q2_0", quantizer="gptq").model_dump())  # all Q2_0: fine
+    (tmp_path / "q2.yaml").write_text("type_d: q2_0\nlayer_types: '1:q2_0'\n")
+    assert load_knobs(tmp_path / "q2.yaml").type_d == "q2_0"
+    assert status_line().startswith("ggml quantizer: absent (llama-cpp-python is not installed")
+
+
+def test_the_cli_refuses_a_ggml_type_in_one_line_in_a_process_that_cannot_find_ggml(tmp_path):
+    # A real process whose import system has no llama_cpp (find_spec answers None there), so
+    # healsweep.gguf_io._ggml_lib finds no library: `healsweep heal` exits 1 with one line, no
+    # traceback, before it opens the model (which does not exist here).
+    knobs = tmp_path / "k.yaml"
+    knobs.write_text("type_gu: iq2_xxs\n")
+    hide = "import sys; sys.modules['llama_cpp'] = None; from healsweep.cli import main; main()"
+    args = ["heal", str(tmp_path / "absent.gguf"), "--knobs", str(knobs), "--out", "o.gguf"]
+    done = subprocess.run([sys.executable, "-c", hide, *args], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        f"error: {knobs}: knob type_gu = 'iq2_xxs' needs ggml's quantizer: llama-cpp-python is "
+        'not installed; install the ggml extra (pip install -e ".[ggml]") to use ggml\'s '
+        "quantizer\n"
+    )
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+@pytest.mark.slow  # a spec that names a ggml type needs ggml's quantizer (the [bench] extra)
+def test_the_grid_drops_points_whose_only_change_a_ggml_typed_group_does_not_read():
+    from healsweep.sweep.space import grid_configs
+    from healsweep.sweep.spec import spec_from_dict
+
+    space = {"type_gu": ["q2_0", "iq2_xs"], "type_d": ["iq2_xs"], "gain_gu": [0.3, 1.0]}
+    configs = grid_configs(spec_from_dict({"name": "x", "search_space": space}))
+    assert [(c.type_gu, c.type_d, c.gain_gu) for c in configs] == [
+        ("q2_0", "q2_0", 0.3),  # the baseline
+        ("q2_0", "iq2_xs", 0.3),
+        ("q2_0", "iq2_xs", 1.0),  # gain_gu acts on the Q2_0 gate and up experts
+        ("iq2_xs", "iq2_xs", 0.3),  # (iq2_xs, 1.0) is this student again: dropped
+    ]
+    assert len({c.student_key() for c in configs}) == len(configs)
