@@ -1,0 +1,274 @@
+"""Error feedback (GPTQ) for ggml's types: each routed expert quantized by ggml, chunk by chunk,
+with each chunk's error fed forward through the expert's input second moment.
+
+Plain ggml quantization with an importance row (what ``llama-quantize --imatrix`` does, and
+:mod:`healsweep.heal.llama_baseline`) sees only ``diag(H_e)``. Here each expert ``e`` gets its
+full ``H_e = Σ x xᵀ`` over its routed calibration tokens (:func:`healsweep.heal.gptq.second_moments`;
+gate/up: the FFN input x, down: the teacher expert's ``h``), damped and factored as
+``(H_e + λ·mean(diag H_e)·I)⁻¹ = uᵀu`` on the host (:func:`healsweep.heal.gptq.inverse_factor`).
+Then, per matrix ``W`` [out, in], the input dimension is walked in chunks ``S`` of ``chunk``
+columns (a multiple of the type's block; 256 = one super-block):
+
+``method="block"`` (every type): ggml quantizes the chunk's columns of the error-updated ``W``
+for all rows (``ggml_quantize_chunk`` with an importance row for the chunk, see below), its
+to_float decodes them to ``Q_S``, and the chunk's error is fed to the columns not yet quantized
+by GPTQ's block update ``W_R −= (W_S − Q_S)·u_SS⁻¹·u_SR`` (the least-squares optimal re-fit of
+``W_R`` given the fixed ``Q_S``; with a column-wise in-chunk step it is GPTQ's lazy batch update
+exactly). Superblocks are quantized independently by ggml, so the bytes are laid out exactly as
+ggml's quantizer lays out a whole row.
+
+``method="column"`` (Q2_K, Q3_K): as ``block``, but inside the chunk the sub-block scales and
+mins ggml chose for the error-updated weights are kept (read from its bytes,
+:mod:`healsweep.heal.ggml_kgrid`) and the columns are rounded one by one onto that fixed grid,
+each column's error ``(w_j − q_j)/u_jj`` subtracted from the chunk's later columns through row
+``j`` of ``u`` (GPTQ proper); the codes are packed back into ggml's bytes.
+
+``chunk_importance`` is the importance row ggml gets for a chunk: ``conditional`` (default)
+``diag((u_SSᵀu_SS)⁻¹)``, the diagonal of the metric GPTQ's objective puts on the chunk's error
+once later columns re-fit (the Schur complement of the not-yet-quantized columns); ``hessian``
+the damped ``diag(H_e)`` slice; ``imatrix`` the caller's importance row (the calibration
+``E[x²]``/``E[h²]`` that plain ggml gets). With ``H = c·I`` nothing propagates and ``block``
+is chunk-by-chunk ggml quantization with that row (``column`` too: ggml's final Q2_K/Q3_K codes
+are the nearest on its own grid).
+
+With rows of 256 (one chunk per row) ``block`` cannot feed anything forward: it is plain ggml
+with the chunk's importance row; only ``column`` then acts.
+
+Interface for the heal stages (mirrors :func:`healsweep.heal.gptq.quantize_experts`):
+:func:`quantize_experts_ef` (stacks that share an input, gate and up: one ``H_e`` and one factor
+serve both) and :func:`quantize_stack_ef` (one stack) return ggml's stored bytes
+``uint8 [E, out, row_bytes]`` for every expert of the stack; experts not in ``experts`` (fewer
+than ``min_tokens_per_expert`` routed tokens) and those whose damped ``H`` does not factor are
+quantized by plain ggml with their importance row, as ``baseline llama --imatrix-from-calibration``
+does. Host code: ggml's quantizer runs on the CPU; the per-expert work runs in a thread pool
+(ggml's quantizer and numpy's products release the GIL); ``second_moments`` runs on the JAX
+device.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from healsweep.errors import KnobError
+from healsweep.heal import ggml_kgrid
+from healsweep.heal.gptq import inverse_factor, second_moments
+from healsweep.kernels.ggml_types import GGMLType, ggml_type
+
+METHODS = ("block", "column")
+CHUNK_IMPORTANCE = ("conditional", "hessian", "imatrix")
+GROUP = 8  # experts whose [n, n] second moments and factors are held at once
+
+
+class Factor(NamedTuple):
+    """What error feedback needs of one damped ``H`` [n, n] at one chunk width."""
+
+    diagonal: list[np.ndarray]  # per chunk, u's diagonal block [c, c] float32 (upper)
+    update: np.ndarray  # [n, n] float32: u_SS⁻¹·u_SR right of each chunk S, zero elsewhere
+    conditional: np.ndarray  # [n] float32: diag((u_SSᵀ u_SS)⁻¹) per chunk
+    hessian: np.ndarray  # [n] float32: the damped diag(H)
+
+
+def feedback_factor(u: np.ndarray, hessian_diag: np.ndarray, chunk: int) -> Factor:
+    """:class:`Factor` of the upper ``u`` [n, n] (``uᵀu = H⁻¹`` damped) and the damped
+    ``diag(H)`` [n], for chunks of ``chunk`` columns (host, float64 inside)."""
+    from scipy.linalg import solve_triangular
+
+    n = u.shape[0]
+    u64 = np.asarray(u, np.float64)
+    update = np.zeros((n, n), np.float32)
+    conditional = np.zeros(n, np.float32)
+    diagonal = []
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        inverse = solve_triangular(u64[a:b, a:b], np.eye(b - a), lower=False)  # u_SS⁻¹, upper
+        conditional[a:b] = np.einsum("ij,ij->i", inverse, inverse)  # diag(u_SS⁻¹ u_SS⁻ᵀ)
+        if b < n:
+            update[a:b, b:] = inverse @ u64[a:b, b:]
+        diagonal.append(np.asarray(u[a:b, a:b], np.float32))
+    return Factor(diagonal, update, conditional, np.asarray(hessian_diag, np.float32))
+
+
+def check_options(qtype: int | str, method: str, chunk: int, chunk_importance: str) -> GGMLType:
+    """The :class:`GGMLType` of ``qtype``; raises :class:`KnobError` for an option that does not
+    apply to it."""
+    found = ggml_type(qtype)
+    if method not in METHODS:
+        raise KnobError(f"error feedback method {method!r} is unknown; choose one of {METHODS}")
+    if method == "column" and found.ggml_id not in ggml_kgrid.K_TYPES:
+        raise KnobError(
+            f"column-wise error feedback needs a Q2_K or Q3_K grid, not {found.name}; "
+            "use method 'block' for that type"
+        )
+    if chunk <= 0 or chunk % found.block_weights:
+        raise KnobError(
+            f"error feedback chunk {chunk} is not a positive multiple of the {found.name} block "
+            f"of {found.block_weights} weights"
+        )
+    if chunk_importance not in CHUNK_IMPORTANCE:
+        raise KnobError(
+            f"chunk importance {chunk_importance!r} is unknown; choose one of {CHUNK_IMPORTANCE}"
+        )
+    return found
+
+
+def _column_feedback(
+    ws: np.ndarray, raw: np.ndarray, u_ss: np.ndarray, qtype: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ column by column on the grid of ggml's bytes ``raw`` [out, chunk bytes] of the chunk
+    ``ws`` [out, c]: returns the re-packed bytes and their values [out, c]."""
+    step, offset = ggml_kgrid.grid(raw, qtype)  # [out, c] each
+    work = ws.copy()
+    new_codes = np.empty(ws.shape, np.int32)
+    for j in range(ws.shape[1]):
+        column = work[:, j]
+        q = ggml_kgrid.round_to_grid(column, step[:, j], offset[:, j], qtype)
+        error = (column - ggml_kgrid.grid_values(step[:, j], offset[:, j], q)) / u_ss[j, j]
+        work[:, j + 1 :] -= error[:, None] * u_ss[j, j + 1 :][None, :]
+        new_codes[:, j] = q
+    return ggml_kgrid.pack_codes(raw, new_codes, qtype), ggml_kgrid.grid_values(
+        step, offset, new_codes
+    )
+
+
+def quantize_matrix(
+    w: np.ndarray,
+    qtype: int | str,
+    factor: Factor,
+    importance: np.ndarray | None = None,
+    *,
+    method: str = "block",
+    chunk: int = 256,
+    chunk_importance: str = "conditional",
+) -> np.ndarray:
+    """Error-feedback quantization of one matrix ``w`` [out, in] to ggml type ``qtype`` with the
+    :func:`feedback_factor` of its damped ``H`` (made at this ``chunk``); ``importance`` [in]
+    is the caller's row (needed for ``chunk_importance="imatrix"``). Returns ggml's stored
+    bytes uint8 [out, row_bytes]."""
+    from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
+
+    kind = check_options(qtype, method, chunk, chunk_importance)
+    rows = np.array(w, np.float32)  # the error-updated weights
+    n_out, n_in = rows.shape
+    out = np.empty((n_out, kind.row_bytes(n_in)), np.uint8)
+    for index, a in enumerate(range(0, n_in, chunk)):
+        b = min(a + chunk, n_in)
+        ws = rows[:, a:b]
+        if chunk_importance == "imatrix":
+            if importance is None:
+                raise ValueError("quantize_matrix: chunk_importance 'imatrix' needs importance")
+            row = importance[a:b]
+        else:
+            row = getattr(factor, chunk_importance)[a:b]
+        raw = quantize_rows(ws, kind.ggml_id, row)
+        if method == "column":
+            raw, values = _column_feedback(ws, raw, factor.diagonal[index], kind.ggml_id)
+        else:
+            values = dequantize_rows(raw, kind.ggml_id, b - a)
+        first = a // kind.block_weights * kind.block_bytes
+        out[:, first : first + raw.shape[1]] = raw
+        if b < n_in:
+            rows[:, b:] -= (ws - values) @ factor.update[a:b, b:]
+    return out
+
+
+def h_weighted_error(w, q, h) -> np.ndarray:
+    """``tr((W_e − Q_e) H_e (W_e − Q_e)ᵀ)`` per matrix of ``w``, ``q`` [E, out, in] and ``h``
+    [E, in, in]: float64 [E] (host)."""
+    delta = np.asarray(w, np.float64) - np.asarray(q, np.float64)
+    return np.einsum("eoi,eij,eoj->e", delta, np.asarray(h, np.float64), delta, optimize=True)
+
+
+def quantize_experts_ef(
+    stacks: Sequence[Any],
+    qtype: int | str,
+    x: np.ndarray,
+    ids: np.ndarray,
+    experts: np.ndarray,
+    damp: float,
+    importance: np.ndarray,
+    gate_up: tuple | None = None,
+    *,
+    method: str = "block",
+    chunk: int = 256,
+    chunk_importance: str = "conditional",
+    workers: int | None = None,
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """ggml type ``qtype`` of every expert of each stack [E, out, in] of ``stacks`` (stacks that
+    read one input, as gate and up do), with error feedback for the ``experts`` (ids of those
+    with enough routed tokens) over their ``H_e`` from ``x`` [T, D] and ``ids`` [T, k] (with
+    ``gate_up = (Wg, Wu)`` [E, F, D]: the teacher's hidden ``h``, for down), damped by ``damp``.
+
+    ``importance`` [E, in] is each expert's plain ggml importance row (the calibration imatrix):
+    the row of every expert quantized without feedback, and the chunk row when
+    ``chunk_importance="imatrix"``. Returns per stack uint8 [E, out, row_bytes] (ggml's layout)
+    and ``fed`` [E] bool: which experts got error feedback (the rest: plain ggml).
+    """
+    from healsweep.heal.llama_baseline import quantize_expert_stack
+
+    kind = check_options(qtype, method, chunk, chunk_importance)
+    n_expert, _, n_in = stacks[0].shape
+    importance = np.asarray(importance, np.float32)
+    outs = [np.empty((n_expert, w.shape[1], kind.row_bytes(n_in)), np.uint8) for w in stacks]
+    fed = np.zeros(n_expert, bool)
+    experts = np.asarray(experts, np.int64)
+    pool = ThreadPoolExecutor(max_workers=workers or min(GROUP, os.cpu_count() or 1))
+    with pool:
+        for a in range(0, len(experts), GROUP):
+            group = experts[a : a + GROUP]
+            h = second_moments(x, ids, group, gate_up)  # [G, n, n]
+            u, ok = inverse_factor(h, damp)
+            diag = np.einsum("gii->gi", h).astype(np.float64)
+            diag += damp * diag.mean(axis=1, keepdims=True)  # the diagonal of gptq.damped(h)
+            weights = [np.asarray(w[group], np.float32) for w in stacks]  # [G, out, in]
+
+            def one(g: int, u=u, diag=diag, weights=weights, group=group) -> list[np.ndarray]:
+                factor = feedback_factor(u[g], diag[g], chunk)
+                return [
+                    quantize_matrix(
+                        w[g],
+                        kind.ggml_id,
+                        factor,
+                        importance[group[g]],
+                        method=method,
+                        chunk=chunk,
+                        chunk_importance=chunk_importance,
+                    )  # fmt: skip
+                    for w in weights
+                ]
+
+            done = np.nonzero(ok)[0]
+            for g, found in zip(done, pool.map(one, done), strict=True):
+                for out, raw in zip(outs, found, strict=True):
+                    out[group[g]] = raw
+            fed[group[done]] = True
+    plain = np.nonzero(~fed)[0]
+    if len(plain):
+        for w, out in zip(stacks, outs, strict=True):
+            out[plain] = quantize_expert_stack(
+                np.asarray(w[plain], np.float32), kind.ggml_id, importance[plain]
+            )
+    return outs, fed
+
+
+def quantize_stack_ef(
+    weights,
+    qtype: int | str,
+    x: np.ndarray,
+    ids: np.ndarray,
+    experts: np.ndarray,
+    damp: float,
+    importance: np.ndarray,
+    gate_up: tuple | None = None,
+    **options: Any,
+) -> np.ndarray:
+    """:func:`quantize_experts_ef` of one stack ``weights`` [E, out, in]: uint8 [E, out,
+    row_bytes] (``options``: ``method``, ``chunk``, ``chunk_importance``, ``workers``)."""
+    outs, _ = quantize_experts_ef(
+        [weights], qtype, x, ids, experts, damp, importance, gate_up, **options
+    )
+    return outs[0]
