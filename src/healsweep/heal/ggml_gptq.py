@@ -32,7 +32,16 @@ is chunk-by-chunk ggml quantization with that row (``column`` too: ggml's final 
 are the nearest on its own grid).
 
 With rows of 256 (one chunk per row) ``block`` cannot feed anything forward: it is plain ggml
-with the chunk's importance row; only ``column`` then acts.
+with the chunk's importance row; only ``column`` and ``rounds`` then act.
+
+``rounds`` (``block`` only; default 0): in-chunk refinement for the grids healsweep does not
+re-round itself. ggml sees a diagonal importance, so inside a chunk its answer ignores the
+off-diagonal part of the chunk's metric ``M_S = (u_SSᵀu_SS)⁻¹``. Each round has ggml quantize
+the chunk again, toward ``W_S − β·(E − E·u_SS⁻¹·diag(u_SS))`` (``E = W_S − Q_S`` the current
+error, β = :data:`REFINE_STEP`; at β = 1 this is what column-wise GPTQ would round at each column
+had it made the current decisions, and the iteration oscillates), and every row keeps the bytes
+of lowest ``‖E·u_SS⁻¹‖²`` (its share of the objective once later columns re-fit): no row ends
+above ggml's first answer on the calibration ``H``. It is a search, not GPTQ: measure it held out.
 
 Interface for the heal stages (mirrors :func:`healsweep.heal.gptq.quantize_experts`):
 :func:`quantize_experts_ef` (stacks that share an input, gate and up: one ``H_e`` and one factor
@@ -62,12 +71,14 @@ from healsweep.kernels.ggml_types import GGMLType, ggml_type
 METHODS = ("block", "column")
 CHUNK_IMPORTANCE = ("conditional", "hessian", "imatrix")
 GROUP = 8  # experts whose [n, n] second moments and factors are held at once
+REFINE_STEP = 0.5  # fraction of the GPTQ-consistent correction each refinement round takes
 
 
 class Factor(NamedTuple):
     """What error feedback needs of one damped ``H`` [n, n] at one chunk width."""
 
     diagonal: list[np.ndarray]  # per chunk, u's diagonal block [c, c] float32 (upper)
+    inverse: list[np.ndarray]  # per chunk, u_SS⁻¹ [c, c] float32 (upper): the chunk's metric
     update: np.ndarray  # [n, n] float32: u_SS⁻¹·u_SR right of each chunk S, zero elsewhere
     conditional: np.ndarray  # [n] float32: diag((u_SSᵀ u_SS)⁻¹) per chunk
     hessian: np.ndarray  # [n] float32: the damped diag(H)
@@ -82,7 +93,7 @@ def feedback_factor(u: np.ndarray, hessian_diag: np.ndarray, chunk: int) -> Fact
     u64 = np.asarray(u, np.float64)
     update = np.zeros((n, n), np.float32)
     conditional = np.zeros(n, np.float32)
-    diagonal = []
+    diagonal, inverses = [], []
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
         inverse = solve_triangular(u64[a:b, a:b], np.eye(b - a), lower=False)  # u_SS⁻¹, upper
@@ -90,13 +101,22 @@ def feedback_factor(u: np.ndarray, hessian_diag: np.ndarray, chunk: int) -> Fact
         if b < n:
             update[a:b, b:] = inverse @ u64[a:b, b:]
         diagonal.append(np.asarray(u[a:b, a:b], np.float32))
-    return Factor(diagonal, update, conditional, np.asarray(hessian_diag, np.float32))
+        inverses.append(inverse.astype(np.float32))
+    hessian = np.asarray(hessian_diag, np.float32)
+    return Factor(diagonal, inverses, update, conditional, hessian)
 
 
-def check_options(qtype: int | str, method: str, chunk: int, chunk_importance: str) -> GGMLType:
+def check_options(
+    qtype: int | str, method: str, chunk: int, chunk_importance: str, rounds: int = 0
+) -> GGMLType:
     """The :class:`GGMLType` of ``qtype``; raises :class:`KnobError` for an option that does not
     apply to it."""
     found = ggml_type(qtype)
+    if rounds < 0 or (rounds and method != "block"):
+        raise KnobError(
+            f"error feedback rounds {rounds}: a count >= 0, and only for method 'block' "
+            "(column-wise feedback has no ggml re-quantization to refine)"
+        )
     if method not in METHODS:
         raise KnobError(f"error feedback method {method!r} is unknown; choose one of {METHODS}")
     if method == "column" and found.ggml_id not in ggml_kgrid.K_TYPES:
@@ -135,6 +155,29 @@ def _column_feedback(
     )
 
 
+def _refine_chunk(ws, raw, values, inverse, diagonal, row, qtype: int, rounds: int):
+    """``rounds`` re-quantizations by ggml of the chunk ``ws`` [out, c] toward the
+    GPTQ-consistent target, each row keeping its bytes of lowest chunk objective
+    ``‖(ws − Q)·u_SS⁻¹‖²``; returns ``(raw, values)`` of the best rows."""
+    from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
+
+    scale = np.diag(diagonal)[None, :]  # diag(u_SS)
+
+    def objective(values: np.ndarray) -> np.ndarray:
+        return np.square((ws - values) @ inverse).sum(axis=1)
+
+    best, found = objective(values), values
+    for _ in range(rounds):
+        error = ws - found
+        target = ws - REFINE_STEP * (error - (error @ inverse) * scale)
+        candidate = quantize_rows(target, qtype, row)
+        found = dequantize_rows(candidate, qtype, ws.shape[1])
+        score = objective(found)
+        better = score < best
+        raw[better], values[better], best[better] = candidate[better], found[better], score[better]
+    return raw, values
+
+
 def quantize_matrix(
     w: np.ndarray,
     qtype: int | str,
@@ -144,14 +187,16 @@ def quantize_matrix(
     method: str = "block",
     chunk: int = 256,
     chunk_importance: str = "conditional",
+    rounds: int = 0,
 ) -> np.ndarray:
     """Error-feedback quantization of one matrix ``w`` [out, in] to ggml type ``qtype`` with the
     :func:`feedback_factor` of its damped ``H`` (made at this ``chunk``); ``importance`` [in]
-    is the caller's row (needed for ``chunk_importance="imatrix"``). Returns ggml's stored
-    bytes uint8 [out, row_bytes]."""
+    is the caller's row (needed for ``chunk_importance="imatrix"``); ``rounds`` of in-chunk
+    refinement (``block`` only, see the module docstring). Returns ggml's stored bytes uint8
+    [out, row_bytes]."""
     from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 
-    kind = check_options(qtype, method, chunk, chunk_importance)
+    kind = check_options(qtype, method, chunk, chunk_importance, rounds)
     rows = np.array(w, np.float32)  # the error-updated weights
     n_out, n_in = rows.shape
     out = np.empty((n_out, kind.row_bytes(n_in)), np.uint8)
@@ -169,6 +214,11 @@ def quantize_matrix(
             raw, values = _column_feedback(ws, raw, factor.diagonal[index], kind.ggml_id)
         else:
             values = dequantize_rows(raw, kind.ggml_id, b - a)
+        if rounds:
+            raw, values = _refine_chunk(
+                ws, raw, values, factor.inverse[index], factor.diagonal[index], row,
+                kind.ggml_id, rounds,
+            )  # fmt: skip
         first = a // kind.block_weights * kind.block_bytes
         out[:, first : first + raw.shape[1]] = raw
         if b < n_in:
@@ -196,6 +246,7 @@ def quantize_experts_ef(
     method: str = "block",
     chunk: int = 256,
     chunk_importance: str = "conditional",
+    rounds: int = 0,
     workers: int | None = None,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """ggml type ``qtype`` of every expert of each stack [E, out, in] of ``stacks`` (stacks that
@@ -210,7 +261,7 @@ def quantize_experts_ef(
     """
     from healsweep.heal.llama_baseline import quantize_expert_stack
 
-    kind = check_options(qtype, method, chunk, chunk_importance)
+    kind = check_options(qtype, method, chunk, chunk_importance, rounds)
     n_expert, _, n_in = stacks[0].shape
     importance = np.asarray(importance, np.float32)
     outs = [np.empty((n_expert, w.shape[1], kind.row_bytes(n_in)), np.uint8) for w in stacks]
@@ -237,6 +288,7 @@ def quantize_experts_ef(
                         method=method,
                         chunk=chunk,
                         chunk_importance=chunk_importance,
+                        rounds=rounds,
                     )  # fmt: skip
                     for w in weights
                 ]
@@ -267,7 +319,8 @@ def quantize_stack_ef(
     **options: Any,
 ) -> np.ndarray:
     """:func:`quantize_experts_ef` of one stack ``weights`` [E, out, in]: uint8 [E, out,
-    row_bytes] (``options``: ``method``, ``chunk``, ``chunk_importance``, ``workers``)."""
+    row_bytes] (``options``: ``method``, ``chunk``, ``chunk_importance``, ``rounds``,
+    ``workers``)."""
     outs, _ = quantize_experts_ef(
         [weights], qtype, x, ids, experts, damp, importance, gate_up, **options
     )
