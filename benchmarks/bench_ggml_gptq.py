@@ -19,7 +19,7 @@ summed over gate, up and down (``T`` the tokens of the set, so the two sets are 
 - ``block/<importance>``: :func:`healsweep.heal.ggml_gptq.quantize_experts_ef`, ``method="block"``
   with that chunk importance (conditional, hessian, imatrix);
 - ``block/conditional+N``: the same with ``rounds=N`` of in-chunk refinement;
-- ``column``: ``method="column"`` (Q2_K, Q3_K), conditional importance.
+- ``column``: ``method="column"`` (Q2_K, Q3_K, IQ2_XXS, IQ2_XS), conditional importance.
 
 Error feedback is fitted on the calibration tokens only. Seconds are wall time per layer (all
 three projections) on this machine, second moments and factorizations included.
@@ -111,7 +111,7 @@ def layer_table(model, layer, cal, held, types, methods, damp, min_tokens):
         kind = ggml_type(name)
         row = {}
         for method in methods:
-            if method == "column" and kind.ggml_id not in (10, 11):
+            if method == "column" and kind.ggml_id not in ggml_gptq.COLUMN_GRIDS:
                 continue
             cal_err = held_err = seconds = 0.0
             for _names, stacks, gate_up, h_cal, h_held, imp in groups:

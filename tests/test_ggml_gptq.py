@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from healsweep.errors import KnobError
-from healsweep.heal import ggml_gptq, ggml_kgrid
+from healsweep.heal import ggml_gptq, ggml_iqgrid, ggml_kgrid
 from healsweep.heal.gptq import inverse_factor
 from healsweep.kernels.ggml_decode import decode_rows
 
@@ -77,6 +77,69 @@ def test_round_to_grid_is_the_nearest_code(qtype):
     np.testing.assert_allclose(chosen, best, rtol=0, atol=1e-6 * np.abs(step).max())
 
 
+IQ2_TYPES = (int(T.IQ2_XXS), int(T.IQ2_XS))
+
+
+def random_iq2_rows(qtype: int, rows: int, blocks: int, rng) -> np.ndarray:
+    """Random IQ2_XXS/IQ2_XS rows with finite fp16 ``d`` of ordinary size (any other bytes are
+    valid: every index names a grid row, every 7 sign bits a mask)."""
+    size = ggml_iqgrid.IQ_TYPES[qtype][1]
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    raw[..., 0:2] = rng.uniform(0.001, 0.01, (rows, blocks, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, blocks * size)
+
+
+def choose_all(raw, qtype, targets, omega):
+    """Every group of ``targets`` [rows, n] chosen on ``raw``'s scales: (bytes, values)."""
+    grid = ggml_iqgrid.IQ2Grid(raw, qtype)
+    groups = range(targets.shape[1] // 8)
+    values = [grid.round(g, targets[:, 8 * g : 8 * g + 8], omega) for g in groups]
+    return grid.packed(), np.concatenate(values, axis=1)
+
+
+@pytest.mark.parametrize("qtype", IQ2_TYPES, ids=["iq2_xxs", "iq2_xs"])
+def test_iq2_grid_rechoosing_stored_values_gives_back_the_bytes(qtype):
+    rng = np.random.default_rng(30 + qtype)
+    raw = random_iq2_rows(qtype, 5, 2, rng)
+    stored = np.asarray(dequantize(raw, T(qtype)), np.float32)
+    packed, values = choose_all(raw, qtype, stored, np.ones(8))
+    np.testing.assert_array_equal(packed, raw)
+    np.testing.assert_array_equal(values, stored)
+
+
+@pytest.mark.parametrize("qtype", IQ2_TYPES, ids=["iq2_xxs", "iq2_xs"])
+def test_iq2_grid_choices_decode_as_gguf_py_and_the_graph(qtype):
+    rng = np.random.default_rng(40 + qtype)
+    raw = random_iq2_rows(qtype, 6, 2, rng)
+    targets = rng.normal(0, 0.15, (6, 512)).astype(np.float32)
+    packed, values = choose_all(raw, qtype, targets, rng.uniform(0.2, 3, 8))
+    np.testing.assert_array_equal(dequantize(packed, T(qtype)), values)
+    np.testing.assert_array_equal(np.asarray(decode_rows(packed, qtype, 512)), values)
+    size = ggml_iqgrid.IQ_TYPES[qtype][1]
+    scales = slice(66, 74) if qtype == int(T.IQ2_XS) else slice(0, 2)  # IQ2_XXS: scale in words
+    np.testing.assert_array_equal(packed.reshape(6, 2, size)[..., scales],
+                                  raw.reshape(6, 2, size)[..., scales])  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype", IQ2_TYPES, ids=["iq2_xxs", "iq2_xs"])
+def test_iq2_group_choice_is_the_weighted_optimum(qtype):
+    """Brute force in float64 over every grid row and every even-parity sign mask."""
+    rng = np.random.default_rng(50 + qtype)
+    raw = random_iq2_rows(qtype, 12, 1, rng)
+    grid = ggml_iqgrid.IQ2Grid(raw, qtype)
+    table = ggml_iqgrid.grid_table(qtype).astype(np.float64)
+    masks = np.array([m for m in range(256) if bin(m).count("1") % 2 == 0])
+    signs = np.where((masks[:, None] >> np.arange(8)) & 1, -1.0, 1.0)  # [128, 8]
+    omega = rng.uniform(0.2, 3, 8)
+    for g in (0, 5, 31):
+        target = rng.normal(0, 0.15, (12, 8)).astype(np.float32)
+        got = grid.round(g, target, omega).astype(np.float64)
+        got_cost = ((target - got) ** 2 * omega).sum(axis=1)
+        every = grid.scale[:, g, None, None, None] * table[None, :, None, :] * signs[None, None]
+        best = ((target[:, None, None, :] - every) ** 2 * omega).sum(axis=-1).min(axis=(1, 2))
+        np.testing.assert_allclose(got_cost, best, rtol=1e-5, atol=1e-12)
+
+
 def random_spd(n: int, rng) -> np.ndarray:
     x = rng.standard_normal((3 * n, n)) @ (np.eye(n) + 0.3 * rng.standard_normal((n, n)))
     return (x.T @ x).astype(np.float32)
@@ -107,8 +170,9 @@ def test_feedback_factor_is_the_obs_update_and_the_schur_complement():
 def test_options_that_do_not_apply_are_one_line_knob_errors():
     ggml_gptq.check_options("iq2_xs", "block", 512, "conditional")
     ggml_gptq.check_options("q3_k", "column", 256, "imatrix")
-    with pytest.raises(KnobError, match="Q2_K or Q3_K"):
-        ggml_gptq.check_options("iq2_xs", "column", 256, "conditional")
+    ggml_gptq.check_options("iq2_xxs", "column", 256, "conditional")
+    with pytest.raises(KnobError, match="IQ2_XS grid, not iq3_xxs"):
+        ggml_gptq.check_options("iq3_xxs", "column", 256, "conditional")
     with pytest.raises(KnobError, match="multiple of the iq2_xs block"):
         ggml_gptq.check_options("iq2_xs", "block", 128, "conditional")
     with pytest.raises(KnobError, match="not a routed-expert type"):
@@ -165,11 +229,12 @@ def test_error_feedback_beats_plain_ggml_on_a_correlated_h(qtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", ["q2_k", "q3_k"])
-def test_column_feedback_on_the_k_grid_beats_block_feedback(qtype):
+@pytest.mark.parametrize("qtype", ["q2_k", "q3_k", "iq2_xxs", "iq2_xs"])
+def test_column_feedback_on_the_grid_beats_block_feedback(qtype):
+    """Over three seeds at least 8% below block-wise feedback (17-34% below on these problems)."""
     column = [ef_and_plain(qtype, seed, method="column")[0] for seed in range(3)]
     block = [ef_and_plain(qtype, seed)[0] for seed in range(3)]
-    assert sum(column) < 0.97 * sum(block), np.round(np.divide(column, block), 3)
+    assert sum(column) < 0.92 * sum(block), np.round(np.divide(column, block), 3)
 
 
 @pytest.mark.slow
@@ -178,7 +243,7 @@ def test_stored_bytes_decode_alike_in_gguf_py_ggml_and_the_graph(qtype):
     from healsweep.gguf_io._ggml_lib import dequantize_rows
 
     kind = ggml_gptq.ggml_type(qtype)
-    methods = ("block", "column") if kind.ggml_id in K_TYPES else ("block",)
+    methods = ("block", "column") if kind.ggml_id in ggml_gptq.COLUMN_GRIDS else ("block",)
     for method in methods:
         _, _, raw = ef_and_plain(qtype, 5, method=method)
         assert raw.shape == (32, kind.row_bytes(512)) and raw.dtype == np.uint8
@@ -214,6 +279,29 @@ def test_a_scaled_identity_h_is_chunk_by_chunk_ggml(qtype):
                     w, qtype, factor, imatrix, method=method, chunk=chunk, chunk_importance=mode
                 )
                 np.testing.assert_array_equal(got, quantize_rows(w, kind.ggml_id, row))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["iq2_xxs", "iq2_xs"])
+def test_a_scaled_identity_h_rechooses_iq2_groups_at_most_ggmls_error(qtype):
+    """H = c·I: column-wise feedback keeps ggml's scales and picks each group's exact optimum
+    under the flat metric, so no row's error exceeds ggml's answer's, and the total is lower
+    (ggml searches its grid's neighbours with its own weights)."""
+    from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
+
+    kind = ggml_gptq.ggml_type(qtype)
+    w, _ = correlated_problem(8, n_in=512)
+    c, damp = 2.0, 0.05
+    u, _ = inverse_factor(np.eye(512, dtype=np.float32)[None] * c, damp)
+    factor = ggml_gptq.feedback_factor(u[0], np.full(512, c * (1 + damp)), 256)
+    raw = ggml_gptq.quantize_matrix(w, qtype, factor, method="column")
+    ggml = quantize_rows(w, kind.ggml_id, factor.conditional)
+    ours, theirs = (
+        np.square(w - dequantize_rows(r, kind.ggml_id, 512)).sum(1) for r in (raw, ggml)
+    )
+    assert np.all(ours <= theirs * (1 + 1e-6)), (ours / theirs).max()
+    assert ours.sum() < theirs.sum()
+    np.testing.assert_array_equal(raw[:, :2], ggml[:, :2])  # the first super-block's d kept
 
 
 def routed_problem(seed: int, n_expert: int = 4, n_in: int = 512, tokens: int = 600):

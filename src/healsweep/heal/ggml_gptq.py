@@ -17,19 +17,22 @@ by GPTQ's block update ``W_R −= (W_S − Q_S)·u_SS⁻¹·u_SR`` (the least-sq
 exactly). Superblocks are quantized independently by ggml, so the bytes are laid out exactly as
 ggml's quantizer lays out a whole row.
 
-``method="column"`` (Q2_K, Q3_K): as ``block``, but inside the chunk the sub-block scales and
-mins ggml chose for the error-updated weights are kept (read from its bytes,
-:mod:`healsweep.heal.ggml_kgrid`) and the columns are rounded one by one onto that fixed grid,
-each column's error ``(w_j − q_j)/u_jj`` subtracted from the chunk's later columns through row
-``j`` of ``u`` (GPTQ proper); the codes are packed back into ggml's bytes.
+``method="column"`` (Q2_K, Q3_K, IQ2_XXS, IQ2_XS): as ``block``, but inside the chunk the scales
+(and Q2_K's mins) ggml chose for the error-updated weights are kept, read from its bytes, and the
+chunk is re-rounded onto that fixed grid group by group, GPTQ proper: a group of ``k`` columns
+(``k = 1`` on the K grids, :mod:`healsweep.heal.ggml_kgrid`; ``k = 8``, one grid row with its
+signs, on the IQ2 grids, :mod:`healsweep.heal.ggml_iqgrid`) is chosen under the diagonal of its
+conditional metric ``(u_ggᵀu_gg)⁻¹``, and its error ``E_g`` updates the chunk's later columns by
+``E_g·u_gg⁻¹·u_g,later``. The new codes are packed back into ggml's bytes.
 
 ``chunk_importance`` is the importance row ggml gets for a chunk: ``conditional`` (default)
 ``diag((u_SSᵀu_SS)⁻¹)``, the diagonal of the metric GPTQ's objective puts on the chunk's error
 once later columns re-fit (the Schur complement of the not-yet-quantized columns); ``hessian``
 the damped ``diag(H_e)`` slice; ``imatrix`` the caller's importance row (the calibration
 ``E[x²]``/``E[h²]`` that plain ggml gets). With ``H = c·I`` nothing propagates and ``block``
-is chunk-by-chunk ggml quantization with that row (``column`` too: ggml's final Q2_K/Q3_K codes
-are the nearest on its own grid).
+is chunk-by-chunk ggml quantization with that row (``column`` too on Q2_K/Q3_K, whose final codes
+ggml picks as the nearest on its own grid; on IQ2 ``column`` then picks each group's exact
+optimum on ggml's scales, never worse per row than ggml's neighbour search).
 
 With rows of 256 (one chunk per row) ``block`` cannot feed anything forward: it is plain ggml
 with the chunk's importance row; only ``column`` and ``rounds`` then act.
@@ -64,13 +67,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from healsweep.errors import KnobError
-from healsweep.heal import ggml_kgrid
+from healsweep.heal import ggml_iqgrid, ggml_kgrid
 from healsweep.heal.gptq import inverse_factor, second_moments
 from healsweep.kernels.ggml_types import GGMLType, ggml_type
 
 METHODS = ("block", "column")
 CHUNK_IMPORTANCE = ("conditional", "hessian", "imatrix")
 GROUP = 8  # experts whose [n, n] second moments and factors are held at once
+COLUMN_GRIDS = {
+    **dict.fromkeys(ggml_kgrid.K_TYPES, ggml_kgrid.KGrid),
+    **dict.fromkeys(ggml_iqgrid.IQ_TYPES, ggml_iqgrid.IQ2Grid),
+}  # ggml id -> the grid that column-wise feedback re-rounds on
 REFINE_STEP = 0.5  # fraction of the GPTQ-consistent correction each refinement round takes
 
 
@@ -119,10 +126,10 @@ def check_options(
         )
     if method not in METHODS:
         raise KnobError(f"error feedback method {method!r} is unknown; choose one of {METHODS}")
-    if method == "column" and found.ggml_id not in ggml_kgrid.K_TYPES:
+    if method == "column" and found.ggml_id not in COLUMN_GRIDS:
         raise KnobError(
-            f"column-wise error feedback needs a Q2_K or Q3_K grid, not {found.name}; "
-            "use method 'block' for that type"
+            f"column-wise error feedback needs a Q2_K, Q3_K, IQ2_XXS or IQ2_XS grid, not "
+            f"{found.name}; use method 'block' for that type"
         )
     if chunk <= 0 or chunk % found.block_weights:
         raise KnobError(
@@ -136,23 +143,25 @@ def check_options(
     return found
 
 
-def _column_feedback(
-    ws: np.ndarray, raw: np.ndarray, u_ss: np.ndarray, qtype: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """GPTQ column by column on the grid of ggml's bytes ``raw`` [out, chunk bytes] of the chunk
-    ``ws`` [out, c]: returns the re-packed bytes and their values [out, c]."""
-    step, offset = ggml_kgrid.grid(raw, qtype)  # [out, c] each
+def _column_feedback(ws: np.ndarray, grid, u_ss: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ group by group (``grid.width`` columns: 1 on Q2_K/Q3_K, 8 on IQ2) on the grid of
+    ggml's bytes held by ``grid`` (:class:`~healsweep.heal.ggml_kgrid.KGrid`,
+    :class:`~healsweep.heal.ggml_iqgrid.IQ2Grid`) for the chunk ``ws`` [out, c], each group's
+    error fed to the chunk's later columns through ``u_ss`` [c, c]; returns the re-packed bytes
+    and their values [out, c]."""
+    from scipy.linalg import solve_triangular
+
     work = ws.copy()
-    new_codes = np.empty(ws.shape, np.int32)
-    for j in range(ws.shape[1]):
-        column = work[:, j]
-        q = ggml_kgrid.round_to_grid(column, step[:, j], offset[:, j], qtype)
-        error = (column - ggml_kgrid.grid_values(step[:, j], offset[:, j], q)) / u_ss[j, j]
-        work[:, j + 1 :] -= error[:, None] * u_ss[j, j + 1 :][None, :]
-        new_codes[:, j] = q
-    return ggml_kgrid.pack_codes(raw, new_codes, qtype), ggml_kgrid.grid_values(
-        step, offset, new_codes
-    )
+    values = np.empty_like(ws)
+    k = grid.width
+    for g in range(ws.shape[1] // k):
+        cols, rest = slice(g * k, g * k + k), slice(g * k + k, None)
+        inverse = solve_triangular(u_ss[cols, cols].astype(np.float64), np.eye(k), lower=False)
+        omega = np.einsum("ij,ij->i", inverse, inverse)  # the group's conditional diagonal
+        values[:, cols] = grid.round(g, work[:, cols], omega)
+        error = (work[:, cols] - values[:, cols]) @ inverse  # [out, k]
+        work[:, rest] -= (error @ u_ss[cols, rest]).astype(np.float32)
+    return grid.packed(), values
 
 
 def _refine_chunk(ws, raw, values, inverse, diagonal, row, qtype: int, rounds: int):
@@ -211,7 +220,8 @@ def quantize_matrix(
             row = getattr(factor, chunk_importance)[a:b]
         raw = quantize_rows(ws, kind.ggml_id, row)
         if method == "column":
-            raw, values = _column_feedback(ws, raw, factor.diagonal[index], kind.ggml_id)
+            grid = COLUMN_GRIDS[kind.ggml_id](raw, kind.ggml_id)
+            raw, values = _column_feedback(ws, grid, factor.diagonal[index])
         else:
             values = dequantize_rows(raw, kind.ggml_id, b - a)
         if rounds:

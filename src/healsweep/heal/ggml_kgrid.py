@@ -124,3 +124,27 @@ def pack_codes(raw: np.ndarray, new_codes: np.ndarray, qtype: int) -> np.ndarray
         bits = (stored >> 2).reshape(*b.shape[:-1], 8, 32)  # [..., bit i, byte l]
         b[..., 0:32] = np.bitwise_or.reduce(bits << np.arange(8)[:, None], axis=-2)
     return b.reshape(np.shape(raw))
+
+
+class KGrid:
+    """The code decisions of stored rows ``raw`` [out, bytes] of Q2_K/Q3_K, made column by column
+    with :meth:`round` on the grid of ``raw``; :meth:`packed` writes them into a copy."""
+
+    width = 1
+
+    def __init__(self, raw: np.ndarray, qtype: int):
+        self.qtype, self.raw = qtype, np.asarray(raw, np.uint8)
+        self.step, self.offset = grid(self.raw, qtype)  # [out, n] each
+        self.codes = np.zeros(self.step.shape, np.int32)
+
+    def round(self, j: int, target: np.ndarray, omega: np.ndarray) -> np.ndarray:
+        """Column ``j`` of every row to the nearest code for ``target`` [out, 1] (``omega`` does
+        not change a nearest point); returns its values [out, 1]."""
+        step, offset = self.step[:, j : j + 1], self.offset[:, j : j + 1]
+        q = round_to_grid(target, step, offset, self.qtype)
+        self.codes[:, j : j + 1] = q
+        return grid_values(step, offset, q)
+
+    def packed(self) -> np.ndarray:
+        """A copy of the bytes with every code replaced; scales kept."""
+        return pack_codes(self.raw, self.codes, self.qtype)

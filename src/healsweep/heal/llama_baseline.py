@@ -38,7 +38,10 @@ def check_baseline(model: Any, type_name: str, imatrix: bool) -> int:
     qtype = LLAMA_TYPES[type_name]
     block, _ = _ggml_lib.block_geometry(qtype)
     hp = model.hparams
-    for tensors, width in (("ffn_gate_exps/ffn_up_exps", hp.n_embd), ("ffn_down_exps", hp.n_ff_exp)):
+    for tensors, width in (
+        ("ffn_gate_exps/ffn_up_exps", hp.n_embd),
+        ("ffn_down_exps", hp.n_ff_exp),
+    ):
         if width % block:
             raise GGUFFormatError(
                 f"{model.path}: the rows of {tensors} hold {width} values, not a multiple of the "

@@ -68,9 +68,7 @@ STAGE_CODE = {
     "ridge_basis": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
     "ridge_rhs": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
     "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge"),
-    "ridge_heldout": (
-        "healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"
-    ),
+    "ridge_heldout": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
     "part_b": (
         "healsweep.kernels.ridge",
         "healsweep.heal.ridge",
@@ -299,9 +297,7 @@ def gaussian_alpha(weights: dict[str, np.ndarray], experts: dict[str, Any], gamm
     x = alpha_kernels.gaussian_probe_inputs(imp.gaussian_probe_scale(weights["ffn_norm.weight"]))
     dense = tuple(np.asarray(weights[f"ffn_{n}_exps.weight"][probe]) for n in EXPERT_TENSORS)
     quantized = tuple(
-        np.asarray(
-            jax.tree_util.tree_map(lambda leaf: leaf[probe], experts[n]).dequantize()
-        )
+        np.asarray(jax.tree_util.tree_map(lambda leaf: leaf[probe], experts[n]).dequantize())
         for n in EXPERT_TENSORS
     )
     return float(alpha_kernels.alpha_gaussian(x, dense, quantized, gamma))

@@ -26,13 +26,18 @@ def trial_variants(base: Knobs) -> list[tuple[str, Knobs]]:
         ("cold", base),
         ("quant-knobs only (gain_gu)", base.replace(gain_gu=round(base.gain_gu + nudge, 6))),
         ("rho only", base.replace(gain_gu=round(base.gain_gu + nudge, 6), rho=base.rho * 2)),
-        ("eta only", base.replace(gain_gu=round(base.gain_gu + nudge, 6), rho=base.rho * 2,
-                                  eta=eta)),
+        (
+            "eta only",
+            base.replace(gain_gu=round(base.gain_gu + nudge, 6), rho=base.rho * 2, eta=eta),
+        ),
     ]
 
 
 def bench_trials(
-    model: Any, corpus: Any, cache: StageCache, calibration: CalibrationConfig,
+    model: Any,
+    corpus: Any,
+    cache: StageCache,
+    calibration: CalibrationConfig,
     base: Knobs | None = None,
 ) -> list[dict[str, Any]]:
     """One row per variant of :func:`trial_variants`: seconds, stage timings, recomputed
@@ -44,13 +49,15 @@ def bench_trials(
         resettable = reset_peak_rss()
         start = time.perf_counter()
         student = build_student(model, knobs, calibration, cache, corpus=corpus)
-        rows.append({
-            "trial": label,
-            "seconds": time.perf_counter() - start,
-            "timings_s": dict(student.report["timings_s"]),
-            "executed": dict(sorted(student.report["executed"].items())),
-            "peak_rss_mib": peak_rss_bytes() / 2**20 if resettable else None,
-        })
+        rows.append(
+            {
+                "trial": label,
+                "seconds": time.perf_counter() - start,
+                "timings_s": dict(student.report["timings_s"]),
+                "executed": dict(sorted(student.report["executed"].items())),
+                "peak_rss_mib": peak_rss_bytes() / 2**20 if resettable else None,
+            }
+        )
     return rows
 
 
