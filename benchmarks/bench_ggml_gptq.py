@@ -88,7 +88,7 @@ def errors(stacks, raws, kind, hs, tokens) -> float:
     return total / tokens
 
 
-def layer_table(model, layer, cal, held, types, methods, damp, min_tokens):
+def layer_table(model, layer, cal, held, types, methods, damp, min_tokens, chunk):
     """{type: {method: (calibration error, held-out error, seconds)}} of one layer."""
     from healsweep.heal.stages import expert_weights
 
@@ -124,7 +124,7 @@ def layer_table(model, layer, cal, held, types, methods, damp, min_tokens):
                     raws, _ = ggml_gptq.quantize_experts_ef(
                         stacks, name, cal["x"].astype(np.float32), cal["ids"], enough, damp, imp,
                         gate_up, method=how, chunk_importance=mode or "conditional",
-                        rounds=int(rounds or 0),
+                        rounds=int(rounds or 0), chunk=chunk,
                     )  # fmt: skip
                 seconds += time.perf_counter() - start
                 cal_err += errors(stacks, raws, kind, h_cal, len(cal["x"]))
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--types", default=TYPES)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--damp", type=float, default=0.01)
+    parser.add_argument("--chunk", type=int, default=256, help="columns per ggml call")
     parser.add_argument("--min-tokens", type=int, default=16)
     parser.add_argument("--embd", type=int, default=1024)
     parser.add_argument("--ff", type=int, default=512)
@@ -179,11 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for layer in layers:
         results[layer] = layer_table(model, layer, trace.layer(layer), held[layer], types,
-                                     methods, args.damp, args.min_tokens)  # fmt: skip
+                                     methods, args.damp, args.min_tokens, args.chunk)  # fmt: skip
     hp = model.hparams
     print(f"{args.model}: layers {layers}, {hp.n_expert} experts, D {hp.n_embd}, F {hp.n_ff_exp}; "
           f"calibration {trace.report['tokens_used']} tokens, held-out "
-          f"{len(held[layers[0]]['x'])} dev tokens; damp {args.damp}")  # fmt: skip
+          f"{len(held[layers[0]]['x'])} dev tokens; damp {args.damp}, chunk {args.chunk}")  # fmt: skip
     print("| type | method | calibration error | vs plain | held-out error | vs plain | s/layer |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in types:

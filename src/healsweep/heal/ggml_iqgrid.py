@@ -70,20 +70,24 @@ class IQ2Grid:
         """Choose group ``g`` of every row for ``target`` [out, 8] under per-column weights
         ``omega`` [8] (> 0); returns the decoded values [out, 8] float32."""
         table = grid_table(self.qtype)  # [N, 8]
-        rows = np.arange(len(target))
-        scale = self.scale[:, g]
-        magnitude = np.abs(target)
-        values = scale[:, None, None] * table[None]  # [out, N, 8]: the decoder's db · grid
-        cost = np.einsum("onk,k->on", np.square(magnitude[:, None, :] - values), omega)
-        flip = 4.0 * omega * magnitude[:, None, :] * values  # extra cost of one minus sign moved
+        scale = self.scale[:, g].astype(np.float64)[:, None]  # [out, 1]
+        magnitude = np.abs(target).astype(np.float64)
+        pull = magnitude * omega  # [out, 8]
+        # Σ ω (|t| − s·G)² expanded: two small products instead of an [out, N, 8] tensor
+        cost = (pull * magnitude).sum(1, keepdims=True) - 2 * scale * (pull @ table.T)
+        cost += np.square(scale) * (omega @ np.square(table).T)[None, :]  # [out, N]
         negative = target < 0
         odd = np.count_nonzero(negative, axis=1) % 2 == 1
-        cost += np.where(odd[:, None], flip.min(axis=2), 0.0)
+        # an odd count of minus signs: the cheapest single flip, 4·ω·|t|·s·G, per grid row
+        flips = pull[odd][:, None, :] * table[None]  # [odd rows, N, 8]
+        cost[odd] += 4 * scale[odd] * flips.min(axis=2)
         best = np.argmin(cost, axis=1)
-        negative[odd, np.argmin(flip[rows, best], axis=1)[odd]] ^= True
+        flipped = np.argmin(flips[np.arange(len(flips)), best[odd]], axis=1)
+        negative[np.nonzero(odd)[0], flipped] ^= True
         self.index[:, g] = best
         self.signs[:, g] = (negative.astype(np.uint32) << np.arange(8, dtype=np.uint32)).sum(1)
-        return values[rows, best] * np.where(negative, np.float32(-1), np.float32(1))
+        values = self.scale[:, g, None] * table[best]  # the decoder's db · grid, float32
+        return values * np.where(negative, np.float32(-1), np.float32(1))
 
     def packed(self) -> np.ndarray:
         """A copy of the bytes with every group's index and signs replaced; scales kept."""
