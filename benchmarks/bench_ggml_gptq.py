@@ -74,8 +74,9 @@ def heldout_layers(model, tokens: int) -> dict[int, dict[str, np.ndarray]]:
     )
     found: dict[int, dict[str, np.ndarray]] = {}
     with tempfile.TemporaryDirectory(prefix="heldout-") as spill:
-        run_trace(model, chunks, lambda i, a: found.setdefault(i, {"x": a["x"], "ids": a["ids"]}),
-                  spill)  # fmt: skip
+        run_trace(
+            model, chunks, lambda i, a: found.setdefault(i, {"x": a["x"], "ids": a["ids"]}), spill
+        )
     return found
 
 
@@ -122,10 +123,19 @@ def layer_table(model, layer, cal, held, types, methods, damp, min_tokens, chunk
                     how, _, mode = method.partition("/")
                     mode, _, rounds = mode.partition("+")
                     raws, _ = ggml_gptq.quantize_experts_ef(
-                        stacks, name, cal["x"].astype(np.float32), cal["ids"], enough, damp, imp,
-                        gate_up, method=how, chunk_importance=mode or "conditional",
-                        rounds=int(rounds or 0), chunk=chunk,
-                    )  # fmt: skip
+                        stacks,
+                        name,
+                        cal["x"].astype(np.float32),
+                        cal["ids"],
+                        enough,
+                        damp,
+                        imp,
+                        gate_up,
+                        method=how,
+                        chunk_importance=mode or "conditional",
+                        rounds=int(rounds or 0),
+                        chunk=chunk,
+                    )
                 seconds += time.perf_counter() - start
                 cal_err += errors(stacks, raws, kind, h_cal, len(cal["x"]))
                 held_err += errors(stacks, raws, kind, h_held, len(held["x"]))
@@ -142,9 +152,18 @@ def open_or_write(args) -> object:
     from healsweep.gguf_io.synthetic import write_random_model
 
     path = Path(tempfile.mkdtemp(prefix="bench-ef-")) / "random.gguf"
-    write_random_model(path, n_layer=2, n_embd=args.embd, n_head=4, n_head_kv=2,
-                       n_expert=args.experts, n_expert_used=2, n_ff_exp=args.ff,
-                       n_ff_shexp=args.ff, seed=0)  # fmt: skip
+    write_random_model(
+        path,
+        n_layer=2,
+        n_embd=args.embd,
+        n_head=4,
+        n_head_kv=2,
+        n_expert=args.experts,
+        n_expert_used=2,
+        n_ff_exp=args.ff,
+        n_ff_shexp=args.ff,
+        seed=0,
+    )
     return open_model(path)
 
 
@@ -179,12 +198,23 @@ def main(argv: list[str] | None = None) -> None:
     methods = ["plain"] + [m for m in args.methods.split(",") if m != "plain"]
     results = {}
     for layer in layers:
-        results[layer] = layer_table(model, layer, trace.layer(layer), held[layer], types,
-                                     methods, args.damp, args.min_tokens, args.chunk)  # fmt: skip
+        results[layer] = layer_table(
+            model,
+            layer,
+            trace.layer(layer),
+            held[layer],
+            types,
+            methods,
+            args.damp,
+            args.min_tokens,
+            args.chunk,
+        )
     hp = model.hparams
-    print(f"{args.model}: layers {layers}, {hp.n_expert} experts, D {hp.n_embd}, F {hp.n_ff_exp}; "
-          f"calibration {trace.report['tokens_used']} tokens, held-out "
-          f"{len(held[layers[0]]['x'])} dev tokens; damp {args.damp}, chunk {args.chunk}")  # fmt: skip
+    print(
+        f"{args.model}: layers {layers}, {hp.n_expert} experts, D {hp.n_embd}, F {hp.n_ff_exp}; "
+        f"calibration {trace.report['tokens_used']} tokens, held-out "
+        f"{len(held[layers[0]]['x'])} dev tokens; damp {args.damp}, chunk {args.chunk}"
+    )
     print("| type | method | calibration error | vs plain | held-out error | vs plain | s/layer |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in types:
@@ -195,8 +225,10 @@ def main(argv: list[str] | None = None) -> None:
                 sum(results[i][name][method][k] for i in layers) for k in range(3)
             )
             plain = [sum(results[i][name]["plain"][k] for i in layers) for k in range(2)]
-            print(f"| {name} | {method} | {cal:.5g} | {cal / plain[0]:.3f} | {held_err:.5g} | "
-                  f"{held_err / plain[1]:.3f} | {sec / len(layers):.2f} |")  # fmt: skip
+            print(
+                f"| {name} | {method} | {cal:.5g} | {cal / plain[0]:.3f} | {held_err:.5g} | "
+                f"{held_err / plain[1]:.3f} | {sec / len(layers):.2f} |"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
 

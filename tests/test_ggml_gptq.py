@@ -117,8 +117,9 @@ def test_iq2_grid_choices_decode_as_gguf_py_and_the_graph(qtype):
     np.testing.assert_array_equal(np.asarray(decode_rows(packed, qtype, 512)), values)
     size = ggml_iqgrid.IQ_TYPES[qtype][1]
     scales = slice(66, 74) if qtype == int(T.IQ2_XS) else slice(0, 2)  # IQ2_XXS: scale in words
-    np.testing.assert_array_equal(packed.reshape(6, 2, size)[..., scales],
-                                  raw.reshape(6, 2, size)[..., scales])  # fmt: skip
+    np.testing.assert_array_equal(
+        packed.reshape(6, 2, size)[..., scales], raw.reshape(6, 2, size)[..., scales]
+    )
 
 
 @pytest.mark.parametrize("qtype", IQ2_TYPES, ids=["iq2_xxs", "iq2_xs"])

@@ -3,8 +3,8 @@ with each chunk's error fed forward through the expert's input second moment.
 
 Plain ggml quantization with an importance row (what ``llama-quantize --imatrix`` does, and
 :mod:`healsweep.heal.llama_baseline`) sees only ``diag(H_e)``. Here each expert ``e`` gets its
-full ``H_e = Σ x xᵀ`` over its routed calibration tokens (:func:`healsweep.heal.gptq.second_moments`;
-gate/up: the FFN input x, down: the teacher expert's ``h``), damped and factored as
+full ``H_e = Σ x xᵀ`` over its routed calibration tokens
+(:func:`healsweep.heal.gptq.second_moments`; gate/up: the FFN input x, down: the teacher expert's ``h``), damped and factored as
 ``(H_e + λ·mean(diag H_e)·I)⁻¹ = uᵀu`` on the host (:func:`healsweep.heal.gptq.inverse_factor`).
 Then, per matrix ``W`` [out, in], the input dimension is walked in chunks ``S`` of ``chunk``
 columns (a multiple of the type's block; 256 = one super-block):
@@ -226,9 +226,15 @@ def quantize_matrix(
             values = dequantize_rows(raw, kind.ggml_id, b - a)
         if rounds:
             raw, values = _refine_chunk(
-                ws, raw, values, factor.inverse[index], factor.diagonal[index], row,
-                kind.ggml_id, rounds,
-            )  # fmt: skip
+                ws,
+                raw,
+                values,
+                factor.inverse[index],
+                factor.diagonal[index],
+                row,
+                kind.ggml_id,
+                rounds,
+            )
         first = a // kind.block_weights * kind.block_bytes
         out[:, first : first + raw.shape[1]] = raw
         if b < n_in:
@@ -299,7 +305,7 @@ def quantize_experts_ef(
                         chunk=chunk,
                         chunk_importance=chunk_importance,
                         rounds=rounds,
-                    )  # fmt: skip
+                    )
                     for w in weights
                 ]
 
@@ -317,21 +323,8 @@ def quantize_experts_ef(
     return outs, fed
 
 
-def quantize_stack_ef(
-    weights,
-    qtype: int | str,
-    x: np.ndarray,
-    ids: np.ndarray,
-    experts: np.ndarray,
-    damp: float,
-    importance: np.ndarray,
-    gate_up: tuple | None = None,
-    **options: Any,
-) -> np.ndarray:
-    """:func:`quantize_experts_ef` of one stack ``weights`` [E, out, in]: uint8 [E, out,
-    row_bytes] (``options``: ``method``, ``chunk``, ``chunk_importance``, ``rounds``,
-    ``workers``)."""
-    outs, _ = quantize_experts_ef(
-        [weights], qtype, x, ids, experts, damp, importance, gate_up, **options
-    )
+def quantize_stack_ef(weights, *args: Any, **options: Any) -> np.ndarray:
+    """:func:`quantize_experts_ef` of the one stack ``weights`` [E, out, in] (the same further
+    arguments): uint8 [E, out, row_bytes]."""
+    outs, _ = quantize_experts_ef([weights], *args, **options)
     return outs[0]

@@ -63,7 +63,7 @@ def _q3_k_scales(scales: np.ndarray) -> np.ndarray:
 
 
 def grid(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(step, offset)`` float32 [..., n] of every weight of the stored rows ``raw`` [..., bytes]."""
+    """``(step, offset)`` float32 [..., n] of each weight of the stored rows ``raw`` [..., bytes]."""
     b = _blocks(raw, qtype)
     if qtype == GGML_Q2_K:
         sc = b[..., 0:16].astype(np.int32)
