@@ -4,8 +4,9 @@ with each chunk's error fed forward through the expert's input second moment.
 Plain ggml quantization with an importance row (what ``llama-quantize --imatrix`` does, and
 :mod:`healsweep.heal.llama_baseline`) sees only ``diag(H_e)``. Here each expert ``e`` gets its
 full ``H_e = Σ x xᵀ`` over its routed calibration tokens
-(:func:`healsweep.heal.gptq.second_moments`; gate/up: the FFN input x, down: the teacher expert's ``h``), damped and factored as
-``(H_e + λ·mean(diag H_e)·I)⁻¹ = uᵀu`` on the host (:func:`healsweep.heal.gptq.inverse_factor`).
+(:func:`healsweep.heal.gptq.second_moments`; gate/up: the FFN input x, down: the teacher
+expert's ``h``), damped and factored as ``(H_e + λ·mean(diag H_e)·I)⁻¹ = uᵀu`` on the host
+(:func:`healsweep.heal.gptq.inverse_factor`).
 Then, per matrix ``W`` [out, in], the input dimension is walked in chunks ``S`` of ``chunk``
 columns (a multiple of the type's block; 256 = one super-block):
 
