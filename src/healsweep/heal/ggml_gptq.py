@@ -144,24 +144,23 @@ def check_options(
     return found
 
 
-def _column_feedback(ws: np.ndarray, grid, u_ss: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _column_feedback(ws: np.ndarray, grid, u_ss: np.ndarray, inverse: np.ndarray):
     """GPTQ group by group (``grid.width`` columns: 1 on Q2_K/Q3_K, 8 on IQ2) on the grid of
     ggml's bytes held by ``grid`` (:class:`~healsweep.heal.ggml_kgrid.KGrid`,
     :class:`~healsweep.heal.ggml_iqgrid.IQ2Grid`) for the chunk ``ws`` [out, c], each group's
-    error fed to the chunk's later columns through ``u_ss`` [c, c]; returns the re-packed bytes
-    and their values [out, c]."""
-    from scipy.linalg import solve_triangular
-
+    error fed to the chunk's later columns through ``u_ss`` [c, c] (``inverse`` = ``u_ss⁻¹``,
+    whose diagonal blocks are those of ``u_ss`` inverted); returns the re-packed bytes and
+    their values [out, c]."""
     work = ws.copy()
     values = np.empty_like(ws)
     k = grid.width
     for g in range(ws.shape[1] // k):
         cols, rest = slice(g * k, g * k + k), slice(g * k + k, None)
-        inverse = solve_triangular(u_ss[cols, cols].astype(np.float64), np.eye(k), lower=False)
-        omega = np.einsum("ij,ij->i", inverse, inverse)  # the group's conditional diagonal
+        inverse_g = inverse[cols, cols]  # u_gg⁻¹
+        omega = np.einsum("ij,ij->i", inverse_g, inverse_g)  # the group's conditional diagonal
         values[:, cols] = grid.round(g, work[:, cols], omega)
-        error = (work[:, cols] - values[:, cols]) @ inverse  # [out, k]
-        work[:, rest] -= (error @ u_ss[cols, rest]).astype(np.float32)
+        error = (work[:, cols] - values[:, cols]) @ inverse_g  # [out, k]
+        work[:, rest] -= error @ u_ss[cols, rest]
     return grid.packed(), values
 
 
@@ -222,7 +221,7 @@ def quantize_matrix(
         raw = quantize_rows(ws, kind.ggml_id, row)
         if method == "column":
             grid = COLUMN_GRIDS[kind.ggml_id](raw, kind.ggml_id)
-            raw, values = _column_feedback(ws, grid, factor.diagonal[index])
+            raw, values = _column_feedback(ws, grid, factor.diagonal[index], factor.inverse[index])
         else:
             values = dequantize_rows(raw, kind.ggml_id, b - a)
         if rounds:

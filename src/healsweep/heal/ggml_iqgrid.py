@@ -79,10 +79,13 @@ class IQ2Grid:
         negative = target < 0
         odd = np.count_nonzero(negative, axis=1) % 2 == 1
         # an odd count of minus signs: the cheapest single flip, 4·ω·|t|·s·G, per grid row
-        flips = pull[odd][:, None, :] * table[None]  # [odd rows, N, 8]
-        cost[odd] += 4 * scale[odd] * flips.min(axis=2)
+        odd_pull = pull[odd]
+        cheapest = np.multiply.outer(odd_pull[:, 0], table[:, 0])  # [odd rows, N]
+        for i in range(1, GROUP):  # [odd, N] at a time, not an [odd, N, 8] tensor
+            np.minimum(cheapest, np.multiply.outer(odd_pull[:, i], table[:, i]), out=cheapest)
+        cost[odd] += 4 * scale[odd] * cheapest
         best = np.argmin(cost, axis=1)
-        flipped = np.argmin(flips[np.arange(len(flips)), best[odd]], axis=1)
+        flipped = np.argmin(odd_pull * table[best[odd]], axis=1)
         negative[np.nonzero(odd)[0], flipped] ^= True
         self.index[:, g] = best
         self.signs[:, g] = (negative.astype(np.uint32) << np.arange(8, dtype=np.uint32)).sum(1)
