@@ -5,7 +5,7 @@
     python benchmarks/bench_ggml_gptq.py random [--embd 1024 --ff 512 --experts 8]
 
 For each MoE layer of MODEL (``random``: a random qwen2moe written by
-``gguf_io.synthetic.write_random_model``, rows as wide as ``--embd`` / ``--ff``), the teacher's
+``model.synthetic.write_random_model``, rows as wide as ``--embd`` / ``--ff``), the teacher's
 routed inputs come from the calibration trace (``heal.trace.calibration_trace``, the corpus's
 calibration pool, ``--calib-tokens``) and, held out, from the same teacher forward over dev-split
 documents (``configs/splits/demo.yaml``: odd-index eval documents; never test). Per expert
@@ -145,11 +145,11 @@ def layer_table(model, layer, cal, held, types, methods, damp, min_tokens, chunk
 
 
 def open_or_write(args) -> object:
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     if args.model != "random":
         return open_model(args.model)
-    from healsweep.gguf_io.synthetic import write_random_model
+    from healsweep.model.synthetic import write_random_model
 
     path = Path(tempfile.mkdtemp(prefix="bench-ef-")) / "random.gguf"
     write_random_model(

@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 
 from healsweep.errors import KnobError
 from healsweep.heal import ggml_gptq, ggml_iqgrid, ggml_kgrid
-from healsweep.heal.gptq import inverse_factor
+from healsweep.heal.ggml_gptq import inverse_factor
 from healsweep.kernels.ggml_decode import decode_rows
 
 K_TYPES = (int(T.Q2_K), int(T.Q3_K))

@@ -120,16 +120,3 @@ def test_act_importance_keys_quantization_by_the_trace(setup, tmp_path):
     assert stages.quantize_key(model, Knobs(importance="act"), "trace-a", 0) != stages.quantize_key(
         model, Knobs(importance="act"), "trace-b", 0
     )
-
-
-def test_stage_keys_hold_a_digest_of_the_code_they_run(tmp_path, monkeypatch):
-    module = tmp_path / "healsweep_probe_codec.py"
-    module.write_text("SCALE = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    first = stages.code_digest(("healsweep_probe_codec",))
-    module.write_text("SCALE = 2  # a fix in a codec\n")
-    stages.code_digest.cache_clear()
-    assert stages.code_digest(("healsweep_probe_codec",)) != first
-    assert stages.code_digest(stages.STAGE_CODE["quantize"]) != stages.code_digest(
-        stages.STAGE_CODE["part_a"]
-    )

@@ -7,14 +7,14 @@ import pytest
 
 from _heal_fixtures import _corpus_file, heal_setup
 from healsweep.cache import StageCache
+from healsweep.conformance.references import routed_experts as _routed_float64
 from healsweep.data.corpus import load_corpus
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.heal import stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.kernels.alpha import gaussian_probe_experts
-from healsweep.model import forward
+from healsweep.model import forward, open_model
+from healsweep.model.synthetic import write_random_model
 
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 
@@ -26,16 +26,6 @@ setup = heal_setup
 def shared_cache(tmp_path_factory):
     """One cache for the tests that do not count executions, so they share the trace."""
     return StageCache(tmp_path_factory.mktemp("shared") / "cache")
-
-
-def _routed_float64(x, ids, weights, gate, up, down):
-    out = np.zeros((x.shape[0], down.shape[1]))
-    x = x.astype(np.float64)
-    for t in range(x.shape[0]):
-        for e, w in zip(ids[t], weights[t], strict=True):
-            g, u = gate[e] @ x[t], up[e] @ x[t]
-            out[t] += w * (down[e] @ (g / (1 + np.exp(-g)) * u))
-    return out
 
 
 def test_healed_layers_match_independent_computations(setup, shared_cache):
@@ -52,8 +42,9 @@ def test_healed_layers_match_independent_computations(setup, shared_cache):
         experts = stages.q2_weights(cache.get("quantize", qkey)[0])
         dense = {n: np.asarray(experts[n].dequantize(), np.float64) for n in ("gate", "up", "down")}
         y_q = cache.get("routed_q", stages.routed_q_key(qkey, trace_key, layer))[0]["y_q"]
-        want = _routed_float64(arrays["x"], arrays["ids"], arrays["weights"],
-                               dense["gate"], dense["up"], dense["down"])
+        want = _routed_float64(
+            arrays["x"], arrays["ids"], arrays["weights"], dense["gate"], dense["up"], dense["down"]
+        )
         np.testing.assert_allclose(y_q, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
         y_ref = arrays["y_ref"].astype(np.float64)
         alpha = np.sum(y_ref * want) / np.sum(want * want)
@@ -64,7 +55,8 @@ def test_healed_layers_match_independent_computations(setup, shared_cache):
         d_scaled = np.asarray(replacement.down_exps.d, np.float32)
         d_plain = np.asarray(experts["down"].d, np.float32)
         np.testing.assert_array_equal(
-            d_scaled, (d_plain * np.float32(student.alphas[layer])).astype(np.float16))
+            d_scaled, (d_plain * np.float32(student.alphas[layer])).astype(np.float16)
+        )
         shexp = replacement.down_shexp
         assert shexp.shape == model.tensor_shape(f"blk.{layer}.ffn_down_shexp.weight")
         from gguf import GGMLQuantizationType
@@ -90,10 +82,13 @@ def test_student_forward_reproduces_alpha_times_y_q_in_layer_0(setup, shared_cac
     x = teacher.captures[0].ffn_input
     np.testing.assert_allclose(out.captures[0].ffn_input, x, rtol=1e-5, atol=1e-6)
     cap = teacher.captures[0]
-    dense = {n: np.asarray(getattr(rep, f"{n}_exps").dequantize(), np.float64)
-             for n in ("gate", "up", "down")}
-    want = _routed_float64(x, cap.topk_ids, cap.topk_weights, dense["gate"], dense["up"],
-                           dense["down"])
+    dense = {
+        n: np.asarray(getattr(rep, f"{n}_exps").dequantize(), np.float64)
+        for n in ("gate", "up", "down")
+    }
+    want = _routed_float64(
+        x, cap.topk_ids, cap.topk_weights, dense["gate"], dense["up"], dense["down"]
+    )
     got = out.captures[0].routed_output
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
     assert rep.down_shexp is None and not student.shexp_raw
@@ -105,25 +100,28 @@ def test_gaussian_alpha_is_the_shipped_probe(setup, shared_cache):
     knobs = Knobs(alpha="gaussian", gamma=0.75, ridge=False)
     student = build_student(model, knobs, CAL, cache, corpus=corpus)
     weights = model.layer(1)
-    experts = stages.q2_weights(cache.get("quantize", stages.quantize_key(model, knobs, None, 1))[0])
+    experts = stages.q2_weights(
+        cache.get("quantize", stages.quantize_key(model, knobs, None, 1))[0]
+    )
     probe = list(gaussian_probe_experts(model.hparams.n_expert))
     scale = np.abs(weights["ffn_norm.weight"]).astype(np.float64)
     x = np.random.default_rng(0).standard_normal((16, scale.size), dtype=np.float32) * scale
     ref, q = [], []
     for e in probe:
-        for store, w in ((ref, {n: weights[f"ffn_{n}_exps.weight"][e] for n in ("gate", "up", "down")}),
-                         (q, {n: np.asarray(experts[n].dequantize())[e] for n in ("gate", "up", "down")})):
+        for store, w in (
+            (ref, {n: weights[f"ffn_{n}_exps.weight"][e] for n in ("gate", "up", "down")}),
+            (q, {n: np.asarray(experts[n].dequantize())[e] for n in ("gate", "up", "down")}),
+        ):
             g, u = x @ w["gate"].T.astype(np.float64), x @ w["up"].T.astype(np.float64)
             store.append((g / (1 + np.exp(-g)) * u) @ w["down"].T.astype(np.float64))
     a, b = np.concatenate(ref).ravel(), np.concatenate(q).ravel()
     cos = a @ b / np.linalg.norm(a) / np.linalg.norm(b)
-    want = cos ** 0.25 / (np.linalg.norm(b) / np.linalg.norm(a))
+    want = cos**0.25 / (np.linalg.norm(b) / np.linalg.norm(a))
     assert student.alphas[1] == pytest.approx(want, rel=1e-4)
 
 
 def test_qwen3moe_has_no_ridge_stage(tmp_path):
-    model = open_model(write_random_model(tmp_path / "q3.gguf", "qwen3moe", n_layer=1,
-                                          n_ff_exp=64))
+    model = open_model(write_random_model(tmp_path / "q3.gguf", "qwen3moe", n_layer=1, n_ff_exp=64))
     corpus = load_corpus(_corpus_file(tmp_path / "c.jsonl"))
     cache = StageCache(tmp_path / "cache")
     student = build_student(model, Knobs(alpha="mse"), CAL, cache, corpus=corpus)
@@ -145,8 +143,9 @@ def test_act_quantization_uses_per_expert_input_statistics(setup, shared_cache):
     n_expert = model.hparams.n_expert
     routed = [np.any(ids == e, axis=1) for e in range(n_expert)]
     layer_x = sum((x[r] ** 2).sum(0) for r in routed) / sum(r.sum() for r in routed)
-    imp_x = np.stack([(x[r] ** 2).mean(0) if r.sum() >= CAL.min_tokens_per_expert else layer_x
-                      for r in routed])
+    imp_x = np.stack(
+        [(x[r] ** 2).mean(0) if r.sum() >= CAL.min_tokens_per_expert else layer_x for r in routed]
+    )
     gate = q2_0.quantize_matrix(weights["ffn_gate_exps.weight"], imp_x.astype(np.float32), 0.3)
     got = student.replacements[0].gate_exps
     assert np.mean(np.asarray(got.q) == np.asarray(gate.q)) > 0.999

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from healsweep.errors import HealsweepError, KnobError
-from healsweep.heal.knobs import SCORE_KNOBS, STAGES, CalibrationConfig, Knobs, load_knobs
+from healsweep.heal.knobs import SCORE_KNOBS, CalibrationConfig, Knobs, Stage, load_knobs
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs" / "knobs").glob("*.yaml"))
@@ -90,7 +90,7 @@ def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
     # gptq (with refine rounds) and per-expert alpha make every knob live (quantizer, gptq_damp,
     # gptq_refine and alpha_granularity are unkeyed at their defaults)
     live = Knobs(quantizer="gptq", gptq_refine=1, alpha_granularity="expert")
-    read = [set(live.for_stage(s)) for s in STAGES]
+    read = [set(live.for_stage(s)) for s in Stage]
     union = set().union(*read)
     assert union == set(Knobs.model_fields) - set(SCORE_KNOBS)
     assert sum(len(r) for r in read) == len(union)  # each knob is read by exactly one stage
@@ -109,7 +109,7 @@ def test_score_knobs_never_change_a_stage_key():
     (so a sweep over them heals once); a trial's bonus needs a cache to act on."""
     for base in (Knobs(), Knobs(quantizer="gptq", alpha="mse", alpha_granularity="expert")):
         cached = base.replace(moce_bonus=0.85, cache_experts=4)
-        assert all(cached.for_stage(s) == base.for_stage(s) for s in STAGES)
+        assert all(cached.for_stage(s) == base.for_stage(s) for s in Stage)
     from healsweep.score.expert_cache import ExpertCacheConfig
 
     assert ExpertCacheConfig.from_knobs(Knobs()) is None

@@ -10,7 +10,7 @@ documents held out of the fit. With the ridge, the residual counts the shared ex
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,10 @@ from healsweep.heal import ridge, stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import Student, build_student
 from healsweep.heal.trace import calibration_documents, calibration_trace
+
+if TYPE_CHECKING:
+    from healsweep.data.corpus import Corpus
+    from healsweep.gguf_io import GGUFModel
 
 VARIANTS = ("alpha_1", "gaussian", "mse", "gaussian_ridge", "mse_ridge")
 
@@ -60,8 +64,8 @@ def _shared_change(student: Student, layer: int, trace_layer: dict[str, np.ndarr
 
 
 def residual_table(
-    model: Any,
-    corpus: Any,
+    model: GGUFModel,
+    corpus: Corpus,
     cache: StageCache,
     calibration: CalibrationConfig,
     base: Knobs | None = None,

@@ -19,12 +19,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from healsweep._atomic import atomic_file, atomic_path
 from healsweep.errors import GGUFFormatError
+from healsweep.gguf_io import block_prefix, split_block
+
+if TYPE_CHECKING:
+    from healsweep.heal.pipeline import Student
 
 _EXPERT_FIELDS = {
     "ffn_gate_exps.weight": "gate_exps",
@@ -62,7 +66,7 @@ def type42_rows(weight: Any) -> np.ndarray:
     return blocks.reshape(*d.shape[:-1], nb * _BLOCK_BYTES)
 
 
-def _expert_plan(student: Any, name: str, experts: str) -> tuple[Any, tuple[int, ...], Any]:
+def _expert_plan(student: Student, name: str, experts: str) -> tuple[Any, tuple[int, ...], Any]:
     """(ggml type, stored array shape, dtype) of one healed expert stack in the chosen format."""
     from gguf import GGMLQuantizationType
 
@@ -86,23 +90,23 @@ def _expert_data(weight: Any, experts: str) -> np.ndarray:
     return np.asarray(dense, np.float32).astype(np.float16)
 
 
-def _replacement(student: Any, name: str) -> tuple[str, Any] | None:
+def _replacement(student: Student, name: str) -> tuple[str, Any] | None:
     """``("experts", weight)`` or ``("shexp", raw)`` for a tensor the student replaces."""
-    if not name.startswith("blk."):
+    layer, suffix = split_block(name)
+    if layer is None:
         return None
-    _, layer, suffix = name.split(".", 2)
-    replacement = student.replacements.get(int(layer))
+    replacement = student.replacements.get(layer)
     if replacement is None:
         return None
     if suffix in _EXPERT_FIELDS:
         weight = getattr(replacement, _EXPERT_FIELDS[suffix])
         return None if weight is None else ("experts", weight)
-    if suffix == "ffn_down_shexp.weight" and int(layer) in student.shexp_raw:
-        return "shexp", student.shexp_raw[int(layer)]
+    if suffix == "ffn_down_shexp.weight" and layer in student.shexp_raw:
+        return "shexp", student.shexp_raw[layer]
     return None
 
 
-def heal_metadata(student: Any, experts: str) -> dict[str, Any]:
+def heal_metadata(student: Student, experts: str) -> dict[str, Any]:
     """The ``healsweep.*`` fields every healed GGUF carries (str, float list)."""
     return {
         "knobs": json.dumps(student.knobs.model_dump(), sort_keys=True),
@@ -114,7 +118,7 @@ def heal_metadata(student: Any, experts: str) -> dict[str, Any]:
 
 
 def write_healed_gguf(
-    student: Any,
+    student: Student,
     out: str | Path,
     *,
     experts: str = "q2_0",
@@ -169,36 +173,38 @@ def write_replacing(
     """
     import gguf
 
+    from healsweep.gguf_io import add_tensor_info
+
     out = Path(out)
-    reader = gguf.GGUFReader(base.path)
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    header = base.header
+    arch = header.get(gguf.Keys.General.ARCHITECTURE)
+    endianness = gguf.GGUFEndian.LITTLE if header.little_endian else gguf.GGUFEndian.BIG
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         try:
-            for field in reader.fields.values():
-                if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            for field in header.fields.values():
+                if field.name == gguf.Keys.General.ARCHITECTURE:
                     continue
-                value_type = field.types[0]
-                sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-                writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+                writer.add_key_value(field.name, field.value, field.type, sub_type=field.item_type)
             for key, value in metadata.items():
                 _add_field(writer, HEAL_KEY_PREFIX + key, value)
-            for tensor in reader.tensors:
+            for tensor in header.tensors:
                 if tensor.name in plan:
                     qtype, shape, dtype = plan[tensor.name]
                     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
                 else:
-                    qtype, shape, dtype = tensor.tensor_type, tensor.data.shape, tensor.data.dtype
-                    nbytes = tensor.data.nbytes
+                    dtype, shape = tensor.stored()
+                    qtype, nbytes = tensor.type, tensor.n_bytes
                 _check_shape(base, tensor.name, shape, np.dtype(dtype), qtype)
-                writer.add_tensor_info(tensor.name, shape, np.dtype(dtype), nbytes, qtype)
+                add_tensor_info(writer, tensor.name, qtype, shape, np.dtype(dtype), nbytes)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
-            for tensor in reader.tensors:
+            for tensor in header.tensors:
                 if tensor.name not in plan:
-                    writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+                    _, stored = base.raw_tensor(tensor.name)
+                    writer.write_tensor_data(stored, tensor_endianess=endianness)
                     continue
                 data = produce(tensor.name)
                 _, shape, dtype = plan[tensor.name]
@@ -230,17 +236,18 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
 
 def _check_shape(base: Any, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
     from gguf import GGMLQuantizationType
-    from gguf.quants import quant_shape_from_byte_shape
+
+    from healsweep.gguf_io import element_shape
 
     shape = tuple(shape)
     if dtype == np.uint8 and qtype not in (GGMLQuantizationType.I8,):
-        shape = tuple(quant_shape_from_byte_shape(shape, qtype))
+        shape = element_shape(shape, qtype)
     want = tuple(base.tensor_shape(name))
     if shape != want:
         raise GGUFFormatError(f"replaced tensor {name} has shape {shape}, the model's is {want}")
 
 
-def write_q2_sidecar(student: Any, out: str | Path) -> Path:
+def write_q2_sidecar(student: Student, out: str | Path) -> Path:
     """Save type-42 blocks (uint8 ``[..., out, in/64, 18]``) of every healed expert tensor,
     the alphas and the knobs."""
     out = Path(out)
@@ -251,7 +258,7 @@ def write_q2_sidecar(student: Any, out: str | Path) -> Path:
             if weight is None or isinstance(weight, np.ndarray):
                 continue
             rows = type42_rows(weight)  # [..., out, nb * 18]
-            arrays[f"blk.{layer}.{suffix}"] = rows.reshape(*rows.shape[:-1], -1, _BLOCK_BYTES)
+            arrays[block_prefix(layer) + suffix] = rows.reshape(*rows.shape[:-1], -1, _BLOCK_BYTES)
     arrays["knobs_json"] = np.frombuffer(json.dumps(student.knobs.model_dump()).encode(), np.uint8)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(out, "wb") as fh:

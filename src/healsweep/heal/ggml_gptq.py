@@ -5,8 +5,8 @@ Plain ggml quantization with an importance row (what ``llama-quantize --imatrix`
 :mod:`healsweep.heal.llama_baseline`) sees only ``diag(H_e)``. Here each expert ``e`` gets its
 full ``H_e = Σ x xᵀ`` over its routed calibration tokens
 (:func:`healsweep.heal.gptq.second_moments`; gate/up: the FFN input x, down: the teacher
-expert's ``h``), damped and factored as ``(H_e + λ·mean(diag H_e)·I)⁻¹ = uᵀu`` on the host
-(:func:`healsweep.heal.gptq.inverse_factor`).
+expert's ``h``), damped (:func:`healsweep.heal.gptq.damped`) and factored as
+``(H_e + λ·mean(diag H_e)·I)⁻¹ = uᵀu`` on the host (:func:`inverse_factor`).
 Then, per matrix ``W`` [out, in], the input dimension is walked in chunks ``S`` of ``chunk``
 columns (a multiple of the type's block; 256 = one super-block):
 
@@ -69,7 +69,7 @@ import numpy as np
 
 from healsweep.errors import KnobError
 from healsweep.heal import ggml_iqgrid, ggml_kgrid
-from healsweep.heal.gptq import inverse_factor, second_moments
+from healsweep.heal.gptq import damped, second_moments
 from healsweep.kernels.ggml_types import GGMLType, ggml_type
 
 METHODS = ("block", "column")
@@ -90,6 +90,33 @@ class Factor(NamedTuple):
     update: np.ndarray  # [n, n] float32: u_SS⁻¹·u_SR right of each chunk S, zero elsewhere
     conditional: np.ndarray  # [n] float32: diag((u_SSᵀ u_SS)⁻¹) per chunk
     hessian: np.ndarray  # [n] float32: the damped diag(H)
+
+
+def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
+    """Upper ``u`` with ``uᵀu = (H + damp·mean(diag H)·I)⁻¹`` per matrix of ``h`` [G, n, n].
+
+    Host float64, two triangular LAPACK calls: with ``J`` the reversal and ``J·H·J = L̃L̃ᵀ``,
+    ``H = RRᵀ`` for the upper ``R = J·L̃·J`` (the factor :func:`healsweep.heal.gptq.factor`
+    scales to unit diagonal), so ``u = R⁻¹ = J·L̃⁻¹·J``. Returns ``(u [G, n, n] float32, ok [G]
+    bool)``; a matrix that does not factor even after damping has ``ok`` False and ``u = I``.
+    """
+    from scipy.linalg import lapack
+
+    u = np.zeros(h.shape, np.float32)
+    ok = np.zeros(h.shape[0], bool)
+    for g, hg in enumerate(damped(h, damp)):
+        if not np.all(np.isfinite(hg)):
+            continue
+        reversed_h = np.array(hg[::-1, ::-1], np.float64)  # symmetric: its C order reads as F
+        upper, info = lapack.dpotrf(reversed_h.T, lower=0, clean=1, overwrite_a=1)  # L̃ᵀ
+        if info == 0:
+            upper_inv, info = lapack.dtrtri(upper, lower=0, overwrite_c=1)
+        if info != 0 or not np.all(np.isfinite(upper_inv)):
+            continue
+        u[g] = upper_inv.T[::-1, ::-1]  # J·L̃⁻¹·J
+        ok[g] = True
+    u[~ok] = np.eye(h.shape[-1], dtype=np.float32)
+    return u, ok
 
 
 def feedback_factor(u: np.ndarray, hessian_diag: np.ndarray, chunk: int) -> Factor:

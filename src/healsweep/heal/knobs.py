@@ -10,50 +10,42 @@ tune them); they live in :class:`CalibrationConfig` and key the calibration-trac
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
+from healsweep.cache import canonical_json
 from healsweep.errors import KnobError
 
+
+class Stage(StrEnum):
+    """The stages of a trial's healing, in the order they run (their names key the caches and
+    the per-stage timings)."""
+
+    CALIB_TRACE = "calib_trace"
+    QUANTIZE = "quantize"
+    ROUTED_Q = "routed_q"
+    PART_A = "part_a"
+    RIDGE_BASIS = "ridge_basis"
+    RIDGE_FIT = "ridge_fit"
+    PART_B = "part_b"
+
+
+_STAGE_NAMES = frozenset(Stage)
 # Knobs that change how a student is scored, not how it is healed: no stage reads them.
 SCORE_KNOBS = ("moce_bonus", "cache_experts")
-STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "ridge_basis", "ridge_fit", "part_b")
-
-# What each knob accepts, in words, for error messages (mirrors the Field constraints below).
-ALLOWED = {
-    "importance": "one of none, norm_proxy, act",
-    "importance_down": "one of none, act",
-    "quantizer": "one of search, gptq, plain",
-    "gptq_damp": "a float in (0, 1]",
-    "gptq_refine": "an integer in [0, 20] (rounds; acts only with quantizer gptq)",
-    "gain_gu": "a float in [0, 2]",
-    "gain_d": "a float in [0, 2]",
-    "alpha": "one of none, gaussian, mse",
-    "gamma": "a float in [0, 1]",
-    "alpha_granularity": "one of layer, expert",
-    "ridge": "true or false",
-    "rho": "a float in (0, 1000]",
-    "eta": "a float in [0, 2]",
-    "moce_bonus": "a float in [0, 1] (acts only with cache_experts > 0)",
-    "cache_experts": "an integer >= 0 (0: no expert-cache simulation)",
-}
-
-_CALIBRATION_ALLOWED = {
-    "corpus": "a corpus path or 'demo'",
-    "max_tokens": "a positive integer, or null for all calibration tokens",
-    "chunk_length": "an integer in [16, 65536]",
-    "min_tokens_per_expert": "an integer >= 1",
-    "exclude_doc_ids": "a list of document ids",
-}
 
 
 def _float(default: float, lo: float, hi: float, *, lo_open: bool = False) -> Any:
+    # strict: a YAML slip such as `gain_gu: true` is refused, not read as 1.0 (ints still pass)
     bounds = {"gt": lo} if lo_open else {"ge": lo}
-    return Field(default=default, le=hi, allow_inf_nan=False, **bounds)
+    return Field(default=default, le=hi, allow_inf_nan=False, strict=True, **bounds)
 
 
 # Knobs added after sweeps and confirmations were recorded, with the default that reproduces the
@@ -61,40 +53,68 @@ def _float(default: float, lo: float, hi: float, *, lo_open: bool = False) -> An
 ADDED_LATER: dict[str, Any] = {"gptq_refine": 0}
 
 
-class Knobs(BaseModel):
-    """The knobs of one trial (frozen; ``Knobs(**values)`` validates and raises ``KnobError``)."""
+class _Settings(BaseModel):
+    # A field's docstring says what it accepts, in words: error messages quote it.
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    noun: ClassVar[str] = "setting"  # how an error message names one of the fields
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            name = str(error["loc"][0]) if error["loc"] else None
+            raise KnobError(problem(type(self), error), name) from None
+
+
+class Knobs(_Settings):
+    """The knobs of one trial (frozen; ``Knobs(**values)`` validates and raises ``KnobError``).
+
+    A new knob is one field here: its type, default and range, and a docstring saying what it
+    accepts (error messages quote it); the sweep spec, its search space, the Parquet columns and
+    the config hashes follow from the fields. A knob that changes what a stage computes is also
+    read in :meth:`for_stage`; one added after configs were recorded goes in ``ADDED_LATER``.
+    """
+
+    noun: ClassVar[str] = "knob"
 
     importance: Literal["none", "norm_proxy", "act"] = "norm_proxy"
+    """one of none, norm_proxy, act"""
     importance_down: Literal["none", "act"] = "none"
+    """one of none, act"""
     quantizer: Literal["search", "gptq", "plain"] = "search"
+    """one of search, gptq, plain"""
     gptq_damp: float = _float(0.01, 0.0, 1.0, lo_open=True)
-    # Rounds of code descent + closed-form scale refit after GPTQ (heal/gptq.refine); 0: none.
+    """a float in (0, 1]"""
     gptq_refine: int = Field(default=0, ge=0, le=20, strict=True)
+    """an integer in [0, 20] (rounds; acts only with quantizer gptq)"""
+    # (rounds of code descent + closed-form scale refit after GPTQ, heal/gptq.refine; 0: none)
     gain_gu: float = _float(0.3, 0.0, 2.0)
+    """a float in [0, 2]"""
     gain_d: float = _float(0.3, 0.0, 2.0)
+    """a float in [0, 2]"""
     alpha: Literal["none", "gaussian", "mse"] = "gaussian"
+    """one of none, gaussian, mse"""
     gamma: float = _float(0.75, 0.0, 1.0)
+    """a float in [0, 1]"""
     alpha_granularity: Literal["layer", "expert"] = "layer"
+    """one of layer, expert"""
     ridge: bool = Field(default=True, strict=True)
+    """true or false"""
     rho: float = _float(6.0, 0.0, 1000.0, lo_open=True)
+    """a float in (0, 1000]"""
     eta: float = _float(0.15, 0.0, 2.0)
+    """a float in [0, 2]"""
     # Score-time knobs (docs/expert-cache.md): the student routes through a simulated LRU cache
     # of `cache_experts` routed experts per layer, resident ones favoured by `moce_bonus`. No
     # heal stage reads them, so they never change a stage's cache key. (A bonus without a cache
     # is refused when the trial scores, not here: a spec checks each searched value alone.)
     moce_bonus: float = _float(0.0, 0.0, 1.0)
-    cache_experts: int = Field(default=0, ge=0)
+    """a float in [0, 1] (acts only with cache_experts > 0)"""
+    cache_experts: int = Field(default=0, ge=0, strict=True)
+    """an integer >= 0 (0: no expert-cache simulation)"""
 
-    def __init__(self, **values: Any) -> None:
-        _reject_bools_as_numbers(values)
-        try:
-            super().__init__(**values)
-        except ValidationError as exc:
-            raise _knob_error(exc, values, ALLOWED, "knob") from None
-
-    def for_stage(self, stage: str) -> dict[str, Any]:
+    def for_stage(self, stage: Stage | str) -> dict[str, Any]:
         """Exactly the knobs ``stage`` reads (its cache-key contribution); {} for knob-free stages.
 
         Knobs that cannot change a stage's output under the current setting are left out (gamma
@@ -102,9 +122,9 @@ class Knobs(BaseModel):
         under the ``search`` quantizer; importance and gains under ``plain``, which reads none),
         so equal outputs share one cache entry.
         """
-        if stage not in STAGES:
-            raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
-        if stage == "quantize":
+        if stage not in _STAGE_NAMES:
+            raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(Stage)}")
+        if stage == Stage.QUANTIZE:
             if self.quantizer == "plain":  # round-to-nearest, d = amax/2: reads no other knob
                 return {"quantizer": "plain"}
             read = {
@@ -119,16 +139,16 @@ class Knobs(BaseModel):
                 if self.gptq_refine:  # 0 adds nothing: keys of plain gptq as before
                     read["gptq_refine"] = self.gptq_refine
             return read
-        if stage == "part_a":
+        if stage == Stage.PART_A:
             if self.alpha == "none":
                 return {"alpha": "none"}
             read = {"alpha": self.alpha, "gamma": self.gamma}
             if self.alpha_granularity == "expert":  # `layer` adds nothing: keys from before
                 read["alpha_granularity"] = "expert"
             return read
-        if stage == "ridge_fit":
+        if stage == Stage.RIDGE_FIT:
             return {"rho": self.rho} if self.ridge else {}
-        if stage == "part_b":
+        if stage == Stage.PART_B:
             if not self.ridge:
                 return {"ridge": False}
             return {"ridge": True, "eta": self.eta}
@@ -144,6 +164,15 @@ class Knobs(BaseModel):
             if not (k in ADDED_LATER and v == ADDED_LATER[k])
         }
 
+    def student_key(self) -> str:
+        """A short hash of what builds and scores this config's student: the knobs each stage
+        reads (:meth:`for_stage`) and the score-time knobs. Configs with one student key score
+        the same on every window of a sweep (e.g. ``gamma`` is inert with ``alpha: none``), so
+        a sweep scores that student once, whatever rows name it."""
+        reads = {stage.value: self.for_stage(stage) for stage in Stage}
+        reads.update({knob: getattr(self, knob) for knob in SCORE_KNOBS})
+        return hashlib.sha256(canonical_json(reads).encode()).hexdigest()[:16]
+
     def replace(self, **changes: Any) -> Knobs:
         """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""
         return Knobs(**{**self.model_dump(), **changes})
@@ -157,7 +186,7 @@ class Knobs(BaseModel):
         return self.importance == "act" or self.importance_down == "act" or self.quantizer == "gptq"
 
 
-class CalibrationConfig(BaseModel):
+class CalibrationConfig(_Settings):
     """Which calibration tokens the teacher trace uses and how ``act`` statistics are pooled.
 
     ``max_tokens=None`` uses every token of the calibration pool; otherwise documents are taken in
@@ -168,20 +197,18 @@ class CalibrationConfig(BaseModel):
     ``gptq``.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    noun: ClassVar[str] = "calibration setting"
 
     corpus: str = "demo"
-    max_tokens: int | None = Field(default=None, ge=1)
-    chunk_length: int = Field(default=512, ge=16, le=65536)
-    min_tokens_per_expert: int = Field(default=16, ge=1)
+    """a corpus path or 'demo'"""
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    """a positive integer, or null for all calibration tokens"""
+    chunk_length: int = Field(default=512, ge=16, le=65536, strict=True)
+    """an integer in [16, 65536]"""
+    min_tokens_per_expert: int = Field(default=16, ge=1, strict=True)
+    """an integer >= 1"""
     exclude_doc_ids: tuple[str, ...] = ()
-
-    def __init__(self, **values: Any) -> None:
-        _reject_bools_as_numbers(values)
-        try:
-            super().__init__(**values)
-        except ValidationError as exc:
-            raise _knob_error(exc, values, _CALIBRATION_ALLOWED, "calibration setting") from None
+    """a list of document ids"""
 
     def key_inputs(self) -> dict[str, Any]:
         """The settings that change the trace (the corpus is keyed by content, not by path)."""
@@ -219,22 +246,13 @@ def load_knobs(path: str | Path) -> Knobs:
         raise KnobError(f"{path}: {exc}") from None
 
 
-def _reject_bools_as_numbers(values: Mapping[str, Any]) -> None:
-    # pydantic would read `gain_gu: true` as 1.0; a YAML slip like that must not pass silently.
-    for name, value in values.items():
-        if isinstance(value, bool) and name not in ("ridge",):
-            allowed = ALLOWED.get(name) or _CALIBRATION_ALLOWED.get(name, "see the knob table")
-            raise KnobError(f"knob {name!r} = {value!r} is not allowed: expected {allowed}")
-
-
-def _knob_error(
-    exc: ValidationError, values: Mapping[str, Any], allowed: Mapping[str, str], what: str
-) -> KnobError:
-    first = exc.errors()[0]
-    name = str(first["loc"][0]) if first["loc"] else "?"
-    if first["type"] == "extra_forbidden":
-        return KnobError(f"unknown {what} {name!r}; known: {', '.join(allowed)}")
-    value = values.get(name, first.get("input"))
-    return KnobError(
-        f"{what} {name!r} = {value!r} is not allowed: expected {allowed.get(name, first['msg'])}"
-    )
+def problem(model: type[_Settings], error: ErrorDetails) -> str:
+    """One line for a validation ``error`` of a field of ``model`` (``Knobs``,
+    ``CalibrationConfig``): ``unknown knob 'x'; known: ...`` or ``knob 'x' = value is not
+    allowed: expected`` what its docstring says it accepts."""
+    name = str(error["loc"][0]) if error["loc"] else "?"
+    if error["type"] == "extra_forbidden":
+        return f"unknown {model.noun} {name!r}; known: {', '.join(model.model_fields)}"
+    field = model.model_fields.get(name)
+    expected = field.description if field is not None and field.description else error["msg"]
+    return f"{model.noun} {name!r} = {error['input']!r} is not allowed: expected {expected}"

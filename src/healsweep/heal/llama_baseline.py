@@ -15,18 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from healsweep.errors import GGUFFormatError, SettingError
+from healsweep.gguf_io import block_prefix
+
+if TYPE_CHECKING:
+    from healsweep.gguf_io import GGUFModel
 
 LLAMA_TYPES = {"q2_0": 42, "q2_k": 10, "iq2_xxs": 16, "iq2_xs": 17, "iq2_s": 22}
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 Progress = Callable[[str, str], None]
 
 
-def check_baseline(model: Any, type_name: str, imatrix: bool) -> int:
+def check_baseline(model: GGUFModel, type_name: str, imatrix: bool) -> int:
     """The ggml type id of ``type_name``; raises one line when the rows of the routed experts do
     not fill its blocks or when it needs an importance matrix that was not asked for."""
     from healsweep.gguf_io import _ggml_lib
@@ -38,10 +42,7 @@ def check_baseline(model: Any, type_name: str, imatrix: bool) -> int:
     qtype = LLAMA_TYPES[type_name]
     block, _ = _ggml_lib.block_geometry(qtype)
     hp = model.hparams
-    for tensors, width in (
-        ("ffn_gate_exps/ffn_up_exps", hp.n_embd),
-        ("ffn_down_exps", hp.n_ff_exp),
-    ):
+    for tensors, width in (("ffn_gate_exps/ffn_up_exps", hp.n_embd), ("ffn_down_exps", hp.n_ff_exp)):
         if width % block:
             raise GGUFFormatError(
                 f"{model.path}: the rows of {tensors} hold {width} values, not a multiple of the "
@@ -89,7 +90,7 @@ def bits_per_weight(qtype: int) -> float:
 
 
 def write_llama_baseline(
-    model: Any,
+    model: GGUFModel,
     type_name: str,
     out: str | Path,
     *,
@@ -104,15 +105,13 @@ def write_llama_baseline(
     """
     from importlib.metadata import PackageNotFoundError, version
 
-    from gguf import GGMLQuantizationType
-
-    from healsweep.gguf_io import q2_0_type
+    from healsweep.gguf_io import TensorType
     from healsweep.gguf_io._ggml_lib import block_geometry
     from healsweep.heal.export import write_replacing
 
     say = progress or (lambda stage, message: None)
     qtype = check_baseline(model, type_name, calibration is not None)
-    ggml_type = q2_0_type() if qtype == 42 else GGMLQuantizationType(qtype)
+    ggml_type = TensorType(qtype)
     trace = None
     if calibration is not None:
         from healsweep.cache import StageCache
@@ -125,7 +124,7 @@ def write_llama_baseline(
     plan = {}
     for i in model.hparams.moe_layers:
         for suffix in _EXPERTS:
-            name = f"blk.{i}.{suffix}"
+            name = block_prefix(i) + suffix
             *lead, n_in = model.tensor_shape(name)
             plan[name] = (ggml_type, (*lead, n_in // block * size), np.dtype(np.uint8))
     importance: dict[int, dict[str, Any]] = {}

@@ -17,22 +17,23 @@ Each stage is a function of explicit inputs whose cache key is built from exactl
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-from functools import cache, partial
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import jax
 import numpy as np
 
+from healsweep._code import code_digest
 from healsweep.cache import content_key
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io._hparams import ffn_norm_name
+from healsweep.gguf_io import block_prefix
 from healsweep.heal import importance as imp
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.kernels import alpha as alpha_kernels
 
+# Entry format numbers. A key's code digest already changes with any edit to the code the stage
+# can run, so a code change needs no bump here; bump one to drop a stage's entries for a reason
+# outside healsweep's source (say, a dependency release that changes its numerics).
 VERSIONS = {
     "quantize": 1,
     "quantize_gptq": 2,
@@ -51,46 +52,15 @@ ROUTED_CHUNK = 2048  # tokens per routed-output call (padded), bounds memory and
 
 
 # The code a stage runs is one of its inputs: a fix in the codec or the forward must not be
-# served stale results from the cache, so each key holds a digest of the modules' sources.
-STAGE_CODE = {
-    "quantize": ("healsweep.kernels.q2_0", "healsweep.heal.importance"),
-    "quantize_gptq": (
-        "healsweep.kernels.q2_0",
-        "healsweep.heal.importance",
-        "healsweep.kernels.gptq",
-        "healsweep.kernels.gptq_refine",
-        "healsweep.heal.gptq",
-    ),
-    "quantize_plain": ("healsweep.kernels.q2_0_plain", "healsweep.kernels.q2_0"),
-    "routed_q": ("healsweep.model.layers",),
-    "part_a": ("healsweep.kernels.alpha",),
-    "residuals": ("healsweep.kernels.alpha", "healsweep.heal.stages"),
-    "ridge_basis": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
-    "ridge_rhs": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
-    "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge"),
-    "ridge_heldout": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
-    "part_b": (
-        "healsweep.kernels.ridge",
-        "healsweep.heal.ridge",
-        "healsweep.kernels.iq4_nl",
-        "healsweep.heal.requant",
-    ),
-}
-
-
-@cache
-def code_digest(modules: tuple[str, ...]) -> str:
-    """sha256 over the source files of ``modules`` (first 16 hex digits)."""
-    digest = hashlib.sha256()
-    for name in modules:
-        digest.update(name.encode() + b"\0")
-        digest.update(Path(importlib.import_module(name).__file__).read_bytes())
-    return digest.hexdigest()[:16]
+# served stale results from the cache. Every stage here is computed by functions and closures of
+# heal.pipeline, and heal.evaluate computes quantize and routed_q entries with its own; their
+# import closure (healsweep._code, read from the source) holds every module these stages run.
+CODE_ROOTS = ("healsweep.heal.pipeline", "healsweep.heal.evaluate")
 
 
 def stage_key(stage: str, inputs: dict[str, Any]) -> str:
     """Content key of ``stage`` over ``inputs`` plus its version and its code digest."""
-    return content_key(stage, VERSIONS[stage], {**inputs, "code": code_digest(STAGE_CODE[stage])})
+    return content_key(stage, VERSIONS[stage], {**inputs, "code": code_digest(CODE_ROOTS)})
 
 
 # --- quantize ----------------------------------------------------------------------------------
@@ -134,13 +104,14 @@ def expert_weights(
     """What quantize and Part A read of a layer: its routed expert stacks as float32 device
     arrays, decoded in the graph from their stored bytes (several times gguf-py's numpy speed;
     on an accelerator they never cross to the host), and ffn_norm."""
+    from healsweep.model import architecture
     from healsweep.model.forward import dense_on_device
 
     out = {}
     for suffix in (f"ffn_{n}_exps.weight" for n in tensors):
-        out[suffix] = dense_on_device(model, f"blk.{layer}.{suffix}")
+        out[suffix] = dense_on_device(model, block_prefix(layer) + suffix)
     # the FFN's input norm, whatever the architecture calls it (glm4moe: post_attention_norm)
-    out["ffn_norm.weight"] = model.tensor(f"blk.{layer}.{ffn_norm_name(model.arch)}")
+    out["ffn_norm.weight"] = model.tensor(block_prefix(layer) + architecture(model.arch).ffn_norm)
     return out
 
 
@@ -152,8 +123,6 @@ def quantize_layer(
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Q2_0 codes and scales of the layer's routed experts, as cache arrays, and the stage's
     report (``gptq``: how many experts fell back to ``search``, per tensor)."""
-    from healsweep.kernels import q2_0
-
     if knobs.quantizer == "plain":
         return plain_layer(weights), {}
     min_tokens = calibration.min_tokens_per_expert
@@ -163,21 +132,41 @@ def quantize_layer(
     )
     down_imp = imp.down_importance(knobs, get("h_sq_sums"), get("counts"), min_tokens)
     arrays: dict[str, np.ndarray] = {}
+    report: dict[str, Any] = {}
+    left: dict[str, np.ndarray] = {}  # per tensor, the experts gptq leaves to the search
+    if knobs.quantizer == "gptq":  # first, so that the search runs only where it is needed
+        for names in (("gate", "up"), ("down",)):  # gate and up read one input: one H_e
+            found = _gptq_experts(names, weights, knobs, trace_layer, min_tokens)
+            for name, (d, codes, rest, fallback) in found.items():
+                arrays[f"{name}.d"], arrays[f"{name}.codes"], left[name] = d, codes, rest
+                report[name] = fallback
     for name, importance, gain in (
         ("gate", gate_up_imp, knobs.gain_gu),
         ("up", gate_up_imp, knobs.gain_gu),
         ("down", down_imp, knobs.gain_d),
     ):
         w = weights[f"ffn_{name}_exps.weight"]  # [E, out, in]; in checked by check_quantizable
+        _search_experts(name, arrays, left.get(name), w, importance, gain)
+    return arrays, ({"gptq_fallback": report} if knobs.quantizer == "gptq" else {})
+
+
+def _search_experts(name, arrays, rest, w, importance, gain) -> None:
+    """The codec's search (:func:`q2_0.quantize_matrix`) of ``w`` [E, out, in] into ``arrays``:
+    of every expert, or with ``rest`` (expert indices) of those only, the others' entries of
+    ``arrays`` already filled."""
+    from healsweep.kernels import q2_0
+
+    if rest is None:
         q2 = q2_0.quantize_matrix(w, importance, gain, packed=True)
         arrays[f"{name}.d"] = np.asarray(q2.d, np.float16)
         arrays[f"{name}.codes"] = np.asarray(q2.codes)
-    if knobs.quantizer != "gptq":
-        return arrays, {}
-    report: dict[str, Any] = {}
-    for names in (("gate", "up"), ("down",)):  # gate and up read one input: one H_e for both
-        report.update(_gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens))
-    return arrays, {"gptq_fallback": report}
+    elif len(rest):
+        per_expert = importance is not None and np.ndim(importance) == 2
+        q2 = q2_0.quantize_matrix(
+            w[rest], importance[rest] if per_expert else importance, gain, packed=True
+        )
+        arrays[f"{name}.d"][rest] = np.asarray(q2.d, np.float16)
+        arrays[f"{name}.codes"][rest] = np.asarray(q2.codes)
 
 
 def plain_layer(weights: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -194,10 +183,11 @@ def plain_layer(weights: dict[str, Any]) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens):
-    """Replace, in ``arrays``, the ``search`` result of the tensors ``names`` (all reading one
-    input) for every expert with enough routed tokens by its GPTQ quantization; returns the
-    fallback counts per tensor."""
+def _gptq_experts(names, weights, knobs, trace_layer, min_tokens):
+    """GPTQ of the tensors ``names`` (all reading one input) for every expert with enough
+    routed tokens. Returns per tensor ``(d, codes, rest, fallback)``: the cache arrays with
+    the GPTQ experts filled, the indices of the experts left to the search (too few tokens, or
+    an ``H`` that did not factor), and the fallback counts."""
     from healsweep.heal import gptq
     from healsweep.kernels.q2_0 import pack_codes
 
@@ -218,12 +208,15 @@ def _gptq_experts(names, arrays, weights, knobs, trace_layer, min_tokens):
     )
     done = enough[ok]
     fallback = {"few_tokens": int(len(counts) - len(enough)), "not_factored": int((~ok).sum())}
+    out = {}
     for name, (d_g, q_g) in zip(names, found, strict=True):
-        d, codes = arrays[f"{name}.d"].copy(), arrays[f"{name}.codes"].copy()
+        n_expert, n_out, n_in = weights[f"ffn_{name}_exps.weight"].shape
+        d = np.zeros((n_expert, n_out, n_in // 64), np.float16)
+        codes = np.zeros((n_expert, n_out, n_in // 4), np.uint8)
         d[done] = d_g[ok]
         codes[done] = np.asarray(pack_codes(q_g[ok]))
-        arrays[f"{name}.d"], arrays[f"{name}.codes"] = d, codes
-    return {name: dict(fallback) for name in names}
+        out[name] = (d, codes, np.setdiff1d(np.arange(n_expert), done), dict(fallback))
+    return out
 
 
 def q2_weights(arrays: dict[str, np.ndarray]) -> dict[str, Any]:

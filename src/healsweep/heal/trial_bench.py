@@ -11,11 +11,15 @@ is reset before each trial where Linux allows it).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from healsweep.cache import StageCache
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+
+if TYPE_CHECKING:
+    from healsweep.data.corpus import Corpus
+    from healsweep.gguf_io import GGUFModel
 
 
 def trial_variants(base: Knobs) -> list[tuple[str, Knobs]]:
@@ -26,18 +30,13 @@ def trial_variants(base: Knobs) -> list[tuple[str, Knobs]]:
         ("cold", base),
         ("quant-knobs only (gain_gu)", base.replace(gain_gu=round(base.gain_gu + nudge, 6))),
         ("rho only", base.replace(gain_gu=round(base.gain_gu + nudge, 6), rho=base.rho * 2)),
-        (
-            "eta only",
-            base.replace(gain_gu=round(base.gain_gu + nudge, 6), rho=base.rho * 2, eta=eta),
-        ),
+        ("eta only", base.replace(gain_gu=round(base.gain_gu + nudge, 6), rho=base.rho * 2,
+                                  eta=eta)),
     ]
 
 
 def bench_trials(
-    model: Any,
-    corpus: Any,
-    cache: StageCache,
-    calibration: CalibrationConfig,
+    model: GGUFModel, corpus: Corpus, cache: StageCache, calibration: CalibrationConfig,
     base: Knobs | None = None,
 ) -> list[dict[str, Any]]:
     """One row per variant of :func:`trial_variants`: seconds, stage timings, recomputed
@@ -49,15 +48,13 @@ def bench_trials(
         resettable = reset_peak_rss()
         start = time.perf_counter()
         student = build_student(model, knobs, calibration, cache, corpus=corpus)
-        rows.append(
-            {
-                "trial": label,
-                "seconds": time.perf_counter() - start,
-                "timings_s": dict(student.report["timings_s"]),
-                "executed": dict(sorted(student.report["executed"].items())),
-                "peak_rss_mib": peak_rss_bytes() / 2**20 if resettable else None,
-            }
-        )
+        rows.append({
+            "trial": label,
+            "seconds": time.perf_counter() - start,
+            "timings_s": dict(student.report["timings_s"]),
+            "executed": dict(sorted(student.report["executed"].items())),
+            "peak_rss_mib": peak_rss_bytes() / 2**20 if resettable else None,
+        })
     return rows
 
 
