@@ -22,7 +22,8 @@ summed over gate, up and down (``T`` the tokens of the set, so the two sets are 
 - ``column``: ``method="column"`` (Q2_K, Q3_K, IQ2_XXS, IQ2_XS), conditional importance.
 
 Error feedback is fitted on the calibration tokens only. Seconds are wall time per layer (all
-three projections) on this machine, second moments and factorizations included.
+three projections) on this machine, second moments and factorizations included; CPU seconds
+the process's (all threads: ggml, BLAS, JAX), so they do not depend on how busy the machine is.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def errors(stacks, raws, kind, hs, tokens) -> float:
 
 
 def layer_table(model, layer, cal, held, types, methods, damp, min_tokens, chunk):
-    """{type: {method: (calibration error, held-out error, seconds)}} of one layer."""
+    """{type: {method: (calibration error, held-out error, seconds, CPU seconds)}} of one
+    layer."""
     from healsweep.heal.stages import expert_weights
 
     weights = {k: np.asarray(v) for k, v in expert_weights(model, layer).items() if "exps" in k}
@@ -114,9 +116,9 @@ def layer_table(model, layer, cal, held, types, methods, damp, min_tokens, chunk
         for method in methods:
             if method == "column" and kind.ggml_id not in ggml_gptq.COLUMN_GRIDS:
                 continue
-            cal_err = held_err = seconds = 0.0
+            cal_err = held_err = seconds = cpu = 0.0
             for _names, stacks, gate_up, h_cal, h_held, imp in groups:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 if method == "plain":
                     raws = [quantize_expert_stack(w, kind.ggml_id, imp) for w in stacks]
                 else:
@@ -137,9 +139,10 @@ def layer_table(model, layer, cal, held, types, methods, damp, min_tokens, chunk
                         chunk=chunk,
                     )
                 seconds += time.perf_counter() - start
+                cpu += time.process_time() - start_cpu
                 cal_err += errors(stacks, raws, kind, h_cal, len(cal["x"]))
                 held_err += errors(stacks, raws, kind, h_held, len(held["x"]))
-            row[method] = (cal_err, held_err, seconds)
+            row[method] = (cal_err, held_err, seconds, cpu)
         table[name] = row
     return table
 
@@ -215,19 +218,22 @@ def main(argv: list[str] | None = None) -> None:
         f"calibration {trace.report['tokens_used']} tokens, held-out "
         f"{len(held[layers[0]]['x'])} dev tokens; damp {args.damp}, chunk {args.chunk}"
     )
-    print("| type | method | calibration error | vs plain | held-out error | vs plain | s/layer |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| type | method | calibration error | vs plain | held-out error | vs plain | s/layer "
+        "| CPU s/layer |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name in types:
         for method in methods:
             if method not in results[layers[0]][name]:
                 continue
-            cal, held_err, sec = (
-                sum(results[i][name][method][k] for i in layers) for k in range(3)
+            cal, held_err, sec, cpu = (
+                sum(results[i][name][method][k] for i in layers) for k in range(4)
             )
             plain = [sum(results[i][name]["plain"][k] for i in layers) for k in range(2)]
             print(
                 f"| {name} | {method} | {cal:.5g} | {cal / plain[0]:.3f} | {held_err:.5g} | "
-                f"{held_err / plain[1]:.3f} | {sec / len(layers):.2f} |"
+                f"{held_err / plain[1]:.3f} | {sec / len(layers):.2f} | {cpu / len(layers):.2f} |"
             )
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
