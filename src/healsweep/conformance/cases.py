@@ -381,7 +381,11 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         _gptq_inputs,
         lambda w, f, g, a, u: ref.gptq(w, u, a, GAIN),
         check=_gptq_check,
-        device_rtol=0.0,
+        # the error feedback carries a knife-edge rounding into every later column, and a GPU
+        # accumulates in another order: on an H200 the codes sat 3.3e-4 from the float64 GPTQ
+        # (inside _gptq_check's bounds) but 5.9e-3 (max rel) from the CPU's, so the float64
+        # reference judges each backend, as for the layer forward
+        device_rtol=None,
     ),
     KernelCase(
         "gptq_grid.quantize",
