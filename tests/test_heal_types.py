@@ -243,14 +243,25 @@ def test_gptq_on_the_k_grids_lowers_the_routed_error_and_is_keyed_by_its_knobs(r
     before = dict(cache.computed)
     build_student(model, plain.replace(quantizer="gptq", gptq_damp=0.1), CAL, cache, corpus=corpus)
     assert _delta(cache, before)["quantize"] == 2 * n
-    # IQ2_XS has no such grid: gptq is not read there (and the gptq q3_k down is cached)
-    mixed = build_student(model, plain.replace(type_gu="iq2_xs", quantizer="gptq"), CAL, cache,
+    # IQ2_S has no such grid: gptq is not read there (and the gptq q3_k down is cached)
+    mixed = build_student(model, plain.replace(type_gu="iq2_s", quantizer="gptq"), CAL, cache,
                           corpus=corpus)  # fmt: skip
     before = dict(cache.computed)
-    again = build_student(model, plain.replace(type_gu="iq2_xs", quantizer="gptq", gain_gu=1.7),
+    again = build_student(model, plain.replace(type_gu="iq2_s", quantizer="gptq", gain_gu=1.7),
                           CAL, cache, corpus=corpus)  # fmt: skip
     assert _delta(cache, before) == {} and again.key == mixed.key
     assert "gate" not in mixed.report["layers"][0]["quantize"]["gptq_fallback"]
+    # IQ2_XXS has one (heal.ggml_gptq): gptq re-quantizes gate/up only, and lowers its error
+    iq2 = plain.replace(type_gu="iq2_xxs")
+    ggml_iq2 = build_student(model, iq2, CAL, cache, corpus=corpus)
+    before = dict(cache.computed)
+    fed = build_student(model, iq2.replace(quantizer="gptq"), CAL, cache, corpus=corpus)
+    assert _delta(cache, before)["quantize"] == n  # the gptq q3_k down groups are cached
+    assert "gate" in fed.report["layers"][0]["quantize"]["gptq_fallback"]
+    error = {s: sum(r["residual_alpha_1"] for r in b.report["layers"])
+             for s, b in (("ggml", ggml_iq2), ("gptq", fed))}  # fmt: skip
+    print(f"iq2_xxs gate/up, routed residual at alpha 1: {error}")
+    assert error["gptq"] < error["ggml"]
 
 
 @pytest.mark.slow

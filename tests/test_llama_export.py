@@ -274,11 +274,50 @@ def _routed_types() -> list[str]:
 @pytest.mark.parametrize("name", _routed_types())
 def test_each_type_exports_the_student_llama_cpp_runs(typed_setup, name, tmp_path,
                                                        record_property):  # fmt: skip
-    from healsweep.heal.export import write_healed_gguf
+    from healsweep.heal.knobs import Knobs
+
+    student = _typed_student(typed_setup, Knobs(type_gu=name, type_d=name, alpha="mse"))
+    _check_llama_runs_the_student(typed_setup, student, name, tmp_path, record_property)
+
+
+@pytest.mark.parametrize("name", ["iq2_xxs", "iq2_xs"])
+def test_a_gptq_iq2_student_exports_what_was_scored_and_llama_cpp_runs_it(
+    typed_setup, name, tmp_path, record_property
+):
+    """``quantizer: gptq`` on an IQ2 type (heal.ggml_gptq's column-wise error feedback): the
+    exported experts are the scored ones by gguf-py's dequantizer (independent of healsweep's
+    decoders), llama.cpp runs the file as the student, and the codes are not plain ggml's."""
+    import gguf
+    from gguf.quants import dequantize
+
     from healsweep.heal.knobs import Knobs
 
     s = typed_setup
-    student = _typed_student(s, Knobs(type_gu=name, type_d=name, alpha="mse"))
+    knobs = Knobs(type_gu=name, type_d=name, alpha="mse", quantizer="gptq")
+    student = _typed_student(s, knobs)
+    plain = _typed_student(s, knobs.replace(quantizer="search"))
+    for layer in student.report["layers"]:
+        assert set(layer["quantize"]["gptq_fallback"]) == {"gate", "up", "down"}
+    path = _check_llama_runs_the_student(s, student, f"gptq-{name}", tmp_path, record_property)
+    written = open_model(path)
+    for i, r in student.replacements.items():
+        for tensor in ("gate", "up", "down"):
+            stack = getattr(r, f"{tensor}_exps")
+            assert not np.array_equal(
+                stack.raw, getattr(plain.replacements[i], f"{tensor}_exps").raw
+            )
+            tensor_name = f"blk.{i}.ffn_{tensor}_exps.weight"
+            qtype = gguf.GGMLQuantizationType(int(written.tensor_type(tensor_name)))
+            ref = dequantize(written.raw_rows(tensor_name), qtype)
+            scored = np.asarray(stack.dequantize())
+            np.testing.assert_array_equal(ref.reshape(scored.shape), scored, err_msg=tensor_name)
+
+
+def _check_llama_runs_the_student(s, student, name, tmp_path, record_property) -> Path:
+    """Export ``student``; the file's forward is the student's, and llama.cpp's is within the
+    parity bound of it. Returns the file."""
+    from healsweep.heal.export import write_healed_gguf
+
     path = write_healed_gguf(student, tmp_path / f"{name}.gguf")
     student_log = _log_softmax(_ours(student.base, s["windows"], s["positions"],
                                      student.replacements))  # fmt: skip
@@ -292,6 +331,7 @@ def test_each_type_exports_the_student_llama_cpp_runs(typed_setup, name, tmp_pat
     print(f"{name}: student KLD {student_kld:.5f}, KL(ours||llama) {apart:.2e} "
           f"({100 * apart / student_kld:.2f}% of it)")  # fmt: skip
     assert apart <= max(DIST_RATIO * student_kld, LLAMA_FLOOR)
+    return path
 
 
 def test_a_type_export_without_the_alpha_fold_is_caught(typed_setup, tmp_path, monkeypatch):

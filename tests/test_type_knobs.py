@@ -99,7 +99,7 @@ def test_each_layer_gets_its_types():
 
 def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
     knobs = Knobs(quantizer="gptq", gptq_refine=2, importance="act", gain_gu=0.1)
-    assert knobs.for_stage("quantize", group="gu", stored_as="iq2_xs") == {"type": "iq2_xs"}
+    assert knobs.for_stage("quantize", group="gu", stored_as="iq2_s") == {"type": "iq2_s"}
     assert knobs.for_stage("quantize", group="gu", stored_as="q2_0") == {
         "importance": "act", "gain_gu": 0.1, "quantizer": "gptq", "gptq_damp": 0.01,
         "gptq_refine": 2,
@@ -114,9 +114,9 @@ def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
     assert Knobs().for_stage("quantize") == {
         "importance": "norm_proxy", "importance_down": "none", "gain_gu": 0.3, "gain_d": 0.3
     }  # fmt: skip
-    ggml = Knobs(type_gu="iq2_xs", type_d="iq3_s")
-    assert ggml.for_stage("quantize") == {"type_gu": "iq2_xs", "type_d": "iq3_s"}
-    # the same student, whatever the quantizer knobs say (no K grid for gptq to refine)...
+    ggml = Knobs(type_gu="iq2_s", type_d="iq3_s")
+    assert ggml.for_stage("quantize") == {"type_gu": "iq2_s", "type_d": "iq3_s"}
+    # the same student, whatever the quantizer knobs say (no grid for gptq to refine)...
     twin = ggml.replace(quantizer="gptq", gain_gu=1.5, importance_down="act")
     assert all(twin.for_stage(s) == ggml.for_stage(s) for s in Stage)
     assert twin.student_key() == ggml.student_key()  # a sweep scores it once
@@ -130,6 +130,10 @@ def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
         "type": "q3_k", "quantizer": "gptq", "gptq_damp": 0.1
     }  # fmt: skip
     assert grid.for_stage("quantize", group="d", stored_as="iq3_s") == {"type": "iq3_s"}
+    for name in ("iq2_xxs", "iq2_xs"):  # ...and the IQ2 grids (heal.ggml_gptq)
+        assert grid.for_stage("quantize", group="gu", stored_as=name) == {
+            "type": name, "quantizer": "gptq", "gptq_damp": 0.1
+        }  # fmt: skip
     assert grid.replace(type_gu="q2_k", type_d="q2_k").for_stage("quantize") == {
         "type_gu": "q2_k", "type_d": "q2_k", "quantizer": "gptq", "gptq_damp": 0.1
     }  # fmt: skip

@@ -46,8 +46,10 @@ SCORE_KNOBS = ("moce_bonus", "cache_experts")
 EXPERT_TYPES: tuple[str, ...] = tuple(t.name for t in ROUTED_TYPES)
 Q2_0 = "q2_0"
 GROUPS = ("gu", "d")  # the routed tensor groups a type is chosen for: gate and up, down
-# ggml types whose grid `quantizer: gptq` refines with error feedback (heal.kgrid)
-GPTQ_GRID_TYPES = ("q2_k", "q3_k")
+# ggml types whose grid `quantizer: gptq` refines with error feedback: Q2_K/Q3_K (heal.kgrid),
+# IQ2_XXS/IQ2_XS (heal.ggml_gptq, column-wise on ggml's 8-weight grid rows)
+GPTQ_GRID_TYPES = ("q2_k", "q3_k", "iq2_xxs", "iq2_xs")
+IQ2_GRID_TYPES = ("iq2_xxs", "iq2_xs")
 _TYPE_LIST = ", ".join(EXPERT_TYPES)
 _TYPE_KNOBS = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
 
@@ -205,7 +207,8 @@ class Knobs(_Settings):
         and the type that group of the layer is ``stored_as`` (:meth:`expert_types`), what that
         quantization reads: for ``q2_0`` the quantizer's knobs of that group, for a ggml type
         ``{"type": name}`` (ggml reads no knob; its importance comes from the trace; ``gptq``
-        adds ``quantizer`` and ``gptq_damp`` for the Q2_K and Q3_K grids). Without ``group``,
+        adds ``quantizer`` and ``gptq_damp`` on the grids of :data:`GPTQ_GRID_TYPES`). Without
+        ``group``,
         what quantizing the whole model may read, for any model: the type knobs and the
         quantizer knobs of each group some layer may store as ``q2_0`` (or on a K grid).
         """
@@ -313,7 +316,7 @@ class Knobs(_Settings):
 
     def _grid_reads(self, stored_as: str) -> dict[str, Any]:
         """The knobs ggml's quantization in ``stored_as`` reads: none, but ``gptq`` (with its
-        damping) refines the codes on the Q2_K and Q3_K grids."""
+        damping) refines the codes on the Q2_K, Q3_K, IQ2_XXS and IQ2_XS grids."""
         if self.quantizer == "gptq" and stored_as in GPTQ_GRID_TYPES:
             return {"quantizer": "gptq", "gptq_damp": self.gptq_damp}
         return {}

@@ -16,7 +16,13 @@ group alone.
   quantize_expert_stack`) with one importance row per expert from the calibration trace (E[x²]
   of its routed tokens for gate/up, E[h²] of its hidden activation for down), exactly as
   ``healsweep baseline llama --imatrix-from-calibration`` does; no knob is read. Stored as the
-  type's rows, :class:`GGMLWeight` (decoded in the graph).
+  type's rows, :class:`GGMLWeight` (decoded in the graph). ``quantizer: gptq`` (with
+  ``gptq_damp``) adds error feedback over each expert's ``H_e`` on the types whose grid allows
+  it: Q2_K/Q3_K re-choose ggml's codes on its grid (:mod:`healsweep.heal.kgrid`); IQ2_XXS/IQ2_XS
+  are quantized by :func:`healsweep.heal.ggml_gptq.quantize_experts_ef` (``method="column"``:
+  ggml picks each 256-chunk's scales for the error-updated weights, then each 8-weight group
+  is chosen on that grid under the chunk's conditional metric, its error fed forward). Experts
+  with too few routed tokens, or whose ``H_e`` does not factor, keep plain ggml.
 
 Part A's alpha reaches any type through its fp16 block scales (:func:`scaled`).
 """
@@ -30,7 +36,7 @@ import numpy as np
 from healsweep.cache import StageCache
 from healsweep.errors import CacheError, GGUFFormatError
 from healsweep.heal import importance as imp
-from healsweep.heal.knobs import GROUPS, Q2_0, CalibrationConfig, Knobs, LayerTypes
+from healsweep.heal.knobs import GROUPS, IQ2_GRID_TYPES, Q2_0, CalibrationConfig, Knobs, LayerTypes
 from healsweep.heal.stages import Arrays, ExpertStacks, stage_key
 from healsweep.kernels.ggml_types import ggml_type
 
@@ -286,7 +292,8 @@ def _ggml_group(
     """ggml's quantization of the group's stacks to ``stored_as`` with one importance row per
     expert from the trace, as ``baseline llama --imatrix-from-calibration`` makes it; under
     ``quantizer: gptq`` the codes on a Q2_K / Q3_K grid are then chosen again with error
-    feedback (:mod:`healsweep.heal.kgrid`)."""
+    feedback (:mod:`healsweep.heal.kgrid`), and IQ2_XXS / IQ2_XS are quantized with column-wise
+    error feedback (:mod:`healsweep.heal.ggml_gptq`) instead."""
     from healsweep.heal.llama_baseline import expert_importance, quantize_expert_stack
     from healsweep.kernels.ggml_decode import GGMLWeight
 
@@ -294,16 +301,25 @@ def _ggml_group(
     rows = expert_importance(trace_layer, calibration.min_tokens_per_expert)
     names = GROUP_TENSORS[group]
     stacks = [weights[f"ffn_{n}_exps.weight"] for n in names]  # [E, out, in] each
+    report: dict[str, Any] = {}
+    gptq = knobs.for_stage("quantize", group=group, stored_as=stored_as).get("quantizer") == "gptq"
+    down = group == "d"  # its input h comes from the teacher's gate and up
+    gate_up = (weights["ffn_gate_exps.weight"], weights["ffn_up_exps.weight"]) if down else None
+    if gptq and stored_as in IQ2_GRID_TYPES:
+        importance = rows[f"ffn_{names[0]}_exps.weight"]  # gate's and up's are one row
+        raws, fallback = _iq2_feedback(
+            stacks, stored_as, trace_layer, importance, knobs, calibration, gate_up
+        )
+        report["gptq_fallback"] = {name: dict(fallback) for name in names}
+        n_in = stacks[0].shape[-1]
+        return QuantizedGroup(tuple(GGMLWeight(r, qtype, n_in) for r in raws), stored_as, report)
     raws = [
         quantize_expert_stack(w, qtype, rows[f"ffn_{n}_exps.weight"])
         for n, w in zip(names, stacks, strict=True)
     ]
-    report: dict[str, Any] = {}
-    if knobs.for_stage("quantize", group=group, stored_as=stored_as).get("quantizer") == "gptq":
+    if gptq:
         from healsweep.heal import kgrid
 
-        down = group == "d"  # its input h comes from the teacher's gate and up
-        gate_up = (weights["ffn_gate_exps.weight"], weights["ffn_up_exps.weight"]) if down else None
         raws, fallback = kgrid.gptq_stacks(
             raws, stacks, qtype, trace_layer, knobs.gptq_damp, calibration.min_tokens_per_expert,
             gate_up,
@@ -311,6 +327,33 @@ def _ggml_group(
         report["gptq_fallback"] = {name: dict(fallback) for name in names}
     n_in = stacks[0].shape[-1]
     return QuantizedGroup(tuple(GGMLWeight(r, qtype, n_in) for r in raws), stored_as, report)
+
+
+def _iq2_feedback(stacks, stored_as, trace_layer, importance, knobs, calibration, gate_up):
+    """The stacks (one input: gate and up, or down) in IQ2_XXS / IQ2_XS with column-wise error
+    feedback (:mod:`healsweep.heal.ggml_gptq`, damped by ``gptq_damp``) for the experts with
+    ``min_tokens_per_expert`` routed tokens; returns their ggml rows and the fallback counts
+    (plain ggml with ``importance`` [E, in] for the rest)."""
+    from healsweep.heal import ggml_gptq
+
+    counts = np.asarray(trace_layer["counts"])
+    enough = np.nonzero(counts >= calibration.min_tokens_per_expert)[0]
+    raws, fed = ggml_gptq.quantize_experts_ef(
+        stacks,
+        stored_as,
+        np.asarray(trace_layer["x"], np.float32),
+        np.asarray(trace_layer["ids"]),
+        enough,
+        knobs.gptq_damp,
+        importance,
+        gate_up,
+        method="column",
+    )
+    fallback = {
+        "few_tokens": int(len(counts) - len(enough)),
+        "not_factored": int(len(enough) - fed.sum()),
+    }
+    return raws, fallback
 
 
 def scaled(stack: Any, factor: float | np.ndarray) -> Any:
