@@ -1,6 +1,20 @@
-"""Pure ``jax.numpy`` kernels: Q2_0 and IQ4_NL codecs, alpha, ridge, KLD statistics."""
+"""Pure ``jax.numpy`` kernels: Q2_0 and IQ4_NL codecs, alpha, ridge, KLD statistics.
 
-from healsweep.kernels import iq4_nl, q2_0
-from healsweep.kernels.q2_0 import Q2Weight
+The package face is lazy (PEP 562): importing a jax-free module of it, such as the type table
+:mod:`healsweep.kernels.ggml_types` that the knobs read, does not import jax, so `sweep status`
+reads a sweep without starting jax."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["Q2Weight", "iq4_nl", "q2_0"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("iq4_nl", "q2_0"):
+        return importlib.import_module(f"healsweep.kernels.{name}")
+    if name == "Q2Weight":
+        return importlib.import_module("healsweep.kernels.q2_0").Q2Weight
+    raise AttributeError(f"module 'healsweep.kernels' has no attribute {name!r}")
