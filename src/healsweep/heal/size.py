@@ -19,7 +19,9 @@ before anything is quantized.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from healsweep.kernels.ggml_types import ggml_type
 
@@ -31,6 +33,7 @@ ROUTED_TENSORS = {"ffn_gate_exps.weight": "gu", "ffn_up_exps.weight": "gu",
                   "ffn_down_exps.weight": "d"}  # fmt: skip
 MIB = 1 << 20
 _DEFAULT_ALIGNMENT = 32  # gguf's GGUF_DEFAULT_ALIGNMENT
+_SLACK = 1e-9  # a size exactly at a limit is inside it (2.0625 bpw is IQ2_XXS's own)
 
 
 class ConfigSize(NamedTuple):
@@ -101,3 +104,50 @@ class ModelShapes(NamedTuple):
 def config_size(model: GGUFModel, knobs: Knobs) -> ConfigSize:
     """The routed bits per weight and file bytes of ``knobs`` on ``model`` (see the module)."""
     return ModelShapes.of(model).size(knobs)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A sweep's size budget: one measure (``routed_bpw`` or ``file_bytes``) and its limits, in
+    ascending order (tiers). A config is admitted when it fits the largest limit; its tier is the
+    smallest limit it fits (the report ranks configs per tier)."""
+
+    measure: str  # "routed_bpw" | "file_bytes"
+    limits: tuple[float, ...]
+
+    def value(self, size: ConfigSize) -> float:
+        """``size`` in this budget's measure."""
+        return size.routed_bpw if self.measure == "routed_bpw" else float(size.file_bytes)
+
+    def fits(self, size: ConfigSize, limit: float) -> bool:
+        """Whether ``size`` is within ``limit`` (a value at the limit is)."""
+        return self.value(size) <= limit * (1 + _SLACK)
+
+    def tier(self, size: ConfigSize) -> float | None:
+        """The smallest limit ``size`` fits, or None when it is over budget."""
+        return next((limit for limit in self.limits if self.fits(size, limit)), None)
+
+    def admits(self, size: ConfigSize) -> bool:
+        """Whether a config of ``size`` may be scored (it fits the largest limit)."""
+        return self.tier(size) is not None
+
+    def label(self, limit: float) -> str:
+        """``2.0625 bpw`` or ``12.50 MiB`` (the file limits are shown in MiB)."""
+        if self.measure == "routed_bpw":
+            return f"{limit:g} bpw"
+        return f"{limit / MIB:.2f} MiB"
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> Budget | None:
+        """The budget of a spec's stored ``budget`` section (``routed_bpw``, ``file_bytes`` or
+        ``file_mib``: a number or a list of them; None or empty: no budget)."""
+        if not raw:
+            return None
+        for key, scale, measure in (("routed_bpw", 1.0, "routed_bpw"),
+                                    ("file_bytes", 1.0, "file_bytes"),
+                                    ("file_mib", float(MIB), "file_bytes")):  # fmt: skip
+            value = raw.get(key)
+            if value is not None:
+                values = value if isinstance(value, list | tuple) else [value]
+                return cls(measure, tuple(sorted(float(v) * scale for v in values)))
+        return None
