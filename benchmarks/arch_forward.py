@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.model.bench import bench_forward_pair
+from healsweep.model.synthetic import write_random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_arch_reference import SHAPES  # noqa: E402  (the reference test's layouts)

@@ -36,9 +36,9 @@ import numpy as np
 import yaml
 
 from healsweep.cache import StageCache
-from healsweep.gguf_io import open_model
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.model import open_model
 from healsweep.score.compact import TeacherCacheFormat, compact_record, record_bytes
 from healsweep.score.metrics import compact_window_metrics, window_metrics
 from healsweep.score.runner import run_student
@@ -64,8 +64,8 @@ def _q8_student(teacher, folder: Path):
     """The teacher with every 32-block-row matrix re-encoded as Q8_0: a student close to it."""
     from gguf import GGMLQuantizationType
 
-    from healsweep.gguf_io import write_model
     from healsweep.gguf_io._tokenizer import tokenizer_metadata_from_gguf
+    from healsweep.model import write_model
 
     types = {
         name: GGMLQuantizationType.Q8_0
@@ -82,7 +82,7 @@ def _students(teacher, spec, cache, folder: Path):
     out = {}
     for name, file in STUDENTS.items():
         knobs = Knobs(**yaml.safe_load((ROOT / "configs" / "knobs" / file).read_text()))
-        out[name] = build_student(teacher, knobs, spec.calibration_config(), cache)
+        out[name] = build_student(teacher, knobs, spec.calibration, cache)
     out["Q8"] = _q8_student(teacher, folder)
     return out
 

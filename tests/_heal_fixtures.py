@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from healsweep.data.corpus import load_corpus
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
+from healsweep.model import open_model
+from healsweep.model.synthetic import write_random_model
 
 
 def _corpus_file(path):

@@ -1,7 +1,7 @@
 """Shared fixtures: a tiny trained byte-level BPE tokenizer and small random MoE GGUFs.
 
 ``random_gguf(arch, **kwargs)`` writes (once per session and argument set) a random model with
-``healsweep.gguf_io.synthetic.write_random_model`` and returns its path; other test files use it
+``healsweep.model.synthetic.write_random_model`` and returns its path; other test files use it
 to get real qwen2moe/qwen3moe GGUFs with a real tokenizer.
 """
 
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from healsweep.gguf_io.synthetic import train_tiny_tokenizer, write_random_model
+from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 
 
 @pytest.fixture(scope="session")

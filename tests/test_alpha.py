@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from healsweep.conformance import backend_violations
+from healsweep.conformance import references as ref
 from healsweep.kernels.alpha import (
     alpha_from_outputs,
     alpha_gaussian,
@@ -14,22 +16,6 @@ from healsweep.kernels.alpha import (
     gaussian_probe_inputs,
     residual_fraction,
 )
-from healsweep.kernels.conformance import backend_violations
-
-
-def _ref_alpha(y_ref: np.ndarray, y_q: np.ndarray, gamma: float) -> float:
-    a, b = y_ref.astype(np.float64).ravel(), y_q.astype(np.float64).ravel()
-    cos = a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
-    ratio = np.linalg.norm(b) / np.linalg.norm(a)
-    return float(np.sign(cos) * abs(cos) ** (1 - gamma) / ratio)
-
-
-def _ref_ffn(x, gate, up, down) -> np.ndarray:
-    x, gate, up, down = (np.asarray(v, np.float64) for v in (x, gate, up, down))
-    g = np.einsum("td,nfd->ntf", x, gate)
-    u = np.einsum("td,nfd->ntf", x, up)
-    h = g / (1 + np.exp(-g)) * u
-    return np.einsum("ntf,ndf->ntd", h, down)
 
 
 def _pair(rng, t=96, d=48, noise=0.4, scale=1.1):
@@ -44,14 +30,16 @@ def test_alpha_matches_float64_reference(gamma):
     for noise, scale in [(0.1, 1.0), (0.5, 1.3), (2.0, 0.7)]:
         y_ref, y_q = _pair(rng, noise=noise, scale=scale)
         got = float(alpha_mse(y_ref, y_q, gamma))
-        assert got == pytest.approx(_ref_alpha(y_ref, y_q, gamma), rel=2e-5)
+        assert got == pytest.approx(ref.alpha(y_ref, y_q, gamma), rel=2e-5)
 
 
 def test_gamma_zero_is_the_mse_optimal_scalar_and_gamma_one_matches_norms():
     rng = np.random.default_rng(2)
     y_ref, y_q = _pair(rng)
     a, b = y_ref.astype(np.float64), y_q.astype(np.float64)
-    assert float(alpha_mse(y_ref, y_q, 0.0)) == pytest.approx(np.sum(a * b) / np.sum(b * b), rel=2e-5)
+    assert float(alpha_mse(y_ref, y_q, 0.0)) == pytest.approx(
+        np.sum(a * b) / np.sum(b * b), rel=2e-5
+    )
     assert float(alpha_mse(y_ref, y_q, 1.0)) == pytest.approx(
         np.linalg.norm(a) / np.linalg.norm(b), rel=2e-5
     )
@@ -61,8 +49,9 @@ def test_gamma_zero_is_the_mse_optimal_scalar_and_gamma_one_matches_norms():
 def test_in_sample_mse_alpha_never_loses_to_alpha_one():
     rng = np.random.default_rng(3)
     for trial in range(40):
-        y_ref, y_q = _pair(rng, t=24, d=16,
-                           noise=float(rng.uniform(0, 3)), scale=float(rng.uniform(0.3, 3)))
+        y_ref, y_q = _pair(
+            rng, t=24, d=16, noise=float(rng.uniform(0, 3)), scale=float(rng.uniform(0.3, 3))
+        )
         if trial % 5 == 0:
             y_q = -y_q  # anti-correlated outputs: the optimum is negative
         best = float(alpha_mse(y_ref, y_q, 0.0))
@@ -95,7 +84,7 @@ def test_expert_outputs_match_float64_ffn():
     gate, up = (rng.standard_normal((n, f, d)).astype(np.float32) * 0.2 for _ in range(2))
     down = rng.standard_normal((n, d, f)).astype(np.float32) * 0.2
     got = np.asarray(expert_outputs(x, gate, up, down))
-    np.testing.assert_allclose(got, _ref_ffn(x, gate, up, down), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, ref.expert_ffn(x, gate, up, down), rtol=1e-4, atol=1e-5)
 
 
 def test_alpha_gaussian_pools_dense_vs_quantized_over_probed_experts():
@@ -107,13 +96,15 @@ def test_alpha_gaussian_pools_dense_vs_quantized_over_probed_experts():
     dense.append(rng.standard_normal((n, d, f)).astype(np.float32) * 0.1)
     noisy = [w + 0.01 * rng.standard_normal(w.shape).astype(np.float32) for w in dense]
     noisy[2] = noisy[2] * np.float32(0.8)  # a shrunken down projection: alpha must exceed 1
-    y_ref, y_q = _ref_ffn(x, *dense), _ref_ffn(x, *noisy)
+    y_ref, y_q = ref.expert_ffn(x, *dense), ref.expert_ffn(x, *noisy)
     for gamma in (0.0, 0.75):
-        want = _ref_alpha(y_ref.reshape(-1, d), y_q.reshape(-1, d), gamma)
+        want = ref.alpha(y_ref.reshape(-1, d), y_q.reshape(-1, d), gamma)
         got = float(alpha_gaussian(x, tuple(dense), tuple(noisy), gamma))
         assert got == pytest.approx(want, rel=1e-4)
         assert got > 1.0
-    assert float(alpha_gaussian(x, tuple(dense), tuple(dense), 0.75)) == pytest.approx(1.0, abs=1e-5)
+    assert float(alpha_gaussian(x, tuple(dense), tuple(dense), 0.75)) == pytest.approx(
+        1.0, abs=1e-5
+    )
 
 
 def test_probe_experts_and_inputs_follow_the_shipped_recipe():

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from healsweep.gguf_io import open_model, tokenizer_metadata_from_tokenizer, write_model
-from healsweep.model import LayerReplacement, forward
+from healsweep.gguf_io import tokenizer_metadata_from_tokenizer
+from healsweep.model import LayerReplacement, forward, open_model, write_model
 from test_llama_reference import _llama_logits
 
 pytestmark = pytest.mark.slow

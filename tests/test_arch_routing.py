@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from healsweep.gguf_io import open_model
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.pipeline import skip_notices
+from healsweep.model import open_model
 from healsweep.model.layers import rope, select_experts
 
 

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from healsweep.data.corpus import Document, write_corpus
-from healsweep.gguf_io import SUPPORTED_ARCHS
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.ledger import Ledger
+from healsweep.model import SUPPORTED_ARCHS
+from healsweep.model.synthetic import write_random_model
 
 KNOWN_KNOBS = (
     "importance, importance_down, quantizer, gptq_damp, gptq_refine, gain_gu, gain_d, alpha, "

@@ -21,11 +21,10 @@ from healsweep.data.leakage import calibration_tokens
 from healsweep.data.split import parity_split, split_lock_id
 from healsweep.data.windows import make_windows
 from healsweep.errors import ChatTemplateError
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io._summary import describe_model
-from healsweep.gguf_io.synthetic import CONTROL_TOKENS, train_tiny_tokenizer, write_random_model
 from healsweep.heal.knobs import CalibrationConfig
 from healsweep.heal.trace import make_chunks
+from healsweep.model import describe_model, open_model
+from healsweep.model.synthetic import CONTROL_TOKENS, train_tiny_tokenizer, write_random_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 SPEC = json.loads((FIXTURES / "cases.json").read_text(encoding="utf-8"))

@@ -10,8 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from healsweep.gguf_io import open_model
-from healsweep.model import forward
+from healsweep.model import forward, open_model
 
 
 def _run(*args, tmp_path):

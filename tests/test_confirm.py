@@ -43,9 +43,10 @@ def _cli(*args: str, env: dict, timeout: int = 600) -> subprocess.CompletedProce
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory, tiny_tokenizer):
-    """A finished 2-config sweep (baseline and gain_d=0, with the unhealed and plain reference
-    rows) on a tiny model, run by the CLI."""
-    from healsweep.gguf_io.synthetic import write_random_model
+    """A finished 2-config sweep (baseline gain_d=0 and gain_d=0.3, with the unhealed and plain
+    reference rows) on a tiny model, run by the CLI. On this model gain_d=0.3 beats gain_d=0 on
+    dev, so the sweep's best trial is not its baseline and confirm has a config to test."""
+    from healsweep.model.synthetic import write_random_model
 
     root = tmp_path_factory.mktemp("confirm")
     model = write_random_model(
@@ -56,7 +57,8 @@ def swept(tmp_path_factory, tiny_tokenizer):
         "model": str(model),
         "corpus": str(write_tiny_corpus(root / "corpus.jsonl")),
         "calibration": {"chunk_length": 64, "min_tokens_per_expert": 4},
-        "search_space": {"gain_d": [0.3, 0.0]},
+        "baseline": {"gain_d": 0.0},
+        "search_space": {"gain_d": [0.0, 0.3]},
         "max_concurrent": 1,
         "scoring": {"max_scored": 24, "max_context": 40, "batch": 4},
     }
@@ -112,6 +114,7 @@ def test_confirm_opens_before_scoring_records_the_result_and_refuses_a_second(
     trials = _trials(sweep_copy)
     base = next(t for t in trials if t["is_baseline"])
     best = min((t for t in trials if t["role"] == "trial"), key=lambda t: t["kld_mean"])
+    assert best["kld_mean"] < base["kld_mean"]  # the fixture's premise: a config beats it
     assert opened["trial_ids"] == [base["trial_id"], best["trial_id"]]  # never a reference
     manifest = json.loads((sweep_copy / "manifest.json").read_text())
     assert opened["split_lock_id"] == manifest["split_lock_id"] == summary["split_lock_id"]
@@ -165,7 +168,7 @@ def test_confirm_opens_before_scoring_records_the_result_and_refuses_a_second(
     )
     base_row = next(line for line in section.splitlines() if line.startswith("| baseline |"))
     assert f"| {base_kld:.5f} | - | - | baseline | recorded |" in base_row
-    best_row = next(line for line in section.splitlines() if line.startswith("| gain_d=0 |"))
+    best_row = next(line for line in section.splitlines() if line.startswith("| gain_d=0.3 |"))
     assert f"| {best_kld:.5f} | {comp['rel_change']:+.2%} [{lo:+.2%}, {hi:+.2%}] |" in best_row
 
     pq.write_table(pq.read_table(out / "windows.parquet").slice(1), out / "windows.parquet")
@@ -193,15 +196,20 @@ def _edited_corpus(sweep_dir: Path, source: Path, doc_id: str) -> str:
 
 
 def test_the_frozen_hash_covers_the_full_knobs_the_model_and_the_calibration():
+    from healsweep.heal.knobs import Knobs
+
     calib = {"chunk_length": 64, "corpus_content": "ab" * 32}
-    first = frozen_hash({"alpha": "mse"}, "model-a", calib)
-    assert len(first) == 64 and int(first, 16) >= 0
-    assert frozen_hash({"alpha": "mse", "gain_d": 0.3}, "model-a", calib) == first  # defaults
+    first = frozen_hash(Knobs(alpha="mse"), "model-a", calib)
+    # the ledger holds frozen hashes: these two were computed by b05fe56 (knobs as dicts then)
+    assert first == "bb73a4b7f74b0ef93ca83b2c932f2249ff61562b1408a8a010a5b3aad03df653"
+    gptq = frozen_hash(Knobs(quantizer="gptq", ridge=False), "model-a", calib)
+    assert gptq == "37c855b7b23dc0947347d0943e5ea331074f9e7ebfa5c57f3eba8dc7d35a1258"
+    assert frozen_hash(Knobs(alpha="mse", gain_d=0.3), "model-a", calib) == first  # defaults
     others = {
-        frozen_hash({"alpha": "mse", "gain_d": 0.0}, "model-a", calib),
-        frozen_hash({"alpha": "mse"}, "model-b", calib),
-        frozen_hash({"alpha": "mse"}, "model-a", {**calib, "chunk_length": 128}),
-        frozen_hash({"alpha": "mse"}, "model-a", {**calib, "corpus_content": "cd" * 32}),
+        frozen_hash(Knobs(alpha="mse", gain_d=0.0), "model-a", calib),
+        frozen_hash(Knobs(alpha="mse"), "model-b", calib),
+        frozen_hash(Knobs(alpha="mse"), "model-a", {**calib, "chunk_length": 128}),
+        frozen_hash(Knobs(alpha="mse"), "model-a", {**calib, "corpus_content": "cd" * 32}),
     }
     assert len(others) == 4 and first not in others
 
@@ -296,7 +304,7 @@ def sealed_work(spec, knobs, done, seed, *, log: str, grant=None):
     """A trainable body that asks for the test windows (what a hand-written sweep might try)."""
     from healsweep.data.split import load_split
     from healsweep.data.windows import make_windows
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     corpus = load_corpus(spec.corpus)
     try:
@@ -405,7 +413,10 @@ def test_demo_ablation_then_confirm_then_report_with_dev_and_test(tmp_path):
     run = _cli("sweep", "run", str(tmp_path / "spec.yaml"), "--results", str(results), env=env)
     assert run.returncode == 0 and "4 trials (4 completed)" in run.stdout, run.stdout + run.stderr
     sweep_dir = results / "demo-confirm"
-    done = _cli("confirm", str(sweep_dir), "--milestone", "v1", "--max-windows", "8", env=env)
+    tuned = [t for t in _trials(sweep_dir) if t["role"] == "trial"]  # (the baseline may win)
+    pick = min(tuned, key=lambda t: t["kld_mean"])["trial_id"]
+    done = _cli("confirm", str(sweep_dir), "--milestone", "v1", "--max-windows", "8",
+                "--trial", pick, env=env)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "opened milestone 'v1'" in done.stdout and "window 8/8" in done.stdout
     summary = json.loads((sweep_dir / "test" / "v1" / "confirm.json").read_text())

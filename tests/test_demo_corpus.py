@@ -170,8 +170,8 @@ def test_tokenizer_round_trips_the_corpus_text():
 
 
 def test_tokenizer_survives_gguf_metadata(tmp_path):
-    from healsweep.gguf_io import open_model
-    from healsweep.gguf_io.synthetic import write_random_model
+    from healsweep.model import open_model
+    from healsweep.model.synthetic import write_random_model
 
     path = write_random_model(
         tmp_path / "m.gguf",

@@ -11,7 +11,7 @@ import torch
 def demo():
     from healsweep.bundled import demo_corpus_path, demo_model_path
     from healsweep.data.corpus import load_corpus
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     return open_model(demo_model_path()), load_corpus(demo_corpus_path())
 
@@ -134,7 +134,7 @@ def test_demo_build_cli_end_to_end(tmp_path) -> None:
 
     from tokenizers import Tokenizer
 
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     out = tmp_path / "build"
     done = subprocess.run(

@@ -221,6 +221,44 @@ def test_training_learns_and_is_deterministic_in_the_seed() -> None:
     )
 
 
+def test_a_stopped_training_resumes_from_its_checkpoint_bit_for_bit(tmp_path) -> None:
+    """A run killed after a checkpoint continues from it and ends with the same parameters and
+    history as an uninterrupted run; a checkpoint of another recipe is not resumed."""
+    tiny = tr.MoEConfig(
+        n_vocab=48, n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16,
+        n_expert=4, n_expert_used=2, n_ff_exp=32, n_ff_shexp=32,
+    )  # fmt: skip
+    stream = _synthetic_stream(tiny.n_vocab, seed=0)
+    tcfg = tr.TrainConfig(steps=12, batch_size=2, seq_len=16, warmup_steps=3, seed=1)
+    whole = tr.train(stream, tiny, tcfg, log_every=4)
+
+    ckpt = tmp_path / "run.npz"
+    stopped = dataclasses.replace(tcfg, steps=7)  # another recipe: its checkpoint is not reused
+    tr.train(stream, tiny, stopped, log_every=4, checkpoint=ckpt, checkpoint_every=5)
+    assert ckpt.exists()
+    assert tr._read_checkpoint(ckpt, tr._run_identity(stream, tiny, tcfg), None) is None
+
+    # the real interruption: a run of the full recipe that raises after its step-10 checkpoint
+    calls = []
+
+    def stop_at_eight(log, params):
+        calls.append(log.step)
+        if log.step == 8:
+            raise KeyboardInterrupt  # the checkpoint of step 5 is on disk; step 10's is not yet
+
+    with pytest.raises(KeyboardInterrupt):
+        tr.train(stream, tiny, tcfg, log_every=4, checkpoint=ckpt, checkpoint_every=5,
+                 progress=stop_at_eight)  # fmt: skip
+    resumed = tr.train(stream, tiny, tcfg, log_every=4, checkpoint=ckpt, checkpoint_every=5)
+    assert resumed.history == whole.history
+    for a, b in zip(
+        jax.tree_util.tree_leaves(whole.params),
+        jax.tree_util.tree_leaves(resumed.params),
+        strict=True,
+    ):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_gguf_tensor_names_round_trip() -> None:
     params = tr.init_params(SMALL, seed=0)
     tensors = tr.to_gguf_tensors(params)
@@ -251,8 +289,7 @@ def test_written_gguf_runs_the_same_in_the_runtime_forward(tmp_path) -> None:
     The GGUF stores matrices as F16, so the training forward gets the F16-rounded matrices.
     """
     from healsweep.demo.build import write_demo_model
-    from healsweep.gguf_io import open_model
-    from healsweep.model import forward
+    from healsweep.model import forward, open_model
 
     tokenizer = _tiny_tokenizer()
     cfg = dataclasses.replace(SMALL, n_vocab=tokenizer.get_vocab_size())
@@ -299,6 +336,10 @@ def test_presets_small_is_the_shipped_model_and_medium_suits_k_quants(tmp_path) 
     assert (medium.n_layer, medium.n_embd, medium.n_expert, medium.n_expert_used) == (8, 256, 64, 4)
     assert medium.n_embd % 256 == 0 and medium.n_ff_exp % 256 == 0 and medium.n_ff_shexp > 0
     assert demo_train_config(0, 10, "medium").steps == 10
+    cpu = demo_model_config(6144, "medium-cpu")
+    assert (cpu.n_layer, cpu.n_embd, cpu.n_expert, cpu.n_expert_used) == (4, 256, 8, 2)
+    assert cpu.n_ff_exp % 256 == 0 and cpu.n_ff_shexp > 0
+    assert demo_preset("medium-cpu").expert_type == "Q8_0"
     with pytest.raises(SettingError, match="unknown demo preset 'large'.*small, medium"):
         demo_preset("large")
     # the medium layer shapes written with the preset's expert type read back as Q8_0

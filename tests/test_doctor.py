@@ -2,15 +2,15 @@
 
 The CLI runs are subprocesses with ``HOME``/``RAY_TMPDIR`` in the test's folder and no ``RAY_*``
 variable, so no Ray of another process is ever found. The comparison is checked against a float64
-numpy re-implementation; a kernel that really disagrees between its two runs (an ``io_callback``
-whose output changes with each execution) must be reported as not ok, and so must a kernel that
-fails to lower (a primitive with no lowering rule for the platform) or to run (a callback that
-raises): nothing runs such a kernel on the CPU instead, so doctor exits 1 and names it.
+numpy re-implementation; a kernel off its reference must be reported as not ok, and so must a
+kernel that fails to lower (a primitive with no lowering rule for the platform) or to run (a
+callback that raises): nothing runs such a kernel on the CPU instead, so doctor exits 1 and names
+it. Wrong production kernels (one code off in one block of the Q2_0 search, the scales of the
+packed Q2_0 decoder transposed) are planted by replacing the function production calls.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -24,10 +24,12 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from typer.testing import CliRunner
 
+import healsweep.conformance as conformance
 from healsweep.cli import _register
 from healsweep.cli._apps import app
-from healsweep.kernels import _cases
-from healsweep.kernels.conformance import KernelCase, _max_rel_err, kernel_cases, run_case
+from healsweep.conformance import KernelCase, all_cases, run_case
+from healsweep.conformance import max_rel_err as _max_rel_err
+from healsweep.kernels import q2_0, q2_0_gpu
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +59,19 @@ def _doctor(env: dict, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+CPU_ONLY = (
+    "kernel conformance: CPU only, checked against float64 references "
+    "(decoders: gguf-py's and ggml's):"
+)
+
+
 def _conformance_rows(stdout: str) -> dict[str, str]:
     lines = stdout.splitlines()
-    start = lines.index("kernel conformance (default backend vs CPU):") + 1
+    start = next(i for i, line in enumerate(lines) if line.startswith("kernel conformance")) + 1
     return {line.split()[0]: line for line in lines[start:] if line.startswith("  ")}
 
 
-def test_doctor_without_a_cluster_reports_none_and_every_kernel_conformant(doctor_env):
+def test_doctor_without_a_cluster_reports_none_and_every_kernel_against_references(doctor_env):
     done = _doctor(doctor_env)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
@@ -71,12 +79,18 @@ def test_doctor_without_a_cluster_reports_none_and_every_kernel_conformant(docto
     assert lines[0].endswith("default backend: cpu")
     assert any(line.startswith("  device cpu:0") for line in lines)
     assert "ray cluster: none running here" in done.stdout
+    assert CPU_ONLY in lines and "vs cpu" not in done.stdout  # no device comparison claimed
     rows = _conformance_rows(done.stdout)
-    assert set(rows) == {case.name for case in kernel_cases()}
+    assert set(rows) == {case.name for case in all_cases()}
+    assert {"q2_0.Q2Packed.dequantize", "ggml_decode.Q4_K", "model.forward"} <= set(rows)
     for name, row in rows.items():
-        assert row.split()[1] == "cpu" and row.rstrip().endswith(("ok", "CPU-placed by design"))
-        assert " ok" in row, (name, row)
-    assert lines[-1] == f"doctor: all {len(rows)} kernels conformant"
+        assert row.split()[1] == "cpu" and " vs reference " in row, row
+        assert row.split()[5] == "ok", (name, row)
+    assert "[cpu tiles]" in rows["q2_0.quantize_rows"]  # the production path of a CPU
+    assert lines[-1] == (
+        f"doctor: all {len(rows)} kernels agree with their float64 references "
+        "(CPU only: no device was compared)"
+    )
 
 
 def test_doctor_no_ray_skips_the_cluster_check(doctor_env):
@@ -129,35 +143,46 @@ def test_max_rel_err_accepts_matching_non_finite_values_and_empty_leaves():
     assert _max_rel_err(np.array([3, 4], np.int32), np.array([3, 4], np.int32)) == 0.0
 
 
-def _drifting_kernel(step: float):
-    """A kernel whose every execution scales its input by a growing factor (1, 1+step, ...)."""
-    executions = itertools.count()
-
-    def factor() -> np.ndarray:
-        return np.float32(1.0 + step * next(executions))
-
-    def kernel(x):
-        scale = io_callback(factor, jax.ShapeDtypeStruct((), jnp.float32))
-        return x * scale  # [N, D]
-
-    return kernel
+def _scaled_kernel(factor: float):
+    """A kernel that is its input times ``factor``: off the identity reference by factor - 1."""
+    return lambda x: x * np.float32(factor)  # [N, D]
 
 
-def test_a_kernel_whose_two_runs_disagree_is_reported_not_ok():
-    inputs = lambda rng: (rng.standard_normal((8, 16)).astype(np.float32),)  # noqa: E731
-    loose = run_case(KernelCase("drift.loose", _drifting_kernel(1e-3), inputs, rtol=1e-2))
-    assert loose.ok and loose.lowered and loose.backend == "cpu"
-    assert loose.max_rel_err == pytest.approx(1e-3, rel=1e-3)
-    tight = run_case(KernelCase("drift.tight", _drifting_kernel(1e-3), inputs, rtol=1e-4))
-    assert not tight.ok
-    assert tight.max_rel_err == pytest.approx(1e-3, rel=1e-3)
+def _square_inputs(rng):
+    return (rng.standard_normal((8, 16)).astype(np.float32),)
 
 
-def test_a_cpu_placed_kernel_is_run_once_and_says_so():
-    inputs = lambda rng: (rng.standard_normal((4, 4)).astype(np.float32),)  # noqa: E731
-    result = run_case(KernelCase("drift.cpu", _drifting_kernel(0.5), inputs, cpu_placed=True))
-    assert result.ok and result.max_rel_err == 0.0
-    assert result.note == "CPU-placed by design"
+def _identity(x):
+    return np.asarray(x, np.float64)
+
+
+def test_a_kernel_off_its_float64_reference_is_reported_not_ok():
+    loose = run_case(KernelCase("off.loose", _scaled_kernel(1.001), _square_inputs, _identity,
+                                rtol=1e-2))  # fmt: skip
+    assert loose.ok and loose.lowered and loose.backend == jax.default_backend()
+    assert loose.err == pytest.approx(1e-3, rel=1e-3)
+    tight = run_case(KernelCase("off.tight", _scaled_kernel(1.001), _square_inputs, _identity,
+                                rtol=1e-4))  # fmt: skip
+    assert not tight.ok and tight.lowered
+    assert tight.err == pytest.approx(1e-3, rel=1e-3)
+    assert "vs the float64 reference" in tight.note
+
+
+def test_a_custom_check_decides_and_names_what_is_wrong():
+    def check(got, want, inputs):
+        return 7.0, "seven blocks are wrong"
+
+    result = run_case(KernelCase("off.custom", _scaled_kernel(1.0), _square_inputs, _identity,
+                                 check=check))  # fmt: skip
+    assert not result.ok and result.err == 7.0 and "seven blocks are wrong" in result.note
+
+
+def test_a_cpu_placed_kernel_is_judged_on_the_cpu_against_its_reference():
+    case = KernelCase("placed", _scaled_kernel(2.0), _square_inputs, lambda x: 2.0 * _identity(x),
+                      cpu_placed=True)  # fmt: skip
+    result = run_case(case)
+    assert result.ok and result.err == 0.0
+    assert np.isnan(result.device_err)  # never run on, nor compared with, a device
 
 
 def _primitive(name: str, lower_on: tuple[str, ...] = ()) -> Primitive:
@@ -173,10 +198,6 @@ _UNLOWERABLE = _primitive("healsweep_test_unlowerable")
 _CPU_ONLY = _primitive("healsweep_test_cpu_only", lower_on=("cpu",))
 
 
-def _square_inputs(rng):
-    return (rng.standard_normal((8, 16)).astype(np.float32),)
-
-
 def _unlowerable_kernel(x):
     return _UNLOWERABLE.bind(x) * 2.0  # [N, D]
 
@@ -189,15 +210,19 @@ def _failing_callback_kernel(x):
 
 
 def test_a_kernel_that_fails_to_lower_is_reported_failing_not_compared_with_itself():
-    result = run_case(KernelCase("broken.unlowerable", _unlowerable_kernel, _square_inputs))
+    result = run_case(
+        KernelCase("broken.unlowerable", _unlowerable_kernel, _square_inputs, _identity)
+    )
     assert not result.ok and not result.lowered
-    assert result.max_rel_err == float("inf")
+    assert result.err == float("inf")
     assert result.note == "fails to lower on cpu"
     assert "healsweep_test_unlowerable" in result.error
 
 
 def test_a_kernel_that_fails_at_run_time_is_reported_failing():
-    result = run_case(KernelCase("broken.callback", _failing_callback_kernel, _square_inputs))
+    result = run_case(
+        KernelCase("broken.callback", _failing_callback_kernel, _square_inputs, _identity)
+    )
     assert not result.ok and not result.lowered
     assert result.note == "fails to run on cpu"
 
@@ -205,22 +230,117 @@ def test_a_kernel_that_fails_at_run_time_is_reported_failing():
 @pytest.mark.device
 def test_a_kernel_that_lowers_on_cpu_only_fails_on_the_default_device():
     assert jax.default_backend() != "cpu", "a device test: run it where JAX has an accelerator"
-    result = run_case(KernelCase("broken.cpu_only", lambda x: _CPU_ONLY.bind(x), _square_inputs))
+    case = KernelCase("broken.cpu_only", lambda x: _CPU_ONLY.bind(x), _square_inputs, _identity)
+    result = run_case(case)
     assert not result.ok and not result.lowered
     assert result.note == f"fails to lower on {jax.default_backend()}"
 
 
-def test_doctor_exits_1_with_one_line_naming_a_kernel_that_fails_to_lower(monkeypatch):
-    good = next(case for case in _cases.CASES if case.name == "q2_0.dequantize")
-    broken = KernelCase("broken.unlowerable", _unlowerable_kernel, _square_inputs)
-    monkeypatch.setattr(_cases, "CASES", (good, broken))
+def _doctor_in_process(monkeypatch, names: tuple[str, ...], extra=()) -> object:
+    """``healsweep doctor --no-ray`` in this process over the named cases (and ``extra``)."""
+    cases = [case for case in all_cases() if case.name in names]
+    assert len(cases) == len(names)
+    monkeypatch.setattr(conformance, "all_cases", lambda: [*cases, *extra])
+    jax.clear_caches()  # a fresh doctor traces the kernels as they are now
     _register()
     done = CliRunner().invoke(app, ["doctor", "--no-ray"])
+    monkeypatch.undo()  # the planted kernels go, and so do the programs traced from them
+    jax.clear_caches()
+    return done
+
+
+def test_doctor_exits_1_with_one_line_naming_a_kernel_that_fails_to_lower(monkeypatch):
+    broken = KernelCase("broken.unlowerable", _unlowerable_kernel, _square_inputs, _identity)
+    done = _doctor_in_process(monkeypatch, ("q2_0.dequantize",), [broken])
     assert done.exit_code == 1, done.output
     rows = _conformance_rows(done.stdout)
-    assert " ok" in rows["q2_0.dequantize"]
+    assert rows["q2_0.dequantize"].split()[5] == "ok"
     assert "FAILS  fails to lower on cpu" in rows["broken.unlowerable"]
-    assert "conformant" not in done.output
+    assert "agree" not in done.output
     assert done.stderr.splitlines() == [
         "doctor: 1 of 2 kernel(s) failing: broken.unlowerable (fails to lower on cpu)"
     ]
+
+
+Q2_SEARCH = ("q2_0.quantize_rows", "q2_0.quantize_rows_grouped")
+
+
+def test_doctor_exits_1_naming_a_search_with_one_code_off_in_one_block(monkeypatch):
+    def one_code_off(d, q):
+        flip = jnp.where(q[0, 5] == 2, 1, q[0, 5] + 1).astype(q.dtype)  # block 0 of row 0
+        return d, q.at[0, 5].set(flip)
+
+    cpu_kernel, gpu_kernel = q2_0._quantize_rows, q2_0_gpu.quantize_rows
+    monkeypatch.setattr(  # the kernels production's selector picks from, whatever the backend
+        q2_0,
+        "_quantize_rows",
+        lambda w, a, g, **kw: (*one_code_off(*cpu_kernel(w, a, g, **kw)[:2]), ()),
+    )
+    monkeypatch.setattr(
+        q2_0_gpu, "quantize_rows", lambda *a, **kw: one_code_off(*gpu_kernel(*a, **kw))
+    )
+    done = _doctor_in_process(monkeypatch, (*Q2_SEARCH, "q2_0.dequantize"))
+    assert done.exit_code == 1, done.output
+    rows = _conformance_rows(done.stdout)
+    for name in Q2_SEARCH:
+        assert "WRONG" in rows[name] and "1 of 1024 blocks differ" in rows[name], rows[name]
+    assert rows["q2_0.dequantize"].split()[5] == "ok"
+    [line] = done.stderr.splitlines()
+    assert line.startswith("doctor: 2 of 3 kernel(s) failing: q2_0.quantize_rows (")
+    assert "q2_0.quantize_rows_grouped (" in line
+
+
+def test_doctor_exits_1_naming_a_packed_decoder_with_transposed_scales(monkeypatch):
+    right = q2_0.Q2Packed.dequantize
+
+    def transposed(self):
+        return right(q2_0.Q2Packed(jnp.swapaxes(jnp.asarray(self.d), -1, -2), self.codes))
+
+    monkeypatch.setattr(q2_0.Q2Packed, "dequantize", transposed)
+    done = _doctor_in_process(monkeypatch, ("q2_0.Q2Packed.dequantize", "q2_0.Q2Weight.dequantize"))
+    assert done.exit_code == 1, done.output
+    rows = _conformance_rows(done.stdout)
+    assert "WRONG" in rows["q2_0.Q2Packed.dequantize"]
+    assert rows["q2_0.Q2Weight.dequantize"].split()[5] == "ok"
+    assert done.stderr.startswith("doctor: 1 of 2 kernel(s) failing: q2_0.Q2Packed.dequantize (")
+
+
+def test_a_case_without_a_reference_is_reported_failing_not_skipped():
+    def missing(x):
+        raise ValueError("gguf-py cannot decode ggml type 99")
+
+    result = run_case(KernelCase("decoder.unknown", _scaled_kernel(1.0), _square_inputs, missing))
+    assert not result.ok and result.note == "no reference"
+    assert result.error == "gguf-py cannot decode ggml type 99"
+
+
+def test_decoder_cases_follow_in_graph_types(monkeypatch):
+    from healsweep.conformance.decoders import decoder_cases, type_name
+    from healsweep.kernels import ggml_decode
+
+    names = [case.name for case in decoder_cases()]
+    assert names == [f"ggml_decode.{type_name(t)}" for t in sorted(ggml_decode.IN_GRAPH_TYPES)]
+    assert "ggml_decode.Q2_0" in names and "ggml_decode.IQ4_XS" in names
+    # a type added to the in-graph set is checked without a change to the suite (here one that
+    # gguf-py decodes but that has no in-graph decoder behind it: it fails to lower, and is named)
+    from gguf import GGMLQuantizationType
+
+    from healsweep.conformance.decoders import gguf_reference
+
+    def gguf_decodes(qtype: int) -> bool:
+        try:
+            block, size = ggml_decode.block_geometry(qtype)
+            gguf_reference(qtype, np.zeros((1, size * max(1, 256 // block)), np.uint8))
+        except Exception:  # noqa: BLE001 (any failure: not a usable example)
+            return False
+        return True
+
+    spare = next(
+        int(t)
+        for t in GGMLQuantizationType
+        if int(t) not in ggml_decode.IN_GRAPH_TYPES and gguf_decodes(int(t))
+    )
+    monkeypatch.setattr(ggml_decode, "IN_GRAPH_TYPES", ggml_decode.IN_GRAPH_TYPES | {spare})
+    added = next(case for case in decoder_cases() if case.name == f"ggml_decode.{type_name(spare)}")
+    result = run_case(added)
+    assert not result.ok and result.note == f"fails to lower on {jax.default_backend()}"

@@ -20,11 +20,11 @@ import pytest
 from _heal_fixtures import heal_setup
 from healsweep.cache import StageCache
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io import GGML_Q2_0, open_model, q2_0_type
+from healsweep.gguf_io import GGML_Q2_0, QUANT_SIZES, TensorType, q2_0_type
 from healsweep.heal.export import type42_rows, write_healed_gguf, write_q2_sidecar
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
-from healsweep.model import forward
+from healsweep.model import forward, open_model
 
 setup = heal_setup
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
@@ -50,13 +50,20 @@ def exported(setup, tmp_path_factory):
     return student, q2, f16, root
 
 
-def test_type_42_is_registered_once_with_the_decoders_geometry():
+def test_type_42_is_a_local_type_with_the_decoders_geometry_and_gguf_py_is_left_alone():
     from healsweep.kernels.ggml_decode import block_geometry
 
     member = q2_0_type()
-    assert q2_0_type() is member is gguf.GGMLQuantizationType(GGML_Q2_0)
+    assert q2_0_type() is member is TensorType(GGML_Q2_0)
     assert member.name == "Q2_0" and int(member) == 42
-    assert gguf.GGML_QUANT_SIZES[member] == block_geometry(42) == (64, 18)
+    assert QUANT_SIZES[member] == block_geometry(42) == (64, 18)
+    # every gguf-py type is a TensorType of the same name, value and geometry, and compares equal
+    for qtype, sizes in gguf.GGML_QUANT_SIZES.items():
+        ours = TensorType[qtype.name]
+        assert ours == qtype and hash(ours) == hash(qtype) and QUANT_SIZES[ours] == sizes
+    # nothing was registered into gguf-py's own enum or table
+    assert all(type(t) is gguf.GGMLQuantizationType for t in gguf.GGML_QUANT_SIZES)
+    assert all(type(t) is gguf.GGMLQuantizationType for t in gguf.GGMLQuantizationType)
 
 
 def test_type42_rows_follow_the_ggml_layout():
@@ -177,7 +184,7 @@ def _with_tensor_type(src, dst, name: str, qtype: int):
     """A copy of ``src`` whose tensor ``name`` claims ggml type ``qtype``: random bytes of that
     type replace its data (a type gguf-py knows), or the header's type id is patched in place."""
     reader = gguf.GGUFReader(src)
-    if qtype not in gguf.GGMLQuantizationType._value2member_map_:  # patch the type field
+    if qtype not in {int(t) for t in gguf.GGMLQuantizationType}:  # patch the type field
         info = next(t for t in reader.tensors if t.name == name)
         at = info.field.offset + sum(int(p.nbytes) for p in info.field.parts[:4])
         data = bytearray(src.read_bytes())

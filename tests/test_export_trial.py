@@ -19,10 +19,10 @@ import pytest
 
 from _tiny_corpus import write_tiny_corpus
 from healsweep.cache import StageCache
-from healsweep.gguf_io import open_model
 from healsweep.heal.export import type42_rows
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.model import open_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TRIALS = {  # trial id -> (is_baseline, status, dev KLD, knob changes)
@@ -35,7 +35,7 @@ TRIALS = {  # trial id -> (is_baseline, status, dev KLD, knob changes)
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, tiny_tokenizer):
-    from healsweep.gguf_io.synthetic import write_random_model
+    from healsweep.model.synthetic import write_random_model
     from healsweep.results.schema import knob_columns, to_table, trial_schema
     from healsweep.results.store import TRIALS_FILE, atomic_write_table
     from healsweep.sweep.manifest import start_manifest
@@ -58,7 +58,7 @@ def sweep(tmp_path_factory, tiny_tokenizer):
     start_manifest(sweep_dir, spec, sweep_identity(spec), "run")
     rows = []
     for trial_id, (is_base, status, kld, changes) in TRIALS.items():
-        knobs = Knobs(**changes).model_dump()
+        knobs = Knobs(**changes)
         rows.append({"sweep": "tiny", "trial_id": trial_id, "config_hash": config_hash(knobs),
                      "is_baseline": is_base, **knob_columns(knobs), "status": status,
                      "pruned": status == "pruned", "kld_mean": kld})  # fmt: skip
@@ -92,7 +92,7 @@ def test_best_trial_is_rebuilt_from_its_knobs_and_says_it_is_unconfirmed(sweep, 
     assert model.metadata("healsweep.trial_id") == "t-good"
     assert model.metadata("healsweep.ledger_entry") is None
     student = build_student(
-        open_model(sweep["spec"].model), knobs, sweep["spec"].calibration_config(),
+        open_model(sweep["spec"].model), knobs, sweep["spec"].calibration,
         StageCache(tmp_path / "cache"),
     )  # fmt: skip
     assert model.metadata("healsweep.student_key") == student.key

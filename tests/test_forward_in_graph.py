@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch  # noqa: F401  (the [test] extra; transformers needs it)
 
-from healsweep.gguf_io import open_model
-from healsweep.model import forward
+from healsweep.model import forward, open_model
 from healsweep.model.resident import RESIDENT
 
 forward_module = importlib.import_module("healsweep.model.forward")  # the module, not forward()

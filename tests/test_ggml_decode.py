@@ -4,8 +4,9 @@ Every type in ``IN_GRAPH_TYPES`` but Q2_0 is compared with gguf-py on random blo
 replaced by finite fp16 values of many magnitudes) and on adversarial blocks (all-zero and all-0xFF
 codes, fp16 fields at ±65504, ±smallest subnormal, ±0, ±1, ±inf and NaNs, every 6-bit pattern of
 the K-quants' packed scales). Q2_0, which gguf-py cannot read, is compared with a float64 numpy
-decoder written here from the block spec, and with the project's own Q2_0 codec. The layout
-tables below are ggml's block structs, written down independently of the module under test.
+decoder written from the block spec (``healsweep.conformance.references``, which doctor uses
+too), and with the project's own Q2_0 codec. The layout tables below are ggml's block structs,
+written down independently of the module under test.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
+from healsweep.conformance.references import q2_0_from_bytes as q2_0_reference
 from healsweep.errors import GGUFFormatError
 from healsweep.kernels import _decode_legacy as lg
 from healsweep.kernels.ggml_decode import (
@@ -232,28 +234,15 @@ def reference(rows: np.ndarray, qtype: int) -> np.ndarray:
         return np.asarray(dequantize(rows, T(qtype)), np.float32)
 
 
-def q2_0_reference(rows: np.ndarray) -> np.ndarray:
-    """Q2_0 from the spec in float64: fp16 ``d`` (LE), 16 code bytes, weight ``j`` at bits
-    ``2*(j%4)`` of byte ``j//4``, value ``(code - 1) * d``."""
-    blocks = rows.reshape(-1, 18)
-    d = blocks[:, :2].copy().view("<f2")[:, 0].astype(np.float64)
-    codes = np.zeros((len(blocks), 64), np.int64)
-    for j in range(64):
-        codes[:, j] = (blocks[:, 2 + j // 4].astype(np.int64) >> (2 * (j % 4))) & 3
-    with np.errstate(invalid="ignore"):
-        values = (codes - 1).astype(np.float64) * d[:, None]
-    return values.reshape(rows.shape[0], -1)
-
-
 def test_type_ids_and_geometry():
     for name in REQUIRED:
         assert int(T[name]) in IN_GRAPH_TYPES
         assert block_geometry(int(T[name])) == GGML_QUANT_SIZES[T[name]]
         assert block_geometry(T[name]) == GGML_QUANT_SIZES[T[name]]
     assert GGML_Q2_0 == 42 and GGML_Q2_0 in IN_GRAPH_TYPES and block_geometry(42) == (64, 18)
-    from healsweep.gguf_io._ggml_types import q2_0_type  # gguf-py 0.19 does not name type 42
+    from healsweep.gguf_io import QUANT_SIZES, q2_0_type  # gguf-py 0.19 does not name type 42
 
-    assert int(q2_0_type()) == 42 and GGML_QUANT_SIZES[q2_0_type()] == (64, 18)  # registered
+    assert int(q2_0_type()) == 42 and QUANT_SIZES[q2_0_type()] == (64, 18)  # the local table
     assert block_geometry(int(T.TQ1_0)) == GGML_QUANT_SIZES[T.TQ1_0]  # host-fallback types too
     with pytest.raises(GGUFFormatError):
         block_geometry(999)

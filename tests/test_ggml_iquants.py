@@ -20,9 +20,9 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import IQ2_XXS, dequantize
 
+from healsweep.conformance import backend_violations, iter_eqns
 from healsweep.kernels import _decode_iquants as iq
 from healsweep.kernels import _decode_legacy as lg
-from healsweep.kernels.conformance import backend_violations, iter_eqns
 from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, block_geometry, decode_rows
 from test_ggml_decode import FP16_SPECIAL, assert_bit_exact, finite_fp16, set_u16
 
@@ -316,10 +316,9 @@ def test_forward_decodes_every_new_type_in_the_graph(random_gguf, tmp_path, monk
     import importlib
     import logging
 
-    from healsweep.gguf_io import open_model
     from healsweep.heal.export import write_replacing
     from healsweep.heal.llama_baseline import quantize_expert_stack
-    from healsweep.model import forward
+    from healsweep.model import forward, open_model
 
     forward_module = importlib.import_module("healsweep.model.forward")
     teacher = open_model(random_gguf("qwen2moe", n_layer=3, n_embd=256, n_head=4, n_head_kv=2,

@@ -14,13 +14,11 @@ from healsweep.errors import GGUFFormatError, TokenizerError, UnsupportedArchite
 from healsweep.gguf_io import (
     ModelHparams,
     build_tokenizer,
-    expected_tensor_shapes,
     file_fingerprint,
-    open_model,
     tokenizer_metadata_from_tokenizer,
-    write_model,
 )
-from healsweep.gguf_io.synthetic import RandomTensors
+from healsweep.model import expected_tensor_shapes, open_model, write_model
+from healsweep.model.synthetic import RandomTensors
 
 CHATML = (
     "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2? Answer in "

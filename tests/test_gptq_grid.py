@@ -10,32 +10,26 @@ import numpy as np
 import pytest
 
 from _heal_fixtures import correlated_layer
+from healsweep.conformance import references as ref
 from healsweep.kernels import gptq_grid
 
 
-def _upper_inverse_factor(h: np.ndarray, damp: float = 0.01) -> np.ndarray:
-    """Upper ``u`` with ``uᵀu = (H + damp·mean(diag H)·I)⁻¹``, float64 numpy, per matrix."""
+def _damped(h: np.ndarray, damp: float = 0.01) -> np.ndarray:
+    return np.stack([m + damp * np.mean(np.diag(m)) * np.eye(len(m)) for m in h.astype(float)])
+
+
+def _upper_inverse_factor(h: np.ndarray) -> np.ndarray:
+    """Upper ``u`` with ``uᵀu = H⁻¹`` (classic GPTQ's factor), float64 numpy, per matrix."""
+    return np.stack([np.linalg.cholesky(np.linalg.inv(m)).T for m in h])
+
+
+def _feedback(h: np.ndarray) -> np.ndarray:
+    """``V − I`` of ``H = V·D·Vᵀ`` (``V`` unit upper; the kernel's LDLQ form), float64 numpy."""
     out = []
-    for m in np.asarray(h, np.float64):
-        m = m + damp * np.mean(np.diag(m)) * np.eye(len(m))
-        out.append(np.linalg.cholesky(np.linalg.inv(m)).T)
+    for m in h:
+        r = np.linalg.cholesky(m[::-1, ::-1])[::-1, ::-1]  # upper, H = R·Rᵀ
+        out.append(r / np.diag(r)[None, :] - np.eye(len(m)))
     return np.stack(out)
-
-
-def _reference_codes(w, scale, offset, u, shift, n_codes):
-    """The same column loop in float64 numpy, one row at a time, no lazy batching."""
-    n_exp, n_out, n_in = w.shape
-    levels = np.arange(n_codes) - shift
-    codes = np.zeros(w.shape, int)
-    for e in range(n_exp):
-        for r in range(n_out):
-            row = w[e, r].astype(np.float64).copy()
-            for j in range(n_in):
-                values = scale[e, r, j // 16] * levels - offset[e, r, j // 16]
-                codes[e, r, j] = np.argmin(np.abs(values - row[j]))
-                err = (row[j] - values[codes[e, r, j]]) / u[e, j, j]
-                row[j + 1 :] -= err * u[e, j, j + 1 :]
-    return codes
 
 
 @pytest.mark.parametrize(("shift", "n_codes"), [(0, 4), (4, 8)])
@@ -44,17 +38,18 @@ def test_kernel_codes_are_a_float64_column_loop(shift, n_codes):
     rng = np.random.default_rng(4)
     scale = rng.uniform(0.2, 0.6, (2, 6, 8)).astype(np.float32) * rng.choice([-1, 1], (2, 6, 8))
     offset = rng.uniform(0.0, 0.8, (2, 6, 8)).astype(np.float32) * (shift == 0)
-    u = _upper_inverse_factor(h)
-    got = np.asarray(gptq_grid.quantize(w, scale, offset, u.astype(np.float32), shift, n_codes))
-    want = _reference_codes(w, scale, offset, u, shift, n_codes)
+    h = _damped(h)
+    f = _feedback(h).astype(np.float32)
+    got = np.asarray(gptq_grid.quantize(w, scale, offset, f, shift, n_codes))
+    want = ref.gptq_grid(w, scale, offset, _upper_inverse_factor(h), shift, n_codes)
     assert got.dtype == np.int32 and got.min() >= 0 and got.max() < n_codes
     # float32 against float64 error propagation: an early flip of a near-tie changes what follows
     assert np.mean(got == want) > 0.97
-    # a diagonal factor propagates nothing: every code is the nearest one
-    diag = np.broadcast_to(np.eye(128, dtype=np.float32), u.shape)
+    # no feedback (a diagonal H) propagates nothing: every code is the nearest one
+    none = np.zeros(f.shape, np.float32)
     nearest = gptq_grid.nearest_codes(w, np.repeat(scale, 16, axis=2),
                                       np.repeat(offset, 16, axis=2), shift, n_codes)[0]  # fmt: skip
-    np.testing.assert_array_equal(gptq_grid.quantize(w, scale, offset, diag, shift, n_codes),
+    np.testing.assert_array_equal(gptq_grid.quantize(w, scale, offset, none, shift, n_codes),
                                   nearest)  # fmt: skip
 
 
@@ -76,8 +71,8 @@ def test_ggml_bytes_are_the_nearest_codes_of_their_grid_and_gptq_lowers_the_h_er
                                             np.repeat(offset, 16, axis=-1), shift, n_codes)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(values), ggml)  # the grid decodes as ggml does
     np.testing.assert_array_equal(kgrid.with_codes(raw, qtype, np.asarray(codes)), raw)
-    u = _upper_inverse_factor(h).astype(np.float32)
-    refined = kgrid.with_codes(raw, qtype, np.asarray(gptq_grid.quantize(w, scale, offset, u,
+    f = _feedback(_damped(h)).astype(np.float32)
+    refined = kgrid.with_codes(raw, qtype, np.asarray(gptq_grid.quantize(w, scale, offset, f,
                                                                          shift, n_codes)))  # fmt: skip
     ours = dequantize_rows(refined, qtype, 256)
     size, kept = {"q2_k": (84, np.r_[0:16, 80:84]), "q3_k": (110, np.r_[96:110])}[name]

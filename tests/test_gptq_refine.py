@@ -7,6 +7,7 @@ import pytest
 
 from _heal_fixtures import correlated_layer, heal_setup
 from healsweep.cache import StageCache
+from healsweep.conformance import references
 from healsweep.errors import KnobError
 from healsweep.heal import gptq
 from healsweep.heal.knobs import CalibrationConfig, Knobs
@@ -17,56 +18,15 @@ setup = heal_setup
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 
 
-def _values(d, q):
-    return q.astype(np.float64) * np.repeat(np.asarray(d, np.float64), 64, axis=-1)
-
-
-def _row_error(w, d, q, h):
-    """(w − q·d)ᵀ H (w − q·d) per row [E, out], float64."""
-    r = np.asarray(w, np.float64) - _values(d, q)
-    return np.einsum("eoi,eij,eoj->eo", r, np.asarray(h, np.float64), r)
-
-
-def _reference_descent(w, h, d, q, sweeps):
-    """Coordinate descent in float64, one column at a time, the residual recomputed each step."""
-    w, h = np.asarray(w, np.float64), np.asarray(h, np.float64)
-    q = q.astype(np.float64).copy()
-    d_full = np.repeat(np.asarray(d, np.float64), 64, axis=-1)
-    for _ in range(sweeps):
-        for j in range(w.shape[2]):
-            r = w - q * d_full
-            hr = np.einsum("eoi,ei->eo", r, h[:, :, j])
-            target = q[:, :, j] * d_full[:, :, j] + hr / h[:, j, j][:, None]
-            dj = d_full[:, :, j]
-            new = np.clip(np.round(target / np.where(dj == 0, 1, dj)), -1, 2)
-            q[:, :, j] = np.where(dj == 0, q[:, :, j], new)
-    return q.astype(np.int8)
-
-
-def _reference_scales(w, h, q):
-    """argmin_d (w − Q d)ᵀ H (w − Q d) per row, float64, by building Q [in, nb] explicitly."""
-    n_exp, n_out, n_in = q.shape
-    nb = n_in // 64
-    out = np.zeros((n_exp, n_out, nb))
-    for e in range(n_exp):
-        for o in range(n_out):
-            big_q = np.zeros((n_in, nb))
-            for b in range(nb):
-                big_q[64 * b : 64 * b + 64, b] = q[e, o, 64 * b : 64 * b + 64]
-            a = big_q.T @ h[e].astype(np.float64) @ big_q
-            out[e, o] = np.linalg.solve(a, big_q.T @ h[e].astype(np.float64) @ w[e, o])
-    return out
-
-
 def test_code_descent_matches_float64_and_never_raises_the_objective():
     w, h = correlated_layer(1, n_out=12)
     hd = gptq.damped(h, 0.01)
     d, q, _ = gptq.quantize_stack(w, h, 0.3, damp=0.01)
     new = np.asarray(gptq_refine.code_descent(w, hd, d, q, sweeps=2))
-    ref = _reference_descent(w, hd, d, q, 2)
+    ref_q = references.code_descent(w, hd, d, q, 2)
     # float32 H·r drifts ~1e-6 relative from the float64 one: a code at a rounding tie may differ
-    assert np.mean(new != ref) <= 5e-3
-    before, after = _row_error(w, d, q, hd), _row_error(w, d, new, hd)
+    assert np.mean(new != ref_q) <= 5e-3
+    before, after = references.h_objective(w, d, q, hd), references.h_objective(w, d, new, hd)
     assert np.all(after <= before * (1 + 1e-5))
     assert after.sum() < 0.97 * before.sum()  # GPTQ's greedy codes are not a coordinate optimum
 
@@ -77,10 +37,11 @@ def test_scale_system_and_solve_match_a_float64_least_squares():
     d, q, _ = gptq.quantize_stack(w, h, 0.3, damp=0.01)
     a, b = gptq_refine.scale_system(w, hd, q)
     new = gptq.solve_scales(np.asarray(a), np.asarray(b), d)
-    ref = _reference_scales(w, hd, q)
+    ref_a, ref_b = references.scale_system(w, hd, q)
+    ref = np.linalg.solve(ref_a, ref_b[..., None])[..., 0]
     np.testing.assert_allclose(new.astype(np.float64), ref, rtol=2e-3, atol=1e-6)
     objective = np.asarray(gptq_refine.row_objective(w, hd, d, q), np.float64)
-    np.testing.assert_allclose(objective, _row_error(w, d, q, hd), rtol=1e-4)
+    np.testing.assert_allclose(objective, references.h_objective(w, d, q, hd), rtol=1e-4)
 
 
 def test_empty_block_keeps_its_scale():
@@ -99,7 +60,7 @@ def test_refine_is_never_above_gptq_and_clearly_below_on_correlated_inputs(seed)
     d3, q3, ok3 = gptq.quantize_stack(w, h, 0.3, damp=0.01, rounds=3)
     assert ok.all() and ok3.all() and q3.dtype == np.int8 and d3.dtype == np.float16
     assert set(np.unique(q3)) <= {-1, 0, 1, 2}
-    before, after = _row_error(w, d0, q0, hd), _row_error(w, d3, q3, hd)
+    before, after = references.h_objective(w, d0, q0, hd), references.h_objective(w, d3, q3, hd)
     assert np.all(after <= before * (1 + 1e-5)), (after / before).max()
     assert after.sum() < 0.9 * before.sum()
 

@@ -10,11 +10,10 @@ import pytest
 from _heal_fixtures import _corpus_file
 from healsweep.cache import StageCache
 from healsweep.data.corpus import load_corpus
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
-from healsweep.model import forward
+from healsweep.model import forward, open_model
+from healsweep.model.synthetic import write_random_model
 
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 

@@ -12,13 +12,13 @@ from healsweep.cache import StageCache
 from healsweep.cli import _register
 from healsweep.cli._apps import app
 from healsweep.data.corpus import load_corpus
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.heal import stages
 from healsweep.heal.evaluate import VARIANTS, heldout_split, residual_table
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.quantize import layer_keys
 from healsweep.heal.trace import LAYER_STAGE, calibration_trace, layer_key
+from healsweep.model import open_model
+from healsweep.model.synthetic import write_random_model
 
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from _heal_fixtures import heal_setup
 from healsweep.cache import StageCache
-from healsweep.heal import stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.heal.quantize import layer_keys
@@ -120,16 +119,3 @@ def test_act_importance_keys_quantization_by_the_trace(setup, tmp_path):
     act_a = layer_keys(model, Knobs(importance="act"), "trace-a", 0)
     act_b = layer_keys(model, Knobs(importance="act"), "trace-b", 0)
     assert act_a["gu"] != act_b["gu"] and act_a["d"] == act_b["d"]  # act reads gate/up's
-
-
-def test_stage_keys_hold_a_digest_of_the_code_they_run(tmp_path, monkeypatch):
-    module = tmp_path / "healsweep_probe_codec.py"
-    module.write_text("SCALE = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    first = stages.code_digest(("healsweep_probe_codec",))
-    module.write_text("SCALE = 2  # a fix in a codec\n")
-    stages.code_digest.cache_clear()
-    assert stages.code_digest(("healsweep_probe_codec",)) != first
-    assert stages.code_digest(stages.STAGE_CODE["quantize"]) != stages.code_digest(
-        stages.STAGE_CODE["part_a"]
-    )

@@ -13,12 +13,12 @@ from gguf.quants import dequantize, quantize
 from healsweep.cache import StageCache
 from healsweep.data.corpus import load_corpus
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.heal.export import write_healed_gguf
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.heal.requant import requantize
+from healsweep.model import open_model
+from healsweep.model.synthetic import write_random_model
 
 
 def _values(rng, rows=8, cols=64):

@@ -7,15 +7,15 @@ import pytest
 
 from _heal_fixtures import _corpus_file, heal_setup
 from healsweep.cache import StageCache
+from healsweep.conformance.references import routed_experts as _routed_float64
 from healsweep.data.corpus import load_corpus
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.heal import stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.heal.quantize import cached_experts, layer_keys
 from healsweep.kernels.alpha import gaussian_probe_experts
-from healsweep.model import forward
+from healsweep.model import forward, open_model
+from healsweep.model.synthetic import write_random_model
 
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 
@@ -27,16 +27,6 @@ setup = heal_setup
 def shared_cache(tmp_path_factory):
     """One cache for the tests that do not count executions, so they share the trace."""
     return StageCache(tmp_path_factory.mktemp("shared") / "cache")
-
-
-def _routed_float64(x, ids, weights, gate, up, down):
-    out = np.zeros((x.shape[0], down.shape[1]))
-    x = x.astype(np.float64)
-    for t in range(x.shape[0]):
-        for e, w in zip(ids[t], weights[t], strict=True):
-            g, u = gate[e] @ x[t], up[e] @ x[t]
-            out[t] += w * (down[e] @ (g / (1 + np.exp(-g)) * u))
-    return out
 
 
 def test_healed_layers_match_independent_computations(setup, shared_cache):

@@ -10,8 +10,6 @@ import pytest
 from healsweep.cache import StageCache
 from healsweep.data.corpus import load_corpus
 from healsweep.errors import CorpusError
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.heal import ridge
 from healsweep.heal.knobs import CalibrationConfig
 from healsweep.heal.trace import (
@@ -22,7 +20,8 @@ from healsweep.heal.trace import (
     run_trace,
     trace_key,
 )
-from healsweep.model import forward
+from healsweep.model import forward, open_model
+from healsweep.model.synthetic import write_random_model
 
 TOOL_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "json.dumps"}}\n</tool_call>'
 

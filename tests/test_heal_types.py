@@ -16,11 +16,11 @@ from _heal_fixtures import _corpus_file, heal_setup
 from healsweep.cache import StageCache
 from healsweep.data.corpus import load_corpus
 from healsweep.errors import GGUFFormatError, KnobError
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
+from healsweep.model import open_model
+from healsweep.model.synthetic import write_random_model
 
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 GGML_TYPES = [t.name for t in ROUTED_TYPES if t.name != "q2_0"]

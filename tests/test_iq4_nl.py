@@ -7,31 +7,14 @@ import gguf
 import numpy as np
 import pytest
 
+from healsweep.conformance import references as ref
 from healsweep.kernels import iq4_nl
-
-KV = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], float)
-
-
-def nearest_upper(t: np.ndarray) -> np.ndarray:
-    """Index of the codebook value nearest ``t``; an exact tie goes to the larger value."""
-    dist = np.abs(t[..., None] - KV)
-    return len(KV) - 1 - np.argmin(dist[..., ::-1], axis=-1)
 
 
 def gguf_decode(d, idx) -> np.ndarray:
     packed = np.asarray(iq4_nl.pack(d, idx))
     flat = gguf.quants.dequantize(packed.reshape(-1), gguf.GGMLQuantizationType.IQ4_NL)
     return flat.reshape(-1, 32).astype(np.float64)
-
-
-def rtn_sse(w: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """Weighted SSE of round-to-nearest at d = m/-127 (m: the largest-magnitude weight), fp16 d."""
-    w = w.astype(np.float64)
-    m = np.where(-w.min(1) > w.max(1), w.min(1), w.max(1))
-    d = m / -127
-    idx = nearest_upper(w / np.where(d == 0, 1, d)[:, None])
-    d16 = d.astype(np.float16).astype(np.float64)
-    return (a * (w - d16[:, None] * KV[idx]) ** 2).sum(1)
 
 
 def blocks() -> np.ndarray:
@@ -72,7 +55,7 @@ def test_never_worse_than_round_to_nearest_at_amax_scale(importance):
     arg = None if importance == "uniform" else (a[0] if importance == "per_channel" else a)
     d, idx = iq4_nl.quantize(w, arg)
     sse = (a * (w.astype(np.float64) - gguf_decode(d, idx)) ** 2).sum(1)
-    baseline = rtn_sse(w, a.astype(np.float64))
+    _, baseline = ref.iq4_best_sse(w, a, iq4_nl.MULTIPLIERS)
     assert np.all(sse <= baseline * (1 + 1e-5) + 1e-300)
     assert sse.sum() < 0.95 * baseline.sum()  # and the search does find better scales
 
@@ -83,14 +66,7 @@ def test_result_is_the_best_of_the_documented_candidates():
     rng = np.random.default_rng(2)
     w = rng.standard_normal((1500, 32)).astype(np.float32)
     x = w.astype(np.float64)
-    m = np.where(-x.min(1) > x.max(1), x.min(1), x.max(1))
-    sses = [rtn_sse(w, np.ones((1, 32)))]
-    for base in (m / -127, m / 113):
-        for mult in iq4_nl.MULTIPLIERS:
-            v = KV[nearest_upper(x / (base * mult)[:, None])]
-            d16 = ((v * x).sum(1) / (v * v).sum(1)).astype(np.float16).astype(np.float64)
-            sses.append(((x - d16[:, None] * v) ** 2).sum(1))
-    best = np.min(sses, axis=0)
+    best, _ = ref.iq4_best_sse(w, np.ones((1, 32)), iq4_nl.MULTIPLIERS)
     d, idx = iq4_nl.quantize(w)
     ours = ((x - gguf_decode(d, idx)) ** 2).sum(1)
     np.testing.assert_allclose(ours, best, rtol=1e-4)

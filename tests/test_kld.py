@@ -5,18 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from healsweep.conformance.references import kld as _np_kld
+from healsweep.conformance.references import log_softmax as _np_log_softmax
 from healsweep.kernels.kld import log_softmax, token_stats, topk_jaccard
-
-
-def _np_log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
-
-
-def _np_kld(t: np.ndarray, s: np.ndarray) -> np.ndarray:
-    lt, ls = _np_log_softmax(t), _np_log_softmax(s)
-    return (np.exp(lt) * (lt - ls)).sum(axis=1)
 
 
 def _random_logits(rng, n_tok=9, n_vocab=1000, scale=3.0):

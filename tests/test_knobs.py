@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from healsweep.errors import HealsweepError, KnobError
-from healsweep.heal.knobs import SCORE_KNOBS, STAGES, CalibrationConfig, Knobs, load_knobs
+from healsweep.heal.knobs import SCORE_KNOBS, CalibrationConfig, Knobs, Stage, load_knobs
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs" / "knobs").glob("*.yaml"))
@@ -92,7 +92,7 @@ def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
     # unkeyed at their defaults)
     live = Knobs(quantizer="gptq", gptq_refine=1, alpha_granularity="expert", type_gu="iq2_xs",
                  type_d="q2_k", up_first=1, up_last=1, layer_types="0:q2_0")  # fmt: skip
-    read = [set(live.for_stage(s)) for s in STAGES]
+    read = [set(live.for_stage(s)) for s in Stage]
     union = set().union(*read)
     assert union == set(Knobs.model_fields) - set(SCORE_KNOBS)
     assert sum(len(r) for r in read) == len(union)  # each knob is read by exactly one stage
@@ -111,7 +111,7 @@ def test_score_knobs_never_change_a_stage_key():
     (so a sweep over them heals once); a trial's bonus needs a cache to act on."""
     for base in (Knobs(), Knobs(quantizer="gptq", alpha="mse", alpha_granularity="expert")):
         cached = base.replace(moce_bonus=0.85, cache_experts=4)
-        assert all(cached.for_stage(s) == base.for_stage(s) for s in STAGES)
+        assert all(cached.for_stage(s) == base.for_stage(s) for s in Stage)
     from healsweep.score.expert_cache import ExpertCacheConfig
 
     assert ExpertCacheConfig.from_knobs(Knobs()) is None
@@ -170,11 +170,17 @@ def test_calibration_config_validates_and_keys_only_what_changes_the_trace():
     cfg = CalibrationConfig(max_tokens=4096, chunk_length=256)
     assert cfg.key_inputs()["max_tokens"] == 4096
     assert "corpus" not in cfg.key_inputs()  # the corpus enters the key by content hash
-    assert CalibrationConfig(exclude_doc_ids=("b", "a")).key_inputs() == CalibrationConfig(
-        exclude_doc_ids=("a", "b")
-    ).key_inputs()
-    for bad in ({"max_tokens": 0}, {"chunk_length": 8}, {"min_tokens_per_expert": 0},
-                {"tokens": 5}, {"max_tokens": True}):
+    assert (
+        CalibrationConfig(exclude_doc_ids=("b", "a")).key_inputs()
+        == CalibrationConfig(exclude_doc_ids=("a", "b")).key_inputs()
+    )
+    for bad in (
+        {"max_tokens": 0},
+        {"chunk_length": 8},
+        {"min_tokens_per_expert": 0},
+        {"tokens": 5},
+        {"max_tokens": True},
+    ):
         with pytest.raises(KnobError):
             CalibrationConfig(**bad)
 

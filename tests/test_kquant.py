@@ -80,8 +80,8 @@ def test_degenerate_rows(qtype):
 
 
 def test_writes_a_model_with_kquant_experts(tmp_path):
-    from healsweep.gguf_io import open_model
-    from healsweep.gguf_io.synthetic import RandomTensors, write_random_model
+    from healsweep.model import open_model
+    from healsweep.model.synthetic import RandomTensors, write_random_model
 
     types = {
         "ffn_gate_exps.weight": T.Q4_K,

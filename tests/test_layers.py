@@ -8,17 +8,30 @@ from pathlib import Path
 import healsweep
 
 # Bottom to top. A module's layer is its subpackage (or top-level module) under healsweep.
-ORDER = ("base", "kernels", "gguf_io", "model", "data", "heal", "results", "sweep", "confirm", "cli")
+ORDER = (
+    "base",
+    "kernels",
+    "gguf_io",
+    "model",
+    "data",
+    "heal",
+    "results",
+    "sweep",
+    "confirm",
+    "cli",
+)
 LAYER_OF = {
     "": "base",  # the package root: its version and the error base class
     "errors": "base",
     "_atomic": "base",
     "_lru": "base",
+    "_code": "base",
     "cache": "base",
     "bundled": "base",
     "ledger": "data",
     "score": "heal",
     "cluster": "sweep",
+    "conformance": "model",  # checks the forward, so it sits with it; only the CLI imports it
     "deliver": "confirm",
     "__main__": "cli",
     "demo": "demo",  # the demo builder: outside the runtime, imported by the CLI alone

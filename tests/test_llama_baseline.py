@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from _heal_fixtures import _corpus_file
-from healsweep.gguf_io import open_model
 from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
+from healsweep.model import open_model
 
 pytestmark = pytest.mark.slow
 EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from healsweep.gguf_io import open_model
 from healsweep.gguf_io._ggml_lib import dequantize_rows
+from healsweep.model import open_model
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def parity_setup(tmp_path_factory):
     teacher = open_model(spec.model)
     windows = dev_windows(spec, teacher)
     positions = [scored_positions(w) for w in windows]
-    student = build_student(teacher, Knobs(), spec.calibration_config(),
+    student = build_student(teacher, Knobs(), spec.calibration,
                             StageCache(root / "cache"))  # fmt: skip
     teacher_log = _log_softmax(_ours(teacher, windows, positions))
     return {"root": root, "windows": windows, "positions": positions, "student": student,
@@ -243,7 +243,7 @@ def typed_setup(tmp_path_factory):
     from _heal_fixtures import _corpus_file
     from healsweep.cache import StageCache
     from healsweep.data.corpus import load_corpus
-    from healsweep.gguf_io.synthetic import write_random_model
+    from healsweep.model.synthetic import write_random_model
 
     root = tmp_path_factory.mktemp("typed")
     teacher = open_model(write_random_model(root / "teacher.gguf", **TYPED_SHAPE))

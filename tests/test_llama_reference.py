@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from healsweep.gguf_io import open_model
-from healsweep.model import forward
+from healsweep.model import forward, open_model
 
 pytestmark = pytest.mark.slow
 

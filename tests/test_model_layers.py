@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from healsweep.gguf_io import open_model
-from healsweep.kernels.conformance import backend_violations
-from healsweep.model import LayerReplacement, forward, matmul, router_topk
+from healsweep.conformance import backend_violations
+from healsweep.conformance.references import routed_experts as _routed_reference
+from healsweep.model import LayerReplacement, forward, matmul, open_model, router_topk
 from healsweep.model.forward import _block
 from healsweep.model.layers import expert_tile_rows, rope_neox, routed_experts
 
@@ -45,23 +45,9 @@ class RowScaled:
         return cls(*leaves)
 
 
-def _silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
 def _softmax(x):
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
-
-
-def _routed_reference(x, ids, weights, wg, wu, wd):
-    """Σ_j weight_j · Wd_e (silu(Wg_e x) ⊙ Wu_e x), token by token, in float64."""
-    x, wg, wu, wd = (np.asarray(a, np.float64) for a in (x, wg, wu, wd))
-    out = np.zeros((x.shape[0], wd.shape[1]))
-    for t in range(x.shape[0]):
-        for e, w in zip(ids[t], weights[t], strict=True):
-            out[t] += w * (wd[e] @ (_silu(wg[e] @ x[t]) * (wu[e] @ x[t])))
-    return out
 
 
 @pytest.mark.parametrize("skewed", [False, True], ids=["spread", "two-experts-only"])
@@ -96,8 +82,9 @@ def test_router_topk_softmax_and_renormalization():
     assert np.all(weights.sum(1) < 1)
     _, normed = router_topk(jnp.asarray(logits), 3, normalize=True)
     np.testing.assert_allclose(np.asarray(normed).sum(1), 1.0, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(normed), weights / weights.sum(1, keepdims=True),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(normed), weights / weights.sum(1, keepdims=True), rtol=1e-5
+    )
 
 
 def test_rope_neox_rotates_halves_and_preserves_norms():
@@ -108,21 +95,26 @@ def test_rope_neox_rotates_halves_and_preserves_norms():
     inv = 10000.0 ** (-np.arange(4) * 2 / 8)
     ang = pos[:, None, None] * inv[None, None, :]
     x1, x2 = x[..., :4].astype(np.float64), x[..., 4:].astype(np.float64)
-    ref = np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
-                          x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+    ref = np.concatenate(
+        [x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1
+    )
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1),
-                               rtol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
 
 
 def test_matmul_accepts_dense_and_quantized_pytrees():
     rng = np.random.default_rng(3)
     x, w = rng.standard_normal((5, 16)).astype(np.float32), rng.standard_normal((7, 16))
     q = RowScaled.quantize(w.astype(np.float32))
-    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), w.astype(np.float32))),
-                               x @ w.T, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), q)),
-                               x @ np.asarray(q.dequantize()).T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(matmul(jnp.asarray(x), w.astype(np.float32))), x @ w.T, rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(matmul(jnp.asarray(x), q)),
+        x @ np.asarray(q.dequantize()).T,
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
@@ -139,14 +131,21 @@ def test_captures_match_numpy_from_the_layer_weights(random_gguf, arch):
         logits = x @ w["ffn_gate_inp.weight"].T
         np.testing.assert_allclose(cap.router_logits, logits, rtol=1e-4, atol=1e-4)
         probs = _softmax(logits)
-        np.testing.assert_array_equal(np.sort(cap.topk_ids, 1),
-                                      np.sort(np.argsort(-probs, 1)[:, :hp.n_expert_used], 1))
+        np.testing.assert_array_equal(
+            np.sort(cap.topk_ids, 1), np.sort(np.argsort(-probs, 1)[:, : hp.n_expert_used], 1)
+        )
         chosen = np.take_along_axis(probs, cap.topk_ids, 1)
         if hp.norm_topk_prob:
             chosen = chosen / chosen.sum(1, keepdims=True)
         np.testing.assert_allclose(cap.topk_weights, chosen, rtol=1e-4, atol=1e-6)
-        routed = _routed_reference(x, cap.topk_ids, chosen, w["ffn_gate_exps.weight"],
-                                   w["ffn_up_exps.weight"], w["ffn_down_exps.weight"])
+        routed = _routed_reference(
+            x,
+            cap.topk_ids,
+            chosen,
+            w["ffn_gate_exps.weight"],
+            w["ffn_up_exps.weight"],
+            w["ffn_down_exps.weight"],
+        )
         np.testing.assert_allclose(cap.routed_output, routed, rtol=1e-3, atol=1e-4)
         np.testing.assert_array_equal(result.router[1][:, i], cap.topk_ids[37:])
         if arch == "qwen2moe":
@@ -169,19 +168,30 @@ def test_replacements_swap_expert_and_shared_weights(random_gguf):
     seq = [np.arange(10, 60, dtype=np.int32)]
     base = forward(model, seq, capture=True)
     layer = model.layer(1)
-    same = {1: LayerReplacement(gate_exps=layer["ffn_gate_exps.weight"],
-                                up_exps=layer["ffn_up_exps.weight"],
-                                down_exps=layer["ffn_down_exps.weight"],
-                                down_shexp=layer["ffn_down_shexp.weight"])}
-    np.testing.assert_allclose(forward(model, seq, replacements=same).logits[0],
-                               base.logits[0], rtol=1e-5, atol=1e-5)
+    same = {
+        1: LayerReplacement(
+            gate_exps=layer["ffn_gate_exps.weight"],
+            up_exps=layer["ffn_up_exps.weight"],
+            down_exps=layer["ffn_down_exps.weight"],
+            down_shexp=layer["ffn_down_shexp.weight"],
+        )
+    }
+    np.testing.assert_allclose(
+        forward(model, seq, replacements=same).logits[0], base.logits[0], rtol=1e-5, atol=1e-5
+    )
     quantized = {1: LayerReplacement(down_exps=RowScaled.quantize(layer["ffn_down_exps.weight"]))}
     q_run = forward(model, seq, replacements=quantized, capture=True)
     np.testing.assert_array_equal(q_run.captures[0].routed_output, base.captures[0].routed_output)
     cap = q_run.captures[1]
     dense_q = np.asarray(quantized[1].down_exps.dequantize())
-    ref = _routed_reference(cap.ffn_input, cap.topk_ids, cap.topk_weights,
-                            layer["ffn_gate_exps.weight"], layer["ffn_up_exps.weight"], dense_q)
+    ref = _routed_reference(
+        cap.ffn_input,
+        cap.topk_ids,
+        cap.topk_weights,
+        layer["ffn_gate_exps.weight"],
+        layer["ffn_up_exps.weight"],
+        dense_q,
+    )
     np.testing.assert_allclose(cap.routed_output, ref, rtol=1e-3, atol=1e-4)
     zero = {0: LayerReplacement(down_shexp=np.zeros_like(layer["ffn_down_shexp.weight"]))}
     assert np.abs(forward(model, seq, replacements=zero).logits[0] - base.logits[0]).max() > 1e-3

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch  # the [test] extra: CPU torch + transformers (+ accelerate for gguf_file=)
 
-from healsweep.gguf_io import open_model
-from healsweep.model import forward
+from healsweep.model import forward, open_model
 
 MIXED_TYPES = {
     "token_embd.weight": "Q8_0",

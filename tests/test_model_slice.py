@@ -14,15 +14,12 @@ from gguf import GGUFReader, GGUFValueType
 from healsweep.errors import GGUFFormatError, SliceError
 from healsweep.gguf_io import (
     ModelHparams,
-    expected_tensor_shapes,
-    open_model,
     parse_layer_range,
     slice_model,
     tokenizer_metadata_from_tokenizer,
-    write_model,
 )
-from healsweep.gguf_io.synthetic import RandomTensors
-from healsweep.model import forward
+from healsweep.model import expected_tensor_shapes, forward, open_model, write_model
+from healsweep.model.synthetic import RandomTensors
 
 PROVENANCE = ("healsweep.slice.source_fingerprint", "healsweep.slice.layers")
 MIXED_TYPES = {
@@ -65,7 +62,7 @@ def _tensors(path):
 )
 def test_slice_renumbers_blocks_and_keeps_everything_else(random_gguf, tmp_path, arch, start, stop):
     src = random_gguf(arch, n_layer=4, types=MIXED_TYPES)
-    out = slice_model(src, (start, stop), tmp_path / "slice.gguf")
+    out = slice_model(open_model(src), (start, stop), tmp_path / "slice.gguf")
     sliced = open_model(out)
     assert sliced.hparams == open_model(src).hparams.replace(n_layer=stop - start)
 
@@ -104,7 +101,7 @@ def test_slice_0_2_gives_the_logits_of_the_source_cut_after_two_layers(random_gg
     got = forward(head, ids).logits
     for e, g in zip(expected, got, strict=True):
         np.testing.assert_array_equal(g, e)
-    middle = forward(open_model(slice_model(src.path, (1, 3), tmp_path / "mid.gguf")), ids).logits
+    middle = forward(open_model(slice_model(src, (1, 3), tmp_path / "mid.gguf")), ids).logits
     assert [m.shape for m in middle] == [g.shape for g in got]
     assert all(np.isfinite(m).all() for m in middle)
     assert not np.allclose(middle[0], got[0])  # other layers, other logits
@@ -112,16 +109,16 @@ def test_slice_0_2_gives_the_logits_of_the_source_cut_after_two_layers(random_gg
 
 def test_a_slice_of_a_slice_is_the_direct_slice(random_gguf, tmp_path):
     src = random_gguf("qwen3moe", n_layer=4, types=MIXED_TYPES)
-    outer = slice_model(src, (1, None), tmp_path / "outer.gguf")
-    nested = slice_model(outer, (1, 3), tmp_path / "nested.gguf")
-    direct = slice_model(src, (2, 4), tmp_path / "direct.gguf")
+    outer = slice_model(open_model(src), (1, None), tmp_path / "outer.gguf")
+    nested = slice_model(open_model(outer), (1, 3), tmp_path / "nested.gguf")
+    direct = slice_model(open_model(src), (2, 4), tmp_path / "direct.gguf")
     assert _tensors(nested) == _tensors(direct)
     # the provenance names the original model and its layers, so the whole file is the same
     assert _fields(nested)[PROVENANCE[1]][1] == "2:4"
     assert nested.read_bytes() == direct.read_bytes()
     assert (
-        slice_model(src, (None, 2), tmp_path / "a.gguf").read_bytes()
-        == slice_model(src, (0, 2), tmp_path / "b.gguf").read_bytes()
+        slice_model(open_model(src), (None, 2), tmp_path / "a.gguf").read_bytes()
+        == slice_model(open_model(src), (0, 2), tmp_path / "b.gguf").read_bytes()
     )
 
 
@@ -159,7 +156,7 @@ def test_array_metadata_keeps_its_types_and_per_layer_arrays_are_cut(tiny_tokeni
         tokenizer_metadata_from_tokenizer(tiny_tokenizer, bos="<|endoftext|>", eos="<|im_end|>"),
         extra_metadata=extra,
     )
-    out = slice_model(src, (1, 3), tmp_path / "slice.gguf")
+    out = slice_model(open_model(src), (1, 3), tmp_path / "slice.gguf")
     src_fields, out_fields = _fields(src), _fields(out)
     assert out_fields["qwen2moe.per_layer_width"] == (
         src_fields["qwen2moe.per_layer_width"][0],
@@ -217,14 +214,14 @@ def test_cli_bad_ranges_give_one_line_and_exit_1(random_gguf, tmp_path, layers, 
 def test_bad_outputs_and_sources_are_refused_before_writing(random_gguf, tmp_path):
     src = random_gguf("qwen2moe", n_layer=4)
     with pytest.raises(SliceError, match="is the source model itself"):
-        slice_model(src, (0, 2), src)
+        slice_model(open_model(src), (0, 2), src)
     with pytest.raises(SliceError, match="output folder .* does not exist"):
-        slice_model(src, (0, 2), tmp_path / "missing" / "s.gguf")
+        slice_model(open_model(src), (0, 2), tmp_path / "missing" / "s.gguf")
     with pytest.raises(SliceError, match="is a folder"):
-        slice_model(src, (0, 2), tmp_path)
+        slice_model(open_model(src), (0, 2), tmp_path)
     (tmp_path / "text.gguf").write_text("not a model\n")
     with pytest.raises(GGUFFormatError, match="is not a GGUF file"):
-        slice_model(tmp_path / "text.gguf", (0, 2), tmp_path / "s.gguf")
+        slice_model(open_model(tmp_path / "text.gguf"), (0, 2), tmp_path / "s.gguf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["text.gguf"]
 
 

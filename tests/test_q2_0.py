@@ -12,78 +12,18 @@ import jax
 import numpy as np
 import pytest
 
+from healsweep.conformance.references import compare_q2_0, q2_0_search
 from healsweep.kernels import q2_0
-
-SEEDS = np.array([0.42, 0.55, 0.68, 0.81, 0.94, -0.42, -0.55, -0.68, -0.81, -0.94])
-THRESHOLDS = np.array([-0.5, 0.5, 1.5])  # the only rounding edges that survive clip(-1, 2)
-ROUND_TIE = 1e-5  # |w/d - edge| below which float32 may round the other way
-SCORE_TIE = 1e-5  # relative score gap below which float32 may pick another seed
-FP16_TIE = 1e-5  # relative distance of d to an fp16 rounding midpoint
-
-
-def reference(w: np.ndarray, a: np.ndarray, gain: float):
-    """Float64 search over blocks ``w``, ``a`` [N, 64]; returns d64, q, and the two margins."""
-    w = w.astype(np.float64)
-    a = np.broadcast_to(a, w.shape).astype(np.float64)
-    n = w.shape[0]
-    amax = np.abs(w).max(axis=1)
-    live = amax > 0
-    safe_amax = np.where(live, amax, 1.0)
-    margin = np.full(n, np.inf)
-    scores, d1s, qs = [], [], []
-
-    def codes(d):
-        x = w / d[:, None]
-        near = np.abs(x[..., None] - THRESHOLDS).min(axis=(1, 2))
-        return np.clip(np.rint(x), -1, 2), near
-
-    for s in SEEDS:
-        d0 = s * safe_amax
-        q, near0 = codes(d0)
-        sqw, sqq = (a * q * w).sum(1), (a * q * q).sum(1)
-        d1 = np.where(sqq > 0, sqw / np.where(sqq > 0, sqq, 1), d0)
-        q, near1 = codes(d1)
-        sqw, sqq = (a * q * w).sum(1), (a * q * q).sum(1)
-        scores.append(np.where(sqq > 0, sqw**2 / np.where(sqq > 0, sqq, 1), 0.0))
-        margin = np.minimum(margin, np.minimum(near0, near1))
-        d1s.append(d1)
-        qs.append(q)
-    scores = np.stack(scores, 1)  # [N, 10]
-    best = np.argmax(scores, axis=1)  # argmax returns the first of equal maxima
-    q = np.stack(qs, 1)[np.arange(n), best]
-    same_codes = (np.stack(qs, 1) == q[:, None]).all(axis=2)
-    top = scores[np.arange(n), best]
-    rival = np.where(same_codes, -np.inf, scores).max(axis=1)
-    score_gap = (top - rival) / np.maximum(top, 1e-300)
-    sqw, sqq, saw2 = (a * q * w).sum(1), (a * q * q).sum(1), (a * w * w).sum(1)
-    d_ls = np.where(sqq > 0, sqw / np.where(sqq > 0, sqq, 1), 0.0)
-    r2 = np.where(saw2 > 0, top / np.where(saw2 > 0, saw2, 1), 1.0)
-    d = np.where(live, d_ls * np.maximum(r2, 0.25) ** (-gain / 2), 0.0)
-    q = np.where(live[:, None], q, 0).astype(np.int8)
-    return d, q, np.where(live, margin, np.inf), np.where(live, score_gap, np.inf)
-
-
-def fp16_near_tie(d64: np.ndarray) -> np.ndarray:
-    """True where float64 ``d`` lies within FP16_TIE (relative) of an fp16 rounding midpoint."""
-    lo = d64.astype(np.float16)
-    hi = np.nextafter(lo, np.where(d64 > lo, np.inf, -np.inf).astype(np.float16))
-    mid = (lo.astype(np.float64) + hi.astype(np.float64)) / 2
-    return np.abs(d64 - mid) <= FP16_TIE * np.abs(d64)
 
 
 def check_against_reference(w, a, gain, max_tie_fraction):
     d, q = q2_0.quantize(w, a, gain)
     assert d.dtype == np.float16 and q.dtype == np.int8
     assert d.shape == (w.shape[0],) and q.shape == w.shape
-    d64, q_ref, margin, gap = reference(w, a, gain)
-    codes_differ = (q != q_ref).any(axis=1)
-    explained = (margin < ROUND_TIE) | (gap < SCORE_TIE)
-    assert not (codes_differ & ~explained).any(), np.flatnonzero(codes_differ & ~explained)[:5]
-    d_differ = ~codes_differ & (d != d64.astype(np.float16))
-    assert not (d_differ & ~fp16_near_tie(d64)).any(), np.flatnonzero(d_differ)[:5]
-    ties = codes_differ.sum() + d_differ.sum()
-    assert ties <= max_tie_fraction * w.shape[0], (codes_differ.sum(), d_differ.sum())
-    return codes_differ.sum(), d_differ.sum()
+    codes_differ, scales_differ, unexplained = compare_q2_0(d, q, w, a, gain)
+    assert unexplained == 0, (codes_differ, scales_differ)
+    assert codes_differ + scales_differ <= max_tie_fraction * w.shape[0]
+    return codes_differ, scales_differ
 
 
 @pytest.mark.parametrize("gain", [0.0, 0.3, 1.7])
@@ -150,8 +90,8 @@ def test_low_captured_energy_blocks_hit_the_r2_clamp():
     w[:, 3] = rng.uniform(5, 10, 64) * rng.choice([-1, 1], 64)
     a = np.full(w.shape, 1e3, np.float32)
     a[:, 3] = 1e-3
-    d64, _, _, _ = reference(w, a, 1.0)
-    r2_free = reference(w, a, 0.0)[0]
+    d64, _, _, _ = q2_0_search(w, a, 1.0)
+    r2_free = q2_0_search(w, a, 0.0)[0]
     assert np.all(np.abs(d64) > 1.9 * np.abs(r2_free))  # max(r2, .25)^(-1/2) = 2 exactly
     check_against_reference(w, a, 1.0, max_tie_fraction=0.0)
 
@@ -333,10 +273,13 @@ def test_packed_weight_is_the_same_matrix_as_the_unpacked_one():
     dense, packed = Q2Weight(d, q), Q2Packed(d, pack_codes(q))
     assert packed.shape == dense.shape == (3, 5, 128) and packed.nbytes == dense.nbytes
     np.testing.assert_array_equal(packed.q, q)
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda w: w.dequantize())(packed)),
-                                  np.asarray(dense.dequantize()))
-    np.testing.assert_array_equal(np.asarray(packed.scale_d(0.7).dequantize()),
-                                  np.asarray(dense.scale_d(0.7).dequantize()))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda w: w.dequantize())(packed)), np.asarray(dense.dequantize())
+    )
+    np.testing.assert_array_equal(
+        np.asarray(packed.scale_d(0.7).dequantize()), np.asarray(dense.scale_d(0.7).dequantize())
+    )
     second = jax.tree_util.tree_map(lambda leaf: leaf[1], packed)
-    np.testing.assert_array_equal(np.asarray(second.dequantize()),
-                                  np.asarray(dense.dequantize())[1])
+    np.testing.assert_array_equal(
+        np.asarray(second.dequantize()), np.asarray(dense.dequantize())[1]
+    )

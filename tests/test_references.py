@@ -16,27 +16,17 @@ import pytest
 
 from _tiny_corpus import write_tiny_corpus
 from healsweep.cache import StageCache
-from healsweep.gguf_io import open_model, routed_expert_bpw
-from healsweep.gguf_io.synthetic import train_tiny_tokenizer, write_random_model
+from healsweep.conformance.references import q2_0_plain as _plain_f64
+from healsweep.gguf_io import routed_expert_bpw
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.kernels import q2_0_plain
+from healsweep.model import open_model
+from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CAL = {"chunk_length": 64, "min_tokens_per_expert": 4}
 PLAIN = Knobs(quantizer="plain", alpha="none", ridge=False)
-
-
-def _plain_f64(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The definition, in float64 numpy: d = fp16(signed amax / 2), q = clip(rint(w/d), -1, 2)."""
-    blocks = w.astype(np.float64).reshape(*w.shape[:-1], -1, 64)
-    at = np.abs(blocks).argmax(-1)[..., None]
-    amax = np.take_along_axis(blocks, at, -1)[..., 0]
-    d = (amax / 2).astype(np.float16)
-    d64 = d.astype(np.float64)[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(d64 == 0, 0, np.clip(np.rint(blocks / d64), -1, 2))
-    return d, q.astype(np.int8).reshape(w.shape)
 
 
 def test_plain_codes_and_scales_are_the_definition_and_round_trip_within_half_a_step():
@@ -166,6 +156,48 @@ def test_an_external_gguf_is_scored_like_a_trial_beside_the_reference_it_came_fr
     again = _cli("sweep", "resume", str(sweep_dir), env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert pq.read_table(sweep_dir / "windows").num_rows == before
+
+
+def test_a_grid_point_that_is_a_reference_is_scored_once_and_listed_with_it(tiny, tmp_path):
+    """``unhealed`` is the baseline without Part A and B, and so is the grid point ``alpha:
+    none, ridge: false``: one student. The reference scores it (before the trials); the trial
+    replays those very records (same scoring time and host, not a second scoring), and the
+    report lists the two names as one config."""
+    from healsweep.results.aggregate import summarize
+    from healsweep.results.report import describe, leaderboard
+
+    spec = _spec(tiny, references=["unhealed"],
+                 search_space={"alpha": ["gaussian", "none"], "ridge": [True, False]})  # fmt: skip
+    (tmp_path / "s.yaml").write_text(json.dumps(spec))
+    env = {**os.environ, "HEALSWEEP_CACHE": str(tiny["root"] / "cache")}
+    run = _cli("sweep", "run", str(tmp_path / "s.yaml"), "--results", str(tmp_path / "r"), env=env)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "4 trials (4 completed); reference unhealed completed" in run.stdout
+    sweep_dir = tmp_path / "r" / "refs"
+    rows = pq.read_table(sweep_dir / "windows").to_pylist()
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        by.setdefault((r["knob_alpha"], r["knob_ridge"], r["role"]), {})[r["window_id"]] = r
+    reference, trial = by[("none", False, "reference")], by[("none", False, "trial")]
+    assert set(reference) == set(trial) and len(trial) == 6
+    for window_id, row in trial.items():
+        scored = reference[window_id]
+        for key in ("kld_sum", "kld_count", "top1_count", "scored_at", "scored_hostname"):
+            assert row[key] == scored[key], key  # the reference's record, not a second scoring
+    others = [w for key, w in by.items() if key[:2] != ("none", False)]
+    assert len(others) == 3 and all(set(w) == set(trial) for w in others)
+    assert all(  # a student of its own is scored on its own (another scoring time)
+        w[i]["scored_at"] != trial[i]["scored_at"] for w in others for i in trial
+    )
+    summary = summarize(sweep_dir, n_boot=200)
+    assert len(summary.configs) == 4  # baseline, two trials, and one row for the shared student
+    shared = next(c for c in summary.configs if c.also)
+    assert describe(shared, summary.baseline) == "alpha=none, ridge=False = unhealed"
+    assert shared.role == "trial" and shared.verdict is not None  # judged as the trial it is
+    assert [r.reference for r in summary.references] == ["unhealed"]
+    header, table = leaderboard(summary)
+    assert "Δ KLD vs unhealed [95% CI]" in header
+    assert [row[2] for row in table if row[1].endswith("= unhealed")] == ["trial, reference"]
 
 
 @pytest.mark.parametrize("problem", ["missing", "garbage", "vocabulary"])

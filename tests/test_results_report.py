@@ -61,7 +61,7 @@ def _folder(tmp_path):
                 "trial_id": name,
                 "config_hash": chash,
                 "is_baseline": name == "base",
-                **knob_columns(knobs.model_dump()),
+                **knob_columns(knobs),
                 "window_id": f"w{i:03d}",
                 "window_index": i,
                 "windows_total": N,
@@ -84,7 +84,7 @@ def _folder(tmp_path):
                 "is_baseline": name == "base",
                 "role": "baseline" if name == "base" else "trial",
                 "routed_bpw": 2.25,
-                **knob_columns(knobs.model_dump()),
+                **knob_columns(knobs),
                 "status": status,
                 "windows_scored": scored,
                 "windows_total": N,
@@ -96,7 +96,7 @@ def _folder(tmp_path):
     for name, (role, knobs, factor, bpw) in FIXED.items():
         trial_id = f"{role[:3]}-{name}"
         ident = {"role": role, "label": name, "config_hash": f"{role}-{name}"}
-        knob_cols = knob_columns(knobs.model_dump()) if knobs is not None else {}
+        knob_cols = knob_columns(knobs)
         kld = BASE_KLD * factor
         rows = [
             {"sweep": "s", "trial_id": trial_id, **ident, **knob_cols, "is_baseline": False,

@@ -29,7 +29,7 @@ def _row(trial: str, window: str, chash: str = "c1", kld: float = 0.1, n: int = 
         "trial_id": trial,
         "config_hash": chash,
         "is_baseline": False,
-        **knob_columns(Knobs().model_dump()),
+        **knob_columns(Knobs()),
         "window_id": window,
         "window_index": int(window[1:]),
         "position": 0,
@@ -130,12 +130,12 @@ def test_a_sweep_written_before_a_knob_existed_reads_back_with_its_default(tmp_p
         "trial_id": "t1",
         "config_hash": "c1",
         "is_baseline": False,
-        **knob_columns(Knobs(quantizer="gptq", gptq_damp=0.3).model_dump()),
+        **knob_columns(Knobs(quantizer="gptq", gptq_damp=0.3)),
     }
     table = to_table([row], trial_schema()).drop_columns(["knob_gptq_refine"])
     pq.write_table(table, tmp_path / "trials.parquet")
     read = read_trials(tmp_path).to_pylist()[0]
     assert read["knob_gptq_refine"] is None
-    knobs = Knobs(**knobs_of(read))
+    knobs = knobs_of(read)
     assert knobs.gptq_refine == Knobs().gptq_refine == 0
     assert (knobs.quantizer, knobs.gptq_damp) == ("gptq", 0.3)

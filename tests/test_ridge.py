@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from healsweep.conformance import backend_violations
 from healsweep.heal import ridge
 from healsweep.kernels import ridge as kr
-from healsweep.kernels.conformance import backend_violations
 
 
 def _problem(rng, t=200, fs=24, d=16, noise=0.5, decay=0.0):

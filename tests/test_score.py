@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from healsweep.cache import StageCache
+from healsweep.conformance.references import log_softmax as _np_log_softmax
 from healsweep.data.corpus import Document, Message, load_corpus, write_corpus
 from healsweep.data.split import parity_split
 from healsweep.data.windows import make_windows
 from healsweep.errors import TokenizerError
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
-from healsweep.model import LayerReplacement, forward
+from healsweep.model import LayerReplacement, forward, open_model
+from healsweep.model.synthetic import write_random_model
 from healsweep.score import pooled, score_windows
 from healsweep.score.compact import DEFAULT_TAIL_SAMPLES, DEFAULT_TOP_K
 from healsweep.score.report import check_same_tokenizer
@@ -66,12 +66,6 @@ def windows(models, tmp_path_factory):
     )
     assert len(found) == 12
     return found[:8]  # two batches of BATCH: few shapes to compile
-
-
-def _np_log_softmax(x):
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 def _independent(teacher, student_model, window, replacements=None):
@@ -243,7 +237,7 @@ def test_a_healed_student_runs_the_base_with_its_replacements(models, windows, t
 
 
 def test_models_with_other_tokenizers_are_refused(models, tmp_path):
-    from healsweep.gguf_io.synthetic import train_tiny_tokenizer
+    from healsweep.model.synthetic import train_tiny_tokenizer
 
     other = train_tiny_tokenizer(("completely different text for another vocabulary",) * 3)
     stranger = open_model(write_random_model(tmp_path / "o.gguf", tokenizer=other))

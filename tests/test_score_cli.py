@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
+from healsweep.conformance.references import log_softmax as _np_log_softmax
 from healsweep.data.corpus import Document, Message, write_corpus
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import train_tiny_tokenizer, write_random_model
-from healsweep.model import forward
+from healsweep.model import forward, open_model
+from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 
 
 def _cli(tmp_path, *args):
@@ -42,12 +42,6 @@ def setup(tmp_path_factory):
         docs.append(Document(f"c{i}", "chat", i, "chat" if i < 5 else "math", messages=messages))
     write_corpus(docs, root / "corpus.jsonl")
     return root, ref, q4
-
-
-def _np_log_softmax(x):
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 def test_json_windows_can_be_recomputed_independently(setup, tmp_path):
@@ -170,4 +164,6 @@ def test_expert_cache_flags_add_io_figures_and_leave_quality_alone_at_bonus_zero
     assert pooled["misses_per_token"] == sum(w["cache_misses"] for w in b["windows"]) / tokens
     assert b["expert_cache"]["capacity"] == [3, 3] and b["expert_cache"]["bonus"] == 0.0
     bad = _cli(tmp_path, *args, "--moce-bonus", 0.5)
-    assert bad.returncode == 2 and "need a cache size" in " ".join(bad.stderr.replace("│", " ").split())
+    assert bad.returncode == 2 and "need a cache size" in " ".join(
+        bad.stderr.replace("│", " ").split()
+    )

@@ -13,9 +13,8 @@ from healsweep.data.corpus import Document, Message, load_corpus, write_corpus
 from healsweep.data.split import parity_split
 from healsweep.data.windows import make_windows
 from healsweep.errors import KnobError
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
-from healsweep.model import forward
+from healsweep.model import forward, open_model
+from healsweep.model.synthetic import write_random_model
 from healsweep.score import score_windows
 from healsweep.score.expert_cache import ExpertCacheConfig, expert_bytes, pooled_cache
 from healsweep.score.teacher_cache import STAGE

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from _tiny_corpus import write_tiny_corpus
-from healsweep.gguf_io.synthetic import write_random_model
+from healsweep.model.synthetic import write_random_model
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,11 +22,10 @@ from healsweep.cache import StageCache
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import parity_split
 from healsweep.data.windows import make_windows
-from healsweep.gguf_io import open_model
-from healsweep.gguf_io.synthetic import write_random_model
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
-from healsweep.model import forward
+from healsweep.model import forward, open_model
+from healsweep.model.synthetic import write_random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

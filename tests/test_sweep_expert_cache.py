@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from _tiny_corpus import write_tiny_corpus
-from healsweep.gguf_io.synthetic import write_random_model
+from healsweep.model.synthetic import write_random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,9 @@ import pytest
 from ray.tune.schedulers import TrialScheduler
 from scipy import stats
 
-from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, futile, repair_journal
-from healsweep.sweep.spec import PrunerSpec
+from healsweep.sweep.pruners import futile
+from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
+from healsweep.sweep.spec import FutilitySpec, PrunerSpec
 
 
 @dataclass
@@ -256,6 +257,70 @@ def test_the_specs_futility_reaches_the_scheduler(tmp_path):
     on = spec_from_dict(
         {"name": "x", "pruner": {"type": "wilcoxon", "futility": {"min_windows": 5}}}
     )
-    assert _scheduler(on, tmp_path).futility == {"confidence": 0.9, "min_windows": 5}
+    assert _scheduler(on, tmp_path).strategy.futility == FutilitySpec(min_windows=5)
     off = spec_from_dict({"name": "x", "pruner": {"type": "wilcoxon", "futility": False}})
-    assert _scheduler(off, tmp_path).futility is None
+    assert _scheduler(off, tmp_path).strategy.futility is None
+
+
+def test_futility_wraps_any_optuna_pruner_in_a_plain_study():
+    """FutilityPruner is an Optuna pruner like PatientPruner: on a plain study it prunes what
+    the wrapped pruner prunes, and a trial that is futile against the best completed one."""
+    from healsweep.sweep.pruners import FutilityPruner
+
+    spec = FutilitySpec(confidence=0.9, min_windows=8)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    never = optuna.create_study(pruner=FutilityPruner(optuna.pruners.NopPruner(), spec, 0.95))
+    best = never.ask()
+    for step, value in enumerate(WINDOW_DIFFICULTY):
+        best.report(float(value), step)
+    never.tell(best, float(WINDOW_DIFFICULTY.mean()))
+    rng = np.random.default_rng(3)
+    worse = WINDOW_DIFFICULTY * 1.2 + rng.normal(0, 0.004, N_WINDOWS)
+    trial = never.ask()
+    for step in range(12):
+        trial.report(float(worse[step]), step)
+        expected = futile(
+            {s: float(worse[s]) for s in range(step + 1)},
+            dict(enumerate(map(float, WINDOW_DIFFICULTY))),
+            N_WINDOWS, confidence=0.9, min_windows=8, ci_level=0.95,
+        )  # fmt: skip
+        assert trial.should_prune() is expected, step
+    assert expected  # 20% worse on 12 windows: futile by then
+    # the wrapped pruner's decision passes through before any trial has completed
+    threshold = optuna.pruners.ThresholdPruner(upper=1.0)
+    study = optuna.create_study(pruner=FutilityPruner(threshold, spec, 0.95))
+    first = study.ask()
+    first.report(0.5, 0)
+    assert not first.should_prune()
+    first.report(2.0, 1)
+    assert first.should_prune()
+
+
+@pytest.mark.parametrize("kind", ["wilcoxon", "median"])
+def test_a_scheduler_pickled_before_pruner_strategies_restores(tmp_path, kind):
+    """A running sweep's tuner.pkl holds the scheduler as pickled by the healsweep that started
+    it; these two were pickled by b05fe56 (kind/p_threshold/n_startup_steps/futility attributes,
+    wilcoxon with futility {0.8, 6} and one pruned trial; median with 2 startup steps). They
+    restore with the same pruning rule and keep pruning."""
+    from pathlib import Path
+
+    from healsweep.sweep.pruners import PairedWindows, RunningMedian
+
+    fixture = Path(__file__).parent / "fixtures" / "pickles" / f"scheduler-{kind}-b05fe56.pkl"
+    sched = pickle.loads(fixture.read_bytes())
+    sched.journal_path = str(tmp_path / JOURNAL_FILE)  # pickled relative to its sweep folder
+    if kind == "median":
+        assert sched.strategy == RunningMedian(n_startup_steps=2)
+        return
+    futility = FutilitySpec(confidence=0.8, min_windows=6)
+    assert sched.strategy == PairedWindows(0.05, 3, futility)
+    assert sched.pruned == {"worse"} and not hasattr(sched, "kind")
+    _run_complete(sched, _TuneTrial("base"), list(enumerate(WINDOW_DIFFICULTY)), baseline=True)
+    bad = _TuneTrial("bad")
+    decisions = [
+        sched.on_trial_result(None, bad, _result(i, float(WINDOW_DIFFICULTY[i]) * 3, i + 1))
+        for i in range(8)
+    ]
+    assert TrialScheduler.STOP in decisions
+    again = pickle.loads(pickle.dumps(sched))  # and the restored one pickles in the new shape
+    assert again.strategy == sched.strategy and again.pruned == sched.pruned | {"bad"}

@@ -16,7 +16,7 @@ from healsweep.sweep.space import (
     grid_configs,
     optuna_space,
     planned_trials,
-    resolve_knobs,
+    trial_identity,
 )
 from healsweep.sweep.spec import FutilitySpec, load_spec, spec_from_dict
 
@@ -33,16 +33,16 @@ def test_shipped_ablation_spec_is_the_audits_twelve_configs():
     spec = load_spec(ROOT / "sweeps" / "demo-ablation.yaml")
     configs = grid_configs(spec)
     assert len(configs) == 12 == planned_trials(spec)
-    assert configs[0] == Knobs().model_dump()  # the shipped healer is the baseline, run first
+    assert configs[0] == Knobs()  # the shipped healer is the baseline, run first
     expected = set(itertools.product(["gaussian", "mse", "none"], [True, False], [0.3, 0.0]))
-    assert {(c["alpha"], c["ridge"], c["gain_d"]) for c in configs} == expected
+    assert {(c.alpha, c.ridge, c.gain_d) for c in configs} == expected
     assert spec.pruner.type == "none" and spec.model == "demo" and spec.corpus == "demo"
     assert Path(spec.split).is_file()  # resolved against the spec's folder
 
 
 def test_shipped_tune_spec_searches_five_knobs_with_wilcoxon():
     spec = load_spec(ROOT / "sweeps" / "demo-tune.yaml")
-    assert set(spec.search_space) == {"gamma", "gain_gu", "gain_d", "rho", "eta"}
+    assert set(spec.search_space.dimensions()) == {"gamma", "gain_gu", "gain_d", "rho", "eta"}
     assert spec.sampler.type == "tpe" and spec.pruner.type == "wilcoxon"
     space = optuna_space(spec)
     assert space["rho"].log and space["rho"].low == 0.5
@@ -198,13 +198,13 @@ def test_grid_puts_baseline_first_applies_fixed_and_drops_repeats():
         }
     )
     configs = grid_configs(spec)
-    assert configs[0] == Knobs(gamma=0.5).model_dump()
+    assert configs[0] == Knobs(gamma=0.5)
     # baseline (eta 0.15) differs from every grid point (eta 0.3): 1 + 4 trials, all distinct
     assert len(configs) == 5 == len({config_hash(c) for c in configs})
-    assert all(c["eta"] == 0.3 and c["gamma"] == 0.5 for c in configs[1:])
+    assert all(c.eta == 0.3 and c.gamma == 0.5 for c in configs[1:])
     # without fixed knobs, the grid point equal to the baseline is not run twice
     plain = spec_from_dict({"name": "x", "search_space": {"gain_d": [0.3, 0.0]}})
-    assert [c["gain_d"] for c in grid_configs(plain)] == [0.3, 0.0]
+    assert [c.gain_d for c in grid_configs(plain)] == [0.3, 0.0]
 
 
 def test_grid_drops_points_that_repeat_an_earlier_student():
@@ -221,7 +221,7 @@ def test_grid_drops_points_that_repeat_an_earlier_student():
             },
         }
     )
-    got = [(c["quantizer"], c["gptq_damp"], c["alpha"], c["gamma"]) for c in grid_configs(spec)]
+    got = [(c.quantizer, c.gptq_damp, c.alpha, c.gamma) for c in grid_configs(spec)]
     assert got == [
         ("search", 0.01, "gaussian", 0.75),  # the baseline
         ("search", 0.01, "gaussian", 0.5),
@@ -237,10 +237,10 @@ def test_grid_drops_points_that_repeat_an_earlier_student():
     cache = spec_from_dict(
         {"name": "x", "fixed": {}, "search_space": {"moce_bonus": [0.0, 0.5]}, "baseline": {}}
     )
-    assert [c["moce_bonus"] for c in grid_configs(cache)] == [0.0, 0.5]
+    assert [c.moce_bonus for c in grid_configs(cache)] == [0.0, 0.5]
 
 
-def test_resolve_knobs_from_tune_configs():
+def test_trial_identity_from_tune_configs():
     spec = spec_from_dict(
         {
             "name": "x",
@@ -250,11 +250,115 @@ def test_resolve_knobs_from_tune_configs():
             "search_space": {"gamma": {"low": 0.0, "high": 1.0}},
         }
     )
-    assert resolve_knobs(spec, {"gamma": 0.75}) == Knobs()
-    assert resolve_knobs(spec, {"gamma": 0.2}) == Knobs(gamma=0.2)
-    assert resolve_knobs(spec, {"knobs": Knobs(eta=0.5).model_dump()}) == Knobs(eta=0.5)
+    baseline = trial_identity(spec, {"gamma": 0.75})
+    assert baseline.knobs == Knobs() and baseline.is_baseline
+    assert baseline.config_hash == config_hash(Knobs()) and baseline.role == "baseline"
+    other = trial_identity(spec, {"gamma": 0.2})
+    assert other.knobs == Knobs(gamma=0.2) and not other.is_baseline and other.role == "trial"
+    grid = trial_identity(spec, {"knobs": Knobs(eta=0.5).model_dump()})
+    assert grid.knobs == Knobs(eta=0.5) and grid.student == Knobs(eta=0.5).student_key()
 
 
 def test_config_hash_is_canonical():
-    assert config_hash(Knobs(gain_d=0)) == config_hash({"gain_d": 0.0})
+    assert config_hash(Knobs(gain_d=0)) == config_hash(Knobs(gain_d=0.0))
     assert config_hash(Knobs()) != config_hash(Knobs(gain_d=0.31))
+
+
+# A spec with ints for float knobs and a range, as a user writes them; its hash was computed by
+# b05fe56 (the spec's sections were raw dicts then): typing them must not change it.
+PINNED = {
+    "name": "pinned", "sampler": "tpe", "num_samples": 3,
+    "baseline": {"gain_d": 0, "gamma": 1, "eta": 0}, "fixed": {"eta": 0},
+    "search_space": {"rho": {"low": 1, "high": 50, "log": True},
+                     "alpha": {"choices": ["gaussian", "none"]}},
+    "calibration": {"max_tokens": 1000},
+}  # fmt: skip
+PINNED_HASH = "abfb986427ee28c2085f83b5de03c496e51c572dda2b437f61a1525c8fe59d2a"
+
+
+def test_typed_sections_are_stored_and_hashed_as_written():
+    from healsweep.sweep.manifest import spec_hash
+    from healsweep.sweep.spec import SweepSpec
+
+    spec = spec_from_dict(PINNED)
+    assert spec.baseline == Knobs(gain_d=0.0, gamma=1.0, eta=0.0)  # typed where the code reads
+    assert spec.fixed.model_fields_set == {"eta"} and spec.calibration.max_tokens == 1000
+    assert spec.calibration.corpus == spec.corpus == "demo"  # defaults to the sweep's corpus
+    stored = spec.model_dump(mode="json")
+    assert {k: stored[k] for k in ("baseline", "fixed", "search_space", "calibration")} == {
+        k: PINNED[k] for k in ("baseline", "fixed", "search_space", "calibration")
+    }
+    assert spec_hash(spec) == PINNED_HASH
+    reread = SweepSpec.model_validate_json(spec.model_dump_json())  # what resume reads
+    assert spec_hash(reread) == PINNED_HASH and reread.baseline == spec.baseline
+
+
+def test_a_spec_field_added_later_keeps_earlier_spec_hashes():
+    """A new spec field listed in ``added_later`` with its "as before" value is left out of the
+    stored form at that value: specs recorded before it keep their hash (and resume)."""
+    from typing import ClassVar
+
+    from healsweep.sweep.manifest import spec_hash
+    from healsweep.sweep.spec import SweepSpec
+
+    class WithBudget(SweepSpec):
+        added_later: ClassVar[dict] = {"budget": None}
+        budget: float | None = None
+        """routed bits per weight at most, or null"""
+
+    assert spec_hash(WithBudget.model_validate(PINNED)) == PINNED_HASH
+    assert spec_hash(WithBudget.model_validate({**PINNED, "budget": 2.5})) != PINNED_HASH
+
+
+def test_a_range_may_have_a_step():
+    spec = spec_from_dict(
+        {"name": "x", "sampler": "tpe", "num_samples": 2,
+         "search_space": {"eta": {"low": 0.05, "high": 0.55, "step": 0.1}}}
+    )  # fmt: skip
+    eta = optuna_space(spec)["eta"]
+    assert (eta.low, eta.high, eta.step, eta.log) == (0.05, 0.55, 0.1, False)
+    with pytest.raises(SpecError, match="log scale or a step"):
+        spec_from_dict(
+            {"name": "x", "sampler": "tpe", "num_samples": 2,
+             "search_space": {"rho": {"low": 1, "high": 8, "log": True, "step": 1}}}
+        )  # fmt: skip
+
+
+def test_a_max_context_the_model_cannot_hold_is_refused_before_the_sweep_starts():
+    """The sweep caps a window's context to the model's as `score` and `confirm` do
+    (``context_cap``); one that cannot fit is refused with the spec's field named."""
+    from healsweep.sweep.work import sweep_identity
+
+    spec = spec_from_dict({"name": "x", "scoring": {"max_scored": 128, "max_context": 1000}})
+    with pytest.raises(SpecError) as err:
+        sweep_identity(spec)  # the demo model holds 1024 tokens
+    assert str(err.value) == (
+        "sweep x: field 'scoring.max_context': max_context 1000 + max_scored 128 exceeds the "
+        "model's context length 1024; lower one of them"
+    )
+
+
+def test_a_spec_pickled_before_its_sections_were_typed_unpickles_typed():
+    """Tune keeps the results recorder, and the spec in it, in a running sweep's tuner.pkl and
+    restores it on resume. This recorder was pickled by b05fe56 (the pinned spec's sections
+    as raw dicts, a wilcoxon pruner): its spec comes back typed, with the same hash."""
+    import pickle
+
+    from healsweep.sweep.manifest import spec_hash
+
+    fixture = Path(__file__).parent / "fixtures" / "pickles" / "recorder-b05fe56.pkl"
+    recorder = pickle.loads(fixture.read_bytes())
+    spec = recorder.spec
+    assert spec.baseline == Knobs(gain_d=0.0, gamma=1.0, eta=0.0)
+    assert spec.fixed.model_fields_set == {"eta"} and spec.calibration.max_tokens == 1000
+    assert set(spec.search_space.dimensions()) == {"rho", "alpha"}
+    assert spec.pruner.futility == FutilitySpec(min_windows=6)
+    expected = spec_hash(spec_from_dict({**PINNED, "pruner": spec.pruner.model_dump()}))
+    assert (
+        spec_hash(spec)
+        == expected
+        == "80afc79c6e24c8dd6b9fa881c72a58a31076f77754f7a3298698b4fbfbcc3a03"
+    )
+    assert trial_identity(spec, {"rho": 2.0, "alpha": "none"}).knobs == Knobs(
+        gain_d=0.0, gamma=1.0, eta=0.0, rho=2.0, alpha="none"
+    )

@@ -80,3 +80,45 @@ def test_status_reads_a_sweep_without_importing_ray_optuna_or_jax():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def _row(trial_id, role, status, kld, windows=(8, 8)):
+    return {"trial_id": trial_id, "role": role, "is_baseline": role == "baseline",
+            "status": status, "kld_mean": kld, "config_hash": f"h-{trial_id}", "label": None,
+            "windows_scored": windows[0], "windows_total": windows[1]}  # fmt: skip
+
+
+def test_one_best_rule_for_progress_status_confirm_and_export(tmp_path):
+    """The best trial is the completed trial with the lowest pooled KLD, the baseline included
+    (``results.schema.best_trial``); the progress line, ``confirm`` and ``export --best`` agree,
+    and confirm refuses to pick the baseline as the config to test against itself."""
+    import pytest
+
+    from healsweep.confirm import choose_configs
+    from healsweep.deliver import pick_trial
+    from healsweep.errors import ResultsError
+    from healsweep.results.schema import best_trial, end_status, scored_all
+    from healsweep.sweep.progress import Progress
+
+    rows = [
+        _row("base", "baseline", "completed", 0.30),
+        _row("good", "trial", "completed", 0.20),
+        _row("cut", "trial", "pruned", 0.10, (3, 8)),  # lower, but it did not finish
+        _row("ref-plain", "reference", "completed", 0.05),  # not a trial
+    ]
+    assert best_trial(rows)["trial_id"] == "good"
+    assert Progress.of(rows, 3, 0, 0.0).best_trial == "good"
+    assert pick_trial(rows, None, tmp_path)["trial_id"] == "good"
+    assert [(r["trial_id"], b) for r, b in choose_configs(rows, None, tmp_path)] == [
+        ("base", True), ("good", False)
+    ]
+    rows[0]["kld_mean"] = 0.15  # nothing beats the baseline now
+    assert best_trial(rows)["trial_id"] == "base"
+    assert Progress.of(rows, 3, 0, 0.0).best_trial == "base"
+    assert pick_trial(rows, None, tmp_path)["trial_id"] == "base"  # the best file is the baseline
+    with pytest.raises(ResultsError, match="best completed dev trial is the baseline itself"):
+        choose_configs(rows, None, tmp_path)
+    assert [r["trial_id"] for r, _ in choose_configs(rows, ["good"], tmp_path)] == ["base", "good"]
+    # one pruned rule: stopped before every window, whoever asks
+    assert end_status(3, 8) == "pruned" and end_status(8, 8) == "completed"
+    assert not scored_all(0, None) and not scored_all(0, 0) and scored_all(9, 8)

@@ -25,7 +25,7 @@ import ray
 from healsweep.errors import ResultsError
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.driver import run_sweep
-from healsweep.sweep.space import config_hash, resolve_knobs
+from healsweep.sweep.space import config_hash, trial_identity
 from healsweep.sweep.spec import spec_from_dict
 from healsweep.sweep.trial import trial_seed
 from healsweep.sweep.work import trial_order
@@ -136,9 +136,9 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
     assert len({(r["config_hash"], r["window_id"]) for r in rows}) == len(rows)
     assert sorted(_log_lines(log)) == sorted((r["config_hash"], r["window_id"]) for r in rows)
     for row in rows:  # every knob column says which config scored the row; metrics are its own
-        knobs = resolve_knobs(
+        knobs = trial_identity(
             spec, {"knobs": {k[5:]: v for k, v in row.items() if k.startswith("knob_")}}
-        )
+        ).knobs
         assert config_hash(knobs) == row["config_hash"]
         assert row["kld_mean"] == pytest.approx(toy_kld(knobs, row["window_id"]), rel=1e-12)
         assert row["window_index"] == WINDOW_IDS.index(row["window_id"])
@@ -156,9 +156,9 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
     assert [t["status"] for t in run.trials] == ["completed"] * 4
     assert sum(t["is_baseline"] for t in run.trials) == 1
     for trial in trials.values():
-        knobs = resolve_knobs(
+        knobs = trial_identity(
             spec, {"knobs": {k[5:]: v for k, v in trial.items() if k.startswith("knob_")}}
-        )
+        ).knobs
         n = np.array([toy_tokens(w) for w in WINDOW_IDS], dtype=np.float64)
         k = np.array([toy_kld(knobs, w) for w in WINDOW_IDS], dtype=np.float64)
         assert trial["kld_mean"] == pytest.approx((k * n).sum() / n.sum(), rel=1e-9)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from healsweep.conformance.references import kld as _np_kld
+from healsweep.conformance.references import log_softmax as _np_log_softmax
 from healsweep.errors import CacheError, SpecError
 from healsweep.kernels.kld import log_softmax
 from healsweep.score.compact import (
@@ -17,19 +19,6 @@ from healsweep.score.compact import (
 from healsweep.score.metrics import compact_window_metrics, window_metrics
 
 N_TOK, N_VOCAB = 4, 40
-
-
-def _np_log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
-
-
-def _np_kld(t: np.ndarray, s: np.ndarray) -> np.ndarray:
-    lt, ls = _np_log_softmax(t), _np_log_softmax(s)
-    p = np.exp(lt)
-    with np.errstate(invalid="ignore"):  # 0 * -inf where the teacher gives a token p = 0
-        return np.where(p > 0, p * (lt - ls), 0.0).sum(axis=1)  # [T]
 
 
 def _case(seed: int = 0, n_tok: int = N_TOK, n_vocab: int = N_VOCAB):

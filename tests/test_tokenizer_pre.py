@@ -16,9 +16,10 @@ import sys
 import pytest
 
 from healsweep.errors import TokenizerError
-from healsweep.gguf_io import build_tokenizer, open_model, tokenizer_metadata_from_tokenizer
+from healsweep.gguf_io import build_tokenizer, tokenizer_metadata_from_tokenizer
 from healsweep.gguf_io._tokenizer import PRE_PATTERNS
-from healsweep.gguf_io.synthetic import train_tiny_tokenizer, write_random_model
+from healsweep.model import open_model
+from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 
 TEXTS = [
     "Numbers 1234567 and 3.14159, 2024-05-01!",

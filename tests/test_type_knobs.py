@@ -7,6 +7,7 @@ names a ggml type is plain data until a knob file, a sweep spec or ``build_stude
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -15,9 +16,9 @@ from healsweep.errors import KnobError, SettingError
 from healsweep.heal.knobs import (
     ADDED_LATER,
     EXPERT_TYPES,
-    STAGES,
     Knobs,
     LayerTypes,
+    Stage,
     load_knobs,
     require_ggml,
 )
@@ -117,7 +118,8 @@ def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
     assert ggml.for_stage("quantize") == {"type_gu": "iq2_xs", "type_d": "iq3_s"}
     # the same student, whatever the quantizer knobs say (no K grid for gptq to refine)...
     twin = ggml.replace(quantizer="gptq", gain_gu=1.5, importance_down="act")
-    assert all(twin.for_stage(s) == ggml.for_stage(s) for s in STAGES)
+    assert all(twin.for_stage(s) == ggml.for_stage(s) for s in Stage)
+    assert twin.student_key() == ggml.student_key()  # a sweep scores it once
     # ...unless some layer may be Q2_0: iq2_xxs steps up to q2_0
     stepped = Knobs(type_gu="iq2_xxs", type_d="q2_k", up_last=1)
     assert "gain_gu" in stepped.for_stage("quantize") and "gain_d" not in stepped.for_stage(
@@ -178,3 +180,21 @@ def test_a_ggml_type_without_ggml_fails_in_one_line_at_load(without_ggml, tmp_pa
     (tmp_path / "q2.yaml").write_text("type_d: q2_0\nlayer_types: '1:q2_0'\n")
     assert load_knobs(tmp_path / "q2.yaml").type_d == "q2_0"
     assert status_line().startswith("ggml quantizer: absent (llama-cpp-python is not installed")
+
+
+def test_the_cli_refuses_a_ggml_type_in_one_line_in_a_process_that_cannot_find_ggml(tmp_path):
+    # A real process whose import system has no llama_cpp (find_spec answers None there), so
+    # healsweep.gguf_io._ggml_lib finds no library: `healsweep heal` exits 1 with one line, no
+    # traceback, before it opens the model (which does not exist here).
+    knobs = tmp_path / "k.yaml"
+    knobs.write_text("type_gu: iq2_xxs\n")
+    hide = "import sys; sys.modules['llama_cpp'] = None; from healsweep.cli import main; main()"
+    args = ["heal", str(tmp_path / "absent.gguf"), "--knobs", str(knobs), "--out", "o.gguf"]
+    done = subprocess.run([sys.executable, "-c", hide, *args], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        f"error: {knobs}: knob type_gu = 'iq2_xxs' needs ggml's quantizer: llama-cpp-python is "
+        'not installed; install the ggml extra (pip install -e ".[ggml]") to use ggml\'s '
+        "quantizer\n"
+    )
+    assert "Traceback" not in done.stdout + done.stderr

@@ -158,14 +158,25 @@ def test_caps_per_document_and_kinds(corpus, tokenizer):
         make_windows(corpus, tokenizer, cfg, kinds=("nothing",))
 
 
-def test_interleave_strata_keeps_every_stratum_in_a_cut():
-    from healsweep.data.windows import Window, interleave_strata
+def test_first_windows_are_the_first_by_id_whatever_the_input_order(corpus, tokenizer):
+    """One selection for sweeps, confirm and score: sorted by window id (a content hash), cut
+    to the first N; the input order does not matter and no cap keeps every window."""
+    from healsweep.data.windows import first_windows
 
-    def w(wid, stratum):
-        return Window(wid, "d", "s", 1, stratum, "dev", "text", np.zeros(3, np.int32), 1, 2)
+    windows = make_windows(corpus, tokenizer, parity_split(corpus))
+    ids = sorted(w.window_id for w in windows)
+    assert [w.window_id for w in first_windows(windows)] == ids
+    assert [w.window_id for w in first_windows(windows[::-1], 3)] == ids[:3]
+    assert first_windows(windows, len(windows) + 5) == first_windows(windows)
 
-    windows = [w("a1", "a"), w("a2", "a"), w("a3", "a"), w("b1", "b"), w("c1", "c"), w("c2", "c")]
-    assert [x.window_id for x in interleave_strata(windows, 4)] == ["a1", "b1", "c1", "a2"]
-    assert sorted(x.window_id for x in interleave_strata(windows)) == sorted(
-        x.window_id for x in windows
-    )
+
+def test_context_cap_fits_the_window_into_the_model():
+    from healsweep.data.windows import DEFAULT_MAX_CONTEXT, context_cap
+
+    assert context_cap(128, None, 4096) == DEFAULT_MAX_CONTEXT  # room to spare: the default
+    assert context_cap(128, None, 1024) == 896 == 1024 - 128  # the demo model: exactly fits
+    assert context_cap(32, None, 256) == 256 - 32  # a small model: context cut to fit
+    assert context_cap(300, None, 256) == 0
+    assert context_cap(32, 100, 256) == 100  # asked for, and it fits
+    with pytest.raises(SplitError, match=r"max_context 300 \+ max_scored 32 exceeds .* 256"):
+        context_cap(32, 300, 256)

@@ -6,14 +6,16 @@ The order of events is the discipline (audit section 3.2):
    model or the split changed since the sweep (the split lock id is rebuilt from the corpus and
    compared with the manifest's), and when the ledger (``RESULTS_ROOT/ledger.jsonl``) does not
    verify;
-2. freeze the chosen configs (the baseline, plus the given trials or else the completed
-   non-baseline trial with the lowest dev pooled KLD): sha256 of the canonical JSON of the full
+2. freeze the chosen configs (the baseline, plus the given trials or else the sweep's best
+   trial, :func:`~healsweep.results.schema.best_trial`, refused when that is the baseline):
+   sha256 of the canonical JSON of the full
    knob set, the model fingerprint and the calibration settings with the calibration corpus's
    content;
 3. append the ``confirm-open`` entry *before* any test window exists (a second confirm of the same
    split lock id and milestone is refused there, atomically, under the ledger's file lock);
-4. build the test windows with the grant in this process, score every frozen config (baseline
-   included) on every window, write ``RESULTS/<sweep>/test/<milestone>/windows.parquet``;
+4. build the test windows with the grant in this process (all of them, or the first
+   ``max_windows`` by window id, as a sweep selects dev windows: ``first_windows``), score every
+   frozen config (baseline included) on every window, write ``RESULTS/<sweep>/test/<milestone>/windows.parquet``;
 5. write ``confirm.json`` (pooled figures per config, paired comparisons vs the baseline with
    CIs, decision-rule verdicts), then record the sha256 of the windows file as the milestone's
    ``confirm-result`` (``confirm.json`` then also names that entry).
@@ -30,12 +32,22 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from healsweep.cache import canonical_json
 from healsweep.errors import LedgerError, ResultsError, SplitError
+
+if TYPE_CHECKING:
+    from healsweep.cache import StageCache
+    from healsweep.data.corpus import Corpus
+    from healsweep.data.split import SplitConfig
+    from healsweep.data.windows import Window
+    from healsweep.gguf_io import GGUFModel
+    from healsweep.heal.knobs import CalibrationConfig, Knobs
+    from healsweep.ledger import Grant, Ledger
+    from healsweep.sweep.spec import SweepSpec
 
 TEST_DIR = "test"
 WINDOWS_FILE = "windows.parquet"
@@ -51,25 +63,23 @@ class FrozenConfig:
 
     trial_id: str
     config_hash: str  # the sweep's short knob hash (joins test rows with dev rows)
-    knobs: dict[str, Any]
+    knobs: Knobs
     is_baseline: bool
     frozen_hash: str  # what the ledger records
 
 
-def frozen_hash(knobs: dict[str, Any], model_fingerprint: str, calibration: dict[str, Any]) -> str:
+def frozen_hash(knobs: Knobs, model_fingerprint: str, calibration: dict[str, Any]) -> str:
     """sha256 of the canonical JSON of the full knobs, model fingerprint and calibration."""
-    from healsweep.heal.knobs import Knobs
-
     body = {
         "tag": _FREEZE_TAG,
-        "knobs": Knobs(**knobs).identity(),
+        "knobs": knobs.identity(),
         "model_fingerprint": model_fingerprint,
         "calibration": calibration,
     }
     return hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
 
 
-def calibration_identity(calibration: Any) -> dict[str, Any]:
+def calibration_identity(calibration: CalibrationConfig) -> dict[str, Any]:
     """The calibration settings that change a student, with the calibration corpus's content."""
     from healsweep.data.corpus import load_corpus
 
@@ -79,10 +89,12 @@ def calibration_identity(calibration: Any) -> dict[str, Any]:
     return {**calibration.key_inputs(), "corpus_content": digest}
 
 
-def sweep_model(sweep_dir: Path, spec: Any, manifest: dict[str, Any], remedy: str) -> Any:
+def sweep_model(
+    sweep_dir: Path, spec: SweepSpec, manifest: dict[str, Any], remedy: str
+) -> GGUFModel:
     """The sweep's model, opened; ResultsError (ending in ``remedy``) when its fingerprint is
     not the one the manifest recorded."""
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     teacher = open_model(spec.model)
     if manifest.get("model_fingerprint") not in (None, teacher.fingerprint):
@@ -106,47 +118,49 @@ def trial_by_id(trials: list[dict[str, Any]], trial_id: str, where: Path) -> dic
     )
 
 
-def best_trial(trials: list[dict[str, Any]], where: Path, purpose: str) -> dict[str, Any]:
-    """The completed non-baseline trial with the lowest dev pooled KLD (ResultsError if none;
-    ``purpose`` ends its message, e.g. "to confirm"); reference and external rows are not
-    trials and never picked."""
-    from healsweep.results.schema import row_role
+def best_row(trials: list[dict[str, Any]], where: Path, purpose: str) -> dict[str, Any]:
+    """The sweep's best trial (:func:`~healsweep.results.schema.best_trial`: the completed
+    trial with the lowest dev pooled KLD, the baseline included); ResultsError when none has
+    completed (``purpose`` ends its message, e.g. "to confirm")."""
+    from healsweep.results.schema import best_trial
 
-    done = [
-        t
-        for t in trials
-        if t["status"] == "completed" and row_role(t) == "trial" and t["kld_mean"] is not None
-    ]
-    if not done:
+    best = best_trial(trials)
+    if best is None:
         raise ResultsError(
-            f"{where}: no completed non-baseline trial {purpose}; let the sweep finish or name "
-            "one with --trial"
+            f"{where}: no completed trial {purpose}; let the sweep finish or name one with --trial"
         )
-    return min(done, key=lambda t: t["kld_mean"])
+    return dict(best)
 
 
 def choose_configs(
     trials: list[dict[str, Any]], trial_ids: Sequence[str] | None, where: Path
 ) -> list[tuple[dict[str, Any], bool]]:
     """``(trial row, is_baseline)`` to confirm: the baseline first, then the given trials, or the
-    best completed non-baseline trial by dev pooled KLD; one row per config. Reference and
-    external rows are refused: they are scored on dev beside the trials, not confirmed."""
-    from healsweep.results.schema import row_role
+    sweep's best trial (refused when that is the baseline: nothing beat it on dev); one row per
+    config. Reference and external rows are refused: they are scored on dev beside the trials,
+    not confirmed."""
+    from healsweep.results.schema import Role, row_role
 
-    baseline = next((t for t in trials if row_role(t) == "baseline"), None)
+    baseline = next((t for t in trials if row_role(t) == Role.BASELINE), None)
     if baseline is None:
         raise ResultsError(f"{where}: the sweep has no baseline trial; nothing to compare on test")
     if trial_ids:
         chosen = [trial_by_id(trials, t, where) for t in trial_ids]
         for row in chosen:
-            if row_role(row) in ("reference", "external"):
+            if not row_role(row).tuned:
                 raise ResultsError(
                     f"{where}: {row['trial_id']} is the {row_role(row)} row {row['label']!r}, "
                     "not a trial; confirm opens the test split for the baseline and tuned "
                     "trials only (reference and external rows are dev figures)"
                 )
     else:
-        chosen = [best_trial(trials, where, "to confirm")]
+        chosen = [best_row(trials, where, "to confirm")]
+        if chosen[0]["config_hash"] == baseline["config_hash"]:
+            raise ResultsError(
+                f"{where}: the best completed dev trial is the baseline itself (pooled KLD "
+                f"{chosen[0]['kld_mean']:.5f}); no tuned config beats it on dev, so there is "
+                "nothing to confirm against it: name a trial with --trial to test one anyway"
+            )
     picked: dict[str, tuple[dict[str, Any], bool]] = {baseline["config_hash"]: (baseline, True)}
     for row in chosen:
         picked.setdefault(row["config_hash"], (row, False))
@@ -181,10 +195,10 @@ class _Context:
 
     sweep_dir: Path
     manifest: dict[str, Any]
-    spec: Any
-    teacher: Any
-    corpus: Any
-    split_cfg: Any
+    spec: SweepSpec
+    teacher: GGUFModel
+    corpus: Corpus
+    split_cfg: SplitConfig
     lock_id: str
 
 
@@ -226,23 +240,22 @@ def freeze_configs(ctx: _Context, trial_ids: Sequence[str] | None) -> list[Froze
     from healsweep.results.store import read_trials
 
     trials = read_trials(ctx.sweep_dir).to_pylist()
-    calibration = calibration_identity(ctx.spec.calibration_config())
-    return [
-        FrozenConfig(
-            trial_id=row["trial_id"],
-            config_hash=row["config_hash"],
-            knobs=knobs_of(row),
-            is_baseline=is_base,
-            frozen_hash=frozen_hash(knobs_of(row), ctx.teacher.fingerprint, calibration),
+    calibration = calibration_identity(ctx.spec.calibration)
+    frozen = []
+    for row, is_base in choose_configs(trials, trial_ids, ctx.sweep_dir):
+        knobs = knobs_of(row)
+        assert knobs is not None  # a trial, not an external GGUF
+        fingerprint = frozen_hash(knobs, ctx.teacher.fingerprint, calibration)
+        frozen.append(
+            FrozenConfig(row["trial_id"], row["config_hash"], knobs, is_base, fingerprint)
         )
-        for row, is_base in choose_configs(trials, trial_ids, ctx.sweep_dir)
-    ]
+    return frozen
 
 
 def open_grant(
-    ledger: Any, ctx: _Context, milestone: str, configs: list[FrozenConfig], *,
+    ledger: Ledger, ctx: _Context, milestone: str, configs: list[FrozenConfig], *,
     resume: bool, allow_split_change: bool,
-) -> Any:  # fmt: skip
+) -> Grant:  # fmt: skip
     """Append ``confirm-open`` (or ``confirm-resume``) and return the grant."""
     hashes = [c.frozen_hash for c in configs]
     if resume:
@@ -262,34 +275,31 @@ def open_grant(
     )
 
 
-def sealed_windows(ctx: _Context, grant: Any, max_windows: int | None) -> list[Any]:
-    """The test windows (needs the grant), sorted by id, cut round-robin over strata when capped."""
-    from healsweep.data.windows import interleave_strata, make_windows
+def sealed_windows(ctx: _Context, grant: Grant, max_windows: int | None) -> list[Window]:
+    """The test windows (needs the grant), sorted by id, the first ``max_windows`` when capped:
+    selected as a sweep selects its dev windows (:func:`~healsweep.data.windows.first_windows`)."""
+    from healsweep.data.windows import first_windows, make_windows
     from healsweep.sweep.work import window_options
 
     options = window_options(ctx.spec.scoring, ctx.teacher)
     windows = make_windows(
         ctx.corpus, ctx.teacher.tokenizer(), ctx.split_cfg, split="test", grant=grant, **options
     )
-    windows = sorted(windows, key=lambda w: w.window_id)
-    if max_windows is not None:
-        windows = sorted(interleave_strata(windows, max_windows), key=lambda w: w.window_id)
-    return windows
+    return first_windows(windows, max_windows)
 
 
 def score_config(
-    ctx: _Context, config: FrozenConfig, windows: list[Any], cache: Any, say: Progress
+    ctx: _Context, config: FrozenConfig, windows: list[Window], cache: StageCache, say: Progress
 ) -> list[dict[str, Any]]:
     """Build one frozen config's student through the caches and score it on every window."""
-    from healsweep.heal.knobs import Knobs
     from healsweep.heal.pipeline import build_student
     from healsweep.results.schema import knob_columns
     from healsweep.score.expert_cache import ExpertCacheConfig
     from healsweep.score.record import WindowRecord
     from healsweep.score.runner import score_windows
 
-    knobs = Knobs(**config.knobs)
-    student = build_student(ctx.teacher, knobs, ctx.spec.calibration_config(), cache)
+    knobs = config.knobs
+    student = build_student(ctx.teacher, knobs, ctx.spec.calibration, cache)
     columns = {
         "sweep": ctx.spec.name,
         "trial_id": config.trial_id,
@@ -339,7 +349,7 @@ def summarize_test(
             "config_hash": config.config_hash,
             "frozen_hash": config.frozen_hash,
             "is_baseline": config.is_baseline,
-            "knobs": config.knobs,
+            "knobs": config.knobs.model_dump(),
             "pooled": pooled([WindowMetrics.from_dict(mine[w]) for w in ids], strata),
             "comparison": None,
             "verdict": None,
@@ -439,6 +449,7 @@ def confirm(
         "resumed": resume,
         "windows": len(windows),
         "max_windows": max_windows,
+        "window_selection": "first by window id",  # before this key: round-robin over strata
         "result_file": WINDOWS_FILE,
         "result_hash": result_hash,
         "configs": summarize_test(rows, configs, n_boot),

@@ -17,9 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from healsweep.errors import ResultsError
+
+if TYPE_CHECKING:
+    from healsweep.cache import StageCache
+    from healsweep.heal.knobs import Knobs
 
 Progress = Callable[[str, str], None]
 
@@ -40,26 +44,27 @@ class ExportResult:
 
     path: Path
     trial: dict[str, Any]
-    knobs: dict[str, Any]
+    knobs: Knobs
     frozen_hash: str
     confirmation: Confirmation | None
     notes: list[str] = field(default_factory=list)
 
 
 def pick_trial(trials: list[dict[str, Any]], trial_id: str | None, where: Path) -> dict[str, Any]:
-    """The row of ``trial_id``, or (None) the completed non-baseline trial with the lowest dev
-    pooled KLD — the trial ``confirm`` would pick."""
-    from healsweep.confirm import best_trial, trial_by_id
+    """The row of ``trial_id``, or (None) the sweep's best trial
+    (:func:`~healsweep.results.schema.best_trial`, the baseline when nothing beat it)."""
+    from healsweep.confirm import best_row, trial_by_id
+    from healsweep.results.schema import Role, row_role
 
     if trial_id is not None:
         row = trial_by_id(trials, trial_id, where)
-        if row.get("role") == "external":
+        if row_role(row) == Role.EXTERNAL:
             raise ResultsError(
                 f"{where}: {trial_id} is the external GGUF {row['external_path']}, scored as it "
                 "is; there is no student to rebuild (copy that file instead)"
             )
         return row
-    return best_trial(trials, where, "to export as --best")
+    return best_row(trials, where, "to export as --best")
 
 
 def find_confirmation(sweep_dir: Path, frozen: str) -> tuple[Confirmation | None, str | None]:
@@ -94,7 +99,7 @@ def export_trial(
     *,
     trial_id: str | None = None,
     experts: str = "healed",
-    cache: Any = None,
+    cache: StageCache | None = None,
     progress: Progress | None = None,
 ) -> ExportResult:
     """Rebuild a trial's student (``trial_id``, or the best dev trial) and write it to ``out``.
@@ -106,9 +111,8 @@ def export_trial(
     from healsweep.cache import StageCache, canonical_json
     from healsweep.confirm import calibration_identity, frozen_hash, sweep_model
     from healsweep.heal.export import write_healed_gguf
-    from healsweep.heal.knobs import Knobs
     from healsweep.heal.pipeline import build_student
-    from healsweep.results.schema import knobs_of
+    from healsweep.results.schema import TrialStatus, knobs_of
     from healsweep.results.store import read_manifest, read_trials
     from healsweep.sweep.manifest import read_spec
 
@@ -118,16 +122,15 @@ def export_trial(
     row = pick_trial(read_trials(sweep_dir).to_pylist(), trial_id, sweep_dir)
     teacher = sweep_model(sweep_dir, spec, manifest, "restore the model the sweep tuned on")
     knobs = knobs_of(row)
-    calibration = spec.calibration_config()
+    assert knobs is not None  # pick_trial refuses an external row
+    calibration = spec.calibration
     identity = calibration_identity(calibration)
     frozen = frozen_hash(knobs, teacher.fingerprint, identity)
     confirmation, note = find_confirmation(sweep_dir, frozen)
     notes = [] if note is None else [note]
-    if row["status"] != "completed":
+    if row["status"] != TrialStatus.COMPLETED:
         notes.append(f"trial {row['trial_id']} ended {row['status']!r} on dev")
-    student = build_student(
-        teacher, Knobs(**knobs), calibration, cache or StageCache(), progress=progress
-    )
+    student = build_student(teacher, knobs, calibration, cache or StageCache(), progress=progress)
     metadata: dict[str, Any] = {
         "sweep": spec.name,
         "trial_id": row["trial_id"],

@@ -45,8 +45,14 @@ class LedgerError(HealsweepError):
     """The ledger is tampered with, locked, or refuses an operation."""
 
 
-class KnobError(HealsweepError):
-    """A knob file or knob value is invalid (unknown knob, value out of range)."""
+class KnobError(HealsweepError, ValueError):
+    """A knob file or knob value is invalid (unknown knob, value out of range); ``name`` is the
+    knob or setting it names, when one. A ``ValueError``, so pydantic reports it where a model
+    holds knobs (a sweep spec's ``baseline``) at that field."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class SpecError(HealsweepError):

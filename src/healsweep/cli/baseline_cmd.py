@@ -36,9 +36,9 @@ def llama(
     llama-cpp-python's libggml; needs the \\[bench] extra); every other tensor is kept as stored.
     """
     from healsweep.cache import StageCache
-    from healsweep.gguf_io import open_model
     from healsweep.heal.knobs import CalibrationConfig
     from healsweep.heal.llama_baseline import LLAMA_TYPES, bits_per_weight, write_llama_baseline
+    from healsweep.model import open_model
 
     if qtype not in LLAMA_TYPES:
         raise typer.BadParameter(

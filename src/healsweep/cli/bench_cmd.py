@@ -44,9 +44,9 @@ def bench_trial(
 
     from healsweep.cache import StageCache
     from healsweep.data.corpus import load_corpus
-    from healsweep.gguf_io import open_model
     from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs
     from healsweep.heal.trial_bench import bench_trials, format_trials
+    from healsweep.model import open_model
     from healsweep.model.bench import bench_forward_pair, format_pairs
 
     try:

@@ -15,14 +15,14 @@ _MILESTONE = typer.Option(
 _TRIAL = typer.Option(
     None,
     "--trial",
-    help="Trial id to confirm (repeatable). Default: the best completed dev trial. The baseline "
-    "is always confirmed too.",
+    help="Trial id to confirm (repeatable). Default: the best completed dev trial (refused when "
+    "that is the baseline: nothing to test against it). The baseline is always confirmed too.",
 )
 _ROOT = typer.Option(
     None, "--results-root", help="Folder holding ledger.jsonl (default: the sweep folder's parent)."
 )
 _MAX = typer.Option(
-    None, "--max-windows", min=1, help="Score at most N test windows (round-robin over strata)."
+    None, "--max-windows", min=1, help="Score the first N test windows by window id (as a sweep)."
 )
 _RESUME = typer.Option(
     False,

@@ -79,9 +79,10 @@ def demo_build(
         str,
         typer.Option(
             "--preset",
-            help="Model size: small (the shipped 10 MB model) or medium (8 layers, D 256, 64 "
+            help="Model size: small (the shipped 10 MB model), medium (8 layers, D 256, 64 "
             "experts of 256, top-4; rows of 256 for llama.cpp's K- and IQ-quants; train it on a "
-            "GPU).",
+            "GPU) or medium-cpu (4 layers, D 256, 8 experts of 256, top-2, a shared expert; "
+            "trains on a 2-core CPU within an hour). A stopped build resumes where it stopped.",
         ),
     ] = "small",
     figures: Annotated[
@@ -95,7 +96,7 @@ def demo_build(
     _deterministic_gpu_ops()
     from healsweep.data.corpus import load_corpus
     from healsweep.demo.build import build_demo, demo_figures, demo_preset, demo_train_config
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     recipe = demo_train_config(seed, steps, preset)
     typer.echo(

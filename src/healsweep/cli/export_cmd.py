@@ -46,6 +46,7 @@ def export(
     from healsweep.cache import StageCache
     from healsweep.deliver import export_trial
     from healsweep.heal.export import EXPERT_FORMATS
+    from healsweep.results.schema import row_role
 
     if trial is not None and best:
         raise typer.BadParameter("pass --trial ID or --best, not both", param_hint="--trial")
@@ -62,9 +63,9 @@ def export(
     )
     row = result.trial
     kld = "-" if row["kld_mean"] is None else f"{row['kld_mean']:.5f}"
-    label = row.get("role") or ("baseline" if row["is_baseline"] else "trial")
+    label = row_role(row)
     typer.echo(f"[trial] {label} {row['trial_id']} (config {row['config_hash']}, dev KLD {kld})")
-    typer.echo(f"[knobs] {' '.join(f'{k}={v}' for k, v in result.knobs.items())}")
+    typer.echo(f"[knobs] {' '.join(f'{k}={v}' for k, v in result.knobs.model_dump().items())}")
     for note in result.notes:
         typer.echo(f"[note] {note}")
     conf = result.confirmation

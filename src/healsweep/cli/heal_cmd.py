@@ -63,10 +63,10 @@ def heal(
     stores it; a ridge-healed shared-expert down projection keeps its storage type.
     """
     from healsweep.cache import StageCache
-    from healsweep.gguf_io import open_model
     from healsweep.heal import export
     from healsweep.heal.knobs import load_knobs
     from healsweep.heal.pipeline import build_student
+    from healsweep.model import open_model
 
     if experts not in export.EXPERT_FORMATS:
         raise typer.BadParameter(f"{experts!r}: choose one of {', '.join(export.EXPERT_FORMATS)}",
@@ -116,9 +116,9 @@ def bench_heal(
 
     from healsweep.cache import StageCache
     from healsweep.data.corpus import load_corpus
-    from healsweep.gguf_io import open_model
     from healsweep.heal.evaluate import residual_table
     from healsweep.heal.knobs import Knobs, load_knobs
+    from healsweep.model import open_model
 
     base = load_knobs(knobs) if knobs else Knobs()
     calibration = _calibration(corpus, max_tokens, chunk_length, 16)

@@ -28,8 +28,7 @@ def model_info(
     as_json: JsonOpt = False,
 ) -> None:
     """Architecture, layers, experts, dims, tensor types and bytes, tokenizer summary."""
-    from healsweep.gguf_io import open_model
-    from healsweep.gguf_io._summary import describe_model
+    from healsweep.model import describe_model, open_model
 
     info = describe_model(open_model(model, tokenizer_path=tokenizer))
     if as_json:
@@ -78,8 +77,7 @@ def model_logits(
     """Teacher-forced logits of one token sequence."""
     import numpy as np
 
-    from healsweep.gguf_io import open_model
-    from healsweep.model import forward
+    from healsweep.model import forward, open_model
 
     if not tokens.is_file():
         raise typer.BadParameter(f"{tokens} does not exist", param_hint="--tokens")
@@ -120,7 +118,8 @@ def model_slice(
     """A smaller GGUF of layers A..B-1 with the embeddings, head, tokenizer and all metadata."""
     import time
 
-    from healsweep.gguf_io import open_model, parse_layer_range, slice_model
+    from healsweep.gguf_io import parse_layer_range, slice_model
+    from healsweep.model import open_model
 
     started = time.perf_counter()
     start, stop = parse_layer_range(layers)  # checks the form before the model is opened
@@ -150,7 +149,7 @@ def bench_forward_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Teacher-forced tokens/s and peak RSS of the layer-by-layer forward."""
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
     from healsweep.model.bench import bench_forward, format_table, layer_scaling
 
     m = open_model(model)

@@ -37,7 +37,7 @@ def score(
     max_windows: Annotated[
         int | None,
         typer.Option(
-            "--max-windows", min=1, help="Score at most N windows (round-robin over strata)."
+            "--max-windows", min=1, help="Score the first N windows by window id (as a sweep)."
         ),
     ] = None,
     max_scored: Annotated[
@@ -97,8 +97,9 @@ def score(
     from healsweep.data.corpus import load_corpus
     from healsweep.data.leakage import calibration_tokens, check_leakage
     from healsweep.data.split import load_split, parity_split
-    from healsweep.data.windows import interleave_strata, make_windows
-    from healsweep.gguf_io import open_model
+    from healsweep.data.windows import context_cap, first_windows, make_windows
+    from healsweep.errors import SplitError
+    from healsweep.model import open_model
     from healsweep.score.compact import TeacherCacheError, cache_format
     from healsweep.score.report import check_same_tokenizer, format_summary, score_report
 
@@ -112,20 +113,16 @@ def score(
     docs = load_corpus(corpus)
     cfg = load_split(split_config) if split_config is not None else parity_split(docs)
     context_length = min(teacher.hparams.context_length, student.hparams.context_length)
-    if max_context is None:
-        max_context = max(0, min(896, context_length - max_scored))
-    if max_context + max_scored > context_length:
-        raise typer.BadParameter(
-            f"--max-context {max_context} + --max-scored {max_scored} exceeds the models' "
-            f"context length {context_length}",
-            param_hint="--max-context",
-        )
+    try:
+        max_context = context_cap(max_scored, max_context, context_length)
+    except SplitError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--max-context") from None
     chat = model_chat_format(teacher)
     every = make_windows(
         docs, teacher.tokenizer(), cfg, split, max_scored=max_scored, max_context=max_context,
         chat=chat,
     )  # fmt: skip
-    windows = interleave_strata(every, max_windows)
+    windows = first_windows(every, max_windows)
     calibration = calibration_tokens(docs, cfg, teacher.tokenizer(), chat)
     leakage = check_leakage(calibration, windows, allow_leakage=allow_leakage)
     typer.echo(f"ref        {teacher.path}  ({teacher.fingerprint[:16]})")

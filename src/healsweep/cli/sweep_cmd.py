@@ -44,10 +44,10 @@ class _Printer:
 
 
 def _finish(run: Any) -> None:
-    from healsweep.results.schema import row_role
+    from healsweep.results.schema import TrialStatus, row_role
 
-    trials = [t for t in run.trials if row_role(t) in ("trial", "baseline")]
-    fixed = [t for t in run.trials if row_role(t) not in ("trial", "baseline")]
+    trials = [t for t in run.trials if row_role(t).tuned]
+    fixed = [t for t in run.trials if not row_role(t).tuned]
     counts: dict[str, int] = {}
     for trial in trials:
         counts[trial["status"]] = counts.get(trial["status"], 0) + 1
@@ -58,13 +58,13 @@ def _finish(run: Any) -> None:
         line += f"; {rows}"
     typer.echo(line)
     typer.echo(f"results: {run.sweep_dir}")
-    unfinished = sum(counts.get(s, 0) for s in ("running", "retrying", "pending"))
+    unfinished = sum(n for status, n in counts.items() if TrialStatus(status).unfinished)
     if unfinished:
         typer.echo(f"interrupted: finish it with `healsweep sweep resume {run.sweep_dir}`")
     typer.echo(f"next: healsweep report {run.sweep_dir}")
-    if counts.get("error"):
+    if counts.get(TrialStatus.ERROR):
         raise ResultsError(
-            f"{counts['error']} of {len(run.trials)} trials failed (their errors are in "
+            f"{counts[TrialStatus.ERROR]} of {len(run.trials)} trials failed (their errors are in "
             f"{run.sweep_dir}/trial_<id>/error.txt); fix the cause, then `healsweep sweep resume "
             f"{run.sweep_dir}` retries them"
         )

@@ -44,6 +44,8 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from gguf import Keys
+
 from healsweep.data.corpus import (
     IM_END,
     THINK_CLOSE,
@@ -58,15 +60,15 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 TEMPLATE_CLOCK = datetime(2025, 1, 1)  # what strftime_now formats (see the module docstring)
 SPECIAL_TOKEN_KEYS = (
-    ("bos_token", "tokenizer.ggml.bos_token_id"),
-    ("eos_token", "tokenizer.ggml.eos_token_id"),
-    ("unk_token", "tokenizer.ggml.unknown_token_id"),
-    ("pad_token", "tokenizer.ggml.padding_token_id"),
+    ("bos_token", Keys.Tokenizer.BOS_ID),
+    ("eos_token", Keys.Tokenizer.EOS_ID),
+    ("unk_token", Keys.Tokenizer.UNK_ID),
+    ("pad_token", Keys.Tokenizer.PAD_ID),
 )
 END_OF_TURN_KEYS = (  # GLM-4.5 files, for one, end turns with eot <|user|> / eom <|observation|>
-    "tokenizer.ggml.eos_token_id",
-    "tokenizer.ggml.eot_token_id",
-    "tokenizer.ggml.eom_token_id",
+    Keys.Tokenizer.EOS_ID,
+    Keys.Tokenizer.EOT_ID,
+    Keys.Tokenizer.EOM_ID,
 )
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around a sentinel's number
 _FIX = (
@@ -187,10 +189,10 @@ def model_chat_format(model: Any) -> ChatFormat:
 
     ``model`` needs ``metadata(key)`` and ``path`` (a :class:`healsweep.gguf_io.GGUFModel`).
     """
-    template = model.metadata("tokenizer.chat_template")
+    template = model.metadata(Keys.Tokenizer.CHAT_TEMPLATE)
     if not isinstance(template, str) or not template:
         return CHATML
-    tokens = model.metadata("tokenizer.ggml.tokens") or []
+    tokens = model.metadata(Keys.Tokenizer.LIST) or []
 
     def text_of(key: str) -> str | None:
         index = model.metadata(key)

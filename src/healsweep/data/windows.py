@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -44,6 +44,7 @@ from healsweep.errors import SplitError
 
 Kind = Literal["think", "answer", "text"]
 _ID_TAG = "healsweep-window-v1"
+DEFAULT_MAX_CONTEXT = 896  # context tokens before a window's scored stretch, at most
 _THINK_END = THINK_CLOSE.rstrip("\n")  # "\n</think>": the answer starts right after it
 
 
@@ -133,7 +134,7 @@ def document_windows(
     split: str,
     *,
     max_scored: int = 128,
-    max_context: int = 896,
+    max_context: int = DEFAULT_MAX_CONTEXT,
     max_windows: int | None = None,
     text_min_context: int = 16,
     kinds: Iterable[str] = ("think", "answer", "text"),
@@ -186,7 +187,7 @@ def make_windows(
     split: str = "dev",
     grant: Any = None,
     max_scored: int = 128,
-    max_context: int = 896,
+    max_context: int = DEFAULT_MAX_CONTEXT,
     *,
     max_windows_per_doc: int | None = None,
     text_min_context: int = 16,
@@ -234,17 +235,30 @@ def make_windows(
     return windows
 
 
-def interleave_strata(windows: Sequence[Window], limit: int | None = None) -> list[Window]:
-    """Up to ``limit`` windows taken round-robin over strata (sorted by name), each stratum in
-    its original order: a cut-down run keeps every stratum represented."""
-    by_stratum: dict[str, list[Window]] = {}
-    for window in windows:
-        by_stratum.setdefault(window.stratum, []).append(window)
-    queues = [by_stratum[name] for name in sorted(by_stratum)]
-    picked: list[Window] = []
-    for rank in range(max((len(q) for q in queues), default=0)):
-        picked += [q[rank] for q in queues if rank < len(q)]
-    return picked if limit is None else picked[:limit]
+def context_cap(max_scored: int, max_context: int | None, context_length: int) -> int:
+    """The context a window may carry for a model of ``context_length`` tokens: ``max_context``
+    as asked, or by default ``DEFAULT_MAX_CONTEXT`` cut so that a whole window (context and
+    ``max_scored`` scored tokens) fits the model. Every command that builds windows for a model
+    (sweep, confirm, score) takes it from here. ``SplitError`` when an asked ``max_context``
+    does not fit."""
+    if max_context is None:
+        return max(0, min(DEFAULT_MAX_CONTEXT, context_length - max_scored))
+    if max_context + max_scored > context_length:
+        raise SplitError(
+            f"max_context {max_context} + max_scored {max_scored} exceeds the model's context "
+            f"length {context_length}; lower one of them"
+        )
+    return max_context
+
+
+def first_windows(windows: Iterable[Window], limit: int | None = None) -> list[Window]:
+    """The windows in the fixed global order, sorted by ``window_id``, and the first ``limit``
+    of them when capped: the one selection of sweeps (dev), ``confirm`` (test) and ``score``.
+    A window id is a content hash, so the first ``limit`` are a seed-free uniform sample: each
+    stratum keeps about its share of the windows, and pooled figures estimate those of the
+    whole split (a cut round-robin over strata would weight small strata up)."""
+    ordered = sorted(windows, key=lambda window: window.window_id)
+    return ordered if limit is None else ordered[:limit]
 
 
 def _warn_dropped_reasoning(docs: list[Document], chat: ChatFormat | None) -> None:
@@ -283,6 +297,7 @@ __all__ = [
     "Window",
     "chat_regions",
     "document_windows",
-    "interleave_strata",
+    "context_cap",
+    "first_windows",
     "make_windows",
 ]

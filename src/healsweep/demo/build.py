@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from gguf import Keys
 
 from healsweep.demo.train import MoEConfig, Params, TrainConfig, TrainResult, to_gguf_tensors, train
+from healsweep.gguf_io import block_prefix
 
 EOT = "<|endoftext|>"
 MODEL_FILE, CORPUS_FILE, TOKENIZER_FILE = (
@@ -66,6 +68,25 @@ PRESETS: dict[str, Preset] = {
         # the corpus is built from the running Python's standard library, so a rebuild under
         # another Python version gives other documents; the shipped ones keep the medium model's
         # dev and test documents those of the shipped demo (and out of its training pool)
+        packaged_corpus=True,
+    ),
+    # the budget sweep's model that anyone can build (issue 29): rows of 256 and a shared expert
+    # like "medium", sized to train on a 2-core CPU within an hour; ~17 MB, shipped
+    "medium-cpu": Preset(
+        {
+            "n_layer": 4,
+            "n_embd": 256,
+            "n_head": 4,
+            "n_head_kv": 2,
+            "head_dim": 64,
+            "n_expert": 8,
+            "n_expert_used": 2,
+            "n_ff_exp": 256,
+            "n_ff_shexp": 512,
+        },
+        {"steps": 360, "learning_rate": 3e-3, "warmup_steps": 36},
+        "demo-moe-medium-cpu.gguf",
+        "Q8_0",
         packaged_corpus=True,
     ),
 }
@@ -166,13 +187,14 @@ def write_demo_model(
     Matrices are stored F16 and vectors (norms, biases, the shared-expert gate) F32 unless
     ``types`` says otherwise.
     """
-    from healsweep.gguf_io import tokenizer_metadata_from_tokenizer, write_model
+    from healsweep.gguf_io import tokenizer_metadata_from_tokenizer
+    from healsweep.model import write_model
 
     if "blk" in tensors:
         tensors = to_gguf_tensors(tensors)
     meta = tokenizer_metadata_from_tokenizer(tokenizer, bos=EOT, eos="<|im_end|>", pad=EOT)
     ordered = {name: tensors[name] for name in _tensor_order(cfg.n_layer) if name in tensors}
-    extra = {"general.description": description} if description else None
+    extra = {Keys.General.DESCRIPTION: description} if description else None
     return write_model(
         path,
         "qwen2moe",
@@ -205,7 +227,7 @@ def _tensor_order(n_layer: int) -> list[str]:
         "ffn_up_shexp.weight",
         "ffn_down_shexp.weight",
     ]
-    layers = [f"blk.{i}.{name}" for i in range(n_layer) for name in per_layer]
+    layers = [block_prefix(i) + name for i in range(n_layer) for name in per_layer]
     return ["token_embd.weight", *layers, "output_norm.weight", "output.weight"]
 
 
@@ -369,7 +391,12 @@ def build_demo(
     corpus = load_corpus(corpus_path)
     cfg = demo_model_config(tokenizer.get_vocab_size(), preset)
     recipe = demo_train_config(seed, steps, preset)
-    result: TrainResult = train(training_stream(corpus, tokenizer), cfg, recipe, progress=progress)
+    # a killed build (a CPU build takes up to an hour) continues from its last checkpoint
+    checkpoint = out / f".{chosen.model_file}.train-checkpoint.npz"
+    result: TrainResult = train(
+        training_stream(corpus, tokenizer), cfg, recipe, progress=progress, checkpoint=checkpoint
+    )
+    checkpoint.unlink(missing_ok=True)
     seconds["training"] = time.perf_counter() - started
     backend = jax.default_backend()
     started = time.perf_counter()
@@ -377,7 +404,7 @@ def build_demo(
     if chosen.expert_type is not None:
         qtype = GGMLQuantizationType[chosen.expert_type]
         types = {
-            f"blk.{i}.ffn_{part}_exps.weight": qtype
+            f"{block_prefix(i)}ffn_{part}_exps.weight": qtype
             for i in range(cfg.n_layer)
             for part in ("gate", "up", "down")
         }

@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from healsweep.gguf_io import block_prefix, split_block
 
 Params = dict[str, Any]
 
@@ -229,20 +234,18 @@ def to_gguf_tensors(params: Params) -> dict[str, np.ndarray]:
         name: np.asarray(value, np.float32) for name, value in params.items() if name != "blk"
     }
     for i, layer in enumerate(params["blk"]):
-        tensors.update({f"blk.{i}.{name}": np.asarray(v, np.float32) for name, v in layer.items()})
+        tensors.update({block_prefix(i) + n: np.asarray(v, np.float32) for n, v in layer.items()})
     return tensors
 
 
 def from_gguf_tensors(tensors: dict[str, np.ndarray], n_layer: int) -> Params:
     """Inverse of :func:`to_gguf_tensors` (float32 jax arrays)."""
-    params: Params = {
-        n: jnp.asarray(v, jnp.float32) for n, v in tensors.items() if not n.startswith("blk.")
-    }
+    named = [(split_block(name), value) for name, value in tensors.items()]
+    params: Params = {n: jnp.asarray(v, jnp.float32) for (i, n), v in named if i is None}
     params["blk"] = [{} for _ in range(n_layer)]
-    for name, value in tensors.items():
-        if name.startswith("blk."):
-            _, i, suffix = name.split(".", 2)
-            params["blk"][int(i)][suffix] = jnp.asarray(value, jnp.float32)
+    for (layer, inside), value in named:
+        if layer is not None:
+            params["blk"][layer][inside] = jnp.asarray(value, jnp.float32)
     return params
 
 
@@ -342,11 +345,19 @@ def train(
     *,
     log_every: int = 50,
     progress: Callable[[TrainLog, Params], None] | None = None,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: int = 10,
 ) -> TrainResult:
     """Train on random windows of the packed token ``stream [N]`` (deterministic in the seed).
 
     Every ``log_every`` steps (and at the last) the step's losses are recorded and
     ``progress(log, params)`` is called, e.g. to print or to evaluate held-out text.
+
+    With ``checkpoint`` (a file path), the parameters, the optimizer state and the history are
+    written there atomically every ``checkpoint_every`` steps, and a run that finds a checkpoint
+    of the same stream, architecture and recipe continues from it: the data offsets are fixed by
+    the seed up front, so a resumed run ends with the same parameters, bit for bit, as one that
+    was never stopped. A checkpoint of anything else is ignored and overwritten.
     """
     stream = np.asarray(stream, np.int32)
     starts = batch_starts(len(stream), tcfg)
@@ -355,7 +366,13 @@ def train(
     opt_state = optimizer(tcfg, decay_mask(params)).init(params)
     step_fn = make_train_step(cfg, tcfg)
     history: list[TrainLog] = []
-    for i in range(tcfg.steps):
+    first = 0
+    identity = _run_identity(stream, cfg, tcfg)
+    if checkpoint is not None:
+        resumed = _read_checkpoint(Path(checkpoint), identity, (params, opt_state))
+        if resumed is not None:
+            first, (params, opt_state), history = resumed
+    for i in range(first, tcfg.steps):
         batch = jnp.asarray(stream[starts[i][:, None] + offsets[None, :]])  # [B, S+1]
         params, opt_state, loss, nll, aux = step_fn(params, opt_state, batch)
         if (i + 1) % log_every == 0 or i + 1 == tcfg.steps:
@@ -363,7 +380,50 @@ def train(
             history.append(record)
             if progress is not None:
                 progress(record, params)
+        if checkpoint is not None and (i + 1) % checkpoint_every == 0 and i + 1 < tcfg.steps:
+            _write_checkpoint(Path(checkpoint), identity, i + 1, (params, opt_state), history)
     return TrainResult(params, history)
+
+
+def _run_identity(stream: np.ndarray, cfg: MoEConfig, tcfg: TrainConfig) -> str:
+    """What a checkpoint must match to be resumed: the token stream, architecture and recipe."""
+    digest = hashlib.sha256(np.ascontiguousarray(stream).tobytes())
+    digest.update(repr((dataclasses.asdict(cfg), dataclasses.asdict(tcfg))).encode())
+    return digest.hexdigest()
+
+
+def _write_checkpoint(path: Path, identity: str, step: int, state: Any, history: list) -> None:
+    from healsweep._atomic import atomic_file
+
+    leaves = jax.tree_util.tree_leaves(state)
+    arrays = {f"leaf_{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)}
+    meta = json.dumps({"identity": identity, "step": step, "history": [list(h) for h in history]})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path, "wb") as handle:
+        np.savez(handle, meta=np.frombuffer(meta.encode(), np.uint8), **arrays)
+
+
+def _read_checkpoint(path: Path, identity: str, template: Any) -> tuple | None:
+    """``(step, state, history)`` of the checkpoint at ``path`` if it is this run's, else None."""
+    if not path.exists():
+        return None
+    try:
+        with np.load(path) as saved:
+            meta = json.loads(saved["meta"].tobytes())
+            if meta.get("identity") != identity:
+                return None
+            leaves, tree = jax.tree_util.tree_flatten(template)
+            loaded = [saved[f"leaf_{i}"] for i in range(len(leaves))]
+    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        return None  # unreadable or partial: start over (it is overwritten at the next save)
+    mismatched = (
+        a.shape != np.shape(b) or a.dtype != np.asarray(b).dtype
+        for a, b in zip(loaded, leaves, strict=True)
+    )
+    if any(mismatched):
+        return None
+    state = jax.tree_util.tree_unflatten(tree, [jnp.asarray(a) for a in loaded])
+    return meta["step"], state, [TrainLog(*h) for h in meta["history"]]
 
 
 # --- held-out evaluation ------------------------------------------------------------------------

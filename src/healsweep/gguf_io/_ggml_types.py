@@ -1,39 +1,73 @@
-"""ggml type 42 (Q2_0) taught to gguf-py, which does not name it yet (gguf-py 0.19).
+"""ggml tensor types: gguf-py's, plus those it does not name yet (Q2_0, type 42, in gguf-py 0.19).
 
-This module is the one place healsweep registers the type with gguf-py: the enum member
-``GGMLQuantizationType.Q2_0 = 42`` and its block geometry in ``GGML_QUANT_SIZES`` (64 weights,
-18 bytes: fp16 ``d``, then 16 bytes of 2-bit codes, LSB first). gguf-py's reader then maps
-type-42 tensors as bytes and its writer accepts them as ``raw_dtype``; decoding stays with
-``kernels.ggml_decode`` (in the graph). Delete this module and its callers' ``q2_0_type()``
-once gguf-py names the type: :func:`q2_0_type` already defers to gguf-py's own member then.
+:class:`TensorType` is an ``IntEnum`` with every member of gguf-py's ``GGMLQuantizationType`` (same
+names, same values, so the two compare and hash alike and gguf-py's functions accept either) and
+the local types; :data:`QUANT_SIZES` is gguf-py's ``GGML_QUANT_SIZES`` plus the local block
+geometries. gguf-py's own enum and table are never changed: healsweep reads and writes tensor
+infos itself (``_header``, ``add_tensor_info``) where gguf-py would reject an unknown type id.
+Once gguf-py names a local type, its own member and geometry are used and the local entry is
+only checked against them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from enum import IntEnum
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 GGML_Q2_0 = 42
-Q2_0_BLOCK = (64, 18)  # (weights per block, bytes per block), as in ggml's block_q2_0
+# ggml types gguf-py may lack: name → (id, (weights per block, bytes per block))
+_LOCAL_TYPES = {"Q2_0": (GGML_Q2_0, (64, 18))}  # fp16 d, then 16 bytes of 2-bit codes LSB first
 
-
-def q2_0_type() -> Any:
-    """gguf-py's ``GGMLQuantizationType`` member for type 42, registered on first call."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    members = GGMLQuantizationType._value2member_map_
-    member = members.get(GGML_Q2_0)
-    if member is None:
-        # What ``enum`` does for a member declared in the class body, done after the fact.
-        member = int.__new__(GGMLQuantizationType, GGML_Q2_0)
-        member._name_, member._value_ = "Q2_0", GGML_Q2_0
-        type.__setattr__(GGMLQuantizationType, "Q2_0", member)
-        GGMLQuantizationType._member_map_["Q2_0"] = member
-        GGMLQuantizationType._member_names_.append("Q2_0")
-        members[GGML_Q2_0] = member
-    sizes = GGML_QUANT_SIZES.setdefault(member, Q2_0_BLOCK)
-    if tuple(sizes) != Q2_0_BLOCK:
+_GGUF_IDS = {int(member) for member in GGMLQuantizationType}
+TensorType = IntEnum(
+    "TensorType",
+    {m.name: int(m) for m in GGMLQuantizationType}
+    | {name: id_ for name, (id_, _) in _LOCAL_TYPES.items() if id_ not in _GGUF_IDS},
+)
+QUANT_SIZES: dict[TensorType, tuple[int, int]] = {
+    TensorType(int(t)): (int(s[0]), int(s[1])) for t, s in GGML_QUANT_SIZES.items()
+}
+for _name, (_id, _sizes) in _LOCAL_TYPES.items():
+    if QUANT_SIZES.setdefault(TensorType(_id), _sizes) != _sizes:
         raise RuntimeError(
-            f"gguf-py gives ggml type 42 ({member.name}) blocks of {sizes}, healsweep's Q2_0 is "
-            f"{Q2_0_BLOCK}; this gguf-py is incompatible"
+            f"gguf-py gives ggml type {_id} ({TensorType(_id).name}) blocks of "
+            f"{QUANT_SIZES[TensorType(_id)]}, healsweep's {_name} is {_sizes}; this gguf-py is "
+            "incompatible"
         )
-    return member
+
+
+def q2_0_type() -> TensorType:
+    """The member for ggml type 42 (Q2_0)."""
+    return TensorType(GGML_Q2_0)
+
+
+def gguf_py_names(qtype: int) -> bool:
+    """Whether gguf-py itself knows ggml type ``qtype`` (its reader and writer accept it)."""
+    return int(qtype) in _GGUF_IDS
+
+
+def element_shape(byte_shape: tuple[int, ...], qtype: int) -> tuple[int, ...]:
+    """The numpy shape in weights of a tensor stored as ``[..., row bytes]`` of type ``qtype``."""
+    block, size = QUANT_SIZES[TensorType(int(qtype))]
+    return (*byte_shape[:-1], byte_shape[-1] // size * block)
+
+
+def add_tensor_info(
+    writer, name: str, qtype: int, shape: tuple[int, ...], dtype: np.dtype, nbytes: int
+) -> None:
+    """``writer.add_tensor_info`` for a tensor stored as ``shape``/``dtype`` (bytes
+    ``[..., row bytes]`` uint8 for block types), of any ggml type.
+
+    gguf-py converts a uint8 byte shape to weights through its own table, which lacks the local
+    types; for those the shape is converted here and handed over as the weights' shape, with the
+    data's dtype given as whole blocks (``np.void`` of the block's bytes), which gguf-py writes
+    as it is.
+    """
+    qtype = TensorType(int(qtype))
+    if gguf_py_names(qtype) or np.dtype(dtype) != np.uint8:
+        writer.add_tensor_info(name, shape, np.dtype(dtype), nbytes, raw_dtype=qtype)
+        return
+    block_dtype = np.dtype((np.void, QUANT_SIZES[qtype][1]))
+    writer.add_tensor_info(name, element_shape(shape, qtype), block_dtype, nbytes, qtype)

@@ -1,31 +1,32 @@
-"""Open and validate a GGUF MoE model; read its tensors lazily, one layer at a time.
+"""A GGUF model file with its hparams; its tensors read lazily, one layer at a time.
 
-``gguf.GGUFReader`` maps the file and gives every tensor as a memmap view, so opening costs only
-the header. Dequantizing goes through ``os.pread``-style reads (``np.fromfile`` with an offset)
-into a fresh buffer instead of through the memmap: pages of a memmap stay in the process's RSS
-once touched, so a forward over every layer would end up holding the whole file; a plain read is
-freed with the array, and peak RSS follows one layer.
+Opening reads only the header (:mod:`healsweep.gguf_io._header`). Dequantizing goes through
+``os.pread``-style reads (``np.fromfile`` with an offset) into a fresh buffer instead of through
+the memmap: pages of a memmap stay in the process's RSS once touched, so a forward over every
+layer would end up holding the whole file; a plain read is freed with the array, and peak RSS
+follows one layer.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from healsweep.errors import GGUFFormatError, UnsupportedArchitectureError
-from healsweep.gguf_io._ggml_types import q2_0_type
-from healsweep.gguf_io._hparams import (
-    SUPPORTED_ARCHS,
-    ModelHparams,
-    expected_tensor_shapes,
-    hparams_from_metadata,
-    missing_required_keys,
+from healsweep.errors import GGUFFormatError
+from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
+from healsweep.gguf_io._header import (
+    GGUFHeader,
+    TruncatedTensor,
+    UnknownTensorType,
+    read_header,
 )
+from healsweep.gguf_io._hparams import ModelHparams
+from healsweep.gguf_io._names import block_prefix
 from healsweep.gguf_io._tokenizer import (
     build_tokenizer,
     load_tokenizer_file,
@@ -41,12 +42,12 @@ _FINGERPRINTS: dict[tuple[str, int, int], str] = {}
 class GGUFModel:
     """A validated GGUF MoE model; tensors are read and dequantized on demand."""
 
-    def __init__(self, path: Path, reader: Any, hparams: ModelHparams, tokenizer_path=None):
-        self.path = path
+    def __init__(self, header: GGUFHeader, hparams: ModelHparams, tokenizer_path=None):
+        self.path = header.path
         self.arch = hparams.arch
         self.hparams = hparams
-        self._reader = reader
-        self._tensors = {t.name: t for t in reader.tensors}
+        self.header = header  # metadata fields and tensor infos, as stored
+        self._tensors = {t.name: t for t in header.tensors}
         self._tokenizer_path = tokenizer_path
 
     # --- metadata -------------------------------------------------------------------------
@@ -57,22 +58,20 @@ class GGUFModel:
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """A metadata value (str, int, float, bool or list), or ``default`` when absent."""
-        field = self._reader.get_field(key)
-        return default if field is None else field.contents()
+        return self.header.get(key, default)
 
     def metadata_keys(self) -> list[str]:
         """All metadata keys of the file (``GGUF.*`` header fields excluded)."""
-        return [k for k in self._reader.fields if not k.startswith("GGUF.")]
+        return list(self.header.fields)
 
     @cached_property
     def fingerprint(self) -> str:
         """sha256-based content fingerprint of the file (see :func:`file_fingerprint`)."""
-        return file_fingerprint(self.path, header_bytes=int(self._reader.data_offset))
+        return file_fingerprint(self.path, header_bytes=self.header.data_offset)
 
     def with_hparams(self, **changes: Any) -> GGUFModel:
         """The same file seen with some hyperparameters overridden (for what-if forwards)."""
-        return GGUFModel(self.path, self._reader, self.hparams.replace(**changes),
-                         self._tokenizer_path)
+        return GGUFModel(self.header, self.hparams.replace(**changes), self._tokenizer_path)
 
     # --- tensors --------------------------------------------------------------------------
     def _info(self, name: str):
@@ -83,22 +82,24 @@ class GGUFModel:
                 f"tensor {name!r} is not in {self.path}; list them with `healsweep model info`"
             ) from None
 
-    def tensor_type(self, name: str):
-        """The tensor's ``gguf.GGMLQuantizationType``."""
-        return self._info(name).tensor_type
+    def tensor_type(self, name: str) -> TensorType:
+        """The tensor's ggml type (a :class:`TensorType`, equal to gguf-py's member where it has
+        one)."""
+        return self._info(name).type
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Numpy shape (reversed ggml ``ne``) of the dequantized tensor."""
-        return tuple(int(n) for n in reversed(self._info(name).shape.tolist()))
+        return self._info(name).shape
 
     def tensor_nbytes(self, name: str) -> int:
         """Bytes the tensor occupies in the file."""
-        return int(self._info(name).n_bytes)
+        return self._info(name).n_bytes
 
-    def raw_tensor(self, name: str) -> tuple[Any, np.ndarray]:
-        """``(ggml_type, raw)``: the stored bytes/values as gguf-py maps them (a memmap view)."""
+    def raw_tensor(self, name: str) -> tuple[TensorType, np.ndarray]:
+        """``(ggml_type, raw)``: the stored values, or bytes ``[..., row bytes]`` of a block type
+        (a read-only memmap view)."""
         info = self._info(name)
-        return info.tensor_type, info.data
+        return info.type, _mapped(self.path, info)
 
     def tensor(self, name: str) -> np.ndarray:
         """The whole tensor, dequantized to float32, in numpy shape."""
@@ -109,16 +110,16 @@ class GGUFModel:
         info = self._info(name)
         shape = self.tensor_shape(name)
         stop = shape[0] if stop is None else min(stop, shape[0])
-        raw_shape = info.data.shape
+        dtype, raw_shape = info.stored()
         row_items = int(np.prod(raw_shape[1:], dtype=np.int64))
-        row_bytes = row_items * info.data.dtype.itemsize
+        row_bytes = row_items * dtype.itemsize
         raw = np.fromfile(
             self.path,
-            dtype=info.data.dtype,
+            dtype=dtype,
             count=(stop - start) * row_items,
-            offset=int(info.data_offset) + start * row_bytes,
+            offset=info.offset + start * row_bytes,
         ).reshape((stop - start, *raw_shape[1:]))
-        out = _dequantize(raw, info.tensor_type, shape[-1])
+        out = _dequantize(raw, info.type, shape[-1])
         return out.reshape((stop - start, *shape[1:]))
 
     def row_bytes(self, name: str) -> int:
@@ -146,16 +147,17 @@ class GGUFModel:
         stop = shape[0] if stop is None else min(stop, shape[0])
         inner = (*shape[1:-1], self.row_bytes(name))
         first_bytes = int(np.prod(inner, dtype=np.int64))
-        raw = _read_aligned(self.path, int(info.data_offset) + start * first_bytes,
-                            (stop - start) * first_bytes)
+        raw = _read_aligned(
+            self.path, info.offset + start * first_bytes, (stop - start) * first_bytes
+        )
         return raw.reshape((stop - start, *inner))
 
     def tensor_take(self, name: str, rows: Iterable[int]) -> np.ndarray:
         """Rows ``rows`` of a matrix (e.g. token embeddings), dequantized to float32."""
         info = self._info(name)
         idx = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, np.int64)
-        raw = np.array(info.data[idx])  # touches only those rows' pages
-        out = _dequantize(raw, info.tensor_type, self.tensor_shape(name)[-1])
+        raw = np.array(_mapped(self.path, info)[idx])  # touches only those rows' pages
+        out = _dequantize(raw, info.type, self.tensor_shape(name)[-1])
         return out.reshape((len(idx), *self.tensor_shape(name)[1:]))
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
@@ -164,8 +166,8 @@ class GGUFModel:
             raise GGUFFormatError(
                 f"layer {i} is out of range for {self.path} ({self.hparams.n_layer} layers)"
             )
-        prefix = f"blk.{i}."
-        return {n[len(prefix):]: self.tensor(n) for n in self._tensors if n.startswith(prefix)}
+        prefix = block_prefix(i)
+        return {n[len(prefix) :]: self.tensor(n) for n in self._tensors if n.startswith(prefix)}
 
     # --- tokenizer ------------------------------------------------------------------------
     def tokenizer(self):
@@ -181,16 +183,39 @@ class GGUFModel:
 
     def __repr__(self) -> str:
         hp = self.hparams
-        return (f"GGUFModel({str(self.path)!r}, arch={hp.arch}, layers={hp.n_layer}, "
-                f"experts={hp.n_expert}x top{hp.n_expert_used})")
+        return (
+            f"GGUFModel({str(self.path)!r}, arch={hp.arch}, layers={hp.n_layer}, "
+            f"experts={hp.n_expert}x top{hp.n_expert_used})"
+        )
+
+
+def _mapped(path: Path, info: Any) -> np.ndarray:
+    """A read-only memmap of a tensor's stored data."""
+    dtype, shape = info.stored()
+    return np.memmap(path, dtype=dtype, mode="r", offset=info.offset, shape=shape)
+
+
+@cache
+def host_decodable(qtype: int) -> bool:
+    """Whether gguf-py's numpy code dequantizes ggml type ``qtype`` (tried on one zero block;
+    gguf-py raises ``NotImplementedError`` for a type it has no code for)."""
+    from gguf.quants import dequantize
+
+    qtype = TensorType(int(qtype))
+    block, size = QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros(size if block > 1 else 4, np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _dequantize(raw: np.ndarray, qtype: Any, n_in: int) -> np.ndarray:
     """Stored values/bytes to float32 on the host: gguf-py's numpy decoder, or, for a type it
     has none for (Q2_0), the in-graph decoder run once."""
-    from gguf.quants import _type_traits, dequantize
+    from gguf.quants import dequantize
 
-    if qtype in _type_traits or qtype.name in ("F32", "F16"):
+    if host_decodable(qtype):
         return np.asarray(dequantize(raw, qtype), dtype=np.float32)
     from healsweep.kernels import ggml_decode
 
@@ -281,52 +306,14 @@ def _sampled_digest(path: Path, header_bytes: int) -> str:
     return "sampled-sha256:" + digest.hexdigest()
 
 
-class _UnknownType(Exception):
-    """A tensor of a ggml type id that neither gguf-py nor healsweep knows."""
+def read_gguf(path_or_demo: str | Path) -> GGUFHeader:
+    """The header of a GGUF file (``"demo"`` is the packaged demo model), with a missing,
+    truncated or corrupt file turned into a one-line :class:`GGUFFormatError`."""
+    from healsweep.bundled import resolve_model
 
-    def __init__(self, name: str, qtype: int):
-        super().__init__(name, qtype)
-        self.name, self.qtype = name, qtype
-
-
-class _TruncatedTensor(Exception):
-    """A tensor's data runs past the end of the file (raised before gguf-py maps it)."""
-
-    def __init__(self, name: str, end: int, size: int):
-        super().__init__(name, end, size)
-        self.name, self.end, self.size = name, end, size
-
-
-def _bounded_reader_class():
-    """``GGUFReader`` that checks every tensor's extent against the file size before mapping.
-
-    gguf-py would otherwise fail on a cut file with a bare reshape ``ValueError``; knowing
-    which tensor is cut makes the message say "truncated" rather than "corrupt".
-    """
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-
-    q2_0_type()  # type 42 has a block size in gguf-py from here on
-
-    class BoundedReader(GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list) -> None:
-            size = len(self.data)
-            for field in fields:
-                _, name, _, dims, raw_type, offset = field.parts
-                qtype = int(raw_type[0])
-                if qtype not in GGMLQuantizationType._value2member_map_:
-                    raise _UnknownType(bytes(name).decode("utf-8", "replace"), qtype)
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-                n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
-                end = int(start_offs) + int(offset[0]) + n_bytes
-                if end > size:
-                    raise _TruncatedTensor(bytes(name).decode("utf-8", "replace"), end, size)
-            super()._build_tensors(start_offs, fields)
-
-    return BoundedReader
-
-
-def _read_reader(path: Path):
-    """``gguf.GGUFReader`` of ``path``, with gguf-py's failures turned into one-line errors."""
+    path = resolve_model(path_or_demo)
+    if not path.is_file():
+        raise GGUFFormatError(f"model file {path} does not exist; pass a .gguf path or `demo`")
     with path.open("rb") as fh:
         magic = fh.read(4)
     if magic != _GGUF_MAGIC:
@@ -334,100 +321,48 @@ def _read_reader(path: Path):
             f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf model"
         )
     try:
-        return _bounded_reader_class()(path)
-    except _UnknownType as unknown:
+        return read_header(path)
+    except UnknownTensorType as unknown:
         raise GGUFFormatError(
             f"{path}: tensor {unknown.name} has ggml type {unknown.qtype}, which healsweep "
             "cannot read; requantize the model to a supported type (`healsweep model info` "
             "lists a readable model's types)"
         ) from None
-    except _TruncatedTensor as cut:
+    except TruncatedTensor as cut:
         raise GGUFFormatError(
             f"{path} is truncated: tensor {cut.name} ends at byte {cut.end} but the file has "
             f"{cut.size} bytes; re-download or re-export the file"
         ) from None
-    except Exception as exc:  # gguf-py raises ValueError/IndexError/... on a cut header
+    except Exception as exc:  # struct.error, ValueError, ... on a cut or damaged header
         raise GGUFFormatError(
             f"{path} is truncated or corrupt in its header ({type(exc).__name__}); "
             "re-download or re-export the file"
         ) from exc
 
 
-def _check_tensors(path: Path, reader: Any, hp: ModelHparams) -> None:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import _type_traits
-
-    decodable = {int(t) for t in _type_traits} | {int(GGMLQuantizationType.F32),
-                                                   int(GGMLQuantizationType.F16)}
-    if any(int(t.tensor_type) not in decodable for t in reader.tensors):
+def check_tensors(header: GGUFHeader, expected: dict[str, tuple], arch: str) -> None:
+    """Raise :class:`GGUFFormatError` unless every ``expected`` tensor (name → numpy shape) is in
+    the file with that shape and a type healsweep can decode."""
+    path, infos = header.path, {t.name: t for t in header.tensors}
+    decodable = {int(t.type) for t in header.tensors if host_decodable(t.type)}
+    if any(int(t.type) not in decodable for t in header.tensors):
         from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES  # jax: only for such files
 
         decodable |= IN_GRAPH_TYPES
-    infos = {t.name: t for t in reader.tensors}
-    tied = "output.weight" not in infos
-    for name, shape in expected_tensor_shapes(hp, tied_output=tied).items():
+    for name, shape in expected.items():
         if name not in infos:
             raise GGUFFormatError(
-                f"{path} is missing tensor {name} required by {hp.arch}; the file is "
+                f"{path} is missing tensor {name} required by {arch}; the file is "
                 "incomplete, re-export it"
             )
-        got = tuple(int(n) for n in reversed(infos[name].shape.tolist()))
+        got = infos[name].shape
         if got != shape:
             raise GGUFFormatError(
                 f"{path}: tensor {name} has shape {got}, expected {shape} from the hparams; "
                 "the file is inconsistent, re-export it"
             )
-        if int(infos[name].tensor_type) not in decodable:
+        if int(infos[name].type) not in decodable:
             raise GGUFFormatError(
-                f"{path}: tensor {name} has type {infos[name].tensor_type.name}, which healsweep "
+                f"{path}: tensor {name} has type {infos[name].type.name}, which healsweep "
                 "cannot decode; requantize the model to a supported type"
             )
-
-
-def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = None) -> GGUFModel:
-    """Open and validate a GGUF model (``"demo"`` is the packaged demo model).
-
-    Raises :class:`GGUFFormatError` (one line) for a missing, non-GGUF or truncated file, an
-    unsupported ``general.architecture`` (:class:`UnsupportedArchitectureError`), a missing
-    hyperparameter, and a missing or misshapen tensor. ``tokenizer_path`` replaces the GGUF's
-    own tokenizer metadata with a tokenizer.json.
-    """
-    from healsweep.bundled import resolve_model
-
-    path = resolve_model(path_or_demo)
-    if not path.is_file():
-        raise GGUFFormatError(f"model file {path} does not exist; pass a .gguf path or `demo`")
-    reader = _read_reader(path)
-
-    def get(key: str) -> Any:
-        field = reader.get_field(key)
-        return None if field is None else field.contents()
-
-    arch = get("general.architecture")
-    if arch is None:
-        raise GGUFFormatError(
-            f"{path} is missing hparam general.architecture; the file is incomplete, re-export it"
-        )
-    if arch not in SUPPORTED_ARCHS:
-        raise UnsupportedArchitectureError(
-            f"{path} has architecture {arch!r}; healsweep supports {', '.join(SUPPORTED_ARCHS)}"
-        )
-    if arch == "llama" and not any(t.name.endswith("ffn_gate_inp.weight") for t in reader.tensors):
-        raise UnsupportedArchitectureError(
-            f"{path} is a dense llama model (no ffn_gate_inp/ffn_*_exps expert tensors); "
-            f"healsweep supports MoE models: {', '.join(SUPPORTED_ARCHS)} (llama with experts)"
-        )
-    missing = missing_required_keys(arch, lambda k: reader.get_field(k) is not None)
-    if missing:
-        raise GGUFFormatError(
-            f"{path} is missing hparam {missing[0]}; the file is incomplete, re-export it"
-        )
-    shapes = {
-        t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors
-    }
-    try:
-        hp = hparams_from_metadata(arch, get, shapes)
-    except GGUFFormatError as exc:  # raised without the file's name
-        raise GGUFFormatError(f"{path}: {exc}") from None
-    _check_tensors(path, reader, hp)
-    return GGUFModel(path, reader, hp, tokenizer_path)

@@ -15,13 +15,14 @@ from typing import Any
 
 from healsweep._atomic import atomic_file
 from healsweep.errors import HealsweepError, SliceError
-from healsweep.gguf_io._model import GGUFModel, open_model
+from healsweep.gguf_io._header import SCALAR_FORMATS as _SCALAR_FORMATS
+from healsweep.gguf_io._model import GGUFModel
+from healsweep.gguf_io._names import block_prefix, split_block
 
 PROVENANCE_FINGERPRINT = "healsweep.slice.source_fingerprint"
 PROVENANCE_LAYERS = "healsweep.slice.layers"
 _COPY_CHUNK = 16 << 20
 _RANGE = re.compile(r"^\s*(-?\d+)?\s*:\s*(-?\d+)?\s*$")
-_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def parse_layer_range(text: str) -> tuple[int | None, int | None]:
@@ -93,10 +94,6 @@ class _Encoder:
         return head + self.pack(_SCALAR_FORMATS[int(value_type)], value)
 
 
-# GGUFValueType → struct format of the scalar types (UINT8..BOOL, UINT64, INT64, FLOAT64).
-_SCALAR_FORMATS = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True))
-
-
 def _metadata_bytes(
     model: GGUFModel, enc: _Encoder, start: int, stop: int
 ) -> tuple[list[bytes], int]:
@@ -108,13 +105,11 @@ def _metadata_bytes(
     ``{arch}.*`` arrays and the provenance keys are re-encoded.
     """
     import numpy as np
-    from gguf import GGUFValueType
+    from gguf import GGUFValueType, Keys
 
-    reader = model._reader
-    raw = reader.data  # the memmap: slicing it reads only the header pages
-    fields = [f for name, f in reader.fields.items() if not name.startswith("GGUF.")]
-    header_end = reader.tensors[0].field.offset if reader.tensors else reader.data_offset
-    ends = [f.offset for f in fields[1:]] + [int(header_end)]
+    header = model.header
+    with open(header.path, "rb") as fh:
+        raw = fh.read(header.kv_end)
     arch, n_layer = model.arch, model.hparams.n_layer
 
     prior = model.metadata(PROVENANCE_LAYERS)
@@ -124,46 +119,51 @@ def _metadata_bytes(
         PROVENANCE_LAYERS: f"{base + start}:{base + stop}",
     }
     out = []
-    for field, end in zip(fields, ends, strict=True):
-        key, types = field.name, field.types
-        if key == f"{arch}.block_count":
-            out.append(enc.kv(key, types[0], stop - start))
-        elif key == f"{arch}.leading_dense_block_count":  # the dense layers the range keeps
+    for field in header.fields.values():
+        key = field.name
+        if key == Keys.LLM.BLOCK_COUNT.format(arch=arch):
+            out.append(enc.kv(key, field.type, stop - start))
+        elif key == Keys.LLM.LEADING_DENSE_BLOCK_COUNT.format(
+            arch=arch
+        ):  # the dense layers the range keeps
             dense = model.hparams.n_leading_dense
-            out.append(enc.kv(key, types[0], min(max(dense - start, 0), stop - start)))
-        elif key == f"{arch}.nextn_predict_layers":  # a slice never holds the MTP layers
-            out.append(enc.kv(key, types[0], 0))
+            out.append(enc.kv(key, field.type, min(max(dense - start, 0), stop - start)))
+        elif key == Keys.LLM.NEXTN_PREDICT_LAYERS.format(
+            arch=arch
+        ):  # a slice never holds the MTP layers
+            out.append(enc.kv(key, field.type, 0))
         elif key in provenance:
             out.append(enc.kv(key, GGUFValueType.STRING, provenance.pop(key)))
         elif (
             key.startswith(f"{arch}.")
-            and types[0] == GGUFValueType.ARRAY
-            and len(field.data) == n_layer
-            and int(types[1]) in _SCALAR_FORMATS
+            and field.type == GGUFValueType.ARRAY
+            and len(field.value) == n_layer
+            and int(field.item_type) in _SCALAR_FORMATS
         ):
             # one entry per layer (llama.cpp's per-layer head counts, FFN widths): keep the range
-            items = np.concatenate([field.parts[i] for i in field.data[start:stop]])
+            dtype = np.dtype(_SCALAR_FORMATS[int(field.item_type)]).newbyteorder(enc.order)
+            items = np.asarray(field.value[start:stop], dtype)
             out.append(
                 enc.string(key)
-                + enc.pack("IIQ", int(types[0]), int(types[1]), stop - start)
+                + enc.pack("IIQ", int(field.type), int(field.item_type), stop - start)
                 + items.tobytes()
             )
         else:
-            out.append(bytes(raw[field.offset : end]))
+            out.append(raw[field.offset : field.end])
     for key, value in provenance.items():
         out.append(enc.kv(key, GGUFValueType.STRING, value))
     return out, len(out)
 
 
 def _sliced_tensors(model: GGUFModel, start: int, stop: int) -> list[tuple[str, Any]]:
-    """``(new name, reader tensor)`` in file order: non-block tensors and blocks start..stop-1."""
+    """``(new name, tensor info)`` in file order: non-block tensors and blocks start..stop-1."""
     kept = []
-    for tensor in model._reader.tensors:
-        match = _BLOCK.match(tensor.name)
-        if match is None:
+    for tensor in model.header.tensors:
+        layer, inside = split_block(tensor.name)
+        if layer is None:
             kept.append((tensor.name, tensor))
-        elif start <= int(match.group(1)) < stop:
-            kept.append((f"blk.{int(match.group(1)) - start}.{match.group(2)}", tensor))
+        elif start <= layer < stop:
+            kept.append((block_prefix(layer - start) + inside, tensor))
     return kept
 
 
@@ -181,10 +181,8 @@ def _copy_range(src_fh: Any, dst_fh: Any, offset: int, n_bytes: int, buffer: mem
         left -= got
 
 
-def slice_model(
-    src: str | Path | GGUFModel, layers: tuple[int | None, int | None], out: str | Path
-) -> Path:
-    """Write layers ``A..B-1`` of the model ``src`` to ``out`` as a valid GGUF; return ``out``.
+def slice_model(model: GGUFModel, layers: tuple[int | None, int | None], out: str | Path) -> Path:
+    """Write layers ``A..B-1`` of ``model`` to ``out`` as a valid GGUF; return ``out``.
 
     ``layers`` is ``(A, B)``; ``None`` for A or B means the first layer or one past the last.
     The slice holds blocks ``blk.{A+i}.*`` renamed ``blk.{i}.*``, every non-block tensor
@@ -197,32 +195,27 @@ def slice_model(
     stored bytes (any ggml type) in 16 MiB chunks. The file is written to a temp name in the
     destination folder and renamed; on any error no output is left behind.
 
-    ``src`` may be an open :class:`GGUFModel` (opening a model with a 150k-entry vocabulary
-    parses its metadata for seconds). Raises :class:`SliceError` for a bad range or output path,
-    and ``open_model``'s errors for a source that is not a valid model.
+    ``model`` is an open model (``healsweep.model.open_model``). Raises :class:`SliceError` for a
+    bad range or output path.
     """
-    from gguf import GGUFEndian
-
-    model = src if isinstance(src, GGUFModel) else open_model(src)
     src_path, out = model.path, Path(out)
     _check_out(src_path, out)
     start, stop = _resolve_range(layers, model.hparams.n_layer, src_path)
-    reader = model._reader
-    enc = _Encoder(reader.endianess == GGUFEndian.LITTLE)
-    alignment = int(reader.alignment)
-    version = int(reader.fields["GGUF.version"].parts[0][0])
+    header = model.header
+    enc = _Encoder(header.little_endian)
+    alignment, version = header.alignment, header.version
 
     kv_blobs, n_kv = _metadata_bytes(model, enc, start, stop)
     tensors = _sliced_tensors(model, start, stop)
     infos, offsets, offset = [], [], 0
     for name, tensor in tensors:
         offset += -offset % alignment
-        dims = tensor.field.parts[3]
+        dims = tensor.dims
         infos.append(
             enc.string(name)
             + enc.pack("I", len(dims))
             + enc.pack(f"{len(dims)}Q", *dims)
-            + enc.pack("IQ", int(tensor.tensor_type), offset)
+            + enc.pack("IQ", int(tensor.type), offset)
         )
         offsets.append(offset)
         offset += int(tensor.n_bytes)
@@ -238,7 +231,7 @@ def slice_model(
             buffer = memoryview(bytearray(_COPY_CHUNK))
             for (_, tensor), rel in zip(tensors, offsets, strict=True):
                 dst_fh.write(b"\0" * (data_start + rel - dst_fh.tell()))
-                _copy_range(src_fh, dst_fh, int(tensor.data_offset), int(tensor.n_bytes), buffer)
+                _copy_range(src_fh, dst_fh, tensor.offset, tensor.n_bytes, buffer)
             dst_fh.write(b"\0" * (-dst_fh.tell() % alignment))
     except HealsweepError:
         raise

@@ -7,8 +7,11 @@ import math
 from collections import defaultdict
 from typing import Any
 
+from gguf import Keys
+
 from healsweep.errors import TokenizerError
 from healsweep.gguf_io._model import GGUFModel
+from healsweep.gguf_io._names import block_prefix
 from healsweep.gguf_io._tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED
 
 
@@ -41,7 +44,7 @@ def routed_expert_bpw(model: GGUFModel) -> float:
 
 def layer_bytes(model: GGUFModel, i: int = 0) -> tuple[int, int]:
     """(stored bytes, float32 bytes once dequantized) of block ``i``'s tensors."""
-    prefix = f"blk.{i}."
+    prefix = block_prefix(i)
     stored = dequantized = 0
     for name in model.tensor_names:
         if name.startswith(prefix):
@@ -56,62 +59,29 @@ def tokenizer_summary(model: GGUFModel) -> dict[str, Any]:
         tok = model.tokenizer()
     except TokenizerError as exc:
         return {"error": str(exc)}
-    types = model.metadata("tokenizer.ggml.token_type") or []
-    tokens = model.metadata("tokenizer.ggml.tokens") or []
+    types = model.metadata(Keys.Tokenizer.TOKEN_TYPE) or []
+    tokens = model.metadata(Keys.Tokenizer.LIST) or []
 
     def name_of(key: str) -> str | None:
         idx = model.metadata(key)
         return tokens[idx] if idx is not None and idx < len(tokens) else None
 
     return {
-        "model": model.metadata("tokenizer.ggml.model"),
-        "pre": model.metadata("tokenizer.ggml.pre"),
+        "model": model.metadata(Keys.Tokenizer.MODEL),
+        "pre": model.metadata(Keys.Tokenizer.PRE),
         "vocab": tok.get_vocab_size(),
-        "merges": len(model.metadata("tokenizer.ggml.merges") or []),
+        "merges": len(model.metadata(Keys.Tokenizer.MERGES) or []),
         "control_tokens": sum(1 for t in types if t == TOKEN_CONTROL),
         "user_defined_tokens": sum(1 for t in types if t == TOKEN_USER_DEFINED),
-        "bos": name_of("tokenizer.ggml.bos_token_id"),
-        "eos": name_of("tokenizer.ggml.eos_token_id"),
+        "bos": name_of(Keys.Tokenizer.BOS_ID),
+        "eos": name_of(Keys.Tokenizer.EOS_ID),
         "chatml": "<|im_start|>" in tokens and "<|im_end|>" in tokens,
-    }
-
-
-def describe_model(model: GGUFModel) -> dict[str, Any]:
-    """Everything ``healsweep model info`` prints, as plain data."""
-    hp = model.hparams
-    stored, dequantized = layer_bytes(model, 0)
-    return {
-        "path": str(model.path),
-        "arch": hp.arch,
-        "layers": hp.n_layer,
-        "experts": hp.n_expert,
-        "experts_used": hp.n_expert_used,
-        "norm_topk_prob": hp.norm_topk_prob,
-        "routing": hp.routing_summary(),
-        "attention": hp.attention_summary(),
-        "moe_layers": [hp.moe_layers.start, hp.moe_layers.stop],
-        "n_embd": hp.n_embd,
-        "n_head": hp.n_head,
-        "n_head_kv": hp.n_head_kv,
-        "head_dim": hp.head_dim,
-        "n_ff_exp": hp.n_ff_exp,
-        "n_ff_shexp": hp.n_ff_shexp,
-        "n_vocab": hp.n_vocab,
-        "context_length": hp.context_length,
-        "rope_freq_base": hp.rope_freq_base,
-        "rms_norm_eps": hp.rms_norm_eps,
-        "file_bytes": model.path.stat().st_size,
-        "layer_bytes": stored,
-        "layer_bytes_f32": dequantized,
-        "tensor_types": tensor_storage(model),
-        "tokenizer": tokenizer_summary(model),
-        "chat_template": chat_template_summary(model),
     }
 
 
 def chat_template_summary(model: GGUFModel) -> dict[str, Any] | None:
     """Size and sha256 (first 12 hex digits) of ``tokenizer.chat_template``; None without one."""
-    template = model.metadata("tokenizer.chat_template")
+    template = model.metadata(Keys.Tokenizer.CHAT_TEMPLATE)
     if not isinstance(template, str) or not template:
         return None
     digest = hashlib.sha256(template.encode("utf-8")).hexdigest()[:12]

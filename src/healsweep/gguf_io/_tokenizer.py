@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gguf import Keys
+
 from healsweep.errors import TokenizerError
 
 # ``tokenizer.ggml.pre`` names and their split regexes, applied in order (as llama.cpp and the HF
@@ -62,25 +64,25 @@ class TokenizerMetadata:
     def to_gguf_fields(self) -> dict[str, Any]:
         """Metadata key → value, as :func:`write_model` writes them."""
         fields: dict[str, Any] = {
-            "tokenizer.ggml.model": "gpt2",
-            "tokenizer.ggml.pre": self.pre,
-            "tokenizer.ggml.tokens": list(self.tokens),
-            "tokenizer.ggml.token_type": [int(t) for t in self.token_types],
-            "tokenizer.ggml.merges": list(self.merges),
+            Keys.Tokenizer.MODEL: "gpt2",
+            Keys.Tokenizer.PRE: self.pre,
+            Keys.Tokenizer.LIST: list(self.tokens),
+            Keys.Tokenizer.TOKEN_TYPE: [int(t) for t in self.token_types],
+            Keys.Tokenizer.MERGES: list(self.merges),
         }
         for key, value in (
-            ("bos_token_id", self.bos_id),
-            ("eos_token_id", self.eos_id),
-            ("padding_token_id", self.pad_id),
+            (Keys.Tokenizer.BOS_ID, self.bos_id),
+            (Keys.Tokenizer.EOS_ID, self.eos_id),
+            (Keys.Tokenizer.PAD_ID, self.pad_id),
         ):
             if value is not None:
-                fields[f"tokenizer.ggml.{key}"] = int(value)
+                fields[key] = int(value)
         return fields
 
 
 def tokenizer_metadata_from_gguf(get: Callable[[str], Any], where: str) -> TokenizerMetadata:
     """Read ``tokenizer.ggml.*`` through ``get(key)`` (None when absent)."""
-    model = get("tokenizer.ggml.model")
+    model = get(Keys.Tokenizer.MODEL)
     if model is None:
         raise TokenizerError(
             f"{where} has no tokenizer.ggml.* metadata; pass a tokenizer.json with --tokenizer"
@@ -90,16 +92,16 @@ def tokenizer_metadata_from_gguf(get: Callable[[str], Any], where: str) -> Token
             f"{where} has a {model!r} tokenizer; only gpt2-style byte-level BPE is supported "
             "here, pass a tokenizer.json with --tokenizer"
         )
-    tokens = get("tokenizer.ggml.tokens") or []
-    types = get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    tokens = get(Keys.Tokenizer.LIST) or []
+    types = get(Keys.Tokenizer.TOKEN_TYPE) or [TOKEN_NORMAL] * len(tokens)
     return TokenizerMetadata(
         tokens=list(tokens),
-        merges=list(get("tokenizer.ggml.merges") or []),
+        merges=list(get(Keys.Tokenizer.MERGES) or []),
         token_types=[int(t) for t in types],
-        bos_id=get("tokenizer.ggml.bos_token_id"),
-        eos_id=get("tokenizer.ggml.eos_token_id"),
-        pad_id=get("tokenizer.ggml.padding_token_id"),
-        pre=get("tokenizer.ggml.pre") or "default",
+        bos_id=get(Keys.Tokenizer.BOS_ID),
+        eos_id=get(Keys.Tokenizer.EOS_ID),
+        pad_id=get(Keys.Tokenizer.PAD_ID),
+        pre=get(Keys.Tokenizer.PRE) or "default",
     )
 
 

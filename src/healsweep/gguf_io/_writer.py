@@ -1,4 +1,4 @@
-"""Write a GGUF MoE model (any supported architecture) with the gguf-py writer.
+"""Write a GGUF model with the gguf-py writer: metadata, tokenizer and tensors.
 
 Tensors are converted (``gguf.quants.quantize``) and spooled one at a time, so ``tensors`` may be
 a lazy mapping that builds each array on access: writing a model larger than memory then needs
@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import Keys
 
 from healsweep._atomic import atomic_path
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io._hparams import ModelHparams, metadata_from_hparams
+from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
 from healsweep.gguf_io._kquant import KQUANT_TYPES, quantize_kquant
 from healsweep.gguf_io._tokenizer import TokenizerMetadata
 
@@ -29,10 +30,9 @@ def default_type(array_ndim: int):
 
 def encode_tensor(name: str, values: np.ndarray, qtype) -> np.ndarray:
     """``values`` (float32) in the storage format ``qtype``: float arrays or packed bytes."""
-    from gguf import GGML_QUANT_SIZES
     from gguf.quants import quantize
 
-    block, _ = GGML_QUANT_SIZES[qtype]
+    block, _ = QUANT_SIZES[TensorType(int(qtype))]
     if values.shape[-1] % block:
         raise GGUFFormatError(
             f"cannot store {name} {tuple(values.shape)} as {qtype.name}: rows of "
@@ -64,10 +64,10 @@ def _add_value(writer: Any, key: str, value: Any) -> None:
         raise TypeError(f"metadata {key}: cannot store a {type(value).__name__}")
 
 
-def write_model(
+def write_gguf(
     path: str | Path,
     arch: str,
-    hparams: ModelHparams,
+    metadata: Mapping[str, Any],
     tensors: Mapping[str, np.ndarray],
     types: Mapping[str, Any] | None = None,
     tokenizer_metadata: TokenizerMetadata | None = None,
@@ -76,13 +76,13 @@ def write_model(
     extra_metadata: Mapping[str, Any] | None = None,
     drop_keys: tuple[str, ...] = (),
 ) -> Path:
-    """Write a GGUF: ``{arch}.*`` hparams, tokenizer metadata and the tensors, in mapping order.
+    """Write a GGUF: ``metadata`` (the ``{arch}.*`` hparams), tokenizer metadata and the tensors,
+    in mapping order (``healsweep.model.write_model`` builds the metadata from hparams).
 
     ``types[name]`` chooses a ``GGMLQuantizationType`` per tensor (F32, F16, Q8_0, Q4_0, ... as
     ``gguf.quants.quantize`` supports); the default is F32 for 1-D and F16 for the rest.
-    ``arch`` is written as ``general.architecture`` and as the key prefix (any string, so tests
-    can write architectures healsweep refuses); ``drop_keys`` leaves hparam keys out (to make
-    deliberately incomplete files). The file is written to a temp name and renamed.
+    ``arch`` is written as ``general.architecture``; ``drop_keys`` leaves metadata keys out (to
+    make deliberately incomplete files). The file is written to a temp name and renamed.
     """
     from gguf import GGMLQuantizationType, GGUFWriter
 
@@ -90,8 +90,8 @@ def write_model(
     with atomic_path(path) as tmp:
         writer = GGUFWriter(tmp, arch, use_temp_file=True)
         try:
-            writer.add_string("general.name", name)
-            for key, value in metadata_from_hparams(hparams.replace(arch=arch)).items():
+            writer.add_string(Keys.General.NAME, name)
+            for key, value in metadata.items():
                 if key not in drop_keys:
                     _add_value(writer, key, value)
             if tokenizer_metadata is not None:

@@ -30,6 +30,7 @@ import numpy as np
 
 from healsweep._atomic import atomic_file, atomic_path
 from healsweep.errors import GGUFFormatError
+from healsweep.gguf_io import block_prefix, split_block
 from healsweep.heal.knobs import LayerTypes
 from healsweep.kernels.ggml_types import ggml_type
 
@@ -143,20 +144,19 @@ def routed_bits_per_weight(student: Student) -> float:
         weights += n
     return bits / max(weights, 1)
 
-
 def _replacement(student: Student, name: str) -> tuple[str, Any] | None:
     """``("experts", weight)`` or ``("shexp", raw)`` for a tensor the student replaces."""
-    if not name.startswith("blk."):
+    layer, suffix = split_block(name)
+    if layer is None:
         return None
-    _, layer, suffix = name.split(".", 2)
-    replacement = student.replacements.get(int(layer))
+    replacement = student.replacements.get(layer)
     if replacement is None:
         return None
     if suffix in _EXPERT_FIELDS:
         weight = getattr(replacement, _EXPERT_FIELDS[suffix])
         return None if weight is None else ("experts", weight)
-    if suffix == "ffn_down_shexp.weight" and int(layer) in student.shexp_raw:
-        return "shexp", student.shexp_raw[int(layer)]
+    if suffix == "ffn_down_shexp.weight" and layer in student.shexp_raw:
+        return "shexp", student.shexp_raw[layer]
     return None
 
 
@@ -232,36 +232,38 @@ def write_replacing(
     """
     import gguf
 
+    from healsweep.gguf_io import add_tensor_info
+
     out = Path(out)
-    reader = gguf.GGUFReader(base.path)
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    header = base.header
+    arch = header.get(gguf.Keys.General.ARCHITECTURE)
+    endianness = gguf.GGUFEndian.LITTLE if header.little_endian else gguf.GGUFEndian.BIG
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         try:
-            for field in reader.fields.values():
-                if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            for field in header.fields.values():
+                if field.name == gguf.Keys.General.ARCHITECTURE:
                     continue
-                value_type = field.types[0]
-                sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-                writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+                writer.add_key_value(field.name, field.value, field.type, sub_type=field.item_type)
             for key, value in metadata.items():
                 _add_field(writer, HEAL_KEY_PREFIX + key, value)
-            for tensor in reader.tensors:
+            for tensor in header.tensors:
                 if tensor.name in plan:
                     qtype, shape, dtype = plan[tensor.name]
                     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
                 else:
-                    qtype, shape, dtype = tensor.tensor_type, tensor.data.shape, tensor.data.dtype
-                    nbytes = tensor.data.nbytes
+                    dtype, shape = tensor.stored()
+                    qtype, nbytes = tensor.type, tensor.n_bytes
                 _check_shape(base, tensor.name, shape, np.dtype(dtype), qtype)
-                writer.add_tensor_info(tensor.name, shape, np.dtype(dtype), nbytes, qtype)
+                add_tensor_info(writer, tensor.name, qtype, shape, np.dtype(dtype), nbytes)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
-            for tensor in reader.tensors:
+            for tensor in header.tensors:
                 if tensor.name not in plan:
-                    writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+                    _, stored = base.raw_tensor(tensor.name)
+                    writer.write_tensor_data(stored, tensor_endianess=endianness)
                     continue
                 data = produce(tensor.name)
                 _, shape, dtype = plan[tensor.name]
@@ -293,11 +295,12 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
 
 def _check_shape(base: GGUFModel, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
     from gguf import GGMLQuantizationType
-    from gguf.quants import quant_shape_from_byte_shape
+
+    from healsweep.gguf_io import element_shape
 
     shape = tuple(shape)
     if dtype == np.uint8 and qtype not in (GGMLQuantizationType.I8,):
-        shape = tuple(quant_shape_from_byte_shape(shape, qtype))
+        shape = element_shape(shape, qtype)
     want = tuple(base.tensor_shape(name))
     if shape != want:
         raise GGUFFormatError(f"replaced tensor {name} has shape {shape}, the model's is {want}")
@@ -314,7 +317,7 @@ def write_q2_sidecar(student: Student, out: str | Path) -> Path:
             if weight is None or isinstance(weight, np.ndarray) or expert_type(weight) != "q2_0":
                 continue
             rows = type42_rows(weight)  # [..., out, nb * 18]
-            arrays[f"blk.{layer}.{suffix}"] = rows.reshape(*rows.shape[:-1], -1, _BLOCK_BYTES)
+            arrays[block_prefix(layer) + suffix] = rows.reshape(*rows.shape[:-1], -1, _BLOCK_BYTES)
     arrays["knobs_json"] = np.frombuffer(json.dumps(student.knobs.model_dump()).encode(), np.uint8)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(out, "wb") as fh:

@@ -3,8 +3,8 @@
 ggml quantizes the experts first (with their importance rows, as for any ggml type); the grid it
 stored, one scale ``d·sc`` (and for Q2_K an offset ``dmin·m``) per 16 weights, is then kept and
 only the codes are chosen again by :func:`healsweep.kernels.gptq_grid.quantize`, column by
-column with each expert's damped input second moment ``H_e`` (the same ``H_e`` and damping as
-Q2_0's ``gptq``: :mod:`healsweep.heal.gptq`). The bytes stay a valid Q2_K / Q3_K block, so
+column with each expert's damped input second moment ``H_e`` (the same ``H_e``, damping and
+host factor as Q2_0's ``gptq``: :func:`healsweep.heal.gptq.factor`). The bytes stay a valid Q2_K / Q3_K block, so
 llama.cpp runs them as any other. Experts with fewer than ``min_tokens_per_expert`` routed tokens,
 or whose ``H_e`` does not factor, keep ggml's codes (counted in the stage's report).
 
@@ -84,11 +84,12 @@ def gptq_stacks(
     for a in range(0, len(enough), gptq.GROUP):
         group = enough[a : a + gptq.GROUP]
         hessians = gptq.second_moments(trace_layer["x"], trace_layer["ids"], group, gate_up)
-        u, ok = gptq.inverse_factor(hessians, damp)
+        factors = gptq.prepare(hessians, damp, keep_damped=False)
+        ok = factors.ok
         ok_all[a : a + len(group)] = ok
         for n, w in enumerate(weights):
             scale, offset, shift, n_codes = grid(out[n][group], qtype)
-            codes = gptq_grid.quantize(w[group], scale, offset, u, shift, n_codes)
+            codes = gptq_grid.quantize(w[group], scale, offset, factors.feedback, shift, n_codes)
             fresh = with_codes(out[n][group], qtype, np.asarray(codes))
             out[n][group[ok]] = fresh[ok]
     fallback = {"few_tokens": int(len(counts) - len(enough)), "not_factored": int((~ok_all).sum())}

@@ -10,19 +10,37 @@ tune them); they live in :class:`CalibrationConfig` and key the calibration-trac
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 
+from healsweep.cache import canonical_json
 from healsweep.errors import KnobError, SettingError
 from healsweep.kernels.ggml_types import ROUTED_TYPES, step_up
 
+
+class Stage(StrEnum):
+    """The stages of a trial's healing, in the order they run (their names key the caches and
+    the per-stage timings)."""
+
+    CALIB_TRACE = "calib_trace"
+    QUANTIZE = "quantize"
+    ROUTED_Q = "routed_q"
+    PART_A = "part_a"
+    RIDGE_BASIS = "ridge_basis"
+    RIDGE_FIT = "ridge_fit"
+    PART_B = "part_b"
+
+
+_STAGE_NAMES = frozenset(Stage)
 # Knobs that change how a student is scored, not how it is healed: no stage reads them.
 SCORE_KNOBS = ("moce_bonus", "cache_experts")
-STAGES = ("calib_trace", "quantize", "routed_q", "part_a", "ridge_basis", "ridge_fit", "part_b")
 # The routed experts' storage types: q2_0 through healsweep's own quantizers (knob `quantizer`),
 # every other through ggml's quantizer with the calibration importance; ordered by bits per weight.
 EXPERT_TYPES: tuple[str, ...] = tuple(t.name for t in ROUTED_TYPES)
@@ -31,47 +49,13 @@ GROUPS = ("gu", "d")  # the routed tensor groups a type is chosen for: gate and 
 # ggml types whose grid `quantizer: gptq` refines with error feedback (heal.kgrid)
 GPTQ_GRID_TYPES = ("q2_k", "q3_k")
 _TYPE_LIST = ", ".join(EXPERT_TYPES)
-
-# What each knob accepts, in words, for error messages (mirrors the Field constraints below).
-ALLOWED = {
-    "importance": "one of none, norm_proxy, act",
-    "importance_down": "one of none, act",
-    "quantizer": "one of search, gptq, plain",
-    "gptq_damp": "a float in (0, 1]",
-    "gptq_refine": "an integer in [0, 20] (rounds; acts only with quantizer gptq)",
-    "gain_gu": "a float in [0, 2]",
-    "gain_d": "a float in [0, 2]",
-    "alpha": "one of none, gaussian, mse",
-    "gamma": "a float in [0, 1]",
-    "alpha_granularity": "one of layer, expert",
-    "ridge": "true or false",
-    "rho": "a float in (0, 1000]",
-    "eta": "a float in [0, 2]",
-    "moce_bonus": "a float in [0, 1] (acts only with cache_experts > 0)",
-    "cache_experts": "an integer >= 0 (0: no expert-cache simulation)",
-    "type_gu": f"one of {_TYPE_LIST} (the routed gate and up experts' storage type)",
-    "type_d": f"one of {_TYPE_LIST} (the routed down experts' storage type)",
-    "up_first": "an integer >= 0 (the first N MoE layers one type step up)",
-    "up_last": "an integer >= 0 (the last N MoE layers one type step up)",
-    "layer_types": "'' or comma-separated LAYER:GU/DOWN or LAYER:TYPE entries, e.g. "
-    "'0:iq2_xs/iq3_xxs,-1:iq3_xxs' (LAYER a block index, negative from the last; types of "
-    f"{_TYPE_LIST})",
-}
-
 _TYPE_KNOBS = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
-
-_CALIBRATION_ALLOWED = {
-    "corpus": "a corpus path or 'demo'",
-    "max_tokens": "a positive integer, or null for all calibration tokens",
-    "chunk_length": "an integer in [16, 65536]",
-    "min_tokens_per_expert": "an integer >= 1",
-    "exclude_doc_ids": "a list of document ids",
-}
 
 
 def _float(default: float, lo: float, hi: float, *, lo_open: bool = False) -> Any:
+    # strict: a YAML slip such as `gain_gu: true` is refused, not read as 1.0 (ints still pass)
     bounds = {"gt": lo} if lo_open else {"ge": lo}
-    return Field(default=default, le=hi, allow_inf_nan=False, **bounds)
+    return Field(default=default, le=hi, allow_inf_nan=False, strict=True, **bounds)
 
 
 # Knobs added after sweeps and confirmations were recorded, with the default that reproduces the
@@ -119,46 +103,86 @@ def parse_layer_types(text: str) -> list[tuple[int, LayerTypes]]:
     return entries
 
 
-class Knobs(BaseModel):
-    """The knobs of one trial (frozen; ``Knobs(**values)`` validates and raises ``KnobError``)."""
+class _Settings(BaseModel):
+    # A field's docstring says what it accepts, in words: error messages quote it.
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    noun: ClassVar[str] = "setting"  # how an error message names one of the fields
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            name = str(error["loc"][0]) if error["loc"] else None
+            raise KnobError(problem(type(self), error), name) from None
+
+
+class Knobs(_Settings):
+    """The knobs of one trial (frozen; ``Knobs(**values)`` validates and raises ``KnobError``).
+
+    A new knob is one field here: its type, default and range, and a docstring saying what it
+    accepts (error messages quote it); the sweep spec, its search space, the Parquet columns and
+    the config hashes follow from the fields. A knob that changes what a stage computes is also
+    read in :meth:`for_stage`; one added after configs were recorded goes in ``ADDED_LATER``.
+    """
+
+    noun: ClassVar[str] = "knob"
 
     importance: Literal["none", "norm_proxy", "act"] = "norm_proxy"
+    """one of none, norm_proxy, act"""
     importance_down: Literal["none", "act"] = "none"
+    """one of none, act"""
     quantizer: Literal["search", "gptq", "plain"] = "search"
+    """one of search, gptq, plain"""
     gptq_damp: float = _float(0.01, 0.0, 1.0, lo_open=True)
-    # Rounds of code descent + closed-form scale refit after GPTQ (heal/gptq.refine); 0: none.
+    """a float in (0, 1]"""
     gptq_refine: int = Field(default=0, ge=0, le=20, strict=True)
+    """an integer in [0, 20] (rounds; acts only with quantizer gptq)"""
+    # (rounds of code descent + closed-form scale refit after GPTQ, heal/gptq.refine; 0: none)
     gain_gu: float = _float(0.3, 0.0, 2.0)
+    """a float in [0, 2]"""
     gain_d: float = _float(0.3, 0.0, 2.0)
+    """a float in [0, 2]"""
     alpha: Literal["none", "gaussian", "mse"] = "gaussian"
+    """one of none, gaussian, mse"""
     gamma: float = _float(0.75, 0.0, 1.0)
+    """a float in [0, 1]"""
     alpha_granularity: Literal["layer", "expert"] = "layer"
+    """one of layer, expert"""
     ridge: bool = Field(default=True, strict=True)
+    """true or false"""
     rho: float = _float(6.0, 0.0, 1000.0, lo_open=True)
+    """a float in (0, 1000]"""
     eta: float = _float(0.15, 0.0, 2.0)
+    """a float in [0, 2]"""
     # Score-time knobs (docs/expert-cache.md): the student routes through a simulated LRU cache
     # of `cache_experts` routed experts per layer, resident ones favoured by `moce_bonus`. No
     # heal stage reads them, so they never change a stage's cache key. (A bonus without a cache
     # is refused when the trial scores, not here: a spec checks each searched value alone.)
     moce_bonus: float = _float(0.0, 0.0, 1.0)
-    cache_experts: int = Field(default=0, ge=0)
+    """a float in [0, 1] (acts only with cache_experts > 0)"""
+    cache_experts: int = Field(default=0, ge=0, strict=True)
+    """an integer >= 0 (0: no expert-cache simulation)"""
     # The routed experts' storage types (docs/contracts.md, Knobs): gate/up and down, then the
     # first/last N MoE layers one step up the ladder (`kernels.ggml_types.step_up`), then the
     # explicit per-layer types of `layer_types`, which win over both.
-    type_gu: Literal[EXPERT_TYPES] = Q2_0  # type: ignore[valid-type]
-    type_d: Literal[EXPERT_TYPES] = Q2_0  # type: ignore[valid-type]
+    type_gu: Literal[EXPERT_TYPES] = Field(  # type: ignore[valid-type]
+        default=Q2_0, description=f"one of {_TYPE_LIST} (the routed gate and up experts' type)"
+    )
+    type_d: Literal[EXPERT_TYPES] = Field(  # type: ignore[valid-type]
+        default=Q2_0, description=f"one of {_TYPE_LIST} (the routed down experts' type)"
+    )
     up_first: int = Field(default=0, ge=0, strict=True)
+    """an integer >= 0 (the first N MoE layers one type step up)"""
     up_last: int = Field(default=0, ge=0, strict=True)
-    layer_types: str = ""
-
-    def __init__(self, **values: Any) -> None:
-        _reject_bools_as_numbers(values)
-        try:
-            super().__init__(**values)
-        except ValidationError as exc:
-            raise _knob_error(exc, values, ALLOWED, "knob") from None
+    """an integer >= 0 (the last N MoE layers one type step up)"""
+    layer_types: str = Field(
+        default="",
+        strict=True,
+        description="'' or comma-separated LAYER:GU/DOWN or LAYER:TYPE entries, e.g. "
+        "'0:iq2_xs/iq3_xxs,-1:iq3_xxs' (LAYER a block index, negative from the last; types of "
+        f"{_TYPE_LIST})",
+    )
 
     @field_validator("layer_types")
     @classmethod
@@ -167,7 +191,7 @@ class Knobs(BaseModel):
         return ",".join(f"{i}:{t.gu}/{t.d}" for i, t in parse_layer_types(text))
 
     def for_stage(
-        self, stage: str, *, group: str | None = None, stored_as: str | None = None
+        self, stage: Stage | str, *, group: str | None = None, stored_as: str | None = None
     ) -> dict[str, Any]:
         """Exactly the knobs ``stage`` reads (its cache-key contribution); {} for knob-free stages.
 
@@ -181,13 +205,13 @@ class Knobs(BaseModel):
         and the type that group of the layer is ``stored_as`` (:meth:`expert_types`), what that
         quantization reads: for ``q2_0`` the quantizer's knobs of that group, for a ggml type
         ``{"type": name}`` (ggml reads no knob; its importance comes from the trace; ``gptq``
-        adds ``quantizer`` and ``gptq_damp`` for the Q2_K and Q3_K grids). Without
-        ``group``, what quantizing the whole model may read, for any model: the type knobs and
-        the quantizer knobs of each group some layer may store as ``q2_0``.
+        adds ``quantizer`` and ``gptq_damp`` for the Q2_K and Q3_K grids). Without ``group``,
+        what quantizing the whole model may read, for any model: the type knobs and the
+        quantizer knobs of each group some layer may store as ``q2_0`` (or on a K grid).
         """
-        if stage not in STAGES:
-            raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
-        if stage == "quantize":
+        if stage not in _STAGE_NAMES:
+            raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(Stage)}")
+        if stage == Stage.QUANTIZE:
             if group is not None:
                 if stored_as == Q2_0:
                     return self._q2_0_reads(group)
@@ -203,16 +227,16 @@ class Knobs(BaseModel):
                 {k: getattr(self, k) for k in _TYPE_KNOBS if getattr(self, k) != ADDED_LATER[k]}
             )
             return read
-        if stage == "part_a":
+        if stage == Stage.PART_A:
             if self.alpha == "none":
                 return {"alpha": "none"}
             read = {"alpha": self.alpha, "gamma": self.gamma}
             if self.alpha_granularity == "expert":  # `layer` adds nothing: keys from before
                 read["alpha_granularity"] = "expert"
             return read
-        if stage == "ridge_fit":
+        if stage == Stage.RIDGE_FIT:
             return {"rho": self.rho} if self.ridge else {}
-        if stage == "part_b":
+        if stage == Stage.PART_B:
             if not self.ridge:
                 return {"ridge": False}
             return {"ridge": True, "eta": self.eta}
@@ -227,6 +251,15 @@ class Knobs(BaseModel):
             for k, v in self.model_dump().items()
             if not (k in ADDED_LATER and v == ADDED_LATER[k])
         }
+
+    def student_key(self) -> str:
+        """A short hash of what builds and scores this config's student: the knobs each stage
+        reads (:meth:`for_stage`) and the score-time knobs. Configs with one student key score
+        the same on every window of a sweep (e.g. ``gamma`` is inert with ``alpha: none``), so
+        a sweep scores that student once, whatever rows name it."""
+        reads = {stage.value: self.for_stage(stage) for stage in Stage}
+        reads.update({knob: getattr(self, knob) for knob in SCORE_KNOBS})
+        return hashlib.sha256(canonical_json(reads).encode()).hexdigest()[:16]
 
     def replace(self, **changes: Any) -> Knobs:
         """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""
@@ -301,7 +334,7 @@ class Knobs(BaseModel):
         return read
 
 
-class CalibrationConfig(BaseModel):
+class CalibrationConfig(_Settings):
     """Which calibration tokens the teacher trace uses and how ``act`` statistics are pooled.
 
     ``max_tokens=None`` uses every token of the calibration pool; otherwise documents are taken in
@@ -312,20 +345,18 @@ class CalibrationConfig(BaseModel):
     ``gptq``.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    noun: ClassVar[str] = "calibration setting"
 
     corpus: str = "demo"
-    max_tokens: int | None = Field(default=None, ge=1)
-    chunk_length: int = Field(default=512, ge=16, le=65536)
-    min_tokens_per_expert: int = Field(default=16, ge=1)
+    """a corpus path or 'demo'"""
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    """a positive integer, or null for all calibration tokens"""
+    chunk_length: int = Field(default=512, ge=16, le=65536, strict=True)
+    """an integer in [16, 65536]"""
+    min_tokens_per_expert: int = Field(default=16, ge=1, strict=True)
+    """an integer >= 1"""
     exclude_doc_ids: tuple[str, ...] = ()
-
-    def __init__(self, **values: Any) -> None:
-        _reject_bools_as_numbers(values)
-        try:
-            super().__init__(**values)
-        except ValidationError as exc:
-            raise _knob_error(exc, values, _CALIBRATION_ALLOWED, "calibration setting") from None
+    """a list of document ids"""
 
     def key_inputs(self) -> dict[str, Any]:
         """The settings that change the trace (the corpus is keyed by content, not by path)."""
@@ -414,24 +445,17 @@ def _layer_type_names(text: Any) -> list[str]:
         return []
 
 
-def _reject_bools_as_numbers(values: Mapping[str, Any]) -> None:
-    # pydantic would read `gain_gu: true` as 1.0; a YAML slip like that must not pass silently.
-    for name, value in values.items():
-        if isinstance(value, bool) and name not in ("ridge",):
-            allowed = ALLOWED.get(name) or _CALIBRATION_ALLOWED.get(name, "see the knob table")
-            raise KnobError(f"knob {name!r} = {value!r} is not allowed: expected {allowed}")
-
-
-def _knob_error(
-    exc: ValidationError, values: Mapping[str, Any], allowed: Mapping[str, str], what: str
-) -> KnobError:
-    first = exc.errors()[0]
-    name = str(first["loc"][0]) if first["loc"] else "?"
-    if first["type"] == "extra_forbidden":
-        return KnobError(f"unknown {what} {name!r}; known: {', '.join(allowed)}")
-    value = values.get(name, first.get("input"))
-    reason = (first.get("ctx") or {}).get("error") if first["type"] == "value_error" else None
-    return KnobError(
-        f"{what} {name!r} = {value!r} is not allowed{f' ({reason})' if reason else ''}: "
-        f"expected {allowed.get(name, first['msg'])}"
+def problem(model: type[_Settings], error: ErrorDetails) -> str:
+    """One line for a validation ``error`` of a field of ``model`` (``Knobs``,
+    ``CalibrationConfig``): ``unknown knob 'x'; known: ...`` or ``knob 'x' = value is not
+    allowed: expected`` what its docstring says it accepts."""
+    name = str(error["loc"][0]) if error["loc"] else "?"
+    if error["type"] == "extra_forbidden":
+        return f"unknown {model.noun} {name!r}; known: {', '.join(model.model_fields)}"
+    field = model.model_fields.get(name)
+    expected = field.description if field is not None and field.description else error["msg"]
+    reason = (error.get("ctx") or {}).get("error") if error["type"] == "value_error" else None
+    because = f" ({reason})" if reason else ""
+    return (
+        f"{model.noun} {name!r} = {error['input']!r} is not allowed{because}: expected {expected}"
     )

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from healsweep.errors import GGUFFormatError, SettingError
+from healsweep.gguf_io import block_prefix
 from healsweep.kernels.ggml_types import ROUTED_TYPES
 
 if TYPE_CHECKING:
@@ -117,15 +118,13 @@ def write_llama_baseline(
     """
     from importlib.metadata import PackageNotFoundError, version
 
-    from gguf import GGMLQuantizationType
-
-    from healsweep.gguf_io import q2_0_type
+    from healsweep.gguf_io import TensorType
     from healsweep.gguf_io._ggml_lib import block_geometry
     from healsweep.heal.export import write_replacing
 
     say = progress or (lambda stage, message: None)
     qtype = check_baseline(model, type_name, calibration is not None)
-    ggml_type = q2_0_type() if qtype == 42 else GGMLQuantizationType(qtype)
+    ggml_type = TensorType(qtype)
     trace = None
     if calibration is not None:
         from healsweep.cache import StageCache
@@ -138,7 +137,7 @@ def write_llama_baseline(
     plan = {}
     for i in model.hparams.moe_layers:
         for suffix in _EXPERTS:
-            name = f"blk.{i}.{suffix}"
+            name = block_prefix(i) + suffix
             *lead, n_in = model.tensor_shape(name)
             plan[name] = (ggml_type, (*lead, n_in // block * size), np.dtype(np.uint8))
     importance: dict[int, dict[str, Any]] = {}

@@ -183,8 +183,6 @@ def quantize_group(
         return _ggml_group(weights, knobs, trace_layer, calibration, group, stored_as)
     if knobs.quantizer == "plain":
         return QuantizedGroup(_plain(weights, group), Q2_0, {})
-    from healsweep.kernels import q2_0
-
     min_tokens = calibration.min_tokens_per_expert
     get = (lambda k: trace_layer[k]) if trace_layer is not None else (lambda k: None)
     if group == "gu":
@@ -196,14 +194,36 @@ def quantize_group(
         importance = imp.down_importance(knobs, get("h_sq_sums"), get("counts"), min_tokens)
         gain = knobs.gain_d
     names = GROUP_TENSORS[group]
-    stacks = [  # [E, out, in]; in checked by check_quantizable
-        q2_0.quantize_matrix(weights[f"ffn_{n}_exps.weight"], importance, gain, packed=True)
-        for n in names
-    ]
-    if knobs.quantizer != "gptq":
-        return QuantizedGroup(tuple(stacks), Q2_0, {})
-    fallback = _gptq(names, stacks, weights, knobs, trace_layer, min_tokens)
-    return QuantizedGroup(tuple(stacks), Q2_0, {"gptq_fallback": fallback})
+    found = {}  # per tensor, the GPTQ experts, and those gptq leaves to the search
+    if knobs.quantizer == "gptq":  # first, so that the search runs only where it is needed
+        found = _gptq_experts(names, weights, knobs, trace_layer, min_tokens)
+    stacks = []
+    for name in names:  # [E, out, in]; in checked by check_quantizable
+        w = weights[f"ffn_{name}_exps.weight"]
+        d, codes, rest, _ = found.get(name, (None, None, None, None))
+        stacks.append(_search_experts(w, importance, gain, d, codes, rest))
+    report = {name: fallback for name, (*_, fallback) in found.items()}
+    return QuantizedGroup(tuple(stacks), Q2_0, {"gptq_fallback": report} if found else {})
+
+
+def _search_experts(w, importance, gain, d=None, codes=None, rest=None) -> Any:
+    """The codec's search (:func:`q2_0.quantize_matrix`) of ``w`` [E, out, in] as a
+    ``Q2Packed``: of every expert, or with ``rest`` (expert indices) of those only, the others
+    taken from ``d``, ``codes`` (GPTQ's)."""
+    from healsweep.kernels import q2_0
+    from healsweep.kernels.q2_0 import Q2Packed
+
+    if rest is None:
+        q2 = q2_0.quantize_matrix(w, importance, gain, packed=True)
+        return Q2Packed(np.asarray(q2.d, np.float16), np.asarray(q2.codes))
+    if len(rest):
+        per_expert = importance is not None and np.ndim(importance) == 2
+        q2 = q2_0.quantize_matrix(
+            w[rest], importance[rest] if per_expert else importance, gain, packed=True
+        )
+        d[rest] = np.asarray(q2.d, np.float16)
+        codes[rest] = np.asarray(q2.codes)
+    return Q2Packed(d, codes)
 
 
 def _plain(weights: dict[str, Any], group: str) -> tuple[Any, ...]:
@@ -219,12 +239,13 @@ def _plain(weights: dict[str, Any], group: str) -> tuple[Any, ...]:
     return tuple(stacks)
 
 
-def _gptq(names, stacks, weights, knobs, trace_layer, min_tokens) -> dict[str, dict[str, int]]:
-    """Replace, in ``stacks`` (the ``search`` result of the tensors ``names``, which read one
-    input), every expert with enough routed tokens by its GPTQ quantization; returns the
-    fallback counts per tensor."""
+def _gptq_experts(names, weights, knobs, trace_layer, min_tokens):
+    """GPTQ of the tensors ``names`` (all reading one input) for every expert with enough
+    routed tokens. Returns per tensor ``(d, codes, rest, fallback)``: the packed arrays with
+    the GPTQ experts filled, the indices of the experts left to the search (too few tokens, or
+    an ``H`` that did not factor), and the fallback counts."""
     from healsweep.heal import gptq
-    from healsweep.kernels.q2_0 import Q2Packed, pack_codes
+    from healsweep.kernels.q2_0 import pack_codes
 
     counts = np.asarray(trace_layer["counts"])
     enough = np.nonzero(counts >= min_tokens)[0]
@@ -243,13 +264,15 @@ def _gptq(names, stacks, weights, knobs, trace_layer, min_tokens) -> dict[str, d
     )
     done = enough[ok]
     fallback = {"few_tokens": int(len(counts) - len(enough)), "not_factored": int((~ok).sum())}
-    for n, (d_g, q_g) in enumerate(found):
-        d = np.array(stacks[n].d, np.float16)
-        codes = np.array(stacks[n].codes, np.uint8)
+    out = {}
+    for name, (d_g, q_g) in zip(names, found, strict=True):
+        n_expert, n_out, n_in = weights[f"ffn_{name}_exps.weight"].shape
+        d = np.zeros((n_expert, n_out, n_in // 64), np.float16)
+        codes = np.zeros((n_expert, n_out, n_in // 4), np.uint8)
         d[done] = d_g[ok]
         codes[done] = np.asarray(pack_codes(q_g[ok]))
-        stacks[n] = Q2Packed(d, codes)
-    return {name: dict(fallback) for name in names}
+        out[name] = (d, codes, np.setdiff1d(np.arange(n_expert), done), dict(fallback))
+    return out
 
 
 def _ggml_group(

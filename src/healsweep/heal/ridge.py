@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import MODEL_TENSOR
 
+from healsweep.gguf_io import tensor_name
 from healsweep.heal._runner import join_entry, split_entry
 from healsweep.heal.stages import stage_key
 from healsweep.kernels import ridge as kr
@@ -140,7 +142,8 @@ def shexp_weights(model: GGUFModel, layer: int) -> tuple[jax.Array, jax.Array]:
     from healsweep.model.forward import dense_on_device
 
     return tuple(
-        dense_on_device(model, f"blk.{layer}.ffn_{n}_shexp.weight") for n in ("gate", "up")
+        dense_on_device(model, tensor_name(kind, layer))
+        for kind in (MODEL_TENSOR.FFN_GATE_SHEXP, MODEL_TENSOR.FFN_UP_SHEXP)
     )
 
 
@@ -456,7 +459,7 @@ def ridge_layer(
     from healsweep.heal.requant import requantize
     from healsweep.model.forward import dense_on_device
 
-    name = f"blk.{layer}.ffn_down_shexp.weight"
+    name = tensor_name(MODEL_TENSOR.FFN_DOWN_SHEXP, layer)
     qtype = model.tensor_type(name)
     w = dense_on_device(model, name)  # [D, Fs] as the teacher stores it
     new = kr.apply_ridge(w, fit.delta, eta)
@@ -521,7 +524,7 @@ def shared_change(
     model: GGUFModel, layer: int, trace_layer: dict[str, np.ndarray], new_down: np.ndarray
 ) -> np.ndarray:
     """gate·z·(W_new - W)ᵀ [T, D] in float64: how the healed shared expert moves the output."""
-    old = model.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # [D, Fs]
+    old = model.tensor(tensor_name(MODEL_TENSOR.FFN_DOWN_SHEXP, layer))  # [D, Fs]
     z_gated = gated_design(
         trace_layer["x"],
         trace_layer["gate"],

@@ -14,17 +14,15 @@ Each stage is a function of explicit inputs whose cache key is built from exactl
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-from functools import cache, partial
-from pathlib import Path
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
 
+from healsweep._code import code_digest
 from healsweep.cache import content_key
-from healsweep.gguf_io._hparams import ffn_norm_name
+from healsweep.gguf_io import block_prefix
 from healsweep.heal import importance as imp
 from healsweep.heal._runner import join_entry, split_entry
 from healsweep.heal.knobs import Knobs
@@ -33,6 +31,9 @@ from healsweep.kernels import alpha as alpha_kernels
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
 
+# Entry format numbers. A key's code digest already changes with any edit to the code the stage
+# can run, so a code change needs no bump here; bump one to drop a stage's entries for a reason
+# outside healsweep's source (say, a dependency release that changes its numerics).
 VERSIONS = {
     "quantize": 2,  # 2: one entry per tensor group (gate+up, down) instead of per layer
     "quantize_gptq": 3,
@@ -53,73 +54,15 @@ Arrays = dict[str, np.ndarray]
 
 
 # The code a stage runs is one of its inputs: a fix in the codec or the forward must not be
-# served stale results from the cache, so each key holds a digest of the modules' sources.
-STAGE_CODE = {
-    "quantize": ("healsweep.kernels.q2_0", "healsweep.heal.importance", "healsweep.heal.quantize"),
-    "quantize_gptq": (
-        "healsweep.kernels.q2_0",
-        "healsweep.heal.importance",
-        "healsweep.kernels.gptq",
-        "healsweep.kernels.gptq_refine",
-        "healsweep.heal.gptq",
-        "healsweep.heal.quantize",
-    ),
-    "quantize_plain": (
-        "healsweep.kernels.q2_0_plain",
-        "healsweep.kernels.q2_0",
-        "healsweep.heal.quantize",
-    ),
-    "quantize_ggml": (
-        "healsweep.heal.quantize",
-        "healsweep.heal.llama_baseline",
-        "healsweep.gguf_io._ggml_lib",
-        "healsweep.heal.importance",
-        "healsweep.heal.kgrid",
-        "healsweep.heal.gptq",
-        "healsweep.kernels.gptq_grid",
-        "healsweep.kernels._decode_kquants",
-    ),
-    # a routed output of experts with alphas folded into their scales runs the folding code
-    "routed_q": ("healsweep.model.layers", "healsweep.heal.quantize", "healsweep.gguf_io._fold"),
-    "part_a": ("healsweep.kernels.alpha",),
-    "residuals": (
-        "healsweep.kernels.alpha",
-        "healsweep.heal.stages",
-        "healsweep.heal.quantize",
-        "healsweep.gguf_io._fold",
-    ),
-    "ridge_basis": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
-    "ridge_rhs": (
-        "healsweep.kernels.ridge",
-        "healsweep.heal.ridge",
-        "healsweep.model.layers",
-        "healsweep.heal.quantize",
-        "healsweep.gguf_io._fold",
-    ),
-    "ridge_fit": ("healsweep.kernels.ridge", "healsweep.heal.ridge"),
-    "ridge_heldout": ("healsweep.kernels.ridge", "healsweep.heal.ridge", "healsweep.model.layers"),
-    "part_b": (
-        "healsweep.kernels.ridge",
-        "healsweep.heal.ridge",
-        "healsweep.kernels.iq4_nl",
-        "healsweep.heal.requant",
-    ),
-}
-
-
-@cache
-def code_digest(modules: tuple[str, ...]) -> str:
-    """sha256 over the source files of ``modules`` (first 16 hex digits)."""
-    digest = hashlib.sha256()
-    for name in modules:
-        digest.update(name.encode() + b"\0")
-        digest.update(Path(importlib.import_module(name).__file__).read_bytes())
-    return digest.hexdigest()[:16]
+# served stale results from the cache. Every stage here is computed by functions and closures of
+# heal.pipeline, and heal.evaluate computes quantize and routed_q entries with its own; their
+# import closure (healsweep._code, read from the source) holds every module these stages run.
+CODE_ROOTS = ("healsweep.heal.pipeline", "healsweep.heal.evaluate")
 
 
 def stage_key(stage: str, inputs: dict[str, Any]) -> str:
     """Content key of ``stage`` over ``inputs`` plus its version and its code digest."""
-    return content_key(stage, VERSIONS[stage], {**inputs, "code": code_digest(STAGE_CODE[stage])})
+    return content_key(stage, VERSIONS[stage], {**inputs, "code": code_digest(CODE_ROOTS)})
 
 
 # --- quantize ----------------------------------------------------------------------------------
@@ -131,13 +74,14 @@ def expert_weights(
     """What quantize and Part A read of a layer: its routed expert stacks as float32 device
     arrays, decoded in the graph from their stored bytes (several times gguf-py's numpy speed;
     on an accelerator they never cross to the host), and ffn_norm."""
+    from healsweep.model import architecture
     from healsweep.model.forward import dense_on_device
 
     out = {}
     for suffix in (f"ffn_{n}_exps.weight" for n in tensors):
-        out[suffix] = dense_on_device(model, f"blk.{layer}.{suffix}")
+        out[suffix] = dense_on_device(model, block_prefix(layer) + suffix)
     # the FFN's input norm, whatever the architecture calls it (glm4moe: post_attention_norm)
-    out["ffn_norm.weight"] = model.tensor(f"blk.{layer}.{ffn_norm_name(model.arch)}")
+    out["ffn_norm.weight"] = model.tensor(block_prefix(layer) + architecture(model.arch).ffn_norm)
     return out
 
 

@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key
 from healsweep.data.chat_template import ChatFormat, model_chat_format, render_document
 from healsweep.errors import CacheError, CorpusError
 from healsweep.heal.importance import expert_hidden_moments, expert_input_moments
 from healsweep.heal.knobs import CalibrationConfig
-from healsweep.heal.stages import code_digest, expert_weights
+from healsweep.heal.stages import expert_weights
 
 if TYPE_CHECKING:
     from healsweep.data.corpus import Corpus, Document
@@ -42,21 +43,11 @@ if TYPE_CHECKING:
 
 STAGE = "calib_trace"
 LAYER_STAGE = "calib_trace_layer"
-VERSION = 3
+VERSION = 3  # entry format; code changes are in the key's code digest
 BATCH_TOKENS = 4096  # padded tokens per teacher forward call
 LENGTH_BUCKET = 64  # smallest padded chunk length; buckets double from here
-TRACE_CODE = (
-    "healsweep.model.forward",
-    "healsweep.model.layers",
-    "healsweep.model.qwen2moe",
-    "healsweep.model.qwen3moe",
-    "healsweep.model.olmoe",
-    "healsweep.model.llama",
-    "healsweep.model.glm4moe",
-    "healsweep.model.deepseek2",
-    "healsweep.heal.trace",
-    "healsweep.heal.importance",
-)
+# The trace is computed by functions of this module: the closure of its imports is its code.
+CODE_ROOTS = ("healsweep.heal.trace",)
 FIELDS = ("x", "ids", "weights", "y_ref", "gate")  # per token, as captured
 # The stored FFN input: float16 moved alpha by 2.6e-6 (relative), dW by <= 1.9e-4 and the ridge's
 # in-sample and held-out changes by <= 6e-7 (absolute) on the demo's four layers (35k tokens).
@@ -101,7 +92,7 @@ def trace_key(model: GGUFModel, calibration: CalibrationConfig, docs: list[Docum
         STAGE,
         VERSION,
         {
-            "code": code_digest(TRACE_CODE),
+            "code": code_digest(CODE_ROOTS),
             "model": model.fingerprint,
             "calibration": calibration.key_inputs(),
             "documents": documents_digest(docs),

@@ -1,96 +1,181 @@
 """GPTQ-style error feedback for Q2_0: quantize a stack of matrices column block by column block,
-propagating each column's rounding error to the columns not yet quantized.
+moving each column's rounding error onto the columns not yet quantized.
 
-Inputs are a stack ``w`` [E, out, in] (one matrix per routed expert) and, per matrix, the upper
-Cholesky factor ``u`` of the inverse of its damped input second moment (``H⁻¹ = uᵀu``; factored
-on the host, never here: Metal has no Cholesky). Per 64-column block ``b`` (one Q2_0 block column):
+Inputs are a stack ``w`` [E, out, in] (one matrix per routed expert) and, per matrix, two host
+factors of its damped input second moment ``H = V·D·Vᵀ`` (``V`` unit upper triangular; factored
+on the host, never here: Metal has no Cholesky):
+
+- the feedback ``f = V − I`` [E, in, in], strictly upper. With ``r_j = w_j − q_j·d`` the error of
+  column ``j`` against the *original* weights, column ``k`` is rounded from
+  ``w_k + Σ_{j<k} r_j·f_jk``: GPTQ's value for it, written with H's own factor instead of the
+  Cholesky factor of H⁻¹ (QuIP's LDLQ form, shown there to give GPTQ's codes), so the host
+  needs one triangular factorization and no inverse;
+- ``g`` [E, in/64, 64, 64], the inverse of each 64-block's diagonal block of ``V``. GPTQ's weights
+  at the start of a block (all earlier columns' errors applied, none of the block's own) are
+  ``w_b + (z_b − w_b)·g_b`` for the block's columns ``z_b`` of the form above.
+
+Per 64-column block ``b`` (one Q2_0 block column):
 
 1. the block's scale comes from the exact Q2_0 search of :mod:`q2_0` (same seeds, same
-   arithmetic, same gain) run on the *error-updated* weights at the block's start, with the
+   arithmetic, same gain) run on GPTQ's error-updated weights at the block's start, with the
    block's importance ``a`` (the diagonal of H: the part of GPTQ's objective that a per-block
    search can see). The search yields the stored fp16 ``d`` and its rounding step ``1/d1``;
-2. the 64 columns are then rounded one by one with that fixed step, ``q_j = round_code(w_j/d1)``,
-   each column's error ``(w_j − q_j·d)/u_jj`` (``q_j·d`` is the value the file will hold) being
-   subtracted from the block's later columns through row ``j`` of ``u``;
-3. the block's 64 errors update every later column at once (GPTQ's lazy batch update).
+2. the 64 columns are then rounded one by one with that fixed step, ``q_j = round_code(w_j/d1)``
+   (``q_j·d`` is the value the file will hold), in groups of ``SUB`` whose errors reach each
+   other one column at a time and the rest of the block in one product;
+3. the block's errors reach the rest of its span of ``SPAN`` columns in one product, and each
+   span's errors every later span in one product per pair (GPTQ's lazy batch updates, nested, so
+   that most of the arithmetic is products with an inner dimension of ``SPAN``).
 
-Where ``u`` is diagonal nothing propagates and step 2 rounds exactly as the search does, so the
-result equals :func:`q2_0.quantize_matrix` bit for bit (the property test of ``tests/test_gptq.py``).
-Float32 throughout; matrix products at ``HIGHEST`` precision (no TF32 on a GPU).
+Where ``f`` is 0 nothing propagates and step 2 rounds exactly as the search does, so the result
+equals :func:`q2_0.quantize_matrix` bit for bit (the property test of ``tests/test_gptq.py``).
+The work runs transposed, ``[E, in, out]``: a column of ``w`` is a contiguous row, and a block is
+the ``[E, 64, out]`` tile the search vectorizes over ``out``. Blocks and spans are driven from
+the host, one jitted call each (XLA's CPU backend runs a loop body's fusions several times
+slower than the same fusions at top level; compiled once per shape). Float32 throughout; matrix
+products at ``HIGHEST`` precision (no TF32 on a GPU).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from healsweep.kernels._precision import healing_jit
 from healsweep.kernels.q2_0 import QK, _pow2_inverse, round_code, search_tiles
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+SPAN = 256  # columns whose errors travel to the later columns in one product
+SUB = 8  # columns whose errors reach each other one by one
 
 
-def block_scale(w: jax.Array, a: jax.Array, gain: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The Q2_0 search on one block column: ``w`` [E, out, 64], ``a`` [E, 64] (> 0).
+def block_scale(wt: jax.Array, a: jax.Array, gain: jax.Array):
+    """The Q2_0 search on one block column, transposed: ``wt`` [E, 64, out], ``a`` [E, 64] (> 0).
 
-    Returns ``(d [E, out] float16, step [E, out] float32)``: the stored scale and the rounding
-    step of the search's winner (codes ``round_code(w * step)``), as ``q2_0._quantize_rows`` lays
-    blocks out without tiles (one block per row, the same arithmetic as every other layout).
+    Returns ``(d [E, out] float16, step [E, out] float32, extras)``: the stored scale and the
+    rounding step of the search's winner (codes ``round_code(w * step)``), and the search's
+    per-seed arrays. The blocks lie along ``out`` (the search's tile layout, no copies); the
+    caller returns ``extras`` from its jitted function so that XLA materializes them once
+    (dropped, the CPU backend re-derives them inside later fusions: 10x slower).
     """
-    n_exp, n_out, _ = w.shape
     a = a * _pow2_inverse(jnp.max(a, axis=1))[:, None]  # max a in [1, 2), exactly, as the codec
-    blocks = w.reshape(n_exp * n_out, QK, 1)
-    a_rows = jnp.broadcast_to(a[:, None, :], (n_exp, n_out, QK)).reshape(n_exp * n_out, QK, 1)
-    d, scale, best_d1, _ = search_tiles(blocks, a_rows, gain)  # [E*out, 1] each
-    d16 = (d / scale).astype(jnp.float16).reshape(n_exp, n_out)
-    return d16, (scale / best_d1).reshape(n_exp, n_out)
+    d, scale, best_d1, extras = search_tiles(wt, a[:, :, None], gain)  # [E, out] each
+    return (d / scale).astype(jnp.float16), scale / best_d1, extras
 
 
-@healing_jit
-def quantize(w: jax.Array, u: jax.Array, importance: jax.Array, gain: jax.Array):
-    """GPTQ Q2_0 of the stack ``w`` [E, out, in] (``in % 64 == 0``).
+def _round_sub(rows, orig, f_sub, step, d32):
+    """Round ``SUB`` consecutive columns (rows here) in order: ``rows``/``orig`` [E, SUB, out]
+    (error-updated / original), ``f_sub`` [E, SUB, SUB]. Each column takes the errors of the
+    ones before it in the group as it is reached. Returns ``(q, r)`` [E, SUB, out]."""
+    qs, rs = [], []
+    for j in range(rows.shape[1]):
+        row = rows[:, j]
+        for i, r_i in enumerate(rs):
+            row = row + f_sub[:, i, j, None] * r_i
+        q = round_code(row * step)
+        qs.append(q)
+        rs.append(orig[:, j] - q * d32)
+    return jnp.stack(qs, axis=1), jnp.stack(rs, axis=1)
 
-    ``u`` [E, in, in]: upper Cholesky factor of each matrix's damped H⁻¹; ``importance`` [E, in]
-    (> 0): the per-column weights of each block's scale search. Returns ``(d [E, out, in/64]
-    float16, q [E, out, in] int8)`` in {-1, 0, 1, 2}: ordinary Q2_0.
-    """
-    n_exp, n_out, n_in = w.shape
-    cols = jnp.arange(QK)
-    all_cols = jnp.arange(n_in)
 
-    def one_block(b, carry):
-        w, d_out, q_out = carry
-        start = b * QK
-        wb = jax.lax.dynamic_slice_in_dim(w, start, QK, axis=2)  # [E, out, 64]
-        ub = jax.lax.dynamic_slice(u, (0, start, start), (n_exp, QK, QK))  # [E, 64, 64]
-        ab = jax.lax.dynamic_slice_in_dim(importance, start, QK, axis=1)  # [E, 64]
-        d16, step = block_scale(wb, ab, gain)
-        d32 = d16.astype(jnp.float32)
-        u_diag = jnp.diagonal(ub, axis1=1, axis2=2)  # [E, 64]
+@healing_jit(donate_argnums=(0,))
+def _block(base, orig, f_span, g_block, importance, start, gain):
+    """GPTQ of the block at column ``start`` of a span: ``base`` [E, S, out] the span's columns
+    with the errors so far (donated: updated in place), ``orig`` [E, S, out] the original
+    ones, ``f_span`` [E, S, S] the feedback inside the span, ``g_block`` [E, 64, 64] the block's
+    diagonal inverse, ``importance`` [E, S]. Returns ``(base, d [E, out] float16,
+    q [E, 64, out] int8, r [E, 64, out], extras)`` with ``r`` the errors against the original
+    weights, already applied to the span's later columns of ``base``."""
+    wb = jax.lax.dynamic_slice_in_dim(base, start, QK, axis=1)  # [E, 64, out]
+    ob = jax.lax.dynamic_slice_in_dim(orig, start, QK, axis=1)
+    fb = jax.lax.dynamic_slice_in_dim(f_span, start, QK, axis=1)  # [E, 64, S]
+    f_diag = jax.lax.dynamic_slice_in_dim(fb, start, QK, axis=2)  # [E, 64, 64]
+    ab = jax.lax.dynamic_slice_in_dim(importance, start, QK, axis=1)  # [E, 64]
+    at_start = ob + jnp.einsum("ejk,ejo->eko", g_block, wb - ob, precision=_HIGHEST)
+    d16, step, extras = block_scale(at_start, ab, gain)
+    d32 = d16.astype(jnp.float32)
 
-        def one_column(j, inner):
-            wb, qb, errb = inner
-            col = jax.lax.dynamic_index_in_dim(wb, j, axis=2, keepdims=False)  # [E, out]
-            q = round_code(col * step)
-            u_jj = jax.lax.dynamic_index_in_dim(u_diag, j, axis=1, keepdims=True)  # [E, 1]
-            err = (col - q * d32) / u_jj
-            u_row = jax.lax.dynamic_index_in_dim(ub, j, axis=1, keepdims=False)  # [E, 64]
-            u_row = jnp.where(cols > j, u_row, 0.0)  # only the block's later columns
-            wb = wb - err[:, :, None] * u_row[:, None, :]
-            qb = jax.lax.dynamic_update_index_in_dim(qb, q, j, axis=2)
-            errb = jax.lax.dynamic_update_index_in_dim(errb, err, j, axis=2)
-            return wb, qb, errb
+    def one_sub(s, carry):
+        wb, qb, rb = carry
+        at = s * SUB
+        rows = jax.lax.dynamic_slice_in_dim(wb, at, SUB, axis=1)  # [E, SUB, out]
+        orig_rows = jax.lax.dynamic_slice_in_dim(ob, at, SUB, axis=1)
+        f_rows = jax.lax.dynamic_slice_in_dim(f_diag, at, SUB, axis=1)  # [E, SUB, 64]
+        f_sub = jax.lax.dynamic_slice_in_dim(f_rows, at, SUB, axis=2)  # [E, SUB, SUB]
+        q, r = _round_sub(rows, orig_rows, f_sub, step, d32)
+        # f is strictly upper: the group's errors reach only later columns (the group's own
+        # rows, already rounded, are never read again)
+        wb = wb + jnp.einsum("ejk,ejo->eko", f_rows, r, precision=_HIGHEST)
+        qb = jax.lax.dynamic_update_slice_in_dim(qb, q.astype(jnp.int8), at, axis=1)
+        rb = jax.lax.dynamic_update_slice_in_dim(rb, r, at, axis=1)
+        return wb, qb, rb
 
-        zeros = jnp.zeros_like(wb)
-        _, qb, errb = jax.lax.fori_loop(0, QK, one_column, (wb, zeros, zeros))
-        u_rows = jax.lax.dynamic_slice_in_dim(u, start, QK, axis=1)  # [E, 64, in]
-        update = jnp.einsum("eoj,ejk->eok", errb, u_rows, precision=_HIGHEST)
-        w = w - jnp.where(all_cols >= start + QK, update, 0.0)  # lazy: the later blocks only
-        d_out = jax.lax.dynamic_update_index_in_dim(d_out, d16, b, axis=2)
-        q_out = jax.lax.dynamic_update_slice_in_dim(q_out, qb.astype(jnp.int8), start, axis=2)
-        return w, d_out, q_out
+    zeros_q = jnp.zeros(wb.shape, jnp.int8)
+    _, q, r = jax.lax.fori_loop(0, QK // SUB, one_sub, (wb, zeros_q, jnp.zeros_like(wb)))
+    # every column of the span takes the block's errors; f is 0 up to the block's end, and
+    # the block's own columns are never read again
+    base = base + jnp.einsum("ejk,ejo->eko", fb, r, precision=_HIGHEST)
+    return base, d16, q, r, extras
 
-    d0 = jnp.zeros((n_exp, n_out, n_in // QK), jnp.float16)
-    q0 = jnp.zeros((n_exp, n_out, n_in), jnp.int8)
-    _, d, q = jax.lax.fori_loop(0, n_in // QK, one_block, (w.astype(jnp.float32), d0, q0))
+
+@healing_jit(donate_argnums=(0,))
+def _carry(base, f_cross, r):
+    """``base`` [E, S', out] (a later span, donated) plus the errors ``r`` [E, S, out] of an
+    earlier span through their feedback ``f_cross`` [E, S, S']."""
+    return base + jnp.einsum("ejk,ejo->eko", f_cross, r, precision=_HIGHEST)
+
+
+@jax.jit
+def _transposed(w, experts):
+    """``w[experts]`` [E, in, out] float32 (gathered and transposed in one pass)."""
+    return jnp.swapaxes(w[experts].astype(jnp.float32), 1, 2)
+
+
+@jax.jit
+def _assembled(d_blocks, q_blocks):
+    """``d`` [E, out, nb] and ``q`` [E, out, in] from per-block ``[E, out]`` / ``[E, 64, out]``."""
+    d = jnp.stack(d_blocks, axis=2)
+    q = jnp.swapaxes(jnp.concatenate(q_blocks, axis=1), 1, 2)
     return d, q
+
+
+def spans(n_in: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` column spans of a row of ``n_in`` (the last may be shorter)."""
+    return [(a, min(a + SPAN, n_in)) for a in range(0, n_in, SPAN)]
+
+
+def quantize(w, f, g, importance, gain, experts=None) -> tuple[jax.Array, jax.Array]:
+    """GPTQ Q2_0 of the stack ``w`` [E, out, in] (``in % 64 == 0``; device or host), or with
+    ``experts`` (int indices) of the stack ``w[experts]``.
+
+    ``f`` [E, in, in]: each matrix's feedback, strictly upper (``V − I`` of its damped
+    ``H = V·D·Vᵀ``); ``g`` [E, in/64, 64, 64]: the inverses of ``V``'s diagonal 64-blocks;
+    ``importance`` [E, in] (> 0): the per-column weights of each block's scale search. Returns
+    device arrays ``(d [E, out, in/64] float16, q [E, out, in] int8)`` in {-1, 0, 1, 2}:
+    ordinary Q2_0. Dispatches a few jitted calls per block and returns without waiting.
+    """
+    n_in = w.shape[2]
+    experts = np.arange(w.shape[0]) if experts is None else experts
+    orig = _transposed(w, jnp.asarray(experts, jnp.int32))  # [E, in, out]: a column is a row
+    f, g = jnp.asarray(f, jnp.float32), jnp.asarray(g, jnp.float32)
+    importance, gain = jnp.asarray(importance, jnp.float32), jnp.float32(gain)
+    parts = spans(n_in)
+    # each span's columns with the errors so far (own buffers: _block and _carry donate them)
+    pending = [jnp.copy(orig[:, a:b]) for a, b in parts]
+    d_blocks, q_blocks = [], []
+    for m, (a, b) in enumerate(parts):
+        orig_m, f_m, imp_m = orig[:, a:b], f[:, a:b, a:b], importance[:, a:b]
+        r_blocks = []
+        for start in range(0, b - a, QK):
+            pending[m], d, q, r, _ = _block(
+                pending[m], orig_m, f_m, g[:, (a + start) // QK], imp_m, np.int32(start), gain
+            )
+            d_blocks.append(d)
+            q_blocks.append(q)
+            r_blocks.append(r)
+        r_m = jnp.concatenate(r_blocks, axis=1) if len(r_blocks) > 1 else r_blocks[0]
+        for k in range(m + 1, len(parts)):
+            c, e = parts[k]
+            pending[k] = _carry(pending[k], f[:, a:b, c:e], r_m)
+    return _assembled(d_blocks, q_blocks)

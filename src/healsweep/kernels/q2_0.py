@@ -223,19 +223,26 @@ def _untile_np(d: np.ndarray, n_rows: int) -> np.ndarray:
     return d.reshape(nb, n_rows // lanes, lanes).transpose(1, 2, 0).reshape(n_rows, nb)
 
 
-def _backend_options() -> dict:
-    """Kernel for the default backend: on a CPU, vector tiles with the seeds on an axis; on an
-    NVIDIA GPU the Pallas kernel of :mod:`q2_0_gpu` (a thread per block, its weights in
-    registers); on other accelerators blocks in place and the seeds unrolled into one XLA
-    fusion (one thread per block). Measured on an H200 (``benchmarks/bench_quant.py``): the
-    Pallas kernel about 2x the fusion, the fusion about 5x the CPU layout."""
-    if jax.default_backend() == "cpu":
+def _backend_options(platform: str | None = None) -> dict:
+    """Kernel for ``platform`` (default: the default backend's): on a CPU, vector tiles with the
+    seeds on an axis; on an NVIDIA GPU the Pallas kernel of :mod:`q2_0_gpu` (a thread per block,
+    its weights in registers); on other accelerators blocks in place and the seeds unrolled into
+    one XLA fusion (one thread per block). Measured on an H200 (``benchmarks/bench_quant.py``):
+    the Pallas kernel about 2x the fusion, the fusion about 5x the CPU layout."""
+    if (platform or jax.default_backend()) == "cpu":
         return {"tiles": True, "keep_extras": True}
     from healsweep.kernels import q2_0_gpu
 
     if q2_0_gpu.on_cuda() and q2_0_gpu.lowers():
         return {"pallas": True}
     return {"tiles": False, "unroll": True, "keep_extras": False}
+
+
+def kernel_path(options: dict) -> str:
+    """A name for the layout ``options`` (:func:`_backend_options`) select, for reports."""
+    if options.get("pallas"):
+        return "pallas"
+    return "cpu tiles" if options.get("tiles", True) else "xla blocks"
 
 
 def _chunk_rows(n_rows: int, n_in: int, target: int) -> int:

@@ -1,14 +1,24 @@
-"""Teacher-forced JAX forward of GGUF MoE models (qwen2moe, qwen3moe, olmoe, Mixtral-style llama), layer by layer."""
+"""GGUF MoE models by architecture (one module each, :mod:`healsweep.model.registry`) and their
+teacher-forced JAX forward, layer by layer."""
 
+from healsweep.model.files import describe_model, expected_tensor_shapes, open_model, write_model
 from healsweep.model.forward import ForwardResult, LayerCapture, LayerReplacement, forward
 from healsweep.model.layers import matmul, router_topk, select_experts
+from healsweep.model.registry import ARCHITECTURES, SUPPORTED_ARCHS, architecture
 
 __all__ = [
+    "ARCHITECTURES",
+    "SUPPORTED_ARCHS",
     "ForwardResult",
     "LayerCapture",
     "LayerReplacement",
+    "architecture",
+    "describe_model",
+    "expected_tensor_shapes",
     "forward",
     "matmul",
+    "open_model",
     "router_topk",
     "select_experts",
+    "write_model",
 ]

@@ -72,11 +72,11 @@ def layer_scaling(
     seq_len: int = 256, workdir: str | Path | None = None,
 ) -> list[dict[str, Any]]:
     """Bench random models shaped like ``model`` with each layer count, one process each."""
-    from healsweep.gguf_io.synthetic import write_random_model
+    from healsweep.gguf_io import split_block
+    from healsweep.model.synthetic import write_random_model
 
     hp = model.hparams
-    types = {n.split(".", 2)[2] if n.startswith("blk.") else n: model.tensor_type(n)
-             for n in model.tensor_names}
+    types = {split_block(n)[1]: model.tensor_type(n) for n in model.tensor_names}
     # every hparam but the layer count and the vocabulary (the tiny tokenizer's) carries over
     shape = {k: v for k, v in dataclasses.asdict(hp).items() if k not in ("arch", "n_vocab", "n_layer")}
     rows = []

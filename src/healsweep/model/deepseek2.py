@@ -23,12 +23,107 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from gguf import MODEL_TENSOR as T
 
-from healsweep.gguf_io import ModelHparams
+from healsweep.gguf_io import ModelHparams, layer_tensor
+from healsweep.model.arch import RoutingFromFile, Value
 from healsweep.model.layers import as_dense, causal_attention, matmul, rms_norm, rope
-from healsweep.model.layers import moe_ffn as moe_block
 
-__all__ = ["attention", "moe_block"]
+
+class Deepseek2(RoutingFromFile):
+    name = "deepseek2"
+    rope_kind = "norm"
+    attention_kind = "MLA"
+
+    def read_rope_scaling(self, value: Value) -> dict[str, Any]:
+        if value("rope_scaling") != "yarn":
+            return {}
+        return {
+            "yarn_factor": float(value("yarn_factor", 1.0)),
+            "yarn_orig_ctx": int(value("yarn_orig_ctx", value("context_length"))),
+            "yarn_log_mul": float(value("yarn_log_mul", 0.0)),
+        }
+
+    def read_attention(self, value: Value, head_dim: int) -> tuple[int, dict[str, Any]]:
+        # a file with the split k_b/v_b layout keeps the per-head sizes in *_mla keys (its
+        # key/value_length describe the compressed cache); an attn_kv_b file in key/value_length
+        split = value("head_dim_mla") is not None
+        head_dim = int(value("head_dim_mla")) if split else head_dim
+        return head_dim, {
+            "head_dim_v": int(value("head_dim_v_mla" if split else "head_dim_v", head_dim)),
+            "q_lora_rank": int(value("q_lora_rank", 0)),
+            "kv_lora_rank": int(value("kv_lora_rank", 0)),
+            "kv_b_split": split,
+        }
+
+    def attention_metadata(self, hp: ModelHparams) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "q_lora_rank": hp.q_lora_rank,  # 0: attn_q (llama.cpp needs the key)
+            "kv_lora_rank": hp.kv_lora_rank,
+            "head_dim_v": hp.head_dim_v,
+        }
+        if hp.yarn:
+            fields |= {
+                "rope_scaling": "yarn",
+                "yarn_factor": hp.yarn_factor,
+                "yarn_orig_ctx": hp.yarn_orig_ctx,
+                "yarn_log_mul": hp.yarn_log_mul,
+            }
+        if hp.kv_b_split:  # llama.cpp's MLA layout: the cache is the compressed kv + rope dims
+            fields |= {
+                "head_dim": hp.kv_lora_rank + hp.rope_dim,
+                "head_dim_v": hp.kv_lora_rank,
+                "head_dim_mla": hp.head_dim,
+                "head_dim_v_mla": hp.head_dim_v,
+            }
+        return fields
+
+    def random_hparams(self, hp: ModelHparams) -> ModelHparams:
+        # V3-like: 16 rope dims of 48, q_lora, kv_lora 64, 2 shared experts, one dense layer
+        return hp.replace(n_ff_shexp=0, gating="sigmoid", n_ff=2 * hp.n_ff_exp,
+                          n_expert_shared=2, head_dim=48, n_rot=16, head_dim_v=32,
+                          q_lora_rank=48, kv_lora_rank=64, n_head_kv=hp.n_head,
+                          n_leading_dense=1, norm_topk_prob=True)  # fmt: skip
+
+    def attention_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
+        d, h, hk, hv, r = hp.n_embd, hp.n_head, hp.head_dim, hp.head_dim_v, hp.kv_lora_rank
+        nope = hk - hp.rope_dim
+        shapes: dict[str, tuple] = {
+            layer_tensor(T.ATTN_NORM): (d,),
+            layer_tensor(T.ATTN_KV_A_MQA): (r + hp.rope_dim, d),
+            layer_tensor(T.ATTN_KV_A_NORM): (r,),
+            layer_tensor(T.ATTN_OUT): (d, h * hv),
+        }
+        if hp.q_lora_rank:
+            shapes |= {
+                layer_tensor(T.ATTN_Q_A): (hp.q_lora_rank, d),
+                layer_tensor(T.ATTN_Q_A_NORM): (hp.q_lora_rank,),
+                layer_tensor(T.ATTN_Q_B): (h * hk, hp.q_lora_rank),
+            }
+        else:
+            shapes[layer_tensor(T.ATTN_Q)] = (h * hk, d)
+        if hp.kv_b_split:
+            shapes |= {layer_tensor(T.ATTN_K_B): (h, r, nope), layer_tensor(T.ATTN_V_B): (h, hv, r)}
+        else:
+            shapes[layer_tensor(T.ATTN_KV_B)] = (h * (nope + hv), r)
+        return shapes
+
+    def router_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
+        # DeepSeek-V3 style selection bias; V2 (softmax) has none
+        if hp.gating != "sigmoid":
+            return {}
+        return {layer_tensor(T.FFN_EXP_PROBS_B, "bias"): (hp.n_expert,)}
+
+    def attention_summary(self, hp: ModelHparams) -> str:
+        q = f"q_lora {hp.q_lora_rank}" if hp.q_lora_rank else "attn_q"
+        layout = "attn_k_b/attn_v_b" if hp.kv_b_split else "attn_kv_b"
+        yarn = f", YaRN x{hp.yarn_factor:g} from {hp.yarn_orig_ctx}" if hp.yarn else ""
+        return (f"MLA ({q}, kv_lora {hp.kv_lora_rank}, {layout}), {hp.n_head} heads of "
+                f"{hp.head_dim - hp.rope_dim} no-rope + {hp.rope_dim} rope dims, "
+                f"v {hp.head_dim_v}, {hp.rope_kind} RoPE{yarn}")  # fmt: skip
+
+    def attention(self, hp: ModelHparams, w: dict[str, Any], x: jax.Array, positions: jax.Array):
+        return attention(hp, w, x, positions)
 
 
 def attention(hp: ModelHparams, w: dict[str, Any], x: jax.Array, positions: jax.Array):
@@ -43,8 +138,14 @@ def attention(hp: ModelHparams, w: dict[str, Any], x: jax.Array, positions: jax.
     q = q.reshape(t, n_head, hp.head_dim)  # [T, H, nope + rope]
     kv_pe = matmul(x, w["attn_kv_a_mqa.weight"])  # [T, r + rope]
     kv = rms_norm(kv_pe[:, : hp.kv_lora_rank], w["attn_kv_a_norm.weight"], hp.rms_norm_eps)
-    k_pe = rope(kv_pe[:, None, hp.kv_lora_rank :], positions, hp.rope_freq_base, n_rope,
-                hp.rope_kind, hp.yarn)  # [T, 1, rope]
+    k_pe = rope(
+        kv_pe[:, None, hp.kv_lora_rank :],
+        positions,
+        hp.rope_freq_base,
+        n_rope,
+        hp.rope_kind,
+        hp.yarn,
+    )  # [T, 1, rope]
     q_pe = rope(q[..., n_nope:], positions, hp.rope_freq_base, n_rope, hp.rope_kind, hp.yarn)
     if hp.kv_b_split:
         k_nope = jnp.einsum("tr,hrn->thn", kv, as_dense(w["attn_k_b.weight"]))  # [T, H, nope]
@@ -64,3 +165,6 @@ def attention_scale(hp: ModelHparams) -> float:
     llama.cpp divides back by 0.1), so ``mscale = 1 + yarn_log_multiplier·ln(factor)``."""
     mscale = 1.0 + hp.yarn_log_mul * math.log(hp.yarn_factor) if hp.yarn else 1.0
     return mscale * mscale / math.sqrt(hp.head_dim)
+
+
+ARCH = Deepseek2()

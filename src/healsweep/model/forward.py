@@ -22,16 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from healsweep.gguf_io import GGUFModel, ModelHparams
-from healsweep.gguf_io._hparams import ffn_norm_name
+from healsweep.gguf_io import GGUFModel, ModelHparams, block_prefix
 from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, GGMLWeight
-from healsweep.model import deepseek2, glm4moe, llama, olmoe, qwen2moe, qwen3moe
 from healsweep.model.expert_cache import CacheState, ExpertCacheInput, layer_routing
 from healsweep.model.layers import expert_tile_rows, matmul, rms_norm, swiglu
+from healsweep.model.registry import architecture
 from healsweep.model.resident import RESIDENT
 
-_ADAPTERS = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe, "olmoe": olmoe, "llama": llama,
-             "glm4moe": glm4moe, "deepseek2": deepseek2}
 PAD_MULTIPLE = 64
 _LOGIT_CHUNK_BYTES = 64 << 20  # float32 bytes of output-matrix rows decoded at a time
 log = logging.getLogger(__name__)
@@ -85,15 +82,15 @@ def _block(hp: ModelHparams, tile: int, capture: bool, dense: bool, w: dict[str,
 
     A ``dense`` layer (glm4moe's leading layers) has a SwiGLU FFN instead of experts and
     captures nothing."""
-    adapter = _ADAPTERS[hp.arch]
+    arch = architecture(hp.arch)
     b, t, d = h.shape
     x = rms_norm(h, w["attn_norm.weight"], hp.rms_norm_eps)
-    h = h + jax.vmap(lambda xs: adapter.attention(hp, w, xs, positions))(x)
-    x = rms_norm(h, w[ffn_norm_name(hp.arch)], hp.rms_norm_eps).reshape(b * t, d)  # [B*T, D]
+    h = h + jax.vmap(lambda xs: arch.attention(hp, w, xs, positions))(x)
+    x = rms_norm(h, w[arch.ffn_norm], hp.rms_norm_eps).reshape(b * t, d)  # [B*T, D]
     if dense:
         out = swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
         return h + out.reshape(b, t, d), {}
-    out, cap = adapter.moe_block(hp, w, x, tile, cache)
+    out, cap = arch.moe_block(hp, w, x, tile, cache)
     h = h + out.reshape(b, t, d)
     if not capture:
         return h, {k: v for k, v in cap.items() if k == "topk_ids" or k.startswith("cache_")}
@@ -111,12 +108,16 @@ def device_weight(model: GGUFModel, name: str) -> Any:
     qtype = model.tensor_type(name)
     if len(model.tensor_shape(name)) >= 2:
         if int(qtype) in IN_GRAPH_TYPES:
-            return GGMLWeight(jax.device_put(model.raw_rows(name)), int(qtype),
-                              model.tensor_shape(name)[-1])
+            return GGMLWeight(
+                jax.device_put(model.raw_rows(name)), int(qtype), model.tensor_shape(name)[-1]
+            )
         if qtype.name not in _HOST_DECODED:
             _HOST_DECODED.add(qtype.name)
-            log.warning("%s tensors have no in-graph decoder; they are dequantized on the host "
-                        "(slower, float32 in host memory)", qtype.name)
+            log.warning(
+                "%s tensors have no in-graph decoder; they are dequantized on the host "
+                "(slower, float32 in host memory)",
+                qtype.name,
+            )
     return jax.device_put(model.tensor(name))
 
 
@@ -138,12 +139,12 @@ def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | Non
     The model's own tensors come through :data:`RESIDENT` (kept on an accelerator between
     forwards, within its budget); replacements are sent as they are.
     """
-    prefix = f"blk.{i}."
+    prefix = block_prefix(i)
     stat = model.path.stat()
 
     def load() -> dict[str, Any]:
         return {
-            name[len(prefix):]: device_weight(model, name)  # one tensor's bytes at a time
+            name[len(prefix) :]: device_weight(model, name)  # one tensor's bytes at a time
             for name in model.tensor_names
             if name.startswith(prefix)
         }
@@ -297,8 +298,9 @@ def forward(
             if pos.size and (pos.min() < 0 or pos.max() >= n):
                 raise ValueError(f"forward: logits_for[{b}] has positions outside [0, {n})")
     rows = np.concatenate([b * padded_len + p for b, p in enumerate(wanted)]).astype(np.int32)
-    hidden = _final_norm(hp.rms_norm_eps, h, jnp.asarray(model.tensor("output_norm.weight")),
-                         jnp.asarray(rows))
+    hidden = _final_norm(
+        hp.rms_norm_eps, h, jnp.asarray(model.tensor("output_norm.weight")), jnp.asarray(rows)
+    )
     logits = np.split(_logits(model, hidden), np.cumsum([len(p) for p in wanted])[:-1])
     per_token = np.stack(router, axis=1)  # [T_real, L, k]
     cuts = np.cumsum(lengths)[:-1]

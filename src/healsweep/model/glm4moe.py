@@ -13,7 +13,32 @@ probabilities plus ``exp_probs_b`` (the weights stay unbiased), within the best
 Trailing ``nextn_predict_layers`` (multi-token prediction) are not run.
 """
 
-from healsweep.model.layers import moe_ffn as moe_block
-from healsweep.model.layers import self_attention as attention
+from __future__ import annotations
 
-__all__ = ["attention", "moe_block"]
+from gguf import MODEL_TENSOR as T
+
+from healsweep.gguf_io import ModelHparams, layer_tensor
+from healsweep.model.arch import RoutingFromFile, Value, qk_bias_shapes, refuse_rope_scaling
+
+
+class Glm4Moe(RoutingFromFile):
+    name = "glm4moe"
+    attention_kind = "GQA with q/k/v bias"
+    ffn_norm = layer_tensor(T.ATTN_POST_NORM)
+    default_gating = "sigmoid"
+
+    def read_rope_scaling(self, value: Value) -> dict:
+        refuse_rope_scaling(self.name, value)
+        return {}
+
+    def random_hparams(self, hp: ModelHparams) -> ModelHparams:
+        return hp.replace(n_ff_shexp=0, gating="sigmoid", n_ff=2 * hp.n_ff_exp, n_expert_shared=1)
+
+    def attention_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
+        return super().attention_shapes(hp) | qk_bias_shapes(hp)
+
+    def router_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
+        return {layer_tensor(T.FFN_EXP_PROBS_B, "bias"): (hp.n_expert,)}  # the selection-only bias
+
+
+ARCH = Glm4Moe()

@@ -8,7 +8,34 @@ shared expert, so Part B does not apply. A llama file without experts (a dense L
 when it is opened.
 """
 
-from healsweep.model.layers import moe_ffn as moe_block
-from healsweep.model.layers import self_attention as attention
+from __future__ import annotations
 
-__all__ = ["attention", "moe_block"]
+from typing import Any
+
+from gguf import MODEL_TENSOR as T
+
+from healsweep.errors import UnsupportedArchitectureError
+from healsweep.gguf_io import layer_tensor
+from healsweep.model.arch import Architecture, Value, refuse_rope_scaling
+
+
+class Llama(Architecture):
+    name = "llama"
+    rope_kind = "norm"
+    norm_topk_prob = True
+
+    def check_file(self, path: Any, tensor_names: list[str]) -> None:
+        if not any(name.endswith(layer_tensor(T.FFN_GATE_INP)) for name in tensor_names):
+            from healsweep.model.registry import SUPPORTED_ARCHS
+
+            raise UnsupportedArchitectureError(
+                f"{path} is a dense llama model (no ffn_gate_inp/ffn_*_exps expert tensors); "
+                f"healsweep supports MoE models: {', '.join(SUPPORTED_ARCHS)} (llama with experts)"
+            )
+
+    def read_rope_scaling(self, value: Value) -> dict:
+        refuse_rope_scaling(self.name, value)
+        return {}
+
+
+ARCH = Llama()

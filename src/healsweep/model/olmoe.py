@@ -7,7 +7,26 @@ takes a softmax over all experts and keeps the top-k probabilities as they are (
 renormalization). There is no shared expert, so Part B does not apply.
 """
 
-from healsweep.model.layers import moe_ffn as moe_block
-from healsweep.model.layers import self_attention as attention
+from __future__ import annotations
 
-__all__ = ["attention", "moe_block"]
+from gguf import MODEL_TENSOR as T
+
+from healsweep.gguf_io import ModelHparams, layer_tensor
+from healsweep.model.arch import Architecture, Value, refuse_rope_scaling
+
+
+class Olmoe(Architecture):
+    name = "olmoe"
+    attention_kind = "GQA with q/k RMSNorm over the whole projection"
+
+    def read_rope_scaling(self, value: Value) -> dict:
+        refuse_rope_scaling(self.name, value)
+        return {}
+
+    def attention_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
+        q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+        norms = {layer_tensor(T.ATTN_Q_NORM): (q_dim,), layer_tensor(T.ATTN_K_NORM): (kv_dim,)}
+        return super().attention_shapes(hp) | norms
+
+
+ARCH = Olmoe()

@@ -7,7 +7,35 @@ scaled per token by ``sigmoid(x·w_gate_inp_shexp)``. The shared building blocks
 these variants off the layer's tensors and ``hp``.
 """
 
-from healsweep.model.layers import moe_ffn as moe_block
-from healsweep.model.layers import self_attention as attention
+from __future__ import annotations
 
-__all__ = ["attention", "moe_block"]
+from gguf import MODEL_TENSOR as T
+
+from healsweep.gguf_io import ModelHparams, layer_tensor
+from healsweep.model.arch import Architecture, Value, qk_bias_shapes
+
+
+class Qwen2Moe(Architecture):
+    name = "qwen2moe"
+    attention_kind = "GQA with q/k/v bias"
+
+    def read_shared_expert(self, value: Value, n_ff_exp: int, shapes) -> dict[str, int]:
+        gate_name = "." + layer_tensor(T.FFN_GATE_SHEXP)
+        gate = next((s for n, s in shapes.items() if n.endswith(gate_name)), (0, 0))
+        return {"n_ff_shexp": int(value("n_ff_shexp", gate[0]))}
+
+    def shared_expert_metadata(self, hp: ModelHparams) -> dict[str, int]:
+        return {"n_ff_shexp": hp.n_ff_shexp}
+
+    def random_hparams(self, hp: ModelHparams) -> ModelHparams:
+        return hp  # the one architecture whose random models keep the given shared expert
+
+    def attention_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
+        return super().attention_shapes(hp) | qk_bias_shapes(hp)
+
+    def router_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
+        # the shared expert's sigmoid gate
+        return {layer_tensor(T.FFN_GATE_INP_SHEXP): (hp.n_embd,)}
+
+
+ARCH = Qwen2Moe()

@@ -6,7 +6,23 @@ llama.cpp's ``qwen3moe`` graph: q/k/v projections without bias, ``attn_q_norm``/
 probabilities to sum to one (``hp.norm_topk_prob`` is True). There is no shared expert.
 """
 
-from healsweep.model.layers import moe_ffn as moe_block
-from healsweep.model.layers import self_attention as attention
+from __future__ import annotations
 
-__all__ = ["attention", "moe_block"]
+from gguf import MODEL_TENSOR as T
+
+from healsweep.gguf_io import ModelHparams, layer_tensor
+from healsweep.model.arch import Architecture
+
+
+class Qwen3Moe(Architecture):
+    name = "qwen3moe"
+    norm_topk_prob = True
+    attention_kind = "GQA with per-head q/k RMSNorm"
+
+    def attention_shapes(self, hp: ModelHparams) -> dict[str, tuple]:
+        hd = hp.head_dim  # one RMSNorm gain per head dim
+        norms = {layer_tensor(T.ATTN_Q_NORM): (hd,), layer_tensor(T.ATTN_K_NORM): (hd,)}
+        return super().attention_shapes(hp) | norms
+
+
+ARCH = Qwen3Moe()

@@ -2,19 +2,23 @@
 reference row, knob main effects, pruning.
 
 Nothing is recomputed from logits: every figure comes from the window records, pooled and
-compared with :mod:`healsweep.score.stats`. A config is identified by its ``config_hash``; a
-config run by more than one trial contributes each window once. The decision rule judges trials
-and external GGUFs only; main effects and the pruning summary count the Tune trials only.
+compared with :mod:`healsweep.score.stats`. A config is one student
+(:func:`~healsweep.results.schema.student_of`): rows that name the same student (a reference and
+the grid point with its knobs, trials that differ only in inert knobs, one config run by more
+than one trial) are one config, listed under all their names, each window counted once. The
+decision rule judges trials and external GGUFs only; main effects and the pruning summary count
+the Tune trials only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from healsweep.errors import ResultsError
-from healsweep.results.schema import REFERENCES, knobs_of, row_role
+from healsweep.heal.knobs import Knobs
+from healsweep.results.schema import REFERENCES, Role, TrialStatus, knobs_of, row_role, student_of
 from healsweep.results.store import read_manifest, read_trials, read_windows
 from healsweep.score.expert_cache import pooled_cache
 from healsweep.score.record import WindowRecord
@@ -22,12 +26,21 @@ from healsweep.score.record import WindowRecord
 MAX_LEVELS = 6
 
 
+class Alias(NamedTuple):
+    """Another row that names a config's student (its role, label, knobs and config hash)."""
+
+    role: Role
+    label: str | None
+    knobs: Knobs | None
+    config_hash: str
+
+
 @dataclass
 class ConfigResult:
     """One config: its knobs, trials, windows and (for non-baselines) the paired comparison."""
 
     config_hash: str
-    knobs: dict[str, Any]
+    knobs: Knobs | None  # None for an external GGUF
     is_baseline: bool
     status: str
     trial_ids: list[str]
@@ -35,15 +48,32 @@ class ConfigResult:
     pooled: dict[str, Any] = field(default_factory=dict)
     comparison: Any = None
     verdict: Any = None
-    role: str = "trial"  # trial | baseline | reference | external
+    role: Role = Role.TRIAL
     label: str | None = None  # a reference's or external's name
     routed_bpw: float | None = None
     vs_references: dict[str, Any] = field(default_factory=dict)  # label -> Comparison
+    also: list[Alias] = field(default_factory=list)  # the other rows of its student
 
     @property
     def is_fixed(self) -> bool:
         """A reference or external row (not a trial of the Tune experiment)."""
-        return self.role in ("reference", "external")
+        return not self.role.tuned
+
+    @property
+    def knob_values(self) -> dict[str, Any]:
+        """``{knob: value}`` ({} for an external GGUF)."""
+        return {} if self.knobs is None else self.knobs.model_dump()
+
+    @property
+    def reference(self) -> str | None:
+        """The name of the reference row it is (or that names its student), if any."""
+        names = [(self.role, self.label), *((a.role, a.label) for a in self.also)]
+        return next((str(label) for role, label in names if role == Role.REFERENCE), None)
+
+    @property
+    def config_hashes(self) -> list[str]:
+        """The config hashes of every row that names it."""
+        return [self.config_hash, *(alias.config_hash for alias in self.also)]
 
     @property
     def cache(self) -> dict[str, Any] | None:
@@ -67,28 +97,46 @@ class SweepSummary:
     rule: Any
 
 
+# Which status a config shows when its rows differ, and which row names it first.
+_STATUS_RANK = [TrialStatus.COMPLETED, TrialStatus.PRUNED, TrialStatus.RUNNING,
+                TrialStatus.RETRYING, TrialStatus.ERROR, TrialStatus.PENDING]  # fmt: skip
+_ROLE_RANK = [Role.BASELINE, Role.TRIAL, Role.REFERENCE, Role.EXTERNAL]
+
+
 def _configs(rows: list[dict[str, Any]], trials: list[dict[str, Any]]) -> dict[str, ConfigResult]:
+    """``{student: ConfigResult}``: the trials.parquet rows grouped by student (the baseline's
+    row, else a trial's, names the group), with the windows of every row of the group."""
+    by_student: dict[str, list[dict[str, Any]]] = {}
+    for trial in sorted(trials, key=lambda t: _ROLE_RANK.index(row_role(t))):
+        by_student.setdefault(student_of(trial), []).append(trial)
     configs: dict[str, ConfigResult] = {}
-    rank = {"completed": 0, "pruned": 1, "running": 2, "retrying": 2, "error": 3, "pending": 4}
-    for trial in trials:
-        chash = trial["config_hash"]
-        role = row_role(trial)
-        config = configs.setdefault(
-            chash,
-            ConfigResult(
-                chash, knobs_of(trial), role == "baseline", trial["status"], [], {},
-                role=role, label=trial.get("label"),
-                routed_bpw=trial.get("routed_bpw"),  # None in rows from before the column
-            ),
+    of_hash: dict[str, ConfigResult] = {}
+    for student, group in by_student.items():
+        first, role = group[0], row_role(group[0])
+        config = ConfigResult(
+            first["config_hash"], knobs_of(first), role == Role.BASELINE, first["status"], [],
+            {}, role=role, label=first.get("label"),
+            routed_bpw=first.get("routed_bpw"),  # None in rows from before the column
         )  # fmt: skip
-        config.trial_ids.append(trial["trial_id"])
-        if rank.get(trial["status"], 9) < rank.get(config.status, 9):
-            config.status = trial["status"]
+        for trial in group:
+            config.trial_ids.append(trial["trial_id"])
+            if _rank(trial["status"]) < _rank(config.status):
+                config.status = trial["status"]
+            if trial["config_hash"] not in config.config_hashes:
+                alias = Alias(row_role(trial), trial.get("label"), knobs_of(trial),
+                              trial["config_hash"])  # fmt: skip
+                config.also.append(alias)
+            of_hash[trial["config_hash"]] = config
+        configs[student] = config
     for row in rows:
-        config = configs.get(row["config_hash"])
+        config = of_hash.get(row["config_hash"])
         if config is not None:
             config.windows.setdefault(row["window_id"], WindowRecord.from_dict(row))
     return configs
+
+
+def _rank(status: str) -> int:
+    return _STATUS_RANK.index(TrialStatus(status))
 
 
 def summarize(
@@ -110,8 +158,11 @@ def summarize(
         )
     rule = rule or DecisionRule()
     references = sorted(
-        (c for c in configs.values() if c.role == "reference" and c.windows),
-        key=lambda c: (REFERENCES.index(c.label) if c.label in REFERENCES else 9, str(c.label)),
+        (c for c in configs.values() if c.reference is not None and c.windows),
+        key=lambda c: (
+            REFERENCES.index(c.reference) if c.reference in REFERENCES else 9,
+            str(c.reference),
+        ),
     )
 
     def compare(base: ConfigResult, config: ConfigResult) -> Any:
@@ -132,14 +183,14 @@ def summarize(
         windows = [config.windows[w] for w in sorted(config.windows)]
         config.pooled = pooled([w.metrics for w in windows], [w.stratum for w in windows])
         config.comparison = compare(baseline, config)
-        if config.comparison is not None and config.role in ("trial", "external"):
+        if config.comparison is not None and config.role in (Role.TRIAL, Role.EXTERNAL):
             config.verdict = decision(config.comparison, rule)
         for reference in references:
             if (found := compare(reference, config)) is not None:
-                config.vs_references[str(reference.label)] = found
+                config.vs_references[str(reference.reference)] = found
     ranked = sorted(
         (c for c in configs.values() if c is not baseline and c.windows),
-        key=lambda c: (c.status != "completed", c.pooled["kld_mean"]),
+        key=lambda c: (c.status != TrialStatus.COMPLETED, c.pooled["kld_mean"]),
     )
     windows_total = max((int(r["windows_total"]) for r in rows if r["windows_total"]), default=0)
     return SweepSummary(
@@ -151,9 +202,7 @@ def summarize(
         strata=sorted({w.stratum for w in baseline.windows.values()}),
         windows_total=windows_total,
         effects=main_effects([baseline, *(c for c in ranked if not c.is_fixed)], windows_total),
-        pruning=pruning_summary(
-            [t for t in trials if row_role(t) in ("trial", "baseline")], windows_total
-        ),
+        pruning=pruning_summary([t for t in trials if row_role(t).tuned], windows_total),
         rule=rule,
     )
 
@@ -170,12 +219,12 @@ def main_effects(configs: list[ConfigResult], windows_total: int) -> list[dict[s
         return []
     base_kld = configs[0].pooled["kld_mean"]
     effects = []
-    for knob in full[0].knobs:
-        values = sorted({c.knobs[knob] for c in full}, key=str)
+    for knob in full[0].knob_values:
+        values = sorted({c.knob_values[knob] for c in full}, key=str)
         if not 2 <= len(values) <= MAX_LEVELS:
             continue
         for value in values:
-            group = [c for c in full if c.knobs[knob] == value]
+            group = [c for c in full if c.knob_values[knob] == value]
             klds = [c.pooled["kld_mean"] for c in group]
             effects.append(
                 {
@@ -191,7 +240,7 @@ def main_effects(configs: list[ConfigResult], windows_total: int) -> list[dict[s
 
 def pruning_summary(trials: list[dict[str, Any]], windows_total: int) -> dict[str, Any]:
     """Trials pruned, windows they scored, and windows saved against scoring every trial fully."""
-    pruned = [t for t in trials if t["status"] == "pruned"]
+    pruned = [t for t in trials if t["status"] == TrialStatus.PRUNED]
     scored = sum(int(t["windows_scored"] or 0) for t in trials)
     saved = sum(windows_total - int(t["windows_scored"] or 0) for t in pruned)
     full = windows_total * len(trials)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from healsweep.results.aggregate import ConfigResult, SweepSummary
+from healsweep.results.schema import Role, TrialStatus
 
 MAX_PANELS = 16  # the 12-config methods grid and its two reference rows
 FOREST_CAPTION = "every config: Δ KLD vs baseline with its paired-bootstrap CI (forest plot)"
@@ -45,7 +46,7 @@ def paired_scatter(summary: SweepSummary, path: Path, label: Callable[[ConfigRes
         shared = [w for w in config.windows if w in base]
         x = [base[w].metrics.kld_mean for w in shared]
         y = [config.windows[w].metrics.kld_mean for w in shared]
-        colour = "tab:red" if config.status == "pruned" else "tab:blue"
+        colour = "tab:red" if config.status == TrialStatus.PRUNED else "tab:blue"
         ax.scatter(x, y, s=10, alpha=0.7, color=colour)
         lo, hi = min(x + y), max(x + y)
         ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8)
@@ -66,10 +67,10 @@ def paired_scatter(summary: SweepSummary, path: Path, label: Callable[[ConfigRes
 
 # role -> (marker, colour, legend); a trial is coloured by its verdict instead.
 _ROLE_STYLE = {
-    "reference": ("D", "tab:orange", "reference (unhealed, plain)"),
-    "external": ("s", "tab:purple", "external GGUF"),
+    Role.REFERENCE: ("D", "tab:orange", "reference (unhealed, plain)"),
+    Role.EXTERNAL: ("s", "tab:purple", "external GGUF"),
 }
-_ROLE_TAG = {"reference": "[ref] ", "external": "[ext] "}
+_ROLE_TAG = {Role.REFERENCE: "[ref] ", Role.EXTERNAL: "[ext] "}
 _STRATUM_MARKERS = "^v<>pP*Xh"
 _STRATUM_STYLE = {"color": "black", "markersize": 4, "fillstyle": "none", "alpha": 0.5}
 
@@ -77,7 +78,7 @@ _STRATUM_STYLE = {"color": "black", "markersize": 4, "fillstyle": "none", "alpha
 def _trial_style(config: ConfigResult) -> tuple[str, str, str]:
     if config.role in _ROLE_STYLE:
         return _ROLE_STYLE[config.role]
-    if config.status != "completed":
+    if config.status != TrialStatus.COMPLETED:
         return "o", "tab:gray", f"trial ({config.status}: not judged)"
     if config.verdict is not None and config.verdict.accepted:
         return "o", "tab:green", "trial, accepted"
@@ -147,16 +148,17 @@ def kld_vs_mib(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
     points = [(c, f) for c in summary.configs if (f := c.cache) is not None]
     curves: dict[tuple, list[tuple[ConfigResult, dict]]] = {}
     for config, figures in points:
-        rest = tuple(sorted((k, str(v)) for k, v in config.knobs.items() if k != "moce_bonus"))
+        knobs = config.knob_values
+        rest = tuple(sorted((k, str(v)) for k, v in knobs.items() if k != "moce_bonus"))
         curves.setdefault(rest, []).append((config, figures))
     fig, ax = _pyplot().subplots(figsize=(6.4, 4.4))
     for curve in curves.values():
-        curve.sort(key=lambda p: p[0].knobs.get("moce_bonus") or 0.0)
+        curve.sort(key=lambda p: p[0].knob_values.get("moce_bonus") or 0.0)
         xs = [f["mib_per_token"] for _, f in curve]
         ys = [c.pooled["kld_mean"] for c, _ in curve]
         ax.plot(xs, ys, marker="o", lw=1, label=label(curve[0][0])[:48])  # the lowest bonus
         for (config, _), x, y in zip(curve, xs, ys, strict=True):
-            ax.annotate(f"{config.knobs.get('moce_bonus') or 0:g}", (x, y), fontsize=6,
+            ax.annotate(f"{config.knob_values.get('moce_bonus') or 0:g}", (x, y), fontsize=6,
                         xytext=(3, 3), textcoords="offset points")  # fmt: skip
     if all(f["mib_per_token"] > 0 for _, f in points):
         ax.set_xscale("log")

@@ -9,20 +9,36 @@ import math
 from pathlib import Path
 from typing import Any
 
+from healsweep.heal.knobs import Knobs
 from healsweep.results.aggregate import ConfigResult, SweepSummary, summarize
+from healsweep.results.schema import Role, TrialStatus
 
 Table = tuple[list[str], list[list[str]]]
 
 
 def describe(config: ConfigResult, baseline: ConfigResult) -> str:
     """``alpha=mse, ridge=False`` — the knobs where a config differs from the baseline; a
-    reference or external row by its name."""
-    if config is baseline:
+    reference or external row by its name; the names of every row of one student together
+    (``alpha=none, ridge=False = unhealed``)."""
+    names = [_name(config.role, config.label, config.knobs, baseline)]
+    names += [_name(a.role, a.label, a.knobs, baseline) for a in config.also]
+    return " = ".join(dict.fromkeys(names))
+
+
+def _name(role: Role, label: str | None, knobs: Knobs | None, baseline: ConfigResult) -> str:
+    if role == Role.BASELINE:
         return "baseline"
-    if config.is_fixed:
-        return str(config.label)
-    changed = [f"{k}={_value(v)}" for k, v in config.knobs.items() if v != baseline.knobs.get(k)]
+    if not role.tuned:
+        return str(label)
+    base = baseline.knob_values
+    values = {} if knobs is None else knobs.model_dump()
+    changed = [f"{k}={_value(v)}" for k, v in values.items() if v != base.get(k)]
     return ", ".join(changed) or "= baseline"
+
+
+def _roles(config: ConfigResult) -> str:
+    """``trial``, or the roles of every row of its student (``trial, reference``)."""
+    return ", ".join(dict.fromkeys([config.role, *(a.role for a in config.also)]))
 
 
 def _value(value: Any) -> str:
@@ -36,8 +52,8 @@ def _fmt(value: float | None, spec: str = "+.2%") -> str:
 
 def _verdict(config: ConfigResult) -> str:
     if config.verdict is None:
-        return config.role if config.role in ("baseline", "reference") else "-"
-    if config.status != "completed":
+        return config.role if config.role in (Role.BASELINE, Role.REFERENCE) else "-"
+    if config.status != TrialStatus.COMPLETED:
         return f"{config.status} (not judged)"
     return "ACCEPT" if config.verdict.accepted else "reject"
 
@@ -60,7 +76,7 @@ def leaderboard(summary: SweepSummary) -> Table:
     rate, MiB/token), Δ KLD [CI] vs the baseline and vs each reference row, top-1, top-1 Δ,
     wins/losses, verdict."""
     level = summary.rule.ci_level
-    refs = [str(r.label) for r in summary.references]
+    refs = [str(r.reference) for r in summary.references]
     cached = any(c.cache for c in summary.configs)  # scored through a simulated expert cache
     header = ["#", "config", "role", "status", "windows", "bpw", "pooled KLD",
               *(["hit rate", "MiB/token"] if cached else []),
@@ -74,7 +90,7 @@ def leaderboard(summary: SweepSummary) -> Table:
             [
                 str(rank),
                 describe(config, summary.baseline),
-                config.role,
+                _roles(config),
                 config.status,
                 f"{len(config.windows)}/{summary.windows_total}",
                 _fmt(config.routed_bpw, ".3g"),
@@ -147,7 +163,7 @@ def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
     header = ["config", "dev pooled KLD", f"dev Δ KLD [{level:.0%} CI]", "dev verdict",
               f"test pooled KLD ({milestone['windows']} windows)", f"test Δ KLD [{level:.0%} CI]",
               "test Δ top-1 (pt)", "test verdict", "ledger"]  # fmt: skip
-    dev = {c.config_hash: c for c in summary.configs}
+    dev = {chash: c for c in summary.configs for chash in c.config_hashes}
     rows = []
     for entry in milestone["configs"]:
         config = dev.get(entry["config_hash"])
@@ -185,7 +201,7 @@ def _sections(
     m = summary.manifest
     reasons = []
     for config in summary.configs:
-        if config.verdict is not None and config.status == "completed":
+        if config.verdict is not None and config.status == TrialStatus.COMPLETED:
             reasons.append(f"- **{describe(config, summary.baseline)}**")
             reasons += [f"  - {line}" for line in config.verdict.reasons]
     identity = (

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from enum import StrEnum
 from typing import Any
 
 import pyarrow as pa
@@ -20,9 +21,40 @@ from healsweep.score.record import WindowRecord
 
 KNOB_PREFIX = "knob_"
 
-# A row's `role` says what its config is to the sweep: a tuned `trial`, the `baseline` (itself a
-# trial), a fixed `reference` (unhealed, plain) or an `external` GGUF; references and externals
-# are scored on the same windows, never pruned, and kept out of the Optuna study.
+
+class Role(StrEnum):
+    """What a row's config is to the sweep (its ``role`` column): a tuned ``trial``, the
+    ``baseline`` (itself a trial), a fixed ``reference`` (unhealed, plain) or an ``external``
+    GGUF; references and externals are scored on the same windows, never pruned, and kept out
+    of the Optuna study."""
+
+    TRIAL = "trial"
+    BASELINE = "baseline"
+    REFERENCE = "reference"
+    EXTERNAL = "external"
+
+    @property
+    def tuned(self) -> bool:
+        """A trial of the Tune experiment (the baseline is one); not a fixed row."""
+        return self in (Role.TRIAL, Role.BASELINE)
+
+
+class TrialStatus(StrEnum):
+    """Where a row's config stands (the ``status`` column of ``trials.parquet``)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    COMPLETED = "completed"
+    PRUNED = "pruned"
+    ERROR = "error"
+
+    @property
+    def unfinished(self) -> bool:
+        """Not ended yet: a resume carries it on."""
+        return self in (TrialStatus.PENDING, TrialStatus.RUNNING, TrialStatus.RETRYING)
+
+
 REFERENCES = ("unhealed", "plain")  # the reference rows, in the order they run and are listed
 # Bits per weight of the routed experts of every healsweep student: Q2_0's 18 bytes per 64
 # weights (kernels.q2_0.BYTES_PER_BLOCK; not imported: reading results needs no jax).
@@ -106,24 +138,63 @@ def to_table(rows: Iterable[Mapping[str, Any]], schema: pa.Schema) -> pa.Table:
     return pa.table(columns, schema=schema)
 
 
-def row_role(row: Mapping[str, Any]) -> str:
+def row_role(row: Mapping[str, Any]) -> Role:
     """The row's role; rows written before roles existed are ``baseline`` or ``trial``."""
-    return row.get("role") or ("baseline" if row.get("is_baseline") else "trial")
+    return Role(row.get("role") or (Role.BASELINE if row.get("is_baseline") else Role.TRIAL))
 
 
-def knob_columns(knobs: Mapping[str, Any]) -> dict[str, Any]:
-    """``{knob_<name>: value}`` for a knob dict."""
-    return {KNOB_PREFIX + name: value for name, value in knobs.items()}
+def scored_all(windows_done: int, windows_total: int | None) -> bool:
+    """Whether a config has scored every window of the sweep: the one rule of *pruned*, a
+    trial that stopped without an error before it had (:func:`end_status`)."""
+    return bool(windows_total) and windows_done >= int(windows_total or 0)
 
 
-def knobs_of(row: Mapping[str, Any]) -> dict[str, Any]:
-    """The knob dict in a row's ``knob_<name>`` columns (inverse of :func:`knob_columns`).
+def end_status(windows_done: int, windows_total: int | None) -> TrialStatus:
+    """How a trial that stopped without an error ended: completed, or pruned."""
+    return TrialStatus.COMPLETED if scored_all(windows_done, windows_total) else TrialStatus.PRUNED
 
-    A null knob is one the row's sweep predates: it is left out, so the knob's default (what
-    that trial ran with, since a new knob's default keeps the old behaviour) applies.
+
+def best_trial(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The sweep's best config so far: the completed trial with the lowest dev pooled KLD, the
+    baseline included (a sweep whose baseline beats every tuned config has found nothing
+    better; a worse trial is not its answer); reference and external rows are not trials.
+    None before a trial has completed."""
+    done = [
+        row
+        for row in rows
+        if row_role(row).tuned and row["status"] == TrialStatus.COMPLETED
+        and row["kld_mean"] is not None
+    ]  # fmt: skip
+    return min(done, key=lambda row: row["kld_mean"], default=None)
+
+
+def student_of(row: Mapping[str, Any]) -> str:
+    """The student a row scored: its knobs' student key
+    (:meth:`~healsweep.heal.knobs.Knobs.student_key`), or for an external GGUF its config hash
+    (which covers the file's fingerprint). Rows of one student have the same windows."""
+    knobs = knobs_of(row)
+    return row["config_hash"] if knobs is None else knobs.student_key()
+
+
+def knob_columns(knobs: Knobs | None) -> dict[str, Any]:
+    """``{knob_<name>: value}`` of a config's knobs (none for an external GGUF)."""
+    values = {} if knobs is None else knobs.model_dump()
+    return {KNOB_PREFIX + name: value for name, value in values.items()}
+
+
+def knobs_of(row: Mapping[str, Any]) -> Knobs | None:
+    """The knobs in a row's ``knob_<name>`` columns (inverse of :func:`knob_columns`; None for
+    an external GGUF, which has none).
+
+    A null knob is one the row's sweep predates: its default applies (what that trial ran
+    with, since a new knob's default keeps the old behaviour).
     """
-    return {
-        k[len(KNOB_PREFIX) :]: v
-        for k, v in row.items()
-        if k.startswith(KNOB_PREFIX) and v is not None
-    }
+    if row_role(row) == Role.EXTERNAL:
+        return None
+    return Knobs(
+        **{
+            k[len(KNOB_PREFIX) :]: v
+            for k, v in row.items()
+            if k.startswith(KNOB_PREFIX) and v is not None
+        }
+    )

@@ -12,13 +12,19 @@ them runs through the same cache first, so it warms it. See docs/expert-cache.md
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from healsweep.errors import KnobError
+from healsweep.gguf_io import block_prefix
 from healsweep.score.record import CacheWindowStats, per_token
+
+if TYPE_CHECKING:
+    from healsweep.data.windows import Window
+    from healsweep.heal.knobs import Knobs
+    from healsweep.score.runner import StudentModel
 
 MIB = float(1 << 20)
 _EXPERT_TENSORS = ("gate_exps", "up_exps", "down_exps")
@@ -37,7 +43,7 @@ class ExpertCacheConfig(BaseModel):
     warm: bool = False
 
     @classmethod
-    def from_knobs(cls, knobs: Any) -> ExpertCacheConfig | None:
+    def from_knobs(cls, knobs: Knobs) -> ExpertCacheConfig | None:
         """The cache a trial's knobs ask for (``cache_experts`` > 0), else None; ``KnobError``
         for a bonus without a cache (it would have nothing to act on)."""
         if not knobs.cache_experts:
@@ -53,7 +59,7 @@ class ExpertCacheConfig(BaseModel):
         return f"bonus {self.bonus:g}, {size} per layer, {'warm' if self.warm else 'cold'}"
 
 
-def expert_bytes(student: Any) -> list[int]:
+def expert_bytes(student: StudentModel) -> list[int]:
     """Per MoE layer (leading dense layers have no experts), the stored bytes of one routed
     expert (gate + up + down) of the student: its replacement weights' bytes where the layer is
     replaced, else the GGUF tensors' bytes."""
@@ -69,12 +75,12 @@ def expert_bytes(student: Any) -> list[int]:
             if weight is not None:
                 total += int(weight.nbytes)
             else:
-                total += model.tensor_nbytes(f"blk.{layer}.ffn_{field}.weight")
+                total += model.tensor_nbytes(f"{block_prefix(layer)}ffn_{field}.weight")
         sizes.append(total // n_expert)
     return sizes
 
 
-def layer_capacities(config: ExpertCacheConfig, student: Any) -> list[int]:
+def layer_capacities(config: ExpertCacheConfig, student: StudentModel) -> list[int]:
     """Experts each MoE layer's cache holds; ``KnobError`` unless it lies in [k, E]."""
     hp = getattr(student, "base", student).hparams
     if (config.experts is None) == (config.mib is None):
@@ -111,14 +117,14 @@ def pooled_cache(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 class CachedStudent:
     """Runs a student's forwards through the expert cache and measures each window."""
 
-    def __init__(self, student: Any, config: ExpertCacheConfig) -> None:
+    def __init__(self, student: StudentModel, config: ExpertCacheConfig) -> None:
         self.student = student
         self.config = config
         self.capacities = layer_capacities(config, student)
         self.mib_per_miss = np.asarray(expert_bytes(student), np.float64) / MIB  # [L]
         self._last: dict[str, list[Any]] = {}  # doc_id -> per-layer final state (warm)
 
-    def run(self, windows: Sequence[Any], positions: Sequence[np.ndarray]) -> Any:
+    def run(self, windows: Sequence[Window], positions: Sequence[np.ndarray]) -> Any:
         """``(ForwardResult, [CacheWindowStats per window])`` of one batched forward."""
         from healsweep.model import forward
         from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state

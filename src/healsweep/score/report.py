@@ -12,17 +12,26 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gguf import Keys
 
 from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
 from healsweep.score.runner import score_windows, student_model
 from healsweep.score.stats import pooled
 
-TOKENS_KEY = "tokenizer.ggml.tokens"
+if TYPE_CHECKING:
+    from healsweep.data.windows import Window
+    from healsweep.gguf_io import GGUFModel
+    from healsweep.score.compact import TeacherCacheFormat
+    from healsweep.score.expert_cache import ExpertCacheConfig
+    from healsweep.score.runner import StudentModel
+
+TOKENS_KEY = Keys.Tokenizer.LIST
 
 
-def check_same_tokenizer(teacher: Any, student: Any) -> int:
+def check_same_tokenizer(teacher: GGUFModel, student: StudentModel) -> int:
     """The shared vocabulary size; :class:`TokenizerError` naming the first differing token."""
     model, _ = student_model(student)
     ref, got = teacher.metadata(TOKENS_KEY), model.metadata(TOKENS_KEY)
@@ -46,15 +55,15 @@ def check_same_tokenizer(teacher: Any, student: Any) -> int:
 
 
 def score_report(
-    teacher: Any,
-    student: Any,
-    windows: Sequence[Any],
+    teacher: GGUFModel,
+    student: StudentModel,
+    windows: Sequence[Window],
     cache: StageCache,
     *,
     batch: int = 8,
     progress: Callable[[int, int, float], None] | None = None,
-    teacher_cache: Any = "compact",
-    expert_cache: Any = None,
+    teacher_cache: str | TeacherCacheFormat = "compact",
+    expert_cache: ExpertCacheConfig | None = None,
 ) -> dict[str, Any]:
     """Score ``windows`` and return ``{pooled, windows, n_windows, seconds, windows_per_s}``
     (and ``expert_cache``: its config, capacities and pooled figures, when one is simulated).

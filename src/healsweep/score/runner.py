@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 
@@ -24,15 +24,36 @@ from healsweep.score.compact import COMPACT, TeacherCacheFormat, cache_format
 from healsweep.score.metrics import WindowMetrics, compact_window_metrics, window_metrics
 from healsweep.score.teacher_cache import TeacherOutput, scored_positions, teacher_outputs
 
+if TYPE_CHECKING:
+    from healsweep.data.windows import Window
+    from healsweep.gguf_io import GGUFModel
+    from healsweep.model.forward import LayerReplacement
+    from healsweep.score.expert_cache import CachedStudent, ExpertCacheConfig
 
-def student_model(student: Any) -> tuple[Any, dict | None]:
+
+class HealedModel(Protocol):
+    """A healed student (``healsweep.heal.pipeline.Student``): the teacher's model and the
+    layers that replace some of its weights."""
+
+    @property
+    def base(self) -> GGUFModel: ...
+
+    @property
+    def replacements(self) -> dict[int, LayerReplacement]: ...
+
+
+# What can be scored against a teacher: a model file, or a healed student.
+StudentModel: TypeAlias = "GGUFModel | HealedModel"
+
+
+def student_model(student: StudentModel) -> tuple[GGUFModel, dict[int, LayerReplacement] | None]:
     """``(GGUFModel, replacements or None)`` that run the student's forward."""
     if hasattr(student, "replacements") and hasattr(student, "base"):
         return student.base, dict(student.replacements)
     return student, None
 
 
-def check_same_vocab(teacher: Any, student: Any) -> None:
+def check_same_vocab(teacher: GGUFModel, student: StudentModel) -> None:
     """Raise :class:`TokenizerError` unless both models have the same vocabulary size."""
     model, _ = student_model(student)
     n_t, n_s = teacher.hparams.n_vocab, model.hparams.n_vocab
@@ -44,7 +65,7 @@ def check_same_vocab(teacher: Any, student: Any) -> None:
 
 
 def run_student(
-    student: Any, windows: Sequence[Any], cached: Any = None
+    student: StudentModel, windows: Sequence[Window], cached: CachedStudent | None = None
 ) -> list[tuple[np.ndarray, np.ndarray, Any]]:
     """One batched student forward: per window ``(logits [n, V], topk_ids [n, L, k], cache
     stats)``; through ``cached`` (a :class:`~healsweep.score.expert_cache.CachedStudent`)
@@ -80,14 +101,14 @@ def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
 
 
 def score_windows(
-    teacher: Any,
-    student: Any,
-    windows: Iterable[Any],
+    teacher: GGUFModel,
+    student: StudentModel,
+    windows: Iterable[Window],
     cache: StageCache,
     batch: int = 8,
     teacher_cache: str | TeacherCacheFormat = COMPACT,
-    expert_cache: Any = None,
-) -> Iterator[tuple[Any, WindowMetrics]]:
+    expert_cache: ExpertCacheConfig | None = None,
+) -> Iterator[tuple[Window, WindowMetrics]]:
     """Yield ``(window, WindowMetrics)`` for each window, in order.
 
     Teacher outputs come from ``cache`` (computed and stored on a miss) in the format
@@ -123,4 +144,11 @@ def score_windows(
             yield window, metrics
 
 
-__all__ = ["check_same_vocab", "run_student", "score_windows", "student_model"]
+__all__ = [
+    "HealedModel",
+    "StudentModel",
+    "check_same_vocab",
+    "run_student",
+    "score_windows",
+    "student_model",
+]

@@ -6,7 +6,8 @@ Two entry formats live side by side in stage ``teacher_logits`` (their keys diff
   ... scored_from + n - 2``), the teacher's float32 log-softmax ``[n, V]`` (exact to float32,
   never a 16-bit clamp; an entry is bounded by ``max_scored x V``) and its router top-k expert
   ids ``[n, L, k]``. Its key is the model file's fingerprint, the window's token ids and its
-  scored range (unchanged since version 1): nothing else can change the teacher's output.
+  scored range, and the digest of the code that computes it (the forward, the kernels, this
+  module: :data:`CODE_ROOTS`' import closure).
 - ``compact`` (the default): a fixed-size record per position, see
   :mod:`healsweep.score.compact`; the key adds the record format, (K, S), the tail sampler and
   the window id that seeds the draws.
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key
 from healsweep.score.compact import (
     COMPACT,
@@ -33,9 +35,17 @@ from healsweep.score.compact import (
     router_dtype,
 )
 
+if TYPE_CHECKING:
+    from healsweep.data.windows import Window
+    from healsweep.gguf_io import GGUFModel
+
 STAGE = "teacher_logits"
-VERSION = 1  # exact entries
+VERSION = 1  # exact entries' format (code changes are in the key's code digest)
 COMPACT_VERSION = 1
+# Teacher outputs are computed by functions of this module, from the window's fields alone (no
+# method of the window's class runs): the closure of its imports (the forward, the kernels, the
+# compact record) is the code a key covers.
+CODE_ROOTS = ("healsweep.score.teacher_cache",)
 
 
 class TeacherOutput(NamedTuple):
@@ -48,13 +58,13 @@ class TeacherOutput(NamedTuple):
 Teacher = TeacherOutput | CompactTeacher
 
 
-def scored_positions(window: Any) -> np.ndarray:
+def scored_positions(window: Window) -> np.ndarray:
     """Positions whose logits predict the scored tokens: ``scored_from - 1 + arange(n)``."""
     return np.arange(window.n_scored, dtype=np.int64) + (window.scored_from - 1)
 
 
-def teacher_key(model: Any, window: Any, fmt: str | TeacherCacheFormat = COMPACT) -> str:
-    """Cache key of a window's teacher output in ``fmt`` (``exact`` keys are as in version 1)."""
+def teacher_key(model: GGUFModel, window: Window, fmt: str | TeacherCacheFormat = COMPACT) -> str:
+    """Cache key of a window's teacher output in ``fmt``."""
     fmt = cache_format(fmt)
     tokens = np.ascontiguousarray(window.tokens, dtype="<i4").tobytes()
     inputs = {
@@ -63,6 +73,7 @@ def teacher_key(model: Any, window: Any, fmt: str | TeacherCacheFormat = COMPACT
         "n_tokens": int(len(window.tokens)),
         "scored_from": int(window.scored_from),
         "n_scored": int(window.n_scored),
+        "code": code_digest(CODE_ROOTS),
     }
     if fmt.kind == "exact":
         return content_key(STAGE, VERSION, inputs)
@@ -70,7 +81,7 @@ def teacher_key(model: Any, window: Any, fmt: str | TeacherCacheFormat = COMPACT
     return content_key(STAGE, COMPACT_VERSION, inputs)
 
 
-def run_teacher(model: Any, windows: Sequence[Any]) -> list[TeacherOutput]:
+def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutput]:
     """One batched teacher forward over ``windows`` (no cache)."""
     from healsweep.kernels.kld import log_softmax
     from healsweep.model import forward
@@ -85,12 +96,15 @@ def run_teacher(model: Any, windows: Sequence[Any]) -> list[TeacherOutput]:
 
 
 def _entry(
-    model: Any, window: Any, out: TeacherOutput, fmt: TeacherCacheFormat
+    model: GGUFModel, window: Window, out: TeacherOutput, fmt: TeacherCacheFormat
 ) -> dict[str, np.ndarray]:
     """The arrays stored for one window in ``fmt``."""
     if fmt.kind == "exact":
         return {"logprobs": out.logprobs, "topk_ids": out.topk_ids}
-    record = compact_record(out.logprobs, window.scored_tokens, out.topk_ids, window.window_id, fmt)
+    # the scored tokens from the fields the key holds (not Window.scored_tokens: its module is
+    # no part of this stage's code digest)
+    scored = window.tokens[window.scored_from : window.scored_from + window.n_scored]
+    record = compact_record(out.logprobs, scored, out.topk_ids, window.window_id, fmt)
     arrays = record._asdict()
     arrays["topk_ids"] = record.topk_ids.astype(router_dtype(model.hparams.n_expert))
     return arrays
@@ -105,8 +119,8 @@ def _output(arrays: dict[str, np.ndarray], fmt: TeacherCacheFormat) -> Teacher:
 
 
 def teacher_outputs(
-    model: Any,
-    windows: Sequence[Any],
+    model: GGUFModel,
+    windows: Sequence[Window],
     cache: StageCache,
     fmt: str | TeacherCacheFormat = COMPACT,
 ) -> list[Teacher]:
@@ -137,6 +151,7 @@ def teacher_outputs(
 
 
 __all__ = [
+    "CODE_ROOTS",
     "COMPACT_VERSION",
     "STAGE",
     "VERSION",

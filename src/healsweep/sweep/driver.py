@@ -20,17 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ray.tune.experiment import Trial
 from ray.tune.search.optuna import OptunaSearch
 
 from healsweep.errors import ResultsError, SpecError
-from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials, read_windows
-from healsweep.score.record import WindowRecord
+from healsweep.results.schema import scored_all
+from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials
 from healsweep.sweep.fixed import run_fixed
 from healsweep.sweep.manifest import read_spec, start_manifest
+from healsweep.sweep.progress import ProgressSink
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
 from healsweep.sweep.space import baseline_point, grid_configs, optuna_space
 from healsweep.sweep.spec import SweepSpec
-from healsweep.sweep.trial import TARGET_METRIC, open_book, sweep_trial
+from healsweep.sweep.trial import TARGET_METRIC, open_book, prior_windows, sweep_trial
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
 _RAY_NAMES = {"cpu": "CPU", "gpu": "GPU"}  # spec/Tune spelling -> ray.cluster_resources()
@@ -45,7 +47,9 @@ class PruneAwareOptunaSearch(OptunaSearch):
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
         """Tell the study how the trial ended (see the class)."""
-        if result and (error or result.get("windows_done", 0) < result.get("windows_total", 0)):
+        if result and (
+            error or not scored_all(result.get("windows_done", 0), result.get("windows_total"))
+        ):
             result = None  # OptunaSearch tells a valueless trial FAIL with error, else PRUNED
         super().on_trial_complete(trial_id, result, error)
 
@@ -58,7 +62,7 @@ class SweepRun:
     trials: list[dict[str, Any]]
 
 
-def trial_dirname(trial: Any) -> str:
+def trial_dirname(trial: Trial) -> str:
     """Tune trial folder names: ``trial_<id>`` (the config lives in Parquet, not in the name)."""
     return f"trial_{trial.trial_id}"
 
@@ -123,7 +127,8 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
     elif started:
         # An embedded cluster is this process's own: Ray's notice that it enabled token
         # authentication by default (it did; nothing to act on) is noise on the sweep's console.
-        auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+        # It reaches the console through the handlers of Ray's public "ray" logger (its own
+        # loggers propagate to it), so the filter sits on those while the cluster starts.
         notice = "Token authentication is enabled for this Ray cluster"
 
         def drop_notice(record: logging.LogRecord) -> bool:
@@ -131,7 +136,9 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
 
         per_trial = max(1, int(spec.trial_resources()["cpu"]))
         local = num_cpus or max(1, min(os.cpu_count() or 1, spec.max_concurrent * per_trial))
-        auth_log.addFilter(drop_notice)
+        handlers = list(logging.getLogger("ray").handlers)
+        for handler in handlers:
+            handler.addFilter(drop_notice)
         try:
             ray.init(
                 num_cpus=local,
@@ -140,7 +147,8 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
                 log_to_driver=False,
             )
         finally:
-            auth_log.removeFilter(drop_notice)
+            for handler in handlers:
+                handler.removeFilter(drop_notice)
     try:
         available = ray.cluster_resources()
         for name, amount in spec.trial_resources().items():
@@ -156,14 +164,6 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
             ray.shutdown()
 
 
-def prior_windows(sweep_dir: Path) -> dict[str, dict[str, WindowRecord]]:
-    """Finished windows per config hash, from the sweep's Parquet rows."""
-    prior: dict[str, dict[str, WindowRecord]] = {}
-    for row in read_windows(sweep_dir).to_pylist():
-        prior.setdefault(row["config_hash"], {})[row["window_id"]] = WindowRecord.from_dict(row)
-    return prior
-
-
 def _trainable(spec: SweepSpec, prior: dict, work_fn: WorkFn) -> Any:
     from ray import tune
 
@@ -176,7 +176,8 @@ def _search(spec: SweepSpec) -> tuple[Any, dict[str, Any], int]:
     from ray import tune
 
     if spec.sampler.type == "grid":
-        return None, {"knobs": tune.grid_search(grid_configs(spec))}, 1
+        configs = [knobs.model_dump() for knobs in grid_configs(spec)]  # Tune's config is data
+        return None, {"knobs": tune.grid_search(configs)}, 1
     import optuna
 
     optuna.logging.set_verbosity(logging.WARNING)  # no "study created" lines on the console
@@ -269,7 +270,7 @@ def run_sweep(
     num_cpus: int | None = None,
     work_fn: WorkFn = run_trial_work,
     identity_fn: Callable[[SweepSpec], dict[str, Any]] = sweep_identity,
-    on_progress: Callable[[Any], None] | None = None,
+    on_progress: ProgressSink | None = None,
 ) -> SweepRun:
     """Run a new sweep into ``RESULTS/<spec.name>/``; refuse a folder that already holds one."""
     root = Path(results_root or spec.results).resolve()
@@ -299,7 +300,7 @@ def resume_sweep(
     address: str | None = None,
     num_cpus: int | None = None,
     work_fn: WorkFn = run_trial_work,
-    on_progress: Callable[[Any], None] | None = None,
+    on_progress: ProgressSink | None = None,
 ) -> SweepRun:
     """Finish an interrupted sweep: finished trials are not re-run, finished windows not
     re-scored (they are replayed from the Parquet rows)."""
@@ -312,7 +313,7 @@ def resume_sweep(
 
 
 def _run(
-    spec: SweepSpec, sweep_dir: Path, work_fn: WorkFn, on_progress: Callable[[Any], None] | None
+    spec: SweepSpec, sweep_dir: Path, work_fn: WorkFn, on_progress: ProgressSink | None
 ) -> SweepRun:
     """Score the fixed rows not completed yet, then run the Tune experiment: a new one, or the
     saved one restored (a resumed sweep killed before Tune saved any state starts over,
@@ -326,8 +327,8 @@ def _run(
     # not as a Ray serialization error of a task, nor lingering in Tune's process-wide parameter
     # registry to break every later ray.init in this process.
     ray.cloudpickle.dumps(work_fn)
-    prior = prior_windows(sweep_dir)
     run_fixed(spec, sweep_dir, work_fn)  # references, externals: before the trials
+    prior = prior_windows(sweep_dir)  # with the fixed rows': a trial of their student replays
     register_sink(sweep_dir, on_progress)
     try:
         saved = any(sweep_dir.glob("experiment_state-*.json"))  # tuner.pkl alone is no state

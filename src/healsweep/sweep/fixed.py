@@ -3,7 +3,9 @@
 
 Each runs as one Ray task with a trial's resources before the Tune experiment, so neither the
 pruner nor the Optuna study ever sees it; its windows come back when the task ends and the results
-recorder writes them with the config's ``trials.parquet`` row.
+recorder writes them with the config's ``trials.parquet`` row. A window another row has already
+scored for the same student is taken from that row instead of scored again (and the trials of a
+reference's student replay the reference's windows: :mod:`healsweep.sweep.trial`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,21 +21,22 @@ from typing import Any
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
-from healsweep.results.schema import Q2_0_BPW, knob_columns
+from healsweep.results.schema import Q2_0_BPW, Role, TrialStatus, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
-from healsweep.sweep.space import baseline_knobs
-from healsweep.sweep.trial import enable_compilation_cache, stamped, trial_seed
+from healsweep.sweep.spec import SweepSpec
+from healsweep.sweep.trial import enable_compilation_cache, prior_windows, stamped, trial_seed
 from healsweep.sweep.work import WorkFn, run_external_work
 
 log = logging.getLogger(__name__)
-ExternalFn = Callable[[Any, str, Any, int], Any]
+# An external GGUF's work: (spec, its path, ids of the windows done, seed) -> its records.
+ExternalFn = Callable[[SweepSpec, str, Collection[str], int], Iterator[WindowRecord]]
 
 
 @dataclass(frozen=True)
 class FixedConfig:
     """One reference or external row: what it scores and its identity in the results."""
 
-    role: str  # "reference" | "external"
+    role: Role  # reference | external
     label: str  # unhealed | plain | the external entry's name
     knobs: Knobs | None  # None for an external GGUF
     path: str | None = None
@@ -43,7 +46,7 @@ class FixedConfig:
     @property
     def trial_id(self) -> str:
         """``ref-<label>`` or ``ext-<label>`` (never a Tune trial id)."""
-        return f"{'ref' if self.role == 'reference' else 'ext'}-{self.label}"
+        return f"{'ref' if self.role == Role.REFERENCE else 'ext'}-{self.label}"
 
     @property
     def config_hash(self) -> str:
@@ -57,41 +60,50 @@ class FixedConfig:
         }
         return hashlib.sha256(canonical_json(identity).encode()).hexdigest()[:16]
 
+    @property
+    def student(self) -> str:
+        """The student it scores, as :func:`~healsweep.results.schema.student_of` names it."""
+        return self.config_hash if self.knobs is None else self.knobs.student_key()
+
     def columns(self) -> dict[str, Any]:
         """Its config columns in the results (an external has no knob columns)."""
-        knobs = {} if self.knobs is None else knob_columns(self.knobs.model_dump())
         return {
             "config_hash": self.config_hash,
             "is_baseline": False,
-            "role": self.role,
+            "role": self.role.value,
             "label": self.label,
             "routed_bpw": self.routed_bpw,
             "external_path": self.path,
-            **knobs,
+            **knob_columns(self.knobs),
         }
 
 
-def reference_knobs(spec: Any, name: str) -> Knobs:
+def reference_knobs(spec: SweepSpec, name: str) -> Knobs:
     """The knobs of reference ``name``: the baseline with healing off (``plain``: also its
     quantizer replaced by round-to-nearest)."""
-    unhealed = baseline_knobs(spec).replace(alpha="none", ridge=False)
+    unhealed = spec.baseline.replace(alpha="none", ridge=False)
     return unhealed.replace(quantizer="plain") if name == "plain" else unhealed
 
 
-def fixed_configs(spec: Any) -> list[FixedConfig]:
+def fixed_configs(spec: SweepSpec) -> list[FixedConfig]:
     """The spec's references (in ``REFERENCES`` order), then its external entries."""
-    from healsweep.gguf_io import open_model, routed_expert_bpw
+    from healsweep.gguf_io import routed_expert_bpw
+    from healsweep.model import open_model
 
-    out = [FixedConfig("reference", n, reference_knobs(spec, n)) for n in spec.reference_names()]
+    out = [FixedConfig(Role.REFERENCE, n, reference_knobs(spec, n)) for n in spec.reference_names()]
     for entry in spec.external:
         model = open_model(entry.path)
         bpw = routed_expert_bpw(model)
-        out.append(FixedConfig("external", entry.name, None, entry.path, model.fingerprint, bpw))
+        out.append(FixedConfig(Role.EXTERNAL, entry.name, None, entry.path, model.fingerprint, bpw))
     return out
 
 
 def _score_fixed(
-    spec: Any, fixed: FixedConfig, done: frozenset, work_fn: WorkFn, external_fn: ExternalFn
+    spec: SweepSpec,
+    fixed: FixedConfig,
+    done: frozenset[str],
+    work_fn: WorkFn,
+    external_fn: ExternalFn,
 ) -> list[WindowRecord]:
     """(A Ray task) score the config's missing windows; their records."""
     enable_compilation_cache()
@@ -103,7 +115,7 @@ def _score_fixed(
     return list(stamped(results))
 
 
-def _task_options(spec: Any) -> dict[str, Any]:
+def _task_options(spec: SweepSpec) -> dict[str, Any]:
     resources = spec.trial_resources()
     return {
         "num_cpus": resources.pop("cpu"),
@@ -114,10 +126,10 @@ def _task_options(spec: Any) -> dict[str, Any]:
 
 
 def run_fixed(
-    spec: Any, sweep_dir: Path, work_fn: WorkFn, external_fn: ExternalFn = run_external_work
+    spec: SweepSpec, sweep_dir: Path, work_fn: WorkFn, external_fn: ExternalFn = run_external_work
 ) -> list[FixedConfig]:
-    """Score every fixed config not yet completed (only its windows missing from the Parquet
-    rows) and record it; returns the configs that were run."""
+    """Score every fixed config not yet completed (only its student's windows missing from the
+    Parquet rows) and record it; returns the configs that were run."""
     import ray
 
     from healsweep.sweep.recorder import ResultsRecorder
@@ -133,10 +145,17 @@ def run_fixed(
                 f"(config {row['config_hash']} then, {fixed.config_hash} now: its file or the "
                 "baseline changed); restore it, or run a new sweep"
             )
-        if row is None or row["status"] != "completed":
+        if row is None or row["status"] != TrialStatus.COMPLETED:
             pending.append(fixed)
     if not pending:
         return []
+    prior = prior_windows(sweep_dir)
+    for fixed in pending:  # windows scored for its student by another row: not scored again
+        recorder.open(fixed.trial_id, fixed.columns())
+        mine = recorder.pool(fixed.trial_id).window_ids
+        known = prior.get(fixed.student, {}).values()
+        replayed = sorted((r for r in known if r.window_id not in mine), key=lambda r: r.position)
+        recorder.record(fixed.trial_id, [record.to_dict() for record in replayed])
     task = ray.remote(_score_fixed).options(**_task_options(spec))
     started = time.time()
     waiting = list(pending)
@@ -152,12 +171,12 @@ def run_fixed(
             records, status = ray.get(ready[0]), None
         except Exception as exc:  # recorded as an error row; a resume tries it again
             log.warning("%s %s failed: %s", fixed.role, fixed.label, str(exc).splitlines()[0])
-            records, status = [], "error"
+            records, status = [], TrialStatus.ERROR
         row = recorder.open(fixed.trial_id, fixed.columns())
-        row.update(started_at=started, n_failures=int(status == "error"))
+        row.update(started_at=started, n_failures=int(status == TrialStatus.ERROR))
         records = sorted(records, key=lambda record: record.position)
         recorder.record(fixed.trial_id, [record.to_dict() for record in records])
         pool = recorder.pool(fixed.trial_id)
-        complete = bool(pool.total) and len(pool.window_ids) >= pool.total
-        recorder.finish(fixed.trial_id, status or ("completed" if complete else "running"))
+        ended = TrialStatus.COMPLETED if scored_all(len(pool.window_ids), pool.total) else None
+        recorder.finish(fixed.trial_id, status or ended or TrialStatus.RUNNING)
     return pending

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from healsweep.results.schema import row_role
+from healsweep.results.schema import TrialStatus, best_trial, row_role
 
 ProgressSink = Callable[["Progress"], None]
 _SINKS: dict[str, ProgressSink] = {}
@@ -64,22 +64,24 @@ class Progress:
         final: bool = False,
     ) -> Progress:
         """The progress shown by ``trials.parquet`` rows (reference and external rows are not
-        trials of the experiment) after ``windows_scored`` windows in ``elapsed_s`` seconds."""
-        trials = [t for t in rows if row_role(t) in ("trial", "baseline")]
-        status = Counter(t["status"] for t in trials)
-        running = [t for t in trials if t["status"] in ("running", "retrying")]
-        done = [t for t in trials if t["status"] == "completed" and t["kld_mean"] is not None]
-        best = min(done, key=lambda t: t["kld_mean"], default=None)
-        baseline = next((t for t in done if t["is_baseline"]), None)
+        trials of the experiment) after ``windows_scored`` windows in ``elapsed_s`` seconds;
+        the best trial by :func:`~healsweep.results.schema.best_trial`."""
+        trials = [t for t in rows if row_role(t).tuned]
+        status = Counter(TrialStatus(t["status"]) for t in trials)
+        running = [t for t in trials if t["status"] in (TrialStatus.RUNNING, TrialStatus.RETRYING)]
+        best = best_trial(trials)
+        baseline = next(
+            (t for t in trials if t["is_baseline"] and t["status"] == TrialStatus.COMPLETED), None
+        )
         total = max((t["windows_total"] or 0 for t in trials), default=0)
         left = sum(total - t["windows_scored"] for t in running)
         left += max(0, planned - len(trials)) * total
         return cls(
             planned=planned,
             running=len(running),
-            completed=status["completed"],
-            pruned=status["pruned"],
-            failed=status["error"],
+            completed=status[TrialStatus.COMPLETED],
+            pruned=status[TrialStatus.PRUNED],
+            failed=status[TrialStatus.ERROR],
             windows_scored=windows_scored,
             windows_total=total,
             best_kld=math.nan if best is None else best["kld_mean"],

@@ -3,17 +3,10 @@
 Ray's ``OptunaSearch`` has no pruner hook and keys intermediate values by
 ``training_iteration``, so pruning lives here instead. Every Tune trial maps to one trial of an
 Optuna study kept in a journal file in the experiment directory; a resumed sweep reopens the same
-journal and keeps its pruning history (the Tune trial id is stored as a user attribute).
-
-- ``wilcoxon``: after each window the trial reports that window's mean KLD with ``step`` = the
-  window's index in the sweep's fixed global order. ``optuna.pruners.WilcoxonPruner`` pairs those
-  values with the best *completed* trial's values at the same steps (windows both have scored)
-  and prunes when the trial is significantly worse. Trials score windows in shuffled orders, so
-  the pairs are a random subset of windows that grows as the trial runs.
-- ``median``: ``optuna.pruners.MedianPruner`` on the running pooled KLD with ``step`` = windows
-  scored so far (it compares one step across trials, so it is given the running mean).
-- ``futility`` (with ``wilcoxon``): a trial is also stopped once it can no longer end up
-  demonstrably better than the best completed trial (see :func:`futile`).
+journal and keeps its pruning history (the Tune trial id is stored as a user attribute). What
+each window's result tells the study, and which Optuna pruner judges a trial (the futility rule
+is a pruner wrapping the Wilcoxon one), is the spec's strategy
+(:mod:`healsweep.sweep.pruners`); the scheduler only asks it.
 
 The baseline is never pruned, and no trial is pruned on its last window (nothing left to save).
 A pruned trial is told ``PRUNED`` to the study at once; its windows stay in the results.
@@ -23,54 +16,20 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from optuna.trial import TrialState
+from ray.tune.experiment import Trial
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
+from healsweep.results.schema import scored_all
+from healsweep.sweep.pruners import Strategy, strategy_of
 from healsweep.sweep.spec import PrunerSpec
 from healsweep.sweep.trial import TARGET_METRIC
 
 STUDY_NAME = "healsweep-pruning"
 JOURNAL_FILE = "optuna-pruning.journal"
-
-
-def futile(
-    trial_values: Mapping[int, float],
-    best_values: Mapping[int, float],
-    windows_total: int,
-    confidence: float,
-    min_windows: int,
-    ci_level: float,
-) -> bool:
-    """True when a trial can no longer beat the best completed trial by what the decision rule
-    needs: a relative improvement whose ``ci_level`` CI over ``windows_total`` windows excludes 0,
-    about ``z * sd / sqrt(N)``. The best, not the baseline: the rule judges against the baseline,
-    but a sweep's answer is its best config, and the baseline is a completed trial too, so the
-    best is never worse. On the ``n`` shared windows ``d = (trial - best) / mean(best)`` (pooled
-    relative change, delta method); the one-sided ``confidence`` Student-t upper bound of the
-    improvement, ``-mean(d) + t * sd(d) / sqrt(n)``, is closed-form and fair for window means at
-    n >= ~10 (a Hoeffding bound would need a KLD range that does not exist)."""
-    shared = sorted(set(trial_values) & set(best_values))
-    n = len(shared)
-    if n < max(min_windows, 2):
-        return False
-    from scipy import stats
-
-    trial = np.array([trial_values[s] for s in shared], dtype=np.float64)
-    best = np.array([best_values[s] for s in shared], dtype=np.float64)
-    scale = best.mean()
-    if not (np.isfinite(trial).all() and np.isfinite(best).all() and scale > 0):
-        return False  # bad data: never stop a trial on it
-    rel = (trial - best) / scale  # [n]
-    sd = rel.std(ddof=1)
-    upper = -rel.mean() + stats.t.ppf(confidence, n - 1) * sd / np.sqrt(n)
-    needed = stats.norm.ppf(0.5 + ci_level / 2) * sd / np.sqrt(max(windows_total, n))
-    return bool(upper < needed)
 
 
 def repair_journal(path: str | Path) -> None:
@@ -92,16 +51,14 @@ def repair_journal(path: str | Path) -> None:
 
 
 class WindowPruningScheduler(FIFOScheduler):
-    """A FIFO scheduler that stops trials an Optuna pruner judges worse than the best trial."""
+    """A FIFO scheduler that stops trials its strategy's Optuna pruner judges worse than the
+    best trial."""
 
     def __init__(self, journal_path: str | Path, pruner: PrunerSpec):
         """``pruner``: the spec's, of type ``wilcoxon`` or ``median``."""
         super().__init__()
         self.journal_path = str(journal_path)
-        self.kind = pruner.type
-        self.p_threshold = pruner.p_threshold
-        self.n_startup_steps = pruner.n_startup_steps
-        self.futility = pruner.futility and pruner.futility.model_dump()
+        self.strategy: Strategy = strategy_of(pruner)
         self._study: Any = None
         self._live: dict[str, Any] = {}  # tune trial id -> its running optuna.trial.Trial
         self._steps: dict[str, dict[int, float]] = {}  # tune trial id -> its reports by step
@@ -113,18 +70,20 @@ class WindowPruningScheduler(FIFOScheduler):
         state.update(_study=None, _live={}, _steps={}, _done=set())  # reopened from the journal
         return state
 
-    # The study -----------------------------------------------------------------------------
-
-    def _pruner(self) -> Any:
-        import optuna
-
-        if self.kind == "wilcoxon":  # "experimental" since optuna 3.6; the API is what we use
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.pruners.WilcoxonPruner(
-                    p_threshold=self.p_threshold, n_startup_steps=self.n_startup_steps
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "kind" in state:  # pickled by a healsweep before strategies (a sweep still running)
+            futility = state.pop("futility")
+            state["strategy"] = strategy_of(
+                PrunerSpec(
+                    type=state.pop("kind"),
+                    p_threshold=state.pop("p_threshold"),
+                    n_startup_steps=state.pop("n_startup_steps"),
+                    futility=futility if futility is not None else False,
                 )
-        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=self.n_startup_steps)
+            )
+        self.__dict__.update(state)
+
+    # The study -----------------------------------------------------------------------------
 
     @property
     def study(self) -> Any:
@@ -144,7 +103,7 @@ class WindowPruningScheduler(FIFOScheduler):
                 storage=storage,
                 study_name=STUDY_NAME,
                 direction="minimize",
-                pruner=self._pruner(),
+                pruner=self.strategy.pruner(),
                 load_if_exists=True,
             )
             trials = sorted(self._study.get_trials(deepcopy=False), key=lambda t: t.number)
@@ -170,7 +129,7 @@ class WindowPruningScheduler(FIFOScheduler):
             created.set_user_attr(name, value)
         return created
 
-    def _optuna_trial(self, trial: Any, result: dict[str, Any]) -> Any:
+    def _optuna_trial(self, trial: Trial, result: dict[str, Any]) -> Any:
         """The running Optuna trial of a Tune trial (asked for on its first result), or None
         once it has been told its end."""
         self.study  # noqa: B018 - opens the journal: a restored scheduler learns what was told
@@ -187,7 +146,7 @@ class WindowPruningScheduler(FIFOScheduler):
             self._steps[trial.trial_id] = {}
         return self._live[trial.trial_id]
 
-    def _tell(self, trial: Any, value: float | None = None, state: str | None = None) -> None:
+    def _tell(self, trial: Trial, value: float | None = None, state: str | None = None) -> None:
         self.study.tell(self._live.pop(trial.trial_id), value, state=state and TrialState[state])
         self._done.add(trial.trial_id)
         if state == "PRUNED":
@@ -195,40 +154,25 @@ class WindowPruningScheduler(FIFOScheduler):
 
     # Tune hooks ----------------------------------------------------------------------------
 
-    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+    def on_trial_result(self, tune_controller: Any, trial: Trial, result: dict[str, Any]) -> str:
         """Record the window's value and decide CONTINUE or STOP (pruned)."""
         if "window_index" not in result or "kld_mean" not in result:
             return TrialScheduler.CONTINUE
         ot_trial = self._optuna_trial(trial, result)
         if ot_trial is None:
             return TrialScheduler.STOP if trial.trial_id in self.pruned else TrialScheduler.CONTINUE
-        if self.kind == "wilcoxon":
-            step, value = int(result["window_index"]), float(result["kld_mean"])
-        else:
-            step, value = int(result["windows_done"]), float(result[TARGET_METRIC])
+        step, value = self.strategy.observation(result)
         if step not in self._steps[trial.trial_id]:
             ot_trial.report(value, step)
             self._steps[trial.trial_id][step] = value
-        if result.get("is_baseline") or result["windows_done"] >= result["windows_total"]:
+        if result.get("is_baseline") or scored_all(result["windows_done"], result["windows_total"]):
             return TrialScheduler.CONTINUE
-        if ot_trial.should_prune() or self._futile(trial, int(result["windows_total"])):
+        if ot_trial.should_prune():
             self._tell(trial, state="PRUNED")
             return TrialScheduler.STOP
         return TrialScheduler.CONTINUE
 
-    def _futile(self, trial: Any, windows_total: int) -> bool:
-        if self.futility is None:
-            return False
-        try:
-            best = self.study.best_trial
-        except ValueError:  # no completed trial yet
-            return False
-        from healsweep.score.stats import DecisionRule
-
-        return futile(self._steps[trial.trial_id], best.intermediate_values, windows_total,
-                      ci_level=DecisionRule().ci_level, **self.futility)  # fmt: skip
-
-    def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> None:
+    def on_trial_complete(self, tune_controller: Any, trial: Trial, result: dict[str, Any]) -> None:
         """Tell the study the trial's pooled KLD (a trial stopped by the pruner is already told)."""
         super().on_trial_complete(tune_controller, trial, result)
         if not result or TARGET_METRIC not in result:
@@ -236,12 +180,12 @@ class WindowPruningScheduler(FIFOScheduler):
         self.study  # noqa: B018 - opens the journal: a restored scheduler learns what was told
         if trial.trial_id not in self._live:
             return
-        if result.get("windows_done", 0) >= result.get("windows_total", 1):
+        if scored_all(result.get("windows_done", 0), result.get("windows_total")):
             self._tell(trial, float(result[TARGET_METRIC]))
         else:
             self._tell(trial, state="PRUNED")
 
-    def on_trial_error(self, tune_controller: Any, trial: Any) -> None:
+    def on_trial_error(self, tune_controller: Any, trial: Trial) -> None:
         """A trial that will not be retried is told ``FAIL``; a retried one keeps its history."""
         super().on_trial_error(tune_controller, trial)
         self.study  # noqa: B018 - opens the journal (see on_trial_complete)

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from ray.tune import Callback
+from ray.tune.experiment import Trial
 
-from healsweep.results.schema import KNOB_PREFIX, Q2_0_BPW, knob_columns, to_table, trial_schema
+from healsweep.results.schema import KNOB_PREFIX, TrialStatus, end_status, to_table, trial_schema
 from healsweep.results.store import (
     TRIALS_FILE,
     WINDOWS_DIR,
@@ -28,7 +29,8 @@ from healsweep.results.store import (
     write_windows,
 )
 from healsweep.sweep.progress import Progress, progress_sink
-from healsweep.sweep.space import baseline_knobs, config_hash, planned_trials, resolve_knobs
+from healsweep.sweep.space import planned_trials, trial_identity
+from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import RunningPool
 
 PROGRESS_EVERY_S = 2.0
@@ -44,7 +46,7 @@ _COUNTED = [
 class ResultsRecorder(Callback):
     """Writes the windows dataset and ``trials.parquet`` of one sweep (see module docstring)."""
 
-    def __init__(self, sweep_dir: str | Path, spec: Any) -> None:
+    def __init__(self, sweep_dir: str | Path, spec: SweepSpec) -> None:
         self.sweep_dir = Path(sweep_dir)
         self.spec = spec
         self._reset()
@@ -88,7 +90,8 @@ class ResultsRecorder(Callback):
         """The ``trials.parquet`` row of ``trial_id``, made from its ``config`` columns (config
         hash, role, knobs, ...) when it has none yet."""
         if trial_id not in self.trials:
-            new = {"sweep": self.spec.name, "trial_id": trial_id, **config, "status": "pending"}
+            status = TrialStatus.PENDING
+            new = {"sweep": self.spec.name, "trial_id": trial_id, **config, "status": status}
             self.trials[trial_id] = {**new, "pruned": False, "n_failures": 0, "started_at": None}
         return self.trials[trial_id]
 
@@ -114,10 +117,10 @@ class ResultsRecorder(Callback):
         self._seq[trial_id] = seq + 1
         self._seen.update(keys)
 
-    def finish(self, trial_id: str, status: str) -> None:
+    def finish(self, trial_id: str, status: TrialStatus) -> None:
         """End a trial with ``status``: consolidate its rows, rewrite ``trials.parquet``."""
         row = self.trials[trial_id]
-        row.update(status=status, ended_at=time.time())
+        row.update(status=status, pruned=status == TrialStatus.PRUNED, ended_at=time.time())
         consolidate_trial(self.windows_dir, trial_id, pruned=row["pruned"])
         self._seq.pop(trial_id, None)
         self._write_trials()
@@ -142,50 +145,41 @@ class ResultsRecorder(Callback):
 
     # Tune hooks ----------------------------------------------------------------------------
 
-    def _tune_trial(self, trial: Any) -> dict[str, Any]:
-        if trial.trial_id not in self.trials:
-            knobs = resolve_knobs(self.spec, trial.config)
-            is_baseline = config_hash(knobs) == config_hash(baseline_knobs(self.spec))
-            config = {
-                "config_hash": config_hash(knobs),
-                "is_baseline": is_baseline,
-                "role": "baseline" if is_baseline else "trial",
-                "routed_bpw": Q2_0_BPW,
-                **knob_columns(knobs.model_dump()),
-            }
-            self.open(trial.trial_id, config)
+    def _tune_trial(self, trial: Trial) -> dict[str, Any]:
+        if trial.trial_id not in self.trials:  # its columns, from the trial's one identity
+            self.open(trial.trial_id, trial_identity(self.spec, trial.config).columns())
         return self.trials[trial.trial_id]
 
-    def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_start(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:
         row = self._tune_trial(trial)
-        row["status"] = "running"
+        row["status"] = TrialStatus.RUNNING
         row["started_at"] = row["started_at"] or time.time()
         self._write_trials()
 
     def on_trial_result(
-        self, iteration: int, trials: list, trial: Any, result: dict, **info: Any
+        self, iteration: int, trials: list, trial: Trial, result: dict, **info: Any
     ) -> None:
         if "window_id" not in result:
             return
-        self._tune_trial(trial)["status"] = "running"
+        self._tune_trial(trial)["status"] = TrialStatus.RUNNING
         self.record(trial.trial_id, [result])
         self._scored += not result.get("replayed")
         self._progress()
 
-    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        row, pool = self._tune_trial(trial), self.pool(trial.trial_id)
-        row["pruned"] = bool(pool.total) and len(pool.window_ids) < pool.total
-        self.finish(trial.trial_id, "pruned" if row["pruned"] else "completed")
+    def on_trial_complete(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:
+        self._tune_trial(trial)
+        pool = self.pool(trial.trial_id)
+        self.finish(trial.trial_id, end_status(len(pool.window_ids), pool.total))
 
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_error(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:
         row = self._tune_trial(trial)
         row["n_failures"] = int(getattr(trial, "num_failures", row["n_failures"] + 1))
-        self.finish(trial.trial_id, "error")
+        self.finish(trial.trial_id, TrialStatus.ERROR)
 
-    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_recover(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:
         row = self._tune_trial(trial)
         row["n_failures"] = int(getattr(trial, "num_failures", row["n_failures"] + 1))
-        row["status"] = "retrying"
+        row["status"] = TrialStatus.RETRYING
         self._write_trials()
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:

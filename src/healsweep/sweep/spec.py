@@ -1,21 +1,43 @@
 """The sweep spec: one YAML file that says what a sweep runs, validated once at the edge.
 
 Every problem raises :class:`~healsweep.errors.SpecError` with one line that names the field (and
-its YAML line when the spec came from a file), the bad value and what is allowed. Knob values are
-checked by :class:`healsweep.heal.knobs.Knobs` itself, so the spec and the healer agree on ranges.
+its YAML line when the spec came from a file), the bad value and what is allowed. ``baseline``
+and ``fixed`` are :class:`~healsweep.heal.knobs.Knobs`, ``calibration`` a
+:class:`~healsweep.heal.knobs.CalibrationConfig` and each ``search_space`` dimension holds values
+of its knob's own type, so pydantic checks every knob value against the knob's own field once,
+here. What a field accepts, in words, is its docstring (error messages quote it).
+
+The stored form of a spec (``spec.json``, and its hash in the manifest) keeps ``baseline``,
+``fixed``, ``search_space`` and ``calibration`` as they were written: a spec hashes as it did
+before these fields were typed, so earlier sweeps still resume.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from healsweep.errors import SpecError
-from healsweep.results.schema import REFERENCES
+from healsweep.errors import KnobError, SpecError
+from healsweep.heal.knobs import CalibrationConfig, Knobs, problem
+from healsweep.results.schema import REFERENCES, Role
+from healsweep.sweep.dimensions import SHAPES, Choices, Range, SearchSpace
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -108,14 +130,14 @@ class SweepSpec(_Strict):
     """a corpus JSONL path or 'demo'"""
     split: str = "auto"
     """a split YAML path or 'auto' (the parity split of the corpus)"""
-    calibration: dict[str, Any] = Field(default_factory=dict)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     """a mapping of calibration settings (corpus, max_tokens, chunk_length, ...)"""
-    baseline: dict[str, Any] = Field(default_factory=dict)
+    baseline: Knobs = Field(default_factory=Knobs)
     """a mapping of knob: value"""
-    fixed: dict[str, Any] = Field(default_factory=dict)
-    """a mapping of knob: value"""
-    search_space: dict[str, Any] = Field(default_factory=dict)
-    """a mapping of knob: [grid values] | {low, high, log} | {choices: [...]}"""
+    fixed: Knobs = Field(default_factory=Knobs)
+    """a mapping of knob: value (only the knobs it names are fixed: ``fixed.model_fields_set``)"""
+    search_space: SearchSpace = Field(default_factory=SearchSpace)
+    """a mapping of knob: [grid values] | {choices: [...]} | {low, high, log, step}"""
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
     """grid, tpe or random, or {type: grid|tpe|random, seed: int}"""
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
@@ -139,17 +161,51 @@ class SweepSpec(_Strict):
     external: list[ExternalSpec] = Field(default_factory=list)
     """a list of {name, path}: GGUF students scored beside the trials"""
 
+    # Fields added after sweeps were recorded, with the value that means "as before": at it they
+    # are left out of the stored form, so every earlier spec keeps its hash (as Knobs.ADDED_LATER).
+    added_later: ClassVar[dict[str, Any]] = {}
+    _given: dict[str, Any] = PrivateAttr(default_factory=dict)
+
     @field_validator("sampler", "pruner", mode="before")
     @classmethod
     def _type_shorthand(cls, value: Any) -> Any:  # `sampler: tpe` is `sampler: {type: tpe}`
         return {"type": value} if isinstance(value, str) else value
 
-    def calibration_config(self) -> Any:
-        """The trial's :class:`~healsweep.heal.knobs.CalibrationConfig` (corpus defaults to the
-        sweep's corpus)."""
-        from healsweep.heal.knobs import CalibrationConfig
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_as_given(cls, data: Any, handler: ModelWrapValidatorHandler[SweepSpec]) -> Any:
+        """Validate; remember the typed sections as written (their stored form), and let the
+        calibration corpus default to the sweep's corpus."""
+        if not isinstance(data, Mapping):
+            return handler(data)
+        given = {name: _plain(data[name]) for name in _AS_GIVEN if name in data}
+        calibration = data.get("calibration", {})
+        if isinstance(calibration, Mapping) and "corpus" not in calibration:
+            corpus = data.get("corpus", "demo")
+            data = {**data, "calibration": {"corpus": corpus, **calibration}}
+        spec = handler(data)
+        spec._given = given
+        return spec
 
-        return CalibrationConfig(**{"corpus": self.corpus, **self.calibration})
+    @model_serializer(mode="wrap")
+    def _dump_as_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped = handler(self)
+        for name in _AS_GIVEN:
+            if name in dumped:
+                dumped[name] = copy.deepcopy(self._given.get(name, {}))
+        for name, unchanged in self.added_later.items():
+            if name in dumped and getattr(self, name) == unchanged:
+                del dumped[name]
+        return dumped
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        """Unpickle. A spec pickled before its sections were typed (the results recorder held
+        in a running sweep's ``tuner.pkl``) is validated again from what it holds: its
+        sections become typed and its stored form, so its hash, stays what it was."""
+        fields = state.get("__dict__", {})
+        if isinstance(fields.get("baseline"), Mapping):
+            state = type(self).model_validate(fields).__getstate__()
+        super().__setstate__(state)
 
     def trial_resources(self) -> dict[str, float]:
         """Per-trial resources (also of a fixed row's task): one CPU unless the spec says
@@ -160,6 +216,17 @@ class SweepSpec(_Strict):
         """The reference rows this sweep scores (``unhealed``, ``plain``, both or none)."""
         chosen = REFERENCES if self.references is True else self.references or ()
         return tuple(r for r in REFERENCES if r in chosen)
+
+
+# Typed sections whose stored form is what the spec said (see the module docstring).
+_AS_GIVEN = ("calibration", "baseline", "fixed", "search_space")
+
+
+def _plain(value: Any) -> Any:
+    """A section's value as written (a model passed in code: the fields it was given)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_unset=True)
+    return copy.deepcopy(value)
 
 
 def spec_from_dict(
@@ -179,21 +246,15 @@ def spec_from_dict(
             "on dev windows only and never opens the test split; score test windows once per "
             "milestone with `healsweep confirm` (it records a ledger grant)"
         )
-    from healsweep.errors import KnobError
     from healsweep.sweep.space import check_space
 
-    try:
-        spec.calibration_config()
-    except KnobError as exc:
-        at = locate(where, lines, ("calibration",))
-        raise SpecError(f"{at}: field 'calibration': {exc}") from None
     check_space(spec, where=where, lines=lines)
     _check_external_names(spec, where, lines)
     return spec
 
 
 def _check_external_names(spec: SweepSpec, where: str, lines: Mapping) -> None:
-    taken = {"baseline", *REFERENCES}
+    taken = {Role.BASELINE.value, *REFERENCES}
     for i, entry in enumerate(spec.external):
         if entry.name in taken:
             raise SpecError(
@@ -240,11 +301,15 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
         for field, keep in _FILES.items()
         if getattr(spec, field) != keep
     }
-    corpus = spec.calibration.get("corpus")
-    if isinstance(corpus, str) and corpus != "demo":
-        changes["calibration"] = {**spec.calibration, "corpus": resolved(corpus)}
+    corpus = spec.calibration.corpus
+    if corpus != "demo":
+        changes["calibration"] = spec.calibration.model_copy(update={"corpus": resolved(corpus)})
     changes["external"] = [e.model_copy(update={"path": resolved(e.path)}) for e in spec.external]
-    return spec.model_copy(update=changes)
+    out = spec.model_copy(update=changes)
+    given = spec._given.get("calibration")
+    if isinstance(given, Mapping) and given.get("corpus", "demo") != "demo":  # stored resolved
+        out._given = {**spec._given, "calibration": {**given, "corpus": resolved(given["corpus"])}}
+    return out
 
 
 def _check_paths(spec: SweepSpec, where: str) -> None:
@@ -263,7 +328,7 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
     """Each ``external`` GGUF opens, and has the token list of the sweep's model; else one
     ``SpecError`` line naming the entry (before anything is started)."""
     from healsweep.errors import HealsweepError
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
     from healsweep.score.report import check_same_tokenizer
 
     teacher = open_model(spec.model)
@@ -314,8 +379,17 @@ def _pydantic_error(exc: ValidationError, where: str, lines: Mapping) -> SpecErr
     loc = tuple(err["loc"])
     if loc[:1] == ("references",):  # pydantic names the union's member (bool, list[...]) too
         loc = loc[:1]
+    shape = None
+    if loc[:1] == ("search_space",) and len(loc) > 2 and loc[2] in ("grid", "choices", "range"):
+        shape, loc = loc[2], loc[:2] + loc[3:]  # the dimension's shape (a union tag)
     name = field_name(loc) or "(top level)"
+    knob_error = err.get("ctx", {}).get("error")
+    if isinstance(knob_error, KnobError):  # baseline, fixed, calibration: Knobs' own message
+        at = locate(where, lines, (*loc, knob_error.name))
+        return SpecError(f"{at}: field '{name}': {knob_error}")
     at = locate(where, lines, loc)
+    if loc[:1] == ("search_space",) and len(loc) >= 2:
+        return _dimension_error(err, loc, shape, at)
     names = [part for part in loc if isinstance(part, str)]  # list indices dropped
     if err["type"] == "extra_forbidden":
         known = ", ".join(_MODELS[".".join(names[:-1])].model_fields)
@@ -326,6 +400,27 @@ def _pydantic_error(exc: ValidationError, where: str, lines: Mapping) -> SpecErr
     return SpecError(f"{at}: field '{name}' = {err['input']!r} is not allowed; expected {allowed}")
 
 
+def _dimension_error(err: Any, loc: tuple, shape: str | None, at: str) -> SpecError:
+    """A ``search_space`` error: an unknown knob, a value the knob refuses (a grid value, a
+    choice, a range's low or high), or a dimension of the wrong shape."""
+    knob, name = str(loc[1]), field_name(loc)
+    if err["type"] == "extra_forbidden" and len(loc) == 2:
+        known = ", ".join(Knobs.model_fields)
+        return SpecError(f"{at}: field 'search_space.{knob}': unknown knob; knobs are {known}")
+    if err["type"] == "extra_forbidden":
+        known = ", ".join((Range if shape == "range" else Choices).model_fields)
+        return SpecError(f"{at}: unknown field '{name}'; known fields: {known}")
+    if err["type"] == "value_error":
+        why = str(err["ctx"]["error"])
+        return SpecError(f"{at}: field '{name}' = {err['input']!r} is not allowed; {why}")
+    expected = _allowed(["search_space", knob, *map(str, loc[2:])], shape) or SHAPES
+    if err["type"] == "missing":
+        return SpecError(f"{at}: field '{name}' is missing; expected {expected}")
+    if isinstance(loc[-1], int) or loc[-1] in ("low", "high"):  # one of the knob's values
+        return SpecError(f"{at}: field '{name}': {problem(Knobs, {**err, 'loc': (knob,)})}")
+    return SpecError(f"{at}: field '{name}' = {err['input']!r} is not allowed; expected {expected}")
+
+
 # The model of each field path that holds one (only these can have an unknown field).
 _MODELS: dict[str, type[BaseModel]] = {
     "": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec, "pruner.futility": FutilitySpec,
@@ -333,8 +428,12 @@ _MODELS: dict[str, type[BaseModel]] = {
 }  # fmt: skip
 
 
-def _allowed(names: list[str]) -> str | None:
+def _allowed(names: list[str], shape: str | None = None) -> str | None:
     """What the deepest described field of the path ``names`` accepts (its docstring)."""
+    if shape is not None:  # a field of a search_space dimension
+        model = Range if shape == "range" else Choices
+        field = model.model_fields.get(names[-1]) if len(names) > 2 else None
+        return field.description if field is not None else None
     for cut in range(len(names), 0, -1):
         model = _MODELS.get(".".join(names[: cut - 1]))
         field = model.model_fields.get(names[cut - 1]) if model else None

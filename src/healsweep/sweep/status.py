@@ -41,7 +41,7 @@ def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
     fixed = {
         t["label"]: {"role": row_role(t), "status": t["status"], "kld_mean": t["kld_mean"]}
         for t in rows
-        if row_role(t) in ("reference", "external")
+        if not row_role(t).tuned
     }
     return {
         "sweep": manifest.get("sweep", sweep_dir.name),
@@ -49,7 +49,7 @@ def sweep_status(sweep_dir: str | Path) -> dict[str, Any]:
         "planned_trials": manifest.get("planned_trials"),
         "runs": len(manifest.get("runs", [])),
         "driver": driver_running(sweep_dir),
-        "trials": dict(Counter(t["status"] for t in rows if row_role(t) in ("trial", "baseline"))),
+        "trials": dict(Counter(t["status"] for t in rows if row_role(t).tuned)),
         "fixed": fixed,
         "windows_recorded": read_windows(sweep_dir).num_rows,
         "progress": Progress.of(rows, manifest.get("planned_trials") or 0, 0, 0.0),

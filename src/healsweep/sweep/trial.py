@@ -3,10 +3,13 @@ window) and the window book its trials share.
 
 A trial scores its dev windows in a seeded per-trial order and calls ``tune.report`` after each
 with the window's record and the running token-pooled KLD and top-1. A trial that starts or
-restarts takes the windows its config has finished from the :class:`WindowBook` and *replays*
+restarts takes the windows its student has finished from the :class:`WindowBook` and *replays*
 them (reports them again, flagged ``replayed``) instead of scoring them twice; the recorder
-writes no row twice. The book is filled from the Parquet rows, the one record of what is
-finished, so a trial keeps no Tune checkpoint of its own.
+writes no row twice. The book is keyed by student
+(:meth:`~healsweep.heal.knobs.Knobs.student_key`), so a trial whose student a reference row or
+another trial has scored replays those windows: a sweep scores each student once. It is filled
+from the Parquet rows, the one record of what is finished, so a trial keeps no Tune checkpoint
+of its own.
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import ray
 
+from healsweep.results.schema import student_of
+from healsweep.results.store import read_windows
 from healsweep.score.record import WindowMetrics, WindowRecord
-from healsweep.sweep.space import baseline_knobs, config_hash, resolve_knobs
+from healsweep.sweep.space import trial_identity
+from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.work import WorkFn
 
 TARGET_METRIC = "running_kld_mean"
@@ -32,24 +39,35 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class WindowBook:
-    """``{config_hash: {window_id: WindowRecord}}`` of one sweep run: trials add each window
-    they finish and ask for their config's when they start, so a trial retried (on this
-    machine or another) scores no window twice. It dies with the driver; a resumed sweep
-    fills a new one from the Parquet rows."""
+    """``{student key: {window_id: WindowRecord}}`` of one sweep run: trials add each window
+    they finish and ask for their student's when they start, so a trial retried (on this
+    machine or another) scores no window twice, nor one another row scored for the same
+    student. It dies with the driver; a resumed sweep fills a new one from the Parquet rows."""
 
     def __init__(self, prior: Mapping[str, Mapping[str, WindowRecord]]) -> None:
-        self._done = {chash: dict(windows) for chash, windows in prior.items()}
+        self._done = {student: dict(windows) for student, windows in prior.items()}
 
-    def add(self, chash: str, record: WindowRecord) -> None:
-        """Record one finished window of config ``chash``."""
-        self._done.setdefault(chash, {})[record.window_id] = record
+    def add(self, student: str, record: WindowRecord) -> None:
+        """Record one finished window of ``student``."""
+        self._done.setdefault(student, {})[record.window_id] = record
 
-    def done(self, chash: str) -> dict[str, WindowRecord]:
-        """Every finished window of config ``chash`` (by window id)."""
-        return self._done.get(chash, {})
+    def done(self, student: str) -> dict[str, WindowRecord]:
+        """Every finished window of ``student`` (by window id)."""
+        return self._done.get(student, {})
 
 
-def open_book(prior: Mapping[str, Mapping[str, WindowRecord]]) -> Any:
+def prior_windows(sweep_dir: Path) -> dict[str, dict[str, WindowRecord]]:
+    """Finished windows per student (:func:`~healsweep.results.schema.student_of`), from the
+    sweep's Parquet rows: whichever rows scored a window for a student, it is done for all."""
+    prior: dict[str, dict[str, WindowRecord]] = {}
+    students: dict[str, str] = {}  # config hash -> its student
+    for row in read_windows(sweep_dir).to_pylist():
+        student = students.setdefault(row["config_hash"], student_of(row))
+        prior.setdefault(student, {}).setdefault(row["window_id"], WindowRecord.from_dict(row))
+    return prior
+
+
+def open_book(prior: Mapping[str, Mapping[str, WindowRecord]]) -> ray.actor.ActorHandle:
     """Start the book on the head node with the windows finished so far.
 
     Not on "the driver's node": a driver on a machine that hosts several nodes (or a worker)
@@ -144,8 +162,8 @@ def enable_compilation_cache() -> None:
 def sweep_trial(
     config: Mapping[str, Any],
     *,
-    spec: Any,
-    book: Any,
+    spec: SweepSpec,
+    book: ray.actor.ActorHandle,
     work_fn: WorkFn,
 ) -> None:
     """The function trainable (wrap with ``tune.with_parameters``); ``book`` is the handle of
@@ -153,20 +171,19 @@ def sweep_trial(
     from ray import tune
 
     enable_compilation_cache()
-    knobs = resolve_knobs(spec, config)
-    chash = config_hash(knobs)
-    is_baseline = chash == config_hash(baseline_knobs(spec))
-    done: dict[str, WindowRecord] = dict(ray.get(book.done.remote(chash)))
+    trial = trial_identity(spec, config)
+    done: dict[str, WindowRecord] = dict(ray.get(book.done.remote(trial.student)))
     pool = RunningPool()
+    sent = {"config_hash": trial.config_hash, "is_baseline": trial.is_baseline}
 
     def report(record: WindowRecord, *, replayed: bool) -> None:
         row = record.to_dict()
         pool.add(row)
-        extra = {"config_hash": chash, "is_baseline": is_baseline, "replayed": replayed}
-        tune.report({**row, **extra, **pool.summary()})
+        tune.report({**row, **sent, "replayed": replayed, **pool.summary()})
 
     for record in sorted(done.values(), key=lambda r: r.position):
         report(record, replayed=True)
-    for record in stamped(work_fn(spec, knobs, frozenset(done), trial_seed(spec.seed, chash))):
-        book.add.remote(chash, record)
+    seed = trial_seed(spec.seed, trial.config_hash)
+    for record in stamped(work_fn(spec, trial.knobs, frozenset(done), seed)):
+        book.add.remote(trial.student, record)
         report(record, replayed=False)

@@ -12,15 +12,26 @@ test split.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from healsweep.errors import SplitError
+from healsweep.errors import SpecError, SplitError
+from healsweep.heal.knobs import Knobs
 from healsweep.score.record import WindowRecord
+from healsweep.sweep.spec import ScoringSpec, SweepSpec
+
+if TYPE_CHECKING:
+    from healsweep.cache import StageCache
+    from healsweep.data.corpus import Corpus
+    from healsweep.data.split import SplitConfig
+    from healsweep.data.windows import Window
+    from healsweep.gguf_io import GGUFModel
+    from healsweep.score.expert_cache import ExpertCacheConfig
+    from healsweep.score.runner import StudentModel
 
 # A work function: (spec, knobs, ids of the windows done, seed) -> a record per window it scores.
-WorkFn = Callable[[Any, Any, Collection[str], int], Iterator[WindowRecord]]
+WorkFn = Callable[[SweepSpec, Knobs, Collection[str], int], Iterator[WindowRecord]]
 
 
 def trial_order(n_windows: int, seed: int) -> list[int]:
@@ -28,7 +39,7 @@ def trial_order(n_windows: int, seed: int) -> list[int]:
     return [int(i) for i in np.random.default_rng(seed).permutation(n_windows)]
 
 
-def spec_split(spec: Any) -> tuple[Any, Any]:
+def spec_split(spec: SweepSpec) -> tuple[Corpus, SplitConfig]:
     """``(corpus, split config)`` of a sweep spec (``split: auto`` is the corpus's parity split)."""
     from healsweep.data.corpus import load_corpus
     from healsweep.data.split import load_split, parity_split
@@ -37,18 +48,23 @@ def spec_split(spec: Any) -> tuple[Any, Any]:
     return corpus, parity_split(corpus) if spec.split == "auto" else load_split(spec.split)
 
 
-def window_options(scoring: Any, teacher: Any) -> dict[str, Any]:
-    """``make_windows`` options of a spec's ``scoring`` (no ``max_context``: the default), in
-    the teacher's chat format."""
+def window_options(scoring: ScoringSpec, teacher: GGUFModel) -> dict[str, Any]:
+    """``make_windows`` options of a spec's ``scoring``, in the teacher's chat format, with the
+    context capped to the teacher's (:func:`~healsweep.data.windows.context_cap`)."""
     from healsweep.data.chat_template import model_chat_format
+    from healsweep.data.windows import context_cap
 
-    cap = {} if scoring.max_context is None else {"max_context": scoring.max_context}
-    return {"max_scored": scoring.max_scored, "chat": model_chat_format(teacher), **cap}
+    context = teacher.hparams.context_length
+    return {
+        "max_scored": scoring.max_scored,
+        "max_context": context_cap(scoring.max_scored, scoring.max_context, context),
+        "chat": model_chat_format(teacher),
+    }
 
 
-def dev_windows(spec: Any, teacher: Any) -> list[Any]:
-    """The sweep's dev windows in the fixed global order (sorted ids), capped at max_windows."""
-    from healsweep.data.windows import make_windows
+def dev_windows(spec: SweepSpec, teacher: GGUFModel) -> list[Window]:
+    """The sweep's dev windows in the fixed global order (sorted ids), the first max_windows."""
+    from healsweep.data.windows import first_windows, make_windows
 
     corpus, split_cfg = spec_split(spec)
     windows = make_windows(
@@ -59,9 +75,7 @@ def dev_windows(spec: Any, teacher: Any) -> list[Any]:
         grant=None,
         **window_options(spec.scoring, teacher),
     )
-    windows = sorted(windows, key=lambda w: w.window_id)
-    if spec.scoring.max_windows is not None:
-        windows = windows[: spec.scoring.max_windows]
+    windows = first_windows(windows, spec.scoring.max_windows)
     if not windows:
         raise SplitError(
             f"sweep {spec.name}: the dev split of corpus {spec.corpus} has no windows; "
@@ -71,7 +85,7 @@ def dev_windows(spec: Any, teacher: Any) -> list[Any]:
 
 
 def run_trial_work(
-    spec: Any, knobs: Any, windows_done: Collection[str], seed: int
+    spec: SweepSpec, knobs: Knobs, windows_done: Collection[str], seed: int
 ) -> Iterator[WindowRecord]:
     """Heal one config and score its dev windows not in ``windows_done``, one at a time.
 
@@ -81,31 +95,31 @@ def run_trial_work(
     from healsweep.heal.pipeline import build_student
     from healsweep.score.expert_cache import ExpertCacheConfig
 
-    def healed(teacher: Any, cache: Any) -> Any:
-        return build_student(teacher, knobs, spec.calibration_config(), cache)
+    def healed(teacher: GGUFModel, cache: StageCache) -> StudentModel:
+        return build_student(teacher, knobs, spec.calibration, cache)
 
     yield from _score_dev(spec, healed, windows_done, seed, ExpertCacheConfig.from_knobs(knobs))
 
 
 def run_external_work(
-    spec: Any, path: str, windows_done: Collection[str], seed: int
+    spec: SweepSpec, path: str, windows_done: Collection[str], seed: int
 ) -> Iterator[WindowRecord]:
     """Score the GGUF at ``path`` as the student on the sweep's dev windows (an ``external``
     entry of the spec), like :func:`run_trial_work` scores a healed config."""
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
 
     yield from _score_dev(spec, lambda teacher, cache: open_model(path), windows_done, seed)
 
 
 def _score_dev(
-    spec: Any,
-    make_student: Callable[[Any, Any], Any],
+    spec: SweepSpec,
+    make_student: Callable[[GGUFModel, StageCache], StudentModel],
     windows_done: Collection[str],
     seed: int,
-    expert_cache: Any = None,
+    expert_cache: ExpertCacheConfig | None = None,
 ) -> Iterator[WindowRecord]:
     from healsweep.cache import StageCache
-    from healsweep.gguf_io import open_model
+    from healsweep.model import open_model
     from healsweep.score.runner import score_windows
 
     teacher = open_model(spec.model)
@@ -131,14 +145,20 @@ def _score_dev(
         yield WindowRecord.of(window, metrics, wi, len(windows), position[wi])
 
 
-def sweep_identity(spec: Any) -> dict[str, Any]:
-    """What the manifest records about the sweep's inputs: model fingerprint, split lock id."""
+def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
+    """What the manifest records about the sweep's inputs: model fingerprint, split lock id.
+    Refuses (before any trial starts) a model whose experts cannot be quantized and a
+    ``scoring.max_context`` that does not fit the model's context."""
     from healsweep.data.split import split_lock_id
-    from healsweep.gguf_io import open_model
     from healsweep.heal.quantize import check_quantizable
+    from healsweep.model import open_model
 
     model = open_model(spec.model)
-    check_quantizable(model)  # before any trial starts
+    check_quantizable(model, spec.baseline)  # the baseline's types; the other trials' at their start
+    try:
+        window_options(spec.scoring, model)
+    except SplitError as exc:
+        raise SpecError(f"sweep {spec.name}: field 'scoring.max_context': {exc}") from None
     corpus, split_cfg = spec_split(spec)
     return {
         "model_fingerprint": model.fingerprint,

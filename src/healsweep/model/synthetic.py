@@ -16,20 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import Keys
 
-from healsweep.gguf_io._hparams import (
-    NORM_TOPK,
-    ROPE_KIND,
-    SUPPORTED_ARCHS,
-    ModelHparams,
-    expected_tensor_shapes,
-)
-from healsweep.gguf_io._tokenizer import (
-    PRE_PATTERNS,
-    byte_level_pre_tokenizer,
-    tokenizer_metadata_from_tokenizer,
-)
-from healsweep.gguf_io._writer import write_model
+from healsweep.gguf_io import ModelHparams, split_block, tokenizer_metadata_from_tokenizer
+from healsweep.gguf_io._tokenizer import PRE_PATTERNS, byte_level_pre_tokenizer
+from healsweep.model.files import write_model
+from healsweep.model.registry import ARCHITECTURES
 
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 USER_DEFINED_TOKENS = ("<think>", "</think>")
@@ -97,7 +89,7 @@ class RandomTensors(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         shape = self._shapes[name]
-        suffix = name.split(".", 2)[2] if name.startswith("blk.") else name
+        suffix = split_block(name)[1]
         mean, std = _init_scale(suffix, shape)
         rng = np.random.default_rng([self._seed, zlib.crc32(name.encode())])
         return (mean + std * rng.standard_normal(shape)).astype(np.float32)
@@ -122,7 +114,7 @@ def _resolve_types(types: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[st
         return {n: as_type(types) for n, s in shapes.items() if len(s) >= 2}
     out = {}
     for name in shapes:
-        suffix = name.split(".", 2)[2] if name.startswith("blk.") else name
+        suffix = split_block(name)[1]
         chosen = types[name] if name in types else types.get(suffix)
         if chosen is not None:
             out[name] = as_type(chosen)
@@ -148,6 +140,7 @@ def write_random_model(
     types: Any = None,
     seed: int = 0,
     tokenizer: Any = None,
+    vocab_size: int | None = None,
     bos: str = "<|endoftext|>",
     eos: str = "<|im_end|>",
     pre: str | None = None,
@@ -170,34 +163,35 @@ def write_random_model(
     ``bos``/``eos`` name the tokenizer's special tokens (the padding token is ``bos``); ``pre``
     records another ``tokenizer.ggml.pre`` than the one the tokenizer's regexes imply (for names
     that share regexes); ``chat_template`` is stored as ``tokenizer.chat_template``.
+    ``vocab_size`` grows the tokenizer (the given one or the tiny one) to that many tokens in
+    all, e.g. 151936 for Qwen (:func:`_synthetic_vocab.grown_tokenizer`), so that the
+    embedding and the output head have a real model's rows.
     """
     tokenizer = tokenizer or train_tiny_tokenizer()
+    if vocab_size is not None:
+        from healsweep.gguf_io._synthetic_vocab import grown_tokenizer
+
+        tokenizer = grown_tokenizer(tokenizer, vocab_size)
     tok_meta = tokenizer_metadata_from_tokenizer(tokenizer, bos=bos, eos=eos, pad=bos)
     if pre is not None:
         tok_meta = dataclasses.replace(tok_meta, pre=pre)
     if chat_template is not None:
-        extra_metadata = {"tokenizer.chat_template": chat_template, **(extra_metadata or {})}
-    layout = arch if arch in SUPPORTED_ARCHS else "qwen2moe"
+        extra_metadata = {Keys.Tokenizer.CHAT_TEMPLATE: chat_template, **(extra_metadata or {})}
+    layout = ARCHITECTURES.get(arch, ARCHITECTURES["qwen2moe"])
     hp = ModelHparams(
-        arch=layout, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+        arch=layout.name, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim or n_embd // n_head, n_expert=n_expert, n_expert_used=n_expert_used,
-        n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp if layout == "qwen2moe" else 0,
-        n_vocab=len(tok_meta.tokens), rope_freq_base=rope_freq_base, rms_norm_eps=rms_norm_eps,
-        context_length=context_length, norm_topk_prob=NORM_TOPK[layout],
-        rope_kind=ROPE_KIND[layout],
+        n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp, n_vocab=len(tok_meta.tokens),
+        rope_freq_base=rope_freq_base, rms_norm_eps=rms_norm_eps, context_length=context_length,
+        norm_topk_prob=layout.norm_topk_prob, rope_kind=layout.rope_kind,
     )  # fmt: skip
-    if layout == "glm4moe":
-        hp = hp.replace(gating="sigmoid", n_ff=2 * n_ff_exp, n_expert_shared=1)
-    if layout == "deepseek2":  # V3-like: 16 rope dims of 48, q_lora, kv_lora 64, 2 shared
-        hp = hp.replace(gating="sigmoid", n_ff=2 * n_ff_exp, n_expert_shared=2, head_dim=48,
-                        n_rot=16, head_dim_v=32, q_lora_rank=48, kv_lora_rank=64,
-                        n_head_kv=n_head, n_leading_dense=1, norm_topk_prob=True)  # fmt: skip
+    hp = layout.random_hparams(hp)
     hp = hp.replace(**routing)
     if hp.kv_b_split:  # llama.cpp's MLA layout caches one latent "head": MQA
         hp = hp.replace(n_head_kv=1)
     if hp.n_expert_shared:
         hp = hp.replace(n_ff_shexp=hp.n_ff_exp * hp.n_expert_shared)
-    shapes = {n: s for n, s in expected_tensor_shapes(hp).items() if n not in drop_tensors}
+    shapes = {n: s for n, s in layout.tensor_shapes(hp).items() if n not in drop_tensors}
     return write_model(
         path,
         arch,

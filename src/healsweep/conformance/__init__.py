@@ -1,0 +1,43 @@
+"""Conformance: every kernel, every in-graph GGUF decoder and one model layer, run down the
+production path of the backend at hand and checked against independent float64 references.
+
+``healsweep doctor`` runs :func:`run_conformance`. Each case (:class:`KernelCase`) runs on the
+CPU and, where JAX has an accelerator, on it too: each result against the case's float64 numpy
+reference (:mod:`healsweep.conformance.references`), and the device against the CPU. A kernel
+that fails to lower or run on a device is reported failing, never moved to the CPU.
+:func:`backend_violations` reads a kernel's jaxpr for what the Metal plugins cannot run.
+
+It sits above ``model`` in the layer order (it checks the forward), so ``kernels`` holds none
+of it. The references import numpy alone; the tests use the same references.
+"""
+
+from healsweep.conformance.rules import FORBIDDEN_PRIMITIVES, backend_violations, iter_eqns
+from healsweep.conformance.run import (
+    ConformanceResult,
+    KernelCase,
+    max_rel_err,
+    run_case,
+    run_conformance,
+)
+
+
+def all_cases() -> list[KernelCase]:
+    """The kernel cases, one per in-graph decoder type, and the layer forward, in that order."""
+    from healsweep.conformance.cases import KERNEL_CASES
+    from healsweep.conformance.decoders import decoder_cases
+    from healsweep.conformance.layer import layer_case
+
+    return [*KERNEL_CASES, *decoder_cases(), layer_case()]
+
+
+__all__ = [
+    "FORBIDDEN_PRIMITIVES",
+    "ConformanceResult",
+    "KernelCase",
+    "all_cases",
+    "backend_violations",
+    "iter_eqns",
+    "max_rel_err",
+    "run_case",
+    "run_conformance",
+]
