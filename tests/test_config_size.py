@@ -1,25 +1,26 @@
 """A config's routed bits per weight and file bytes, from its knobs and the model's shapes alone,
-checked against the files ``export`` and ``baseline llama`` really write (gguf-py reads them: the
-routed tensors' stored bytes, the data section, the ``healsweep.*`` metadata an export adds).
+checked against the files ``export`` and ``baseline llama`` really write (the routed tensors'
+stored bytes, the data section, the ``healsweep.*`` metadata an export adds).
 """
 
 from __future__ import annotations
 
 import math
 
-import gguf
 import numpy as np
 import pytest
 
 from _heal_fixtures import heal_setup
 from healsweep.cache import StageCache
-from healsweep.gguf_io import open_model, routed_expert_bpw
-from healsweep.gguf_io.synthetic import write_random_model
+from healsweep.gguf_io import routed_expert_bpw
+from healsweep.gguf_io._header import read_header
 from healsweep.heal.export import routed_bits_per_weight, write_healed_gguf
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.heal.size import MIB, ConfigSize, ModelShapes, config_size
 from healsweep.kernels.ggml_types import ggml_type
+from healsweep.model import open_model
+from healsweep.model.synthetic import write_random_model
 
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
 setup = heal_setup
@@ -27,15 +28,11 @@ setup = heal_setup
 
 def _file_parts(path) -> tuple[int, int, int]:
     """(file size, size of its tensor data section, bytes of its healsweep.* key-value entries),
-    as gguf-py reads the file."""
-    reader = gguf.GGUFReader(path)
-    extra = sum(
-        sum(part.nbytes for part in field.parts)
-        for field in reader.fields.values()
-        if field.name.startswith("healsweep.")
-    )
+    as healsweep's header parser reads the file (gguf-py does not name type 42)."""
+    header = read_header(path)
+    extra = sum(f.end - f.offset for f in header.fields.values() if f.name.startswith("healsweep."))
     size = path.stat().st_size
-    return size, size - int(reader.data_offset), extra
+    return size, size - header.data_offset, extra
 
 
 def _check_against_file(model, knobs, written) -> ConfigSize:

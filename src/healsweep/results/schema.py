@@ -99,7 +99,9 @@ def trial_schema() -> pa.Schema:
     return pa.schema(
         [
             *_config_fields(
-                pa.field("routed_bpw", pa.float64()), pa.field("external_path", pa.string())
+                pa.field("routed_bpw", pa.float64()),
+                pa.field("external_path", pa.string()),
+                pa.field("file_bytes", pa.int64()),
             ),
             pa.field("status", pa.string()),
             pa.field("pruned", pa.bool_()),
