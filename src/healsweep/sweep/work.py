@@ -154,7 +154,9 @@ def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
     from healsweep.model import open_model
 
     model = open_model(spec.model)
-    check_quantizable(model, spec.baseline)  # the baseline's types; the other trials' at their start
+    check_quantizable(
+        model, spec.baseline
+    )  # the baseline's types; the other trials' at their start
     try:
         window_options(spec.scoring, model)
     except SplitError as exc:
