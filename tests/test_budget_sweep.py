@@ -228,3 +228,18 @@ def test_a_llama_recipe_is_built_once_into_the_sweep_and_reused_on_resume(rows25
     after = built.stat()
     assert (after.st_ino, after.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)  # not rebuilt
     assert pq.read_table(sweep_dir / "windows").num_rows == rows  # nothing scored again
+
+
+def test_the_grid_drops_q2_0_knobs_of_groups_stored_in_a_ggml_type():
+    """gain/importance/quantizer are read by the q2_0 quantizers only: with both groups in a
+    ggml type the grid over them is one config; with down in q2_0, only its own knobs count."""
+    from healsweep.sweep.space import grid_configs
+
+    space = {"gain_gu": [0.3, 0.0], "gain_d": [0.3, 0.0], "importance": ["norm_proxy", "act"]}
+    ggml = spec_from_dict({"name": "x", "baseline": {"type_gu": "iq2_xs", "type_d": "iq2_xs"},
+                           "search_space": space})  # fmt: skip
+    assert grid_configs(ggml) == [ggml.baseline]
+    mixed = spec_from_dict({"name": "x", "baseline": {"type_gu": "iq2_xs"}, "search_space": space})
+    assert [k.gain_d for k in grid_configs(mixed)] == [0.3, 0.0]  # down is q2_0: gain_d counts
+    both = spec_from_dict({"name": "x", "search_space": {**space, "type_gu": ["q2_0", "q2_k"]}})
+    assert len(grid_configs(both)) == 8 + 2  # q2_0 gate/up: all 8; q2_k: gain_d only
