@@ -121,7 +121,12 @@ class Budget:
 
     def fits(self, size: ConfigSize, limit: float) -> bool:
         """Whether ``size`` is within ``limit`` (a value at the limit is)."""
-        return self.value(size) <= limit * (1 + _SLACK)
+        return self.within(self.value(size), limit)
+
+    @staticmethod
+    def within(value: float, limit: float) -> bool:
+        """Whether ``value`` (in the budget's measure) is within ``limit``."""
+        return value <= limit * (1 + _SLACK)
 
     def tier(self, size: ConfigSize) -> float | None:
         """The smallest limit ``size`` fits, or None when it is over budget."""

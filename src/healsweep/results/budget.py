@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from healsweep.heal.size import ConfigSize
 from healsweep.results.aggregate import ConfigResult, SweepSummary, paired
 from healsweep.results.schema import Role, TrialStatus
 
@@ -48,11 +47,11 @@ class HealingPair:
     comparison: Any  # healed vs unhealed
 
 
-def size_of(config: ConfigResult) -> ConfigSize | None:
-    """A config's size as its rows recorded it (None from rows without the columns)."""
-    if config.routed_bpw is None or config.file_bytes is None:
-        return None
-    return ConfigSize(config.routed_bpw, int(config.file_bytes))
+def measured(config: ConfigResult, measure: str) -> float | None:
+    """A config's size in ``measure`` (``routed_bpw`` or ``file_bytes``) as its row recorded
+    it; None from rows without the column."""
+    value = config.routed_bpw if measure == "routed_bpw" else config.file_bytes
+    return None if value is None else float(value)
 
 
 def _scored(summary: SweepSummary) -> list[ConfigResult]:
@@ -77,7 +76,9 @@ def tiers(summary: SweepSummary) -> list[Tier]:
     out = []
     for limit in budget.limits:
         inside = [
-            c for c in scored if (size := size_of(c)) is not None and budget.fits(size, limit)
+            c
+            for c in scored
+            if (value := measured(c, budget.measure)) is not None and budget.within(value, limit)
         ]
         inside.sort(key=lambda c: (c.status != TrialStatus.COMPLETED, c.pooled["kld_mean"]))
         trials = [c for c in inside if c.role.tuned and c.status == TrialStatus.COMPLETED]
