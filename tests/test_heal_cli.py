@@ -77,9 +77,9 @@ def test_healed_gguf_copies_the_teacher_and_replaces_only_healed_tensors(
         "healsweep.knobs", "healsweep.student_key", "healsweep.alphas",
         "healsweep.teacher_fingerprint", "healsweep.experts", "healsweep.expert_types",
         "healsweep.routed_bpw"}
-    assert s_fields["healsweep.expert_types"].contents() == "0:q2_0/q2_0,1:q2_0/q2_0"
-    assert s_fields["healsweep.routed_bpw"].contents() == (2.25 if expert_type == 42 else 16.0)
-    assert s_fields["healsweep.experts"].contents() == ("q2_0" if expert_type == 42 else "f16")
+    assert s_fields["healsweep.expert_types"].value == "0:q2_0/q2_0,1:q2_0/q2_0"
+    assert s_fields["healsweep.routed_bpw"].value == (2.25 if expert_type == 42 else 16.0)
+    assert s_fields["healsweep.experts"].value == ("q2_0" if expert_type == 42 else "f16")
     for key, field in t_fields.items():
         item_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         assert (s_fields[key].type, s_fields[key].item_type) == (field.types[0], item_type), key

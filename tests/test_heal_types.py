@@ -251,3 +251,25 @@ def test_gptq_on_the_k_grids_lowers_the_routed_error_and_is_keyed_by_its_knobs(r
                           CAL, cache, corpus=corpus)  # fmt: skip
     assert _delta(cache, before) == {} and again.key == mixed.key
     assert "gate" not in mixed.report["layers"][0]["quantize"]["gptq_fallback"]
+
+
+@pytest.mark.slow
+def test_bench_trial_ends_with_a_type_only_trial_that_requantizes_the_down_group_only(tmp_path):
+    from healsweep.heal.trial_bench import bench_trials, format_trials
+
+    model = open_model(write_random_model(tmp_path / "m.gguf", **SHAPE))
+    corpus = load_corpus(_corpus_file(tmp_path / "corpus.jsonl"))
+    rows = bench_trials(model, corpus, StageCache(tmp_path / "cache"), CAL)
+    n = model.hparams.n_layer
+    last = rows[-1]
+    assert last["trial"] == "type_d only (q2_0 -> iq2_xs)"  # the next type up whose blocks fit
+    assert last["layers"] == n
+    # only the down projections are quantized again, in the new type; the trace and the ridge
+    # basis are read from the cache; everything downstream of the experts follows
+    assert last["executed"] == {"part_a": n, "part_b": n, "quantize": n, "residuals": n,
+                                "ridge_fit": n, "ridge_heldout": n, "ridge_rhs": n,
+                                "routed_q": n}  # fmt: skip
+    table = format_trials(rows).splitlines()
+    assert table[0].split() == ["trial", "seconds", "per", "layer", "peak", "RSS"]
+    assert table[len(rows)].startswith("type_d only")
+    assert f"{last['seconds']:9.2f}  {last['seconds'] / n:9.2f}" in table[len(rows)]

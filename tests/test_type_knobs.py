@@ -198,3 +198,19 @@ def test_the_cli_refuses_a_ggml_type_in_one_line_in_a_process_that_cannot_find_g
         "quantizer\n"
     )
     assert "Traceback" not in done.stdout + done.stderr
+
+
+@pytest.mark.slow  # a spec that names a ggml type needs ggml's quantizer (the [bench] extra)
+def test_the_grid_drops_points_whose_only_change_a_ggml_typed_group_does_not_read():
+    from healsweep.sweep.space import grid_configs
+    from healsweep.sweep.spec import spec_from_dict
+
+    space = {"type_gu": ["q2_0", "iq2_xs"], "type_d": ["iq2_xs"], "gain_gu": [0.3, 1.0]}
+    configs = grid_configs(spec_from_dict({"name": "x", "search_space": space}))
+    assert [(c.type_gu, c.type_d, c.gain_gu) for c in configs] == [
+        ("q2_0", "q2_0", 0.3),  # the baseline
+        ("q2_0", "iq2_xs", 0.3),
+        ("q2_0", "iq2_xs", 1.0),  # gain_gu acts on the Q2_0 gate and up experts
+        ("iq2_xs", "iq2_xs", 0.3),  # (iq2_xs, 1.0) is this student again: dropped
+    ]
+    assert len({c.student_key() for c in configs}) == len(configs)

@@ -144,6 +144,7 @@ def routed_bits_per_weight(student: Student) -> float:
         weights += n
     return bits / max(weights, 1)
 
+
 def _replacement(student: Student, name: str) -> tuple[str, Any] | None:
     """``("experts", weight)`` or ``("shexp", raw)`` for a tensor the student replaces."""
     layer, suffix = split_block(name)

@@ -78,6 +78,7 @@ def bench_trials(
             {
                 "trial": label,
                 "seconds": time.perf_counter() - start,
+                "layers": len(student.report["layers"]),
                 "timings_s": dict(student.report["timings_s"]),
                 "executed": dict(sorted(student.report["executed"].items())),
                 "peak_rss_mib": peak_rss_bytes() / 2**20 if resettable else None,
@@ -87,11 +88,16 @@ def bench_trials(
 
 
 def format_trials(rows: list[dict[str, Any]]) -> str:
-    """The rows of :func:`bench_trials` as text: one line per trial, its stages under it."""
-    lines = []
+    """The rows of :func:`bench_trials` as text: a table of trials (wall time, per healed
+    layer, peak RSS), then each trial's stages and what it computed."""
+    width = max(len("trial"), *(len(row["trial"]) for row in rows))
+    lines = [f"{'trial':<{width}}  {'seconds':>9}  {'per layer':>9}  peak RSS"]
     for row in rows:
         rss = "-" if row["peak_rss_mib"] is None else f"{row['peak_rss_mib']:.0f} MiB"
-        lines.append(f"{row['trial']:<28} {row['seconds']:8.2f} s  peak RSS {rss}")
+        per_layer = row["seconds"] / max(row["layers"], 1)
+        lines.append(f"{row['trial']:<{width}}  {row['seconds']:9.2f}  {per_layer:9.2f}  {rss}")
+    for row in rows:
+        lines.append(f"{row['trial']}:")
         stages = ", ".join(f"{k} {v:.2f}s" for k, v in row["timings_s"].items())
         computed = ", ".join(f"{k} x{v}" for k, v in row["executed"].items()) or "nothing"
         lines.append(f"    stages: {stages}")

@@ -154,9 +154,8 @@ def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
     from healsweep.model import open_model
 
     model = open_model(spec.model)
-    check_quantizable(
-        model, spec.baseline
-    )  # the baseline's types; the other trials' at their start
+    # the baseline's types here; every other trial's when it starts
+    check_quantizable(model, spec.baseline)
     try:
         window_options(spec.scoring, model)
     except SplitError as exc:
