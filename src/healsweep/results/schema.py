@@ -56,9 +56,6 @@ class TrialStatus(StrEnum):
 
 
 REFERENCES = ("unhealed", "plain")  # the reference rows, in the order they run and are listed
-# Bits per weight of the routed experts of every healsweep student: Q2_0's 18 bytes per 64
-# weights (kernels.q2_0.BYTES_PER_BLOCK; not imported: reading results needs no jax).
-Q2_0_BPW = 8 * 18 / 64
 
 _KNOB_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
 _TS = pa.timestamp("us", tz="UTC")
