@@ -3,8 +3,9 @@ allocation, and the configs the budget kept from being scored.
 
 - **Per tier** (a spec's ``budget`` limits, ascending): every scored config whose size fits the
   limit (trials, references and the external llama.cpp files alike), ranked by pooled KLD; the
-  best completed trial of the tier against each external file in it (paired Δ and CI: negative
-  = ours better) and against its own allocation without healing.
+  best completed trial of the tier against each external file of the tier's size (inside it, not
+  inside the tier below; paired Δ and CI: negative = ours better) and against its own allocation
+  without healing.
 - **Healing pairs**: configs that differ only in the healing knobs (``alpha``, ``gamma``,
   ``alpha_granularity``, ``ridge``, ``rho``, ``eta``) share their allocation and quantizers; each
   healed one is compared with the unhealed one (``alpha: none, ridge: false``) of its group.
@@ -83,7 +84,12 @@ def tiers(summary: SweepSummary) -> list[Tier]:
         inside.sort(key=lambda c: (c.status != TrialStatus.COMPLETED, c.pooled["kld_mean"]))
         trials = [c for c in inside if c.role.tuned and c.status == TrialStatus.COMPLETED]
         best = trials[0] if trials else None
-        externals = [c for c in inside if c.role == Role.EXTERNAL]
+        # the files of this tier's size: inside it, and not inside the tier below
+        below = budget.limits[budget.limits.index(limit) - 1] if limit != budget.limits[0] else None
+        externals = [
+            c for c in inside if c.role == Role.EXTERNAL
+            and (below is None or not budget.within(measured(c, budget.measure), below))
+        ]  # fmt: skip
         vs = [(e, paired(e, best, n_boot=summary.n_boot, seed=summary.seed)) for e in externals]
         twin = _unhealed_twin(best, scored) if best is not None else None
         healing = paired(twin, best, n_boot=summary.n_boot, seed=summary.seed) if twin else None
@@ -106,6 +112,18 @@ def healing_pairs(summary: SweepSummary) -> list[HealingPair]:
             if comparison is not None:
                 pairs.append(HealingPair(twin, config, comparison))
     return sorted(pairs, key=lambda p: (p.unhealed.routed_bpw or 0.0, p.comparison.rel_change))
+
+
+def allocation(config: ConfigResult) -> str:
+    """The routed experts' types of a config's knobs: ``iq2_xxs/iq2_xs`` (gate/up, down), with
+    its edge-layer steps and per-layer overrides when it has them."""
+    values = config.knob_values
+    if not values:
+        return "-"
+    parts = [f"{values['type_gu']}/{values['type_d']}"]
+    parts += [f"{k}={values[k]}" for k in ("up_first", "up_last") if values.get(k)]
+    parts += [f"layers {values['layer_types']}"] if values.get("layer_types") else []
+    return ", ".join(parts)
 
 
 def pareto_front(configs: list[ConfigResult]) -> list[ConfigResult]:

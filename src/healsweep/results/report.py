@@ -11,7 +11,13 @@ from typing import Any
 
 from healsweep.heal.knobs import Knobs
 from healsweep.results.aggregate import ConfigResult, SweepSummary, summarize
-from healsweep.results.budget import file_mib, healing_pairs, over_budget_lines, tiers
+from healsweep.results.budget import (
+    allocation,
+    file_mib,
+    healing_pairs,
+    over_budget_lines,
+    tiers,
+)
 from healsweep.results.schema import Role, TrialStatus
 
 Table = tuple[list[str], list[list[str]]]
@@ -221,7 +227,7 @@ def best_per_tier_table(summary: SweepSummary, found: list[Any]) -> Table:
         if best is None:
             rows.append([tier.label, "(no completed trial)", *["-"] * 6])
             continue
-        head = [tier.label, describe(best, summary.baseline), _fmt(best.routed_bpw, ".5g"),
+        head = [tier.label, f"{describe(best, summary.baseline)} ({allocation(best)})", _fmt(best.routed_bpw, ".5g"),
                 f"{best.pooled['kld_mean']:.5f}"]  # fmt: skip
         others = [
             *tier.vs_externals,
@@ -244,13 +250,14 @@ def healing_table(summary: SweepSummary) -> Table:
     """What healing adds on top of each allocation: each healed config against the same knobs
     with ``alpha: none, ridge: false`` (paired Δ, negative = healing helps)."""
     level = summary.rule.ci_level
-    header = ["allocation (unhealed)", "healing", "bpw", "unhealed KLD", "healed KLD",
-              f"Δ KLD [{level:.0%} CI]"]  # fmt: skip
+    header = ["types (gate-up/down)", "unhealed config", "healing", "bpw", "unhealed KLD",
+              "healed KLD", f"Δ KLD [{level:.0%} CI]"]  # fmt: skip
     rows = []
     for pair in healing_pairs(summary):
         base = pair.unhealed.knob_values
         healing = [f"{k}={_value(v)}" for k, v in pair.healed.knob_values.items() if v != base[k]]
-        rows.append([describe(pair.unhealed, summary.baseline), ", ".join(healing),
+        rows.append([allocation(pair.unhealed), describe(pair.unhealed, summary.baseline),
+                     ", ".join(healing),
                      _fmt(pair.healed.routed_bpw, ".5g"),
                      f"{pair.unhealed.pooled['kld_mean']:.5f}",
                      f"{pair.healed.pooled['kld_mean']:.5f}", _delta(pair.comparison, level)])  # fmt: skip
