@@ -243,3 +243,20 @@ def test_the_grid_drops_q2_0_knobs_of_groups_stored_in_a_ggml_type():
     assert [k.gain_d for k in grid_configs(mixed)] == [0.3, 0.0]  # down is q2_0: gain_d counts
     both = spec_from_dict({"name": "x", "search_space": {**space, "type_gu": ["q2_0", "q2_k"]}})
     assert len(grid_configs(both)) == 8 + 2  # q2_0 gate/up: all 8; q2_k: gain_d only
+
+
+@pytest.mark.parametrize("name", ["medium-budget", "medium-cpu-budget"])
+def test_the_budget_sweeps_hold_llama_cpps_iq2_files_inside_their_budgets(name, rows256):
+    from healsweep.kernels.ggml_types import ggml_type
+    from healsweep.sweep.budget import split_grid
+    from healsweep.sweep.spec import load_spec
+
+    spec = load_spec(ROOT / "sweeps" / f"{name}.yaml", check_paths=False)
+    limits = spec.budget.budget().limits
+    assert limits == (ggml_type("iq2_xxs").bits_per_weight, ggml_type("iq2_xs").bits_per_weight)
+    assert {e.name: e.llama.type for e in spec.external} == {
+        "llama-iq2_xxs": "iq2_xxs", "llama-iq2_xs": "iq2_xs", "llama-q2_k": "q2_k"}  # fmt: skip
+    assert all(e.llama.imatrix for e in spec.external)
+    if name == "medium-cpu-budget":  # sizes depend on the shapes' ratios only (rows of 256)
+        inside, over = split_grid(spec.model_copy(update={"model": str(rows256)}))
+        assert (len(inside), len(over)) == (44, 20)  # 11 of 16 type pairs x 4 healing levels
