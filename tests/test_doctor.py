@@ -11,6 +11,7 @@ packed Q2_0 decoder transposed) are planted by replacing the function production
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -98,6 +99,10 @@ def test_doctor_no_ray_skips_the_cluster_check(doctor_env):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ray cluster" not in done.stdout
     assert done.stdout.splitlines()[-1].startswith("doctor: all ")
+    # one line says whether ggml's quantizer (llama-cpp-python, the [ggml] extra) is there
+    ggml = [line for line in done.stdout.splitlines() if line.startswith("ggml quantizer: ")]
+    installed = importlib.util.find_spec("llama_cpp") is not None
+    assert len(ggml) == 1 and ggml[0].split()[2] == ("present" if installed else "absent")
 
 
 def _rel_err_f64(got: list[np.ndarray], want: list[np.ndarray]) -> float:
