@@ -18,11 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from healsweep.heal.knobs import Knobs
 from healsweep.results.aggregate import ConfigResult, SweepSummary, paired
 from healsweep.results.schema import Role, TrialStatus
 
 HEALING_KNOBS = ("alpha", "gamma", "alpha_granularity", "ridge", "rho", "eta")
 _UNHEALED = {"alpha": "none", "ridge": False}
+TYPE_KNOBS = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
 MAX_LISTED = 20  # over-budget configs listed one by one (the count is always given)
 
 
@@ -117,9 +119,10 @@ def healing_pairs(summary: SweepSummary) -> list[HealingPair]:
 def allocation(config: ConfigResult) -> str:
     """The routed experts' types of a config's knobs: ``iq2_xxs/iq2_xs`` (gate/up, down), with
     its edge-layer steps and per-layer overrides when it has them."""
-    values = config.knob_values
-    if not values:
-        return "-"
+    return _types(config.knob_values) if config.knob_values else "-"
+
+
+def _types(values: dict[str, Any]) -> str:
     parts = [f"{values['type_gu']}/{values['type_d']}"]
     parts += [f"{k}={values[k]}" for k in ("up_first", "up_last") if values.get(k)]
     parts += [f"layers {values['layer_types']}"] if values.get("layer_types") else []
@@ -143,7 +146,8 @@ def file_mib(config: ConfigResult) -> float | None:
 
 
 def over_budget_lines(summary: SweepSummary) -> list[str]:
-    """The count of configs over budget (not scored) and the first of them with their sizes."""
+    """The count of configs over budget (not scored) and the first of them with their sizes
+    (each named by its types and the other knobs where it differs from the baseline)."""
     if summary.budget is None:
         return []
     over = sorted(summary.over_budget.items(), key=lambda kv: kv[1].get("routed_bpw") or 0.0)
@@ -151,10 +155,15 @@ def over_budget_lines(summary: SweepSummary) -> list[str]:
     lines = [f"{len(over)} configs over budget, not scored (budget: {limits})."]
     if over:
         lines.append("")
+    base = summary.baseline.knob_values
     for chash, entry in over[:MAX_LISTED]:
-        knobs = ", ".join(f"{k}={v}" for k, v in sorted(entry.get("knobs", {}).items()))
+        knobs = Knobs(**entry.get("knobs", {})).model_dump()
+        types = _types(knobs)
+        rest = ", ".join(f"{k}={v}" for k, v in knobs.items()
+                         if k not in TYPE_KNOBS and v != base.get(k))  # fmt: skip
         lines.append(f"- `{chash[:12]}` {entry['routed_bpw']:.4g} bpw, "
-                     f"{entry['file_bytes'] / 2**20:.2f} MiB: {knobs or 'defaults'}")  # fmt: skip
+                     f"{entry['file_bytes'] / 2**20:.2f} MiB: {types}"
+                     f"{'; ' + rest if rest else ''}")  # fmt: skip
     if len(over) > MAX_LISTED:
         lines.append(f"- ... and {len(over) - MAX_LISTED} more (over_budget.json)")
     return lines

@@ -248,19 +248,19 @@ def best_per_tier_table(summary: SweepSummary, found: list[Any]) -> Table:
 
 def healing_table(summary: SweepSummary) -> Table:
     """What healing adds on top of each allocation: each healed config against the same knobs
-    with ``alpha: none, ridge: false`` (paired Δ, negative = healing helps)."""
+    with ``alpha: none, ridge: false`` on the windows both scored (pooled KLD of each there, and
+    the paired Δ, negative = healing helps)."""
     level = summary.rule.ci_level
-    header = ["types (gate-up/down)", "unhealed config", "healing", "bpw", "unhealed KLD",
-              "healed KLD", f"Δ KLD [{level:.0%} CI]"]  # fmt: skip
+    header = ["types (gate-up/down)", "unhealed config", "healing", "bpw", "shared windows",
+              "unhealed KLD", "healed KLD", f"Δ KLD [{level:.0%} CI]"]  # fmt: skip
     rows = []
     for pair in healing_pairs(summary):
-        base = pair.unhealed.knob_values
+        base, comp = pair.unhealed.knob_values, pair.comparison
         healing = [f"{k}={_value(v)}" for k, v in pair.healed.knob_values.items() if v != base[k]]
         rows.append([allocation(pair.unhealed), describe(pair.unhealed, summary.baseline),
-                     ", ".join(healing),
-                     _fmt(pair.healed.routed_bpw, ".5g"),
-                     f"{pair.unhealed.pooled['kld_mean']:.5f}",
-                     f"{pair.healed.pooled['kld_mean']:.5f}", _delta(pair.comparison, level)])  # fmt: skip
+                     ", ".join(healing), _fmt(pair.healed.routed_bpw, ".5g"),
+                     str(comp.n_windows), f"{comp.base_kld:.5f}", f"{comp.variant_kld:.5f}",
+                     _delta(comp, level)])  # fmt: skip
     return header, rows
 
 
