@@ -177,7 +177,8 @@ KLD_VS_BPW_CAPTION = (
 
 def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
     """Pooled KLD (log) against the routed experts' stored bits per weight, one point per sized
-    config. Bars: its paired-bootstrap CI against the baseline on the shared windows, as a range
+    config (pruned or unfinished ones faint, without bars: their KLD is of a few windows). Bars:
+    its paired-bootstrap CI against the baseline on the shared windows, as a range
     of its own KLD (baseline KLD x (1 + CI of the relative change)); the Pareto front (no config
     is both smaller and better) joined; external files (llama.cpp's uniform quants) labelled;
     a routed-bpw budget's limits as vertical lines."""
@@ -199,6 +200,9 @@ def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
         marker, colour, legend = _trial_style(config)
         if config.is_baseline:
             marker, colour, legend = "*", "black", "baseline"
+        if config.status != TrialStatus.COMPLETED:  # KLD of its first windows only: faint
+            ax.plot(x, y, marker, color=colour, ms=4, alpha=0.35, label=legend)
+            continue
         ax.errorbar(x, y, yerr=yerr, fmt=marker, color=colour, capsize=2, ms=6, label=legend)
         if config.role == Role.EXTERNAL or config.is_baseline:
             ax.annotate(label(config)[:24], (x, y), fontsize=6, xytext=(4, 3),
