@@ -169,7 +169,7 @@ def test_every_config_against_each_reference(tmp_path):
     assert "Δ KLD vs unhealed [95% CI]" in header and "Δ KLD vs plain [95% CI]" in header
     row = {r[1]: r for r in rows}
     assert row["plain"][2] == "reference" and row["q2k"][2] == "external"
-    assert row["q2k"][5] == "2.62" and row["baseline"][5] == "2.25"
+    assert row["q2k"][5] == "2.625" and row["baseline"][5] == "2.25"  # IQ2_XXS: 2.0625
     # references are not trials: no main effect of `quantizer`, not in the pruning count
     assert "quantizer" not in {e["knob"] for e in summary.effects}
     assert summary.pruning["trials"] == len(CONFIGS)
@@ -214,3 +214,35 @@ def test_report_needs_a_scored_baseline(tmp_path):
     (folder / "windows" / "trial-base.parquet").unlink()
     with pytest.raises(ResultsError, match="baseline has no scored windows"):
         summarize(folder)
+
+
+def test_budget_tiers_healing_pairs_and_the_over_budget_count(tmp_path):
+    """With a budget of 2.3 and 2.7 routed bpw: the trials (2.25) fit both tiers, llama.cpp's
+    Q2_K file (2.625) the second only; each tier's best trial against the files inside it and
+    every healed config against its allocation unhealed (paired Δ, float64 pooled ratios)."""
+    from healsweep.results.budget import healing_pairs, tiers
+
+    folder = _folder(tmp_path)
+    (folder / "spec.json").write_text(
+        json.dumps({"name": "s", "budget": {"routed_bpw": [2.7, 2.3]}})
+    )
+    over = {"abc": {"knobs": {"type_d": "q4_k"}, "routed_bpw": 2.875, "file_bytes": 3 * 2**20}}
+    (folder / "over_budget.json").write_text(json.dumps(over))
+    summary = summarize(folder, n_boot=500)
+    low, high = tiers(summary)
+    assert (low.limit, high.limit, low.label) == (2.3, 2.7, "2.3 bpw")
+    assert "q2k" not in {c.label for c in low.configs} and "q2k" in {c.label for c in high.configs}
+    assert low.best is high.best and low.best.trial_ids == ["better"]  # lowest completed trial
+    assert low.vs_externals == [] and [e.label for e, _ in high.vs_externals] == ["q2k"]
+    expected = _pooled(CONFIGS["better"][1]) / _pooled(FIXED["q2k"][2]) - 1
+    assert high.vs_externals[0][1].rel_change == pytest.approx(expected, rel=1e-9)
+    pairs = {p.healed.trial_ids[0]: p for p in healing_pairs(summary)}
+    assert set(pairs) == {"base", "worse", "pruned"}  # those whose knobs unhealed were scored
+    assert all(p.unhealed.label == "unhealed" for p in pairs.values())
+    expected = _pooled(1.0) / _pooled(FIXED["unhealed"][2]) - 1
+    assert pairs["base"].comparison.rel_change == pytest.approx(expected, rel=1e-9)
+    report = write_report(folder, summary=summary)["markdown"].read_text()
+    assert "1 configs over budget, not scored (budget: 2.3 bpw, 2.7 bpw)." in report
+    assert "## Best config per budget against llama.cpp" in report
+    assert "## What healing adds on top of each allocation" in report
+    assert (folder / "report" / "kld_vs_bpw.png").stat().st_size > 10_000

@@ -18,9 +18,16 @@ from typing import Any, NamedTuple
 
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.size import Budget
 from healsweep.results.placement import pool_summary
 from healsweep.results.schema import REFERENCES, Role, TrialStatus, knobs_of, row_role, student_of
-from healsweep.results.store import read_manifest, read_trials, read_windows
+from healsweep.results.store import (
+    read_manifest,
+    read_over_budget,
+    read_stored_spec,
+    read_trials,
+    read_windows,
+)
 from healsweep.score.expert_cache import pooled_cache
 from healsweep.score.record import WindowRecord
 
@@ -52,6 +59,7 @@ class ConfigResult:
     role: Role = Role.TRIAL
     label: str | None = None  # a reference's or external's name
     routed_bpw: float | None = None
+    file_bytes: int | None = None  # the file's bytes (heal.size; an external's file size)
     vs_references: dict[str, Any] = field(default_factory=dict)  # label -> Comparison
     also: list[Alias] = field(default_factory=list)  # the other rows of its student
 
@@ -97,6 +105,10 @@ class SweepSummary:
     pruning: dict[str, Any]
     rule: Any
     pool: dict[str, Any] | None = None  # results.placement.pool_summary of the trial rows
+    budget: Budget | None = None  # the spec's size budget, if it states one
+    over_budget: dict[str, dict[str, Any]] = field(default_factory=dict)  # never scored
+    n_boot: int = 10_000  # the paired bootstrap's replicates and seed (further comparisons)
+    seed: int = 0
 
 
 # Which status a config shows when its rows differ, and which row names it first.
@@ -119,6 +131,7 @@ def _configs(rows: list[dict[str, Any]], trials: list[dict[str, Any]]) -> dict[s
             first["config_hash"], knobs_of(first), role == Role.BASELINE, first["status"], [],
             {}, role=role, label=first.get("label"),
             routed_bpw=first.get("routed_bpw"),  # None in rows from before the column
+            file_bytes=first.get("file_bytes"),
         )  # fmt: skip
         for trial in group:
             config.trial_ids.append(trial["trial_id"])
@@ -145,7 +158,7 @@ def summarize(
     sweep_dir: str | Path, n_boot: int = 10_000, seed: int = 0, rule: Any = None
 ) -> SweepSummary:
     """Pool, compare and rank every config of a sweep against its baseline."""
-    from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
+    from healsweep.score.stats import DecisionRule, decision, pooled
 
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
@@ -168,16 +181,7 @@ def summarize(
     )
 
     def compare(base: ConfigResult, config: ConfigResult) -> Any:
-        shared = [w for w in sorted(config.windows) if w in base.windows]
-        if config is base or not shared:
-            return None
-        return paired_compare(
-            [base.windows[w].metrics for w in shared],
-            [config.windows[w].metrics for w in shared],
-            [base.windows[w].stratum for w in shared],
-            n_boot=n_boot,
-            seed=seed,
-        )
+        return paired(base, config, n_boot=n_boot, seed=seed)
 
     for config in configs.values():
         if not config.windows:
@@ -207,6 +211,27 @@ def summarize(
         pruning=pruning_summary([t for t in trials if row_role(t).tuned], windows_total),
         rule=rule,
         pool=pool_summary(trials),
+        budget=Budget.from_mapping(read_stored_spec(sweep_dir).get("budget")),
+        over_budget=read_over_budget(sweep_dir),
+        n_boot=n_boot,
+        seed=seed,
+    )
+
+
+def paired(base: ConfigResult, config: ConfigResult, *, n_boot: int, seed: int) -> Any:
+    """``config`` against ``base`` on the windows both scored (a paired bootstrap
+    ``Comparison``), or None when it is ``base`` or they share no window."""
+    from healsweep.score.stats import paired_compare
+
+    shared = [w for w in sorted(config.windows) if w in base.windows]
+    if config is base or not shared:
+        return None
+    return paired_compare(
+        [base.windows[w].metrics for w in shared],
+        [config.windows[w].metrics for w in shared],
+        [base.windows[w].stratum for w in shared],
+        n_boot=n_boot,
+        seed=seed,
     )
 
 

@@ -169,6 +169,69 @@ def kld_vs_mib(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
     return save(fig, path)
 
 
+KLD_VS_BPW_CAPTION = (
+    "pooled KLD against routed bits per weight: each config with its paired-bootstrap CI, the "
+    "Pareto front, llama.cpp's files (external) and the budget"
+)
+
+
+def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
+    """Pooled KLD (log) against the routed experts' stored bits per weight, one point per sized
+    config (pruned or unfinished ones faint, without bars: their KLD is of a few windows). Bars:
+    its paired-bootstrap CI against the baseline on the shared windows, as a range
+    of its own KLD (baseline KLD x (1 + CI of the relative change)); the Pareto front (no config
+    is both smaller and better) joined; external files (llama.cpp's uniform quants) labelled;
+    a routed-bpw budget's limits as vertical lines."""
+    from healsweep.results.budget import pareto_front
+
+    level = summary.rule.ci_level
+    sized = [c for c in summary.configs if c.routed_bpw is not None and c.pooled]
+    fig, ax = _pyplot().subplots(figsize=(7.2, 4.8))
+    for config in sized:
+        x, y = config.routed_bpw, config.pooled["kld_mean"]
+        comp = config.comparison
+        yerr = None
+        if comp is not None:
+            lo, hi = comp.rel_change_ci(level)
+            yerr = [
+                [max(0.0, y - comp.base_kld * (1 + lo))],
+                [max(0.0, comp.base_kld * (1 + hi) - y)],
+            ]
+        marker, colour, legend = _trial_style(config)
+        if config.is_baseline:
+            marker, colour, legend = "*", "black", "baseline"
+        if config.status != TrialStatus.COMPLETED:  # KLD of its first windows only: faint
+            ax.plot(x, y, marker, color=colour, ms=4, alpha=0.35, label=legend)
+            continue
+        ax.errorbar(x, y, yerr=yerr, fmt=marker, color=colour, capsize=2, ms=6, label=legend)
+        if config.role == Role.EXTERNAL or config.is_baseline:
+            ax.annotate(label(config)[:24], (x, y), fontsize=6, xytext=(4, 3),
+                        textcoords="offset points")  # fmt: skip
+    front = pareto_front(sized)
+    if len(front) > 1:
+        ax.step([c.routed_bpw for c in front], [c.pooled["kld_mean"] for c in front],
+                where="post", color="tab:green", lw=1, alpha=0.7, label="Pareto front")  # fmt: skip
+    for config in front:
+        ax.plot(config.routed_bpw, config.pooled["kld_mean"], "o", ms=11, fillstyle="none",
+                color="tab:green")  # fmt: skip
+    budget = summary.budget
+    if budget is not None and budget.measure == "routed_bpw":
+        for limit in budget.limits:
+            ax.axvline(limit, color="tab:red", ls="--", lw=0.9, label="budget")
+    if any(c.pooled["kld_mean"] > 0 for c in sized):
+        ax.set_yscale("log")
+    ax.set_xlabel("routed experts: stored bits per weight")
+    ax.set_ylabel(f"pooled KLD ({level:.0%} paired CI vs baseline)")
+    ax.set_title("quality against size (lower left is better)", fontsize=9)
+    if sized:
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=True))
+        ax.legend(unique.values(), unique.keys(), fontsize=6, loc="best")
+    else:
+        ax.text(0.5, 0.5, "no config has a recorded size", ha="center", transform=ax.transAxes)
+    return save(fig, path)
+
+
 def write_plots(
     summary: SweepSummary, folder: Path, label: Callable[[ConfigResult], str]
 ) -> dict[str, Path]:
@@ -178,6 +241,8 @@ def write_plots(
         "per-window KLD vs baseline": paired_scatter(summary, folder / "paired_windows.png", label),
         "knob main effects": knob_effects(summary, folder / "knob_effects.png"),
     }
+    if summary.budget is not None or len({c.routed_bpw for c in summary.configs}) > 1:
+        plots[KLD_VS_BPW_CAPTION] = kld_vs_bpw(summary, folder / "kld_vs_bpw.png", label)
     if any(c.cache for c in summary.configs):
         plots["KLD vs MiB read per token"] = kld_vs_mib(summary, folder / "kld_vs_mib.png", label)
     return plots

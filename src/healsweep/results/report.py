@@ -11,6 +11,13 @@ from typing import Any
 
 from healsweep.heal.knobs import Knobs
 from healsweep.results.aggregate import ConfigResult, SweepSummary, summarize
+from healsweep.results.budget import (
+    allocation,
+    file_mib,
+    healing_pairs,
+    over_budget_lines,
+    tiers,
+)
 from healsweep.results.schema import Role, TrialStatus
 
 Table = tuple[list[str], list[list[str]]]
@@ -72,13 +79,13 @@ def _cache_cells(config: ConfigResult) -> list[str]:
 
 
 def leaderboard(summary: SweepSummary) -> Table:
-    """Rank, config, role, status, windows, routed bpw, pooled KLD (with an expert cache: hit
+    """Rank, config, role, status, windows, routed bpw, file MiB, pooled KLD (with an expert cache: hit
     rate, MiB/token), Δ KLD [CI] vs the baseline and vs each reference row, top-1, top-1 Δ,
     wins/losses, verdict."""
     level = summary.rule.ci_level
     refs = [str(r.reference) for r in summary.references]
     cached = any(c.cache for c in summary.configs)  # scored through a simulated expert cache
-    header = ["#", "config", "role", "status", "windows", "bpw", "pooled KLD",
+    header = ["#", "config", "role", "status", "windows", "bpw", "file MiB", "pooled KLD",
               *(["hit rate", "MiB/token"] if cached else []),
               f"Δ KLD vs baseline [{level:.0%} CI]",
               *(f"Δ KLD vs {name} [{level:.0%} CI]" for name in refs),
@@ -93,7 +100,8 @@ def leaderboard(summary: SweepSummary) -> Table:
                 _roles(config),
                 config.status,
                 f"{len(config.windows)}/{summary.windows_total}",
-                _fmt(config.routed_bpw, ".3g"),
+                _fmt(config.routed_bpw, ".5g"),
+                _fmt(file_mib(config), ".2f"),
                 f"{config.pooled['kld_mean']:.5f}",
                 *(_cache_cells(config) if cached else []),
                 _delta(comp, level),
@@ -186,6 +194,91 @@ def confirmed_table(summary: SweepSummary, milestone: dict) -> Table:
     return header, rows
 
 
+def tier_table(summary: SweepSummary, tier: Any) -> Table:
+    """The configs inside one budget tier, by pooled KLD."""
+    level = summary.rule.ci_level
+    header = ["#", "config", "role", "status", "bpw", "file MiB", "pooled KLD",
+              f"Δ KLD vs baseline [{level:.0%} CI]"]  # fmt: skip
+    rows = [
+        [
+            str(rank),
+            describe(config, summary.baseline),
+            _roles(config),
+            config.status,
+            _fmt(config.routed_bpw, ".5g"),
+            _fmt(file_mib(config), ".2f"),
+            f"{config.pooled['kld_mean']:.5f}",
+            _delta(config.comparison, level),
+        ]  # fmt: skip
+        for rank, config in enumerate(tier.configs, 1)
+    ]
+    return header, rows
+
+
+def best_per_tier_table(summary: SweepSummary, found: list[Any]) -> Table:
+    """Per tier, the best completed trial against each llama.cpp (external) file inside the
+    tier, and against its own allocation unhealed (paired Δ of the best: negative = better)."""
+    level = summary.rule.ci_level
+    header = ["budget", "best config", "bpw", "pooled KLD", "against", "its bpw", "its KLD",
+              f"Δ KLD of best [{level:.0%} CI]"]  # fmt: skip
+    rows = []
+    for tier in found:
+        best = tier.best
+        if best is None:
+            rows.append([tier.label, "(no completed trial)", *["-"] * 6])
+            continue
+        head = [tier.label, f"{describe(best, summary.baseline)} ({allocation(best)})", _fmt(best.routed_bpw, ".5g"),
+                f"{best.pooled['kld_mean']:.5f}"]  # fmt: skip
+        others = [
+            *tier.vs_externals,
+            *([(tier.unhealed, tier.vs_unhealed)] if tier.unhealed else []),
+        ]
+        for other, comp in others or [(None, None)]:
+            name = (
+                "-"
+                if other is None
+                else (str(other.label) if other.role == Role.EXTERNAL else "same, unhealed")
+            )
+            rows.append([*head, name,
+                         "-" if other is None else _fmt(other.routed_bpw, ".5g"),
+                         "-" if other is None else f"{other.pooled['kld_mean']:.5f}",
+                         _delta(comp, level)])  # fmt: skip
+    return header, rows
+
+
+def healing_table(summary: SweepSummary) -> Table:
+    """What healing adds on top of each allocation: each healed config against the same knobs
+    with ``alpha: none, ridge: false`` on the windows both scored (pooled KLD of each there, and
+    the paired Δ, negative = healing helps)."""
+    level = summary.rule.ci_level
+    header = ["types (gate-up/down)", "unhealed config", "healing", "bpw", "shared windows",
+              "unhealed KLD", "healed KLD", f"Δ KLD [{level:.0%} CI]"]  # fmt: skip
+    rows = []
+    for pair in healing_pairs(summary):
+        base, comp = pair.unhealed.knob_values, pair.comparison
+        healing = [f"{k}={_value(v)}" for k, v in pair.healed.knob_values.items() if v != base[k]]
+        rows.append([allocation(pair.unhealed), describe(pair.unhealed, summary.baseline),
+                     ", ".join(healing), _fmt(pair.healed.routed_bpw, ".5g"),
+                     str(comp.n_windows), f"{comp.base_kld:.5f}", f"{comp.variant_kld:.5f}",
+                     _delta(comp, level)])  # fmt: skip
+    return header, rows
+
+
+def _budget_sections(summary: SweepSummary) -> list[tuple[str, list[str]]]:
+    """The size budget's sections (none without a budget), and the healing pairs."""
+    pairs = healing_table(summary)
+    healing = [("What healing adds on top of each allocation", _md(pairs))] if pairs[1] else []
+    if summary.budget is None:
+        return healing
+    found = tiers(summary)
+    return [
+        ("Best config per budget against llama.cpp", _md(best_per_tier_table(summary, found))),
+        *((f"Configs within {tier.label}", _md(tier_table(summary, tier))) for tier in found),
+        *healing,
+        ("Over budget", over_budget_lines(summary)),
+    ]
+
+
 def _md(table: Table) -> list[str]:
     header, rows = table
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -216,6 +309,7 @@ def _sections(
     return [
         ("Leaderboard against the baseline and the references", _md(leaderboard(summary))),
         *([("Every config against the baseline", first)] if first else []),
+        *_budget_sections(summary),
         *(
             (f"Dev and test (milestone {ms['milestone']})", _md(confirmed_table(summary, ms)))
             for ms in confirmed or []
@@ -239,7 +333,8 @@ def _intro(summary: SweepSummary) -> str:
         "windows (negative = better), with a paired bootstrap CI over windows. Reference rows "
         "(unhealed: the baseline's quantizer without Part A and Part B; plain: round-to-nearest "
         "Q2_0 with d = amax/2) and external GGUFs are scored on the same windows, never pruned "
-        "and not tuned; bpw = stored bits per weight of the routed experts. A config is "
+        "and not tuned; bpw = stored bits per weight of the routed experts, file MiB = the "
+        "model file with them in the config's types. A config is "
         "accepted when the CI lies below 0, no stratum regresses by more than "
         f"{summary.rule.max_stratum_regression:.0%}, and top-1 drops by at most "
         f"{summary.rule.max_top1_drop_points:.1f} pt."

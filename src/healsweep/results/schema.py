@@ -56,9 +56,6 @@ class TrialStatus(StrEnum):
 
 
 REFERENCES = ("unhealed", "plain")  # the reference rows, in the order they run and are listed
-# Bits per weight of the routed experts of every healsweep student: Q2_0's 18 bytes per 64
-# weights (kernels.q2_0.BYTES_PER_BLOCK; not imported: reading results needs no jax).
-Q2_0_BPW = 8 * 18 / 64
 
 _KNOB_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
 _TS = pa.timestamp("us", tz="UTC")
@@ -99,7 +96,9 @@ def trial_schema() -> pa.Schema:
     return pa.schema(
         [
             *_config_fields(
-                pa.field("routed_bpw", pa.float64()), pa.field("external_path", pa.string())
+                pa.field("routed_bpw", pa.float64()),
+                pa.field("external_path", pa.string()),
+                pa.field("file_bytes", pa.int64()),
             ),
             pa.field("status", pa.string()),
             pa.field("pruned", pa.bool_()),

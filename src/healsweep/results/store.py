@@ -6,7 +6,9 @@ Layout of ``RESULTS/<sweep>/``:
   written atomically, so a crash loses no finished window and readers never see half a file;
 - ``windows/trial-<trial>.parquet``: a finished trial's rows consolidated into one file with the
   final ``pruned`` flag (its part files are removed after the rename);
-- ``trials.parquet``: one row per trial; ``manifest.json`` and ``spec.json``: what ran.
+- ``trials.parquet``: one row per trial; ``manifest.json`` and ``spec.json``: what ran;
+- ``over_budget.json``: the configs a size budget kept from being scored (never a trial), by
+  config hash: their knobs, routed bpw and file bytes.
 
 A row is identified by ``(config_hash, window_id)``; readers drop repeats (a crash between a
 consolidation's rename and the removal of its part files can leave one behind for a moment).
@@ -32,6 +34,7 @@ WINDOWS_DIR = "windows"
 TRIALS_FILE = "trials.parquet"
 MANIFEST_FILE = "manifest.json"
 SPEC_FILE = "spec.json"
+OVER_BUDGET_FILE = "over_budget.json"
 LOCK_FILE = ".sweep.lock"  # held by the running driver; status probes it shared
 _PART = re.compile(r"^part-(?P<trial>.+)-(?P<seq>\d{6})\.parquet$")
 
@@ -139,5 +142,36 @@ def read_manifest(sweep_dir: str | Path) -> dict[str, Any]:
             f"{sweep_dir} holds no sweep results ({MANIFEST_FILE} missing); "
             "pass RESULTS/<sweep name> of a sweep started with `healsweep sweep run`"
         ) from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ResultsError(f"{path} is unreadable ({exc}); the results folder is damaged") from None
+
+
+def record_over_budget(sweep_dir: str | Path, configs: Mapping[str, Mapping[str, Any]]) -> None:
+    """Add ``{config_hash: {knobs, routed_bpw, file_bytes}}`` of configs the budget refused to
+    ``over_budget.json`` (rewritten atomically; a config recorded before is kept once)."""
+    from healsweep._atomic import atomic_write_text
+
+    known = read_over_budget(sweep_dir)
+    merged = {**known, **{k: dict(v) for k, v in configs.items() if k not in known}}
+    if len(merged) > len(known):
+        text = json.dumps(merged, indent=1, sort_keys=True)
+        atomic_write_text(Path(sweep_dir) / OVER_BUDGET_FILE, text + "\n")
+
+
+def read_over_budget(sweep_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """The configs over the sweep's budget, never scored (``{}`` without a budget)."""
+    return _read_json(Path(sweep_dir) / OVER_BUDGET_FILE)
+
+
+def read_stored_spec(sweep_dir: str | Path) -> dict[str, Any]:
+    """The sweep's stored spec as plain data (``{}`` when it has none)."""
+    return _read_json(Path(sweep_dir) / SPEC_FILE)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
     except (OSError, json.JSONDecodeError) as exc:
         raise ResultsError(f"{path} is unreadable ({exc}); the results folder is damaged") from None

@@ -21,17 +21,19 @@ from pathlib import Path
 from typing import Any
 
 from ray.tune.experiment import Trial
+from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from healsweep.errors import ResultsError, SpecError
 from healsweep.results.schema import scored_all
 from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials
-from healsweep.sweep.fixed import run_fixed
+from healsweep.sweep.budget import MAX_ASKS, BudgetGate, split_grid
+from healsweep.sweep.fixed import build_externals, run_fixed
 from healsweep.sweep.holders import open_holders, prior_holders
 from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.progress import ProgressSink
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
-from healsweep.sweep.space import baseline_point, grid_configs, optuna_space
+from healsweep.sweep.space import baseline_point, optuna_space
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import (
     COORDINATOR_RESOURCES,
@@ -42,6 +44,7 @@ from healsweep.sweep.trial import (
 )
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
+log = logging.getLogger(__name__)
 _RAY_NAMES = {"cpu": "CPU", "gpu": "GPU"}  # spec/Tune spelling -> ray.cluster_resources()
 
 
@@ -51,6 +54,26 @@ class PruneAwareOptunaSearch(OptunaSearch):
     mean as its final value even when the trial was pruned after a few windows or failed; here a
     pruned trial is told ``PRUNED`` (TPE ranks it below the finished trials by its last
     intermediate value, as Optuna intends) and a failed one ``FAIL``."""
+
+    def __init__(self, *args: Any, gate: BudgetGate | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gate = gate
+
+    def suggest(self, trial_id: str) -> dict | str | None:
+        """The sampler's next point inside the budget: a point over it is told to the study as
+        ``PRUNED`` without a value (TPE ranks it below every scored trial), recorded by the
+        gate, and the sampler asked again, so it never takes a trial slot
+        (:mod:`healsweep.sweep.budget`)."""
+        from optuna.trial import TrialState
+
+        for _ in range(MAX_ASKS):
+            point = super().suggest(trial_id)
+            if self._gate is None or not isinstance(point, dict) or self._gate.admits(point):
+                return point
+            self._ot_study.tell(self._ot_trials.pop(trial_id), state=TrialState.PRUNED)
+        log.warning("the sampler proposed %d configs over the budget in a row; search ended",
+                    MAX_ASKS)  # fmt: skip
+        return Searcher.FINISHED
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
         """Tell the study how the trial ended (see the class)."""
@@ -183,12 +206,17 @@ def _trainable(spec: SweepSpec, prior: dict, holders: Any, work_fn: WorkFn) -> A
     return tune.with_resources(trainable, COORDINATOR_RESOURCES)
 
 
-def _search(spec: SweepSpec) -> tuple[Any, dict[str, Any], int]:
-    """(search algorithm or None, param space, num_samples)."""
+def _search(spec: SweepSpec, sweep_dir: Path) -> tuple[Any, dict[str, Any], int]:
+    """(search algorithm or None, param space, num_samples); a grid's configs over the budget
+    are recorded and left out, a sampler's are refused as it proposes them."""
     from ray import tune
 
+    from healsweep.results.store import record_over_budget
+
     if spec.sampler.type == "grid":
-        configs = [knobs.model_dump() for knobs in grid_configs(spec)]  # Tune's config is data
+        inside, over = split_grid(spec)
+        record_over_budget(sweep_dir, over)
+        configs = [knobs.model_dump() for knobs in inside]  # Tune's config is data
         return None, {"knobs": tune.grid_search(configs)}, 1
     import optuna
 
@@ -201,6 +229,7 @@ def _search(spec: SweepSpec) -> tuple[Any, dict[str, Any], int]:
         mode="min",
         points_to_evaluate=[baseline_point(spec)],
         sampler=sampler,
+        gate=BudgetGate(spec, sweep_dir) if spec.budget is not None else None,
     )
     return search, {}, int(spec.num_samples or 1)
 
@@ -218,7 +247,7 @@ def _new_tuner(spec: SweepSpec, sweep_dir: Path, trainable: Any) -> Any:
 
     from healsweep.sweep.recorder import ResultsRecorder
 
-    search, space, samples = _search(spec)
+    search, space, samples = _search(spec, sweep_dir)
     return tune.Tuner(
         trainable,
         param_space=space,
@@ -340,6 +369,7 @@ def _run(
     # registry to break every later ray.init in this process.
     ray.cloudpickle.dumps(work_fn)
     holders = open_holders(prior_holders(sweep_dir))  # where earlier runs left entries
+    build_externals(spec, sweep_dir)  # llama recipes: once, into the sweep folder
     run_fixed(spec, sweep_dir, work_fn, holders)  # references, externals: before the trials
     prior = prior_windows(sweep_dir)  # with the fixed rows': a trial of their student replays
     register_sink(sweep_dir, on_progress)

@@ -24,7 +24,7 @@ from typing import Any
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
-from healsweep.results.schema import Q2_0_BPW, Role, TrialStatus, knob_columns, scored_all
+from healsweep.results.schema import Role, TrialStatus, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.placed import PlacedWork, work_task
 from healsweep.sweep.spec import SweepSpec
@@ -45,7 +45,8 @@ class FixedConfig:
     knobs: Knobs | None  # None for an external GGUF
     path: str | None = None
     fingerprint: str | None = None
-    routed_bpw: float = Q2_0_BPW
+    routed_bpw: float | None = None
+    file_bytes: int | None = None
 
     @property
     def trial_id(self) -> str:
@@ -77,6 +78,7 @@ class FixedConfig:
             "role": self.role.value,
             "label": self.label,
             "routed_bpw": self.routed_bpw,
+            "file_bytes": self.file_bytes,
             "external_path": self.path,
             **knob_columns(self.knobs),
         }
@@ -89,17 +91,47 @@ def reference_knobs(spec: SweepSpec, name: str) -> Knobs:
     return unhealed.replace(quantizer="plain") if name == "plain" else unhealed
 
 
-def fixed_configs(spec: SweepSpec) -> list[FixedConfig]:
-    """The spec's references (in ``REFERENCES`` order), then its external entries."""
+def fixed_configs(spec: SweepSpec, sweep_dir: Path) -> list[FixedConfig]:
+    """The spec's references (in ``REFERENCES`` order), then its external entries (a recipe's
+    file as built into ``sweep_dir``: :func:`build_externals`)."""
     from healsweep.gguf_io import routed_expert_bpw
     from healsweep.model import open_model
+    from healsweep.sweep.budget import config_size
 
-    out = [FixedConfig(Role.REFERENCE, n, reference_knobs(spec, n)) for n in spec.reference_names()]
+    out = []
+    for name in spec.reference_names():
+        knobs = reference_knobs(spec, name)
+        size = config_size(spec, knobs)
+        bpw, nbytes = (None, None) if size is None else size
+        out.append(FixedConfig(Role.REFERENCE, name, knobs, routed_bpw=bpw, file_bytes=nbytes))
     for entry in spec.external:
-        model = open_model(entry.path)
-        bpw = routed_expert_bpw(model)
-        out.append(FixedConfig(Role.EXTERNAL, entry.name, None, entry.path, model.fingerprint, bpw))
+        path = entry.file(sweep_dir)
+        model = open_model(path)
+        out.append(FixedConfig(Role.EXTERNAL, entry.name, None, path, model.fingerprint,
+                               routed_expert_bpw(model), Path(path).stat().st_size))  # fmt: skip
     return out
+
+
+def build_externals(spec: SweepSpec, sweep_dir: Path) -> list[Path]:
+    """Build the file of every ``external`` llama recipe not built yet into
+    ``SWEEP/external/NAME.gguf`` (written atomically, so one that exists is complete and is
+    reused, e.g. by a resume); its importance rows come from the sweep's calibration trace, in
+    the stage cache the trials share. Returns the files built now."""
+    from healsweep.cache import StageCache
+    from healsweep.heal.llama_baseline import write_llama_baseline
+    from healsweep.model import open_model
+
+    built = []
+    for entry in spec.external:
+        if entry.llama is None or entry.built_path(sweep_dir).is_file():
+            continue
+        calibration = spec.calibration if entry.llama.imatrix else None
+        out = write_llama_baseline(open_model(spec.model), entry.llama.type,
+                                   entry.built_path(sweep_dir), calibration=calibration,
+                                   cache=StageCache())  # fmt: skip
+        log.info("external %s: built %s", entry.name, out)
+        built.append(out)
+    return built
 
 
 def _job(
@@ -133,7 +165,7 @@ def run_fixed(
     recorder = ResultsRecorder(sweep_dir, spec)
     recorder.setup()
     pending = []
-    for fixed in fixed_configs(spec):
+    for fixed in fixed_configs(spec, sweep_dir):
         row = recorder.trials.get(fixed.trial_id)
         if row is not None and row["config_hash"] != fixed.config_hash:
             raise ResultsError(

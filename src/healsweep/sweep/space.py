@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from healsweep.cache import canonical_json
 from healsweep.errors import SpecError
 from healsweep.heal.knobs import Knobs, require_ggml
-from healsweep.results.schema import Q2_0_BPW, Role, knob_columns
+from healsweep.heal.size import ConfigSize
+from healsweep.results.schema import Role, knob_columns
 from healsweep.sweep.dimensions import Choices, Range
 from healsweep.sweep.spec import SweepSpec, locate
 
@@ -150,8 +151,10 @@ def baseline_point(spec: SweepSpec) -> dict[str, Any]:
 
 
 def planned_trials(spec: SweepSpec) -> int:
-    """How many trials the sweep runs (grid size, or num_samples)."""
-    return len(grid_configs(spec)) if spec.sampler.type == "grid" else int(spec.num_samples or 0)
+    """How many trials the sweep runs (grid size inside the budget, or num_samples)."""
+    from healsweep.sweep.budget import split_grid
+
+    return len(split_grid(spec)[0]) if spec.sampler.type == "grid" else int(spec.num_samples or 0)
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,7 @@ class TrialIdentity:
     config_hash: str
     student: str
     is_baseline: bool
+    size: ConfigSize | None = None  # its routed bpw and file bytes on the sweep's model
 
     @property
     def role(self) -> Role:
@@ -176,7 +180,8 @@ class TrialIdentity:
             "config_hash": self.config_hash,
             "is_baseline": self.is_baseline,
             "role": self.role.value,
-            "routed_bpw": Q2_0_BPW,
+            "routed_bpw": None if self.size is None else self.size.routed_bpw,
+            "file_bytes": None if self.size is None else self.size.file_bytes,
             **knob_columns(self.knobs),
         }
 
@@ -190,4 +195,15 @@ def trial_identity(spec: SweepSpec, config: Mapping[str, Any]) -> TrialIdentity:
         knobs = with_point(spec, {k: v for k, v in config.items() if k in KNOB_NAMES})
     chash = config_hash(knobs)
     is_baseline = chash == config_hash(spec.baseline)
-    return TrialIdentity(knobs, chash, knobs.student_key(), is_baseline)
+    return TrialIdentity(knobs, chash, knobs.student_key(), is_baseline, _size(spec, knobs))
+
+
+def _size(spec: SweepSpec, knobs: Knobs) -> ConfigSize | None:
+    """The config's size for its results columns (None when the model cannot be read here)."""
+    from healsweep.errors import HealsweepError
+    from healsweep.sweep.budget import config_size
+
+    try:
+        return config_size(spec, knobs)
+    except (OSError, HealsweepError):
+        return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -37,10 +37,13 @@ from pydantic import (
 from healsweep.bundled import is_bundled
 from healsweep.errors import KnobError, SpecError
 from healsweep.heal.knobs import CalibrationConfig, Knobs, problem
+from healsweep.heal.size import Budget
+from healsweep.kernels.ggml_types import ROUTED_TYPES
 from healsweep.results.schema import REFERENCES, Role
 from healsweep.sweep.dimensions import SHAPES, Choices, Range, SearchSpace
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+EXTERNAL_DIR = "external"  # SWEEP/external/NAME.gguf: the files of the spec's llama recipes
 
 
 class _Strict(BaseModel):
@@ -111,13 +114,77 @@ class ScoringSpec(_Strict):
     """compact (default) or exact"""
 
 
+class LlamaRecipe(_Strict):
+    """An external file the sweep makes itself: the teacher with its routed experts quantized by
+    llama.cpp's quantizer (``healsweep baseline llama``), into ``SWEEP/external/NAME.gguf``."""
+
+    type: Literal[tuple(t.name for t in ROUTED_TYPES)]  # type: ignore[valid-type]
+    """a routed-expert type of llama.cpp's quantizer (iq2_xxs, iq2_xs, q2_k, ...)"""
+    imatrix: bool = True
+    """true (default: importance rows from the sweep's calibration) or false"""
+
+
 class ExternalSpec(_Strict):
-    """A fixed GGUF student (e.g. from ``healsweep baseline llama``) scored like a trial."""
+    """A fixed GGUF student scored like a trial: a file made beforehand (``path``, e.g. by
+    ``healsweep baseline llama``) or one the sweep makes before scoring (``llama``)."""
 
     name: str = Field(pattern=NAME_PATTERN)
     """1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"""
-    path: str
+    path: str | None = None
     """a GGUF file path (relative to the spec's folder)"""
+    llama: LlamaRecipe | None = None
+    """{type, imatrix}: llama.cpp's quantizer on the sweep's model, built into the sweep folder"""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ExternalSpec:
+        if (self.path is None) == (self.llama is None):
+            raise ValueError("an external entry has either a path or a llama recipe, not both")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump_source(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # the unused one is left out, so a path entry is stored (and hashed) as before recipes
+        return {k: v for k, v in handler(self).items() if v is not None or k == "name"}
+
+    def built_path(self, sweep_dir: str | Path) -> Path:
+        """Where a recipe's file is built: ``SWEEP/external/NAME.gguf``."""
+        return Path(sweep_dir) / EXTERNAL_DIR / f"{self.name}.gguf"
+
+    def file(self, sweep_dir: str | Path) -> str:
+        """The GGUF this entry scores (its path, or the file its recipe builds)."""
+        return self.path if self.path is not None else str(self.built_path(sweep_dir))
+
+
+class BudgetSpec(_Strict):
+    """A size budget: configs larger than it are never scored. One measure, a number or a list
+    of them (tiers: a config is admitted under the largest; the report ranks each tier)."""
+
+    routed_bpw: list[Annotated[float, Field(gt=0.0, le=32.0)]] | None = None
+    """stored bits per weight of the routed experts (a number or list in (0, 32])"""
+    file_bytes: list[Annotated[int, Field(gt=0)]] | None = None
+    """bytes of the model file (an integer or list of integers > 0)"""
+    file_mib: list[Annotated[float, Field(gt=0.0)]] | None = None
+    """MiB (2^20 bytes) of the model file (a number or list > 0)"""
+
+    @field_validator("routed_bpw", "file_bytes", "file_mib", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _one_measure(self) -> BudgetSpec:
+        given = [v for v in (self.routed_bpw, self.file_bytes, self.file_mib) if v is not None]
+        if len(given) != 1 or not given[0]:
+            raise ValueError("a budget names one of routed_bpw, file_bytes, file_mib")
+        if len(set(given[0])) != len(given[0]):
+            raise ValueError(f"it lists a limit twice: {given[0]!r}")
+        return self
+
+    def budget(self) -> Budget:
+        """The budget as :class:`healsweep.heal.size.Budget` (limits ascending, MiB as bytes)."""
+        found = Budget.from_mapping(self.model_dump())
+        assert found is not None  # one measure is given (checked above)
+        return found
 
 
 class SweepSpec(_Strict):
@@ -160,7 +227,9 @@ class SweepSpec(_Strict):
     references: bool | list[Literal["unhealed", "plain"]] = True
     """true (default: unhealed and plain), false, or a list of unhealed, plain"""
     external: list[ExternalSpec] = Field(default_factory=list)
-    """a list of {name, path}: GGUF students scored beside the trials"""
+    """a list of {name, path} or {name, llama: {type, imatrix}} (GGUFs scored beside trials)"""
+    budget: BudgetSpec | None = None
+    """{routed_bpw: X | [X, ...]}, {file_bytes: N | [...]} or {file_mib: M | [...]}"""
     placement: Literal["cache", "ray"] = "cache"
     """cache (default: a trial runs on the node that holds its quantized experts, by Ray's soft
     node affinity) or ray (wherever Ray's default scheduling puts it)"""
@@ -170,7 +239,11 @@ class SweepSpec(_Strict):
 
     # Fields added after sweeps were recorded, with the value that means "as before": at it they
     # are left out of the stored form, so every earlier spec keeps its hash (as Knobs.ADDED_LATER).
-    added_later: ClassVar[dict[str, Any]] = {"placement": "cache", "cache_root": None}
+    added_later: ClassVar[dict[str, Any]] = {
+        "budget": None,
+        "placement": "cache",
+        "cache_root": None,
+    }
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @field_validator("sampler", "pruner", mode="before")
@@ -317,7 +390,10 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
     corpus = spec.calibration.corpus
     if corpus != "demo":
         changes["calibration"] = spec.calibration.model_copy(update={"corpus": resolved(corpus)})
-    changes["external"] = [e.model_copy(update={"path": resolved(e.path)}) for e in spec.external]
+    changes["external"] = [
+        e if e.path is None else e.model_copy(update={"path": resolved(e.path)})
+        for e in spec.external
+    ]
     if spec.cache_root is not None:
         changes["cache_root"] = resolved(spec.cache_root)
     out = spec.model_copy(update=changes)
@@ -337,6 +413,10 @@ def _check_paths(spec: SweepSpec, where: str) -> None:
             )
     if spec.external:
         check_externals(spec, where)
+    if spec.budget is not None:
+        from healsweep.sweep.budget import check_budget
+
+        check_budget(spec, where)
 
 
 def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
@@ -349,6 +429,9 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
     teacher = open_model(spec.model)
     for i, entry in enumerate(spec.external):
         at = f"{where}: field 'external[{i}]' ({entry.name})"
+        if entry.llama is not None:
+            _check_recipe(teacher, entry.llama, at)
+            continue
         if not Path(entry.path).is_file():
             expected = ExternalSpec.model_fields["path"].description
             raise SpecError(f"{at}: {entry.path}: no such file; expected {expected}")
@@ -356,6 +439,20 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
             check_same_tokenizer(teacher, open_model(entry.path))
         except HealsweepError as exc:
             raise SpecError(f"{at}: {exc}") from None
+
+
+def _check_recipe(teacher: Any, recipe: LlamaRecipe, at: str) -> None:
+    """A recipe's type fits the model's experts and ggml's quantizer is installed; else one
+    ``SpecError`` line."""
+    from healsweep.errors import HealsweepError
+    from healsweep.gguf_io._ggml_lib import libggml
+    from healsweep.heal.llama_baseline import check_baseline
+
+    try:
+        libggml()
+        check_baseline(teacher, recipe.type, recipe.imatrix)
+    except HealsweepError as exc:
+        raise SpecError(f"{at}: llama {recipe.type}: {exc}") from None
 
 
 def _key_lines(node: Any, prefix: tuple = ()) -> dict[tuple, int]:
@@ -409,6 +506,9 @@ def _pydantic_error(exc: ValidationError, where: str, lines: Mapping) -> SpecErr
     if err["type"] == "extra_forbidden":
         known = ", ".join(_MODELS[".".join(names[:-1])].model_fields)
         return SpecError(f"{at}: unknown field '{name}'; known fields: {known}")
+    if err["type"] == "value_error" and names[:1] in (["budget"], ["external"]):
+        why = str(err["ctx"]["error"])  # how the parts of the section fit together
+        return SpecError(f"{at}: field '{name}' = {err['input']!r} is not allowed; {why}")
     allowed = _allowed(names) or err["msg"]
     if err["type"] == "missing":
         return SpecError(f"{at}: field '{name}' is missing; expected {allowed}")
@@ -439,7 +539,8 @@ def _dimension_error(err: Any, loc: tuple, shape: str | None, at: str) -> SpecEr
 # The model of each field path that holds one (only these can have an unknown field).
 _MODELS: dict[str, type[BaseModel]] = {
     "": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec, "pruner.futility": FutilitySpec,
-    "scoring": ScoringSpec, "external": ExternalSpec,
+    "scoring": ScoringSpec, "external": ExternalSpec, "external.llama": LlamaRecipe,
+    "budget": BudgetSpec,
 }  # fmt: skip
 
 

@@ -1,0 +1,169 @@
+"""The size side of a sweep report: configs per budget tier, what healing adds on top of each
+allocation, and the configs the budget kept from being scored.
+
+- **Per tier** (a spec's ``budget`` limits, ascending): every scored config whose size fits the
+  limit (trials, references and the external llama.cpp files alike), ranked by pooled KLD; the
+  best completed trial of the tier against each external file of the tier's size (inside it, not
+  inside the tier below; paired Δ and CI: negative = ours better) and against its own allocation
+  without healing.
+- **Healing pairs**: configs that differ only in the healing knobs (``alpha``, ``gamma``,
+  ``alpha_granularity``, ``ridge``, ``rho``, ``eta``) share their allocation and quantizers; each
+  healed one is compared with the unhealed one (``alpha: none, ridge: false``) of its group.
+- **Over budget**: the configs a grid expanded or a sampler proposed that were never scored
+  (``over_budget.json``), counted, with their sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from healsweep.heal.knobs import Knobs
+from healsweep.results.aggregate import ConfigResult, SweepSummary, paired
+from healsweep.results.schema import Role, TrialStatus
+
+HEALING_KNOBS = ("alpha", "gamma", "alpha_granularity", "ridge", "rho", "eta")
+_UNHEALED = {"alpha": "none", "ridge": False}
+TYPE_KNOBS = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
+MAX_LISTED = 20  # over-budget configs listed one by one (the count is always given)
+
+
+@dataclass
+class Tier:
+    """One budget limit: the configs inside it and its best trial's comparisons."""
+
+    limit: float
+    label: str
+    configs: list[ConfigResult]  # scored configs that fit, by pooled KLD
+    best: ConfigResult | None  # the best completed trial (baseline included) that fits
+    vs_externals: list[tuple[ConfigResult, Any]]  # (external, best vs it)
+    unhealed: ConfigResult | None  # best's allocation without healing, if scored
+    vs_unhealed: Any
+
+
+@dataclass
+class HealingPair:
+    """A healed config and the unhealed config of the same allocation."""
+
+    unhealed: ConfigResult
+    healed: ConfigResult
+    comparison: Any  # healed vs unhealed
+
+
+def measured(config: ConfigResult, measure: str) -> float | None:
+    """A config's size in ``measure`` (``routed_bpw`` or ``file_bytes``) as its row recorded
+    it; None from rows without the column."""
+    value = config.routed_bpw if measure == "routed_bpw" else config.file_bytes
+    return None if value is None else float(value)
+
+
+def _scored(summary: SweepSummary) -> list[ConfigResult]:
+    return [c for c in summary.configs if c.windows]
+
+
+def _unhealed_twin(config: ConfigResult, configs: list[ConfigResult]) -> ConfigResult | None:
+    """The scored config with ``config``'s knobs but healing off (Part A and B)."""
+    if config.knobs is None:
+        return None
+    want = config.knobs.replace(**_UNHEALED).student_key()
+    return next((c for c in configs if c.knobs is not None and c.knobs.student_key() == want
+                 and c is not config), None)  # fmt: skip
+
+
+def tiers(summary: SweepSummary) -> list[Tier]:
+    """Every budget tier of the sweep ([] without a budget)."""
+    budget = summary.budget
+    if budget is None:
+        return []
+    scored = _scored(summary)
+    out = []
+    for limit in budget.limits:
+        inside = [
+            c
+            for c in scored
+            if (value := measured(c, budget.measure)) is not None and budget.within(value, limit)
+        ]
+        inside.sort(key=lambda c: (c.status != TrialStatus.COMPLETED, c.pooled["kld_mean"]))
+        trials = [c for c in inside if c.role.tuned and c.status == TrialStatus.COMPLETED]
+        best = trials[0] if trials else None
+        # the files of this tier's size: inside it, and not inside the tier below
+        below = budget.limits[budget.limits.index(limit) - 1] if limit != budget.limits[0] else None
+        externals = [
+            c for c in inside if c.role == Role.EXTERNAL
+            and (below is None or not budget.within(measured(c, budget.measure), below))
+        ]  # fmt: skip
+        vs = [(e, paired(e, best, n_boot=summary.n_boot, seed=summary.seed)) for e in externals]
+        twin = _unhealed_twin(best, scored) if best is not None else None
+        healing = paired(twin, best, n_boot=summary.n_boot, seed=summary.seed) if twin else None
+        out.append(Tier(limit, budget.label(limit), inside, best,
+                        [(e, c) for e, c in vs if c is not None], twin, healing))  # fmt: skip
+    return out
+
+
+def healing_pairs(summary: SweepSummary) -> list[HealingPair]:
+    """Each healed config against the unhealed config of its allocation (see the module)."""
+    scored = [c for c in _scored(summary) if c.knobs is not None]
+    pairs = []
+    for config in scored:
+        values = config.knob_values
+        if all(values[k] == v for k, v in _UNHEALED.items()):
+            continue
+        twin = _unhealed_twin(config, scored)
+        if twin is not None:
+            comparison = paired(twin, config, n_boot=summary.n_boot, seed=summary.seed)
+            if comparison is not None:
+                pairs.append(HealingPair(twin, config, comparison))
+    return sorted(pairs, key=lambda p: (p.unhealed.routed_bpw or 0.0, p.comparison.rel_change))
+
+
+def allocation(config: ConfigResult) -> str:
+    """The routed experts' types of a config's knobs: ``iq2_xxs/iq2_xs`` (gate/up, down), with
+    its edge-layer steps and per-layer overrides when it has them."""
+    return _types(config.knob_values) if config.knob_values else "-"
+
+
+def _types(values: dict[str, Any]) -> str:
+    parts = [f"{values['type_gu']}/{values['type_d']}"]
+    parts += [f"{k}={values[k]}" for k in ("up_first", "up_last") if values.get(k)]
+    parts += [f"layers {values['layer_types']}"] if values.get("layer_types") else []
+    return ", ".join(parts)
+
+
+def pareto_front(configs: list[ConfigResult]) -> list[ConfigResult]:
+    """The configs no other beats on both routed bpw and pooled KLD (completed, sized), by bpw."""
+    sized = [c for c in configs
+             if c.routed_bpw is not None and c.status == TrialStatus.COMPLETED and c.pooled]  # fmt: skip
+    front = []
+    for config in sorted(sized, key=lambda c: (c.routed_bpw, c.pooled["kld_mean"])):
+        if not front or config.pooled["kld_mean"] < front[-1].pooled["kld_mean"]:
+            front.append(config)
+    return front
+
+
+def file_mib(config: ConfigResult) -> float | None:
+    """The config's file size in MiB (None when not recorded)."""
+    return None if config.file_bytes is None else config.file_bytes / 2**20
+
+
+def over_budget_lines(summary: SweepSummary) -> list[str]:
+    """The count of configs over budget (not scored) and the first of them with their sizes
+    (each named by its types and the other knobs where it differs from the baseline)."""
+    if summary.budget is None:
+        return []
+    over = sorted(summary.over_budget.items(), key=lambda kv: kv[1].get("routed_bpw") or 0.0)
+    limits = ", ".join(summary.budget.label(limit) for limit in summary.budget.limits)
+    lines = [f"{len(over)} configs over budget, not scored (budget: {limits})."]
+    if over:
+        lines.append("")
+    base = summary.baseline.knob_values
+    for chash, entry in over[:MAX_LISTED]:
+        knobs = Knobs(**entry.get("knobs", {})).model_dump()
+        types = _types(knobs)
+        rest = ", ".join(f"{k}={v}" for k, v in knobs.items()
+                         if k not in TYPE_KNOBS and v != base.get(k))  # fmt: skip
+        lines.append(f"- `{chash[:12]}` {entry['routed_bpw']:.4g} bpw, "
+                     f"{entry['file_bytes'] / 2**20:.2f} MiB: {types}"
+                     f"{'; ' + rest if rest else ''}")  # fmt: skip
+    if len(over) > MAX_LISTED:
+        lines.append(f"- ... and {len(over) - MAX_LISTED} more (over_budget.json)")
+    return lines
