@@ -46,10 +46,10 @@ def _shapes(path: str, size: int, mtime_ns: int) -> ModelShapes:
 
 def model_shapes(spec: SweepSpec) -> ModelShapes:
     """The shapes of the sweep's model (read once per process and file version)."""
-    from healsweep.bundled import demo_model_path
+    from healsweep.bundled import resolve_model
 
-    path = demo_model_path() if spec.model == "demo" else Path(spec.model)
-    stat = Path(path).stat()
+    path = resolve_model(spec.model)
+    stat = path.stat()
     return _shapes(str(path), stat.st_size, stat.st_mtime_ns)
 
 
