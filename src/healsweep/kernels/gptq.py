@@ -21,8 +21,9 @@ Per 64-column block ``b`` (one Q2_0 block column):
    block's importance ``a`` (the diagonal of H: the part of GPTQ's objective that a per-block
    search can see). The search yields the stored fp16 ``d`` and its rounding step ``1/d1``;
 2. the 64 columns are then rounded one by one with that fixed step, ``q_j = round_code(w_j/d1)``
-   (``q_j·d`` is the value the file will hold), in groups of ``SUB`` whose errors reach each
-   other one column at a time and the rest of the block in one product;
+   (``q_j·d`` is the value the file will hold), from the block's start weights and the
+   errors against them (:func:`_round_at`), in groups of ``SUB`` whose errors reach each
+   other one column at a time and each later group in one product;
 3. the block's errors reach the rest of its span of ``SPAN`` columns in one product, and each
    span's errors every later span in one product per pair (GPTQ's lazy batch updates, nested, so
    that most of the arithmetic is products with an inner dimension of ``SPAN``).
@@ -31,8 +32,10 @@ Where ``f`` is 0 nothing propagates and step 2 rounds exactly as the search does
 equals :func:`q2_0.quantize_matrix` bit for bit (the property test of ``tests/test_gptq.py``).
 The work runs transposed, ``[E, in, out]``: a column of ``w`` is a contiguous row, and a block is
 the ``[E, 64, out]`` tile the search vectorizes over ``out``. Blocks and spans are driven from
-the host, one jitted call each (XLA's CPU backend runs a loop body's fusions several times
-slower than the same fusions at top level; compiled once per shape). Float32 throughout; matrix
+the host, two jitted calls a block: the start weights and the scale search, then the rounding
+and the errors' propagation (XLA's CPU backend runs a loop body's fusions several times slower
+than the same fusions at top level, and ran search and rounding in one program 2x slower than
+in two; each compiled once per shape). Float32 throughout; matrix
 products at ``HIGHEST`` precision (no TF32 on a GPU).
 """
 
@@ -64,86 +67,115 @@ def block_scale(wt: jax.Array, a: jax.Array, gain: jax.Array):
     return (d / scale).astype(jnp.float16), scale / best_d1, extras
 
 
-def _round_sub(rows, orig, f_sub, step, d32):
-    """Round ``SUB`` consecutive columns (rows here) in order: ``rows``/``orig`` [E, SUB, out]
-    (error-updated / original), ``f_sub`` [E, SUB, SUB]. Each column takes the errors of the
-    ones before it in the group as it is reached. Returns ``(q, r)`` [E, SUB, out]."""
-    qs, rs = [], []
+def _round_sub(rows, start, f_sub, step, d32):
+    """Round ``SUB`` consecutive columns (rows here) in order: ``rows`` [E, SUB, out] with the
+    errors of the block's earlier groups applied, ``start`` [E, SUB, out] the same columns at
+    the block's start, ``f_sub`` [E, SUB, SUB]. Each column takes the errors of the ones
+    before it in the group as it is reached. Returns ``(q, e)`` [E, SUB, out], ``e`` the
+    errors against the block's start."""
+    qs, es = [], []
     for j in range(rows.shape[1]):
         row = rows[:, j]
-        for i, r_i in enumerate(rs):
-            row = row + f_sub[:, i, j, None] * r_i
+        for i, e_i in enumerate(es):
+            row = row + f_sub[:, i, j, None] * e_i
         q = round_code(row * step)
         qs.append(q)
-        rs.append(orig[:, j] - q * d32)
-    return jnp.stack(qs, axis=1), jnp.stack(rs, axis=1)
+        es.append(start[:, j] - q * d32)
+    return jnp.stack(qs, axis=1), jnp.stack(es, axis=1)
 
 
-def _round_block(wb, ob, f_diag, g_block, ab, gain):
-    """GPTQ of one block column: ``wb`` [E, 64, out] the block's columns with every earlier
-    block's errors applied, ``ob`` [E, 64, out] the original ones, ``f_diag`` [E, 64, 64] the
-    feedback inside the block, ``g_block`` [E, 64, 64] the inverse of ``V``'s diagonal block,
-    ``ab`` [E, 64] the importance. Returns ``(d [E, out] float16, q [E, 64, out] int8,
-    r [E, 64, out], extras)`` with ``r`` the errors against the original weights."""
+def _round_at(at_start, f_diag, step, d32):
+    """GPTQ's rounding of one block column once its scale is known: ``at_start`` [E, 64, out]
+    the block's weights at its start (every earlier block's errors applied: GPTQ's weights
+    there), ``f_diag`` [E, 64, 64] the feedback inside the block, ``step``/``d32`` [E, out]
+    the search's rounding step and stored scale. Returns ``q`` [E, 64, out] float32.
+
+    With ``Δ = at_start − w_b`` and ``V_bb = I + f_diag``, the block's weights with the
+    earlier blocks' feedback are ``w_b + V_bbᵀΔ``, so column ``k`` is rounded from
+    ``at_start_k + Σ_{j<k} f_jk·e_j`` with ``e_j = at_start_j − q_j·d``: the block needs only
+    its start. Groups of ``SUB`` columns are unrolled and left-looking: group ``s`` gathers
+    the errors of the groups before it in one product (inner dimension ``s·SUB``) into its own
+    ``SUB`` rows only."""
+    qs, es = [], []
+    for at in range(0, QK, SUB):
+        rows = at_start[:, at : at + SUB]  # [E, SUB, out]
+        if at:  # f is strictly upper: only the earlier groups' errors reach this one
+            done = jnp.concatenate(es, axis=1) if len(es) > 1 else es[0]  # [E, at, out]
+            f_in = f_diag[:, :at, at : at + SUB]  # [E, at, SUB]
+            rows = rows + jnp.einsum("ejk,ejo->eko", f_in, done, precision=_HIGHEST)
+        f_sub = f_diag[:, at : at + SUB, at : at + SUB]
+        q, e = _round_sub(rows, at_start[:, at : at + SUB], f_sub, step, d32)
+        qs.append(q)
+        es.append(e)
+    return jnp.concatenate(qs, axis=1)
+
+
+@healing_jit
+def _block_start(base, orig, g_block, importance, start, gain):
+    """The block at column ``start`` of a span up to its scale: ``base`` [E, S, out] the
+    span's columns with the errors so far, ``orig`` [E, S, out] the original ones, ``g_block``
+    [E, 64, 64] the block's diagonal inverse, ``importance`` [E, S]. Returns ``(at_start
+    [E, 64, out], d [E, out] float16, step [E, out], extras)`` as :func:`_lowrank_start`."""
+    wb = jax.lax.dynamic_slice_in_dim(base, start, QK, axis=1)  # [E, 64, out]
+    ob = jax.lax.dynamic_slice_in_dim(orig, start, QK, axis=1)
+    ab = jax.lax.dynamic_slice_in_dim(importance, start, QK, axis=1)  # [E, 64]
     at_start = ob + jnp.einsum("ejk,ejo->eko", g_block, wb - ob, precision=_HIGHEST)
     d16, step, extras = block_scale(at_start, ab, gain)
-    d32 = d16.astype(jnp.float32)
-
-    def one_sub(s, carry):
-        wb, qb, rb = carry
-        at = s * SUB
-        rows = jax.lax.dynamic_slice_in_dim(wb, at, SUB, axis=1)  # [E, SUB, out]
-        orig_rows = jax.lax.dynamic_slice_in_dim(ob, at, SUB, axis=1)
-        f_rows = jax.lax.dynamic_slice_in_dim(f_diag, at, SUB, axis=1)  # [E, SUB, 64]
-        f_sub = jax.lax.dynamic_slice_in_dim(f_rows, at, SUB, axis=2)  # [E, SUB, SUB]
-        q, r = _round_sub(rows, orig_rows, f_sub, step, d32)
-        # f is strictly upper: the group's errors reach only later columns (the group's own
-        # rows, already rounded, are never read again)
-        wb = wb + jnp.einsum("ejk,ejo->eko", f_rows, r, precision=_HIGHEST)
-        qb = jax.lax.dynamic_update_slice_in_dim(qb, q.astype(jnp.int8), at, axis=1)
-        rb = jax.lax.dynamic_update_slice_in_dim(rb, r, at, axis=1)
-        return wb, qb, rb
-
-    zeros_q = jnp.zeros(wb.shape, jnp.int8)
-    _, q, r = jax.lax.fori_loop(0, QK // SUB, one_sub, (wb, zeros_q, jnp.zeros_like(wb)))
-    return d16, q, r, extras
+    return at_start, d16, step, extras
 
 
 @healing_jit(donate_argnums=(0,))
-def _block(base, orig, f_span, g_block, importance, start, gain):
-    """GPTQ of the block at column ``start`` of a span: ``base`` [E, S, out] the span's columns
-    with the errors so far (donated: updated in place), ``orig`` [E, S, out] the original
-    ones, ``f_span`` [E, S, S] the feedback inside the span, ``g_block`` [E, 64, 64] the block's
-    diagonal inverse, ``importance`` [E, S]. Returns ``(base, d [E, out] float16,
-    q [E, 64, out] int8, r [E, 64, out], extras)`` with ``r`` the errors against the original
-    weights, already applied to the span's later columns of ``base``."""
-    wb = jax.lax.dynamic_slice_in_dim(base, start, QK, axis=1)  # [E, 64, out]
+def _block_round(base, orig, f_span, at_start, d16, step, start):
+    """The rounding of the block at column ``start`` of a span after :func:`_block_start`:
+    ``f_span`` [E, S, S] the feedback inside the span. Returns ``(base, q [E, 64, out] int8,
+    r [E, 64, out])`` with ``r`` the errors against the original weights, already applied to
+    the span's later columns of ``base`` (donated: updated in place)."""
     ob = jax.lax.dynamic_slice_in_dim(orig, start, QK, axis=1)
     fb = jax.lax.dynamic_slice_in_dim(f_span, start, QK, axis=1)  # [E, 64, S]
     f_diag = jax.lax.dynamic_slice_in_dim(fb, start, QK, axis=2)  # [E, 64, 64]
-    ab = jax.lax.dynamic_slice_in_dim(importance, start, QK, axis=1)  # [E, 64]
-    d16, q, r, extras = _round_block(wb, ob, f_diag, g_block, ab, gain)
+    d32 = d16.astype(jnp.float32)
+    q = _round_at(at_start, f_diag, step, d32)
+    r = ob - q * d32[:, None]
     # every column of the span takes the block's errors; f is 0 up to the block's end, and
     # the block's own columns are never read again
     base = base + jnp.einsum("ejk,ejo->eko", fb, r, precision=_HIGHEST)
-    return base, d16, q, r, extras
+    return base, q.astype(jnp.int8), r
+
+
+@healing_jit
+def _lowrank_start(acc, stack, u, g_block, importance, start, gain):
+    """The block at column ``start`` of :func:`quantize_lowrank` up to its scale: GPTQ's
+    weights at the block's start, ``at_start = w_b + g_bbᵀ·u_bᵀ·acc`` [E, 64, out], with
+    ``acc`` [E, P, out] the earlier columns' errors gathered through their rows, ``stack``
+    [E, out, in] float32 the group's matrices (the block's columns are transposed here, an
+    ``[E, out, 64]`` tile: no transposed copy of the group), ``u`` [E, P, in], ``g_block`` [E, 64, 64], ``importance`` [E, in]; and the
+    block's search on them. Returns ``(at_start, w_b, d [E, out] float16, step [E, out],
+    extras)``, ``w_b`` [E, 64, out] the block's original columns.
+
+    The rounding that follows is a separate call (:func:`_lowrank_round`): in one program
+    with the search, XLA's CPU backend ran the pair 2x slower than the two calls."""
+    tile = jax.lax.dynamic_slice_in_dim(stack, start, QK, axis=2)  # [E, out, 64]
+    ob = jnp.swapaxes(tile, 1, 2)  # [E, 64, out]
+    u_b = jax.lax.dynamic_slice_in_dim(u, start, QK, axis=2)  # [E, P, 64]
+    ab = jax.lax.dynamic_slice_in_dim(importance, start, QK, axis=1)  # [E, 64]
+    u_start = jnp.einsum("epj,ejk->epk", u_b, g_block, precision=_HIGHEST)
+    at_start = ob + jnp.einsum("epk,epo->eko", u_start, acc, precision=_HIGHEST)
+    d16, step, extras = block_scale(at_start, ab, gain)
+    return at_start, ob, d16, step, extras
 
 
 @healing_jit(donate_argnums=(0,))
-def _lowrank_block(acc, orig, x, u, f_diag, g_block, importance, start, gain):
-    """GPTQ of the block at column ``start`` with the feedback in factored form
-    (:func:`quantize_lowrank`): ``acc`` [E, P, out] the earlier columns' errors gathered through
-    their rows, ``Σ_j x_j ⊗ r_j`` (donated: the block's own are added), ``orig`` [E, in, out],
-    ``x``/``u`` [E, P, in], ``f_diag``/``g_block`` [E, 64, 64], ``importance`` [E, in].
-    Returns ``(acc, d [E, out] float16, q [E, 64, out] int8, extras)``."""
-    ob = jax.lax.dynamic_slice_in_dim(orig, start, QK, axis=1)  # [E, 64, out]
+def _lowrank_round(acc, ob, x, at_start, f_diag, d16, step, start):
+    """The rounding of the block at column ``start`` after :func:`_lowrank_start` (``ob``
+    [E, 64, out] its original columns): its codes ``q`` [E, 64, out] int8, and ``acc``
+    (donated) with the block's errors against the original weights added through their
+    rows, ``x`` [E, P, in]."""
     x_b = jax.lax.dynamic_slice_in_dim(x, start, QK, axis=2)  # [E, P, 64]
-    u_b = jax.lax.dynamic_slice_in_dim(u, start, QK, axis=2)
-    ab = jax.lax.dynamic_slice_in_dim(importance, start, QK, axis=1)  # [E, 64]
-    wb = ob + jnp.einsum("epk,epo->eko", u_b, acc, precision=_HIGHEST)
-    d16, q, r, extras = _round_block(wb, ob, f_diag, g_block, ab, gain)
+    d32 = d16.astype(jnp.float32)
+    q = _round_at(at_start, f_diag, step, d32)
+    r = ob - q * d32[:, None]
     acc = acc + jnp.einsum("epj,ejo->epo", x_b, r, precision=_HIGHEST)
-    return acc, d16, q, extras
+    return acc, q.astype(jnp.int8)
 
 
 @healing_jit(donate_argnums=(0,))
@@ -157,6 +189,12 @@ def _carry(base, f_cross, r):
 def _transposed(w, experts):
     """``w[experts]`` [E, in, out] float32 (gathered and transposed in one pass)."""
     return jnp.swapaxes(w[experts].astype(jnp.float32), 1, 2)
+
+
+@jax.jit
+def _gathered(w, experts):
+    """``w[experts]`` [E, out, in] float32 (not transposed: a copy of whole rows)."""
+    return w[experts].astype(jnp.float32)
 
 
 @jax.jit
@@ -195,9 +233,10 @@ def quantize(w, f, g, importance, gain, experts=None) -> tuple[jax.Array, jax.Ar
         orig_m, f_m, imp_m = orig[:, a:b], f[:, a:b, a:b], importance[:, a:b]
         r_blocks = []
         for start in range(0, b - a, QK):
-            pending[m], d, q, r, _ = _block(
-                pending[m], orig_m, f_m, g[:, (a + start) // QK], imp_m, np.int32(start), gain
-            )
+            at = np.int32(start)
+            g_b = g[:, (a + start) // QK]
+            at_start, d, step, _ = _block_start(pending[m], orig_m, g_b, imp_m, at, gain)
+            pending[m], q, r = _block_round(pending[m], orig_m, f_m, at_start, d, step, at)
             d_blocks.append(d)
             q_blocks.append(q)
             r_blocks.append(r)
@@ -222,16 +261,17 @@ def quantize_lowrank(w, x, u, f_diag, g, importance, gain, experts=None):
     """
     n_exp = w.shape[0] if experts is None else len(experts)
     experts = np.arange(w.shape[0]) if experts is None else experts
-    orig = _transposed(w, jnp.asarray(experts, jnp.int32))  # [E, in, out]
+    stack = _gathered(w, jnp.asarray(experts, jnp.int32))  # [E, out, in]
     x, u = jnp.asarray(x, jnp.float32), jnp.asarray(u, jnp.float32)
     f_diag, g = jnp.asarray(f_diag, jnp.float32), jnp.asarray(g, jnp.float32)
     importance, gain = jnp.asarray(importance, jnp.float32), jnp.float32(gain)
     acc = jnp.zeros((n_exp, x.shape[1], w.shape[1]), jnp.float32)
     d_blocks, q_blocks = [], []
     for b in range(w.shape[2] // QK):
-        acc, d, q, _ = _lowrank_block(
-            acc, orig, x, u, f_diag[:, b], g[:, b], importance, np.int32(b * QK), gain
-        )
+        at = np.int32(b * QK)
+        found = _lowrank_start(acc, stack, u, g[:, b], importance, at, gain)
+        at_start, ob, d, step, _ = found
+        acc, q = _lowrank_round(acc, ob, x, at_start, f_diag[:, b], d, step, at)
         d_blocks.append(d)
         q_blocks.append(q)
     return _assembled(d_blocks, q_blocks)
