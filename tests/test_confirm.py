@@ -25,13 +25,11 @@ import ray
 from _tiny_corpus import write_tiny_corpus
 from healsweep.confirm import confirm, frozen_hash, read_confirmed
 from healsweep.data.corpus import Document, load_corpus, write_corpus
-from healsweep.errors import LedgerError, SpecError, SplitError, TestSplitSealed
+from healsweep.errors import LedgerError, ResultsError, SpecError, SplitError, TestSplitSealed
 from healsweep.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = "tiny"
-
-
 
 
 def _cli(*args: str, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -175,6 +173,36 @@ def test_confirm_opens_before_scoring_records_the_result_and_refuses_a_second(
     paths = write_report(sweep_copy, n_boot=500, confirmed=read_confirmed(sweep_copy))
     report = paths["markdown"].read_text()
     assert "| file changed |" in report  # the result no longer matches its ledger hash
+
+
+def test_a_pair_compares_two_confirmed_trials_and_a_bad_pair_is_refused_first(sweep_copy):
+    """--pair TRIAL:OTHER: the paired comparison of two confirmed trials on the test windows
+    (here the best trial against the baseline, named as a trial: it must equal the comparison
+    against the baseline); a pair naming a trial not confirmed, or malformed, is one line
+    before the ledger is touched."""
+    results = sweep_copy.parent
+    trials = _trials(sweep_copy)
+    base = next(t["trial_id"] for t in trials if t["is_baseline"])
+    best = min((t for t in trials if t["role"] == "trial"), key=lambda t: t["kld_mean"])
+    best = best["trial_id"]
+    for pair, trial_ids, message in (
+        (f"{best}:{base}", [best], f"{base} not confirmed here; name every trial"),
+        (f"{best}-{base}", [best, base], "expected TRIAL:OTHER"),
+        (f"{best}:{best}", [best], "expected TRIAL:OTHER"),
+    ):
+        with pytest.raises(ResultsError, match=message):
+            confirm(sweep_copy, "m1", trial_ids=trial_ids, pairs=[pair])
+    assert _ledger_lines(results) == []
+    summary = confirm(
+        sweep_copy, "m1", trial_ids=[best, base], pairs=[f"{best}:{base}"], n_boot=2000
+    )
+    [pair] = summary["pairs"]
+    against_base = next(c for c in summary["configs"] if c["trial_id"] == best)
+    assert (pair["trial_id"], pair["against"]) == (best, base)
+    assert pair["comparison"] == against_base["comparison"]
+    assert pair["verdict"] == against_base["verdict"]
+    stored = json.loads((sweep_copy / "test" / "m1" / "confirm.json").read_text())
+    assert stored["pairs"][0]["comparison"]["rel_change"] == pair["comparison"]["rel_change"]
 
 
 def _edited_corpus(sweep_dir: Path, source: Path, doc_id: str) -> str:

@@ -373,6 +373,63 @@ def summarize_test(
     return out
 
 
+def parse_pairs(pairs: Sequence[str], trial_ids: Sequence[str] | None) -> list[tuple[str, str]]:
+    """``TRIAL:OTHER`` strings → ``(trial, other)``, both among the trials named with
+    ``--trial`` (so both are frozen and scored on test before the comparison); ResultsError
+    otherwise, before the ledger is touched."""
+    named = set(trial_ids or ())
+    out = []
+    for text in pairs:
+        trial, sep, other = text.partition(":")
+        if not sep or not trial or not other or trial == other:
+            raise ResultsError(f"--pair {text!r}: expected TRIAL:OTHER, two different trial ids")
+        missing = [t for t in (trial, other) if t not in named]
+        if missing:
+            raise ResultsError(
+                f"--pair {text!r}: {', '.join(missing)} not confirmed here; name every trial of "
+                "a pair with --trial too (both are frozen and scored on test)"
+            )
+        out.append((trial, other))
+    return out
+
+
+def compare_pairs(
+    rows: list[dict[str, Any]], configs: list[FrozenConfig], pairs: Sequence[tuple[str, str]],
+    n_boot: int, seed: int = 0,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Each ``(trial, other)``: the paired comparison of ``trial`` against ``other`` on the same
+    test windows and the decision rule's verdict (as every trial against the baseline), e.g. a
+    healed config against the unhealed config that writes llama.cpp's own file."""
+    from healsweep.score.record import WindowMetrics
+    from healsweep.score.stats import DecisionRule, decision, paired_compare
+
+    rule = DecisionRule()
+    hashes = {c.trial_id: c.config_hash for c in configs}
+    by_config: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        by_config.setdefault(row["config_hash"], {})[row["window_id"]] = row
+    out = []
+    for trial, other in pairs:
+        mine, theirs = by_config[hashes[trial]], by_config[hashes[other]]
+        ids = sorted(theirs)
+        comp = paired_compare(
+            [WindowMetrics.from_dict(theirs[w]) for w in ids],
+            [WindowMetrics.from_dict(mine[w]) for w in ids],
+            [theirs[w]["stratum"] for w in ids],
+            n_boot=n_boot,
+            seed=seed,
+        )
+        verdict = decision(comp, rule)
+        out.append({
+            "trial_id": trial,
+            "against": other,
+            "comparison": comp.to_dict(rule.ci_level),
+            "verdict": {"accepted": verdict.accepted, "checks": verdict.checks,
+                        "reasons": list(verdict.reasons)},
+        })  # fmt: skip
+    return out
+
+
 def _json_safe(value: Any) -> Any:
     """NaN/inf become null so that confirm.json is strict JSON."""
     if isinstance(value, float):
@@ -399,8 +456,11 @@ def confirm(
     allow_split_change: bool = False,
     n_boot: int = 10_000,
     progress: Progress | None = None,
+    pairs: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Open milestone ``milestone`` of a sweep's split and score its frozen configs on test.
+    ``pairs`` (``TRIAL:OTHER``, both among ``trial_ids``) add comparisons between two confirmed
+    trials beside each trial's against the baseline.
 
     Returns the ``confirm.json`` summary (also written under ``RESULTS/<sweep>/test/<milestone>``).
     The ledger is ``results_root/ledger.jsonl`` (default: the sweep folder's parent). Refusals
@@ -417,6 +477,7 @@ def confirm(
     if max_windows is not None and max_windows < 1:
         raise ResultsError(f"max_windows must be >= 1, got {max_windows}")
     sweep_dir = Path(sweep_dir)
+    pairs_of = parse_pairs(pairs, trial_ids)
     ledger = Ledger.in_results(Path(results_root) if results_root else sweep_dir.parent)
     ledger.verify()
     ctx = load_context(sweep_dir)
@@ -454,6 +515,8 @@ def confirm(
         "result_hash": result_hash,
         "configs": summarize_test(rows, configs, n_boot),
     }
+    if pairs_of:  # only then, so a summary without pairs keeps its former keys
+        summary["pairs"] = compare_pairs(rows, configs, pairs_of, n_boot)
     # The summary is on disk before the result is recorded, so a crash in between leaves it
     # readable (the report marks it "not in ledger") rather than a recorded result with no summary.
     atomic_write_text(out / SUMMARY_FILE, _dumps(summary))

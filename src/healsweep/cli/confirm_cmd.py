@@ -35,6 +35,13 @@ _NEW_SPLIT = typer.Option(
 )
 _BOOT = typer.Option(10_000, "--n-boot", min=100, help="Paired-bootstrap resamples.")
 _QUIET = typer.Option(False, "--quiet", help="No per-window progress lines.")
+_PAIR = typer.Option(
+    None,
+    "--pair",
+    help="TRIAL:OTHER (repeatable): also compare TRIAL against OTHER on the test windows, with "
+    "the decision rule's verdict; name both with --trial (e.g. a healed config against the "
+    "unhealed config that writes llama.cpp's own file).",
+)
 
 
 @app.command("confirm")
@@ -48,6 +55,7 @@ def confirm(
     new_split: bool = _NEW_SPLIT,
     n_boot: int = _BOOT,
     quiet: bool = _QUIET,
+    pair: list[str] | None = _PAIR,
 ) -> None:
     """Freeze configs, record the opening in the ledger, score them on the test split, record the
     result hash; prints pooled KLD per config and the verdict of each config vs the baseline."""
@@ -67,6 +75,7 @@ def confirm(
         allow_split_change=new_split,
         n_boot=n_boot,
         progress=progress,
+        pairs=pair or (),
     )
     typer.echo(f"milestone {milestone!r}: {summary['windows']} test windows")
     for config in summary["configs"]:
@@ -81,3 +90,11 @@ def confirm(
             verdict = "ACCEPT" if config["verdict"]["accepted"] else "reject"
             line += f"  Δ {comp['rel_change']:+.2%} [{lo:+.2%}, {hi:+.2%}]  {verdict}"
         typer.echo(line)
+    for entry in summary.get("pairs", []):
+        comp = entry["comparison"]
+        lo, hi = comp["rel_change_ci"]
+        verdict = "ACCEPT" if entry["verdict"]["accepted"] else "reject"
+        typer.echo(
+            f"  trial {entry['trial_id']} vs trial {entry['against']}: "
+            f"Δ {comp['rel_change']:+.2%} [{lo:+.2%}, {hi:+.2%}]  {verdict}"
+        )
