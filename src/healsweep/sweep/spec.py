@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -41,6 +41,9 @@ from healsweep.heal.size import Budget
 from healsweep.kernels.ggml_types import ROUTED_TYPES
 from healsweep.results.schema import REFERENCES, Role
 from healsweep.sweep.dimensions import SHAPES, Choices, Range, SearchSpace
+
+if TYPE_CHECKING:
+    from healsweep.gguf_io import GGUFModel
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 EXTERNAL_DIR = "external"  # SWEEP/external/NAME.gguf: the files of the spec's llama recipes
@@ -441,7 +444,7 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
             raise SpecError(f"{at}: {exc}") from None
 
 
-def _check_recipe(teacher: Any, recipe: LlamaRecipe, at: str) -> None:
+def _check_recipe(teacher: GGUFModel, recipe: LlamaRecipe, at: str) -> None:
     """A recipe's type fits the model's experts and ggml's quantizer is installed; else one
     ``SpecError`` line."""
     from healsweep.errors import HealsweepError
