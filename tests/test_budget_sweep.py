@@ -38,6 +38,11 @@ TIERS = [2.0625, 2.3125]  # llama.cpp's IQ2_XXS and IQ2_XS
 ROWS256 = dict(n_layer=2, n_embd=256, n_ff_exp=256, n_ff_shexp=256, n_expert=4, n_expert_used=2)
 
 
+# A spec with a ggml type or a llama recipe needs ggml's quantizer at load (the [ggml] extra,
+# llama-cpp-python, built from source): CI installs it for the slow tier, not the default one.
+needs_ggml = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def rows256(tmp_path_factory, tiny_tokenizer):
     """A random qwen2moe whose routed expert rows fill blocks of 256."""
@@ -74,6 +79,7 @@ def test_the_budget_is_one_measure_stored_only_when_given():
         spec_from_dict({"name": "x", "external": [{**path_entry, "llama": {"type": "q2_k"}}]})
 
 
+@needs_ggml
 def test_a_grid_config_over_the_budget_is_never_scored_and_is_counted(
     ray_cluster, rows256, tmp_path
 ):
@@ -118,6 +124,7 @@ def test_a_grid_config_over_the_budget_is_never_scored_and_is_counted(
     assert plot.stat().st_size > 10_000
 
 
+@needs_ggml
 def test_tpe_never_scores_a_point_over_the_budget_nor_spends_a_trial_on_it(
     ray_cluster, rows256, tmp_path
 ):
@@ -141,6 +148,7 @@ def test_tpe_never_scores_a_point_over_the_budget_nor_spends_a_trial_on_it(
     assert all(entry["routed_bpw"] > TIERS[-1] for entry in over.values())
 
 
+@needs_ggml
 def test_a_sampled_point_over_the_budget_is_told_pruned_without_a_value(rows256, tmp_path):
     """The driver's searcher, alone: each point it hands Tune fits; each one refused is a
     PRUNED trial of the study with no intermediate value (TPE's worst rank), and recorded."""
@@ -178,6 +186,7 @@ def _cli(*args: str, env: dict | None = None, hide_ggml: bool = False):
                           timeout=900, env=env)  # fmt: skip
 
 
+@needs_ggml
 def test_a_llama_recipe_without_ggml_is_one_line_at_spec_load(rows256, tmp_path):
     # a real process whose import system has no llama_cpp: ggml's quantizer cannot be found
     spec = {"name": "r", "model": str(rows256),
@@ -230,6 +239,7 @@ def test_a_llama_recipe_is_built_once_into_the_sweep_and_reused_on_resume(rows25
     assert pq.read_table(sweep_dir / "windows").num_rows == rows  # nothing scored again
 
 
+@needs_ggml
 def test_the_grid_drops_q2_0_knobs_of_groups_stored_in_a_ggml_type():
     """gain/importance/quantizer are read by the q2_0 quantizers only: with both groups in a
     ggml type the grid over them is one config; with down in q2_0, only its own knobs count."""
@@ -245,6 +255,7 @@ def test_the_grid_drops_q2_0_knobs_of_groups_stored_in_a_ggml_type():
     assert len(grid_configs(both)) == 8 + 2  # q2_0 gate/up: all 8; q2_k: gain_d only
 
 
+@needs_ggml
 @pytest.mark.parametrize("name", ["medium-budget", "medium-cpu-budget"])
 def test_the_budget_sweeps_hold_llama_cpps_iq2_files_inside_their_budgets(name, rows256):
     from healsweep.kernels.ggml_types import ggml_type

@@ -45,8 +45,9 @@ def test_a_bonus_sweep_heals_once_and_reports_hit_rate_and_mib(tmp_path, tiny_to
     assert run.returncode == 0, run.stdout + run.stderr
     assert "2 trials (2 completed)" in run.stdout
 
-    # both trials heal the same student: each layer was quantized once
-    assert len(list((tmp_path / "cache" / "quantize").rglob("*.hsc"))) == 2
+    # both trials heal the same student: each (layer, tensor group) was quantized once (one
+    # quantize entry per layer for gate/up and one for down)
+    assert len(list((tmp_path / "cache" / "quantize").rglob("*.hsc"))) == 2 * 2
 
     sweep_dir = tmp_path / "results" / "cache"
     rows = pq.read_table(sweep_dir / "windows").to_pylist()

@@ -248,10 +248,8 @@ def _probe() -> tuple[str, str, tuple[str, ...]]:
     """(In a zero-resource task on the node) its JAX backend, version and GPU devices. The
     task has no GPU of its own, so Ray leaves CUDA_VISIBLE_DEVICES as the node has it and JAX
     sees every GPU of the node; its allocator is kept from preallocating them."""
-    from jax._src import xla_bridge
-
-    if not xla_bridge.backends_are_initialized():
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # read by JAX when its backend starts (here, by jax_info below); a no-op if already started
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     info = jax_info()
     gpus = tuple(d for d in info.devices if d.split(":")[0] in ("gpu", "cuda", "rocm"))
     return info.backend, info.jax_version, gpus

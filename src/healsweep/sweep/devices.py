@@ -53,11 +53,13 @@ def prepare_trial_process(
     compilation cache; what it was given, for the trial's row (``gpus``: the
     ``CUDA_VISIBLE_DEVICES`` JAX will see, None without GPUs). ``own_process=False``: a process
     that runs one trial after another on the same GPUs (a Tune actor), whose backend may be up."""
-    from jax._src import xla_bridge
-
     wants_gpu = float(resources.get("gpu", 0.0)) > 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not xla_bridge.backends_are_initialized():
+    # The process's first trial records the GPUs it started with (JAX has no public "backend
+    # started" query): a task with GPUs gets a fresh worker process on a host of several GPUs
+    # (sweep.placed: max_calls=1), so nothing has started JAX there before this call; a process
+    # reused on a one-GPU node sees that one GPU whatever started JAX.
+    if not _STARTED_WITH:
         _STARTED_WITH[:] = [visible]
     elif own_process and wants_gpu and _STARTED_WITH != [visible]:
         # (a process reused on a one-GPU node is given the GPU its backend started with)

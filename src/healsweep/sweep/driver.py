@@ -195,14 +195,21 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
 
 
 def _trainable(spec: SweepSpec, prior: dict, holders: Any, work_fn: WorkFn) -> Any:
-    """The trainable: a coordinator on the head node; each trial's work is a Ray task with
-    the spec's resources (``healsweep.sweep.placed``), so Tune's ``max_concurrent`` bounds the
-    trials at work while Ray places each where its stage entries are."""
+    """The trainable. On a pool of several nodes: a coordinator on the head node; each trial's
+    work is a Ray task with the spec's resources (``healsweep.sweep.placed``), so Tune's
+    ``max_concurrent`` bounds the trials at work while Ray places each where its stage entries
+    are. On one node there is nowhere else to place the work, and a task streaming ahead of
+    the pruner would score windows a pruned trial never records: the trainable holds the
+    trial's resources and works in its own process, a window at a time (``sweep_trial`` reads
+    the resources it holds)."""
+    import ray
     from ray import tune
 
     trainable = tune.with_parameters(
         sweep_trial, spec=spec, book=open_book(prior), holders=holders, work_fn=work_fn
     )
+    if sum(1 for node in ray.nodes() if node.get("Alive")) <= 1:
+        return tune.with_resources(trainable, spec.trial_resources())
     return tune.with_resources(trainable, COORDINATOR_RESOURCES)
 
 
