@@ -156,7 +156,8 @@ def test_load_knobs_names_the_file_for_bad_values_and_shapes(tmp_path):
 def test_presets_load_and_differ_as_documented():
     names = {p.stem for p in PRESETS}
     assert {"shipped-audit", "mse-alpha", "no-heal"} <= names
-    presets = {p.stem: load_knobs(p) for p in PRESETS}
+    # the budget recipes store ggml types, which need ggml's quantizer at load: slow tier, below
+    presets = {p.stem: load_knobs(p) for p in PRESETS if not p.stem.startswith("budget-")}
     assert presets["shipped-audit"] == Knobs()
     mse = presets["mse-alpha"]
     assert (mse.alpha, mse.gamma) == ("mse", 0.0)
@@ -164,6 +165,19 @@ def test_presets_load_and_differ_as_documented():
     no_heal = presets["no-heal"]
     assert no_heal.alpha == "none" and no_heal.ridge is False
     assert no_heal.for_stage("quantize") == Knobs().for_stage("quantize")
+
+
+@pytest.mark.slow  # ggml types need ggml's quantizer (the [ggml] extra CI installs for this tier)
+def test_the_budget_recipes_load_with_their_types_and_sizes():
+    from healsweep.kernels.ggml_types import ggml_type
+
+    recipes = {p.stem: load_knobs(p) for p in PRESETS if p.stem.startswith("budget-")}
+    assert set(recipes) == {"budget-2.06", "budget-2.31"}
+    for name, knobs in recipes.items():
+        limit = float(name.removeprefix("budget-"))
+        assert knobs.type_gu == knobs.type_d and knobs.quantizer == "gptq"
+        assert (knobs.alpha, knobs.ridge) == ("mse", True)
+        assert round(ggml_type(knobs.type_gu).bits_per_weight, 2) == limit
 
 
 def test_calibration_config_validates_and_keys_only_what_changes_the_trace():
