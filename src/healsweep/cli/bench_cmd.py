@@ -45,7 +45,7 @@ def bench_trial(
     from healsweep.cache import StageCache
     from healsweep.data.corpus import load_corpus
     from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs
-    from healsweep.heal.trial_bench import bench_trials, format_trials
+    from healsweep.heal.trial_bench import bench_trials, format_trials, type_step
     from healsweep.model import open_model
     from healsweep.model.bench import bench_forward_pair, format_pairs
 
@@ -67,6 +67,9 @@ def bench_trial(
         if not as_json:
             typer.echo(f"heal trials on {teacher!r}, {calib_tokens} calibration tokens:")
             typer.echo(format_trials(out["trials"]))
+            _, why = type_step(base.type_d, teacher.hparams.n_ff_exp)
+            if why:
+                typer.echo(why)
     for n in counts:
         out["forward"].append(bench_forward_pair(teacher.path, n, seq_len, threads))
     if as_json:

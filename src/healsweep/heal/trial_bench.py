@@ -36,26 +36,30 @@ def trial_variants(base: Knobs, model: GGUFModel | None = None) -> list[tuple[st
         ("rho only", base.replace(gain_gu=round(base.gain_gu + nudge, 6), rho=base.rho * 2)),
         ("eta only", eta_only),
     ]
-    found = None if model is None else _type_step(base.type_d, model.hparams.n_ff_exp)
+    found, _ = (None, "") if model is None else type_step(base.type_d, model.hparams.n_ff_exp)
     if found is not None:
         variants.append((f"type_d only ({base.type_d} -> {found})", eta_only.replace(type_d=found)))
     return variants
 
 
-def _type_step(type_d: str, width: int) -> str | None:
-    """The next type above ``type_d`` in bits whose blocks fill rows of ``width`` weights, if
-    ggml's quantizer loads (None otherwise)."""
+def type_step(type_d: str, width: int) -> tuple[str | None, str]:
+    """``(type, "")``: the next type above ``type_d`` whose blocks fill rows of ``width`` weights
+    (:func:`~healsweep.kernels.ggml_types.step_up`), or ``(None, why)`` where the type-only
+    trial cannot run: ggml's quantizer is not installed, or no bigger type fits the rows."""
     from healsweep.errors import SettingError
     from healsweep.gguf_io._ggml_lib import libggml
-    from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
+    from healsweep.kernels.ggml_types import step_up
 
     try:
         libggml()
     except SettingError:
-        return None
-    start = ggml_type(type_d)
-    bigger = [t for t in ROUTED_TYPES if t.bits_per_weight > start.bits_per_weight]
-    return next((t.name for t in bigger if width % t.block_weights == 0), None)
+        return None, (
+            'no type-only trial: ggml\'s quantizer is not installed (pip install -e ".[ggml]")'
+        )
+    found = step_up(type_d, width)
+    if found == type_d:
+        return None, f"no type-only trial: no type above {type_d} fills rows of {width} weights"
+    return found, ""
 
 
 def bench_trials(

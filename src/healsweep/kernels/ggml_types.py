@@ -76,11 +76,13 @@ def ggml_type(key: str | int) -> GGMLType:
     return found
 
 
-def step_up(name: str) -> str:
+def step_up(name: str, width: int | None = None) -> str:
     """One step up the ladder of :data:`ROUTED_TYPES`: the first type after ``name`` in the table
     with more bits per weight (``iq2_xxs`` → ``q2_0`` → ``iq2_xs`` → ``iq2_s`` → ``q2_k`` →
-    ``iq3_xxs`` → ``iq3_s`` → ``iq4_xs`` → ``iq4_nl``; ``q3_k`` → ``iq4_xs``); the largest
-    types (``iq4_nl``, ``q4_k``) stay as they are."""
+    ``iq3_xxs`` → ``iq3_s`` → ``iq4_xs`` → ``iq4_nl``; ``q3_k`` → ``iq4_xs``); with ``width``,
+    the first such type whose blocks fill rows of ``width`` weights. Where there is none (the
+    largest types, ``iq4_nl`` and ``q4_k``), ``name`` itself."""
     start = ggml_type(name)
     later = ROUTED_TYPES[ROUTED_TYPES.index(start) + 1 :]
-    return next((t.name for t in later if t.bits_per_weight > start.bits_per_weight), start.name)
+    fits = [t for t in later if width is None or width % t.block_weights == 0]
+    return next((t.name for t in fits if t.bits_per_weight > start.bits_per_weight), start.name)
