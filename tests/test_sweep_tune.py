@@ -298,3 +298,26 @@ def test_only_a_finished_trial_reaches_the_sampler_with_a_final_value():
     assert by_id["pruned"].state.name == "PRUNED"
     assert max(by_id["pruned"].intermediate_values) == 5
     assert by_id["failed"].state.name == "FAIL"
+
+
+def test_a_placed_task_scores_no_more_than_its_credits_ahead_of_its_trial(ray_cluster, tmp_path):
+    """A trial's work as a placed Ray task (the multi-node path) waits for its coordinator: the
+    task of a trial that reported 3 windows and was then stopped scored at most AHEAD - 1 more
+    (before credits it ran the whole trial ahead of Tune's pruner)."""
+    from healsweep.heal.knobs import Knobs
+    from healsweep.sweep.holders import open_holders
+    from healsweep.sweep.placed import AHEAD, PlacedWork
+
+    spec = spec_from_dict({"name": "paced", "search_space": GRID})
+    log = tmp_path / "scored.log"
+    job = functools.partial(toy_work, spec, Knobs(), set(), 0, log=str(log))
+    work = PlacedWork(spec, open_holders({}), Knobs())
+    records = work.records(job)
+    reported = [next(records) for _ in range(3)]
+    time.sleep(3.0)  # an unpaced task scores all 12 windows in this time
+    assert len(_log_lines(log)) == 3 + AHEAD - 1
+    records.close()  # the trial is stopped: its task is cancelled
+    time.sleep(1.0)
+    assert len(_log_lines(log)) == 3 + AHEAD - 1 < N_WINDOWS
+    assert [r.window_id for r in reported] == [w for _, w in _log_lines(log)[:3]]
+    assert work.columns["placed_node"] and work.columns["cache_detail"]

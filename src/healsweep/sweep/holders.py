@@ -27,11 +27,12 @@ queueing behind the first.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +67,25 @@ def held_keys(quantization: str | None, detail: Mapping[str, Mapping[str, int]])
     return [key for key in keys if key]
 
 
+@dataclass
+class _Credits:
+    """The windows a placed task may still score before it waits for its coordinator."""
+
+    left: int = 0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class StageHolders:
     """``{holder key: [node ids]}`` of one sweep run (keys: :func:`quantization_of` ids and
-    :data:`TRACE`) and the trials placed on each node now. It dies with the driver; a resumed
+    :data:`TRACE`) and the trials placed on each node now; also the window credits that pace
+    each placed task (:mod:`healsweep.sweep.placed`). It dies with the driver; a resumed
     sweep starts one from the rows of the trials already run (:func:`prior_holders`)."""
 
     def __init__(self, prior: Mapping[str, Iterable[str]]) -> None:
         self._holders = {key: list(dict.fromkeys(nodes)) for key, nodes in prior.items()}
         self._placed: Counter[str] = Counter()
+        self._credits: dict[str, _Credits] = {}
 
     def ask(self, quantization: str | None) -> tuple[list[str], list[str]]:
         """(nodes holding ``quantization``, nodes holding the trace), each with the least
@@ -99,6 +110,25 @@ class StageHolders:
             nodes = self._holders.setdefault(key, [])
             if node not in nodes:
                 nodes.append(node)
+
+    async def take_window(self, work: str) -> None:
+        """(A placed task) wait until the coordinator of ``work`` lets it score one more window
+        (:meth:`give_windows`): the task runs at most that far ahead of the pruner."""
+        credits = self._credits.setdefault(work, _Credits())
+        while credits.left <= 0:
+            credits.ready.clear()
+            await credits.ready.wait()
+        credits.left -= 1
+
+    def give_windows(self, work: str, n: int = 1) -> None:
+        """(A trial's coordinator) let the task of ``work`` score ``n`` more windows."""
+        credits = self._credits.setdefault(work, _Credits())
+        credits.left += n
+        credits.ready.set()
+
+    def forget(self, work: str) -> None:
+        """The work has ended: drop its credits."""
+        self._credits.pop(work, None)
 
     def snapshot(self) -> dict[str, list[str]]:
         """Every holder key and its nodes (tests, diagnostics)."""

@@ -13,13 +13,17 @@ The task first sets up its process (its GPU, JAX's memory, the compilation cache
 ``window`` per scored window with what the trial's stage caches did so far, then ``done``.
 :class:`PlacedWork` turns them into the trial's placement columns (``results.schema``,
 :data:`~healsweep.results.schema.PLACEMENT_COLUMNS`) and tells the holders which node now holds
-which entries.
+which entries. A streaming task runs ahead of its consumer unless told otherwise, and Tune's pruner
+only sees the windows the coordinator reports, so each window waits for a credit the coordinator
+gives when it is asked for the next one (:data:`AHEAD`, the sweep's
+:class:`~healsweep.sweep.holders.StageHolders` keeps the count).
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from functools import cache
 from typing import Any
@@ -32,13 +36,22 @@ from healsweep.sweep.holders import Placement, held_keys, placement_for, quantiz
 from healsweep.sweep.spec import SweepSpec
 
 Job = Callable[[], Iterator[WindowRecord]]  # the work, its arguments bound (functools.partial)
+# The credits a trial's task starts with: the window Tune's pruner is looking at and one more
+# in flight, so the task seldom waits and a pruned trial's task scores at most one window that
+# is never reported (without credits, a task faster than Tune ran the whole trial ahead).
+AHEAD = 2
 
 
 def _events(
-    job: Job, resources: Mapping[str, float], own_process: bool = True
+    job: Job,
+    resources: Mapping[str, float],
+    own_process: bool = True,
+    pace: tuple[Any, str] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """(In the task's process) set the process up, run ``job`` and describe it as events.
-    ``own_process=False``: the work runs in the coordinator itself (see :meth:`PlacedWork.records`)."""
+    ``own_process=False``: the work runs in the coordinator itself (see :meth:`PlacedWork.records`).
+    ``pace``: ``(holders, work id)``, each window waits for a credit of its coordinator's first
+    (:meth:`~healsweep.sweep.holders.StageHolders.take_window`)."""
     from healsweep.cache import activity, activity_since
     from healsweep.model.bench import peak_rss_bytes
     from healsweep.sweep.devices import prepare_trial_process
@@ -60,7 +73,14 @@ def _events(
             "peak_rss_mb": peak_rss_bytes() / 2**20,
         }
 
-    for record in stamped(job()):
+    records = stamped(job())
+    while True:
+        if pace is not None:
+            holders, work = pace
+            ray.get(holders.take_window.remote(work))
+        record = next(records, None)
+        if record is None:
+            break
         yield {"event": "window", "record": record, **stats()}
     yield {"event": "done", **stats()}
 
@@ -174,12 +194,19 @@ class PlacedWork:
             return
         placement = self.place()
         stream = work_task(self.spec).options(scheduling_strategy=placement.strategy)
-        events = stream.remote(job, self.spec.trial_resources())
+        # The task scores a window only on a credit, and a credit is given each time the
+        # caller asks for the next window (Tune asks once the pruner let the trial go on), so a
+        # pruned trial's task has scored at most AHEAD - 1 windows past its last reported one.
+        work = uuid.uuid4().hex
+        self.holders.give_windows.remote(work, AHEAD)
+        events = stream.remote(job, self.spec.trial_resources(), pace=(self.holders, work))
         try:
             for ref in events:
                 record = self.observe(ray.get(ref))
                 if record is not None:
                     yield record
+                    self.holders.give_windows.remote(work)
         finally:
             ray.cancel(events)  # a stream that has ended ignores it
+            self.holders.forget.remote(work)
             self.close()
