@@ -87,11 +87,12 @@ def test_knobs_are_frozen_hashable_and_picklable():
 
 def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
     knobs = Knobs()
-    # gptq (with refine rounds), per-expert alpha and ggml types with a Q2_0 layer make every
-    # knob live (quantizer, gptq_damp, gptq_refine, alpha_granularity and the type knobs are
-    # unkeyed at their defaults)
+    # gptq (with refine rounds), per-expert alpha and ggml types with a Q2_0 layer and an IQ2
+    # down make every knob live (quantizer, gptq_damp, gptq_refine, alpha_granularity, the type
+    # knobs and down_input are unkeyed at their defaults)
     live = Knobs(quantizer="gptq", gptq_refine=1, alpha_granularity="expert", type_gu="iq2_xs",
-                 type_d="q2_k", up_first=1, up_last=1, layer_types="0:q2_0")  # fmt: skip
+                 type_d="q2_k", up_first=1, up_last=1, layer_types="0:q2_0,1:iq2_xs/iq2_xxs",
+                 down_input="student")  # fmt: skip
     read = [set(live.for_stage(s)) for s in Stage]
     union = set().union(*read)
     assert union == set(Knobs.model_fields) - set(SCORE_KNOBS)
@@ -102,6 +103,12 @@ def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
     )
     assert Knobs(ridge=False, rho=1).for_stage("part_b") == {"ridge": False}
     assert Knobs(eta=0.3).for_stage("quantize") == knobs.for_stage("quantize")
+    # down_input acts on down only, under gptq on an IQ2 grid
+    assert Knobs(down_input="student").for_stage("quantize") == knobs.for_stage("quantize")
+    student = Knobs(quantizer="gptq", down_input="student", type_gu="iq2_xxs", type_d="iq2_xxs")
+    assert student.for_stage("quantize", group="d", stored_as="iq2_xxs")["down_input"] == "student"
+    assert "down_input" not in student.for_stage("quantize", group="gu", stored_as="iq2_xxs")
+    assert "down_input" not in student.for_stage("quantize", group="d", stored_as="q2_k")
     with pytest.raises(KnobError, match="unknown stage"):
         knobs.for_stage("score")
 

@@ -65,11 +65,14 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from healsweep.errors import KnobError
 from healsweep.heal import ggml_iqgrid, ggml_kgrid
-from healsweep.heal.gptq import damped, second_moments
+from healsweep.heal.gptq import _HIGHEST, _routed_rows, damped, second_moments
+from healsweep.kernels._precision import healing_jit
 from healsweep.kernels.ggml_types import GGMLType, ggml_type
 
 METHODS = ("block", "column")
@@ -90,6 +93,51 @@ class Factor(NamedTuple):
     update: np.ndarray  # [n, n] float32: u_SS⁻¹·u_SR right of each chunk S, zero elsewhere
     conditional: np.ndarray  # [n] float32: diag((u_SSᵀ u_SS)⁻¹) per chunk
     hessian: np.ndarray  # [n] float32: the damped diag(H)
+
+
+@healing_jit
+def _student_grams(x_rows, teacher: tuple, student: tuple, experts) -> tuple:
+    """``(h_sᵀh_s, h_tᵀh_s)`` [G, F, F] per expert of ``experts`` [G], with ``h = silu(x·Wgᵀ)·
+    (x·Wuᵀ)`` of the ``teacher``'s and of the ``student``'s ``(Wg, Wu)`` [E, F, D] on each
+    expert's routed rows ``x_rows`` [G, P, D] (zero rows give h = 0)."""
+
+    def hidden(w_gate, w_up):
+        g = jnp.einsum("gpd,gfd->gpf", x_rows, w_gate[experts], precision=_HIGHEST)
+        up = jnp.einsum("gpd,gfd->gpf", x_rows, w_up[experts], precision=_HIGHEST)
+        return jax.nn.silu(g) * up
+
+    h_t, h_s = hidden(*teacher), hidden(*student)
+    grams = jnp.einsum("gpf,gpk->gfk", h_s, h_s, precision=_HIGHEST)
+    return grams, jnp.einsum("gpf,gpk->gfk", h_t, h_s, precision=_HIGHEST)
+
+
+def student_moments(
+    x: np.ndarray, ids: np.ndarray, experts: np.ndarray, teacher: tuple, student: tuple
+) -> tuple[np.ndarray, np.ndarray]:
+    """Down's input statistics when its input comes from the quantized gate and up:
+    ``(H_s, C)`` [len(experts), F, F] float32, ``H_s = Σ h_s h_sᵀ`` and ``C = Σ h_t h_sᵀ`` over
+    each expert's routed tokens (``h_t`` the teacher's hidden, ``h_s`` the student's)."""
+    rows = _routed_rows(np.asarray(x), np.asarray(ids), np.asarray(experts))
+    grams, cross = _student_grams(rows, teacher, student, jnp.asarray(experts, jnp.int32))
+    return np.asarray(grams), np.asarray(cross)
+
+
+def corrected_targets(
+    weights: Sequence[np.ndarray], cross: np.ndarray, u: np.ndarray, ok: np.ndarray
+) -> list[np.ndarray]:
+    """Down's targets on the student's input: ``W' = W·C·H_s⁻¹`` (``uᵀu = H_s⁻¹`` damped, from
+    :func:`inverse_factor`) per expert ``g`` with ``ok[g]``, so that GPTQ of ``W'`` over
+    ``H_s`` minimizes ``Σ ‖W·h_t − Q·h_s‖²``, down's output against the teacher's (the
+    least-squares re-fit of ``W`` to the quantized gate and up's ``h``, then GPTQ's rounding
+    of it: their errors add up to that objective). Host float64; others stay ``W``."""
+    out = []
+    for w in weights:  # [G, out, F]
+        fitted = np.array(w, np.float32)
+        for g in np.nonzero(ok)[0]:
+            ug = u[g].astype(np.float64)
+            fitted[g] = ((w[g].astype(np.float64) @ cross[g]) @ ug.T) @ ug
+        out.append(fitted)
+    return out
 
 
 def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
@@ -291,6 +339,7 @@ def quantize_experts_ef(
     chunk_importance: str = "conditional",
     rounds: int = 0,
     workers: int | None = None,
+    student_gate_up: tuple | None = None,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """ggml type ``qtype`` of every expert of each stack [E, out, in] of ``stacks`` (stacks that
     read one input, as gate and up do), with error feedback for the ``experts`` (ids of those
@@ -301,6 +350,11 @@ def quantize_experts_ef(
     the row of every expert quantized without feedback, and the chunk row when
     ``chunk_importance="imatrix"``. Returns per stack uint8 [E, out, row_bytes] (ggml's layout)
     and ``fed`` [E] bool: which experts got error feedback (the rest: plain ggml).
+
+    ``student_gate_up`` (down only, with ``gate_up``): the layer's quantized ``(Wg, Wu)``
+    [E, F, D] float32. Each fed expert's down is then quantized on the student's ``h``: GPTQ of
+    :func:`corrected_targets` over ``H_s`` (:func:`student_moments`), so down makes up what it
+    can of gate and up's error; the others stay plain ggml of the teacher's ``W``.
     """
     from healsweep.heal.llama_baseline import quantize_expert_stack
 
@@ -314,11 +368,16 @@ def quantize_experts_ef(
     with pool:
         for a in range(0, len(experts), GROUP):
             group = experts[a : a + GROUP]
-            h = second_moments(x, ids, group, gate_up)  # [G, n, n]
-            u, ok = inverse_factor(h, damp)
+            weights = [np.asarray(w[group], np.float32) for w in stacks]  # [G, out, in]
+            if student_gate_up is None:
+                h = second_moments(x, ids, group, gate_up)  # [G, n, n]
+                u, ok = inverse_factor(h, damp)
+            else:
+                h, cross = student_moments(x, ids, group, gate_up, student_gate_up)
+                u, ok = inverse_factor(h, damp)
+                weights = corrected_targets(weights, cross, u, ok)
             diag = np.einsum("gii->gi", h).astype(np.float64)
             diag += damp * diag.mean(axis=1, keepdims=True)  # the diagonal of gptq.damped(h)
-            weights = [np.asarray(w[group], np.float32) for w in stacks]  # [G, out, in]
 
             def one(g: int, u=u, diag=diag, weights=weights, group=group) -> list[np.ndarray]:
                 factor = feedback_factor(u[g], diag[g], chunk)

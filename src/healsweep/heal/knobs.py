@@ -69,6 +69,7 @@ ADDED_LATER: dict[str, Any] = {
     "up_first": 0,
     "up_last": 0,
     "layer_types": "",
+    "down_input": "teacher",
 }
 
 
@@ -141,6 +142,11 @@ class Knobs(_Settings):
     gptq_refine: int = Field(default=0, ge=0, le=20, strict=True)
     """an integer in [0, 20] (rounds; acts only with quantizer gptq)"""
     # (rounds of code descent + closed-form scale refit after GPTQ, heal/gptq.refine; 0: none)
+    # GPTQ of down on the IQ2 grids (docs/contracts.md, Knobs): `teacher` takes down's input h
+    # from the teacher's gate and up; `student` from the layer's quantized gate and up, with
+    # down's target corrected so that its output matches the teacher's (W·C·H_s⁻¹).
+    down_input: Literal["teacher", "student"] = "teacher"
+    """one of teacher, student (down's GPTQ input on the IQ2 grids)"""
     gain_gu: float = _float(0.3, 0.0, 2.0)
     """a float in [0, 2]"""
     gain_d: float = _float(0.3, 0.0, 2.0)
@@ -218,7 +224,10 @@ class Knobs(_Settings):
             if group is not None:
                 if stored_as == Q2_0:
                     return self._q2_0_reads(group)
-                return {"type": stored_as, **self._grid_reads(stored_as)}
+                read = {"type": stored_as, **self._grid_reads(stored_as)}
+                if group == "d" and self._down_from_student(stored_as):
+                    read["down_input"] = "student"
+                return read
             read: dict[str, Any] = {}
             for group in GROUPS:
                 possible = self._possible_types(group)
@@ -226,6 +235,8 @@ class Knobs(_Settings):
                     read.update(self._q2_0_reads(group))
                 for name in possible:
                     read.update(self._grid_reads(name))
+                    if group == "d" and self._down_from_student(name):
+                        read["down_input"] = "student"
             read.update(
                 {k: getattr(self, k) for k in _TYPE_KNOBS if getattr(self, k) != ADDED_LATER[k]}
             )
@@ -320,6 +331,15 @@ class Knobs(_Settings):
         if self.quantizer == "gptq" and stored_as in GPTQ_GRID_TYPES:
             return {"quantizer": "gptq", "gptq_damp": self.gptq_damp}
         return {}
+
+    def _down_from_student(self, stored_as: str) -> bool:
+        """Whether down stored as ``stored_as`` is quantized from the quantized gate and up's
+        ``h`` (``down_input: student``, which acts where GPTQ runs on an IQ2 grid)."""
+        return (
+            self.down_input == "student"
+            and self.quantizer == "gptq"
+            and stored_as in IQ2_GRID_TYPES
+        )
 
     def _q2_0_reads(self, group: str) -> dict[str, Any]:
         """The knobs the Q2_0 quantization of tensor group ``group`` reads."""

@@ -243,11 +243,12 @@ def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
     experts, the basis and the fit, nothing else.
     """
     knobs, trace = layer.knobs, layer.trace
-    qkeys = {g: _quantize_key(layer, g) for g in GROUPS}
-    groups = {
-        g: run.value("quantize", qkeys[g], QuantizedGroup, partial(_quantize, layer, g))
-        for g in GROUPS
-    }
+    qkeys: dict[str, str] = {}
+    groups: dict[str, QuantizedGroup] = {}
+    for g in GROUPS:  # gate/up first: a down quantized from the student's h reads it
+        qkeys[g] = _quantize_key(layer, g, qkeys.get("gu"))
+        compute = partial(_quantize, layer, g, groups.get("gu"))
+        groups[g] = run.value("quantize", qkeys[g], QuantizedGroup, compute)
     quantized = layer_experts(groups["gu"], groups["d"])
     rkey, y_q = None, None
     if trace is not None:
@@ -291,14 +292,14 @@ def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
     return HealedLayer(experts, alpha.alpha, shexp, report, keys, folds)
 
 
-def _quantize_key(layer: LayerInputs, group: str) -> str:
+def _quantize_key(layer: LayerInputs, group: str, gate_up_key: str | None = None) -> str:
     trace_key = layer.trace.key if layer.trace else None
     return quantize.quantize_key(
-        layer.model, layer.knobs, trace_key, layer.index, group, layer.types.of(group)
+        layer.model, layer.knobs, trace_key, layer.index, group, layer.types.of(group), gate_up_key
     )
 
 
-def _quantize(layer: LayerInputs, group: str) -> QuantizedGroup:
+def _quantize(layer: LayerInputs, group: str, gate_up: QuantizedGroup | None) -> QuantizedGroup:
     stored_as = layer.types.of(group)
     reads = quantize.reads_trace(layer.knobs, group, stored_as)
     return quantize.quantize_group(
@@ -308,6 +309,7 @@ def _quantize(layer: LayerInputs, group: str) -> QuantizedGroup:
         layer.calibration,
         group,
         stored_as,
+        gate_up,
     )
 
 

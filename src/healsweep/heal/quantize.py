@@ -94,7 +94,10 @@ def layer_experts(gate_up: QuantizedGroup, down: QuantizedGroup) -> ExpertStacks
 def layer_keys(model: GGUFModel, knobs: Knobs, trace_key: str | None, layer: int) -> dict[str, str]:
     """``{group: quantize key}`` of ``layer`` under ``knobs`` (the layer's two entries)."""
     types = expert_types(model, knobs)[layer]
-    return {g: quantize_key(model, knobs, trace_key, layer, g, types.of(g)) for g in GROUPS}
+    keys: dict[str, str] = {}
+    for g in GROUPS:  # gate/up first: a down quantized from the student's h names its key
+        keys[g] = quantize_key(model, knobs, trace_key, layer, g, types.of(g), keys.get("gu"))
+    return keys
 
 
 def cached_experts(cache: StageCache, keys: dict[str, str]) -> ExpertStacks:
@@ -122,21 +125,31 @@ def quantize_key(
     layer: int,
     group: str,
     stored_as: str,
+    gate_up_key: str | None = None,
 ) -> str:
     """Key of ``group`` of ``layer`` stored as ``stored_as``: the model, the knobs that group
-    reads in that type (``Knobs.for_stage``), and the trace where it reads one. Each
-    quantizer's entries have their own stage name and code (``quantize``, ``quantize_gptq``,
-    ``quantize_plain``, ``quantize_ggml``)."""
+    reads in that type (``Knobs.for_stage``), and the trace where it reads one; for a down
+    quantized from the quantized gate and up (:func:`reads_gate_up`), their key
+    ``gate_up_key`` too. Each quantizer's entries have their own stage name and code
+    (``quantize``, ``quantize_gptq``, ``quantize_plain``, ``quantize_ggml``)."""
     stage = _Q2_STAGES[knobs.quantizer] if stored_as == Q2_0 else "quantize_ggml"
-    return stage_key(
-        stage,
-        {
-            "model": model.fingerprint,
-            "knobs": knobs.for_stage("quantize", group=group, stored_as=stored_as),
-            "trace": trace_key if reads_trace(knobs, group, stored_as) else None,
-            "layer": layer,
-            "group": group,
-        },
+    parts = {
+        "model": model.fingerprint,
+        "knobs": knobs.for_stage("quantize", group=group, stored_as=stored_as),
+        "trace": trace_key if reads_trace(knobs, group, stored_as) else None,
+        "layer": layer,
+        "group": group,
+    }
+    if reads_gate_up(knobs, group, stored_as):
+        parts["gate_up"] = gate_up_key
+    return stage_key(stage, parts)
+
+
+def reads_gate_up(knobs: Knobs, group: str, stored_as: str) -> bool:
+    """Whether ``group`` stored as ``stored_as`` is quantized from the layer's quantized gate
+    and up (``down_input: student``), so their quantization comes first and is in its key."""
+    return knobs.for_stage("quantize", group=group, stored_as=stored_as).get("down_input") == (
+        "student"
     )
 
 
@@ -182,11 +195,15 @@ def quantize_group(
     calibration: CalibrationConfig,
     group: str,
     stored_as: str,
+    gate_up: QuantizedGroup | None = None,
 ) -> QuantizedGroup:
     """``group``'s routed stacks of one layer in ``stored_as``; ``weights`` from
-    :func:`healsweep.heal.stages.expert_weights`, ``trace_layer`` where :func:`reads_trace`."""
+    :func:`healsweep.heal.stages.expert_weights`, ``trace_layer`` where :func:`reads_trace`,
+    ``gate_up`` (the layer's quantized gate and up) where :func:`reads_gate_up`."""
+    if reads_gate_up(knobs, group, stored_as) and gate_up is None:
+        raise ValueError("down_input: student needs the layer's quantized gate and up")
     if stored_as != Q2_0:
-        return _ggml_group(weights, knobs, trace_layer, calibration, group, stored_as)
+        return _ggml_group(weights, knobs, trace_layer, calibration, group, stored_as, gate_up)
     if knobs.quantizer == "plain":
         return QuantizedGroup(_plain(weights, group), Q2_0, {})
     min_tokens = calibration.min_tokens_per_expert
@@ -288,6 +305,7 @@ def _ggml_group(
     calibration: CalibrationConfig,
     group: str,
     stored_as: str,
+    quantized_gate_up: QuantizedGroup | None = None,
 ) -> QuantizedGroup:
     """ggml's quantization of the group's stacks to ``stored_as`` with one importance row per
     expert from the trace, as ``baseline llama --imatrix-from-calibration`` makes it; under
@@ -307,8 +325,13 @@ def _ggml_group(
     gate_up = (weights["ffn_gate_exps.weight"], weights["ffn_up_exps.weight"]) if down else None
     if gptq and stored_as in IQ2_GRID_TYPES:
         importance = rows[f"ffn_{names[0]}_exps.weight"]  # gate's and up's are one row
+        student = None
+        if reads_gate_up(knobs, group, stored_as):
+            student = tuple(
+                np.asarray(s.dequantize(), np.float32) for s in quantized_gate_up.stacks
+            )
         raws, fallback = _iq2_feedback(
-            stacks, stored_as, trace_layer, importance, knobs, calibration, gate_up
+            stacks, stored_as, trace_layer, importance, knobs, calibration, gate_up, student
         )
         report["gptq_fallback"] = {name: dict(fallback) for name in names}
         n_in = stacks[0].shape[-1]
@@ -329,7 +352,9 @@ def _ggml_group(
     return QuantizedGroup(tuple(GGMLWeight(r, qtype, n_in) for r in raws), stored_as, report)
 
 
-def _iq2_feedback(stacks, stored_as, trace_layer, importance, knobs, calibration, gate_up):
+def _iq2_feedback(
+    stacks, stored_as, trace_layer, importance, knobs, calibration, gate_up, student=None
+):
     """The stacks (one input: gate and up, or down) in IQ2_XXS / IQ2_XS with column-wise error
     feedback (:mod:`healsweep.heal.ggml_gptq`, damped by ``gptq_damp``) for the experts with
     ``min_tokens_per_expert`` routed tokens; returns their ggml rows and the fallback counts
@@ -348,6 +373,7 @@ def _iq2_feedback(stacks, stored_as, trace_layer, importance, knobs, calibration
         importance,
         gate_up,
         method="column",
+        student_gate_up=student,
     )
     fallback = {
         "few_tokens": int(len(counts) - len(enough)),
