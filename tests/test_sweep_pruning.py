@@ -121,7 +121,7 @@ def test_journal_keeps_the_history_across_a_restored_scheduler(tmp_path):
     for done, index in enumerate(range(3), start=1):
         sched.on_trial_result(None, running, _result(index, float(WINDOW_DIFFICULTY[index]), done))
     restored = pickle.loads(pickle.dumps(sched))  # what Tune keeps in tuner.pkl
-    assert restored._study is None
+    assert restored._studies is None
     # simulate a kill during an append: a half-written last line and a stale lock
     with open(journal, "ab") as f:
         f.write(b'{"op_code": 5, "worker_id": "x", "trial_id": 1, "ste')
@@ -140,7 +140,9 @@ def test_journal_keeps_the_history_across_a_restored_scheduler(tmp_path):
     # the resumed trial's reports go to the new Optuna trial; a repeated step is not re-added
     restored.on_trial_result(None, running, _result(2, 99.0, 3))
     restored.on_trial_result(None, running, _result(3, float(WINDOW_DIFFICULTY[3]), 4))
-    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(journal))
+    )
     again = optuna.load_study(study_name="healsweep-pruning", storage=storage)
     values = max(
         (t for t in again.get_trials() if t.user_attrs["tune_trial_id"] == "running"),
@@ -324,3 +326,41 @@ def test_a_scheduler_pickled_before_pruner_strategies_restores(tmp_path, kind):
     assert TrialScheduler.STOP in decisions
     again = pickle.loads(pickle.dumps(sched))  # and the restored one pickles in the new shape
     assert again.strategy == sched.strategy and again.pruned == sched.pruned | {"bad"}
+
+
+def test_a_trial_is_judged_only_within_its_budget_tier(tmp_path):
+    """A config of the 2.06-bit tier 15% worse than the best 2.31-bit config is not pruned (it
+    competes at 2.06, where nothing better has finished); the same values in the 2.31 tier are,
+    and both tiers' studies survive a restored scheduler."""
+    sched = _scheduler_of(tmp_path, "wilcoxon", 0.05, 5)
+
+    def tiered(tier):
+        return lambda index, kld, done, baseline=False: {
+            **_result(index, kld, done, baseline), "budget_tier": tier
+        }  # fmt: skip
+
+    best = _TuneTrial("best-2.31")
+    for done, index in enumerate(range(N_WINDOWS), start=1):
+        result = tiered(2.3125)(index, float(WINDOW_DIFFICULTY[index]), done)
+        assert sched.on_trial_result(None, best, result) == TrialScheduler.CONTINUE
+    sched.on_trial_complete(None, best, {**tiered(2.3125)(0, 0, N_WINDOWS),
+                                          "running_kld_mean": float(WINDOW_DIFFICULTY.mean())})  # fmt: skip
+    worse = WINDOW_DIFFICULTY * 1.15 + RNG.normal(0, 0.002, N_WINDOWS)
+    for tier, name, pruned in ((2.0625, "cheap", False), (2.3125, "rival", True)):
+        trial, stopped = _TuneTrial(name), False
+        for done, index in enumerate(range(N_WINDOWS - 1), start=1):
+            result = tiered(tier)(index, float(worse[index]), done)
+            if sched.on_trial_result(None, trial, result) == TrialScheduler.STOP:
+                stopped = True
+                break
+        assert stopped is pruned, name
+    assert sched.pruned == {"rival"}
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    journal = JournalStorage(JournalFileBackend(str(tmp_path / JOURNAL_FILE)))
+    names = sorted(optuna.get_all_study_names(journal))
+    assert names == ["healsweep-pruning-tier-2.0625", "healsweep-pruning-tier-2.3125"]
+    restored = pickle.loads(pickle.dumps(sched))
+    restored.study_of(2.0625)  # reopens the journal: every tier's study, its running trials
+    assert restored.pruned == {"rival"} and "cheap" in restored._live

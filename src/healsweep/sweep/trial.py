@@ -34,7 +34,7 @@ import ray
 from healsweep.results.schema import scored_all, student_of
 from healsweep.results.store import read_windows
 from healsweep.score.record import WindowMetrics, WindowRecord
-from healsweep.sweep.space import trial_identity
+from healsweep.sweep.space import TrialIdentity, trial_identity
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.work import WorkFn
 
@@ -89,6 +89,15 @@ def trial_seed(sweep_seed: int, chash: str) -> int:
     """The seed of a config's window order: stable across retries and resumed runs."""
     digest = hashlib.sha256(f"{sweep_seed}:{chash}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
+
+
+def budget_tier(spec: SweepSpec, trial: TrialIdentity) -> float | None:
+    """The smallest limit of the spec's budget that the trial's config fits (None without a
+    budget): the tier it competes in (:mod:`healsweep.sweep.pruning`)."""
+    from healsweep.sweep.budget import budget_of
+
+    budget = budget_of(spec)
+    return None if budget is None or trial.size is None else budget.tier(trial.size)
 
 
 def stamped(results: Iterable[WindowRecord]) -> Iterator[WindowRecord]:
@@ -171,7 +180,11 @@ def sweep_trial(
     trial = trial_identity(spec, config)
     done: dict[str, WindowRecord] = dict(ray.get(book.done.remote(trial.student)))
     pool = RunningPool()
-    sent = {"config_hash": trial.config_hash, "is_baseline": trial.is_baseline}
+    sent = {
+        "config_hash": trial.config_hash,
+        "is_baseline": trial.is_baseline,
+        "budget_tier": budget_tier(spec, trial),  # the pruner judges it within its tier
+    }
     work = PlacedWork(spec, holders, trial.knobs)
 
     def report(record: WindowRecord, *, replayed: bool) -> None:
