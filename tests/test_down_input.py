@@ -46,22 +46,31 @@ def test_the_moments_and_the_refitted_target_match_float64_least_squares():
     x, ids, teacher, student, down = _layer(rng)
     experts = np.arange(3)
     grams, cross = ggml_gptq.student_moments(x, ids, experts, teacher, student)
-    damp = 1e-6
+    damp = 0.01
     u, ok = ggml_gptq.inverse_factor(grams, damp)
     assert ok.all()
-    (fitted,) = ggml_gptq.corrected_targets([down], cross, u, ok)
+    (fitted,) = ggml_gptq.corrected_targets([down], cross, grams, damp, u, ok)
     for e in experts:
         xe = _routed(x, ids, e)
         h_t = _hidden(xe, *(np.asarray(w[e], np.float64) for w in teacher))
         h_s = _hidden(xe, *(np.asarray(w[e], np.float64) for w in student))
         np.testing.assert_allclose(grams[e], h_s.T @ h_s, rtol=2e-4, atol=2e-3)
         np.testing.assert_allclose(cross[e], h_t.T @ h_s, rtol=2e-4, atol=2e-3)
-        # W' = argmin ‖h_t·Wᵀ − h_s·W'ᵀ‖²: the least-squares re-fit of down to the student's h
-        want = np.linalg.lstsq(h_s, h_t @ down[e].astype(np.float64).T, rcond=None)[0].T
+        # W' = argmin ‖h_t·Wᵀ − h_s·W'ᵀ‖² + λ‖W' − W‖²: stacked least squares in float64
+        w = down[e].astype(np.float64)
+        lam = damp * np.trace(h_s.T @ h_s) / h_s.shape[1]
+        a = np.vstack([h_s, np.sqrt(lam) * np.eye(h_s.shape[1])])
+        b = np.vstack([h_t @ w.T, np.sqrt(lam) * w.T])
+        want = np.linalg.lstsq(a, b, rcond=None)[0].T
         np.testing.assert_allclose(fitted[e], want, rtol=0, atol=2e-3 * np.abs(want).max())
-        err_fit = np.linalg.norm(h_t @ down[e].T - h_s @ fitted[e].T)
-        err_keep = np.linalg.norm(h_t @ down[e].T - h_s @ down[e].T.astype(np.float64))
+        err_fit = np.linalg.norm(h_t @ w.T - h_s @ fitted[e].T.astype(np.float64))
+        err_keep = np.linalg.norm(h_t @ w.T - h_s @ w.T)
         assert err_fit < 0.9 * err_keep  # the re-fit makes up part of gate/up's error
+    # a student whose h is the teacher's leaves W as it is (no shrinking toward zero)
+    grams, cross = ggml_gptq.student_moments(x, ids, experts, teacher, teacher)
+    u, ok = ggml_gptq.inverse_factor(grams, damp)
+    (same,) = ggml_gptq.corrected_targets([down], cross, grams, damp, u, ok)
+    np.testing.assert_allclose(same, down, rtol=0, atol=1e-4 * np.abs(down).max())
 
 
 def test_a_down_from_the_student_is_keyed_on_the_gate_up_quantization():

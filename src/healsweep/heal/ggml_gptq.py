@@ -123,19 +123,28 @@ def student_moments(
 
 
 def corrected_targets(
-    weights: Sequence[np.ndarray], cross: np.ndarray, u: np.ndarray, ok: np.ndarray
+    weights: Sequence[np.ndarray],
+    cross: np.ndarray,
+    grams: np.ndarray,
+    damp: float,
+    u: np.ndarray,
+    ok: np.ndarray,
 ) -> list[np.ndarray]:
-    """Down's targets on the student's input: ``W' = W·C·H_s⁻¹`` (``uᵀu = H_s⁻¹`` damped, from
-    :func:`inverse_factor`) per expert ``g`` with ``ok[g]``, so that GPTQ of ``W'`` over
-    ``H_s`` minimizes ``Σ ‖W·h_t − Q·h_s‖²``, down's output against the teacher's (the
-    least-squares re-fit of ``W`` to the quantized gate and up's ``h``, then GPTQ's rounding
-    of it: their errors add up to that objective). Host float64; others stay ``W``."""
+    """Down's targets on the student's input, per expert ``g`` with ``ok[g]``: the ridge re-fit
+    toward the teacher's ``W``, ``W' = argmin ‖h_t·Wᵀ − h_s·W'ᵀ‖² + λ‖W' − W‖² = (W·C + λ·W)·
+    (H_s + λ·I)⁻¹`` (``λ = damp·mean(diag H_s)``, the damping GPTQ puts on ``H_s``; ``uᵀu`` its
+    inverse, from :func:`inverse_factor`). GPTQ of ``W'`` over the damped ``H_s`` then minimizes
+    ``Σ ‖W·h_t − Q·h_s‖²`` (down's output against the teacher's) plus that penalty. Where the
+    student's ``h`` is the teacher's, ``W' = W``; an expert with few routed tokens stays near
+    ``W`` instead of fitting them (a re-fit toward zero over 256 or more dimensions from a few
+    dozen tokens does not hold out of sample). Host float64; others stay ``W``."""
+    lam = damp * np.einsum("gii->gi", grams).astype(np.float64).mean(axis=1)
     out = []
     for w in weights:  # [G, out, F]
         fitted = np.array(w, np.float32)
         for g in np.nonzero(ok)[0]:
-            ug = u[g].astype(np.float64)
-            fitted[g] = ((w[g].astype(np.float64) @ cross[g]) @ ug.T) @ ug
+            ug, wg = u[g].astype(np.float64), w[g].astype(np.float64)
+            fitted[g] = ((wg @ cross[g] + lam[g] * wg) @ ug.T) @ ug
         out.append(fitted)
     return out
 
@@ -375,7 +384,7 @@ def quantize_experts_ef(
             else:
                 h, cross = student_moments(x, ids, group, gate_up, student_gate_up)
                 u, ok = inverse_factor(h, damp)
-                weights = corrected_targets(weights, cross, u, ok)
+                weights = corrected_targets(weights, cross, h, damp, u, ok)
             diag = np.einsum("gii->gi", h).astype(np.float64)
             diag += damp * diag.mean(axis=1, keepdims=True)  # the diagonal of gptq.damped(h)
 
