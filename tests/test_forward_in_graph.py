@@ -110,7 +110,7 @@ def test_resident_layers_serve_the_same_logits_and_never_a_stale_file(
     streamed = forward(model, seqs).logits[0]  # the CPU's default budget: nothing kept
     assert resident.kept_bytes == 0
 
-    monkeypatch.setenv("HEALSWEEP_resident_GB", "1")
+    monkeypatch.setenv("HEALSWEEP_RESIDENT_GB", "1")
     resident.clear()
     first = forward(model, seqs).logits[0]
     kept = len(resident)
@@ -127,7 +127,7 @@ def test_resident_layers_serve_the_same_logits_and_never_a_stale_file(
     np.testing.assert_array_equal(fresh, forward(open_model(other), seqs).logits[0])
     assert not np.array_equal(fresh, first)
 
-    monkeypatch.setenv("HEALSWEEP_resident_GB", "0.000001")  # ~1 KB: nothing fits
+    monkeypatch.setenv("HEALSWEEP_RESIDENT_GB", "0.000001")  # ~1 KB: nothing fits
     resident.clear()
     forward(model, seqs)
     assert resident.kept_bytes == 0
