@@ -34,3 +34,13 @@ def random_gguf(tmp_path_factory, tiny_tokenizer):
         return made[key]
 
     return make
+
+
+@pytest.fixture
+def own_runtime():
+    """A fresh :class:`healsweep.runtime.Runtime` installed for the test and closed after it:
+    its in-memory stores, counters and once-only notices start empty."""
+    from healsweep.runtime import Runtime, use
+
+    with Runtime() as rt, use(rt):
+        yield rt

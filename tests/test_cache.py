@@ -107,14 +107,14 @@ def test_entries_keep_dtype_shape_and_bytes(tmp_path):
 
 
 def test_entries_read_lately_are_served_from_memory_until_their_file_changes(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, own_runtime
 ):
     """A second read (another StageCache, as the next trial of a sweep worker builds) is served
     from memory, read-only; a rewritten file is read again; a budget of 0 keeps nothing."""
-    from healsweep.cache import _RECENT
+    from healsweep.cache import RecentEntries
 
+    recent = own_runtime.owned(RecentEntries)
     monkeypatch.setenv("HEALSWEEP_RECENT_GB", "1")
-    _RECENT.clear()
     key = content_key("stage", 1, {"x": 3})
     StageCache(tmp_path).put("stage", key, {"w": np.arange(12.0).reshape(3, 4)}, {"m": [1]})
     first, meta = StageCache(tmp_path).get("stage", key)
@@ -130,11 +130,10 @@ def test_entries_read_lately_are_served_from_memory_until_their_file_changes(
     assert not again["w"].any() and meta == {"m": [0]}
 
     monkeypatch.setenv("HEALSWEEP_RECENT_GB", "0")
-    _RECENT.clear()
+    recent.clear()
     a, _ = StageCache(tmp_path).get("stage", key)
     b, _ = StageCache(tmp_path).get("stage", key)
-    assert not np.shares_memory(a["w"], b["w"])
-    _RECENT.clear()
+    assert not np.shares_memory(a["w"], b["w"]) and len(recent) == 0
 
     monkeypatch.setenv("HEALSWEEP_RECENT_GB", "lots")
     from healsweep.errors import SettingError

@@ -8,7 +8,6 @@ without an in-graph decoder; the device-resident layer cache (same logits, no st
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 
@@ -17,9 +16,7 @@ import pytest
 import torch  # noqa: F401  (the [test] extra; transformers needs it)
 
 from healsweep.model import forward, open_model
-from healsweep.model.resident import RESIDENT
-
-forward_module = importlib.import_module("healsweep.model.forward")  # the module, not forward()
+from healsweep.model.resident import ResidentLayers
 
 # Rows of 256 so every K-quant fits; one matrix (TQ2_0) has no in-graph decoder.
 BLOCK_TYPES = {
@@ -80,7 +77,7 @@ def test_raw_rows_are_the_stored_bytes(block_model):
         np.testing.assert_array_equal(part, got[1 : rows - 1], err_msg=name)
 
 
-def test_logits_match_transformers_on_block_types(block_model, sequences, caplog):
+def test_logits_match_transformers_on_block_types(block_model, sequences, caplog, own_runtime):
     from transformers import AutoModelForCausalLM
 
     hp = block_model.hparams
@@ -88,7 +85,6 @@ def test_logits_match_transformers_on_block_types(block_model, sequences, caplog
         block_model.path.parent, gguf_file=block_model.path.name, dtype=torch.float32,
         moe_intermediate_size=hp.n_ff_exp, shared_expert_intermediate_size=hp.n_ff_shexp,
     ).eval()
-    forward_module._HOST_DECODED.discard("TQ2_0")
     with caplog.at_level(logging.WARNING, logger="healsweep.model.forward"):
         ours = forward(block_model, sequences).logits
         forward(block_model, sequences[1:])
@@ -102,7 +98,7 @@ def test_logits_match_transformers_on_block_types(block_model, sequences, caplog
 
 
 def test_resident_layers_serve_the_same_logits_and_never_a_stale_file(
-    random_gguf, monkeypatch, tmp_path
+    random_gguf, monkeypatch, tmp_path, own_runtime
 ):
     import shutil
 
@@ -110,16 +106,17 @@ def test_resident_layers_serve_the_same_logits_and_never_a_stale_file(
     shutil.copy(random_gguf("qwen2moe", types={"ffn_gate_exps.weight": "Q8_0"}, seed=8), path)
     model = open_model(path)
     seqs = [np.arange(1, 50, dtype=np.int32)]
+    resident = own_runtime.owned(ResidentLayers)
     streamed = forward(model, seqs).logits[0]  # the CPU's default budget: nothing kept
-    assert RESIDENT.kept_bytes == 0
+    assert resident.kept_bytes == 0
 
     monkeypatch.setenv("HEALSWEEP_RESIDENT_GB", "1")
-    RESIDENT.clear()
+    resident.clear()
     first = forward(model, seqs).logits[0]
-    kept = len(RESIDENT)
+    kept = len(resident)
     assert kept == model.hparams.n_layer + 1  # every layer and the output head's one chunk
     second = forward(model, seqs).logits[0]
-    assert len(RESIDENT) == kept
+    assert len(resident) == kept
     np.testing.assert_array_equal(first, streamed)
     np.testing.assert_array_equal(second, streamed)
 
@@ -131,10 +128,9 @@ def test_resident_layers_serve_the_same_logits_and_never_a_stale_file(
     assert not np.array_equal(fresh, first)
 
     monkeypatch.setenv("HEALSWEEP_RESIDENT_GB", "0.000001")  # ~1 KB: nothing fits
-    RESIDENT.clear()
+    resident.clear()
     forward(model, seqs)
-    assert RESIDENT.kept_bytes == 0
-    RESIDENT.clear()
+    assert resident.kept_bytes == 0
 
 
 def test_a_bad_budget_is_named(monkeypatch):

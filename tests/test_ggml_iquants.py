@@ -319,6 +319,7 @@ def test_forward_decodes_every_new_type_in_the_graph(random_gguf, tmp_path, monk
     from healsweep.heal.export import write_replacing
     from healsweep.heal.llama_baseline import quantize_expert_stack
     from healsweep.model import forward, open_model
+    from healsweep.runtime import Runtime, use
 
     forward_module = importlib.import_module("healsweep.model.forward")
     teacher = open_model(random_gguf("qwen2moe", n_layer=3, n_embd=256, n_head=4, n_head_kv=2,
@@ -344,8 +345,11 @@ def test_forward_decodes_every_new_type_in_the_graph(random_gguf, tmp_path, monk
         in_graph = forward(student, seqs).logits[0]
     assert not [r for r in caplog.records if "dequantized on the host" in r.getMessage()]
     monkeypatch.setattr(forward_module, "IN_GRAPH_TYPES", IN_GRAPH_TYPES - set(TYPES))
-    monkeypatch.setattr(forward_module, "_HOST_DECODED", set())
-    with caplog.at_level(logging.WARNING, logger="healsweep.model.forward"):
+    with (
+        Runtime() as fresh,  # whose notices are not yet given
+        use(fresh),
+        caplog.at_level(logging.WARNING, logger="healsweep.model.forward"),
+    ):
         on_host = forward(student, seqs).logits[0]
     assert [r for r in caplog.records if "dequantized on the host" in r.getMessage()]
     assert np.abs(on_host).max() > 1.0

@@ -27,6 +27,7 @@ LAYER_OF = {
     "_lru": "base",
     "_code": "base",
     "cache": "base",
+    "runtime": "base",
     "bundled": "base",
     "ledger": "data",
     "score": "heal",

@@ -50,16 +50,13 @@ import numpy as np
 from healsweep._atomic import atomic_file
 from healsweep._lru import BoundedLRU, gib_setting
 from healsweep.errors import CacheError
+from healsweep.runtime import current
 
 _MAGIC = b"HEALSWEEP-CACHE-2\n"
 _DIGEST_BYTES = 32
 _HEAD = len(_MAGIC) + _DIGEST_BYTES + 8  # magic, sha256 of the header, header length (u64 LE)
 _ALIGN = 64
 PIECE = 32 << 20  # bytes of array data per checksum (pieces are checked in parallel)
-_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-write")
-_HASHERS = ThreadPoolExecutor(
-    max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cache-sha"
-)
 log = logging.getLogger(__name__)
 
 
@@ -105,26 +102,39 @@ def recent_budget() -> int:
         return 0
 
 
-_RECENT = BoundedLRU(recent_budget, lambda entry: entry[2])  # (arrays, meta, bytes)
+class RecentEntries(BoundedLRU):
+    """Entries read or written lately, ``(arrays, meta, file bytes)`` by the file's identity,
+    up to :func:`recent_budget` bytes: the runtime's (:meth:`healsweep.runtime.Runtime.owned`)."""
 
-# What every StageCache of this process did, per stage: entries served from disk or memory
-# ("hits"), computed, and served after waiting for another process that was computing them.
-_ACTIVITY = {"hits": Counter(), "computed": Counter(), "waited": Counter()}
-_ACTIVITY_LOCK = threading.Lock()
+    def __init__(self) -> None:
+        super().__init__(recent_budget, lambda entry: entry[2])
+
+
+def _recent() -> RecentEntries:
+    return current().owned(RecentEntries)
+
+
+def _writer() -> ThreadPoolExecutor:
+    """The thread that writes entries behind (:meth:`StageCache.writing_behind`)."""
+    return current().executor("cache-write", 1)
+
+
+def _hashers() -> ThreadPoolExecutor:
+    """The threads that checksum an entry's pieces."""
+    return current().executor("cache-sha", min(8, os.cpu_count() or 1))
 
 
 class _Tally(Counter):
-    """A cache's own per-stage counter whose every change also counts in the process-wide
+    """A cache's own per-stage counter whose every change also counts in the runtime's
     :func:`activity` (so a caller that never sees the cache, e.g. a sweep task around a trial's
     work, can tell what the trial's caches did)."""
 
-    def __init__(self, total: Counter) -> None:
-        self._total = total
+    def __init__(self, kind: str) -> None:
+        self._kind = kind
         super().__init__()
 
     def __setitem__(self, stage: str, value: int) -> None:
-        with _ACTIVITY_LOCK:
-            self._total[stage] += value - self.get(stage, 0)
+        current().activity.add(self._kind, stage, value - self.get(stage, 0))
         super().__setitem__(stage, value)
 
     def __reduce__(self) -> tuple:  # a copy elsewhere is a plain Counter, counting nothing here
@@ -132,11 +142,11 @@ class _Tally(Counter):
 
 
 def activity() -> dict[str, dict[str, int]]:
-    """Per stage, what every :class:`StageCache` of this process has done so far: ``hits``,
-    ``computed`` and ``waited`` (hits that waited for another process computing the entry).
-    The difference of two snapshots (:func:`activity_since`) is what happened in between."""
-    with _ACTIVITY_LOCK:
-        return {name: dict(counts) for name, counts in _ACTIVITY.items()}
+    """Per stage, what every :class:`StageCache` has done so far under this process's runtime
+    (:func:`healsweep.runtime.current`): ``hits``, ``computed`` and ``waited`` (hits that waited
+    for another process computing the entry). The difference of two snapshots
+    (:func:`activity_since`) is what happened in between."""
+    return current().activity.snapshot()
 
 
 def activity_since(before: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
@@ -150,10 +160,7 @@ def activity_since(before: Mapping[str, Mapping[str, int]]) -> dict[str, dict[st
 
 
 # Errors of a file system that cannot lock (NFS without its lock service, some FUSE mounts).
-_NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
-_THREAD_LOCKS: dict[str, threading.Lock] = {}  # entry path -> lock among this process's threads
-_THREAD_LOCKS_GUARD = threading.Lock()
-_UNLOCKED_ROOTS: set[str] = set()  # roots whose file system refused a lock (warned once)
+_NO_LOCKING = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 
 
 class _EntryLock:
@@ -163,8 +170,7 @@ class _EntryLock:
 
     def __init__(self, entry: Path) -> None:
         self.path = entry.with_name(entry.name + ".lock")
-        with _THREAD_LOCKS_GUARD:
-            self._thread = _THREAD_LOCKS.setdefault(str(entry), threading.Lock())
+        self._thread = current().entry_lock(str(entry))  # among this process's threads
         self._fd: int | None = None
 
     def acquire(self, root: Path) -> bool:
@@ -192,8 +198,7 @@ class _EntryLock:
             if exc.errno not in _NO_LOCKING:
                 self._thread.release()
                 raise CacheError(f"cannot lock cache entry {self.path}: {exc}") from exc
-            if str(root) not in _UNLOCKED_ROOTS:
-                _UNLOCKED_ROOTS.add(str(root))
+            if current().first_time(("unlocked cache root", str(root))):
                 log.warning(
                     "the file system of %s cannot lock files (%s): processes sharing "
                     "it may compute one entry twice",
@@ -221,14 +226,16 @@ class StageCache:
     ``computed`` and ``hits`` count, per stage name, how often an entry was computed or served
     from disk in this process: tests use them to prove that a knob change re-uses upstream stages.
     ``waited`` counts the hits that first waited for another process computing the entry. Each
-    also counts in the process-wide :func:`activity`.
+    also counts in the runtime's :func:`activity`; the entries kept in memory, the writer and the
+    hashing threads are the runtime's too (:mod:`healsweep.runtime`), found when used, so a
+    cache made under one runtime and used under another uses the other's.
     """
 
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         self.root = Path(root) if root is not None else default_cache_dir()
-        self.computed: Counter[str] = _Tally(_ACTIVITY["computed"])
-        self.hits: Counter[str] = _Tally(_ACTIVITY["hits"])
-        self.waited: Counter[str] = _Tally(_ACTIVITY["waited"])
+        self.computed: Counter[str] = _Tally("computed")
+        self.hits: Counter[str] = _Tally("hits")
+        self.waited: Counter[str] = _Tally("waited")
         self.corrupt: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._behind = 0  # depth of writing_behind blocks
@@ -247,7 +254,7 @@ class StageCache:
             return dict(pending[0]), copy.deepcopy(pending[1])
         try:
             st = os.stat(path)
-            found = _RECENT.get(
+            found = _recent().get(
                 (str(path), st.st_ino, st.st_size, st.st_mtime_ns), lambda: _read(path)
             )
         except FileNotFoundError:
@@ -317,7 +324,7 @@ class StageCache:
             return
         with self._lock:
             self._pending[path] = kept
-            self._writes.append(_WRITER.submit(self._write, path, *kept, lock))
+            self._writes.append(_writer().submit(self._write, path, *kept, lock))
 
     def _write(
         self, path: Path, arrays: dict[str, np.ndarray], meta: dict, lock: _EntryLock | None
@@ -336,7 +343,7 @@ class StageCache:
             # reads the quantized experts and the trace a quant-knob trial wrote): keep it.
             st = os.stat(path)
             key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
-            _RECENT.get(key, lambda: (arrays, meta, st.st_size))
+            _recent().get(key, lambda: (arrays, meta, st.st_size))
         except OSError as exc:
             raise CacheError(
                 f"cannot write cache entry under {self.root}: {exc.strerror or exc}; "
@@ -413,7 +420,7 @@ def _digests(buffers: list[memoryview]) -> list[str]:
     """sha256 (hex) of each piece of each buffer, computed on the hashing threads (hashlib
     releases the GIL on large buffers)."""
     pieces = [piece for buf in buffers for piece in _pieces(buf)]
-    return list(_HASHERS.map(lambda piece: hashlib.sha256(piece).hexdigest(), pieces))
+    return list(_hashers().map(lambda piece: hashlib.sha256(piece).hexdigest(), pieces))
 
 
 def _layout(

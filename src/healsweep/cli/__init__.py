@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from healsweep.cli._apps import app, state
+from healsweep.cli._apps import app
 
 # Each module decorates its commands onto the groups of ``_apps``.
 _COMMAND_MODULES = [
@@ -42,12 +42,12 @@ def main(argv: list[str] | None = None) -> None:
 
     _register()
     args = list(sys.argv[1:] if argv is None else argv)
-    state.debug = "--debug" in args
+    debug = "--debug" in args
     try:
         # typer handles its own usage errors (exit code 2) and --help in standalone mode.
         app(args=args, prog_name="healsweep", standalone_mode=True)
     except HealsweepError as exc:
-        if state.debug:
+        if debug:
             raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -34,15 +34,15 @@ cluster_app = _group("cluster", "Inspect the Ray cluster.")
 baseline_app = _group("baseline", "External baselines: the routed experts quantized by other tools.")
 
 
-class _State:
-    debug: bool = False
-
-
-state = _State()
-
-
 @app.callback()
 def _root(
+    ctx: typer.Context,
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
 ) -> None:
-    state.debug = debug
+    """Give the command a runtime of its own (:mod:`healsweep.runtime`): installed for the
+    command, closed when it ends, and the process's previous one put back. (``--debug`` is
+    read by :func:`healsweep.cli.main`, before the command runs.)"""
+    from healsweep.runtime import Runtime, use
+
+    rt = ctx.with_resource(Runtime())  # closed last: after the previous runtime is back
+    ctx.with_resource(use(rt))

@@ -32,11 +32,11 @@ from healsweep.gguf_io._tokenizer import (
     load_tokenizer_file,
     tokenizer_metadata_from_gguf,
 )
+from healsweep.runtime import current
 
 _GGUF_MAGIC = b"GGUF"
 _FULL_HASH_LIMIT = 2 << 30  # files above 2 GiB get the sampled fingerprint
 _SAMPLE_CHUNKS, _SAMPLE_BYTES = 64, 1 << 20
-_FINGERPRINTS: dict[tuple[str, int, int], str] = {}
 
 
 class GGUFModel:
@@ -266,7 +266,8 @@ def _read_aligned(path: Path, offset: int, nbytes: int) -> np.ndarray:
 
 
 def file_fingerprint(path: str | Path, *, header_bytes: int = 0) -> str:
-    """A content fingerprint of a file, memoized per (path, size, mtime_ns) in this process.
+    """A content fingerprint of a file, memoized per (path, size, mtime_ns) by this process's
+    runtime (:func:`healsweep.runtime.current`).
 
     Files up to 2 GiB: the sha256 of all bytes. Larger files: hashing tens of GiB before every
     trial would dominate short sweeps, so the digest covers the size, the first ``header_bytes``
@@ -277,12 +278,9 @@ def file_fingerprint(path: str | Path, *, header_bytes: int = 0) -> str:
     path = Path(path).resolve()
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _FINGERPRINTS:
-        if st.st_size <= _FULL_HASH_LIMIT:
-            _FINGERPRINTS[key] = _full_digest(path)
-        else:
-            _FINGERPRINTS[key] = _sampled_digest(path, header_bytes)
-    return _FINGERPRINTS[key]
+    if st.st_size <= _FULL_HASH_LIMIT:
+        return current().memo(("fingerprint", *key), lambda: _full_digest(path))
+    return current().memo(("fingerprint", *key), lambda: _sampled_digest(path, header_bytes))
 
 
 def _full_digest(path: Path) -> str:

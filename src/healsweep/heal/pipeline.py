@@ -18,7 +18,7 @@ teacher trace and the factored Gram.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cache as once
 from functools import partial
@@ -35,6 +35,7 @@ from healsweep.heal.ridge import HealedShexp, HeldoutFolds, RidgeBasis, RidgeFit
 from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
+from healsweep.runtime import current
 
 if TYPE_CHECKING:
     from healsweep.data.corpus import Corpus
@@ -46,7 +47,7 @@ STUDENT_VERSION = 1
 # solves run while the next layers heal; build_student waits for them before it returns. (One
 # thread fell behind: on the 4-layer real-size slice a rho-only trial then waited 1.1 s for it
 # after the last layer; with two, 0.55-0.6 s, and the trial took 2.5-2.6 s instead of 2.8 s, H200.)
-_HELDOUT = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ridge-heldout")
+HELDOUT_THREADS = 2
 Progress = Callable[[str, str], None]
 
 
@@ -418,7 +419,7 @@ def _part_b(
             )
             return HeldoutFolds.from_entry(*found).folds
 
-        folds = _HELDOUT.submit(heldout)
+        folds = current().executor("ridge-heldout", HELDOUT_THREADS).submit(heldout)
     return shexp, bkey, folds
 
 

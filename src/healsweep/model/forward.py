@@ -4,10 +4,10 @@ Weights reach the device as their stored GGUF bytes (one layer at a time, plus t
 read ahead on a thread while the current one computes) and are decoded inside the jitted layer
 function (``kernels.ggml_decode``): no float32 copy of a layer exists on the host, and a routed
 expert's float32 copy exists on the device only while its tiles run. A tensor type without an
-in-graph decoder is dequantized on the host instead, with one log notice per type. Each layer runs
-as one jitted function of ``(weights, hidden)``; sequences are right-padded to a multiple of 64
-tokens so that a handful of shapes cover every call and recompilation is rare. Causal attention
-makes the padding invisible to real tokens.
+in-graph decoder is dequantized on the host instead, with one log notice per type (per runtime,
+:mod:`healsweep.runtime`). Each layer runs as one jitted function of ``(weights, hidden)``;
+sequences are right-padded to a multiple of 64 tokens so that a handful of shapes cover every
+call and recompilation is rare. Causal attention makes the padding invisible to real tokens.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, GGMLWeight
 from healsweep.model.expert_cache import CacheState, ExpertCacheInput, layer_routing
 from healsweep.model.layers import expert_tile_rows, matmul, rms_norm, swiglu
 from healsweep.model.registry import architecture
-from healsweep.model.resident import RESIDENT
+from healsweep.model.resident import resident_layers
+from healsweep.runtime import current
 
 PAD_MULTIPLE = 64
 _LOGIT_CHUNK_BYTES = 64 << 20  # float32 bytes of output-matrix rows decoded at a time
 log = logging.getLogger(__name__)
-_HOST_DECODED: set[str] = set()  # types already announced as host-dequantized
 
 
 class LayerCapture(NamedTuple):
@@ -111,8 +111,7 @@ def device_weight(model: GGUFModel, name: str) -> Any:
             return GGMLWeight(
                 jax.device_put(model.raw_rows(name)), int(qtype), model.tensor_shape(name)[-1]
             )
-        if qtype.name not in _HOST_DECODED:
-            _HOST_DECODED.add(qtype.name)
+        if current().first_time(("host-decoded type", qtype.name)):
             log.warning(
                 "%s tensors have no in-graph decoder; they are dequantized on the host "
                 "(slower, float32 in host memory)",
@@ -136,8 +135,9 @@ def dense_on_device(model: GGUFModel, name: str) -> jax.Array:
 def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | None) -> dict:
     """Layer i's weights on the device (stored bytes; the host buffers are dropped right away).
 
-    The model's own tensors come through :data:`RESIDENT` (kept on an accelerator between
-    forwards, within its budget); replacements are sent as they are.
+    The model's own tensors come through :func:`~healsweep.model.resident.resident_layers`
+    (kept on an accelerator between forwards, within its budget); replacements are sent as they
+    are.
     """
     prefix = block_prefix(i)
     stat = model.path.stat()
@@ -149,7 +149,7 @@ def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | Non
             if name.startswith(prefix)
         }
 
-    weights = RESIDENT.get((str(model.path), stat.st_size, stat.st_mtime_ns, i), load)
+    weights = resident_layers().get((str(model.path), stat.st_size, stat.st_mtime_ns, i), load)
     if replacement is None:
         return weights
     for field, suffix in _REPLACED.items():
@@ -210,7 +210,7 @@ def _logits(model: GGUFModel, hidden: jax.Array) -> np.ndarray:
 
     for start in range(0, n_vocab, chunk):
         key = (str(model.path), stat.st_size, stat.st_mtime_ns, name, start, chunk)
-        w = RESIDENT.get(key, partial(load, start))["w"]
+        w = resident_layers().get(key, partial(load, start))["w"]
         out[:, start : start + w.shape[0]] = np.asarray(_head_chunk(hidden, w))
     return out
 

@@ -6,7 +6,8 @@ more than the layer's arithmetic. Layers read once stay on the device, least rec
 out, up to a budget: ``HEALSWEEP_RESIDENT_GB`` when set, else half the accelerator's memory on
 CUDA/ROCm, and 0 on the CPU and on unified-memory backends (Metal), where device memory is the
 host's and a layer's memory is the rule. Entries are keyed by the file's path, size and mtime, so
-a rewritten file is never served stale.
+a rewritten file is never served stale. The store is the process's runtime's
+(:func:`resident_layers`), so a fresh :class:`~healsweep.runtime.Runtime` starts empty.
 
 The budget is per GPU, not per host: each trial process of a multi-GPU host has one GPU of its
 own (Ray's ``CUDA_VISIBLE_DEVICES``) and keeps ``HEALSWEEP_RESIDENT_GB`` on it. A process that
@@ -27,6 +28,7 @@ import numpy as np
 
 from healsweep._lru import BoundedLRU, gib_setting
 from healsweep.errors import SettingError
+from healsweep.runtime import current
 
 _ENV = "HEALSWEEP_RESIDENT_GB"
 SHARE_ENV = "HEALSWEEP_GPU_SHARE"
@@ -78,4 +80,6 @@ class ResidentLayers(BoundedLRU):
         return dict(super().get(key, load))
 
 
-RESIDENT = ResidentLayers()
+def resident_layers() -> ResidentLayers:
+    """The layers kept on the device by this process's runtime (:mod:`healsweep.runtime`)."""
+    return current().owned(ResidentLayers)

@@ -21,9 +21,8 @@ from typing import Any
 
 from healsweep.errors import HealsweepError
 from healsweep.model.resident import SHARE_ENV
+from healsweep.runtime import current
 
-# The CUDA_VISIBLE_DEVICES this process's JAX backend started with (set before it started).
-_STARTED_WITH: list[str | None] = []
 PREALLOCATED = 0.75  # the fraction of a GPU JAX's allocator takes per process by default
 
 
@@ -58,10 +57,10 @@ def prepare_trial_process(
     # The process's first trial records the GPUs it started with (JAX has no public "backend
     # started" query): a task with GPUs gets a fresh worker process on a host of several GPUs
     # (sweep.placed: max_calls=1), so nothing has started JAX there before this call; a process
-    # reused on a one-GPU node sees that one GPU whatever started JAX.
-    if not _STARTED_WITH:
-        _STARTED_WITH[:] = [visible]
-    elif own_process and wants_gpu and _STARTED_WITH != [visible]:
+    # reused on a one-GPU node sees that one GPU whatever started JAX. The record is the
+    # process's runtime's, which a worker keeps for its life (healsweep.runtime.current).
+    started_with = current().memo("CUDA_VISIBLE_DEVICES at the first trial", lambda: visible)
+    if own_process and wants_gpu and started_with != visible:
         # (a process reused on a one-GPU node is given the GPU its backend started with)
         raise DeviceSetupError(
             f"trial process {os.getpid()}: JAX's backend started before the trial's GPU "

@@ -9,8 +9,11 @@ Tune retries as before (the task itself is never retried); a trial Tune stops (p
 its task. The fixed rows run the same task, collected whole (:func:`work_task`).
 
 The task first sets up its process (its GPU, JAX's memory, the compilation cache:
-:mod:`healsweep.sweep.devices`), then yields events: ``started`` (its node and GPUs), one
-``window`` per scored window with what the trial's stage caches did so far, then ``done``.
+:mod:`healsweep.sweep.devices`); the process's runtime (:func:`healsweep.runtime.current`, made at
+its first task and kept for its life, never the driver's) holds its warm entries, resident layers
+and cache counters from one task to the next. Then it yields events: ``started`` (its node
+and GPUs), one ``window`` per scored window with what the trial's stage caches did so far, then
+``done``.
 :class:`PlacedWork` turns them into the trial's placement columns (``results.schema``,
 :data:`~healsweep.results.schema.PLACEMENT_COLUMNS`) and tells the holders which node now holds
 which entries. A streaming task runs ahead of its consumer unless told otherwise, and Tune's pruner

@@ -2,9 +2,10 @@
 
 The results recorder (:mod:`~healsweep.sweep.recorder`) makes a :class:`Progress` from its trial
 rows and hands it to a *sink*, a function the caller registers for the sweep's folder (the CLI's
-printer). Sinks are looked up at call time from a process-local registry rather than stored on
-the recorder, because Tune pickles callbacks into the experiment folder and restores them on
-resume: the restored recorder then finds the sink of the process that resumed.
+printer). Sinks are looked up at call time in the process's runtime
+(:attr:`healsweep.runtime.Runtime.progress_sinks`) rather than stored on the recorder, because
+Tune pickles callbacks into the experiment folder and restores them on resume: the restored
+recorder then finds the sink of the process that resumed.
 """
 
 from __future__ import annotations
@@ -17,23 +18,23 @@ from pathlib import Path
 from typing import Any
 
 from healsweep.results.schema import TrialStatus, best_trial, row_role
+from healsweep.runtime import current
 
 ProgressSink = Callable[["Progress"], None]
-_SINKS: dict[str, ProgressSink] = {}
 
 
 def register_sink(sweep_dir: str | Path, sink: ProgressSink | None) -> None:
     """Send progress of the sweep in ``sweep_dir`` to ``sink`` (``None`` unregisters)."""
-    key = str(Path(sweep_dir).resolve())
+    key, sinks = str(Path(sweep_dir).resolve()), current().progress_sinks
     if sink is None:
-        _SINKS.pop(key, None)
+        sinks.pop(key, None)
     else:
-        _SINKS[key] = sink
+        sinks[key] = sink
 
 
 def progress_sink(sweep_dir: str | Path) -> ProgressSink | None:
     """The sink registered for the sweep in ``sweep_dir``, if any."""
-    return _SINKS.get(str(Path(sweep_dir).resolve()))
+    return current().progress_sinks.get(str(Path(sweep_dir).resolve()))
 
 
 @dataclass
