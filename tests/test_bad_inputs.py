@@ -28,8 +28,8 @@ from healsweep.model import SUPPORTED_ARCHS
 from healsweep.model.synthetic import write_random_model
 
 KNOWN_KNOBS = (
-    "importance, importance_down, quantizer, gptq_damp, gptq_refine, gain_gu, gain_d, alpha, "
-    "gamma, "
+    "importance, importance_down, quantizer, gptq_damp, gptq_refine, down_input, gain_gu, gain_d, "
+    "alpha, gamma, "
     "alpha_granularity, ridge, rho, eta, moce_bonus, cache_experts, type_gu, type_d, up_first, "
     "up_last, layer_types"
 )
