@@ -6,7 +6,7 @@
 
 For each calibration budget: the teacher's calibration trace (read from the stage cache at
 ``$HEALSWEEP_CACHE``, computed there if missing) and the layer's routed experts decoded once;
-then ``repeats`` rounds, each running the quantize stage (``heal.stages.quantize_layer``) with
+then ``repeats`` rounds, each running the quantize stage of both tensor groups (``heal.quantize.quantize_group``) with
 the shipped knobs' ``search`` and with ``gptq`` (``gptq_damp`` 0.01) back to back, and with
 ``--dense`` also ``gptq`` with every expert on the dense path (``LOWRANK_SHARE = 0``: the
 algorithm before the low-rank path), and with ``--shares`` also ``gptq`` at each of those
@@ -32,7 +32,8 @@ import numpy as np
 
 from healsweep.cache import StageCache, default_cache_dir
 from healsweep.heal import gptq, stages
-from healsweep.heal.knobs import CalibrationConfig, Knobs
+from healsweep.heal.knobs import Q2_0, CalibrationConfig, Knobs
+from healsweep.heal.quantize import GROUP_TENSORS, quantize_group
 from healsweep.heal.trace import calibration_trace
 from healsweep.kernels.q2_0 import Q2Packed
 from healsweep.model import open_model
@@ -47,15 +48,26 @@ A27B = dict(
 )  # fmt: skip
 
 
+def _quantize_layer(weights, knobs, trace_layer, calibration) -> dict:
+    """The quantize stage of both tensor groups of one layer in Q2_0: ``{"gate.d": ...,
+    "gate.codes": ..., ...}`` (fp16 scales and packed codes of each routed stack)."""
+    arrays = {}
+    for group, names in GROUP_TENSORS.items():
+        found = quantize_group(weights, knobs, trace_layer, calibration, group, Q2_0)
+        for name, stack in zip(names, found.stacks, strict=True):
+            arrays[f"{name}.d"], arrays[f"{name}.codes"] = np.asarray(stack.d), stack.codes
+    return arrays
+
+
 def _quantize(weights, knobs, trace_layer, calibration, share: float | None):
-    """``quantize_layer`` timed, with ``gptq.LOWRANK_SHARE`` set to ``share`` (None: as
-    shipped): ``(arrays, wall s, CPU s, load before)``."""
+    """The layer's quantize stage (:func:`_quantize_layer`) timed, with ``gptq.LOWRANK_SHARE``
+    set to ``share`` (None: as shipped): ``(arrays, wall s, CPU s, load before)``."""
     shipped = gptq.LOWRANK_SHARE
     gptq.LOWRANK_SHARE = shipped if share is None else share
     try:
         load = os.getloadavg()[0]
         wall, cpu = time.perf_counter(), time.process_time()
-        arrays, _ = stages.quantize_layer(weights, knobs, trace_layer, calibration)
+        arrays = _quantize_layer(weights, knobs, trace_layer, calibration)
         return arrays, time.perf_counter() - wall, time.process_time() - cpu, load
     finally:
         gptq.LOWRANK_SHARE = shipped

@@ -333,6 +333,26 @@ def test_factor_rows_reports_rows_that_are_all_zero():
     np.testing.assert_array_equal(f.block_inverse, np.broadcast_to(np.eye(64), (2, 64, 64)))
 
 
+def test_factor_row_stack_gives_each_experts_own_factor_and_isolates_a_failure():
+    # a group factored together, each expert's rows zero-padded to one size, gives each
+    # expert's own factor_rows (in float64, up to the rounding of the batched products), and
+    # an expert whose rows are all zero fails alone
+    rng = np.random.default_rng(11)
+    n, size = 192, 64
+    counts = (40, 64, 0, 17)
+    rows = np.zeros((len(counts), size, n), np.float32)
+    for r, m in zip(rows, counts, strict=True):
+        r[:m] = rng.standard_normal((m, n)) * np.exp(rng.standard_normal(n))
+    stacked = gptq.factor_row_stack(rows, 0.01, keep_damped=True)
+    np.testing.assert_array_equal(stacked.ok, [True, True, False, True])
+    for e, m in enumerate(counts):
+        alone = gptq.factor_rows(rows[e, :m], 0.01, size, keep_damped=True)
+        assert alone.ok == stacked.ok[e]
+        for field in ("u", "block_feedback", "block_inverse", "importance", "damped"):
+            got, want = getattr(stacked, field)[e], getattr(alone, field)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_low_rank_path_gives_the_dense_gptq(seed):
     """Experts with fewer routed rows than input channels, on the low-rank path

@@ -21,14 +21,16 @@ float64), each row keeping its lowest-objective state (:mod:`healsweep.kernels.g
 An expert with few routed rows (``n ≤ LOWRANK_SHARE·in``, as with small calibration budgets)
 takes the low-rank path instead: its ``H = c·I + XᵀX`` has the feedback ``V − I = triu(Xᵀ·U)``
 in terms of its ``n`` rows ``X`` (:func:`factor_rows`, ``O(in·n²)`` host work instead of a
-``in³/3`` Cholesky) and :func:`healsweep.kernels.gptq.quantize_lowrank` gathers each block's
+``in³/3`` Cholesky; a group's experts batched in each numpy call, :func:`factor_row_stack`)
+and :func:`healsweep.kernels.gptq.quantize_lowrank` gathers each block's
 errors through the rows (``2·P`` products per weight for ``P`` padded rows instead of up to
 ``in``): the same codes up to float rounding.
 
 Experts are processed in groups of at most ``GROUP`` (the last group padded with inert repeats),
 most-routed first so that a group's routed rows pad to a similar count; the host holds a few
 ``[n, n]`` matrices at a time and each kernel compiles once per shape. The host factors the next
-group (one matrix per thread, :mod:`healsweep.heal._lapack`) while the device quantizes this one.
+group (dense: one matrix per thread, :mod:`healsweep.heal._lapack`; low-rank: the group's
+experts batched, split over the same threads) while the device quantizes this one.
 """
 
 from __future__ import annotations
@@ -213,7 +215,8 @@ def damped(h: np.ndarray, damp: float) -> np.ndarray:
 
 class RowFactor(NamedTuple):
     """What the low-rank GPTQ needs of one expert whose ``H = XᵀX`` has fewer rows ``X``
-    [m, n] than columns (see :func:`factor_rows`)."""
+    [m, n] than columns (see :func:`factor_rows`); from :func:`factor_row_stack`, every field
+    has a leading axis of experts (``ok`` a bool array)."""
 
     u: np.ndarray  # [P, n] float32: column k is (c·I + Σ_{i≥k} x_i x_iᵀ)⁻¹ x_k, 0 below m
     block_feedback: np.ndarray  # [n/64, 64, 64] float32: V − I inside each diagonal 64-block
@@ -229,72 +232,82 @@ def _importance(diagonal: np.ndarray) -> np.ndarray:
     return np.maximum(diagonal, top * 1e-6 if top > 0 else 1.0).astype(np.float32)
 
 
-def _unit_upper(a: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(V, diag D)`` with ``a = V·D·Vᵀ``, ``V`` unit upper, of the symmetric ``a`` [k, k]
-    (float64, GIL-free LAPACK), or None when it does not factor."""
-    reversed_a = np.array(a[::-1, ::-1], np.float64)  # J·A·J, a C-contiguous copy
-    if cholesky_lower(reversed_a) != 0:
-        return None
-    upper = np.triu(reversed_a[::-1, ::-1])  # R with A = R·Rᵀ
-    pivots = np.einsum("ii->i", upper).copy()
-    return upper / pivots, pivots * pivots
+def _unit_upper(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(V, diag D, ok)`` with ``a = V·D·Vᵀ``, ``V`` unit upper, of each symmetric ``a``
+    [G, k, k] (float64, GIL-free LAPACK one matrix at a time); where a matrix does not
+    factor, ``ok`` is False and its ``V`` and ``D`` are the identity's."""
+    reversed_a = np.array(a[:, ::-1, ::-1], np.float64)  # J·A·J, C-contiguous
+    ok = np.array([cholesky_lower(m) == 0 for m in reversed_a])
+    upper = np.triu(reversed_a[:, ::-1, ::-1])  # R with A = R·Rᵀ
+    upper[~ok] = np.eye(a.shape[1])
+    pivots = np.einsum("gii->gi", upper)
+    return upper / pivots[:, None, :], pivots * pivots, ok
 
 
-def factor_rows(rows: np.ndarray, damp: float, size: int, keep_damped: bool = False) -> RowFactor:
-    """:class:`RowFactor` of ``H = XᵀX`` for the rows ``X`` [m, n] (``m ≤ size``) damped to
-    ``H + c·I``, ``c = damp·mean(diag H)`` as :func:`factor` damps: the same ``V`` in factored
-    form, in ``O(n·m²)`` host float64 work instead of :func:`factor`'s ``O(n³)``.
+def factor_row_stack(rows: np.ndarray, damp: float, keep_damped: bool = False) -> RowFactor:
+    """:class:`RowFactor` of ``H_g = X_gᵀX_g`` for each expert's rows ``X_g`` of ``rows``
+    [G, P, n] (zero rows are inert: pad each expert's with them), damped to ``H + c·I``,
+    ``c = damp·mean(diag H)`` as :func:`factor` damps: the same ``V`` in factored form, in
+    ``O(n·P²)`` host float64 work instead of :func:`factor`'s ``O(n³)``. Every field has a
+    leading ``G`` axis (``ok`` [G] bool); ``u`` is [G, P, n].
 
-    With ``M_k = c·I + Σ_{i>k} x_i x_iᵀ`` ([m, m], ``x_i`` column ``i`` of ``X``), the
+    With ``M_k = c·I + Σ_{i>k} x_i x_iᵀ`` ([P, P], ``x_i`` column ``i`` of ``X``), the
     ``V`` of ``H + c·I = V·D·Vᵀ`` is ``V_jk = x_jᵀ u_k`` for ``j < k``, ``u_k =
     M_{k−1}⁻¹ x_k`` (the Schur complement of the columns after ``k`` is ``c·I + c·Xᵀ M_k⁻¹ X``).
     Blocks of 64 columns are taken from the last: for block ``b`` and ``M`` of the columns after
     it, ``S_b = c·(I + X_bᵀ M⁻¹ X_b)`` is the Schur complement whose factor ``V_bb·D_b·V_bbᵀ``
     is ``V``'s diagonal block, ``U_b = c·M⁻¹X_b·V_bb⁻ᵀ·D_b⁻¹``, and ``M⁻¹`` takes the block's
     columns by Woodbury, ``M⁻¹ − U_b·D_b·U_bᵀ/c`` (in exact arithmetic ``M`` only grows: its
-    inverse stays between ``0`` and ``I/c``). Each step is a product of ``[m, m]`` and ``[m, 64]``
-    matrices and one 64² factorization.
+    inverse stays between ``0`` and ``I/c``). Each step is a product of ``[P, P]`` and
+    ``[P, 64]`` matrices and one 64² factorization per expert, the experts batched in each
+    numpy call (one Python step per block for the whole group).
     """
     x = np.asarray(rows, np.float64)
-    m, n = x.shape
-    column_sq = np.einsum("ij,ij->j", x, x)  # diag(XᵀX)
-    c = damp * float(np.mean(column_sq))
-    importance = _importance(column_sq + c)
+    n_exp, size, n = x.shape
+    column_sq = np.einsum("gij,gij->gj", x, x)  # diag(XᵀX)
+    c = damp * column_sq.mean(axis=1)  # [G]
+    importance = np.stack([_importance(sq + c_g) for sq, c_g in zip(column_sq, c, strict=True)])
     damped = None
     if keep_damped:
-        damped = x.T @ x
-        np.einsum("ii->i", damped)[...] += c
+        damped = np.matmul(x.transpose(0, 2, 1), x)
+        np.einsum("gii->gi", damped)[...] += c[:, None]
+    ok = (c > 0) & np.isfinite(c)
+    scale = np.where(ok, c, 1.0)[:, None, None]  # c, [G, 1, 1] (1 where it is unusable)
     nb = n // QK
-    u = np.zeros((size, n), np.float32)
-    feedback = np.zeros((nb, QK, QK), np.float32)
-    inverse = np.empty((nb, QK, QK), np.float32)
-    identity = np.broadcast_to(np.eye(QK, dtype=np.float32), (nb, QK, QK))
-    failed = RowFactor(u, feedback, identity, importance, False, damped)
-    if not (c > 0 and np.isfinite(c)):
-        return failed
-    m_inverse = np.eye(m) / c
-    for b in range(nb - 1, -1, -1):
-        x_b = np.ascontiguousarray(x[:, b * QK : (b + 1) * QK])  # [m, 64]
-        y = m_inverse @ x_b
-        schur = x_b.T @ y
-        schur += schur.T  # symmetric to the last bit; c·(I + X_bᵀM⁻¹X_b) after the next two
-        schur *= 0.5 * c
-        np.einsum("ii->i", schur)[...] += c
-        found = _unit_upper(schur)
-        if found is None:
-            u[...], feedback[...] = 0.0, 0.0
-            return failed
-        v, pivots = found
-        v_inverse = np.linalg.inv(v)
-        u_b = (c * y) @ v_inverse.T / pivots  # [m, 64]
-        m_inverse -= (u_b * (pivots / c)) @ u_b.T
-        u[:m, b * QK : (b + 1) * QK] = u_b
-        feedback[b] = v - np.eye(QK)
-        inverse[b] = v_inverse
-    if not (np.all(np.isfinite(u)) and np.all(np.isfinite(inverse))):
-        u[...], feedback[...] = 0.0, 0.0
-        return failed
-    return RowFactor(u, feedback, inverse, importance, True, damped)
+    u = np.zeros((n_exp, size, n), np.float32)
+    feedback = np.zeros((n_exp, nb, QK, QK), np.float32)
+    identity = np.eye(QK)
+    inverse = np.empty((n_exp, nb, QK, QK), np.float32)
+    m_inverse = np.eye(size) / scale  # [G, P, P]
+    with np.errstate(all="ignore"):  # an expert that fails is reported, its garbage dropped
+        for b in range(nb - 1, -1, -1):
+            x_b = np.ascontiguousarray(x[:, :, b * QK : (b + 1) * QK])  # [G, P, 64]
+            y = m_inverse @ x_b
+            schur = x_b.transpose(0, 2, 1) @ y
+            schur += schur.transpose(0, 2, 1)  # symmetric to the last bit; c·(I + X_bᵀM⁻¹X_b)
+            schur *= 0.5 * scale
+            np.einsum("gii->gi", schur)[...] += scale[:, :, 0]
+            v, pivots, factored = _unit_upper(schur)
+            ok &= factored
+            v_inverse = np.linalg.inv(v)
+            u_b = (scale * y) @ v_inverse.transpose(0, 2, 1) / pivots[:, None, :]  # [G, P, 64]
+            m_inverse -= (u_b * (pivots / scale[:, :, 0])[:, None, :]) @ u_b.transpose(0, 2, 1)
+            u[:, :, b * QK : (b + 1) * QK] = u_b
+            feedback[:, b] = v - identity
+            inverse[:, b] = v_inverse
+    ok &= np.all(np.isfinite(u), axis=(1, 2)) & np.all(np.isfinite(inverse), axis=(1, 2, 3))
+    u[~ok], feedback[~ok], inverse[~ok] = 0.0, 0.0, identity
+    return RowFactor(u, feedback, inverse, importance, ok, damped)
+
+
+def factor_rows(rows: np.ndarray, damp: float, size: int, keep_damped: bool = False) -> RowFactor:
+    """:func:`factor_row_stack` of one expert's rows ``X`` [m, n] (``m ≤ size``): ``u`` is
+    [size, n], zero below row ``m``; ``ok`` a bool."""
+    x = np.zeros((1, size, rows.shape[1]), np.float64)
+    x[0, : len(rows)] = rows
+    found = factor_row_stack(x, damp, keep_damped)
+    fields = (None if f is None else f[0] for f in found)
+    return RowFactor(*fields)._replace(ok=bool(found.ok[0]))
 
 
 def solve_scales(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -411,19 +424,21 @@ def _factor_jobs(pool, low_rank: bool, inputs, counts, damp: float, keep_damped:
     (:class:`Prepared` or :class:`RowsPrepared`)."""
     host = np.asarray(inputs)
     n_slots, n = len(host), len(counts)
-    if low_rank:
-        size = host.shape[1]
-        jobs = [
-            pool.submit(factor_rows, r[:m], damp, size, keep_damped)
-            for r, m in zip(host[:n], counts, strict=True)
-        ]
+    if low_rank:  # the group's experts in one batched factorization per thread
+        parts = np.array_split(np.arange(n), min(n, threads_for_factoring(GROUP)))
+        jobs = [pool.submit(factor_row_stack, host[part], damp, keep_damped) for part in parts]
 
         def rows_done() -> RowsPrepared:
             done = [j.result() for j in jobs]
-            done += done[:1] * (n_slots - n)
-            damped = None if done[0].damped is None else np.stack([f.damped for f in done])
-            stacked = (np.stack([getattr(f, k) for f in done]) for k in RowFactor._fields[:4])
-            return RowsPrepared(inputs, *stacked, np.array([f.ok for f in done]), damped)
+            repeats = np.zeros(n_slots - n, int)  # inert slots repeat the first expert
+
+            def stacked(field: str):
+                found = np.concatenate([getattr(f, field) for f in done])
+                return np.concatenate([found, found[repeats]])
+
+            damped = None if done[0].damped is None else stacked("damped")
+            fields = (stacked(k) for k in RowFactor._fields[:5])
+            return RowsPrepared(inputs, *fields, damped)
 
         return rows_done
     slots = np.empty(host.shape, np.float32)  # the feedback is written here: no copies
@@ -469,7 +484,7 @@ def quantize_experts(
     takes the low-rank path (:func:`factor_rows`), the others the dense one (:func:`factor`):
     the same codes up to float rounding, at the cost of the smaller. A pipeline: the next
     group's inputs are dispatched to the device before this group's kernel, then factored on
-    the host (one expert per thread) while the device runs it.
+    the host (dense: one expert per thread; low-rank: batched) while the device runs it.
     """
     experts = np.asarray(experts)
     share = LOWRANK_SHARE if low_rank_share is None else low_rank_share
