@@ -65,13 +65,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from healsweep.errors import KnobError
 from healsweep.heal import ggml_iqgrid, ggml_kgrid
-from healsweep.heal.gptq import _HIGHEST, _routed_rows, damped, second_moments
+from healsweep.heal.gptq import _HIGHEST, _routed_rows, damped, hidden_rows, second_moments
 from healsweep.kernels._precision import healing_jit
 from healsweep.kernels.ggml_types import GGMLType, ggml_type
 
@@ -100,13 +99,8 @@ def _student_grams(x_rows, teacher: tuple, student: tuple, experts) -> tuple:
     """``(h_sᵀh_s, h_tᵀh_s)`` [G, F, F] per expert of ``experts`` [G], with ``h = silu(x·Wgᵀ)·
     (x·Wuᵀ)`` of the ``teacher``'s and of the ``student``'s ``(Wg, Wu)`` [E, F, D] on each
     expert's routed rows ``x_rows`` [G, P, D] (zero rows give h = 0)."""
-
-    def hidden(w_gate, w_up):
-        g = jnp.einsum("gpd,gfd->gpf", x_rows, w_gate[experts], precision=_HIGHEST)
-        up = jnp.einsum("gpd,gfd->gpf", x_rows, w_up[experts], precision=_HIGHEST)
-        return jax.nn.silu(g) * up
-
-    h_t, h_s = hidden(*teacher), hidden(*student)
+    h_t = hidden_rows(x_rows, *teacher, experts)
+    h_s = hidden_rows(x_rows, *student, experts)
     grams = jnp.einsum("gpf,gpk->gfk", h_s, h_s, precision=_HIGHEST)
     return grams, jnp.einsum("gpf,gpk->gfk", h_t, h_s, precision=_HIGHEST)
 

@@ -63,12 +63,17 @@ def _grams(x_rows: jax.Array) -> jax.Array:
     return jnp.einsum("gpd,gpe->gde", x_rows, x_rows, precision=_HIGHEST)
 
 
+def hidden_rows(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, experts) -> jax.Array:
+    """``h = silu(x·Wg[e]ᵀ)·(x·Wu[e]ᵀ)`` [G, P, F] of each expert ``e`` of ``experts`` [G] on its
+    rows ``x_rows`` [G, P, D] (traced inside a caller's jit); zero rows give h = 0."""
+    g = jnp.einsum("gpd,gfd->gpf", x_rows, w_gate[experts], precision=_HIGHEST)
+    return jax.nn.silu(g) * jnp.einsum("gpd,gfd->gpf", x_rows, w_up[experts], precision=_HIGHEST)
+
+
 @healing_jit
 def _hidden_grams(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, experts) -> jax.Array:
-    """``hᵀh`` [G, F, F] with ``h = silu(x·Wg[e]ᵀ)·(x·Wu[e]ᵀ)`` per expert ``e`` of ``experts``
-    [G]; zero rows give h = 0."""
-    g = jnp.einsum("gpd,gfd->gpf", x_rows, w_gate[experts], precision=_HIGHEST)
-    h = jax.nn.silu(g) * jnp.einsum("gpd,gfd->gpf", x_rows, w_up[experts], precision=_HIGHEST)
+    """``hᵀh`` [G, F, F] of :func:`hidden_rows`."""
+    h = hidden_rows(x_rows, w_gate, w_up, experts)
     return jnp.einsum("gpf,gpk->gfk", h, h, precision=_HIGHEST)
 
 
