@@ -211,6 +211,26 @@ def test_exact_and_compact_entries_coexist_and_agree_on_all_but_kld(models, wind
         np.testing.assert_array_equal(a.tail_ids, b.tail_ids)
 
 
+def test_a_window_s_record_does_not_depend_on_which_neighbours_another_trial_stored(
+    models, windows, tmp_path
+):
+    """Two trials score the same batch at once: whichever of its entries the other stored
+    first, this one's are those of a fresh build of the whole batch, bit for bit."""
+    from healsweep.score.compact import CompactTeacher
+    from healsweep.score.teacher_cache import teacher_outputs
+
+    batch = windows[:BATCH]
+    fresh = teacher_outputs(models["ref"], batch, StageCache(tmp_path / "fresh"), "compact")
+    cache = StageCache(tmp_path / "shared")
+    # the other trial stored the first window (a batch without it rounds the rest differently)
+    teacher_outputs(models["ref"], batch[:1], cache, "compact")
+    served = teacher_outputs(models["ref"], batch, cache, "compact")
+    assert cache.computed[STAGE] == BATCH  # its one, then the rest; none overwritten
+    for i in range(1, BATCH):
+        for field in CompactTeacher._fields:
+            np.testing.assert_array_equal(getattr(served[i], field), getattr(fresh[i], field))
+
+
 def test_a_corrupt_teacher_entry_is_recomputed(models, windows, tmp_path):
     cache = StageCache(tmp_path / "cache")
     list(score_windows(models["ref"], models["q8"], windows[:BATCH], cache, batch=BATCH))

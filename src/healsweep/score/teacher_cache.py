@@ -126,8 +126,13 @@ def teacher_outputs(
 ) -> list[Teacher]:
     """Teacher outputs of ``windows`` in ``fmt`` (``exact``, ``compact``, ``compact:K:S``).
 
-    Windows without an entry on disk are computed together in one batched forward the first
-    time one of them is needed; an entry found corrupt on reading is recomputed alone.
+    When any window lacks an entry on disk, all of ``windows`` are computed together in one
+    batched forward the first time one of them is needed, and only the missing entries are
+    written. A batched forward's float rounding depends on the batch it runs in, so computing
+    just the missing ones would make a window's record depend on which of its neighbours another
+    process (a concurrent trial) had stored first; the whole batch makes it a function of the
+    caller's batch alone, which every trial of a sweep shares. An entry found corrupt on reading
+    is recomputed alone.
     """
     fmt = cache_format(fmt)
     keys = [teacher_key(model, w, fmt) for w in windows]
@@ -136,7 +141,7 @@ def teacher_outputs(
 
     def compute(i: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         if i not in computed:
-            todo = [j for j in missing if j not in computed] if i in missing else [i]
+            todo = [j for j in range(len(windows)) if j not in computed] if missing else [i]
             for j, out in zip(todo, run_teacher(model, [windows[j] for j in todo]), strict=True):
                 computed[j] = out
         out = computed.pop(i)
