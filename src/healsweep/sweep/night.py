@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from healsweep.errors import HealsweepError
+from healsweep.heal.knobs import Knobs
 from healsweep.results.placement import pool_summary
 from healsweep.results.schema import KNOB_PREFIX, row_role
 from healsweep.results.store import read_trials
@@ -73,12 +74,17 @@ def night_spec(
     max_concurrent: int,
     cache_root: str | None = None,
     calib_tokens: int | None = None,
+    knobs: Knobs | None = None,
     name: str = "night",
 ) -> dict[str, Any]:
     """The sweep spec of a night (a dict, as a spec YAML holds): eta, then rho, then the
     quantization knob, so that grid order (the product, last knob fastest) varies the
-    quantization first."""
+    quantization first. ``knobs``: what every config shares (the spec's baseline and fixed
+    knobs, less the grid's), e.g. ``quantizer: gptq`` for a quantization as costly as a real
+    one."""
     space = {knob: GRID_VALUES[knob][: grid[knob]] for knob in ("eta", "rho", "gain_d")}
+    given = knobs.model_dump(include=knobs.model_fields_set) if knobs is not None else {}
+    shared = {knob: value for knob, value in given.items() if knob not in space}
     calibration: dict[str, Any] = {"corpus": "demo"}
     if calib_tokens:
         calibration["max_tokens"] = calib_tokens
@@ -87,7 +93,8 @@ def night_spec(
         "model": model,
         "corpus": "demo",
         "calibration": calibration,
-        "baseline": {},
+        "baseline": dict(shared),
+        "fixed": dict(shared),
         "references": False,
         "search_space": space,
         "sampler": "grid",
@@ -274,6 +281,7 @@ def run_night(
     max_concurrent: int | None = None,
     shared: bool = False,
     calib_tokens: int | None = None,
+    knobs: Knobs | None = None,
 ) -> dict[str, Any]:
     """Run the night once per placement; ``{"placements": {placement: figures}, ...}``."""
     from healsweep.sweep.localpool import NodeSpec, local_pool
@@ -297,7 +305,8 @@ def run_night(
         spec = night_spec(model, grid=grid, windows=windows, placement=placement,
                           resources=resources, max_concurrent=concurrent,
                           cache_root=str(shared_root) if shared_root else None,
-                          calib_tokens=calib_tokens, name=f"night-{placement}")  # fmt: skip
+                          calib_tokens=calib_tokens, knobs=knobs,
+                          name=f"night-{placement}")  # fmt: skip
         spec_path = run_dir / "spec.yaml"
         spec_path.write_text(json.dumps(spec, indent=2))  # JSON is YAML
         results = run_dir / "results"
