@@ -204,6 +204,13 @@ def night_figures(
     out["work_cpu_s"] = round(
         cpu_s, 1
     )  # CPU seconds of the work: steadier than wall on a busy host
+    # Where the wall time went: the trials' works ran for busy_s slot-seconds of the pool's
+    # wall x slots; queued_s is what trials spent placed but not yet running (waiting for a
+    # node: a busy holder, or a pool with no free slot).
+    busy_s = sum(float(r.get("work_s") or 0.0) for r in done)
+    out["busy_s"] = round(busy_s, 1)
+    out["busy_share"] = round(busy_s / (wall_s * pool_cpus), 3) if wall_s and pool_cpus else None
+    out["queued_s"] = round(sum(_queued_s(r) for r in done), 1)
     if shared_root is not None:
         on_disk = entries_on_disk(shared_root)
         out["shared_cache"] = {"computed": dict(computed), "entries": on_disk}
@@ -211,6 +218,15 @@ def night_figures(
             max(0, n - on_disk.get(stage, 0)) for stage, n in computed.items()
         )
     return out
+
+
+def _queued_s(row: Mapping[str, Any]) -> float:
+    """Seconds a finished trial spent between its start and its work's (its coordinator's
+    time less its task's)."""
+    start, end, work = row.get("started_at"), row.get("ended_at"), row.get("work_s")
+    if start is None or end is None or work is None:
+        return 0.0
+    return max(0.0, (end - start).total_seconds() - float(work))
 
 
 class _GpuSampler:
@@ -343,8 +359,8 @@ def night_table(night: Mapping[str, Any]) -> str:
     """The Markdown table docs/sizing.md quotes: one row per placement."""
     head = ("| placement | nodes | trials | wall s | configs/h | configs/night | cache hit rate "
             "| follow-ups on holder | s/trial cold / quant / rho / eta | quantize entries computed "
-            "| work CPU s | CPU util | GPU util | peak RSS MiB/node |")  # fmt: skip
-    lines = [head, "|" + "---|" * 14]
+            "| work CPU s | busy share | queued s | CPU util | GPU util | peak RSS MiB/node |")  # fmt: skip
+    lines = [head, "|" + "---|" * 16]
 
     def share(v: float | None) -> str:
         return "-" if v is None else f"{v:.0%}"
@@ -361,6 +377,6 @@ def night_table(night: Mapping[str, Any]) -> str:
             f"| {f['configs_per_night']} | {share(f['cache_hit_rate'])} "
             f"| {share(f['follow_up_on_holder'])} ({f['follow_ups']}) | {per} "
             f"| {f['computed_by_stage'].get('quantize', 0)} | {f['work_cpu_s']:.0f} "
-            f"| {share(f['cpu_utilization'])} | {share(f['gpu_utilization'])} | {rss} |"
+            f"| {share(f['busy_share'])} | {f['queued_s']:.0f} | {share(f['cpu_utilization'])} | {share(f['gpu_utilization'])} | {rss} |"
         )
     return "\n".join(lines)
