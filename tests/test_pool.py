@@ -242,3 +242,22 @@ def test_placement_columns_are_in_the_trial_schema():
     assert set(PLACEMENT_COLUMNS) <= set(names)
     assert {"placed_node", "on_holder", "cache_hits", "cache_computed", "gpus"} <= set(names)
     assert json.loads(json.dumps(list(PLACEMENT_COLUMNS)))  # plain names
+
+
+def test_a_running_works_remaining_seconds_come_from_its_own_pace_once_it_scores():
+    from healsweep.sweep.holders import BUILD, COLD, _Durations, _Work
+
+    durations = _Durations()
+    durations.first[COLD].append(100.0)
+    durations.total[COLD].append(130.0)
+    durations.scoring.append(30.0)
+    durations.windows.append(10)
+    work = _Work("q-1", None, node="a", started=0.0, kind=BUILD)
+    assert durations.remaining_s(_Work("q-1", "a"), 50.0) is None  # not started
+    assert durations.remaining_s(work, 50.0) == 80.0  # a build's expected length less 50 s
+    assert durations.remaining_s(work, 400.0) == 30.0  # overran, still building: its scoring
+    work.first_s, work.taken, work.second_at, work.last_at = 380.0, 2, 380.0, 380.0
+    assert durations.remaining_s(work, 400.0) == 0.0  # scoring, pace unknown: as expected
+    work.taken, work.last_at = 6, 400.0  # 4 windows in 20 s: 5 s a window, 5 windows to go
+    assert durations.remaining_s(work, 400.0) == 25.0
+    assert durations.remaining_s(work, 410.0) == 15.0

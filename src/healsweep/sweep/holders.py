@@ -89,13 +89,19 @@ COLD, BUILD, FOLLOW = "cold", "build", "follow"
 @dataclass
 class _Work:
     """A placed trial's work as the holders see it: the node it was asked for (``target``) until
-    it starts on ``node``, when it started (the actor's clock) and its kind there."""
+    it starts on ``node``, when it started (the actor's clock), its kind there, its seconds to
+    the first window, and its window credits taken (one before each window; when the second
+    and the last were taken)."""
 
     quantization: str | None
     target: str | None
     node: str | None = None
     started: float | None = None
     kind: str = BUILD
+    first_s: float | None = None
+    taken: int = 0
+    second_at: float | None = None
+    last_at: float | None = None
 
 
 def _mean(values: list[float]) -> float | None:
@@ -105,10 +111,12 @@ def _mean(values: list[float]) -> float | None:
 @dataclass
 class _Durations:
     """Seconds the sweep's works took by kind, measured by their tasks: to the first window
-    (the student built) and in all."""
+    (the student built) and in all; the scoring seconds and windows of each whole work."""
 
     first: dict[str, list[float]] = field(default_factory=lambda: {COLD: [], BUILD: [], FOLLOW: []})
     total: dict[str, list[float]] = field(default_factory=lambda: {COLD: [], BUILD: [], FOLLOW: []})
+    scoring: list[float] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)
 
     def rebuild_s(self) -> float | None:
         """What building a quantization on a node that has the trace adds to a trial: a
@@ -128,6 +136,24 @@ class _Durations:
                 return total
         build, rebuild = _mean(self.total[BUILD]) or _mean(self.total[COLD]), self.rebuild_s()
         return None if build is None or rebuild is None else max(0.0, build - rebuild)
+
+    def remaining_s(self, work: _Work, now: float) -> float | None:
+        """The expected seconds until ``work`` ends (None: not started, or nothing of its kind
+        measured). Once it is scoring, from its own pace (its windows so far, the windows a
+        whole work scored); before, its kind's length less its elapsed time, and at least its
+        scoring still to come (a work that overruns is not taken for finished)."""
+        if work.started is None:
+            return None
+        windows = _mean([float(n) for n in self.windows])
+        if work.taken >= 3 and windows and work.second_at is not None and work.last_at:
+            pace = (work.last_at - work.second_at) / (work.taken - 2)
+            left = pace * max(0.0, windows - work.taken + 1) - (now - work.last_at)
+            return max(0.0, left)
+        expected = self.expected_s(work.kind)
+        if expected is None:
+            return None
+        floor = (_mean(self.scoring) or 0.0) if work.first_s is None else 0.0
+        return max(expected - (now - work.started), floor)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -170,13 +196,7 @@ class StageHolders:
         loads = {}
         for node, works in on.items():
             free = slots[node] - len(works)
-            waits = []
-            for work in works:
-                expected = self._durations.expected_s(work.kind)
-                if work.started is None or expected is None:
-                    waits.append(None)  # not started yet, or nothing of its kind measured
-                else:
-                    waits.append(max(0.0, expected - (now - work.started)))
+            waits = [self._durations.remaining_s(work, now) for work in works]
             known = [w for w in waits if w is not None]
             wait = 0.0 if free > 0 else (min(known) if known and len(known) == len(waits) else None)
             loads[node] = NodeLoad(free, wait, len(works))
@@ -219,6 +239,7 @@ class StageHolders:
                 nodes.append(node)
         entry = self._works.get(work) if work else None
         if entry is not None and first_s is not None:
+            entry.first_s = first_s
             self._durations.first[entry.kind].append(first_s)
 
     def ended(self, work: str, total_s: float | None = None) -> None:
@@ -227,6 +248,9 @@ class StageHolders:
         entry = self._works.pop(work, None)
         if entry is not None and total_s is not None and entry.started is not None:
             self._durations.total[entry.kind].append(total_s)
+            if entry.first_s is not None:
+                self._durations.scoring.append(max(0.0, total_s - entry.first_s))
+            self._durations.windows.append(max(0, entry.taken - 1))
 
     async def take_window(self, work: str) -> None:
         """(A placed task) wait until the coordinator of ``work`` lets it score one more window
@@ -236,6 +260,12 @@ class StageHolders:
             credits.ready.clear()
             await credits.ready.wait()
         credits.left -= 1
+        entry = self._works.get(work)
+        if entry is not None:  # its pace: when each window began
+            entry.taken += 1
+            entry.last_at = time.monotonic()
+            if entry.taken == 2:
+                entry.second_at = entry.last_at
 
     def give_windows(self, work: str, n: int = 1) -> None:
         """(A trial's coordinator) let the task of ``work`` score ``n`` more windows."""
