@@ -377,6 +377,7 @@ def night_table(night: Mapping[str, Any]) -> str:
             f"| {f['configs_per_night']} | {share(f['cache_hit_rate'])} "
             f"| {share(f['follow_up_on_holder'])} ({f['follow_ups']}) | {per} "
             f"| {f['computed_by_stage'].get('quantize', 0)} | {f['work_cpu_s']:.0f} "
-            f"| {share(f['busy_share'])} | {f['queued_s']:.0f} | {share(f['cpu_utilization'])} | {share(f['gpu_utilization'])} | {rss} |"
+            f"| {share(f['busy_share'])} | {f['queued_s']:.0f} "
+            f"| {share(f['cpu_utilization'])} | {share(f['gpu_utilization'])} | {rss} |"
         )
     return "\n".join(lines)
