@@ -359,7 +359,8 @@ def night_table(night: Mapping[str, Any]) -> str:
     """The Markdown table docs/sizing.md quotes: one row per placement."""
     head = ("| placement | nodes | trials | wall s | configs/h | configs/night | cache hit rate "
             "| follow-ups on holder | s/trial cold / quant / rho / eta | quantize entries computed "
-            "| work CPU s | busy share | queued s | CPU util | GPU util | peak RSS MiB/node |")  # fmt: skip
+            "| work CPU s | busy share | queued s | CPU util | GPU util "
+            "| peak RSS MiB/node |")  # fmt: skip
     lines = [head, "|" + "---|" * 16]
 
     def share(v: float | None) -> str:
