@@ -18,9 +18,10 @@ node through Ray's own scheduling (:func:`placement_for`):
   building the quantization there: then it goes to that node as a new quantization would. A
   node left idle while a follow-up queues behind a busy holder is a loss as real as a rebuild,
   so the two are weighed in the same unit, seconds, from what the sweep's own works measured
-  (:class:`_Durations`: a build's time to its first window less a follow-up's, and each kind's
-  whole time, less what has elapsed of the works running on the holder). Until a kind has been
-  measured, the trial waits for a holder, and is not made to wait for a node still building;
+  (:class:`_Durations`: a build's time to its first window less a follow-up's, against the
+  remaining time of the holder's running work: from its own pace of windows once it scores,
+  else its kind's length less its elapsed time). Until a kind has been measured, the trial
+  waits for a holder, and is not made to wait for a node still building;
 * else a node holding the calibration trace: soft affinity that spills
   (``_spill_on_unavailable``): there if it has room now, else wherever Ray puts it, so a cold
   trial never queues behind a busy node and a worker that joins late takes new quantizations;
