@@ -36,27 +36,79 @@ def test_a_node_holds_what_its_caches_served_or_computed():
     assert held_keys(None, detail) == [TRACE]  # an external row has no quantization
 
 
+NODE_A, NODE_B = "a" * 56, "b" * 56  # Ray node ids are 28 bytes of hex
+
+
+def _ask(holders=(), traces=(), loads=None, rebuild_s=None, building=()):
+    from healsweep.sweep.holders import Ask, NodeLoad
+
+    idle = {NODE_A: NodeLoad(1, 0.0, 0), NODE_B: NodeLoad(1, 0.0, 0)}
+    loads = {node: NodeLoad(*load) for node, load in (loads or {}).items()}
+    return Ask(list(holders), list(building), list(traces), {**idle, **loads}, rebuild_s)
+
+
 def test_placement_asks_ray_for_the_holder_softly_and_never_under_ray_placement():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from healsweep.sweep.holders import placement_for
 
-    NODE_A, NODE_B = "a" * 56, "b" * 56  # Ray node ids are 28 bytes of hex
-
-    on_holder = placement_for("cache", [NODE_A, NODE_B], [NODE_B])
+    on_holder = placement_for("cache", _ask([NODE_A, NODE_B], [NODE_B]))
     assert isinstance(on_holder.strategy, NodeAffinitySchedulingStrategy)
     assert on_holder.strategy.node_id == NODE_A and on_holder.strategy.soft
     assert not on_holder.strategy._spill_on_unavailable  # waits for its holder while it lives
     assert (on_holder.target, on_holder.holders) == (NODE_A, (NODE_A, NODE_B))
+    busy_a = {NODE_A: (0, 30.0, 1)}  # of two holders, the one with a free slot
+    assert placement_for("cache", _ask([NODE_A, NODE_B], loads=busy_a)).target == NODE_B
 
-    traced = placement_for("cache", [], [NODE_B])  # a new quantization: near the trace, spills
+    traced = placement_for("cache", _ask([], [NODE_B]))  # a new quantization: near the trace
     assert traced.strategy.node_id == NODE_B and traced.strategy._spill_on_unavailable
     assert traced.holders == ()  # not a follow-up
+    both = placement_for("cache", _ask([], [NODE_A, NODE_B], loads=busy_a))
+    assert both.target == NODE_B  # the trace holder with room
 
-    assert placement_for("cache", [], []).strategy == "DEFAULT"
-    by_ray = placement_for("ray", [NODE_A], [NODE_A])
+    assert placement_for("cache", _ask()).strategy == "DEFAULT"
+    by_ray = placement_for("ray", _ask([NODE_A], [NODE_A], loads=busy_a, rebuild_s=1.0))
     assert by_ray.strategy == "DEFAULT" and by_ray.target is None
     assert by_ray.holders == (NODE_A,)  # still a follow-up: its on_holder is measured
+
+
+def test_a_follow_up_waits_for_its_busy_holder_only_while_that_costs_less_than_a_rebuild():
+    from healsweep.sweep.holders import placement_for
+
+    traces = [NODE_A, NODE_B]
+
+    def target(holder_wait, rebuild_s, free_b=1, building=()):
+        loads = {NODE_A: (0, holder_wait, 1), NODE_B: (free_b, 0.0 if free_b else 50.0, 1)}
+        holders = [] if building else [NODE_A]
+        placed = placement_for("cache", _ask(holders, traces, loads, rebuild_s, building))
+        assert placed.holders == (NODE_A,)  # a follow-up either way: on_holder tells
+        return placed.target, placed.strategy._spill_on_unavailable
+
+    assert target(holder_wait=20.0, rebuild_s=60.0) == (NODE_A, False)  # wait: cheaper
+    assert target(holder_wait=90.0, rebuild_s=60.0) == (NODE_B, True)  # B idle: rebuild there
+    assert target(holder_wait=90.0, rebuild_s=60.0, free_b=0) == (NODE_A, False)  # none idle
+    assert target(holder_wait=None, rebuild_s=60.0) == (NODE_A, False)  # unmeasured: wait
+    assert target(holder_wait=90.0, rebuild_s=None) == (NODE_A, False)
+    # a node still building it, nothing measured: trials started together spread
+    assert target(holder_wait=None, rebuild_s=None, building=[NODE_A]) == (NODE_B, True)
+    assert target(holder_wait=20.0, rebuild_s=60.0, building=[NODE_A]) == (NODE_A, False)
+
+
+def test_the_holders_estimate_a_rebuild_and_a_works_length_from_what_the_sweep_measured():
+    from healsweep.sweep.holders import BUILD, COLD, FOLLOW, _Durations
+
+    durations = _Durations()
+    assert durations.rebuild_s() is None and durations.expected_s(FOLLOW) is None
+    durations.first[COLD].append(100.0)
+    durations.total[COLD].append(130.0)
+    assert durations.rebuild_s() == 100.0  # a cold build alone: an upper bound
+    assert durations.expected_s(BUILD) == 130.0
+    assert durations.expected_s(FOLLOW) == 30.0  # a build less what building adds
+    durations.first[BUILD] += [50.0, 70.0]
+    durations.first[FOLLOW].append(5.0)
+    durations.total[FOLLOW].append(25.0)
+    assert durations.rebuild_s() == 55.0  # builds on a traced node, less a follow-up's start
+    assert durations.expected_s(FOLLOW) == 25.0 and durations.expected_s(COLD) == 130.0
 
 
 def test_a_trial_process_gets_its_share_of_a_gpu_and_the_budget_is_per_gpu(monkeypatch):
@@ -190,3 +242,22 @@ def test_placement_columns_are_in_the_trial_schema():
     assert set(PLACEMENT_COLUMNS) <= set(names)
     assert {"placed_node", "on_holder", "cache_hits", "cache_computed", "gpus"} <= set(names)
     assert json.loads(json.dumps(list(PLACEMENT_COLUMNS)))  # plain names
+
+
+def test_a_running_works_remaining_seconds_come_from_its_own_pace_once_it_scores():
+    from healsweep.sweep.holders import BUILD, COLD, _Durations, _Work
+
+    durations = _Durations()
+    durations.first[COLD].append(100.0)
+    durations.total[COLD].append(130.0)
+    durations.scoring.append(30.0)
+    durations.windows.append(10)
+    work = _Work("q-1", None, node="a", started=0.0, kind=BUILD)
+    assert durations.remaining_s(_Work("q-1", "a"), 50.0) is None  # not started
+    assert durations.remaining_s(work, 50.0) == 80.0  # a build's expected length less 50 s
+    assert durations.remaining_s(work, 400.0) == 30.0  # overran, still building: its scoring
+    work.first_s, work.taken, work.second_at, work.last_at = 380.0, 2, 380.0, 380.0
+    assert durations.remaining_s(work, 400.0) == 0.0  # scoring, pace unknown: as expected
+    work.taken, work.last_at = 6, 400.0  # 4 windows in 20 s: 5 s a window, 5 windows to go
+    assert durations.remaining_s(work, 400.0) == 25.0
+    assert durations.remaining_s(work, 410.0) == 15.0

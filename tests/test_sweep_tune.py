@@ -311,7 +311,7 @@ def test_a_placed_task_scores_no_more_than_its_credits_ahead_of_its_trial(ray_cl
     spec = spec_from_dict({"name": "paced", "search_space": GRID})
     log = tmp_path / "scored.log"
     job = functools.partial(toy_work, spec, Knobs(), set(), 0, log=str(log))
-    work = PlacedWork(spec, open_holders({}), Knobs())
+    work = PlacedWork(spec, open_holders({}, spec.trial_resources()), Knobs())
     records = work.records(job)
     reported = [next(records) for _ in range(3)]
     time.sleep(3.0)  # an unpaced task scores all 12 windows in this time

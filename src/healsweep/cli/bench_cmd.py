@@ -127,6 +127,14 @@ def bench_night(
             "--calib-tokens", min=64, help="Calibration tokens (default: the spec's default)."
         ),
     ] = None,
+    knobs: Annotated[
+        Path | None,
+        typer.Option(
+            "--knobs",
+            help="A knob file every config shares (the grid's knobs vary on top), e.g. "
+            "configs/knobs/gptq.yaml for a quantization that costs what it does at night.",
+        ),
+    ] = None,
     out: Annotated[
         Path | None,
         typer.Option(
@@ -142,6 +150,7 @@ def bench_night(
     their quantization, CPU/GPU utilization and peak RSS (see docs/sizing.md)."""
     import tempfile
 
+    from healsweep.heal.knobs import load_knobs
     from healsweep.sweep.night import NightError, night_table, parse_grid, run_night
 
     modes = {"cache": ("cache",), "ray": ("ray",), "both": ("ray", "cache")}
@@ -153,6 +162,7 @@ def bench_night(
             model, folder, nodes=nodes, placements=modes[placement], grid=parse_grid(grid),
             windows=windows, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, gpu=gpu,
             max_concurrent=max_concurrent, shared=shared, calib_tokens=calib_tokens,
+            knobs=load_knobs(knobs) if knobs else None,
         )  # fmt: skip
         table = night_table(night)
         (folder / "night.json").write_text(json.dumps(night, indent=2, default=str))

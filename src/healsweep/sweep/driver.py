@@ -375,7 +375,8 @@ def _run(
     # not as a Ray serialization error of a task, nor lingering in Tune's process-wide parameter
     # registry to break every later ray.init in this process.
     ray.cloudpickle.dumps(work_fn)
-    holders = open_holders(prior_holders(sweep_dir))  # where earlier runs left entries
+    # where earlier runs left entries, and how many trials a node runs at once
+    holders = open_holders(prior_holders(sweep_dir), spec.trial_resources())
     build_externals(spec, sweep_dir)  # llama recipes: once, into the sweep folder
     run_fixed(spec, sweep_dir, work_fn, holders)  # references, externals: before the trials
     prior = prior_windows(sweep_dir)  # with the fixed rows': a trial of their student replays

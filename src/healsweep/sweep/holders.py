@@ -11,18 +11,25 @@ node, without the model file. :class:`StageHolders`, an actor on the head node, 
 node built which quantization and which traced the calibration set, and the trial asks Ray for a
 node through Ray's own scheduling (:func:`placement_for`):
 
-* a node holding its quantization: ``NodeAffinitySchedulingStrategy(node, soft=True)``. The trial
-  waits for that node while it is alive and can run it at all (a follow-up costs seconds there and
-  a quantization anywhere else); Ray runs it elsewhere once the node has left the pool;
+* a node holding its quantization, or building it now:
+  ``NodeAffinitySchedulingStrategy(node, soft=True)``, the one with a free slot or else the
+  shortest expected wait first. The trial waits for that node (Ray runs it elsewhere once the node
+  has left the pool) unless another node has a free slot now and the wait costs more than
+  building the quantization there: then it goes to that node as a new quantization would. A
+  node left idle while a follow-up queues behind a busy holder is a loss as real as a rebuild,
+  so the two are weighed in the same unit, seconds, from what the sweep's own works measured
+  (:class:`_Durations`: a build's time to its first window less a follow-up's, against the
+  remaining time of the holder's running work: from its own pace of windows once it scores,
+  else its kind's length less its elapsed time). Until a kind has been measured, the trial
+  waits for a holder, and is not made to wait for a node still building;
 * else a node holding the calibration trace: soft affinity that spills
   (``_spill_on_unavailable``): there if it has room now, else wherever Ray puts it, so a cold
   trial never queues behind a busy node and a worker that joins late takes new quantizations;
 * else, and always under ``placement: ray``, Ray's default scheduling.
 
-Among several holders, the one with the fewest of the sweep's trials placed on it is asked. A
-node becomes a holder once a trial there has built its student, not when it starts one: trials of
-one quantization started together spread over the pool (each node then holds it) rather than all
-queueing behind the first.
+Ray still does the scheduling; the holders only choose which node a trial's soft affinity names,
+and whether it may spill. A node becomes a holder once a trial there has built its student (its
+first window); while a trial builds a quantization, its node is that quantization's builder.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections import Counter
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,41 +82,176 @@ class _Credits:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+# The kinds of work, by what its node lacked when it started: the calibration trace (cold), the
+# trial's quantization (build), or nothing (a follow-up).
+COLD, BUILD, FOLLOW = "cold", "build", "follow"
+
+
+@dataclass
+class _Work:
+    """A placed trial's work as the holders see it: the node it was asked for (``target``) until
+    it starts on ``node``, when it started (the actor's clock), its kind there, its seconds to
+    the first window, and its window credits taken (one before each window; when the second
+    and the last were taken)."""
+
+    quantization: str | None
+    target: str | None
+    node: str | None = None
+    started: float | None = None
+    kind: str = BUILD
+    first_s: float | None = None
+    taken: int = 0
+    second_at: float | None = None
+    last_at: float | None = None
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+@dataclass
+class _Durations:
+    """Seconds the sweep's works took by kind, measured by their tasks: to the first window
+    (the student built) and in all; the scoring seconds and windows of each whole work."""
+
+    first: dict[str, list[float]] = field(default_factory=lambda: {COLD: [], BUILD: [], FOLLOW: []})
+    total: dict[str, list[float]] = field(default_factory=lambda: {COLD: [], BUILD: [], FOLLOW: []})
+    scoring: list[float] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)
+
+    def rebuild_s(self) -> float | None:
+        """What building a quantization on a node that has the trace adds to a trial: a
+        build's time to its first window (a cold one's while no other was measured, an upper
+        bound) less a follow-up's; None until one was measured."""
+        build = _mean(self.first[BUILD]) or _mean(self.first[COLD])
+        if build is None:
+            return None
+        return max(0.0, build - (_mean(self.first[FOLLOW]) or 0.0))
+
+    def expected_s(self, kind: str) -> float | None:
+        """The expected seconds of a whole work of ``kind``, from the nearest kind measured
+        (a follow-up not yet measured: a build's less what building adds)."""
+        for source in {COLD: (COLD, BUILD), BUILD: (BUILD, COLD), FOLLOW: (FOLLOW,)}[kind]:
+            total = _mean(self.total[source])
+            if total is not None:
+                return total
+        build, rebuild = _mean(self.total[BUILD]) or _mean(self.total[COLD]), self.rebuild_s()
+        return None if build is None or rebuild is None else max(0.0, build - rebuild)
+
+    def remaining_s(self, work: _Work, now: float) -> float | None:
+        """The expected seconds until ``work`` ends (None: not started, or nothing of its kind
+        measured). Once it is scoring, from its own pace (its windows so far, the windows a
+        whole work scored); before, its kind's length less its elapsed time, and at least its
+        scoring still to come (a work that overruns is not taken for finished)."""
+        if work.started is None:
+            return None
+        windows = _mean([float(n) for n in self.windows])
+        if work.taken >= 3 and windows and work.second_at is not None and work.last_at:
+            pace = (work.last_at - work.second_at) / (work.taken - 2)
+            left = pace * max(0.0, windows - work.taken + 1) - (now - work.last_at)
+            return max(0.0, left)
+        expected = self.expected_s(work.kind)
+        if expected is None:
+            return None
+        floor = (_mean(self.scoring) or 0.0) if work.first_s is None else 0.0
+        return max(expected - (now - work.started), floor)
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class StageHolders:
     """``{holder key: [node ids]}`` of one sweep run (keys: :func:`quantization_of` ids and
-    :data:`TRACE`) and the trials placed on each node now; also the window credits that pace
-    each placed task (:mod:`healsweep.sweep.placed`). It dies with the driver; a resumed
-    sweep starts one from the rows of the trials already run (:func:`prior_holders`)."""
+    :data:`TRACE`), the works placed on each node now and how long works took (so a
+    follow-up waits for a busy holder only while that is cheaper than rebuilding, see
+    :func:`placement_for`); also the window credits that pace each placed task
+    (:mod:`healsweep.sweep.placed`). It dies with the driver; a resumed sweep starts one from
+    the rows of the trials already run (:func:`prior_holders`)."""
 
-    def __init__(self, prior: Mapping[str, Iterable[str]]) -> None:
+    def __init__(self, prior: Mapping[str, Iterable[str]], per_trial: Mapping[str, float]) -> None:
         self._holders = {key: list(dict.fromkeys(nodes)) for key, nodes in prior.items()}
-        self._placed: Counter[str] = Counter()
+        self._per_trial = dict(per_trial)
+        self._works: dict[str, _Work] = {}
+        self._durations = _Durations()
         self._credits: dict[str, _Credits] = {}
 
-    def ask(self, quantization: str | None) -> tuple[list[str], list[str]]:
-        """(nodes holding ``quantization``, nodes holding the trace), each with the least
-        loaded first (ties: the earliest holder)."""
+    def _slots(self) -> dict[str, int]:
+        """``{node: trials it can run at once}`` of the alive nodes (a node that joined late
+        is counted as soon as it is alive)."""
+        names = {"cpu": "CPU", "gpu": "GPU"}
+        slots = {}
+        for node in ray.nodes():
+            if not node["Alive"]:
+                continue
+            have = node["Resources"]
+            fits = [int(have.get(names.get(r, r), 0) // amount)
+                    for r, amount in self._per_trial.items() if amount > 0]  # fmt: skip
+            slots[node["NodeID"]] = min(fits) if fits else 1
+        return slots
 
-        def ranked(key: str | None) -> list[str]:
-            nodes = self._holders.get(key, []) if key else []
-            return sorted(nodes, key=lambda node: self._placed[node])
+    def _loads(self) -> dict[str, NodeLoad]:
+        now, slots = time.monotonic(), self._slots()
+        on: dict[str, list[_Work]] = {node: [] for node in slots}
+        for work in self._works.values():
+            node = work.node or work.target
+            if node in on:
+                on[node].append(work)
+        loads = {}
+        for node, works in on.items():
+            free = slots[node] - len(works)
+            waits = [self._durations.remaining_s(work, now) for work in works]
+            known = [w for w in waits if w is not None]
+            wait = 0.0 if free > 0 else (min(known) if known and len(known) == len(waits) else None)
+            loads[node] = NodeLoad(free, wait, len(works))
+        return loads
 
-        return ranked(quantization), ranked(TRACE)
+    def ask(self, quantization: str | None) -> Ask:
+        """Where ``quantization``'s entries are or are being built, where the trace is, each
+        alive node's load and what a rebuild costs (:func:`placement_for` decides)."""
+        loads = self._loads()
+        held = (
+            [n for n in self._holders.get(quantization, []) if n in loads] if quantization else []
+        )
+        building = [w.node for w in self._works.values() if w.node in loads and w.kind != FOLLOW
+                    and quantization and w.quantization == quantization]  # fmt: skip
+        traces = [n for n in self._holders.get(TRACE, []) if n in loads]
+        return Ask(held, list(dict.fromkeys(building)), traces, loads, self._durations.rebuild_s())
 
-    def move(self, was: str | None, now: str | None) -> None:
-        """A trial's work left node ``was`` (or was not on one) for node ``now`` (or ended)."""
-        if was:
-            self._placed[was] -= 1
-        if now:
-            self._placed[now] += 1
+    def placed(self, work: str, quantization: str | None, target: str | None) -> None:
+        """A work is asked to run on ``target`` (None: where Ray puts it)."""
+        self._works[work] = _Work(quantization, target)
 
-    def built(self, node: str, keys: list[str]) -> None:
-        """``node`` now holds the entries of ``keys``."""
+    def started(self, work: str, node: str) -> None:
+        """The work started on ``node``: it builds its quantization there unless the node
+        holds it, and the trace too unless the node holds that."""
+        entry = self._works.get(work)
+        if entry is not None:
+            entry.node, entry.started = node, time.monotonic()
+            if node not in self._holders.get(TRACE, []):
+                entry.kind = COLD
+            elif entry.quantization and node in self._holders.get(entry.quantization, []):
+                entry.kind = FOLLOW
+
+    def built(self, node: str, keys: list[str], work: str | None = None,
+              first_s: float | None = None) -> None:  # fmt: skip
+        """``node`` now holds the entries of ``keys``; ``work`` scored its first window
+        ``first_s`` seconds after it started."""
         for key in keys:
             nodes = self._holders.setdefault(key, [])
             if node not in nodes:
                 nodes.append(node)
+        entry = self._works.get(work) if work else None
+        if entry is not None and first_s is not None:
+            entry.first_s = first_s
+            self._durations.first[entry.kind].append(first_s)
+
+    def ended(self, work: str, total_s: float | None = None) -> None:
+        """The work has ended (``total_s``: it ran to its end in that many seconds; None: it
+        failed or was stopped, and measures nothing)."""
+        entry = self._works.pop(work, None)
+        if entry is not None and total_s is not None and entry.started is not None:
+            self._durations.total[entry.kind].append(total_s)
+            if entry.first_s is not None:
+                self._durations.scoring.append(max(0.0, total_s - entry.first_s))
+            self._durations.windows.append(max(0, entry.taken - 1))
 
     async def take_window(self, work: str) -> None:
         """(A placed task) wait until the coordinator of ``work`` lets it score one more window
@@ -119,6 +261,12 @@ class StageHolders:
             credits.ready.clear()
             await credits.ready.wait()
         credits.left -= 1
+        entry = self._works.get(work)
+        if entry is not None:  # its pace: when each window began
+            entry.taken += 1
+            entry.last_at = time.monotonic()
+            if entry.taken == 2:
+                entry.second_at = entry.last_at
 
     def give_windows(self, work: str, n: int = 1) -> None:
         """(A trial's coordinator) let the task of ``work`` score ``n`` more windows."""
@@ -135,12 +283,16 @@ class StageHolders:
         return {key: list(nodes) for key, nodes in self._holders.items()}
 
 
-def open_holders(prior: Mapping[str, Iterable[str]]) -> ray.actor.ActorHandle:
+def open_holders(
+    prior: Mapping[str, Iterable[str]], per_trial: Mapping[str, float]
+) -> ray.actor.ActorHandle:
     """Start the sweep's :class:`StageHolders` on the head node (where the window book lives,
-    for the same reason: it must outlive any worker)."""
+    for the same reason: it must outlive any worker); ``per_trial``: the resources of one
+    trial (``SweepSpec.trial_resources``), which say how many trials a node runs at once."""
     from healsweep.sweep.trial import HEAD_NODE_RESOURCE
 
-    return StageHolders.options(resources={HEAD_NODE_RESOURCE: 0.001}).remote(dict(prior))
+    options = StageHolders.options(resources={HEAD_NODE_RESOURCE: 0.001})
+    return options.remote(dict(prior), dict(per_trial))
 
 
 def prior_holders(sweep_dir: Path) -> dict[str, list[str]]:
@@ -160,24 +312,83 @@ def prior_holders(sweep_dir: Path) -> dict[str, list[str]]:
 
 
 @dataclass(frozen=True)
+class NodeLoad:
+    """A node's load when a trial is placed: trial slots free now, the expected seconds until
+    one frees (0 when one is free; None when a work there has nothing of its kind measured)
+    and the works placed there."""
+
+    free: int
+    wait_s: float | None
+    works: int
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What the holders know when a trial is placed (:meth:`StageHolders.ask`): the nodes
+    holding its quantization, those building it now, those holding the trace, each alive
+    node's load, and the seconds building the quantization adds to a trial (None: none
+    measured yet)."""
+
+    holders: list[str]
+    building: list[str]
+    traces: list[str]
+    loads: dict[str, NodeLoad]
+    rebuild_s: float | None
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where one trial's work was asked to run: the Ray scheduling strategy, the node it names
-    (None: Ray's choice) and the nodes that held the trial's quantization when it was placed."""
+    (None: Ray's choice) and the nodes that held (or were building) the trial's quantization
+    when it was placed."""
 
     strategy: Any
     target: str | None
     holders: tuple[str, ...]
 
 
-def placement_for(mode: str, holders: list[str], traces: list[str]) -> Placement:
-    """The placement of a trial whose quantization ``holders`` and trace holders ``traces``
-    hold (see the module docstring); ``mode`` is the spec's ``placement``."""
+def _rank(nodes: list[str], loads: Mapping[str, NodeLoad]) -> list[str]:
+    """Nodes with a free slot first, then by the shortest expected wait, then by fewest works
+    (ties: the order given, earliest holder first)."""
+    idle = NodeLoad(1, 0.0, 0)
+
+    def key(node: str) -> tuple[bool, float, int]:
+        load = loads.get(node, idle)
+        wait = load.wait_s if load.wait_s is not None else float("inf")
+        return (load.free <= 0, wait, load.works)
+
+    return sorted(nodes, key=key)
+
+
+def placement_for(mode: str, ask: Ask) -> Placement:
+    """The placement of a trial (see the module docstring); ``mode`` is the spec's
+    ``placement``."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    if mode == "cache" and holders:
-        strategy = NodeAffinitySchedulingStrategy(holders[0], soft=True)
-        return Placement(strategy, holders[0], tuple(holders))
-    if mode == "cache" and traces:
-        strategy = NodeAffinitySchedulingStrategy(traces[0], soft=True, _spill_on_unavailable=True)
-        return Placement(strategy, traces[0], ())
-    return Placement("DEFAULT", None, tuple(holders))
+    near = tuple(ask.holders + [n for n in ask.building if n not in ask.holders])
+    if mode != "cache":
+        return Placement("DEFAULT", None, near)
+    idle = NodeLoad(1, 0.0, 0)
+    if near:
+        best = _rank(list(near), ask.loads)[0]
+        load = ask.loads.get(best, idle)
+        free_elsewhere = any(ld.free > 0 for n, ld in ask.loads.items() if n not in near)
+        known = load.wait_s is not None
+        # wait for the holder unless a node is free now and waiting costs more than a rebuild
+        # there (a node still building it, with nothing measured yet, is not waited for)
+        cheaper_elsewhere = free_elsewhere and (
+            (known and ask.rebuild_s is not None and load.wait_s > ask.rebuild_s)
+            or (not known and best not in ask.holders)
+        )
+        if load.free > 0 or not cheaper_elsewhere:
+            return Placement(NodeAffinitySchedulingStrategy(best, soft=True), best, near)
+        others = [n for n, ld in ask.loads.items() if n not in near and ld.free > 0]
+        traced = [n for n in ask.traces if n in others]
+        target = _rank(traced or others, ask.loads)[0]
+        strategy = NodeAffinitySchedulingStrategy(target, soft=True, _spill_on_unavailable=True)
+        return Placement(strategy, target, near)
+    if ask.traces:
+        target = _rank(list(ask.traces), ask.loads)[0]
+        strategy = NodeAffinitySchedulingStrategy(target, soft=True, _spill_on_unavailable=True)
+        return Placement(strategy, target, ())
+    return Placement("DEFAULT", None, ())

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from healsweep.errors import HealsweepError
+from healsweep.heal.knobs import Knobs
 from healsweep.results.placement import pool_summary
 from healsweep.results.schema import KNOB_PREFIX, row_role
 from healsweep.results.store import read_trials
@@ -73,12 +74,17 @@ def night_spec(
     max_concurrent: int,
     cache_root: str | None = None,
     calib_tokens: int | None = None,
+    knobs: Knobs | None = None,
     name: str = "night",
 ) -> dict[str, Any]:
     """The sweep spec of a night (a dict, as a spec YAML holds): eta, then rho, then the
     quantization knob, so that grid order (the product, last knob fastest) varies the
-    quantization first."""
+    quantization first. ``knobs``: what every config shares (the spec's baseline and fixed
+    knobs, less the grid's), e.g. ``quantizer: gptq`` for a quantization as costly as a real
+    one."""
     space = {knob: GRID_VALUES[knob][: grid[knob]] for knob in ("eta", "rho", "gain_d")}
+    given = knobs.model_dump(include=knobs.model_fields_set) if knobs is not None else {}
+    shared = {knob: value for knob, value in given.items() if knob not in space}
     calibration: dict[str, Any] = {"corpus": "demo"}
     if calib_tokens:
         calibration["max_tokens"] = calib_tokens
@@ -87,7 +93,8 @@ def night_spec(
         "model": model,
         "corpus": "demo",
         "calibration": calibration,
-        "baseline": {},
+        "baseline": dict(shared),
+        "fixed": dict(shared),
         "references": False,
         "search_space": space,
         "sampler": "grid",
@@ -197,6 +204,13 @@ def night_figures(
     out["work_cpu_s"] = round(
         cpu_s, 1
     )  # CPU seconds of the work: steadier than wall on a busy host
+    # Where the wall time went: the trials' works ran for busy_s slot-seconds of the pool's
+    # wall x slots; queued_s is what trials spent placed but not yet running (waiting for a
+    # node: a busy holder, or a pool with no free slot).
+    busy_s = sum(float(r.get("work_s") or 0.0) for r in done)
+    out["busy_s"] = round(busy_s, 1)
+    out["busy_share"] = round(busy_s / (wall_s * pool_cpus), 3) if wall_s and pool_cpus else None
+    out["queued_s"] = round(sum(_queued_s(r) for r in done), 1)
     if shared_root is not None:
         on_disk = entries_on_disk(shared_root)
         out["shared_cache"] = {"computed": dict(computed), "entries": on_disk}
@@ -204,6 +218,15 @@ def night_figures(
             max(0, n - on_disk.get(stage, 0)) for stage, n in computed.items()
         )
     return out
+
+
+def _queued_s(row: Mapping[str, Any]) -> float:
+    """Seconds a finished trial spent between its start and its work's (its coordinator's
+    time less its task's)."""
+    start, end, work = row.get("started_at"), row.get("ended_at"), row.get("work_s")
+    if start is None or end is None or work is None:
+        return 0.0
+    return max(0.0, (end - start).total_seconds() - float(work))
 
 
 class _GpuSampler:
@@ -274,6 +297,7 @@ def run_night(
     max_concurrent: int | None = None,
     shared: bool = False,
     calib_tokens: int | None = None,
+    knobs: Knobs | None = None,
 ) -> dict[str, Any]:
     """Run the night once per placement; ``{"placements": {placement: figures}, ...}``."""
     from healsweep.sweep.localpool import NodeSpec, local_pool
@@ -297,7 +321,8 @@ def run_night(
         spec = night_spec(model, grid=grid, windows=windows, placement=placement,
                           resources=resources, max_concurrent=concurrent,
                           cache_root=str(shared_root) if shared_root else None,
-                          calib_tokens=calib_tokens, name=f"night-{placement}")  # fmt: skip
+                          calib_tokens=calib_tokens, knobs=knobs,
+                          name=f"night-{placement}")  # fmt: skip
         spec_path = run_dir / "spec.yaml"
         spec_path.write_text(json.dumps(spec, indent=2))  # JSON is YAML
         results = run_dir / "results"
@@ -334,8 +359,9 @@ def night_table(night: Mapping[str, Any]) -> str:
     """The Markdown table docs/sizing.md quotes: one row per placement."""
     head = ("| placement | nodes | trials | wall s | configs/h | configs/night | cache hit rate "
             "| follow-ups on holder | s/trial cold / quant / rho / eta | quantize entries computed "
-            "| work CPU s | CPU util | GPU util | peak RSS MiB/node |")  # fmt: skip
-    lines = [head, "|" + "---|" * 14]
+            "| work CPU s | busy share | queued s | CPU util | GPU util "
+            "| peak RSS MiB/node |")  # fmt: skip
+    lines = [head, "|" + "---|" * 16]
 
     def share(v: float | None) -> str:
         return "-" if v is None else f"{v:.0%}"
@@ -352,6 +378,7 @@ def night_table(night: Mapping[str, Any]) -> str:
             f"| {f['configs_per_night']} | {share(f['cache_hit_rate'])} "
             f"| {share(f['follow_up_on_holder'])} ({f['follow_ups']}) | {per} "
             f"| {f['computed_by_stage'].get('quantize', 0)} | {f['work_cpu_s']:.0f} "
+            f"| {share(f['busy_share'])} | {f['queued_s']:.0f} "
             f"| {share(f['cpu_utilization'])} | {share(f['gpu_utilization'])} | {rss} |"
         )
     return "\n".join(lines)

@@ -139,15 +139,17 @@ class PlacedWork:
         self.holders = holders
         self.quantization = quantization_of(knobs) if knobs is not None else None
         self.placement: Placement | None = None
+        self.work = uuid.uuid4().hex  # its name to the holders (its credits, its load)
         self.node: str | None = None
         self._built = False
+        self._total_s: float | None = None
         self.columns: dict[str, Any] = {"placement": spec.placement}
 
     def place(self) -> Placement:
         """Ask the holders where the work should run (placed on that node, for their count)."""
-        quantization, traces = ray.get(self.holders.ask.remote(self.quantization))
-        self.placement = placement_for(self.spec.placement, quantization, traces)
-        self.holders.move.remote(None, self.placement.target)
+        ask = ray.get(self.holders.ask.remote(self.quantization))
+        self.placement = placement_for(self.spec.placement, ask)
+        self.holders.placed.remote(self.work, self.quantization, self.placement.target)
         self.columns.update(
             quantization=self.quantization, holders=",".join(self.placement.holders)
         )
@@ -158,7 +160,7 @@ class PlacedWork:
         kind = event["event"]
         if kind == "started":
             self.node = event["node"]
-            self.holders.move.remote(self.placement.target, self.node)
+            self.holders.started.remote(self.work, self.node)
             holders = self.placement.holders
             on_holder = self.node in holders if holders else None
             self.columns.update(placed_node=self.node, on_holder=on_holder, gpus=event["gpus"])
@@ -169,13 +171,16 @@ class PlacedWork:
             keys = held_keys(self.quantization, json.loads(stats["cache_detail"]))
             if kind == "window" and keys:
                 self._built = True
-                self.holders.built.remote(self.node, keys)
+                self.holders.built.remote(self.node, keys, self.work, stats["work_s"])
+        if kind == "done":
+            self._total_s = stats["work_s"]
         return event.get("record")
 
     def close(self) -> None:
-        """The work has ended (or failed, or was stopped): its node counts it no more."""
+        """The work has ended (or failed, or was stopped): its node counts it no more; a work
+        that ran to its end tells the holders how long it took."""
         if self.placement is not None:
-            self.holders.move.remote(self.node or self.placement.target, None)
+            self.holders.ended.remote(self.work, self._total_s)
             self.placement = None
 
     def records(self, job: Job, *, here: bool = False) -> Iterator[WindowRecord]:
@@ -200,7 +205,7 @@ class PlacedWork:
         # The task scores a window only on a credit, and a credit is given each time the
         # caller asks for the next window (Tune asks once the pruner let the trial go on), so a
         # pruned trial's task has scored at most AHEAD - 1 windows past its last reported one.
-        work = uuid.uuid4().hex
+        work = self.work
         self.holders.give_windows.remote(work, AHEAD)
         events = stream.remote(job, self.spec.trial_resources(), pace=(self.holders, work))
         try:
