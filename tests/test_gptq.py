@@ -272,7 +272,7 @@ def test_stacks_sharing_an_input_give_what_each_gives_alone():
     """gate and up read the same x: quantized together (one H_e, one factorization per expert)
     each stack's codes and scales are exactly those of quantizing it alone, refine included."""
     rng = np.random.default_rng(5)
-    n_exp, n_in, n_tokens = 10, 128, 600  # more experts than GROUP: a padded second group
+    n_exp, n_in, n_tokens = 11, 128, 600  # more experts than GROUP: a second group of 3, padded
     x = (rng.standard_normal((n_tokens, n_in)) * np.exp(rng.standard_normal(n_in))).astype(
         np.float32
     )

@@ -26,7 +26,8 @@ and :func:`healsweep.kernels.gptq.quantize_lowrank` gathers each block's
 errors through the rows (``2·P`` products per weight for ``P`` padded rows instead of up to
 ``in``): the same codes up to float rounding.
 
-Experts are processed in groups of at most ``GROUP`` (the last group padded with inert repeats),
+Experts are processed in groups of at most ``GROUP`` (a path's last group padded with inert
+repeats to a power of two: at most half of it is inert, and few shapes compile),
 most-routed first so that a group's routed rows pad to a similar count; the host holds a few
 ``[n, n]`` matrices at a time and each kernel compiles once per shape. The host factors the next
 group (dense: one matrix per thread, :mod:`healsweep.heal._lapack`; low-rank: the group's
@@ -511,9 +512,9 @@ def quantize_experts(
     if not groups:
         return out, ok
 
-    def padded(group: np.ndarray) -> np.ndarray:  # inert repeats: one shape for every group
-        pad = GROUP - len(group) if len(experts) > GROUP else 0
-        return np.concatenate([group, np.repeat(group[:1], pad)])
+    def padded(group: np.ndarray) -> np.ndarray:  # inert repeats: few shapes, little waste
+        size = len(group) if len(experts) <= GROUP else 1 << (len(group) - 1).bit_length()
+        return np.concatenate([group, np.repeat(group[:1], size - len(group))])
 
     def dispatched(i: int):
         low_rank, group, _ = groups[i]

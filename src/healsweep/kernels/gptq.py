@@ -22,8 +22,9 @@ Per 64-column block ``b`` (one Q2_0 block column):
    search can see). The search yields the stored fp16 ``d`` and its rounding step ``1/d1``;
 2. the 64 columns are then rounded one by one with that fixed step, ``q_j = round_code(w_j/d1)``
    (``q_j·d`` is the value the file will hold), from the block's start weights and the
-   errors against them (:func:`_round_at`), in groups of ``SUB`` whose errors reach each
-   other one column at a time and each later group in one product;
+   errors against them (:func:`_round_word`), in words of ``WORD`` columns whose errors reach
+   each other one column at a time and each later word in one product; a word's 2-bit codes
+   come back packed in one int32 per row of ``w``;
 3. the block's errors reach the rest of its span of ``SPAN`` columns in one product, and each
    span's errors every later span in one product per pair (GPTQ's lazy batch updates, nested, so
    that most of the arithmetic is products with an inner dimension of ``SPAN``).
@@ -32,10 +33,12 @@ Where ``f`` is 0 nothing propagates and step 2 rounds exactly as the search does
 equals :func:`q2_0.quantize_matrix` bit for bit (the property test of ``tests/test_gptq.py``).
 The work runs transposed, ``[E, in, out]``: a column of ``w`` is a contiguous row, and a block is
 the ``[E, 64, out]`` tile the search vectorizes over ``out``. Blocks and spans are driven from
-the host, two jitted calls a block: the start weights and the scale search, then the rounding
-and the errors' propagation (XLA's CPU backend runs a loop body's fusions several times slower
-than the same fusions at top level, and ran search and rounding in one program 2x slower than
-in two; each compiled once per shape). Float32 throughout; matrix
+the host, six jitted calls a block: the start weights and the scale search, one per word of
+the rounding, then the errors' propagation (XLA's CPU backend runs a loop body's fusions
+several times slower than the same fusions at top level, ran search and rounding in one program
+2x slower than in two, and fused all of a block's words into one program that computed every
+column's chain again for each later column; each compiled once per shape). Float32 throughout
+(the packed codes int32); matrix
 products at ``HIGHEST`` precision (no TF32 on a GPU).
 """
 
@@ -50,7 +53,7 @@ from healsweep.kernels.q2_0 import LANES, QK, _pow2_inverse, round_code, search_
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 SPAN = 256  # columns whose errors travel to the later columns in one product
-SUB = 8  # columns whose errors reach each other one by one
+WORD = 16  # columns rounded in one loop fusion, their 2-bit codes packed in one int32
 
 
 def block_scale(wt: jax.Array, a: jax.Array, gain: jax.Array):
@@ -67,47 +70,58 @@ def block_scale(wt: jax.Array, a: jax.Array, gain: jax.Array):
     return (d / scale).astype(jnp.float16), scale / best_d1, extras
 
 
-def _round_sub(rows, start, f_sub, step, d32):
-    """Round ``SUB`` consecutive columns (rows here) in order: ``rows`` [E, SUB, out] with the
-    errors of the block's earlier groups applied, ``start`` [E, SUB, out] the same columns at
-    the block's start, ``f_sub`` [E, SUB, SUB]. Each column takes the errors of the ones
-    before it in the group as it is reached. Returns ``(q, e)`` [E, SUB, out], ``e`` the
-    errors against the block's start."""
-    qs, es = [], []
-    for j in range(rows.shape[1]):
-        row = rows[:, j]
-        for i, e_i in enumerate(es):
-            row = row + f_sub[:, i, j, None] * e_i
-        q = round_code(row * step)
-        qs.append(q)
-        es.append(start[:, j] - q * d32)
-    return jnp.stack(qs, axis=1), jnp.stack(es, axis=1)
+def _unpacked(words) -> jax.Array:
+    """The codes ``q`` [E, WORD·len(words), out] float32 of the packed ``words`` (each
+    [E, out] int32, code ``q + 1`` of column ``j`` in bits ``2j, 2j+1``)."""
+    packed = jnp.stack(words, axis=1)  # [E, n, out]
+    shifts = jnp.arange(0, 2 * WORD, 2, dtype=jnp.int32)[None, None, :, None]
+    q = jax.lax.shift_right_logical(packed[:, :, None, :], shifts) & 3  # [E, n, WORD, out]
+    n_exp, n_words, n_out = packed.shape
+    return q.reshape(n_exp, n_words * WORD, n_out).astype(jnp.float32) - 1.0
 
 
-def _round_at(at_start, f_diag, step, d32):
-    """GPTQ's rounding of one block column once its scale is known: ``at_start`` [E, 64, out]
-    the block's weights at its start (every earlier block's errors applied: GPTQ's weights
-    there), ``f_diag`` [E, 64, 64] the feedback inside the block, ``step``/``d32`` [E, out]
-    the search's rounding step and stored scale. Returns ``q`` [E, 64, out] float32.
+@healing_jit
+def _round_word(at_start, f_diag, step, d16, words):
+    """GPTQ's rounding of the next ``WORD`` columns of a block once its scale is known, their
+    codes packed in one ``[E, out]`` int32: ``at_start`` [E, 64, out] the block's weights at
+    its start (every earlier block's errors applied: GPTQ's weights there), ``f_diag``
+    [E, 64, 64] the feedback inside the block, ``step`` [E, out] / ``d16`` [E, out] float16
+    the search's rounding step and stored scale, ``words`` the codes of the block's earlier
+    columns (a tuple of :func:`_round_word`'s results, ``WORD`` columns each).
 
     With ``Δ = at_start − w_b`` and ``V_bb = I + f_diag``, the block's weights with the
     earlier blocks' feedback are ``w_b + V_bbᵀΔ``, so column ``k`` is rounded from
     ``at_start_k + Σ_{j<k} f_jk·e_j`` with ``e_j = at_start_j − q_j·d``: the block needs only
-    its start. Groups of ``SUB`` columns are unrolled and left-looking: group ``s`` gathers
-    the errors of the groups before it in one product (inner dimension ``s·SUB``) into its own
-    ``SUB`` rows only."""
-    qs, es = [], []
-    for at in range(0, QK, SUB):
-        rows = at_start[:, at : at + SUB]  # [E, SUB, out]
-        if at:  # f is strictly upper: only the earlier groups' errors reach this one
-            done = jnp.concatenate(es, axis=1) if len(es) > 1 else es[0]  # [E, at, out]
-            f_in = f_diag[:, :at, at : at + SUB]  # [E, at, SUB]
-            rows = rows + jnp.einsum("ejk,ejo->eko", f_in, done, precision=_HIGHEST)
-        f_sub = f_diag[:, at : at + SUB, at : at + SUB]
-        q, e = _round_sub(rows, at_start[:, at : at + SUB], f_sub, step, d32)
-        qs.append(q)
-        es.append(e)
-    return jnp.concatenate(qs, axis=1)
+    its start. The earlier words' errors reach these columns in one product; inside the word
+    each column takes the errors of the ones before it as it is reached, all in one loop
+    fusion over ``[E, out]`` whose one output is the packed word (a result per column, or a
+    stack of them, made XLA's CPU backend compute each column's chain again for every later
+    column that read it; docs/sizing.md)."""
+    at = len(words) * WORD
+    d32 = d16.astype(jnp.float32)
+    rows = at_start[:, at : at + WORD]  # [E, WORD, out]
+    if words:  # f is strictly upper: only the earlier columns' errors reach these
+        done = at_start[:, :at] - _unpacked(words) * d32[:, None]  # [E, at, out]
+        f_in = f_diag[:, :at, at : at + WORD]  # [E, at, WORD]
+        rows = rows + jnp.einsum("ejk,ejo->eko", f_in, done, precision=_HIGHEST)
+    errors, word = [], None
+    for j in range(WORD):
+        row = rows[:, j]
+        for i, e_i in enumerate(errors):
+            row = row + f_diag[:, at + i, at + j, None] * e_i
+        q = round_code(row * step)
+        errors.append(at_start[:, at + j] - q * d32)
+        code = jnp.left_shift((q + 1.0).astype(jnp.int32), jnp.int32(2 * j))
+        word = code if word is None else word | code
+    return word
+
+
+def _round_words(at_start, f_diag, step, d16) -> tuple:
+    """The block's codes, :func:`_round_word` after :func:`_round_word` (one call each)."""
+    words = ()
+    for _ in range(QK // WORD):
+        words = (*words, _round_word(at_start, f_diag, step, d16, words))
+    return words
 
 
 @healing_jit
@@ -125,21 +139,28 @@ def _block_start(base, orig, g_block, importance, start, gain):
 
 
 @healing_jit(donate_argnums=(0,))
-def _block_round(base, orig, f_span, at_start, d16, step, start):
-    """The rounding of the block at column ``start`` of a span after :func:`_block_start`:
+def _block_round(base, orig, f_span, words, d16, start):
+    """The block at column ``start`` of a span after its codes (:func:`_round_words`):
     ``f_span`` [E, S, S] the feedback inside the span. Returns ``(base, q [E, 64, out] int8,
     r [E, 64, out])`` with ``r`` the errors against the original weights, already applied to
     the span's later columns of ``base`` (donated: updated in place)."""
     ob = jax.lax.dynamic_slice_in_dim(orig, start, QK, axis=1)
     fb = jax.lax.dynamic_slice_in_dim(f_span, start, QK, axis=1)  # [E, 64, S]
-    f_diag = jax.lax.dynamic_slice_in_dim(fb, start, QK, axis=2)  # [E, 64, 64]
-    d32 = d16.astype(jnp.float32)
-    q = _round_at(at_start, f_diag, step, d32)
-    r = ob - q * d32[:, None]
+    q = _unpacked(words)  # [E, 64, out]
+    r = ob - q * d16.astype(jnp.float32)[:, None]
     # every column of the span takes the block's errors; f is 0 up to the block's end, and
     # the block's own columns are never read again
     base = base + jnp.einsum("ejk,ejo->eko", fb, r, precision=_HIGHEST)
     return base, q.astype(jnp.int8), r
+
+
+@jax.jit
+def _diagonal_blocks(f):
+    """``f``'s diagonal 64-blocks [E, n/64, 64, 64] of ``f`` [E, n, n]."""
+    n_exp, n = f.shape[:2]
+    nb = n // QK
+    blocks = f.reshape(n_exp, nb, QK, nb, QK)
+    return jnp.stack([blocks[:, b, :, b] for b in range(nb)], axis=1)
 
 
 @healing_jit
@@ -164,15 +185,15 @@ def _lowrank_start(acc, orig, u, g_block, importance, start, gain):
 
 
 @healing_jit(donate_argnums=(0,))
-def _lowrank_round(acc, orig, x, at_start, f_diag, d16, step, start):
-    """The rounding of the block at column ``start`` after :func:`_lowrank_start` (``orig``
-    [E, in, out] as there): its codes ``q`` [E, 64, out] int8, and ``acc`` (donated) with the
-    block's errors against the original weights added through their rows, ``x`` [E, P, in]."""
+def _lowrank_round(acc, orig, x, words, d16, start):
+    """The block at column ``start`` after its codes (:func:`_round_words`, ``orig`` [E, in,
+    out] as in :func:`_lowrank_start`): its codes ``q`` [E, 64, out] int8, and ``acc``
+    (donated) with the block's errors against the original weights added through their rows,
+    ``x`` [E, P, in]."""
     ob = jax.lax.dynamic_slice_in_dim(orig, start, QK, axis=1)  # [E, 64, out]
     x_b = jax.lax.dynamic_slice_in_dim(x, start, QK, axis=2)  # [E, P, 64]
-    d32 = d16.astype(jnp.float32)
-    q = _round_at(at_start, f_diag, step, d32)
-    r = ob - q * d32[:, None]
+    q = _unpacked(words)
+    r = ob - q * d16.astype(jnp.float32)[:, None]
     acc = acc + jnp.einsum("epj,ejo->epo", x_b, r, precision=_HIGHEST)
     return acc, q.astype(jnp.int8)
 
@@ -251,12 +272,14 @@ def quantize(w, f, g, importance, gain, experts=None) -> tuple[jax.Array, jax.Ar
     d_blocks, q_blocks = [], []
     for m, (a, b) in enumerate(parts):
         orig_m, f_m, imp_m = orig[:, a:b], f[:, a:b, a:b], importance[:, a:b]
+        f_diag = _diagonal_blocks(f_m)  # [E, S/64, 64, 64]
         r_blocks = []
         for start in range(0, b - a, QK):
             at = np.int32(start)
             g_b = g[:, (a + start) // QK]
             at_start, d, step, _ = _block_start(pending[m], orig_m, g_b, imp_m, at, gain)
-            pending[m], q, r = _block_round(pending[m], orig_m, f_m, at_start, d, step, at)
+            words = _round_words(at_start, f_diag[:, start // QK], step, d)
+            pending[m], q, r = _block_round(pending[m], orig_m, f_m, words, d, at)
             d_blocks.append(d)
             q_blocks.append(q)
             r_blocks.append(r)
@@ -290,7 +313,8 @@ def quantize_lowrank(w, x, u, f_diag, g, importance, gain, experts=None):
     for b in range(w.shape[2] // QK):
         at = np.int32(b * QK)
         at_start, d, step, _ = _lowrank_start(acc, orig, u, g[:, b], importance, at, gain)
-        acc, q = _lowrank_round(acc, orig, x, at_start, f_diag[:, b], d, step, at)
+        words = _round_words(at_start, f_diag[:, b], step, d)
+        acc, q = _lowrank_round(acc, orig, x, words, d, at)
         d_blocks.append(d)
         q_blocks.append(q)
     return _assembled(d_blocks, q_blocks)
