@@ -34,7 +34,7 @@ from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.progress import ProgressSink
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
 from healsweep.sweep.space import baseline_point, optuna_space
-from healsweep.sweep.spec import SweepSpec
+from healsweep.sweep.spec import RAY_RESOURCE_NAMES, SweepSpec
 from healsweep.sweep.trial import (
     COORDINATOR_RESOURCES,
     TARGET_METRIC,
@@ -45,7 +45,6 @@ from healsweep.sweep.trial import (
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
 log = logging.getLogger(__name__)
-_RAY_NAMES = {"cpu": "CPU", "gpu": "GPU"}  # spec/Tune spelling -> ray.cluster_resources()
 
 
 class PruneAwareOptunaSearch(OptunaSearch):
@@ -182,7 +181,7 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
     try:
         available = ray.cluster_resources()
         for name, amount in spec.trial_resources().items():
-            have = available.get(_RAY_NAMES.get(name, name), 0)
+            have = available.get(RAY_RESOURCE_NAMES.get(name, name), 0)
             if amount > 0 and have < amount:
                 raise SpecError(
                     f"field 'resources.{name}' = {amount}: the Ray cluster offers {have} {name}; "

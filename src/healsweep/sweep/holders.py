@@ -48,6 +48,7 @@ import ray
 from healsweep.cache import canonical_json
 from healsweep.heal.knobs import Knobs, Stage
 from healsweep.results.store import read_trials
+from healsweep.sweep.spec import RAY_RESOURCE_NAMES
 
 TRACE = "trace"  # the holder key of the sweep's calibration trace (one per sweep)
 # The stage whose entries name a node as a holder: what a trial there hit or computed.
@@ -176,13 +177,12 @@ class StageHolders:
     def _slots(self) -> dict[str, int]:
         """``{node: trials it can run at once}`` of the alive nodes (a node that joined late
         is counted as soon as it is alive)."""
-        names = {"cpu": "CPU", "gpu": "GPU"}
         slots = {}
         for node in ray.nodes():
             if not node["Alive"]:
                 continue
             have = node["Resources"]
-            fits = [int(have.get(names.get(r, r), 0) // amount)
+            fits = [int(have.get(RAY_RESOURCE_NAMES.get(r, r), 0) // amount)
                     for r, amount in self._per_trial.items() if amount > 0]  # fmt: skip
             slots[node["NodeID"]] = min(fits) if fits else 1
         return slots
@@ -347,13 +347,15 @@ class Placement:
     holders: tuple[str, ...]
 
 
+_IDLE = NodeLoad(1, 0.0, 0)  # a node the holders have no load for: free, no wait
+
+
 def _rank(nodes: list[str], loads: Mapping[str, NodeLoad]) -> list[str]:
     """Nodes with a free slot first, then by the shortest expected wait, then by fewest works
     (ties: the order given, earliest holder first)."""
-    idle = NodeLoad(1, 0.0, 0)
 
     def key(node: str) -> tuple[bool, float, int]:
-        load = loads.get(node, idle)
+        load = loads.get(node, _IDLE)
         wait = load.wait_s if load.wait_s is not None else float("inf")
         return (load.free <= 0, wait, load.works)
 
@@ -368,10 +370,9 @@ def placement_for(mode: str, ask: Ask) -> Placement:
     near = tuple(ask.holders + [n for n in ask.building if n not in ask.holders])
     if mode != "cache":
         return Placement("DEFAULT", None, near)
-    idle = NodeLoad(1, 0.0, 0)
     if near:
         best = _rank(list(near), ask.loads)[0]
-        load = ask.loads.get(best, idle)
+        load = ask.loads.get(best, _IDLE)
         free_elsewhere = any(ld.free > 0 for n, ld in ask.loads.items() if n not in near)
         known = load.wait_s is not None
         # wait for the holder unless a node is free now and waiting costs more than a rebuild

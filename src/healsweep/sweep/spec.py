@@ -190,6 +190,10 @@ class BudgetSpec(_Strict):
         return found
 
 
+# the spec's (and Tune's) resource names -> Ray's (ray.nodes(), ray.cluster_resources())
+RAY_RESOURCE_NAMES = {"cpu": "CPU", "gpu": "GPU"}
+
+
 class SweepSpec(_Strict):
     """A validated sweep spec (see ``sweeps/*.yaml`` for examples)."""
 
