@@ -22,6 +22,7 @@ import pytest
 import ray
 
 from healsweep.errors import ResultsError
+from healsweep.results.store import read_trials
 from healsweep.sweep.driver import resume_sweep
 from healsweep.sweep.fixed import reference_knobs
 from healsweep.sweep.space import config_hash
@@ -85,10 +86,7 @@ def _wait(predicate, timeout: float, proc: subprocess.Popen | None = None) -> No
 
 
 def _completed(sweep_dir: Path, roles=("trial", "baseline", "reference")) -> set[str]:
-    path = sweep_dir / "trials.parquet"
-    if not path.exists():
-        return set()
-    rows = pq.read_table(path).to_pylist()
+    rows = read_trials(sweep_dir).to_pylist()  # one open file while the driver replaces it
     return {r["config_hash"] for r in rows if r["status"] == "completed" and r["role"] in roles}
 
 

@@ -129,7 +129,10 @@ def read_trials(sweep_dir: str | Path) -> pa.Table:
     path = Path(sweep_dir) / TRIALS_FILE
     if not path.exists():
         return trial_schema().empty_table()
-    return pq.read_table(path, schema=trial_schema())
+    # one open file: the driver replaces trials.parquet while a sweep runs, and a read by path
+    # may take the footer from one version and the pages from the next
+    with pa.OSFile(str(path)) as source:
+        return pq.read_table(source, schema=trial_schema())
 
 
 def read_manifest(sweep_dir: str | Path) -> dict[str, Any]:
