@@ -186,6 +186,16 @@ def test_the_night_grid_varies_the_quantization_first():
     assert {(k.gain_d, k.rho, k.eta) for k in configs} == {
         (q, r, e) for q in (0.3, 0.0, 0.6) for r in (6.0, 24.0) for e in (0.15, 0.5)
     }
+    # gate's and up's gain instead: the same grid over the costlier re-quantization
+    grid = parse_grid("2x1x2", "gain_gu")
+    assert grid == {"gain_gu": 2, "rho": 1, "eta": 2}
+    raw = night_spec("demo", grid=grid, windows=8, placement="cache", resources={"cpu": 1},
+                     max_concurrent=2)  # fmt: skip
+    configs = grid_configs(spec_from_dict(raw))
+    expected = [(0.3, 0.3, 0.15), (0.0, 0.3, 0.15), (0.3, 0.3, 0.5), (0.0, 0.3, 0.5)]
+    assert [(k.gain_gu, k.gain_d, k.eta) for k in configs] == expected
+    with pytest.raises(NightError, match="--quant-knob 'gamma'.*gain_d, gain_gu"):
+        parse_grid("2x1x2", "gamma")
 
 
 def test_trial_kinds_follow_what_earlier_trials_built():

@@ -101,6 +101,14 @@ def bench_night(
     grid: Annotated[
         str, typer.Option("--grid", help="QxRxE: quantization settings x rho values x eta values.")
     ] = "3x2x2",
+    quant_knob: Annotated[
+        str,
+        typer.Option(
+            "--quant-knob",
+            help="The quantization knob the grid varies: gain_d (down only) or gain_gu "
+            "(gate and up: a costlier re-quantization).",
+        ),
+    ] = "gain_d",
     windows: Annotated[int, typer.Option("--windows", min=1, help="Dev windows per config.")] = 96,
     cpus_per_node: Annotated[int, typer.Option("--cpus-per-node", min=1)] = 1,
     gpus_per_node: Annotated[
@@ -159,7 +167,7 @@ def bench_night(
     with tempfile.TemporaryDirectory(prefix="healsweep-night-") as scratch:
         folder = out or Path(scratch)
         night = run_night(
-            model, folder, nodes=nodes, placements=modes[placement], grid=parse_grid(grid),
+            model, folder, nodes=nodes, placements=modes[placement], grid=parse_grid(grid, quant_knob),
             windows=windows, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, gpu=gpu,
             max_concurrent=max_concurrent, shared=shared, calib_tokens=calib_tokens,
             knobs=load_knobs(knobs) if knobs else None,

@@ -1,7 +1,8 @@
 """`healsweep bench night`: a real `sweep run` measured end to end, on this host or a local pool.
 
 The sweep is a grid in the proportions of an ablation: a few quantization settings (``gain_d``,
-which the quantize stage reads) x several ``rho`` x several ``eta``, listed so that the
+which the down projection's quantization reads, or ``gain_gu``, gate's and up's: a costlier
+re-quantization) x several ``rho`` x several ``eta``, listed so that the
 quantization varies fastest: the first trials each build a new quantization (the very first is
 cold: it also traces the calibration set), the later ones change only ``rho`` or ``eta`` of a
 quantization built before (the follow-ups). With ``nodes`` it first starts a local pool
@@ -39,29 +40,35 @@ NIGHT_HOURS = 8.0
 # Values of each varied knob, the shipped healer's first (the baseline is one grid point).
 GRID_VALUES = {
     "gain_d": [0.3, 0.0, 0.6, 0.15, 0.45],
+    "gain_gu": [0.3, 0.0, 0.6, 0.15, 0.45],
     "rho": [6.0, 24.0, 2.0, 60.0],
     "eta": [0.15, 0.5, 0.0, 1.0],
 }
 KINDS = ("cold", "quant-change", "rho-only", "eta-only")
+QUANT_KNOBS = ("gain_d", "gain_gu")  # the quantization knob a night's grid varies
 
 
 class NightError(HealsweepError):
     """The night's sweep could not be run or measured."""
 
 
-def parse_grid(grid: str) -> dict[str, int]:
-    """``"QxRxE"`` (quantization settings x rho values x eta values) as ``{knob: count}``."""
+def parse_grid(grid: str, quant_knob: str = "gain_d") -> dict[str, int]:
+    """``"QxRxE"`` (quantization settings x rho values x eta values) as ``{knob: count}``, the
+    quantization settings being values of ``quant_knob`` (one of :data:`QUANT_KNOBS`)."""
+    if quant_knob not in QUANT_KNOBS:
+        raise NightError(f"--quant-knob {quant_knob!r}: expected one of {', '.join(QUANT_KNOBS)}")
+    knobs = (quant_knob, "rho", "eta")
     try:
         counts = [int(part) for part in grid.lower().split("x")]
     except ValueError:
         counts = []
-    limits = [len(values) for values in GRID_VALUES.values()]
+    limits = [len(GRID_VALUES[knob]) for knob in knobs]
     if len(counts) != 3 or not all(1 <= n <= top for n, top in zip(counts, limits, strict=True)):
         raise NightError(
             f"--grid {grid!r}: expected QxRxE, e.g. 3x2x2, with at most "
             f"{'x'.join(map(str, limits))} (quantization settings x rho x eta values)"
         )
-    return dict(zip(GRID_VALUES, counts, strict=True))
+    return dict(zip(knobs, counts, strict=True))
 
 
 def night_spec(
@@ -82,7 +89,8 @@ def night_spec(
     quantization first. ``knobs``: what every config shares (the spec's baseline and fixed
     knobs, less the grid's), e.g. ``quantizer: gptq`` for a quantization as costly as a real
     one."""
-    space = {knob: GRID_VALUES[knob][: grid[knob]] for knob in ("eta", "rho", "gain_d")}
+    quant = next(knob for knob in grid if knob in QUANT_KNOBS)
+    space = {knob: GRID_VALUES[knob][: grid[knob]] for knob in ("eta", "rho", quant)}
     given = knobs.model_dump(include=knobs.model_fields_set) if knobs is not None else {}
     shared = {knob: value for knob, value in given.items() if knob not in space}
     calibration: dict[str, Any] = {"corpus": "demo"}
