@@ -8,8 +8,14 @@ to get real qwen2moe/qwen3moe GGUFs with a real tokenizer.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+
+# On a GPU host the tests' process and the processes they start (doctor, Ray trials) share one
+# device; JAX's default preallocation (75% of it per process) would leave the later ones a
+# sliver. Read when a backend starts, so set before any test computes; a no-op on a CPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 
