@@ -194,7 +194,8 @@ def test_the_night_grid_varies_the_quantization_first():
     configs = grid_configs(spec_from_dict(raw))
     expected = [(0.3, 0.3, 0.15), (0.0, 0.3, 0.15), (0.3, 0.3, 0.5), (0.0, 0.3, 0.5)]
     assert [(k.gain_gu, k.gain_d, k.eta) for k in configs] == expected
-    with pytest.raises(NightError, match="--quant-knob 'gamma'.*gain_d, gain_gu"):
+    assert parse_grid("3x1x1", "type_d") == {"type_d": 3, "rho": 1, "eta": 1}
+    with pytest.raises(NightError, match="--quant-knob 'gamma'.*gain_d, gain_gu, type_d"):
         parse_grid("2x1x2", "gamma")
 
 

@@ -105,8 +105,8 @@ def bench_night(
         str,
         typer.Option(
             "--quant-knob",
-            help="The quantization knob the grid varies: gain_d (down only) or gain_gu "
-            "(gate and up: a costlier re-quantization).",
+            help="The quantization knob the grid varies: gain_d (down only), gain_gu "
+            "(gate and up) or type_d (down's type, by ggml's quantizer: the costliest).",
         ),
     ] = "gain_d",
     windows: Annotated[int, typer.Option("--windows", min=1, help="Dev windows per config.")] = 96,

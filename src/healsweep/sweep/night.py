@@ -1,8 +1,8 @@
 """`healsweep bench night`: a real `sweep run` measured end to end, on this host or a local pool.
 
 The sweep is a grid in the proportions of an ablation: a few quantization settings (``gain_d``,
-which the down projection's quantization reads, or ``gain_gu``, gate's and up's: a costlier
-re-quantization) x several ``rho`` x several ``eta``, listed so that the
+which the down projection's quantization reads; ``gain_gu``, gate's and up's; or ``type_d``,
+down's storage type, which ggml's own quantizer writes: the costliest re-quantization) x several ``rho`` x several ``eta``, listed so that the
 quantization varies fastest: the first trials each build a new quantization (the very first is
 cold: it also traces the calibration set), the later ones change only ``rho`` or ``eta`` of a
 quantization built before (the follow-ups). With ``nodes`` it first starts a local pool
@@ -41,11 +41,12 @@ NIGHT_HOURS = 8.0
 GRID_VALUES = {
     "gain_d": [0.3, 0.0, 0.6, 0.15, 0.45],
     "gain_gu": [0.3, 0.0, 0.6, 0.15, 0.45],
+    "type_d": ["q2_0", "iq2_xs", "iq2_xxs", "q2_k"],
     "rho": [6.0, 24.0, 2.0, 60.0],
     "eta": [0.15, 0.5, 0.0, 1.0],
 }
 KINDS = ("cold", "quant-change", "rho-only", "eta-only")
-QUANT_KNOBS = ("gain_d", "gain_gu")  # the quantization knob a night's grid varies
+QUANT_KNOBS = ("gain_d", "gain_gu", "type_d")  # the quantization knob a night's grid varies
 
 
 class NightError(HealsweepError):
