@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from healsweep.errors import SpecError
+from healsweep.errors import GGUFFormatError, SpecError
 from healsweep.heal.knobs import Knobs
 from healsweep.sweep.space import (
     baseline_point,
@@ -355,6 +355,17 @@ def test_a_max_context_the_model_cannot_hold_is_refused_before_the_sweep_starts(
         "sweep x: field 'scoring.max_context': max_context 1000 + max_scored 128 exceeds the "
         "model's context length 1024; lower one of them"
     )
+
+
+def test_a_grid_type_the_model_cannot_hold_is_refused_before_the_sweep_starts():
+    """A grid over ``type_d`` naming a type whose blocks do not fill the demo model's down rows
+    fails in seconds, naming the tensor and the type, not as a failed trial."""
+    from healsweep.sweep.work import sweep_identity
+
+    spec = spec_from_dict({"name": "x", "search_space": {"type_d": ["q2_0", "iq2_xs"]}})
+    with pytest.raises(GGUFFormatError, match="ffn_down_exps hold 128 values.*stored as iq2_xs"):
+        sweep_identity(spec)
+    sweep_identity(spec_from_dict({"name": "x", "search_space": {"type_d": ["q2_0", "iq4_nl"]}}))
 
 
 def test_a_spec_pickled_before_its_sections_were_typed_unpickles_typed():

@@ -147,15 +147,18 @@ def _score_dev(
 
 def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
     """What the manifest records about the sweep's inputs: model fingerprint, split lock id.
-    Refuses (before any trial starts) a model whose experts cannot be quantized and a
-    ``scoring.max_context`` that does not fit the model's context."""
+    Refuses (before any trial starts) a model whose experts cannot be quantized in the
+    baseline's types or, for a grid, in any grid config's, and a ``scoring.max_context`` that
+    does not fit the model's context."""
     from healsweep.data.split import split_lock_id
     from healsweep.heal.quantize import check_quantizable
     from healsweep.model import open_model
+    from healsweep.sweep.space import grid_configs
 
     model = open_model(spec.model)
-    # the baseline's types here; every other trial's when it starts
-    check_quantizable(model, spec.baseline)
+    # a grid's configs are known now; a sampler's points are checked when their trial starts
+    for knobs in grid_configs(spec) if spec.sampler.type == "grid" else [spec.baseline]:
+        check_quantizable(model, knobs)
     try:
         window_options(spec.scoring, model)
     except SplitError as exc:
