@@ -167,8 +167,8 @@ def bench_night(
     with tempfile.TemporaryDirectory(prefix="healsweep-night-") as scratch:
         folder = out or Path(scratch)
         night = run_night(
-            model, folder, nodes=nodes, placements=modes[placement], grid=parse_grid(grid, quant_knob),
-            windows=windows, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, gpu=gpu,
+            model, folder, nodes=nodes, placements=modes[placement],
+            grid=parse_grid(grid, quant_knob), windows=windows, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, gpu=gpu,
             max_concurrent=max_concurrent, shared=shared, calib_tokens=calib_tokens,
             knobs=load_knobs(knobs) if knobs else None,
         )  # fmt: skip

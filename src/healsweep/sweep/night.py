@@ -2,8 +2,8 @@
 
 The sweep is a grid in the proportions of an ablation: a few quantization settings (``gain_d``,
 which the down projection's quantization reads; ``gain_gu``, gate's and up's; or ``type_d``,
-down's storage type, which ggml's own quantizer writes: the costliest re-quantization) x several ``rho`` x several ``eta``, listed so that the
-quantization varies fastest: the first trials each build a new quantization (the very first is
+down's storage type, which ggml's own quantizer writes: the costliest re-quantization) x
+several ``rho`` x several ``eta``, listed so that the quantization varies fastest: the first trials each build a new quantization (the very first is
 cold: it also traces the calibration set), the later ones change only ``rho`` or ``eta`` of a
 quantization built before (the follow-ups). With ``nodes`` it first starts a local pool
 (:mod:`healsweep.sweep.localpool`) of that many Ray nodes on this host, each with its own stage
