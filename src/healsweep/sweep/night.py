@@ -1,16 +1,17 @@
 """`healsweep bench night`: a real `sweep run` measured end to end, on this host or a local pool.
 
 The sweep is a grid in the proportions of an ablation: a few quantization settings (``gain_d``,
-which the down projection's quantization reads; ``gain_gu``, gate's and up's; or ``type_d``,
-down's storage type, which ggml's own quantizer writes: the costliest re-quantization) x
-several ``rho`` x several ``eta``, listed so that the quantization varies fastest: the first trials each build a new quantization (the very first is
-cold: it also traces the calibration set), the later ones change only ``rho`` or ``eta`` of a
-quantization built before (the follow-ups). With ``nodes`` it first starts a local pool
-(:mod:`healsweep.sweep.localpool`) of that many Ray nodes on this host, each with its own stage
-cache (or, ``shared``, one cache root every node uses: the spec's ``cache_root``), runs the
-sweep there with ``healsweep sweep run --address``, and stops the pool afterwards. Each
-placement asked for (``cache``: by the holders of each trial's quantization; ``ray``: by Ray
-alone) runs on a fresh pool with fresh caches, one after the other, so their figures compare.
+which the down projection's quantization reads; ``gain_gu``, gate's and up's; or ``type_d``, down's
+storage type, which ggml's own quantizer writes: the costliest re-quantization) x several ``rho`` x
+several ``eta``, listed so that the quantization varies fastest: the first trials each build a new
+quantization (the very first is cold: it also traces the calibration set), the later ones change
+only ``rho`` or ``eta`` of a quantization built before (the follow-ups). With ``nodes`` it first
+starts a local pool (:mod:`healsweep.sweep.localpool`) of that many Ray nodes on this host, each
+with its own stage cache (or, ``shared``, one cache root every node uses: the spec's
+``cache_root``), runs the sweep there with ``healsweep sweep run --address``, and stops the pool
+afterwards. Each placement asked for (``cache``: by the holders of each trial's quantization;
+``ray``: by Ray alone) runs on a fresh pool with fresh caches, one after the other, so their
+figures compare.
 
 The figures come from the run's wall time and its ``trials.parquet`` rows (their placement
 columns): :func:`night_figures`.
