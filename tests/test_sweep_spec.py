@@ -357,6 +357,7 @@ def test_a_max_context_the_model_cannot_hold_is_refused_before_the_sweep_starts(
     )
 
 
+@pytest.mark.slow  # a spec naming a ggml type needs ggml's quantizer: the slow tier installs it
 def test_a_grid_type_the_model_cannot_hold_is_refused_before_the_sweep_starts():
     """A grid over ``type_d`` naming a type whose blocks do not fill the demo model's down rows
     fails in seconds, naming the tensor and the type, not as a failed trial."""
