@@ -3,7 +3,7 @@
 Each architecture's file has the layout of its llama.cpp reference test (``tests/
 test_arch_reference.py``: the routing variant, attention kind, leading dense layers) at a larger
 width, F16 weights; both forwards score the same random tokens, each in a fresh process
-(:func:`healsweep.model.bench.bench_forward_pair`). Needs the ``bench`` extra for the llama.cpp
+(:func:`healsweep.bench.forward.bench_forward_pair`). Needs the ``bench`` extra for the llama.cpp
 column.
 
     .venv/bin/python benchmarks/arch_forward.py [--tokens 512] [--threads 2] [--workdir DIR]
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from healsweep.model.bench import bench_forward_pair
+from healsweep.bench.forward import bench_forward_pair
 from healsweep.model.synthetic import write_random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

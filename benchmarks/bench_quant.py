@@ -2,14 +2,14 @@
 
     python benchmarks/bench_quant.py [--rows 2048] [--cols 2048] [--repeats 5]
 
-The benchmark lives in :mod:`healsweep.kernels.quant_bench` (its docstring says what is timed).
+The benchmark lives in :mod:`healsweep.bench.quant` (its docstring says what is timed).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from healsweep.kernels.quant_bench import quant_table
+from healsweep.bench.quant import quant_table
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,5 @@
 """A real multi-node Ray cluster on this machine, for the slow tier: the product's local pool
-(:mod:`healsweep.sweep.localpool`, what `healsweep bench night --nodes N` starts) as a head with
+(:mod:`healsweep.bench.localpool`, what `healsweep bench night --nodes N` starts) as a head with
 ``head_cpus`` CPUs plus one worker node per entry of ``workers`` (that node's custom resources).
 
 Each node is a ``ray start --block`` process of its own (its own process group), on 127.0.0.1,
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 
-from healsweep.sweep.localpool import LocalPool, NodeSpec, local_pool
+from healsweep.bench.localpool import LocalPool, NodeSpec, local_pool
 
 RayCluster = LocalPool
 

@@ -54,8 +54,6 @@ def test_case_agrees_with_its_float64_reference(case):
 
 # Modules of healsweep.kernels that no conformance case needs to execute:
 NOT_KERNELS = {
-    "quant_bench": "benchmark driver (healsweep bench quant)",
-    "quant_bench_gpu": "benchmark driver of the Pallas kernel",
     "ggml_types": "the routed-expert type table: names, ids, block geometry (data, no arithmetic)",
 }
 # Kernels that run only where production picks them, so no case executes them on a CPU:

@@ -114,7 +114,7 @@ def test_broken_models_give_one_line_and_exit_1(random_gguf, tmp_path, broken):
 
 
 def test_bench_forward_reports_throughput_and_peak_rss(random_gguf, tmp_path):
-    from healsweep.model.bench import format_table
+    from healsweep.bench.forward import format_table
 
     path = random_gguf("qwen2moe")
     done = _run("bench", "forward", path, "--tokens", 96, "--seq-len", 64, "--repeats", 1,

@@ -267,7 +267,7 @@ def test_gptq_on_the_k_grids_lowers_the_routed_error_and_is_keyed_by_its_knobs(r
 
 @pytest.mark.slow
 def test_bench_trial_ends_with_a_type_only_trial_that_requantizes_the_down_group_only(tmp_path):
-    from healsweep.heal.trial_bench import bench_trials, format_trials
+    from healsweep.bench.trial import bench_trials, format_trials
 
     model = open_model(write_random_model(tmp_path / "m.gguf", **SHAPE))
     corpus = load_corpus(_corpus_file(tmp_path / "corpus.jsonl"))

@@ -18,6 +18,7 @@ ORDER = (
     "results",
     "sweep",
     "confirm",
+    "bench",  # benchmarks: above every runtime layer, so no stage digest covers one
     "cli",
 )
 LAYER_OF = {
@@ -26,6 +27,7 @@ LAYER_OF = {
     "_atomic": "base",
     "_lru": "base",
     "_code": "base",
+    "_rss": "base",
     "cache": "base",
     "runtime": "base",
     "bundled": "base",

@@ -166,7 +166,7 @@ def test_the_pool_summary_counts_hits_and_follow_ups_on_their_holder():
 
 
 def test_the_night_grid_varies_the_quantization_first():
-    from healsweep.sweep.night import NightError, night_spec, parse_grid
+    from healsweep.bench.night import NightError, night_spec, parse_grid
     from healsweep.sweep.space import grid_configs
     from healsweep.sweep.spec import spec_from_dict
 
@@ -200,7 +200,7 @@ def test_the_night_grid_varies_the_quantization_first():
 
 
 def test_trial_kinds_follow_what_earlier_trials_built():
-    from healsweep.sweep.night import trial_kinds
+    from healsweep.bench.night import trial_kinds
 
     t0 = dt.datetime(2026, 12, 5, tzinfo=dt.UTC)
 
@@ -217,8 +217,8 @@ def test_trial_kinds_follow_what_earlier_trials_built():
 
 
 def test_entries_on_disk_count_stage_entries_not_compiled_code(tmp_path):
+    from healsweep.bench.night import entries_on_disk
     from healsweep.cache import StageCache
-    from healsweep.sweep.night import entries_on_disk
 
     cache = StageCache(tmp_path)
     for key in ("ab" * 32, "cd" * 32):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from healsweep.sweep.night import run_night
+from healsweep.bench.night import run_night
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 

@@ -42,12 +42,12 @@ def bench_trial(
     ".\\[bench]"`)."""
     import tempfile
 
+    from healsweep.bench.forward import bench_forward_pair, format_pairs
+    from healsweep.bench.trial import bench_trials, format_trials, type_step
     from healsweep.cache import StageCache
     from healsweep.data.corpus import load_corpus
     from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs
-    from healsweep.heal.trial_bench import bench_trials, format_trials, type_step
     from healsweep.model import open_model
-    from healsweep.model.bench import bench_forward_pair, format_pairs
 
     try:
         counts = [int(t) for t in tokens.split(",") if t.strip()]
@@ -158,8 +158,8 @@ def bench_night(
     their quantization, CPU/GPU utilization and peak RSS (see docs/sizing.md)."""
     import tempfile
 
+    from healsweep.bench.night import NightError, night_table, parse_grid, run_night
     from healsweep.heal.knobs import load_knobs
-    from healsweep.sweep.night import NightError, night_table, parse_grid, run_night
 
     modes = {"cache": ("cache",), "ray": ("ray",), "both": ("ray", "cache")}
     if placement not in modes:

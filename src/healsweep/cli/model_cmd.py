@@ -149,8 +149,8 @@ def bench_forward_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Teacher-forced tokens/s and peak RSS of the layer-by-layer forward."""
+    from healsweep.bench.forward import bench_forward, format_table, layer_scaling
     from healsweep.model import open_model
-    from healsweep.model.bench import bench_forward, format_table, layer_scaling
 
     m = open_model(model)
     row = bench_forward(m, n_tokens=n_tokens, seq_len=seq_len, repeats=repeats)

@@ -22,6 +22,6 @@ def bench_quant(
     if rows % 16 or cols % 64:
         raise typer.BadParameter(f"--rows must be a multiple of 16 and --cols of 64, got "
                                  f"{rows} x {cols}")
-    from healsweep.kernels.quant_bench import quant_table
+    from healsweep.bench.quant import quant_table
 
     typer.echo(quant_table(rows, cols, repeats, progress=typer.echo))

@@ -55,8 +55,8 @@ def _events(
     ``own_process=False``: the work runs in the coordinator itself (see :meth:`PlacedWork.records`).
     ``pace``: ``(holders, work id)``, each window waits for a credit of its coordinator's first
     (:meth:`~healsweep.sweep.holders.StageHolders.take_window`)."""
+    from healsweep._rss import peak_rss_bytes
     from healsweep.cache import activity, activity_since
-    from healsweep.model.bench import peak_rss_bytes
     from healsweep.sweep.devices import prepare_trial_process
     from healsweep.sweep.trial import stamped
 

@@ -1,4 +1,4 @@
-"""``python -m healsweep.model._llama_bench MODEL ...``: llama.cpp's side of ``bench forward``.
+"""``python -m healsweep.bench._llama_forward MODEL ...``: llama.cpp's side of ``bench forward``.
 
 Prints one JSON line: tokens/s (best of the timed repeats after one untimed pass) and peak RSS of
 this process. Each sequence is evaluated from an empty context with every logit row kept, the
@@ -11,11 +11,12 @@ import argparse
 import json
 import time
 
-from healsweep.model.bench import bench_sequences, peak_rss_bytes
+from healsweep._rss import peak_rss_bytes
+from healsweep.bench.forward import bench_sequences
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m healsweep.model._llama_bench")
+    parser = argparse.ArgumentParser(prog="python -m healsweep.bench._llama_forward")
     parser.add_argument("model")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--seq-len", type=int, default=256)

@@ -1,6 +1,6 @@
 """Q2_0 kernel on a GPU: weights/s of the kernel variants against the two ceilings.
 
-Run by :func:`healsweep.kernels.quant_bench.quant_table` when JAX's default backend is not the CPU. Every variant is timed on
+Run by :func:`healsweep.bench.quant.quant_table` when JAX's default backend is not the CPU. Every variant is timed on
 device-resident chunks (what ``quantize_matrix`` feeds the device per call), best of ``repeats``
 after a warm-up, and the codes and scales of the best are compared with the CPU backend's on one
 chunk. Ceilings: fp32 arithmetic = peak FLOP/s / the variant's flops per weight; memory =
@@ -25,7 +25,7 @@ from functools import partial
 
 import numpy as np
 
-from healsweep.kernels.quant_bench import (
+from healsweep.bench.quant import (
     BYTES_PER_WEIGHT,
     FLOPS_PER_WEIGHT,
     GAIN,
@@ -146,7 +146,7 @@ def _measure_isolated(chunk: int, kind: str, opts: dict, repeats: int, timeout: 
     job = json.dumps({"chunk": chunk, "kind": kind, "opts": opts, "repeats": repeats})
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "healsweep.kernels.quant_bench_gpu", job],
+            [sys.executable, "-m", "healsweep.bench.quant_gpu", job],
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -6,7 +6,7 @@ storage type, which ggml's own quantizer writes: the costliest re-quantization) 
 several ``eta``, listed so that the quantization varies fastest: the first trials each build a new
 quantization (the very first is cold: it also traces the calibration set), the later ones change
 only ``rho`` or ``eta`` of a quantization built before (the follow-ups). With ``nodes`` it first
-starts a local pool (:mod:`healsweep.sweep.localpool`) of that many Ray nodes on this host, each
+starts a local pool (:mod:`healsweep.bench.localpool`) of that many Ray nodes on this host, each
 with its own stage cache (or, ``shared``, one cache root every node uses: the spec's
 ``cache_root``), runs the sweep there with ``healsweep sweep run --address``, and stops the pool
 afterwards. Each placement asked for (``cache``: by the holders of each trial's quantization;
@@ -310,7 +310,7 @@ def run_night(
     knobs: Knobs | None = None,
 ) -> dict[str, Any]:
     """Run the night once per placement; ``{"placements": {placement: figures}, ...}``."""
-    from healsweep.sweep.localpool import NodeSpec, local_pool
+    from healsweep.bench.localpool import NodeSpec, local_pool
 
     work_dir.mkdir(parents=True, exist_ok=True)
     resources = {"cpu": 1, "gpu": 1} if gpu else {"cpu": 1}

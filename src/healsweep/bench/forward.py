@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -19,16 +18,7 @@ from typing import Any
 
 import numpy as np
 
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (``VmHWM``; ``ru_maxrss`` where there is no /proc)."""
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
+from healsweep._rss import peak_rss_bytes
 
 
 def bench_forward(
@@ -111,13 +101,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                      for row in cells)
 
 
-def reset_peak_rss() -> bool:
-    """Reset this process's peak-RSS mark (Linux ``clear_refs``); False where that is unsupported."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
 
 
 def llama_cpp_available() -> bool:
@@ -133,10 +116,10 @@ def bench_llama_cpp(
 ) -> dict[str, Any]:
     """llama.cpp's teacher-forced tokens/s and peak RSS on the same file and the same tokens.
 
-    Runs in a fresh interpreter (``python -m healsweep.model._llama_bench``) so its peak RSS is
+    Runs in a fresh interpreter (``python -m healsweep.bench._llama_forward``) so its peak RSS is
     its own; every logit row is computed (``logits_all``), as :func:`bench_forward` does.
     """
-    cmd = [sys.executable, "-m", "healsweep.model._llama_bench", str(path), "--tokens",
+    cmd = [sys.executable, "-m", "healsweep.bench._llama_forward", str(path), "--tokens",
            str(n_tokens), "--seq-len", str(seq_len), "--repeats", str(repeats), "--seed",
            str(seed), "--threads", str(n_threads or os.cpu_count() or 1)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)

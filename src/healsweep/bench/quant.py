@@ -253,7 +253,7 @@ def quant_table(
     if jax.default_backend() == "cpu":
         table, notes = cpu_table(rows, cols, repeats)
     else:
-        from healsweep.kernels.quant_bench_gpu import gpu_table
+        from healsweep.bench.quant_gpu import gpu_table
 
         table, notes = gpu_table(repeats, progress)
     return format_table(table, notes)

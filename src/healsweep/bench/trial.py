@@ -71,7 +71,7 @@ def bench_trials(
 ) -> list[dict[str, Any]]:
     """One row per variant of :func:`trial_variants`: seconds, stage timings, recomputed
     stages and peak RSS (MiB; ``None`` where the mark cannot be reset)."""
-    from healsweep.model.bench import peak_rss_bytes, reset_peak_rss
+    from healsweep._rss import peak_rss_bytes, reset_peak_rss
 
     rows = []
     for label, knobs in trial_variants(base or Knobs(), model):
