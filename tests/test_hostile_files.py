@@ -1,0 +1,145 @@
+"""Hostile files (issue 40): small crafted inputs that used to cost unbounded time or memory, a
+traceback, or a way around the sealed test split. Each goes through the real CLI in a subprocess
+and must end in one ``error:`` line and exit 1 (or be refused where it is loaded); the child's
+peak RSS (``wait4``) must stay under 1 GB. The wall-clock limit of the subprocess (60 s) is a
+safety net, not a timing assertion: the figures are measured by ``benchmarks/hostile.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from healsweep.model.synthetic import write_random_model
+
+RSS_LIMIT = 1 << 30  # bytes
+
+
+class Run(NamedTuple):
+    """A finished CLI run: exit code, output, wall seconds and the child's peak RSS in bytes."""
+
+    code: int
+    stdout: str
+    stderr: str
+    seconds: float
+    peak_rss: int
+
+
+def run_cli(*args: str, tmp_path: Path, env: dict | None = None, timeout: float = 60) -> Run:
+    """Run ``healsweep ARGS`` as a child with a private stage cache and measure it (``wait4``
+    gives the child's own peak RSS); fails the test when it runs past ``timeout``."""
+    full_env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache"), **(env or {})}
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "healsweep", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env)  # fmt: skip
+    texts: dict[str, str] = {}
+
+    def drain(name: str, stream) -> None:
+        texts[name] = stream.read()
+
+    readers = [threading.Thread(target=drain, args=item)
+               for item in (("out", proc.stdout), ("err", proc.stderr))]  # fmt: skip
+    for reader in readers:
+        reader.start()
+    killed = threading.Event()
+
+    def kill() -> None:
+        killed.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    timer.cancel()
+    for reader in readers:
+        reader.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if killed.is_set():
+        pytest.fail(f"healsweep {' '.join(map(str, args))} ran past {timeout} s")
+    return Run(proc.returncode, texts["out"], texts["err"], time.monotonic() - start,
+               usage.ru_maxrss * 1024)  # fmt: skip
+
+
+def refused(run: Run, record_property=None) -> str:
+    """The message after ``error: `` of a run that failed as a user error should, within the
+    memory bound (its figures recorded as test properties when ``record_property`` is given)."""
+    if record_property is not None:
+        record_property("seconds", round(run.seconds, 2))
+        record_property("peak_rss_mib", round(run.peak_rss / 2**20, 1))
+    assert run.peak_rss < RSS_LIMIT, f"peak RSS {run.peak_rss / 2**20:.0f} MiB"
+    return one_line_error(run.code, run.stderr)
+
+
+def one_line_error(code: int, stderr: str) -> str:
+    """The message after ``error: `` of a CLI that failed as a user error should."""
+    assert code == 1, (code, stderr)
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: "), lines
+    return lines[0][len("error: ") :]
+
+
+# --- 1. hparams checked before anything is sized by them ---------------------------------------
+
+HPARAM_CASES = {
+    # name: (metadata override, message fragment after "PATH: ")
+    "absurd block_count": ({"qwen2moe.block_count": 10**9},
+                           "qwen2moe.block_count is 1000000000; expected at most the 2 blocks "
+                           "the file has tensors for (blk.0 to blk.1)"),
+    "zero heads": ({"qwen2moe.attention.head_count": 0},
+                   "qwen2moe.attention.head_count is 0; expected a positive integer"),
+    "a string for a count": ({"qwen2moe.attention.head_count": "four"},
+                             "qwen2moe.attention.head_count is 'four'; expected an integer"),
+    "heads that do not divide the width": (  # and no key_length states another head size
+        {"qwen2moe.attention.head_count": 3, "qwen2moe.attention.head_count_kv": 3,
+         "drop_keys": ("attention.key_length",)},
+        "qwen2moe.attention.head_count is 3; expected a divisor of "
+        "qwen2moe.embedding_length = 64"),
+    "kv heads that do not divide the heads": (
+        {"qwen2moe.attention.head_count_kv": 3},
+        "qwen2moe.attention.head_count_kv is 3; expected a divisor of "
+        "qwen2moe.attention.head_count = 4"),
+    "more experts used than there are": (
+        {"qwen2moe.expert_used_count": 20},
+        "qwen2moe.expert_used_count is 20; expected at most qwen2moe.expert_count = 8"),
+    "a per-layer array for a count": (
+        {"qwen2moe.attention.head_count_kv": [2, 2]},
+        "qwen2moe.attention.head_count_kv is an array of 2 values; expected an integer "
+        "(per-layer values are not supported)"),
+    "a negative norm epsilon": (
+        {"qwen2moe.attention.layer_norm_rms_epsilon": -1.0},
+        "qwen2moe.attention.layer_norm_rms_epsilon is -1.0; expected a positive number"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(HPARAM_CASES))
+def test_hparams_are_checked_before_anything_is_sized_by_them(
+    case, tmp_path, tiny_tokenizer, record_property
+):
+    override, expected = HPARAM_CASES[case]
+    override = dict(override)
+    drop = override.pop("drop_keys", ())
+    path = write_random_model(tmp_path / "hostile.gguf", n_ff_exp=64, tokenizer=tiny_tokenizer,
+                              extra_metadata=override, drop_keys=drop)  # fmt: skip
+    assert path.stat().st_size < 1 << 20
+    message = refused(run_cli("model", "info", path, tmp_path=tmp_path), record_property)
+    assert message.startswith(f"{path}: {expected}"), message
+    assert message.endswith("the metadata is inconsistent, re-export the file")
+
+
+def test_hparams_of_a_sound_file_pass_every_check(random_gguf):
+    """Every architecture's random file opens: the checks refuse only what is inconsistent."""
+    from healsweep.model import SUPPORTED_ARCHS, open_model
+
+    for arch in SUPPORTED_ARCHS:
+        extra = {"n_head_kv": 4} if arch != "qwen2moe" else {}
+        assert open_model(random_gguf(arch, **extra)).hparams.arch == arch
