@@ -143,3 +143,64 @@ def test_hparams_of_a_sound_file_pass_every_check(random_gguf):
     for arch in SUPPORTED_ARCHS:
         extra = {"n_head_kv": 4} if arch != "qwen2moe" else {}
         assert open_model(random_gguf(arch, **extra)).hparams.arch == arch
+
+
+# --- 2. chat template renders bounded in time and memory ---------------------------------------
+
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+DOUBLING = ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+            "{% endfor %}{{ ns.s }}")  # fmt: skip
+TEMPLATE_CASES = {
+    # name: (template, message fragment, wall seconds when the limit is time)
+    "nested loops inside range's limit": (NESTED_LOOPS, "it ran past 1 s of wall time"),
+    "nested loops whose items are all filtered out": (
+        "{% for i in range(100000) %}{% for j in range(100000) if false %}{% endfor %}"
+        "{% endfor %}", "it ran past 1 s of wall time"),
+    "a string doubled in a loop": (DOUBLING, "a '~' concatenation would bring what it built to"),
+    "a string multiplied at once": ("{{ 'x' * 10**10 }}", "'*' would bring what it built to"),
+    "a padded format": ("{{ '{:>9999999999}'.format('x') }}",
+                        "'format' would bring what it built to"),
+    "a join of many references": ("{% set l = ['x' * 1000000] * 1000 %}{{ l|join }}",
+                                  "'*' would bring what it built to"),
+    "output in a loop": ("{% set x %}{% for i in range(100000) %}{{ 'y' * 10000 }}{% endfor %}"
+                         "{% endset %}{{ x }}", "its output would bring what it built to"),
+    "a macro calling itself": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+                               "its calls nest more than 64 deep"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(TEMPLATE_CASES))
+def test_a_hostile_chat_template_is_stopped_in_one_line(
+    case, tmp_path, tiny_tokenizer, record_property
+):
+    template, expected = TEMPLATE_CASES[case]
+    path = write_random_model(tmp_path / "m.gguf", n_ff_exp=64, tokenizer=tiny_tokenizer,
+                              chat_template=template)  # fmt: skip
+    run = run_cli("score", "--model", path, "--ref", path, "--max-scored", "16",
+                  "--max-context", "16", tmp_path=tmp_path,
+                  env={"HEALSWEEP_TEMPLATE_SECONDS": "1"})  # fmt: skip
+    message = refused(run, record_property)
+    assert message.startswith(f"{path}: tokenizer.chat_template was stopped on document "), message
+    assert expected in message
+    assert "the limits of one render are 1 s and 32 MiB" in message
+    assert "raise HEALSWEEP_TEMPLATE_SECONDS / HEALSWEEP_TEMPLATE_MIB" in message
+
+
+def test_template_limits_are_settings(tmp_path, tiny_tokenizer):
+    """A larger budget lets a legitimate large render through; a bad setting is one line."""
+    from healsweep.data._template_sandbox import budgeted, render_limits
+    from healsweep.data.chat_template import ChatFormat, RenderLimits
+    from healsweep.errors import ChatTemplateError, SettingError
+
+    big = "{{ 'x' * 3000000 }}"  # 3 M characters built, then 3 M output
+    with pytest.raises(ChatTemplateError, match="over 2,097,152 \\(2 MiB\\)"):
+        ChatFormat(big, source="T", limits=RenderLimits(mib=2)).render([])
+    assert len(ChatFormat(big, source="T", limits=RenderLimits(mib=8)).render([])) == 3000000
+    os.environ["HEALSWEEP_TEMPLATE_MIB"] = "lots"
+    try:
+        with pytest.raises(SettingError, match="HEALSWEEP_TEMPLATE_MIB='lots' is not a positive"):
+            render_limits()
+    finally:
+        del os.environ["HEALSWEEP_TEMPLATE_MIB"]
+    with budgeted(RenderLimits()):  # the limits apply per render, nested or not
+        assert ChatFormat(big, source="T", limits=RenderLimits(mib=8)).render([])
