@@ -204,3 +204,71 @@ def test_template_limits_are_settings(tmp_path, tiny_tokenizer):
         del os.environ["HEALSWEEP_TEMPLATE_MIB"]
     with budgeted(RenderLimits()):  # the limits apply per render, nested or not
         assert ChatFormat(big, source="T", limits=RenderLimits(mib=8)).render([])
+
+
+def test_a_sweep_stops_on_a_hostile_template_before_ray_starts(tmp_path, tiny_tokenizer,
+                                                                record_property):  # fmt: skip
+    """The render runs in every trial: the sweep renders once before any starts."""
+    model = write_random_model(tmp_path / "m.gguf", n_ff_exp=64, tokenizer=tiny_tokenizer,
+                               chat_template=NESTED_LOOPS)  # fmt: skip
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: hostile\nmodel: {model}\nsearch_space:\n  gain_d: [0.3]\n"
+                    "scoring: {max_windows: 1, max_scored: 16, max_context: 16}\n")  # fmt: skip
+    run = run_cli("sweep", "run", spec, "--results", tmp_path / "results", tmp_path=tmp_path,
+                  env={"HEALSWEEP_TEMPLATE_SECONDS": "1"})  # fmt: skip
+    message = refused(run, record_property)
+    assert message.startswith(f"{model}: tokenizer.chat_template was stopped on document ")
+    assert not (tmp_path / "results" / "hostile").exists()
+
+
+# --- 5. every path of a spec checked where it is loaded ----------------------------------------
+
+
+def _spec(tmp_path: Path, body: str, name: str = "paths") -> Path:
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(f"name: {name}\nsearch_space:\n  gain_d: [0.3]\nscoring:\n  max_windows: 1\n"
+                    + body)  # fmt: skip
+    return spec
+
+
+@pytest.mark.parametrize("field", ["calibration.corpus", "corpus", "split"])
+def test_a_spec_path_that_is_not_of_its_kind_is_refused_at_load(field, tmp_path):
+    wrong = tmp_path / "notes.txt"
+    wrong.write_text("these are not the documents you are looking for\n")
+    body = {"calibration.corpus": f"calibration:\n  corpus: {wrong.name}\n",
+            "corpus": f"corpus: {wrong.name}\n", "split": f"split: {wrong.name}\n"}[field]
+    run = run_cli("sweep", "run", _spec(tmp_path, body), "--results", tmp_path / "results",
+                  tmp_path=tmp_path)  # fmt: skip
+    message = refused(run)
+    assert message.startswith(f"{tmp_path / 'paths.yaml'}: field '{field}' = '{wrong}': ")
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_missing_calibration_corpus_is_refused_at_load(tmp_path):
+    run = run_cli("sweep", "run", _spec(tmp_path, "calibration:\n  corpus: gone.jsonl\n"),
+                  "--results", tmp_path / "results", tmp_path=tmp_path)  # fmt: skip
+    assert refused(run) == (
+        f"{tmp_path / 'paths.yaml'}: field 'calibration.corpus' = '{tmp_path / 'gone.jsonl'}': "
+        "no such file; allowed: a corpus JSONL path or 'demo'"
+    )
+
+
+def test_a_results_folder_that_is_a_symlink_is_refused(tmp_path):
+    elsewhere = tmp_path / "precious"
+    elsewhere.mkdir()
+    (elsewhere / "thesis.tex").write_text("years of work\n")
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "paths").symlink_to(elsewhere)
+    run = run_cli("sweep", "run", _spec(tmp_path, ""), "--results", results, tmp_path=tmp_path)
+    assert refused(run) == (
+        f"{results / 'paths'} is a symbolic link (to {elsewhere}); a sweep writes only into a "
+        "folder of its own under the results root: remove the link or give the sweep another name"
+    )
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["thesis.tex"]
+    (results / "paths").unlink()
+    (results / "paths").mkdir()
+    (results / "paths" / "notes.md").write_text("mine\n")
+    run = run_cli("sweep", "run", _spec(tmp_path, ""), "--results", results, tmp_path=tmp_path)
+    assert refused(run).startswith(f"{results / 'paths'} already exists and is not a sweep folder")
+    assert sorted(p.name for p in (results / "paths").iterdir()) == ["notes.md"]
