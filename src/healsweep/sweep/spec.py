@@ -411,6 +411,10 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
 
 
 def _check_paths(spec: SweepSpec, where: str) -> None:
+    """Every path of the spec checked where it is loaded: each file exists and is of its kind
+    (a corpus parses as one, a split config as one), the calibration corpus included, and the
+    folders (results root, shared cache root) are folders where they exist; externals open and
+    share the model's tokenizer, and a budget is checked against the model."""
     for field in _FILES:
         value = getattr(spec, field)
         if not _named(field, value) and not Path(value).is_file():
@@ -418,12 +422,47 @@ def _check_paths(spec: SweepSpec, where: str) -> None:
             raise SpecError(
                 f"{where}: field '{field}' = {value!r}: no such file; allowed: {allowed}"
             )
+    _check_contents(spec, where)
+    for field, value in (("results", spec.results), ("cache_root", spec.cache_root)):
+        if value is not None and Path(value).exists() and not Path(value).is_dir():
+            raise SpecError(
+                f"{where}: field '{field}' = {value!r} is a file, not a folder; "
+                f"expected {SweepSpec.model_fields[field].description}"
+            )
     if spec.external:
         check_externals(spec, where)
     if spec.budget is not None:
         from healsweep.sweep.budget import check_budget
 
         check_budget(spec, where)
+
+
+def _check_contents(spec: SweepSpec, where: str) -> None:
+    """The corpora and the split config parse (a sweep whose calibration corpus was not a corpus
+    loaded, then failed in every trial)."""
+    from healsweep.data.corpus import load_corpus
+    from healsweep.data.split import load_split
+    from healsweep.errors import HealsweepError
+
+    checks = [("corpus", spec.corpus, load_corpus)]
+    if spec.calibration.corpus != spec.corpus:
+        checks.append(("calibration.corpus", spec.calibration.corpus, load_corpus))
+    if spec.split != "auto":
+        checks.append(("split", spec.split, load_split))
+    for field, value, load in checks:
+        if field == "calibration.corpus" and value != "demo" and not Path(value).is_file():
+            raise SpecError(f"{where}: field 'calibration.corpus' = {value!r}: no such file; "
+                            "allowed: a corpus JSONL path or 'demo'")  # fmt: skip
+        try:
+            load(value)
+        except HealsweepError as exc:
+            raise SpecError(f"{where}: field '{field}' = {value!r}: {exc}") from None
+
+
+def check_paths(spec: SweepSpec, where: str) -> None:
+    """The load-time checks of :func:`load_spec` on a spec already loaded (a stored one, before a
+    resume): SpecError naming the field for a path that is missing or not of its kind."""
+    _check_paths(spec, where)
 
 
 def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
