@@ -57,11 +57,11 @@ _NO_LOCKING = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EN
 _GIB = 2**30
 
 
-def parse_limit(value: object, source: str) -> int | None:
-    """Bytes of a size limit given in GiB by ``source`` (``--cache-max-gb``, ``cache_max_gb``,
-    ``HEALSWEEP_CACHE_MAX_GB=``): None for ``None``, ``""`` or infinity (no limit);
-    :class:`~healsweep.errors.SettingError` for a negative number, NaN or anything that is not
-    a number."""
+def parse_gb(value: object, source: str) -> float | None:
+    """A size limit in GiB as given by ``source`` (``--cache-max-gb``, ``cache_max_gb``,
+    ``HEALSWEEP_CACHE_MAX_GB=``): None for ``None`` or ``""`` (not given), a float >= 0 (``inf``:
+    no limit); :class:`~healsweep.errors.SettingError` for a negative number, NaN or anything
+    that is not a number."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     try:
@@ -79,7 +79,13 @@ def parse_limit(value: object, source: str) -> int | None:
             f"{named} {problem}: give the stage cache's size limit in GiB (a number >= 0; 0 "
             "keeps only what running trials hold), or leave it out for no limit"
         )
-    return None if math.isinf(gib) else int(gib * _GIB)
+    return gib
+
+
+def parse_limit(value: object, source: str) -> int | None:
+    """Bytes of a size limit given in GiB (:func:`parse_gb`): None when not given or infinite."""
+    gib = parse_gb(value, source)
+    return None if gib is None or math.isinf(gib) else int(gib * _GIB)
 
 
 def cache_limit(max_gb: float | str | None = None, source: str = "--cache-max-gb") -> int | None:

@@ -58,6 +58,9 @@ import numpy as np
 
 from healsweep import _cache_disk as disk
 from healsweep._atomic import atomic_file
+from healsweep._cache_disk import LIMIT_ENV as LIMIT_ENV
+from healsweep._cache_disk import cache_limit as cache_limit
+from healsweep._cache_disk import parse_gb as parse_gb
 from healsweep._lru import BoundedLRU, gib_setting
 from healsweep.errors import CacheError
 from healsweep.runtime import current
@@ -160,6 +163,12 @@ def activity() -> dict[str, dict[str, int]]:
     whatever stage). The difference of two snapshots (:func:`activity_since`) is what happened
     in between."""
     return current().activity.snapshot()
+
+
+def disk_entries(root: str | os.PathLike) -> list[disk.Entry]:
+    """Every entry file under a cache root (``<stage>/<xx>/<key>.hsc``; JAX's compilation cache
+    and lock files left out): when it was last used, its size and its path under the root."""
+    return disk.entries(Path(root))
 
 
 def stage_bytes(detail: Mapping[str, Mapping[str, int]] | None = None) -> dict[str, dict[str, int]]:

@@ -23,9 +23,12 @@ from healsweep.sweep.spec import SweepSpec
 
 
 def spec_hash(spec: SweepSpec) -> str:
-    """sha256 of the spec's canonical JSON (the results and stage-cache locations excluded:
-    moving them is fine, and a resume may name another shared cache root)."""
-    body = canonical_json(spec.model_dump(mode="json", exclude={"results", "cache_root"}))
+    """sha256 of the spec's canonical JSON (the results and stage-cache locations and the
+    cache's size limit excluded: moving them is fine, a resume may name another shared cache
+    root, and a limit changes what is recomputed, never a result)."""
+    body = canonical_json(
+        spec.model_dump(mode="json", exclude={"results", "cache_root", "cache_max_gb"})
+    )
     return hashlib.sha256(body.encode()).hexdigest()
 
 

@@ -243,6 +243,8 @@ class SweepSpec(_Strict):
     cache_root: str | None = None
     """a stage-cache folder every worker mounts at this same path (shared storage: each entry
     is then computed once for the whole pool), or null for each worker's own ($HEALSWEEP_CACHE)"""
+    cache_max_gb: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """GiB >= 0, each worker's stage-cache size limit, or null ($HEALSWEEP_CACHE_MAX_GB or none)"""
 
     # Fields added after sweeps were recorded, with the value that means "as before": at it they
     # are left out of the stored form, so every earlier spec keeps its hash (as Knobs.ADDED_LATER).
@@ -250,6 +252,7 @@ class SweepSpec(_Strict):
         "budget": None,
         "placement": "cache",
         "cache_root": None,
+        "cache_max_gb": None,
     }
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)
 
