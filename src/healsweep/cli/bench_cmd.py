@@ -110,7 +110,8 @@ def bench_night(
         ),
     ] = "gain_d",
     windows: Annotated[int, typer.Option("--windows", min=1, help="Dev windows per config.")] = 96,
-    cpus_per_node: Annotated[int, typer.Option("--cpus-per-node", min=1)] = 1,
+    cpus_per_node: Annotated[int, typer.Option(
+        "--cpus-per-node", min=1, help="CPUs each pool node offers Ray (with --nodes).")] = 1,
     gpus_per_node: Annotated[
         int, typer.Option("--gpus-per-node", min=0, help="GPUs each pool node offers Ray.")
     ] = 0,

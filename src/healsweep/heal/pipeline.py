@@ -177,6 +177,7 @@ def build_student(
         replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
         heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
         for i in hp.moe_layers:
+            run.layer = i
             layer = LayerInputs(
                 model,
                 i,
@@ -185,7 +186,7 @@ def build_student(
                 types[i],
                 trace,
                 once(partial(stages.expert_weights, model, i)),
-                once(partial(run.timed, "calib_trace", partial(trace.layer, i)))
+                once(partial(run.timed, "calib_trace", partial(trace.layer, i), i))
                 if trace
                 else _no_trace,
             )
@@ -204,8 +205,9 @@ def build_student(
             layer_reports.append(healed.report)
             keys.append(healed.keys)
             say(f"layer {i + 1}/{hp.n_layer}", _layer_line(healed.report))
+        run.layer = None
         for layer_report, folds in heldout:
-            found = run.timed("ridge_heldout", folds.result)
+            found = run.timed("ridge_heldout", folds.result, layer_report["layer"])
             layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
         if heldout:
             say(
