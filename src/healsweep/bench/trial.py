@@ -71,13 +71,15 @@ def bench_trials(
     cache: StageCache,
     calibration: CalibrationConfig,
     base: Knobs | None = None,
+    count: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per variant of :func:`trial_variants`: seconds, stage timings, recomputed
-    stages and peak RSS (MiB; ``None`` where the mark cannot be reset)."""
+    """One row per variant of :func:`trial_variants` (the first ``count`` of them): seconds,
+    stage timings, the phase profile, recomputed stages and peak RSS (MiB; ``None`` where the
+    mark cannot be reset)."""
     from healsweep._rss import peak_rss_bytes, reset_peak_rss
 
     rows = []
-    for label, knobs in trial_variants(base or Knobs(), model):
+    for label, knobs in trial_variants(base or Knobs(), model)[:count]:
         resettable = reset_peak_rss()
         start = time.perf_counter()
         with profiling() as profile:
