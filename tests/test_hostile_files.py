@@ -272,3 +272,29 @@ def test_a_results_folder_that_is_a_symlink_is_refused(tmp_path):
     run = run_cli("sweep", "run", _spec(tmp_path, ""), "--results", results, tmp_path=tmp_path)
     assert refused(run).startswith(f"{results / 'paths'} already exists and is not a sweep folder")
     assert sorted(p.name for p in (results / "paths").iterdir()) == ["notes.md"]
+
+
+# --- 3. a split file cannot take a test document out of test ----------------------------------
+
+
+def test_a_split_naming_a_test_document_as_canary_cannot_score_it(tmp_path, tiny_tokenizer):
+    """It used to: canary took precedence over parity, and `score --split canary` scored test
+    text with no grant."""
+    from healsweep.data.corpus import load_corpus
+
+    demo = load_corpus("demo")
+    test_doc = next(d for d in demo.documents if d.pool == "eval" and d.index % 2 == 0)
+    split = tmp_path / "leaky.yaml"
+    sources = "".join(f"  {s}: parity\n" for s in sorted({d.source for d in demo.documents}))
+    split.write_text(f"corpus: demo\nsources:\n{sources}canary: [{test_doc.doc_id}]\n")
+    model = write_random_model(tmp_path / "m.gguf", n_ff_exp=64, tokenizer=tiny_tokenizer)
+    run = run_cli("score", "--model", model, "--ref", model, "--split", "canary",
+                  "--split-config", split, "--max-scored", "16", "--max-context", "16",
+                  tmp_path=tmp_path)  # fmt: skip
+    assert refused(run) == (
+        f"the split config names {test_doc.doc_id!r} as canary, but it is a test document "
+        f"(index {test_doc.index} of parity source {test_doc.source!r}); the parity rule fixes "
+        "the test split, so a test document can only be burned: pick a dev-side (odd index) "
+        "document as canary, or burn this one"
+    )
+    assert "windows" not in run.stdout
