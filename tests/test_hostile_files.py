@@ -298,3 +298,34 @@ def test_a_split_naming_a_test_document_as_canary_cannot_score_it(tmp_path, tiny
         "document as canary, or burn this one"
     )
     assert "windows" not in run.stdout
+
+
+# --- 4. the ledger a sweep records in (the rest: tests/test_confirm.py) ------------------------
+
+
+def test_a_spec_names_its_ledger_and_the_manifest_records_its_head(tmp_path):
+    """The project's specs name the tracked ledger; the path is a location, not the spec's
+    identity (its hash is unchanged), and a manifest records the head relative to the sweep."""
+    from healsweep.ledger import Ledger
+    from healsweep.sweep.manifest import ledger_head, recorded_ledger, spec_hash, sweep_ledger
+    from healsweep.sweep.spec import load_spec
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_spec(root / "sweeps" / "demo-ablation.yaml")
+    assert Path(spec.ledger) == root / "ledger" / "ledger.jsonl"
+    assert spec_hash(spec) == spec_hash(spec.model_copy(update={"ledger": None}))
+    own = tmp_path / "kept" / "ledger.jsonl"
+    own.parent.mkdir()
+    Ledger(own).open_milestone("a" * 64, "m0", ["c" * 64], ["t"], user="tester")
+    sweep_dir = tmp_path / "results" / "s"
+    sweep_dir.mkdir(parents=True)
+    ledger = sweep_ledger(spec.model_copy(update={"ledger": str(own)}), sweep_dir)
+    head = ledger_head(ledger, sweep_dir, "run")
+    assert (head["path"], head["entries"]) == ("../../kept/ledger.jsonl", 1)
+    assert recorded_ledger(sweep_dir, {"ledger_heads": [head]}).path == own
+    assert sweep_ledger(spec.model_copy(update={"ledger": None}), sweep_dir).path == (
+        tmp_path / "results" / "ledger.jsonl")  # fmt: skip
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: b\nledger: nowhere/ledger.jsonl\n")
+    run = run_cli("sweep", "run", bad, "--results", tmp_path / "results", tmp_path=tmp_path)
+    assert refused(run).startswith(f"{bad}: field 'ledger' = '{tmp_path / 'nowhere'}")
