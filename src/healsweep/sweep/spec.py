@@ -243,6 +243,10 @@ class SweepSpec(_Strict):
     cache_root: str | None = None
     """a stage-cache folder every worker mounts at this same path (shared storage: each entry
     is then computed once for the whole pool), or null for each worker's own ($HEALSWEEP_CACHE)"""
+    # where the sweep's confirms record their openings: the project's specs name the tracked
+    # ledger/ledger.jsonl (docs/reliability.md)
+    ledger: str | None = None
+    """a ledger file path for its confirms, or null for RESULTS/ledger.jsonl"""
 
     # Fields added after sweeps were recorded, with the value that means "as before": at it they
     # are left out of the stored form, so every earlier spec keeps its hash (as Knobs.ADDED_LATER).
@@ -250,6 +254,7 @@ class SweepSpec(_Strict):
         "budget": None,
         "placement": "cache",
         "cache_root": None,
+        "ledger": None,
     }
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -403,6 +408,8 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
     ]
     if spec.cache_root is not None:
         changes["cache_root"] = resolved(spec.cache_root)
+    if spec.ledger is not None:
+        changes["ledger"] = resolved(spec.ledger)
     out = spec.model_copy(update=changes)
     given = spec._given.get("calibration")
     if isinstance(given, Mapping) and given.get("corpus", "demo") != "demo":  # stored resolved
@@ -429,6 +436,12 @@ def _check_paths(spec: SweepSpec, where: str) -> None:
                 f"{where}: field '{field}' = {value!r} is a file, not a folder; "
                 f"expected {SweepSpec.model_fields[field].description}"
             )
+    if spec.ledger is not None and (Path(spec.ledger).is_dir()
+                                    or not Path(spec.ledger).parent.is_dir()):  # fmt: skip
+        raise SpecError(
+            f"{where}: field 'ledger' = {spec.ledger!r} is a folder or lies in a missing one; "
+            f"expected {SweepSpec.model_fields['ledger'].description}"
+        )
     if spec.external:
         check_externals(spec, where)
     if spec.budget is not None:
