@@ -46,7 +46,7 @@ VERSIONS = {
     "ridge_rhs": 1,
     "ridge_fit": 4,
     "ridge_heldout": 1,
-    "part_b": 3,
+    "part_b": 4,  # 4: the requantized bytes alone (the dense values are decoded when read)
 }
 EXPERT_TENSORS = ("gate", "up", "down")
 ROUTED_CHUNK = 2048  # tokens per routed-output call (padded), bounds memory and recompiles

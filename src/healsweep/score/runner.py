@@ -131,6 +131,19 @@ def score_windows(
         from healsweep.score.expert_cache import CachedStudent
 
         cached = CachedStudent(student, expert_cache)
+    with cache.holding():  # the teacher records read or written: held until scoring ends
+        yield from _scored(teacher, student, windows, cache, batch, fmt, cached)
+
+
+def _scored(
+    teacher: GGUFModel,
+    student: StudentModel,
+    windows: Iterable[Window],
+    cache: StageCache,
+    batch: int,
+    fmt: TeacherCacheFormat,
+    cached: CachedStudent | None,
+) -> Iterator[tuple[Window, WindowMetrics]]:
     for group in _batches(windows, batch):
         with phase("teacher_record"):
             taught = teacher_outputs(teacher, group, cache, fmt)
