@@ -272,3 +272,60 @@ def test_a_results_folder_that_is_a_symlink_is_refused(tmp_path):
     run = run_cli("sweep", "run", _spec(tmp_path, ""), "--results", results, tmp_path=tmp_path)
     assert refused(run).startswith(f"{results / 'paths'} already exists and is not a sweep folder")
     assert sorted(p.name for p in (results / "paths").iterdir()) == ["notes.md"]
+
+
+# --- 3. a split file cannot take a test document out of test ----------------------------------
+
+
+def test_a_split_naming_a_test_document_as_canary_cannot_score_it(tmp_path, tiny_tokenizer):
+    """It used to: canary took precedence over parity, and `score --split canary` scored test
+    text with no grant."""
+    from healsweep.data.corpus import load_corpus
+
+    demo = load_corpus("demo")
+    test_doc = next(d for d in demo.documents if d.pool == "eval" and d.index % 2 == 0)
+    split = tmp_path / "leaky.yaml"
+    sources = "".join(f"  {s}: parity\n" for s in sorted({d.source for d in demo.documents}))
+    split.write_text(f"corpus: demo\nsources:\n{sources}canary: [{test_doc.doc_id}]\n")
+    model = write_random_model(tmp_path / "m.gguf", n_ff_exp=64, tokenizer=tiny_tokenizer)
+    run = run_cli("score", "--model", model, "--ref", model, "--split", "canary",
+                  "--split-config", split, "--max-scored", "16", "--max-context", "16",
+                  tmp_path=tmp_path)  # fmt: skip
+    assert refused(run) == (
+        f"the split config names {test_doc.doc_id!r} as canary, but it is a test document "
+        f"(index {test_doc.index} of parity source {test_doc.source!r}); the parity rule fixes "
+        "the test split, so a test document can only be burned: pick a dev-side (odd index) "
+        "document as canary, or burn this one"
+    )
+    assert "windows" not in run.stdout
+
+
+# --- 4. the ledger a sweep records in (the rest: tests/test_confirm.py) ------------------------
+
+
+def test_a_spec_names_its_ledger_and_the_manifest_records_its_head(tmp_path):
+    """The project's specs name the tracked ledger; the path is a location, not the spec's
+    identity (its hash is unchanged), and a manifest records the head relative to the sweep."""
+    from healsweep.ledger import Ledger
+    from healsweep.sweep.manifest import ledger_head, recorded_ledger, spec_hash, sweep_ledger
+    from healsweep.sweep.spec import load_spec
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_spec(root / "sweeps" / "demo-ablation.yaml")
+    assert Path(spec.ledger) == root / "ledger" / "ledger.jsonl"
+    assert spec_hash(spec) == spec_hash(spec.model_copy(update={"ledger": None}))
+    own = tmp_path / "kept" / "ledger.jsonl"
+    own.parent.mkdir()
+    Ledger(own).open_milestone("a" * 64, "m0", ["c" * 64], ["t"], user="tester")
+    sweep_dir = tmp_path / "results" / "s"
+    sweep_dir.mkdir(parents=True)
+    ledger = sweep_ledger(spec.model_copy(update={"ledger": str(own)}), sweep_dir)
+    head = ledger_head(ledger, sweep_dir, "run")
+    assert (head["path"], head["entries"]) == ("../../kept/ledger.jsonl", 1)
+    assert recorded_ledger(sweep_dir, {"ledger_heads": [head]}).path == own
+    assert sweep_ledger(spec.model_copy(update={"ledger": None}), sweep_dir).path == (
+        tmp_path / "results" / "ledger.jsonl")  # fmt: skip
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: b\nledger: nowhere/ledger.jsonl\n")
+    run = run_cli("sweep", "run", bad, "--results", tmp_path / "results", tmp_path=tmp_path)
+    assert refused(run).startswith(f"{bad}: field 'ledger' = '{tmp_path / 'nowhere'}")

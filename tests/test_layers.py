@@ -28,6 +28,8 @@ LAYER_OF = {
     "_lru": "base",
     "_code": "base",
     "_rss": "base",
+    "profile": "base",
+    "threads": "base",
     "cache": "base",
     "runtime": "base",
     "bundled": "base",

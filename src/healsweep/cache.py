@@ -63,6 +63,7 @@ from healsweep._cache_disk import cache_limit as cache_limit
 from healsweep._cache_disk import parse_gb as parse_gb
 from healsweep._lru import BoundedLRU, gib_setting
 from healsweep.errors import CacheError
+from healsweep.profile import active as active_profile
 from healsweep.runtime import current
 
 _MAGIC = b"HEALSWEEP-CACHE-2\n"
@@ -416,6 +417,9 @@ class StageCache:
         for value in arrays.values():
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False
+        profile = active_profile()
+        if profile is not None:  # the running work's phase that computed it (bench, trials)
+            profile.add_bytes(sum(np.asarray(v).nbytes for v in arrays.values()), stage)
         kept = (
             {name: np.asarray(v) for name, v in arrays.items()},
             copy.deepcopy(dict(meta or {})),

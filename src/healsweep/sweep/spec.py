@@ -219,8 +219,9 @@ class SweepSpec(_Strict):
     """wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps, futility}"""
     num_samples: int | None = Field(default=None, ge=1)
     """an integer >= 1 (tpe/random), or omitted for grid"""
-    resources: dict[str, float] = Field(default_factory=lambda: {"cpu": 1.0})
-    """a mapping of resource: amount >= 0, e.g. {cpu: 1} or {metal: 1}"""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """a mapping of resource: amount >= 0, e.g. {gpu: 1}, {metal: 1} or {cpu: 4}; without cpu,
+    a trial takes its node's share of the cores (cores ÷ the trials that run there at once)"""
     max_concurrent: int = Field(default=2, ge=1)
     """an integer >= 1"""
     max_failures: int = Field(default=2, ge=0)
@@ -245,6 +246,10 @@ class SweepSpec(_Strict):
     is then computed once for the whole pool), or null for each worker's own ($HEALSWEEP_CACHE)"""
     cache_max_gb: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     """GiB >= 0, each worker's stage-cache size limit, or null ($HEALSWEEP_CACHE_MAX_GB or none)"""
+    # where the sweep's confirms record their openings: the project's specs name the tracked
+    # ledger/ledger.jsonl (docs/reliability.md)
+    ledger: str | None = None
+    """a ledger file path for its confirms, or null for RESULTS/ledger.jsonl"""
 
     # Fields added after sweeps were recorded, with the value that means "as before": at it they
     # are left out of the stored form, so every earlier spec keeps its hash (as Knobs.ADDED_LATER).
@@ -253,8 +258,11 @@ class SweepSpec(_Strict):
         "placement": "cache",
         "cache_root": None,
         "cache_max_gb": None,
+        "resources": {},
+        "ledger": None,
     }
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _cpu_share: float | None = PrivateAttr(default=None)  # the node share, once Ray is up
 
     @field_validator("sampler", "pruner", mode="before")
     @classmethod
@@ -298,9 +306,21 @@ class SweepSpec(_Strict):
         super().__setstate__(state)
 
     def trial_resources(self) -> dict[str, float]:
-        """Per-trial resources (also of a fixed row's task): one CPU unless the spec says
-        otherwise."""
-        return {"cpu": 1.0, **self.resources}
+        """Per-trial resources (also of a fixed row's task): the spec's, with ``cpu`` its own
+        or, where it names none, the node share :meth:`with_cpu_share` set (one CPU before)."""
+        return {"cpu": self._cpu_share or 1.0, **self.resources}
+
+    def cpu_given(self) -> bool:
+        """Whether the spec names the CPUs of a trial (else it takes its node's share)."""
+        return "cpu" in self.resources
+
+    def with_cpu_share(self, cpus: float) -> SweepSpec:
+        """A copy whose trials take ``cpus`` CPUs where the spec names none (its stored form,
+        so its hash, unchanged)."""
+        copied = self.model_copy()
+        copied._given = self._given
+        copied._cpu_share = None if self.cpu_given() else float(cpus)
+        return copied
 
     def reference_names(self) -> tuple[str, ...]:
         """The reference rows this sweep scores (``unhealed``, ``plain``, both or none)."""
@@ -406,6 +426,8 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
     ]
     if spec.cache_root is not None:
         changes["cache_root"] = resolved(spec.cache_root)
+    if spec.ledger is not None:
+        changes["ledger"] = resolved(spec.ledger)
     out = spec.model_copy(update=changes)
     given = spec._given.get("calibration")
     if isinstance(given, Mapping) and given.get("corpus", "demo") != "demo":  # stored resolved
@@ -432,6 +454,12 @@ def _check_paths(spec: SweepSpec, where: str) -> None:
                 f"{where}: field '{field}' = {value!r} is a file, not a folder; "
                 f"expected {SweepSpec.model_fields[field].description}"
             )
+    if spec.ledger is not None and (Path(spec.ledger).is_dir()
+                                    or not Path(spec.ledger).parent.is_dir()):  # fmt: skip
+        raise SpecError(
+            f"{where}: field 'ledger' = {spec.ledger!r} is a folder or lies in a missing one; "
+            f"expected {SweepSpec.model_fields['ledger'].description}"
+        )
     if spec.external:
         check_externals(spec, where)
     if spec.budget is not None:
