@@ -14,6 +14,7 @@ ORDER = (
     "gguf_io",
     "model",
     "data",
+    "quant",  # the quantizer registry: below the heal stages that ask it
     "heal",
     "results",
     "sweep",

@@ -347,7 +347,7 @@ def test_a_type_export_without_the_alpha_fold_is_caught(typed_setup, tmp_path, m
     IQ2_XS student (alpha about 0.85 there) is far outside it."""
     from healsweep.heal import export
     from healsweep.heal.knobs import Knobs
-    from healsweep.heal.quantize import scaled
+    from healsweep.quant.registry import stored
 
     s = typed_setup
     student = _typed_student(s, Knobs(type_gu="iq2_xs", type_d="iq2_xs", alpha="mse"))
@@ -360,7 +360,8 @@ def test_a_type_export_without_the_alpha_fold_is_caught(typed_setup, tmp_path, m
     def without_alpha(weight, experts):
         for layer, r in student.replacements.items():
             if weight is r.down_exps:
-                return right(scaled(weight, 1.0 / unfold[layer]), experts)
+                fold = stored(export.expert_type(weight)).fold_alpha
+                return right(fold(weight, 1.0 / unfold[layer]), experts)
         return right(weight, experts)
 
     monkeypatch.setattr(export, "_expert_data", without_alpha)

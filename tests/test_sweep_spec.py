@@ -10,6 +10,7 @@ import pytest
 
 from healsweep.errors import GGUFFormatError, SpecError
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.reads import student_key
 from healsweep.sweep.space import (
     baseline_point,
     config_hash,
@@ -256,7 +257,7 @@ def test_trial_identity_from_tune_configs():
     other = trial_identity(spec, {"gamma": 0.2})
     assert other.knobs == Knobs(gamma=0.2) and not other.is_baseline and other.role == "trial"
     grid = trial_identity(spec, {"knobs": Knobs(eta=0.5).model_dump()})
-    assert grid.knobs == Knobs(eta=0.5) and grid.student == Knobs(eta=0.5).student_key()
+    assert grid.knobs == Knobs(eta=0.5) and grid.student == student_key(Knobs(eta=0.5))
 
 
 def test_config_hash_is_canonical():

@@ -452,12 +452,12 @@ def ridge_layer(
     """Apply eta·dW to ``blk.{layer}.ffn_down_shexp.weight`` and requantize it to its type.
 
     On the default device, decoded there from the stored bytes; only a storage type that is
-    neither F32 nor F16 goes through the host codecs of :mod:`healsweep.heal.requant`.
+    neither F32 nor F16 goes through the host codecs of :mod:`healsweep.quant.requant`.
     """
     from gguf import GGMLQuantizationType as T
 
-    from healsweep.heal.requant import requantize
     from healsweep.model.forward import dense_on_device
+    from healsweep.quant.requant import requantize
 
     name = tensor_name(MODEL_TENSOR.FFN_DOWN_SHEXP, layer)
     qtype = model.tensor_type(name)

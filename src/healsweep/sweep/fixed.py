@@ -24,6 +24,7 @@ from typing import Any
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.reads import student_key
 from healsweep.results.schema import Role, TrialStatus, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.placed import PlacedWork, work_task
@@ -68,7 +69,7 @@ class FixedConfig:
     @property
     def student(self) -> str:
         """The student it scores, as :func:`~healsweep.results.schema.student_of` names it."""
-        return self.config_hash if self.knobs is None else self.knobs.student_key()
+        return self.config_hash if self.knobs is None else student_key(self.knobs)
 
     def columns(self) -> dict[str, Any]:
         """Its config columns in the results (an external has no knob columns)."""

@@ -46,7 +46,9 @@ from typing import Any
 import ray
 
 from healsweep.cache import canonical_json
-from healsweep.heal.knobs import Knobs, Stage
+from healsweep.heal.knobs import Knobs
+from healsweep.heal.reads import stage_reads
+from healsweep.heal.stage_names import Stage
 from healsweep.results.store import read_trials
 from healsweep.sweep.spec import RAY_RESOURCE_NAMES
 
@@ -59,7 +61,7 @@ def quantization_of(knobs: Knobs) -> str:
     """The quantized experts a config needs, named within one sweep: a short hash of the knobs
     the quantize stage reads (its cache key's other inputs, the model, trace and code, are the
     sweep's)."""
-    quantize = canonical_json(knobs.for_stage(Stage.QUANTIZE))
+    quantize = canonical_json(stage_reads(knobs, Stage.QUANTIZE))
     return "q-" + hashlib.sha256(quantize.encode()).hexdigest()[:16]
 
 

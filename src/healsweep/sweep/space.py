@@ -5,7 +5,7 @@ Every trial's knobs are the baseline, then the knobs ``fixed`` names, then the s
 baseline runs first and is itself a trial. For ``grid`` the trial configs are expanded here, in a
 fixed order (baseline first, then the grid in ``itertools.product`` order of the spec's keys, a
 point dropped when an earlier config builds and scores the same student:
-:meth:`~healsweep.heal.knobs.Knobs.student_key`, e.g. ``gptq_damp`` crossed with ``quantizer:
+:func:`~healsweep.heal.reads.student_key`, e.g. ``gptq_damp`` crossed with ``quantizer:
 search``) and handed to Tune as one ``grid_search`` over full knob sets, so the trial list is
 explicit, ordered and free of repeats. For ``tpe``/``random`` the searched knobs become Optuna
 distributions and the baseline is enqueued as the first point; a sampled point equal to the
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from healsweep.cache import canonical_json
 from healsweep.errors import SpecError
 from healsweep.heal.knobs import Knobs, require_ggml
+from healsweep.heal.reads import student_key
 from healsweep.heal.size import ConfigSize
 from healsweep.results.schema import Role, knob_columns
 from healsweep.sweep.dimensions import Choices, Range
@@ -122,12 +123,12 @@ def with_point(spec: SweepSpec, point: Mapping[str, Any]) -> Knobs:
 def grid_configs(spec: SweepSpec) -> list[Knobs]:
     """The knobs of a grid sweep's trials: the baseline first, then the grid without points
     that build and score a student an earlier config does (the same student key)."""
-    configs, seen = [spec.baseline], {spec.baseline.student_key()}
+    configs, seen = [spec.baseline], {student_key(spec.baseline)}
     dimensions = spec.search_space.dimensions()
     for values in itertools.product(*dimensions.values()):
         knobs = with_point(spec, dict(zip(dimensions, values, strict=True)))
-        if knobs.student_key() not in seen:
-            seen.add(knobs.student_key())
+        if student_key(knobs) not in seen:
+            seen.add(student_key(knobs))
             configs.append(knobs)
     return configs
 
@@ -195,7 +196,7 @@ def trial_identity(spec: SweepSpec, config: Mapping[str, Any]) -> TrialIdentity:
         knobs = with_point(spec, {k: v for k, v in config.items() if k in KNOB_NAMES})
     chash = config_hash(knobs)
     is_baseline = chash == config_hash(spec.baseline)
-    return TrialIdentity(knobs, chash, knobs.student_key(), is_baseline, _size(spec, knobs))
+    return TrialIdentity(knobs, chash, student_key(knobs), is_baseline, _size(spec, knobs))
 
 
 def _size(spec: SweepSpec, knobs: Knobs) -> ConfigSize | None:
