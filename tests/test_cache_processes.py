@@ -142,10 +142,15 @@ def test_activity_counts_what_every_cache_of_the_process_did(tmp_path):
     second.get_or_compute("x", KEY, make)
     second.get_or_compute("x", KEY, make)
     first.computed["y"] += 2  # a stage that counts a recomputation itself (the trace does)
+    size = first.path("x", KEY).stat().st_size  # the same entry under both roots
     assert activity_since(before) == {
         "hits": {"x": 1},
         "computed": {"x": 2, "y": 2},
         "waited": {},
+        "bytes_written": {"x": 2 * size},
+        "bytes_read": {},  # the hit was served from memory (the entry written just before)
+        "evicted": {},
+        "bytes_evicted": {},
     }
 
 

@@ -328,6 +328,67 @@ def test_a_crashed_confirm_resumes_only_for_the_same_frozen_configs(sweep_copy):
         confirm(sweep_copy, "m1", resume=True)
 
 
+def _cli_error(*args: str, env: dict) -> str:
+    run = _cli(*args, env=env)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    [line] = run.stderr.strip().splitlines()
+    return line
+
+
+def test_a_ledger_cannot_be_silently_reset(sweep_copy, swept, tmp_path):
+    """Issue 40: after a sweep and a confirm, removing the ledger, pointing confirm at an empty
+    results root, or dropping the last entry and rewriting .head to match each used to pass
+    `ledger verify` and let the same milestone open the test split again. The sweep's manifest
+    and confirm.json record the heads they saw; a ledger that does not extend them is refused."""
+    results, env = sweep_copy.parent, swept["env"]
+    ledger = results / "ledger.jsonl"
+    summary = confirm(sweep_copy, "m1", max_windows=2, n_boot=200)
+    heads = json.loads((sweep_copy / "manifest.json").read_text())["ledger_heads"]
+    assert [(h["at"], h["entries"], h["path"]) for h in heads] == [
+        ("run", 0, "../ledger.jsonl"), ("confirm m1 opened", 1, "../ledger.jsonl"),
+        ("confirm m1 result", 2, "../ledger.jsonl")]  # fmt: skip
+    entries = _ledger_lines(results)
+    assert heads[-1]["hash"] == entries[-1]["hash"] == summary["result_entry_hash"]
+    assert summary["ledger_head"] == {"path": "../../../ledger.jsonl", "entries": 2,
+                                      "hash": entries[-1]["hash"]}  # fmt: skip
+    assert "ledger OK: 2 entries" in _cli("ledger", "verify", "--results", str(results),
+                                          env=env).stdout  # fmt: skip
+    saved = {p: p.read_bytes() for p in results.glob("ledger.jsonl*") if p.suffix != ".lock"}
+
+    # 1. the ledger moved away: verify and confirm refuse (the same milestone stays closed)
+    for path in saved:
+        path.unlink()
+    message = _cli_error("ledger", "verify", "--results", str(results), env=env)
+    assert message.startswith(f"error: {ledger} is missing, but {sweep_copy / 'manifest.json'} "
+                              "recorded it with ")  # fmt: skip
+    with pytest.raises(LedgerError, match="is missing, but .* recorded it with 2 entries"):
+        confirm(sweep_copy, "m1", max_windows=2)
+    assert not ledger.exists()
+
+    # 2. confirm pointed at an empty results root: the sweep is bound to the chain it saw
+    for path, blob in saved.items():
+        path.write_bytes(blob)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    message = _cli_error("confirm", str(sweep_copy), "--milestone", "m1", "--results-root",
+                         str(empty), "--max-windows", "2", env=env)  # fmt: skip
+    assert message.startswith(f"error: {empty / 'ledger.jsonl'} is missing, but ")
+    assert not (empty / "ledger.jsonl").exists()
+
+    # 3. the last entry dropped and .head rewritten to match: a valid chain, but shorter
+    lines = ledger.read_text().splitlines(keepends=True)
+    ledger.write_text("".join(lines[:-1]))
+    head = {"entries": 1, "hash": json.loads(lines[0])["hash"]}
+    (results / "ledger.jsonl.head").write_text(json.dumps(head))
+    assert Ledger(ledger).verify() == 1  # the chain alone cannot tell
+    message = _cli_error("ledger", "verify", "--results", str(results), env=env)
+    assert message.startswith(f"error: {ledger} has 1 entries, but ")
+    assert "entries were removed or the ledger was replaced" in message
+    with pytest.raises(LedgerError, match="has 1 entries, but .* recorded it with 2"):
+        confirm(sweep_copy, "m1", max_windows=2, resume=True)
+    assert ledger.read_text() == lines[0]  # nothing appended
+
+
 def sealed_work(spec, knobs, done, seed, *, log: str, grant=None):
     """A trainable body that asks for the test windows (what a hand-written sweep might try)."""
     from healsweep.data.split import load_split

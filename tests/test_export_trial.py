@@ -131,6 +131,20 @@ def test_a_confirmed_trial_records_its_ledger_entry(sweep_copy, tmp_path, monkey
     assert model.metadata("healsweep.ledger_entry") == result_entry["hash"]
     assert model.metadata("healsweep.ledger_open_entry") == opened["hash"]
     assert model.metadata("healsweep.confirmed_milestone") == "m1"
+    head = json.loads(model.metadata("healsweep.ledger_head"))  # the head this export saw
+    assert head == {"entries": len(entries), "hash": entries[-1]["hash"]}
+    # A ledger cut back below a head the sweep recorded counts no confirmation (issue 40).
+    ledger = sweep_copy.parent / "ledger.jsonl"
+    kept = ledger.read_bytes()
+    ledger.write_text("".join(kept.decode().splitlines(keepends=True)[:-1]))
+    (sweep_copy.parent / "ledger.jsonl.head").write_text(
+        json.dumps({"entries": len(entries) - 1, "hash": entries[-2]["hash"]}))  # fmt: skip
+    cut = export_trial(sweep_copy, tmp_path / "cut.gguf", trial_id="t-good")
+    assert cut.confirmation is None and "no confirmation counts" in cut.notes[-1]
+    assert "entries were removed or the ledger was replaced" in cut.notes[-1]
+    ledger.write_bytes(kept)
+    (sweep_copy.parent / "ledger.jsonl.head").write_text(
+        json.dumps({"entries": len(entries), "hash": entries[-1]["hash"]}))  # fmt: skip
     # A trial the milestone did not score stays unconfirmed.
     other = export_trial(sweep_copy, tmp_path / "w.gguf", trial_id="t-worse")
     assert other.confirmation is None

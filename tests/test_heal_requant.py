@@ -47,6 +47,33 @@ def test_quantized_types_decode_with_gguf_py_to_what_the_student_runs(qtype):
     assert np.linalg.norm(dense - values) / np.linalg.norm(values) < 0.15
 
 
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q8_0, T.IQ4_NL])
+def test_the_part_b_entry_keeps_the_bytes_alone_and_reads_back_the_same_values(tmp_path, qtype):
+    """The dense values are decoded from the stored bytes when the entry is read, bit for bit
+    what the requantization returned (so a trial served from the cache runs what one that
+    computed the entry ran)."""
+    from healsweep.cache import content_key
+    from healsweep.heal.ridge import HealedShexp
+
+    values = _values(np.random.default_rng(4), rows=16, cols=128)
+    raw, dense = requantize("w", values, qtype)
+    healed = HealedShexp(raw, dense, {"storage_type": qtype.name, "rank": 3})
+    arrays, meta = healed.to_entry()
+    assert list(arrays) == ["raw"]
+    key = content_key("part_b", 4, {"qtype": qtype.name})
+    StageCache(tmp_path).put("part_b", key, arrays, meta)
+    from healsweep.cache import RecentEntries
+    from healsweep.runtime import current
+
+    current().owned(RecentEntries).clear()  # read from disk, as a later trial does
+    back = HealedShexp.from_entry(*StageCache(tmp_path).get("part_b", key))
+    assert back.dense.dtype == np.float32 and back.dense.shape == values.shape
+    np.testing.assert_array_equal(back.dense.view(np.uint32), dense.view(np.uint32))
+    np.testing.assert_array_equal(back.raw, raw)
+    assert back.stats == healed.stats
+    assert StageCache(tmp_path).path("part_b", key).stat().st_size < raw.nbytes + 4096
+
+
 def test_unsupported_type_and_bad_row_length_are_clear_errors():
     values = _values(np.random.default_rng(2), cols=256)
     with pytest.raises(GGUFFormatError, match="Q4_K.*ridge: false"):

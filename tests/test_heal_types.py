@@ -255,7 +255,7 @@ def test_gptq_on_the_k_grids_lowers_the_routed_error_and_is_keyed_by_its_knobs(r
                           CAL, cache, corpus=corpus)  # fmt: skip
     assert _delta(cache, before) == {} and again.key == mixed.key
     assert "gate" not in mixed.report["layers"][0]["quantize"]["gptq_fallback"]
-    # IQ2_XXS has one (heal.ggml_gptq): gptq re-quantizes gate/up only, and lowers its error
+    # IQ2_XXS has one (quant.ggml_gptq): gptq re-quantizes gate/up only, and lowers its error
     iq2 = plain.replace(type_gu="iq2_xxs")
     ggml_iq2 = build_student(model, iq2, CAL, cache, corpus=corpus)
     before = dict(cache.computed)

@@ -292,7 +292,7 @@ def test_each_type_exports_the_student_llama_cpp_runs(typed_setup, name, tmp_pat
 def test_a_gptq_iq2_student_exports_what_was_scored_and_llama_cpp_runs_it(
     typed_setup, name, tmp_path, record_property
 ):
-    """``quantizer: gptq`` on an IQ2 type (heal.ggml_gptq's column-wise error feedback): the
+    """``quantizer: gptq`` on an IQ2 type (quant.ggml_gptq's column-wise error feedback): the
     exported experts are the scored ones by gguf-py's dequantizer (independent of healsweep's
     decoders), llama.cpp runs the file as the student, and the codes are not plain ggml's."""
     import gguf

@@ -39,7 +39,7 @@ def test_two_runtimes_share_no_store_and_no_counter(tmp_path, monkeypatch):
             _compute_once(StageCache(tmp_path), key)
             assert activity()["computed"] == {"stage": 1}
         assert a.activity.snapshot()["computed"] == {"stage": 1}
-        assert b.activity.snapshot() == {"hits": {}, "computed": {}, "waited": {}}
+        assert b.activity.snapshot() == {kind: {} for kind in b.activity.KINDS}
         assert len(a.owned(RecentEntries)) == 1 and len(b.owned(RecentEntries)) == 0
         with use(b):
             cache = StageCache(tmp_path)

@@ -16,6 +16,7 @@ from healsweep.data.split import (
     assign,
     dump_split,
     load_split,
+    on_test_side,
     parity_split,
     require_access,
     resolve_split,
@@ -102,22 +103,61 @@ def test_named_exclusions_canary_and_calibration_ids_take_precedence(corpus):
         canary=["ops-3"],
         exclusions={
             "chat-1": {"reason": "burned", "note": "tuned on in 2024"},
-            "chat-2": {"reason": "canary"},
+            "chat-2": {"reason": "burned", "note": "a test document seen by a tuner"},
+            "chat-3": {"reason": "canary"},
             "ja-5": {"reason": "calibration"},
         },
-        calibration={"doc_ids": ["ja-4"]},
+        calibration={"doc_ids": ["ja-3"]},
     )
     got = {d.doc_id: config.assign(d) for d in corpus.documents}
-    assert got["ops-3"] == "canary" and got["chat-2"] == "canary"
-    assert got["chat-1"] == "excluded"
-    assert got["ja-5"] == "calibration" and got["ja-4"] == "calibration"
+    assert got["ops-3"] == "canary" and got["chat-3"] == "canary"
+    assert got["chat-1"] == "excluded" and got["chat-2"] == "excluded"
+    assert got["ja-5"] == "calibration" and got["ja-3"] == "calibration"
     assert got["ops-1"] == "dev" and got["ops-2"] == "test"
     resolved = resolve_split(config, corpus)
     # Canaries are outside both dev and test.
-    assert set(resolved.doc_ids("canary")) == {"ops-3", "chat-2"}
+    assert set(resolved.doc_ids("canary")) == {"ops-3", "chat-3"}
     assert not set(resolved.doc_ids("canary")) & set(
         resolved.doc_ids("dev") + resolved.doc_ids("test")
     )
+
+
+@pytest.mark.parametrize(
+    "named",
+    [
+        {"canary": ["ops-2"]},
+        {"exclusions": {"ops-2": {"reason": "canary"}}},
+        {"exclusions": {"ops-2": {"reason": "calibration"}}},
+        {"calibration": {"doc_ids": ["ops-2"]}},
+    ],
+)
+def test_a_test_document_named_in_another_pool_is_refused(corpus, named):
+    """Test membership is the parity rule's: a role in the file cannot take a test document
+    out to be scored (canary) or tuned on (calibration) without a grant (issue 40)."""
+    config = _config(**named)
+    role = "canary" if "canary" in str(named) else "calibration"
+    expected = (
+        f"the split config names 'ops-2' as {role}, but it is a test document (index 2 of "
+        f"parity source 'ops'); the parity rule fixes the test split, so a test document can "
+        f"only be burned: pick a dev-side (odd index) document as {role}, or burn this one"
+    )
+    with pytest.raises(SplitError) as info:
+        resolve_split(config, corpus)
+    assert str(info.value) == expected
+    with pytest.raises(SplitError):
+        config.assign(corpus.get("ops-2"))
+
+
+def test_a_test_documents_text_under_another_id_is_refused(tmp_path):
+    records = _records()
+    twin = dict(next(r for r in records if r["doc_id"] == "ops-2"))
+    records.append({**twin, "doc_id": "ops-copy", "index": 9})  # odd: dev, same text as ops-2
+    corpus = load_corpus(_write(tmp_path, records, "twins.jsonl"))
+    with pytest.raises(SplitError, match="'ops-copy' \\(dev\\) has the same text as test "
+                                         "document 'ops-2'"):  # fmt: skip
+        resolve_split(_config(), corpus)
+    burned = _config(exclusions={"ops-copy": {"reason": "burned"}})
+    assert resolve_split(burned, corpus).assignments["ops-copy"] == "excluded"
 
 
 def test_calibration_pool_can_be_switched_off_and_source_excluded(corpus):
@@ -170,7 +210,8 @@ def test_lock_id_changes_with_any_corpus_edit(tmp_path, edit):
     elif edit == "stratum":
         changed[0]["stratum"] = "other"
     elif edit == "add_doc":
-        changed.append({**changed[0], "doc_id": "ops-99", "index": 99})
+        added = {"role": "user", "content": "a new question about ops"}
+        changed.append({**changed[0], "doc_id": "ops-99", "index": 99, "messages": [added]})
     elif edit == "drop_doc":
         del changed[5]
     elif edit == "pool":
@@ -184,7 +225,7 @@ def test_lock_id_changes_with_any_assignment_edit(corpus):
         _config(canary=["ops-1"]),
         _config(exclusions={"ops-1": {"reason": "burned"}}),
         _config(exclusions={"ops-1": {"reason": "calibration"}}),
-        _config(calibration={"doc_ids": ["ja-2"]}),
+        _config(calibration={"doc_ids": ["ja-3"]}),
         _config(calibration={"from_corpus_pool": False}),
         split_from_dict(
             {
@@ -338,11 +379,23 @@ def test_shipped_demo_split(tmp_path, capsys):
     strata = {(d.stratum, resolved.assignments[d.doc_id]) for d in demo.documents}
     for stratum in {d.stratum for d in demo.documents if d.pool == "eval"}:
         assert (stratum, "dev") in strata and (stratum, "test") in strata
-    # `split make demo` with the same canaries reproduces the shipped config.
+    # `split make demo` with the same canaries and burned documents reproduces the shipped
+    # config (but for the burned documents' notes).
     out = tmp_path / "demo.yaml"
     canaries = [arg for doc_id in shipped.canary for arg in ("--canary", doc_id)]
-    assert _cli(capsys, "split", "make", "demo", "--out", str(out), *canaries)[0] == 0
-    assert load_split(out) == shipped
+    burned = [arg for doc_id in shipped.exclusions for arg in ("--burned", doc_id)]
+    assert _cli(capsys, "split", "make", "demo", "--out", str(out), *canaries, *burned)[0] == 0
+    made = load_split(out)
+    assert made.model_copy(update={"exclusions": {}}) == shipped.model_copy(
+        update={"exclusions": {}}
+    )
+    assert {k: v.reason for k, v in made.exclusions.items()} == {
+        k: v.reason for k, v in shipped.exclusions.items()
+    }
+    assert resolve_split(made, demo).lock_id == resolved.lock_id  # notes do not enter the id
+    # No canary and no burned document is on the test side, and no test text sits elsewhere.
+    for doc_id in shipped.canary:
+        assert not on_test_side(shipped, demo.get(doc_id))
 
 
 def test_editing_the_split_after_a_confirm_is_caught(tmp_path, corpus):

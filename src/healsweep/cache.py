@@ -25,6 +25,13 @@ finds the entry written. The kernel drops a dead process's lock, so none goes st
 released only once the entry is on disk (after a write behind, too). Two processes writing one
 entry without the lock (``put``) still leave one whole entry: each writes its own temp file and
 renames it into place.
+
+A cache root may have a size limit (``--cache-max-gb``, the sweep spec's ``cache_max_gb``,
+``HEALSWEEP_CACHE_MAX_GB``): after a write that takes its entries over it, the least recently
+used entries that no running trial holds are deleted (:mod:`healsweep._cache_disk`). Inside
+:meth:`StageCache.holding` every entry a cache reads or writes is held, across processes, until
+the block ends; every read marks its entry used. The bytes of entry files written and read are
+counted per stage beside the hits (:func:`activity`, :func:`stage_bytes`).
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from healsweep import _cache_disk as disk
 from healsweep._atomic import atomic_file
 from healsweep._lru import BoundedLRU, gib_setting
 from healsweep.errors import CacheError
@@ -142,11 +152,29 @@ class _Tally(Counter):
 
 
 def activity() -> dict[str, dict[str, int]]:
-    """Per stage, what every :class:`StageCache` has done so far under this process's runtime
-    (:func:`healsweep.runtime.current`): ``hits``, ``computed`` and ``waited`` (hits that waited
-    for another process computing the entry). The difference of two snapshots
-    (:func:`activity_since`) is what happened in between."""
+    """Per kind, then per stage, what every :class:`StageCache` has done so far under this
+    process's runtime (:func:`healsweep.runtime.current`): ``hits``, ``computed``, ``waited``
+    (hits that waited for another process computing the entry), ``bytes_written`` and
+    ``bytes_read`` (entry files written, and read from disk: a hit served from memory reads
+    none), ``evicted`` and ``bytes_evicted`` (entries this process's evictions deleted, of
+    whatever stage). The difference of two snapshots (:func:`activity_since`) is what happened
+    in between."""
     return current().activity.snapshot()
+
+
+def stage_bytes(detail: Mapping[str, Mapping[str, int]] | None = None) -> dict[str, dict[str, int]]:
+    """``{stage: {"written": bytes, "read": bytes}}`` of an :func:`activity` snapshot or an
+    :func:`activity_since` difference (default: :func:`activity` now), stages with neither left
+    out. Bytes are the entry files' sizes on disk, counted when a write has finished (a write
+    behind counts when its thread finishes it: call :meth:`StageCache.flush` before a snapshot
+    that must include it) and when an entry is read from disk."""
+    detail = activity() if detail is None else detail
+    written, read = detail.get("bytes_written", {}), detail.get("bytes_read", {})
+    return {
+        stage: {"written": int(written.get(stage, 0)), "read": int(read.get(stage, 0))}
+        for stage in sorted(set(written) | set(read))
+        if written.get(stage, 0) or read.get(stage, 0)
+    }
 
 
 def activity_since(before: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
@@ -225,29 +253,86 @@ class StageCache:
 
     ``computed`` and ``hits`` count, per stage name, how often an entry was computed or served
     from disk in this process: tests use them to prove that a knob change re-uses upstream stages.
-    ``waited`` counts the hits that first waited for another process computing the entry. Each
-    also counts in the runtime's :func:`activity`; the entries kept in memory, the writer and the
-    hashing threads are the runtime's too (:mod:`healsweep.runtime`), found when used, so a
-    cache made under one runtime and used under another uses the other's.
+    ``waited`` counts the hits that first waited for another process computing the entry;
+    ``bytes_written`` and ``bytes_read`` the bytes of entry files written and read from disk,
+    ``evicted`` and ``bytes_evicted`` what this cache's evictions deleted. Each also counts in
+    the runtime's :func:`activity`; the entries kept in memory, the writer and the hashing
+    threads are the runtime's too (:mod:`healsweep.runtime`), found when used, so a cache made
+    under one runtime and used under another uses the other's.
+
+    ``max_gb``: the root's size limit in GiB (a command's ``--cache-max-gb`` or the sweep
+    spec's ``cache_max_gb``); None reads ``HEALSWEEP_CACHE_MAX_GB``, unset means no limit
+    (:func:`healsweep._cache_disk.cache_limit`; a bad value is a
+    :class:`~healsweep.errors.SettingError` here).
     """
 
-    def __init__(self, root: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self, root: str | os.PathLike | None = None, max_gb: float | str | None = None
+    ) -> None:
         self.root = Path(root) if root is not None else default_cache_dir()
+        self.max_bytes = disk.cache_limit(max_gb)
         self.computed: Counter[str] = _Tally("computed")
         self.hits: Counter[str] = _Tally("hits")
         self.waited: Counter[str] = _Tally("waited")
+        self.bytes_written: Counter[str] = _Tally("bytes_written")
+        self.bytes_read: Counter[str] = _Tally("bytes_read")
+        self.evicted: Counter[str] = _Tally("evicted")
+        self.bytes_evicted: Counter[str] = _Tally("bytes_evicted")
         self.corrupt: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._behind = 0  # depth of writing_behind blocks
         self._pending: dict[Path, tuple[dict[str, np.ndarray], dict]] = {}  # being written
         self._writes: list[Future] = []
+        self._holds: disk.Holds | None = None  # the holding block's, while one is open
+        self._holding = 0  # depth of holding blocks
+        self._scanned_at = -math.inf  # monotonic time of the last eviction pass
+        self._since_scan = 0  # bytes written since then
+        self._room = 0  # bytes the entries were below the limit after it
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within the block, every entry this cache reads or writes (or names in :meth:`hold`)
+        is held: no eviction, by this process or another sharing the root, deletes it until
+        the block ends. Blocks nest (the outermost lets go). A trial holds its stages while
+        it builds its student, and its teacher records while it scores."""
+        with self._lock:
+            self._holding += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holding -= 1
+                holds, self._holds = (self._holds, None) if not self._holding else (None, None)
+            if holds is not None:
+                holds.close()
+
+    def hold(self, stage: str, key: str) -> None:
+        """Inside :meth:`holding`, hold ``stage/key`` (present or not) until the block ends;
+        outside, nothing."""
+        self._hold(self.path(stage, key))
+
+    def _hold(self, path: Path) -> None:
+        with self._lock:
+            if not self._holding:
+                return
+            try:
+                if self._holds is None:
+                    self._holds = disk.Holds(self.root)
+                self._holds.add(path.relative_to(self.root).as_posix())
+            except OSError as exc:
+                raise CacheError(
+                    f"cannot write the holds of cache {self.root}: {exc.strerror or exc}; free "
+                    "disk space or point HEALSWEEP_CACHE at a writable directory"
+                ) from exc
 
     def path(self, stage: str, key: str) -> Path:
         return self.root / stage / key[:2] / f"{key}.hsc"
 
     def get(self, stage: str, key: str) -> tuple[dict[str, np.ndarray], dict] | None:
-        """The arrays and metadata of an entry, or None when absent or corrupt (then deleted)."""
+        """The arrays and metadata of an entry, or None when absent or corrupt (then deleted).
+        Held inside :meth:`holding`; marked used now."""
         path = self.path(stage, key)
+        self._hold(path)
         with self._lock:
             pending = self._pending.get(path)
         if pending is not None:
@@ -255,12 +340,13 @@ class StageCache:
         try:
             st = os.stat(path)
             found = _recent().get(
-                (str(path), st.st_ino, st.st_size, st.st_mtime_ns), lambda: _read(path)
+                (str(path), st.st_ino, st.st_size, st.st_mtime_ns), lambda: self._load(stage, path)
             )
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise CacheError(f"cannot read cache entry {path}: {exc}") from exc
+        disk.touch(path, st.st_mtime_ns)  # the mtime is left: it is part of the key above
         if found is None:
             with self._lock:
                 self.corrupt[stage] += 1
@@ -269,10 +355,17 @@ class StageCache:
         arrays, meta, _ = found
         return dict(arrays), copy.deepcopy(meta)
 
+    def _load(self, stage: str, path: Path) -> tuple[dict[str, np.ndarray], dict, int] | None:
+        found = _read(path)
+        with self._lock:
+            self.bytes_read[stage] += found[2] if found is not None else 0
+        return found
+
     def meta(self, stage: str, key: str) -> dict | None:
         """The metadata record of an entry, reading only its header (whose own checksum is
-        checked), or None when absent or not whole."""
+        checked), or None when absent or not whole. Held inside :meth:`holding`."""
         path = self.path(stage, key)
+        self._hold(path)
         with self._lock:
             pending = self._pending.get(path)
         if pending is not None:
@@ -319,15 +412,26 @@ class StageCache:
             copy.deepcopy(dict(meta or {})),
         )
         path = self.path(stage, key)
+        try:
+            self._hold(path)  # before the file appears: held from its first moment
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         if not self._behind:
-            self._write(path, *kept, lock)
+            self._write(stage, path, *kept, lock)
             return
         with self._lock:
             self._pending[path] = kept
-            self._writes.append(_writer().submit(self._write, path, *kept, lock))
+            self._writes.append(_writer().submit(self._write, stage, path, *kept, lock))
 
     def _write(
-        self, path: Path, arrays: dict[str, np.ndarray], meta: dict, lock: _EntryLock | None
+        self,
+        stage: str,
+        path: Path,
+        arrays: dict[str, np.ndarray],
+        meta: dict,
+        lock: _EntryLock | None,
     ) -> None:
         try:
             header, data = _layout(arrays, meta)
@@ -344,6 +448,9 @@ class StageCache:
             st = os.stat(path)
             key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
             _recent().get(key, lambda: (arrays, meta, st.st_size))
+            with self._lock:
+                self.bytes_written[stage] += st.st_size
+                self._since_scan += st.st_size
         except OSError as exc:
             raise CacheError(
                 f"cannot write cache entry under {self.root}: {exc.strerror or exc}; "
@@ -354,6 +461,40 @@ class StageCache:
                 self._pending.pop(path, None)
             if lock is not None:
                 lock.release()
+        self._keep_to_limit()
+
+    def _keep_to_limit(self) -> None:
+        """After a write: when the root may be over its limit, evict (see
+        :mod:`healsweep._cache_disk`). A pass lists every entry (milliseconds for thousands),
+        so it runs when this cache's writes since the last one may have crossed the limit, or
+        once a second at most (other processes write too)."""
+        if self.max_bytes is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            due = now - self._scanned_at >= disk.RESCAN_S or self._since_scan > self._room
+            if not due:
+                return
+            self._scanned_at, self._since_scan = now, 0
+        try:
+            done = disk.evict(self.root, self.max_bytes)
+        except OSError as exc:
+            log.warning("stage cache %s: eviction failed (%s); the cache may exceed its limit",
+                        self.root, exc)  # fmt: skip
+            return
+        if done is None:
+            return
+        with self._lock:
+            self._room = max(0, self.max_bytes - done.after)
+            for stage, (n, size) in done.evicted.items():
+                self.evicted[stage] += n
+                self.bytes_evicted[stage] += size
+        if done.over and current().first_time(("stage cache over its limit", str(self.root))):
+            log.warning(
+                "stage cache %s: the entries running trials hold (%.3g GiB) do not fit its "
+                "limit of %.3g GiB; they are kept and the cache stays over the limit until they "
+                "are released (raise --cache-max-gb, cache_max_gb or HEALSWEEP_CACHE_MAX_GB)",
+                self.root, done.held_bytes / 2**30, self.max_bytes / 2**30)  # fmt: skip
 
     @contextmanager
     def writing_behind(self) -> Iterator[None]:

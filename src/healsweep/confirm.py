@@ -463,28 +463,36 @@ def confirm(
     trials beside each trial's against the baseline.
 
     Returns the ``confirm.json`` summary (also written under ``RESULTS/<sweep>/test/<milestone>``).
-    The ledger is ``results_root/ledger.jsonl`` (default: the sweep folder's parent). Refusals
-    (before anything is written): a changed model or split, a ledger that does not verify, a
-    milestone already opened on this split (``--resume`` continues one without a result), and a
-    split other than the ledger's latest unless ``allow_split_change``.
+    The ledger is ``results_root/ledger.jsonl`` (default: the one the sweep recorded,
+    :func:`sweep_ledger`). Refusals (before anything is written): a changed model or split, a
+    ledger that does not verify or does not extend a head recorded for it (missing, shorter,
+    rewritten: :mod:`healsweep.ledger_heads`), a milestone already opened on this split
+    (``--resume`` continues one without a result), and a split other than the ledger's latest
+    unless ``allow_split_change``. The sweep's manifest records the ledger's head after the
+    opening and after the result, ``confirm.json`` the head after the result.
     """
     from healsweep._atomic import atomic_write_text
     from healsweep.cache import StageCache
-    from healsweep.ledger import Ledger
+    from healsweep.ledger import head_record
+    from healsweep.ledger_heads import checked_ledger
     from healsweep.results.store import write_windows
+    from healsweep.sweep.manifest import append_ledger_head, ledger_head
 
     say = progress or (lambda message: None)
     if max_windows is not None and max_windows < 1:
         raise ResultsError(f"max_windows must be >= 1, got {max_windows}")
     sweep_dir = Path(sweep_dir)
     pairs_of = parse_pairs(pairs, trial_ids)
-    ledger = Ledger.in_results(Path(results_root) if results_root else sweep_dir.parent)
-    ledger.verify()
+    ledger = sweep_ledger(sweep_dir, results_root)
+    # the ledger must extend every head the sweep recorded (whichever ledger it names) and every
+    # head recorded for it under its results root: not removed, replaced or cut back
+    checked_ledger(ledger, sweeps=[sweep_dir], roots=[ledger.path.parent, sweep_dir.parent])
     ctx = load_context(sweep_dir)
     configs = freeze_configs(ctx, trial_ids)
     grant = open_grant(
         ledger, ctx, milestone, configs, resume=resume, allow_split_change=allow_split_change
     )
+    append_ledger_head(sweep_dir, ledger_head(ledger, sweep_dir, f"confirm {milestone} opened"))
     verb = "resumed" if resume else "opened"
     say(f"{verb} milestone {milestone!r} in {ledger.path} (split lock {ctx.lock_id[:12]}...)")
     windows = sealed_windows(ctx, grant, max_windows)
@@ -521,10 +529,25 @@ def confirm(
     # readable (the report marks it "not in ledger") rather than a recorded result with no summary.
     atomic_write_text(out / SUMMARY_FILE, _dumps(summary))
     entry = ledger.record_result(grant, result_hash)
-    summary.update(result_entry_hash=entry["hash"], confirmed_at=entry["time"])
+    append_ledger_head(sweep_dir, ledger_head(ledger, sweep_dir, f"confirm {milestone} result"))
+    summary.update(result_entry_hash=entry["hash"], confirmed_at=entry["time"],
+                   ledger_head=head_record(ledger, out))  # fmt: skip
     atomic_write_text(out / SUMMARY_FILE, _dumps(summary))
     say(f"recorded result {result_hash[:12]}... in {ledger.path}; wrote {out / SUMMARY_FILE}")
     return summary
+
+
+def sweep_ledger(sweep_dir: str | Path, results_root: str | Path | None = None) -> Ledger:
+    """The ledger a sweep's confirms record in: ``RESULTS_ROOT/ledger.jsonl`` when a results
+    root is given, else the one the sweep recorded (its spec's ``ledger``, else
+    ``RESULTS/ledger.jsonl`` beside the sweep folder)."""
+    from healsweep.ledger import Ledger
+    from healsweep.results.store import read_manifest
+    from healsweep.sweep.manifest import recorded_ledger
+
+    if results_root is not None:
+        return Ledger.in_results(Path(results_root))
+    return recorded_ledger(Path(sweep_dir), read_manifest(sweep_dir))
 
 
 def read_confirmed(sweep_dir: str | Path) -> list[dict[str, Any]]:

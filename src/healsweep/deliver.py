@@ -9,7 +9,9 @@ A trial confirmed on the test split is found by its frozen hash (knobs, model fi
 calibration with its corpus content: exactly what ``confirm`` froze) among the sweep's
 ``test/*/confirm.json`` whose result the ledger holds; the file then records the milestone and the
 ledger's ``confirm-result`` entry hash. Otherwise the export says, in one line, that the trial
-was never confirmed.
+was never confirmed. Every export records the head of the sweep's ledger it saw
+(``healsweep.ledger_head``); a ledger that does not extend the heads the sweep recorded
+(:mod:`healsweep.ledger_heads`) counts no confirmation.
 """
 
 from __future__ import annotations
@@ -93,6 +95,21 @@ def find_confirmation(sweep_dir: Path, frozen: str) -> tuple[Confirmation | None
     return found, note
 
 
+def _ledger_head(sweep_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The head of the sweep's ledger (``{"entries", "hash"}``) once the ledger checks out
+    against every head recorded for it, or ``(None, why not)``."""
+    from healsweep.confirm import sweep_ledger
+    from healsweep.errors import HealsweepError
+    from healsweep.ledger_heads import checked_ledger
+
+    ledger = sweep_ledger(sweep_dir)
+    try:
+        entries = checked_ledger(ledger, sweeps=[sweep_dir], roots=[ledger.path.parent])
+    except HealsweepError as exc:
+        return None, str(exc)
+    return {"entries": len(entries), "hash": entries[-1]["hash"] if entries else "0" * 64}, None
+
+
 def export_trial(
     sweep_dir: str | Path,
     out: str | Path,
@@ -128,6 +145,10 @@ def export_trial(
     frozen = frozen_hash(knobs, teacher.fingerprint, identity)
     confirmation, note = find_confirmation(sweep_dir, frozen)
     notes = [] if note is None else [note]
+    head, problem = _ledger_head(sweep_dir)
+    if problem is not None:  # no confirmation counts from a ledger that was reset
+        notes.append(f"the sweep's ledger does not check out, no confirmation counts: {problem}")
+        confirmation = None
     if row["status"] != TrialStatus.COMPLETED:
         notes.append(f"trial {row['trial_id']} ended {row['status']!r} on dev")
     student = build_student(teacher, knobs, calibration, cache or StageCache(), progress=progress)
@@ -146,5 +167,7 @@ def export_trial(
             ledger_entry=confirmation.result_entry_hash,
             ledger_open_entry=confirmation.open_entry_hash,
         )
+    if head is not None:
+        metadata["ledger_head"] = canonical_json(head)
     path = write_healed_gguf(student, out, experts=experts, metadata=metadata)
     return ExportResult(path, row, knobs, frozen, confirmation, notes)

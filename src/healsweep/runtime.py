@@ -52,9 +52,12 @@ class RuntimeClosedError(HealsweepError):
 
 class Activity:
     """What the stage caches of one runtime did, per stage: entries served (``hits``),
-    ``computed``, and hits that first ``waited`` for another process computing them."""
+    ``computed``, hits that first ``waited`` for another process computing them, the bytes of
+    entry files written and read (``bytes_written``, ``bytes_read``: reads from disk, not
+    from memory), and the entries an eviction deleted (``evicted``, ``bytes_evicted``)."""
 
-    KINDS = ("hits", "computed", "waited")
+    KINDS = ("hits", "computed", "waited", "bytes_written", "bytes_read", "evicted",
+             "bytes_evicted")  # fmt: skip
 
     def __init__(self) -> None:
         self._counts: dict[str, Counter[str]] = {kind: Counter() for kind in self.KINDS}

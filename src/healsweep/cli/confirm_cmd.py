@@ -19,7 +19,11 @@ _TRIAL = typer.Option(
     "that is the baseline: nothing to test against it). The baseline is always confirmed too.",
 )
 _ROOT = typer.Option(
-    None, "--results-root", help="Folder holding ledger.jsonl (default: the sweep folder's parent)."
+    None,
+    "--results-root",
+    help="Folder holding the ledger.jsonl to record in (default: the ledger the sweep recorded: "
+    "its spec's `ledger`, else the sweep folder's parent's); it must extend every ledger head "
+    "the sweep recorded.",
 )
 _MAX = typer.Option(
     None, "--max-windows", min=1, help="Score the first N test windows by window id (as a sweep)."

@@ -8,18 +8,32 @@ import typer
 
 from healsweep.cli._apps import ledger_app
 
-_RESULTS = typer.Option(Path("results"), "--results", help="Results root holding ledger.jsonl.")
+_RESULTS = typer.Option(
+    Path("results"), "--results",
+    help="Results root: its ledger.jsonl, and the sweeps whose recorded heads it must extend.",
+)  # fmt: skip
+_LEDGER = typer.Option(
+    None, "--ledger", help="A ledger file elsewhere (e.g. the tracked ledger/ledger.jsonl)."
+)
+
+
+def _checked(results: Path, ledger_path: Path | None) -> tuple[object, list[dict]]:
+    """The ledger (--ledger, else RESULTS/ledger.jsonl) and its entries, verified and checked
+    against every head recorded for it under the results root."""
+    from healsweep.ledger import Ledger
+    from healsweep.ledger_heads import checked_ledger
+
+    ledger = Ledger(ledger_path) if ledger_path else Ledger.in_results(results)
+    return ledger, checked_ledger(ledger, roots=[results, ledger.path.parent])
 
 
 @ledger_app.command("show")
 def show(
     results: Path = _RESULTS,
+    ledger_path: Path | None = _LEDGER,
 ) -> None:
     """A table of the ledger's entries (verified first)."""
-    from healsweep.ledger import Ledger
-
-    ledger = Ledger.in_results(results)
-    entries = ledger.entries()
+    ledger, entries = _checked(results, ledger_path)
     if not entries:
         typer.echo(f"{ledger.path}: no entries (the test split was never opened)")
         return
@@ -35,12 +49,20 @@ def show(
 @ledger_app.command("verify")
 def verify(
     results: Path = _RESULTS,
+    ledger_path: Path | None = _LEDGER,
 ) -> None:
-    """Check the hash chain; exit 0 with "ledger OK: N entries", or 1 with the reason."""
+    """Check the hash chain and that the ledger extends every head the sweeps under the results
+    root recorded for it (not removed, replaced or cut back), then each other ledger those sweeps
+    name; exit 0 with "ledger OK: N entries", or 1 with the reason."""
     from healsweep.ledger import Ledger
+    from healsweep.ledger_heads import checked_ledger, ledgers_named
 
-    n = Ledger.in_results(results).verify()
-    typer.echo(f"ledger OK: {n} entries")
+    ledger, entries = _checked(results, ledger_path)
+    typer.echo(f"ledger OK: {len(entries)} entries")
+    for other in ledgers_named(results):
+        if other != ledger.path.resolve():
+            n = len(checked_ledger(Ledger(other), roots=[results, other.parent]))
+            typer.echo(f"ledger OK: {n} entries ({other})")
 
 
 def _row(entry: dict) -> tuple[str, ...]:

@@ -46,6 +46,14 @@ from typing import Any, NamedTuple
 
 from gguf import Keys
 
+from healsweep.data._template_sandbox import (
+    RenderLimitExceeded,
+    RenderLimits,
+    budgeted,
+    guard_filters,
+    make_environment,
+    render_limits,
+)
 from healsweep.data.corpus import (
     IM_END,
     THINK_CLOSE,
@@ -114,13 +122,15 @@ class ChatFormat:
     """How a model reads a conversation: its Jinja chat template, or ChatML (``template=None``).
 
     ``special_tokens`` are the template variables ``(name, text)``, ``end_of_turn`` the markers
-    an answer window may end with, ``source`` the file the template came from (for errors).
+    an answer window may end with, ``source`` the file the template came from (for errors),
+    ``limits`` what one render may spend (:mod:`healsweep.data._template_sandbox`).
     """
 
     template: str | None = None
     special_tokens: tuple[tuple[str, str], ...] = ()
     end_of_turn: tuple[str, ...] = (IM_END,)
     source: str = "ChatML"
+    limits: RenderLimits = RenderLimits()
 
     @property
     def is_chatml(self) -> bool:
@@ -167,13 +177,21 @@ class ChatFormat:
                 + _FIX
             ) from exc
         try:
-            return compiled.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **dict(self.special_tokens),
-            )
+            with budgeted(self.limits):
+                return compiled.render(
+                    messages=messages,
+                    tools=None,
+                    documents=None,
+                    add_generation_prompt=add_generation_prompt,
+                    **dict(self.special_tokens),
+                )
+        except RenderLimitExceeded as exc:
+            raise ChatTemplateError(
+                f"{self.source}: tokenizer.chat_template was stopped on {what}: {exc} (the "
+                f"limits of one render are {self.limits.describe()}); for a legitimate large "
+                "template raise HEALSWEEP_TEMPLATE_SECONDS / HEALSWEEP_TEMPLATE_MIB, otherwise "
+                + _FIX
+            ) from None
         except Exception as exc:  # raise_exception(), undefined names, type errors in the template
             raise ChatTemplateError(
                 f"{self.source}: tokenizer.chat_template failed on {what} "
@@ -202,7 +220,7 @@ def model_chat_format(model: Any) -> ChatFormat:
         (name, text) for name, key in SPECIAL_TOKEN_KEYS if (text := text_of(key)) is not None
     )
     ends = tuple(dict.fromkeys(t for key in END_OF_TURN_KEYS if (t := text_of(key))))
-    return ChatFormat(template, special, ends, str(model.path))
+    return ChatFormat(template, special, ends, str(model.path), render_limits())
 
 
 def render_document(doc: Any, chat: ChatFormat | None = None) -> str:
@@ -236,7 +254,6 @@ def _environment() -> Any:
     from jinja2 import nodes
     from jinja2.exceptions import TemplateError
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationBlock(Extension):
         # `{% generation %}...{% endgeneration %}` marks assistant text for training masks;
@@ -260,12 +277,13 @@ def _environment() -> Any:
             sort_keys=sort_keys,
         )  # fmt: skip
 
-    env = ImmutableSandboxedEnvironment(
+    env = make_environment(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = TEMPLATE_CLOCK.strftime
+    guard_filters(env)  # every filter, the ones above included, within the render's budget
     return env
 
 

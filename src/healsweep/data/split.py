@@ -12,6 +12,14 @@ which text is tuned on or tested on. Documents of the corpus's ``train`` pool ar
 
 Only ``test`` is sealed: materializing it needs a ledger grant (:func:`require_access`).
 Canary documents lie outside dev and test and may be scored at any time.
+
+Test membership is fixed by the parity rule, never by a role the file assigns: an eval-pool
+document of a parity source with an even index is *test-side*, and a config that names one as a
+canary or as calibration (which would make it scorable, or trainable, without a grant) is refused
+in one line. A test-side document may only be ``burned`` (kept out of every split: never scored,
+never trained on), which changes the lock id like any other edit, so the ledger refuses it after a
+confirm. Two documents with the same text cannot sit on both sides either: a dev, canary or
+calibration document whose content equals a test document's is refused the same way.
 """
 
 from __future__ import annotations
@@ -104,21 +112,43 @@ def assign(config: SplitConfig, doc: SplitDocument) -> str:
 
     Precedence: named canary, named exclusion, calibration pool, ``train`` pool (excluded), the
     source rule (parity: odd index → dev, even → test). A source the config does not list raises
-    :class:`SplitError`, so a corpus that grew a new source cannot slip into dev or test unseen.
+    :class:`SplitError`, so a corpus that grew a new source cannot slip into dev or test unseen,
+    and so does a test-side document named as a canary or as calibration (module docstring).
     """
     return _assign_with_reason(config, doc)[0]
 
 
-def _assign_with_reason(config: SplitConfig, doc: SplitDocument) -> tuple[str, str]:
-    if doc.doc_id in config.canary:
-        return "canary", "canary"
-    exclusion = config.exclusions.get(doc.doc_id)
-    if exclusion is not None:
-        target = {"calibration": "calibration", "canary": "canary", "burned": "excluded"}
-        return target[exclusion.reason], exclusion.reason
+def on_test_side(config: SplitConfig, doc: SplitDocument) -> bool:
+    """Whether the parity rule puts ``doc`` on the test side (an eval-pool document of a parity
+    source with an even index), whatever role the config names it in."""
     pool = getattr(doc, "pool", "eval") or "eval"
-    if doc.doc_id in config.calibration.doc_ids:
-        return "calibration", "calibration"
+    rule = config.sources.get(doc.source)
+    return pool == "eval" and rule is not None and rule.rule == "parity" and doc.index % 2 == 0
+
+
+def _named_role(config: SplitConfig, doc_id: str) -> str | None:
+    """The role the config names ``doc_id`` in (canary, calibration or burned), if any."""
+    if doc_id in config.canary:
+        return "canary"
+    exclusion = config.exclusions.get(doc_id)
+    if exclusion is not None:
+        return exclusion.reason
+    return "calibration" if doc_id in config.calibration.doc_ids else None
+
+
+def _assign_with_reason(config: SplitConfig, doc: SplitDocument) -> tuple[str, str]:
+    role = _named_role(config, doc.doc_id)
+    if role is not None:
+        if role != "burned" and on_test_side(config, doc):
+            raise SplitError(
+                f"the split config names {doc.doc_id!r} as {role}, but it is a test document "
+                f"(index {doc.index} of parity source {doc.source!r}); the parity rule fixes "
+                f"the test split, so a test document can only be burned: pick a dev-side (odd "
+                f"index) document as {role}, or burn this one"
+            )
+        target = {"calibration": "calibration", "canary": "canary", "burned": "excluded"}
+        return target[role], role
+    pool = getattr(doc, "pool", "eval") or "eval"
     if pool == "calibration" and config.calibration.from_corpus_pool:
         return "calibration", "calibration-pool"
     if pool == "train":
@@ -175,6 +205,7 @@ def resolve_split(config: SplitConfig, documents: Iterable[SplitDocument] | Any)
     assignments, reasons = {}, {}
     for doc in docs:
         assignments[doc.doc_id], reasons[doc.doc_id] = _assign_with_reason(config, doc)
+    _check_test_text_stays_test(docs, assignments)
     if not any(v == "dev" for v in assignments.values()):
         raise SplitError(
             f"the split leaves the dev set empty ({len(docs)} documents, sources "
@@ -204,6 +235,21 @@ def _lock_id(docs: tuple, assignments: Mapping[str, str], reasons: Mapping[str, 
     )
     payload = json.dumps([_LOCK_TAG, rows], separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def _check_test_text_stays_test(docs: tuple, assignments: Mapping[str, str]) -> None:
+    """SplitError when a test document's exact text is also a dev, canary or calibration
+    document (scoring or tuning on it would open the test split by another name)."""
+    test_text = {d.content_hash: d.doc_id for d in docs if assignments[d.doc_id] == "test"}
+    for doc in docs:
+        twin = test_text.get(doc.content_hash)
+        split = assignments[doc.doc_id]
+        if twin is not None and split in ("dev", "canary", "calibration"):
+            raise SplitError(
+                f"document {doc.doc_id!r} ({split}) has the same text as test document "
+                f"{twin!r}; the test split's text cannot be scored or tuned on under another "
+                f"id: remove the duplicate from the corpus or burn {doc.doc_id!r}"
+            )
 
 
 def _check_roles(config: SplitConfig) -> None:

@@ -170,8 +170,9 @@ def build_student(
     run = StageRunner(cache)
     computed_before = dict(cache.computed)
     # Entries are written on the cache's writer thread while the next stages run; all are
-    # on disk when the block ends.
-    with cache.writing_behind():
+    # on disk when the block ends. Every entry the trial reads or writes is held (no eviction
+    # of a bounded cache deletes it) until its student is built.
+    with cache.holding(), cache.writing_behind():
         trace: Trace | None = None
         if needs_trace(knobs, model):
             trace = run.timed(

@@ -123,18 +123,28 @@ class HeldoutFolds(NamedTuple):
 
 class HealedShexp(NamedTuple):
     """``part_b``: the healed ``ffn_down_shexp`` as stored (``raw``, the writer's bytes or
-    values) and as read back (``dense`` float32 [D, Fs]), and the fit's figures at eta."""
+    values) and as read back (``dense`` float32 [D, Fs]), and the fit's figures at eta.
+
+    The entry keeps ``raw`` alone (a quarter to two thirds of the bytes): ``dense`` is decoded
+    from it when read, bit for bit what the requantization returned
+    (:func:`healsweep.quant.requant.dequantized`)."""
 
     raw: np.ndarray
     dense: np.ndarray
     stats: dict[str, Any]
 
     def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
-        return {"raw": self.raw, "dense": self.dense}, self.stats
+        return {"raw": self.raw}, {"stats": self.stats, "shape": list(self.dense.shape)}
 
     @classmethod
     def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> HealedShexp:
-        return cls(arrays["raw"], arrays["dense"], meta)
+        from gguf import GGMLQuantizationType
+
+        from healsweep.quant.requant import dequantized
+
+        stats, raw = meta["stats"], arrays["raw"]
+        qtype = GGMLQuantizationType[stats["storage_type"]]
+        return cls(raw, dequantized(raw, qtype, tuple(meta["shape"])), stats)
 
 
 def shexp_weights(model: GGUFModel, layer: int) -> tuple[jax.Array, jax.Array]:

@@ -47,7 +47,7 @@ VERSIONS: dict[Stage, int] = {
     Stage.RIDGE_RHS: 1,
     Stage.RIDGE_FIT: 4,
     Stage.RIDGE_HELDOUT: 1,
-    Stage.PART_B: 3,
+    Stage.PART_B: 4,  # 4: the requantized bytes alone (the dense values are decoded when read)
 }
 # The stages whose knob reads make up a student's key (heal.reads.student_key), as recorded in
 # sweeps: the list is part of every student key, so it stays as it was.

@@ -383,6 +383,8 @@ def calibration_trace(
     corpus = corpus if corpus is not None else load_corpus(calibration.corpus)
     docs = calibration_documents(corpus, calibration)
     key = trace_key(model, calibration, docs)
+    for i in model.hparams.moe_layers:  # read later, one by one: held from now (a bounded
+        cache.hold(LAYER_STAGE, layer_key(key, i))  # cache must not evict layer 5 meanwhile)
 
     def compute() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         chunks, info = make_chunks(docs, model.tokenizer(), calibration, model_chat_format(model))

@@ -6,6 +6,7 @@
 
 from healsweep.ledger._chain import canonical_json, entry_hash
 from healsweep.ledger._grant import CONFIRM_HINT, Grant
+from healsweep.ledger._heads import check_extends, head_record, names
 from healsweep.ledger._ledger import (
     LEDGER_NAME,
     Ledger,
@@ -22,7 +23,10 @@ __all__ = [
     "Ledger",
     "Milestone",
     "canonical_json",
+    "check_extends",
     "entry_hash",
+    "head_record",
+    "names",
     "require_grant",
     "require_split_unchanged",
     "split_drift",

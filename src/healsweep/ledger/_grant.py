@@ -2,8 +2,9 @@
 
 A :class:`Grant` names the ledger file and the hash of the ``confirm-open`` entry that issued it.
 Its constructor refuses callers other than the ledger, but that is a courtesy: the real check is
-:func:`healsweep.ledger._ledger.require_grant`, which re-reads the ledger on every use and accepts the grant only if that
-entry is in a valid chain, opens this split lock id and milestone, and has no result recorded yet.
+:func:`healsweep.ledger._ledger.require_grant`, which re-reads the ledger on every use and
+accepts the grant only if that entry is in a valid chain, opens this split lock id and milestone,
+and has no result recorded yet.
 So a hand-made grant either points at a real, recorded opening or fails.
 
 A grant cannot be pickled: a Ray Tune trainable (or any other process) can never receive one.

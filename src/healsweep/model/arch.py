@@ -18,6 +18,7 @@ from gguf import Keys
 from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io import ModelHparams, block_prefix, layer_tensor, tensor_name
 from healsweep.model import layers
+from healsweep.model._hparam_rules import blocks_in, check_relations, checked_value
 
 GATING_FUNC = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 
@@ -97,12 +98,16 @@ class Architecture:
         """:class:`ModelHparams` from metadata (``get(key)`` is None when absent).
 
         Sizes that llama.cpp treats as optional (expert FFN sizes, vocab) fall back to the
-        shapes of the tensors, as llama.cpp does; call :meth:`missing_keys` first.
+        shapes of the tensors, as llama.cpp does; call :meth:`missing_keys` first. Every value
+        is checked as it is read (type and range) and the result against itself and the file's
+        blocks (:meth:`check_hparams`) before anything is sized by it: a
+        :class:`GGUFFormatError` names the key, its value and what was expected.
         """
 
         def value(field: str, default: Any = None) -> Any:
-            found = get(metadata_key(field, self.name))
-            return default if found is None else found
+            key = metadata_key(field, self.name)
+            found = get(key)
+            return default if found is None else checked_value(key, field, found)
 
         n_embd, n_head = int(value("n_embd")), int(value("n_head"))
         gate_exps = "." + layer_tensor(T.FFN_GATE_EXP)
@@ -120,7 +125,7 @@ class Architecture:
                 "which healsweep does not apply: its positions would be wrong; open an issue for it"
             )
         head_dim, attention = self.read_attention(value, head_dim)
-        return ModelHparams(
+        hp = ModelHparams(
             arch=self.name,
             n_layer=int(value("n_layer")) - n_layer_nextn,
             n_embd=n_embd,
@@ -144,6 +149,19 @@ class Architecture:
             **scaling,
             **attention,
         )
+        self.check_hparams(
+            hp,
+            lambda field: metadata_key(field, self.name),
+            blocks_in(tensor_shapes),
+            lambda field: get(metadata_key(field, self.name)) is not None,
+        )
+        return hp
+
+    def check_hparams(self, hp: ModelHparams, key: Callable[[str], str], n_blocks: int,
+                      has: Callable[[str], bool]) -> None:  # fmt: skip
+        """Raise :class:`GGUFFormatError` for hparams that contradict each other or the file
+        (``n_blocks``: the blocks it has tensors for); architectures add their own checks."""
+        check_relations(hp, key, n_blocks, has)
 
     def read_shared_expert(self, value: Value, n_ff_exp: int, shapes: Mapping) -> dict[str, int]:
         """``n_ff_shexp`` (and ``n_expert_shared``): none by default."""

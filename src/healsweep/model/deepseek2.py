@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from gguf import MODEL_TENSOR as T
 
+from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io import ModelHparams, layer_tensor
 from healsweep.model.arch import RoutingFromFile, Value
 from healsweep.model.layers import as_dense, causal_attention, matmul, rms_norm, rope
@@ -55,6 +56,15 @@ class Deepseek2(RoutingFromFile):
             "kv_lora_rank": int(value("kv_lora_rank", 0)),
             "kv_b_split": split,
         }
+
+    def check_hparams(self, hp: ModelHparams, key, n_blocks: int, has) -> None:
+        super().check_hparams(hp, key, n_blocks, has)
+        if hp.kv_lora_rank < 1:
+            raise GGUFFormatError(
+                f"{key('kv_lora_rank')} is {hp.kv_lora_rank}; expected a positive width of the "
+                "compressed kv (multi-head latent attention): the metadata is inconsistent, "
+                "re-export the file"
+            )
 
     def attention_metadata(self, hp: ModelHparams) -> dict[str, Any]:
         fields: dict[str, Any] = {

@@ -106,6 +106,19 @@ def score_windows(
     cached = None
     if expert_cache is not None:
         cached = CachedStudent(student, expert_cache)
+    with cache.holding():  # the teacher records read or written: held until scoring ends
+        yield from _scored(teacher, student, windows, cache, batch, fmt, cached)
+
+
+def _scored(
+    teacher: GGUFModel,
+    student: StudentModel,
+    windows: Iterable[Window],
+    cache: StageCache,
+    batch: int,
+    fmt: TeacherCacheFormat,
+    cached: CachedStudent | None,
+) -> Iterator[tuple[Window, WindowMetrics]]:
     for group in _batches(windows, batch):
         taught = teacher_outputs(teacher, group, cache, fmt)
         studied = run_student(student, group, cached)

@@ -34,7 +34,7 @@ from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.progress import ProgressSink
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
 from healsweep.sweep.space import baseline_point, optuna_space
-from healsweep.sweep.spec import RAY_RESOURCE_NAMES, SweepSpec
+from healsweep.sweep.spec import RAY_RESOURCE_NAMES, SweepSpec, check_paths
 from healsweep.sweep.trial import (
     COORDINATOR_RESOURCES,
     TARGET_METRIC,
@@ -323,6 +323,7 @@ def run_sweep(
     root = Path(results_root or spec.results).resolve()
     sweep_dir = root / spec.name
     _refuse_existing(sweep_dir, spec.name)
+    _refuse_foreign(sweep_dir)
     require_writable(root)  # before Ray starts: a read-only or full root is refused at once
     identity = identity_fn(spec)
     # Connect and check resources before the folder is created, so a refused start leaves none.
@@ -334,10 +335,25 @@ def run_sweep(
 
 
 def _refuse_existing(sweep_dir: Path, name: str) -> None:
+    if sweep_dir.is_symlink():
+        raise ResultsError(
+            f"{sweep_dir} is a symbolic link (to {os.readlink(sweep_dir)}); a sweep writes only "
+            "into a folder of its own under the results root: remove the link or give the sweep "
+            "another name"
+        )
     if (sweep_dir / SPEC_FILE).exists():
         raise ResultsError(
             f"{sweep_dir} already holds sweep {name}; resume it with `healsweep sweep resume "
             f"{sweep_dir}` or give the new sweep another name"
+        )
+
+
+def _refuse_foreign(sweep_dir: Path) -> None:
+    """A new sweep's folder is new or empty: one holding other files is someone else's."""
+    if sweep_dir.exists() and (not sweep_dir.is_dir() or any(sweep_dir.iterdir())):
+        raise ResultsError(
+            f"{sweep_dir} already exists and is not a sweep folder (no {SPEC_FILE}); a sweep "
+            "writes only into a folder of its own: move it away or give the sweep another name"
         )
 
 
@@ -353,6 +369,7 @@ def resume_sweep(
     re-scored (they are replayed from the Parquet rows)."""
     sweep_dir = Path(sweep_dir).resolve()
     spec = read_spec(sweep_dir)
+    check_paths(spec, str(sweep_dir / SPEC_FILE))  # what it names may have moved since the run
     with sweep_lock(sweep_dir), ray_session(spec, address, num_cpus):
         start_manifest(sweep_dir, spec, None, kind="resume")
         repair_journal(sweep_dir / JOURNAL_FILE)

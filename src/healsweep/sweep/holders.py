@@ -55,6 +55,7 @@ from healsweep.sweep.spec import RAY_RESOURCE_NAMES
 TRACE = "trace"  # the holder key of the sweep's calibration trace (one per sweep)
 # The stage whose entries name a node as a holder: what a trial there hit or computed.
 _HOLDS = {Stage.QUANTIZE.value: "quantization", Stage.CALIB_TRACE.value: TRACE}
+_HELD_BY = ("hits", "computed", "waited")  # the activity kinds that leave an entry on the node
 
 
 def quantization_of(knobs: Knobs) -> str:
@@ -68,8 +69,9 @@ def quantization_of(knobs: Knobs) -> str:
 def held_keys(quantization: str | None, detail: Mapping[str, Mapping[str, int]]) -> list[str]:
     """The holder keys a node gained from a trial's stage-cache activity ``detail`` (hits,
     computed, waited per stage): its quantization once the quantize stage ran or was served
-    there, the trace once the calibration trace was."""
-    touched = {stage for counts in detail.values() for stage, n in counts.items() if n}
+    there, the trace once the calibration trace was (bytes and evictions say nothing of what
+    the node holds)."""
+    touched = {stage for kind in _HELD_BY for stage, n in detail.get(kind, {}).items() if n}
     keys = []
     for stage, what in _HOLDS.items():
         if stage in touched:

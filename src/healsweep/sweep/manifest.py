@@ -2,13 +2,16 @@
 
 ``spec.json`` is the validated spec with resolved paths (what ``resume`` runs again);
 ``manifest.json`` records what the results depend on: the spec hash, the split lock id, the
-model fingerprint, package and library versions, seeds, and one entry per run or resume.
+model fingerprint, package and library versions, seeds, one entry per run or resume, and the
+head of the sweep's ledger at each run, resume and confirm (``ledger_heads``: what a ledger must
+extend to be accepted, :mod:`healsweep.ledger._heads`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -17,15 +20,19 @@ from typing import Any
 from healsweep._atomic import atomic_write_text
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
+from healsweep.ledger import Ledger, head_record
 from healsweep.results.store import MANIFEST_FILE, SPEC_FILE, read_manifest
 from healsweep.sweep.space import KNOB_NAMES, planned_trials
 from healsweep.sweep.spec import SweepSpec
 
+LEDGER_HEADS = "ledger_heads"  # the manifest's list of ledger heads it saw
+
 
 def spec_hash(spec: SweepSpec) -> str:
-    """sha256 of the spec's canonical JSON (the results and stage-cache locations excluded:
-    moving them is fine, and a resume may name another shared cache root)."""
-    body = canonical_json(spec.model_dump(mode="json", exclude={"results", "cache_root"}))
+    """sha256 of the spec's canonical JSON (the results, stage-cache and ledger locations
+    excluded: moving them is fine, and a resume may name another shared cache root)."""
+    locations = {"results", "cache_root", "ledger"}
+    body = canonical_json(spec.model_dump(mode="json", exclude=locations))
     return hashlib.sha256(body.encode()).hexdigest()
 
 
@@ -61,10 +68,39 @@ def _check_same_knobs(sweep_dir: Path, manifest: dict[str, Any]) -> None:
     )
 
 
+def sweep_ledger(spec: SweepSpec, sweep_dir: Path) -> Ledger:
+    """The ledger a new sweep's confirms record in: the spec's ``ledger``, else
+    ``RESULTS/ledger.jsonl`` beside the sweep folder."""
+    return Ledger(spec.ledger) if spec.ledger else Ledger.in_results(Path(sweep_dir).parent)
+
+
+def recorded_ledger(sweep_dir: Path, manifest: dict[str, Any]) -> Ledger:
+    """The ledger a sweep recorded (its first head's path, relative to the sweep folder), else
+    ``RESULTS/ledger.jsonl`` beside it (a sweep from before heads were recorded)."""
+    heads = manifest.get(LEDGER_HEADS) or []
+    if heads and isinstance(heads[0].get("path"), str):
+        return Ledger(os.path.normpath(Path(sweep_dir).absolute() / heads[0]["path"]))
+    return Ledger.in_results(Path(sweep_dir).parent)
+
+
+def ledger_head(ledger: Ledger, sweep_dir: Path, at: str) -> dict[str, Any]:
+    """A head record of ``ledger`` for the sweep's manifest (``at``: what recorded it)."""
+    return {**head_record(ledger, sweep_dir), "at": at, "time": time.time()}
+
+
+def append_ledger_head(sweep_dir: Path, head: dict[str, Any]) -> None:
+    """Add a head (a confirm's, after it opened or closed a milestone) to the manifest."""
+    manifest = read_manifest(sweep_dir)
+    manifest[LEDGER_HEADS] = [*manifest.get(LEDGER_HEADS, []), head]
+    atomic_write_text(sweep_dir / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
+
+
 def start_manifest(
     sweep_dir: Path, spec: SweepSpec, identity: dict[str, Any] | None, kind: str
 ) -> dict:
-    """Write ``spec.json`` and a new manifest (``kind="run"``), or append a resume entry."""
+    """Write ``spec.json`` and a new manifest (``kind="run"``), or append a resume entry; either
+    way the head of the sweep's ledger is recorded (``ledger_heads``; a ledger that does not
+    verify is refused here, before anything runs)."""
     run = {
         "kind": kind,
         "started_at": time.time(),
@@ -85,6 +121,7 @@ def start_manifest(
             "planned_trials": planned_trials(spec),
             "created_at": run["started_at"],
             "runs": [run],
+            LEDGER_HEADS: [ledger_head(sweep_ledger(spec, sweep_dir), sweep_dir, "run")],
         }
     else:
         manifest = read_manifest(sweep_dir)
@@ -95,6 +132,8 @@ def start_manifest(
             )
         _check_same_knobs(sweep_dir, manifest)
         manifest["runs"] = [*manifest.get("runs", []), run]
+        head = ledger_head(recorded_ledger(sweep_dir, manifest), sweep_dir, "resume")
+        manifest[LEDGER_HEADS] = [*manifest.get(LEDGER_HEADS, []), head]
     atomic_write_text(sweep_dir / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
 

@@ -243,6 +243,10 @@ class SweepSpec(_Strict):
     cache_root: str | None = None
     """a stage-cache folder every worker mounts at this same path (shared storage: each entry
     is then computed once for the whole pool), or null for each worker's own ($HEALSWEEP_CACHE)"""
+    # where the sweep's confirms record their openings: the project's specs name the tracked
+    # ledger/ledger.jsonl (docs/reliability.md)
+    ledger: str | None = None
+    """a ledger file path for its confirms, or null for RESULTS/ledger.jsonl"""
 
     # Fields added after sweeps were recorded, with the value that means "as before": at it they
     # are left out of the stored form, so every earlier spec keeps its hash (as Knobs.ADDED_LATER).
@@ -250,6 +254,7 @@ class SweepSpec(_Strict):
         "budget": None,
         "placement": "cache",
         "cache_root": None,
+        "ledger": None,
     }
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -403,6 +408,8 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
     ]
     if spec.cache_root is not None:
         changes["cache_root"] = resolved(spec.cache_root)
+    if spec.ledger is not None:
+        changes["ledger"] = resolved(spec.ledger)
     out = spec.model_copy(update=changes)
     given = spec._given.get("calibration")
     if isinstance(given, Mapping) and given.get("corpus", "demo") != "demo":  # stored resolved
@@ -411,6 +418,10 @@ def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
 
 
 def _check_paths(spec: SweepSpec, where: str) -> None:
+    """Every path of the spec checked where it is loaded: each file exists and is of its kind
+    (a corpus parses as one, a split config as one), the calibration corpus included, and the
+    folders (results root, shared cache root) are folders where they exist; externals open and
+    share the model's tokenizer, and a budget is checked against the model."""
     for field in _FILES:
         value = getattr(spec, field)
         if not _named(field, value) and not Path(value).is_file():
@@ -418,12 +429,53 @@ def _check_paths(spec: SweepSpec, where: str) -> None:
             raise SpecError(
                 f"{where}: field '{field}' = {value!r}: no such file; allowed: {allowed}"
             )
+    _check_contents(spec, where)
+    for field, value in (("results", spec.results), ("cache_root", spec.cache_root)):
+        if value is not None and Path(value).exists() and not Path(value).is_dir():
+            raise SpecError(
+                f"{where}: field '{field}' = {value!r} is a file, not a folder; "
+                f"expected {SweepSpec.model_fields[field].description}"
+            )
+    if spec.ledger is not None and (Path(spec.ledger).is_dir()
+                                    or not Path(spec.ledger).parent.is_dir()):  # fmt: skip
+        raise SpecError(
+            f"{where}: field 'ledger' = {spec.ledger!r} is a folder or lies in a missing one; "
+            f"expected {SweepSpec.model_fields['ledger'].description}"
+        )
     if spec.external:
         check_externals(spec, where)
     if spec.budget is not None:
         from healsweep.sweep.budget import check_budget
 
         check_budget(spec, where)
+
+
+def _check_contents(spec: SweepSpec, where: str) -> None:
+    """The corpora and the split config parse (a sweep whose calibration corpus was not a corpus
+    loaded, then failed in every trial)."""
+    from healsweep.data.corpus import load_corpus
+    from healsweep.data.split import load_split
+    from healsweep.errors import HealsweepError
+
+    checks = [("corpus", spec.corpus, load_corpus)]
+    if spec.calibration.corpus != spec.corpus:
+        checks.append(("calibration.corpus", spec.calibration.corpus, load_corpus))
+    if spec.split != "auto":
+        checks.append(("split", spec.split, load_split))
+    for field, value, load in checks:
+        if field == "calibration.corpus" and value != "demo" and not Path(value).is_file():
+            raise SpecError(f"{where}: field 'calibration.corpus' = {value!r}: no such file; "
+                            "allowed: a corpus JSONL path or 'demo'")  # fmt: skip
+        try:
+            load(value)
+        except HealsweepError as exc:
+            raise SpecError(f"{where}: field '{field}' = {value!r}: {exc}") from None
+
+
+def check_paths(spec: SweepSpec, where: str) -> None:
+    """The load-time checks of :func:`load_spec` on a spec already loaded (a stored one, before a
+    resume): SpecError naming the field for a path that is missing or not of its kind."""
+    _check_paths(spec, where)
 
 
 def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:

@@ -145,11 +145,26 @@ def _score_dev(
         yield WindowRecord.of(window, metrics, wi, len(windows), position[wi])
 
 
+def check_documents(spec: SweepSpec, model: GGUFModel) -> None:
+    """Build the dev windows and render the calibration documents in the model's chat format,
+    as the trials will (raises what they would raise, once)."""
+    from healsweep.data.chat_template import model_chat_format, render_document
+    from healsweep.data.corpus import load_corpus
+    from healsweep.heal.trace import calibration_documents
+
+    dev_windows(spec, model)
+    chat = model_chat_format(model)
+    for doc in calibration_documents(load_corpus(spec.calibration.corpus), spec.calibration):
+        render_document(doc, chat)
+
+
 def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
     """What the manifest records about the sweep's inputs: model fingerprint, split lock id.
     Refuses (before any trial starts) a model whose experts cannot be quantized in the
-    baseline's types or, for a grid, in any grid config's, and a ``scoring.max_context`` that
-    does not fit the model's context."""
+    baseline's types or, for a grid, in any grid config's, a ``scoring.max_context`` that
+    does not fit the model's context, and documents the model's chat template cannot render
+    (the dev windows are built and the calibration documents rendered once here, as every
+    trial would: a failing or runaway template stops the sweep in one line, not each trial)."""
     from healsweep.data.split import split_lock_id
     from healsweep.heal.quantize import check_quantizable
     from healsweep.model import open_model
@@ -163,6 +178,7 @@ def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
         window_options(spec.scoring, model)
     except SplitError as exc:
         raise SpecError(f"sweep {spec.name}: field 'scoring.max_context': {exc}") from None
+    check_documents(spec, model)
     corpus, split_cfg = spec_split(spec)
     return {
         "model_fingerprint": model.fingerprint,

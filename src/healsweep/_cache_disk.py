@@ -1,0 +1,287 @@
+"""The stage cache on disk: its size limit, the entries running trials hold, and LRU eviction.
+
+**The limit.** A cache root may be given a size limit, in GiB of its entries (the ``*.hsc``
+files; JAX's compilation cache in ``jax/``, lock files and the trace's scratch folders are not
+counted): ``--cache-max-gb`` on a command, else ``cache_max_gb`` of the sweep spec, else
+``HEALSWEEP_CACHE_MAX_GB``, else none (:func:`cache_limit`). After a write that takes the
+entries over the limit, the least recently used entries that no running trial holds are deleted
+until they fit in ``1 - MARGIN`` of it (:func:`evict`). An eviction costs a later trial that
+needs the entry its recomputation, never a wrong result: every entry is content-keyed and
+checks itself when read.
+
+**Recency.** Every read of an entry sets its access time explicitly (``os.utime``, so it
+survives the process and does not depend on how the file system is mounted: ``noatime`` only
+stops the kernel's own updates); its modification time is left alone, since it is part of the
+identity under which the cache keeps entries in memory. A new entry's access time is its
+creation.
+
+**Holds.** A process that works on entries holds them (:meth:`healsweep.cache.StageCache.holding`):
+each holding block has its own file ``.holds/<host>-<pid>-<random>.holds`` under the root, on
+which it keeps an exclusive ``flock`` while the block lasts, and to which it appends the path of
+every entry it reads or writes before it reads or writes it. An evictor lists the entries, then
+reads every holds file whose owner is alive (its lock cannot be taken) and skips what they name;
+a holds file whose lock it can take belongs to a process that died and is deleted. An entry
+written is held from the moment it appears (its path is in the holds file before the rename), an
+entry being computed has no file yet, and an entry held before a pass started survives it; a
+hold written while a pass runs may lose the race, which costs a recomputation (the reader has the
+entry's bytes once it has read them). One eviction runs at a time per root (``.holds/evict.lock``;
+a process that finds it taken leaves the pass to the other). When the entries held exceed the
+limit by themselves, they are all kept and one warning says so: a trial is never failed, nor
+made to recompute what it holds.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+from healsweep.errors import SettingError
+
+LIMIT_ENV = "HEALSWEEP_CACHE_MAX_GB"
+MARGIN = 0.1  # an eviction frees down to 90% of the limit, so the next writes do not evict again
+RESCAN_S = 1.0  # a cache looks again at most this often unless its own writes may cross the limit
+HOLDS_DIR = ".holds"
+ENTRY_SUFFIX = ".hsc"
+# A holds file on a file system that cannot lock is taken for a live process's until it is this
+# old without a new line (no trial holds an entry for a day without reading another).
+STALE_S = 24 * 3600.0
+_NO_LOCKING = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
+_GIB = 2**30
+
+
+def parse_limit(value: object, source: str) -> int | None:
+    """Bytes of a size limit given in GiB by ``source`` (``--cache-max-gb``, ``cache_max_gb``,
+    ``HEALSWEEP_CACHE_MAX_GB=``): None for ``None``, ``""`` or infinity (no limit);
+    :class:`~healsweep.errors.SettingError` for a negative number, NaN or anything that is not
+    a number."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        gib = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        gib = math.nan
+        problem = "is not a number"
+    else:
+        problem = "is NaN" if math.isnan(gib) else "is negative" if gib < 0 else ""
+    if problem:
+        named = f"{source}{value!r}" if source.endswith("=") else f"{source} {value!r}"
+        raise SettingError(
+            f"{named} {problem}: give the stage cache's size limit in GiB (a number >= 0; 0 "
+            "keeps only what running trials hold), or leave it out for no limit"
+        )
+    return None if math.isinf(gib) else int(gib * _GIB)
+
+
+def cache_limit(max_gb: float | str | None = None, source: str = "--cache-max-gb") -> int | None:
+    """The size limit of a stage cache in bytes: ``max_gb`` when given (a command's option, or
+    the sweep spec's ``cache_max_gb``), else ``HEALSWEEP_CACHE_MAX_GB``, else None (no limit)."""
+    if max_gb is not None:
+        return parse_limit(max_gb, source)
+    return parse_limit(os.environ.get(LIMIT_ENV), f"{LIMIT_ENV}=")
+
+
+def touch(path: Path, mtime_ns: int) -> None:
+    """Mark an entry used now: its access time set, its modification time kept."""
+    try:
+        os.utime(path, ns=(time.time_ns(), mtime_ns))
+    except OSError:  # another user's file on shared storage, say: recency is then its write
+        pass
+
+
+class Entry(NamedTuple):
+    """One entry file: when it was last used (ns), its size, its path under the root."""
+
+    used_ns: int
+    size: int
+    relpath: str
+
+    @property
+    def stage(self) -> str:
+        return self.relpath.split("/", 1)[0]
+
+
+def entries(root: Path) -> list[Entry]:
+    """Every entry under ``root`` (``<stage>/<xx>/<key>.hsc``), in no particular order."""
+    found: list[Entry] = []
+    for stage in _subdirs(root):
+        if stage.name.startswith(".") or stage.name == "jax":
+            continue
+        for prefix in _subdirs(Path(stage.path)):
+            try:
+                files = list(os.scandir(prefix.path))
+            except OSError:  # removed meanwhile
+                continue
+            for item in files:
+                if not item.name.endswith(ENTRY_SUFFIX):
+                    continue
+                try:
+                    st = item.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                used = max(st.st_atime_ns, st.st_mtime_ns)
+                found.append(Entry(used, st.st_size, f"{stage.name}/{prefix.name}/{item.name}"))
+    return found
+
+
+def _subdirs(folder: Path) -> Iterable[os.DirEntry]:
+    try:
+        with os.scandir(folder) as items:
+            return [item for item in items if item.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+class Holds:
+    """The entries one holding block holds: its holds file, locked for as long as it lives
+    (see the module docstring). Thread-safe through its owner's lock."""
+
+    def __init__(self, root: Path) -> None:
+        folder = root / HOLDS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(6)}"
+        # Locked under a name evictors do not read, then renamed: an evictor never finds it
+        # unlocked and takes it for a dead process's.
+        making = folder / f".tmp-{name}"
+        self.path = folder / f"{name}.holds"
+        self._held: set[str] = set()
+        self._fd: int | None = os.open(
+            making, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o666
+        )
+        try:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKING:
+                    raise
+            os.rename(making, self.path)
+        except OSError:
+            os.close(self._fd)
+            self._fd = None
+            making.unlink(missing_ok=True)
+            raise
+
+    def add(self, relpath: str) -> None:
+        """Hold the entry at ``relpath`` (under the root) until :meth:`close`."""
+        if relpath in self._held or self._fd is None:
+            return
+        os.write(self._fd, (relpath + "\n").encode())
+        self._held.add(relpath)
+
+    def close(self) -> None:
+        """Let go of every entry held (the file is removed before its lock goes)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+
+def held(root: Path) -> set[str]:
+    """The paths (under ``root``) of the entries held by live processes; holds files left by
+    processes that died are deleted."""
+    found: set[str] = set()
+    folder = root / HOLDS_DIR
+    try:
+        files = [item for item in os.scandir(folder) if item.name.endswith(".holds")]
+    except OSError:
+        return found
+    for item in files:
+        try:
+            fd = os.open(item.path, os.O_RDONLY)
+        except OSError:  # released meanwhile
+            continue
+        try:
+            if not _alive(fd, item):
+                os.unlink(item.path)
+                continue
+            lines = Path(item.path).read_bytes().decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        found.update(line for line in lines if line)
+    return found
+
+
+def _alive(fd: int, item: os.DirEntry) -> bool:
+    """Whether the owner of a holds file still holds its lock (a file system that cannot lock:
+    whether the file is younger than ``STALE_S``)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return True
+        if exc.errno in _NO_LOCKING:
+            return time.time() - item.stat().st_mtime < STALE_S
+        raise
+    return False
+
+
+class Eviction(NamedTuple):
+    """What one pass found and did: entry bytes before and after, the bytes held, and per
+    stage the entries and bytes deleted. ``over``: still over the limit (what is held does
+    not fit in it)."""
+
+    before: int
+    after: int
+    held_bytes: int
+    evicted: dict[str, tuple[int, int]]
+    over: bool
+
+
+def evict(root: Path, limit: int, margin: float = MARGIN) -> Eviction | None:
+    """Delete least recently used entries no live process holds until the entries under
+    ``root`` fit in ``(1 - margin) * limit`` bytes; nothing when they fit in ``limit``. None
+    when another process is evicting under ``root`` now (it will do it)."""
+    folder = root / HOLDS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    gate = os.open(folder / "evict.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKING:
+                return None  # taken: another process is evicting
+        return _evict(root, limit, margin)
+    finally:
+        os.close(gate)
+
+
+def _evict(root: Path, limit: int, margin: float) -> Eviction:
+    found = entries(root)  # before the holds are read: see the module docstring
+    total = before = sum(e.size for e in found)
+    if total <= limit:
+        return Eviction(before, total, 0, {}, False)
+    holding = held(root)
+    held_bytes = sum(e.size for e in found if e.relpath in holding)
+    target = int(limit * (1.0 - margin))
+    evicted: dict[str, tuple[int, int]] = {}
+    for entry in sorted(found):
+        if total <= target:
+            break
+        if entry.relpath in holding:
+            continue
+        try:
+            os.unlink(root / entry.relpath)
+        except FileNotFoundError:  # deleted by someone else meanwhile
+            pass
+        except OSError:
+            continue
+        total -= entry.size
+        n, size = evicted.get(entry.stage, (0, 0))
+        evicted[entry.stage] = (n + 1, size + entry.size)
+    return Eviction(before, total, held_bytes, evicted, total > limit)

@@ -1,0 +1,298 @@
+"""The bounded stage cache: a size limit (CLI > spec > environment > none), LRU eviction of the
+entries no running trial holds, held entries surviving another process's eviction, and the
+per-stage byte counters (``cache.activity``) against the files on disk.
+
+Processes are spawned (no fork of a process with threads), each with its own StageCache on the
+same root, as two trial processes of a host are.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import os
+import re
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from _heal_fixtures import heal_setup
+from healsweep import _cache_disk as disk
+from healsweep.cache import (
+    RecentEntries,
+    StageCache,
+    activity,
+    activity_since,
+    content_key,
+    stage_bytes,
+)
+from healsweep.errors import SettingError
+from healsweep.heal.knobs import CalibrationConfig, Knobs
+from healsweep.heal.pipeline import build_student
+
+SPAWN = multiprocessing.get_context("spawn")
+MIB = 2**20
+ENTRY = MIB // 4  # float32 elements: 1 MiB of data per entry
+
+
+def _key(name: str) -> str:
+    return content_key("stage", 1, {"name": name})
+
+
+def _put(cache: StageCache, name: str, stage: str = "stage") -> None:
+    cache.put(stage, _key(name), {"w": np.full(ENTRY, len(name), np.float32)}, {"name": name})
+
+
+def _present(root: Path, *names: str, stage: str = "stage") -> list[str]:
+    probe = StageCache(root, max_gb=math.inf)
+    return [n for n in names if probe.path(stage, _key(n)).exists()]
+
+
+def _gib(mib: float) -> float:
+    return mib * MIB / 2**30
+
+
+def _tick() -> None:
+    time.sleep(0.02)  # file times of a coarse clock: one event per tick keeps the order exact
+
+
+def test_eviction_deletes_the_least_recently_used_entries_down_to_the_margin(tmp_path):
+    cache = StageCache(tmp_path, max_gb=_gib(3.5))  # three entries fit, four do not
+    for name in ("a", "b", "c"):
+        _put(cache, name)
+        _tick()
+    assert cache.get("stage", _key("a")) is not None  # read: now the most recently used
+    _tick()
+    before = activity()
+    _put(cache, "d")
+    assert _present(tmp_path, "a", "b", "c", "d") == ["a", "c", "d"]  # b: least recently used
+    assert cache.evicted["stage"] == 1
+    changed = activity_since(before)
+    assert changed["evicted"] == {"stage": 1} and changed["bytes_evicted"]["stage"] > MIB
+    total = sum(e.size for e in disk.entries(tmp_path))
+    assert total <= (1 - disk.MARGIN) * cache.max_bytes
+
+    _tick()
+    for name in ("e", "f"):  # each write over the limit evicts the oldest, nothing else
+        _put(cache, name)
+        _tick()
+    assert _present(tmp_path, "a", "c", "d", "e", "f") == ["d", "e", "f"]
+
+
+def test_recency_survives_the_process_and_leaves_the_mtime_alone(tmp_path):
+    cache = StageCache(tmp_path)
+    _put(cache, "a")
+    path = cache.path("stage", _key("a"))
+    old = os.stat(path)
+    os.utime(path, ns=(old.st_atime_ns - 10**12, old.st_mtime_ns))  # a day-old read, say
+    _tick()
+    StageCache(tmp_path).get("stage", _key("a"))  # another cache (a later trial) reads it
+    now = os.stat(path)
+    assert now.st_mtime_ns == old.st_mtime_ns  # the in-memory identity of the entry
+    assert now.st_atime_ns > old.st_mtime_ns
+    (used,) = disk.entries(tmp_path)
+    assert used.used_ns == now.st_atime_ns and used.stage == "stage"
+
+
+def test_without_a_limit_nothing_is_evicted(tmp_path, monkeypatch):
+    monkeypatch.delenv(disk.LIMIT_ENV, raising=False)
+    cache = StageCache(tmp_path)
+    assert cache.max_bytes is None
+    for name in "abcd":
+        _put(cache, name)
+    assert len(disk.entries(tmp_path)) == 4 and not (tmp_path / disk.HOLDS_DIR).exists()
+
+
+def test_an_entry_held_in_a_block_survives_until_the_block_ends(tmp_path, caplog):
+    cache = StageCache(tmp_path, max_gb=0)  # keep only what is held
+    _put(cache, "old")
+    with cache.holding():
+        _put(cache, "mine")  # written inside the block
+        _tick()
+        assert cache.get("stage", _key("mine")) is not None
+        cache.hold("stage", _key("later"))  # named before it exists: held once written
+        with caplog.at_level(logging.WARNING, logger="healsweep.cache"):
+            _put(cache, "later")
+            _put(cache, "later2")  # the warning is given once
+        assert _present(tmp_path, "old", "mine", "later", "later2") == ["mine", "later", "later2"]
+        warnings = [r.message for r in caplog.records if "do not fit" in r.message]
+        assert len(warnings) == 1 and str(tmp_path) in warnings[0]
+    assert not list((tmp_path / disk.HOLDS_DIR).glob("*.holds"))  # released
+    _tick()
+    StageCache(tmp_path, max_gb=0).put("other", _key("x"), {"w": np.zeros(4)})
+    assert _present(tmp_path, "mine", "later", "later2") == []
+
+
+def _holder(root: str, names: list[str], ready, release, die: bool) -> None:
+    """Hold ``names`` (write the first, read the others) until ``release`` is set; ``die``:
+    exit inside the block, as a killed trial does (its holds file stays behind, unlocked)."""
+    cache = StageCache(root)
+    with cache.holding():
+        _put(cache, names[0])
+        for name in names[1:]:
+            assert cache.get("stage", _key(name)) is not None
+        ready.set()
+        if die:
+            os._exit(0)
+        release.wait(60)
+
+
+def test_entries_a_live_process_holds_survive_another_process_eviction(tmp_path):
+    writer = StageCache(tmp_path)
+    for name in ("shared", "old", "dead-held"):
+        _put(writer, name)
+    dead_ready, live_ready, release = SPAWN.Event(), SPAWN.Event(), SPAWN.Event()
+    dead = SPAWN.Process(
+        target=_holder, args=(str(tmp_path), ["dead-own", "dead-held"], dead_ready, release, True)
+    )
+    dead.start()
+    dead.join(60)
+    assert dead.exitcode == 0 and dead_ready.is_set()
+    live = SPAWN.Process(
+        target=_holder, args=(str(tmp_path), ["live-own", "shared"], live_ready, release, False)
+    )
+    live.start()
+    try:
+        assert live_ready.wait(60)
+        evictor = StageCache(tmp_path, max_gb=0)  # this process keeps nothing unheld
+        _put(evictor, "new")
+        kept = _present(tmp_path, "shared", "old", "dead-held", "dead-own", "live-own", "new")
+        # the live process's entries survive; the dead one's holds file is removed, its
+        # entries and everything unheld go
+        assert kept == ["shared", "live-own"]
+        assert len(list((tmp_path / disk.HOLDS_DIR).glob("*.holds"))) == 1
+    finally:
+        release.set()
+        live.join(60)
+    assert live.exitcode == 0
+    _tick()
+    _put(StageCache(tmp_path, max_gb=0), "newer")
+    assert _present(tmp_path, "shared", "live-own") == []  # released when its block ended
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, None), ("", None), (2, 2 * 2**30), ("0.5", 2**29), (0, 0), ("inf", None)],
+)
+def test_a_limit_is_a_number_of_gib(value, expected):
+    assert disk.parse_limit(value, "--cache-max-gb") == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("-1", "is negative"),
+        ("nan", "is NaN"),
+        ("lots", "is not a number"),
+        (True, "is not a number"),
+    ],  # fmt: skip
+)
+def test_a_bad_limit_is_one_clear_error(value, problem):
+    with pytest.raises(SettingError, match=re.escape(f"--cache-max-gb {value!r} {problem}: give")):
+        disk.parse_limit(value, "--cache-max-gb")
+
+
+def test_the_limit_given_wins_over_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(disk.LIMIT_ENV, "3")
+    assert StageCache(tmp_path).max_bytes == 3 * 2**30  # the environment, with nothing given
+    assert StageCache(tmp_path, max_gb=1).max_bytes == 2**30  # the CLI's or the spec's
+    monkeypatch.setenv(disk.LIMIT_ENV, "-3")
+    with pytest.raises(SettingError, match=r"HEALSWEEP_CACHE_MAX_GB='-3' is negative"):
+        StageCache(tmp_path)
+    assert StageCache(tmp_path, max_gb=1).max_bytes == 2**30  # not read when a limit is given
+
+
+def test_per_stage_bytes_are_the_sizes_of_the_files_written_and_read(tmp_path, own_runtime):
+    before = activity()
+    cache = StageCache(tmp_path)
+    with cache.writing_behind():
+        _put(cache, "a", stage="one")
+        _put(cache, "bb", stage="one")
+        cache.get_or_compute("two", _key("c"), lambda: ({"x": np.arange(1000)}, {}))
+    on_disk = {
+        stage: sum(p.stat().st_size for p in (tmp_path / stage).rglob("*.hsc"))
+        for stage in ("one", "two")
+    }
+    assert stage_bytes(activity_since(before)) == {
+        stage: {"written": size, "read": 0} for stage, size in on_disk.items()
+    }
+    assert dict(cache.bytes_written) == on_disk
+
+    own_runtime.owned(RecentEntries).clear()
+    before = activity()
+    reader = StageCache(tmp_path)
+    reader.get("one", _key("a"))
+    reader.get("one", _key("a"))  # the second from memory: no bytes read
+    size_a = reader.path("one", _key("a")).stat().st_size
+    assert stage_bytes(activity_since(before)) == {"one": {"written": 0, "read": size_a}}
+
+
+def test_a_scan_of_thousands_of_entries_lists_each_once(tmp_path):
+    """The pass's listing over a cache laid out as the stages lay it out (the time it takes is
+    measured in docs/sizing.md, not here)."""
+    count = 0
+    for stage in ("quantize", "routed_q", "part_b"):
+        for i in range(700):
+            key = content_key(stage, 1, {"i": i})
+            path = tmp_path / stage / key[:2] / f"{key}.hsc"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x" * (i % 7))
+            count += 1
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "compiled.hsc").write_bytes(b"not an entry")
+    found = disk.entries(tmp_path)
+    assert len(found) == count and len({e.relpath for e in found}) == count
+    assert sum(e.size for e in found) == sum(i % 7 for i in range(700)) * 3
+
+
+setup = heal_setup
+CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
+
+
+def _stage_sizes(root: Path) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for entry in disk.entries(root):
+        sizes[entry.stage] = sizes.get(entry.stage, 0) + entry.size
+    return sizes
+
+
+def test_a_trial_in_a_cache_that_keeps_nothing_computes_each_stage_once_and_the_same_student(
+    setup, tmp_path, own_runtime
+):
+    """With a limit of 0 every write evicts what is not held: the trial's own entries (its
+    trace's layers, read one by one later, included) survive until its student is built, so
+    nothing is computed twice, and the student is bit for bit the one an unbounded cache
+    builds. The bytes the activity counts per stage are the sizes of the files written."""
+    model, corpus = setup
+    free = build_student(model, Knobs(), CAL, StageCache(tmp_path / "free"), corpus=corpus)
+    own_runtime.owned(RecentEntries).clear()
+    before = activity()
+    cache = StageCache(tmp_path / "tight", max_gb=0)
+    tight = build_student(model, Knobs(), CAL, cache, corpus=corpus)
+    n = model.hparams.n_layer
+    assert cache.computed["calib_trace"] == 1 and cache.computed["quantize"] == 2 * n
+    assert all(v == n for s, v in cache.computed.items() if s not in ("calib_trace", "quantize"))
+    for i, layer in free.replacements.items():
+        for name in ("gate_exps", "up_exps", "down_exps", "down_shexp"):
+            want = jax.tree_util.tree_leaves(getattr(layer, name))
+            got = jax.tree_util.tree_leaves(getattr(tight.replacements[i], name))
+            for a, b in zip(want, got, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{i} {name}")
+    assert tight.key == free.key
+    done = activity_since(before)
+    # nothing was evicted while the trial held it; everything is on disk, counted byte for byte
+    assert not done["evicted"]
+    assert stage_bytes(done) == {
+        stage: {"written": size, "read": 0}
+        for stage, size in _stage_sizes(tmp_path / "tight").items()
+    }
+    # the next trial's first write evicts all of it: the trial let go when its student was built
+    _tick()
+    later = StageCache(tmp_path / "tight", max_gb=0)
+    with later.holding():
+        later.put("other", _key("x"), {"w": np.zeros(4)})
+        assert set(_stage_sizes(tmp_path / "tight")) == {"other"}
