@@ -28,6 +28,7 @@ LAYER_OF = {
     "_atomic": "base",
     "_lru": "base",
     "_code": "base",
+    "_cache_disk": "base",
     "_rss": "base",
     "cache": "base",
     "runtime": "base",
@@ -37,6 +38,7 @@ LAYER_OF = {
     "cluster": "sweep",
     "conformance": "model",  # checks the forward, so it sits with it; only the CLI imports it
     "deliver": "confirm",
+    "ledger_heads": "results",  # the heads a results root's sweeps recorded: reads results
     "__main__": "cli",
     "demo": "demo",  # the demo builder: outside the runtime, imported by the CLI alone
 }
