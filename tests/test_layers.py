@@ -29,6 +29,7 @@ LAYER_OF = {
     "_lru": "base",
     "_code": "base",
     "_cache_disk": "base",
+    "settings_errors": "base",  # one translator of settings files' problems (specs, knob files)
     "_rss": "base",
     "cache": "base",
     "runtime": "base",

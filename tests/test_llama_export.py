@@ -113,7 +113,7 @@ def parity_setup(tmp_path_factory):
     from healsweep.heal.knobs import Knobs
     from healsweep.heal.pipeline import build_student
     from healsweep.score.teacher_cache import scored_positions
-    from healsweep.sweep.spec import load_spec
+    from healsweep.sweep.spec_files import load_spec
     from healsweep.sweep.work import dev_windows
 
     root = tmp_path_factory.mktemp("parity")

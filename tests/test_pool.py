@@ -168,7 +168,7 @@ def test_the_pool_summary_counts_hits_and_follow_ups_on_their_holder():
 def test_the_night_grid_varies_the_quantization_first():
     from healsweep.bench.night import NightError, night_spec, parse_grid
     from healsweep.sweep.space import grid_configs
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     grid = parse_grid("3x2x2")
     assert grid == {"gain_d": 3, "rho": 2, "eta": 2}

@@ -170,7 +170,7 @@ def without_ggml(monkeypatch):
 
 def test_a_ggml_type_without_ggml_fails_in_one_line_at_load(without_ggml, tmp_path):
     from healsweep.gguf_io._ggml_lib import status_line
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     knobs = tmp_path / "k.yaml"
     knobs.write_text("type_d: iq2_xs\n")
@@ -214,7 +214,7 @@ def test_the_cli_refuses_a_ggml_type_in_one_line_in_a_process_that_cannot_find_g
 @pytest.mark.slow  # a spec that names a ggml type needs ggml's quantizer (the [bench] extra)
 def test_the_grid_drops_points_whose_only_change_a_ggml_typed_group_does_not_read():
     from healsweep.sweep.space import grid_configs
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     space = {"type_gu": ["q2_0", "iq2_xs"], "type_d": ["iq2_xs"], "gain_gu": [0.3, 1.0]}
     configs = grid_configs(spec_from_dict({"name": "x", "search_space": space}))

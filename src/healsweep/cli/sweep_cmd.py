@@ -85,7 +85,7 @@ def run(
 ) -> None:
     """Run every trial of a sweep spec; results land in RESULTS/<name>/ as they arrive."""
     from healsweep.sweep.driver import run_sweep
-    from healsweep.sweep.spec import load_spec
+    from healsweep.sweep.spec_files import load_spec
 
     loaded = load_spec(spec)
     if cache_root is not None:  # a location, like --results: not part of the spec's hash

@@ -18,12 +18,12 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_core import ErrorDetails
 
 from healsweep.errors import KnobError, SettingError
 from healsweep.heal.stage_names import Stage
 from healsweep.kernels.ggml_types import ROUTED_TYPES, step_up
 from healsweep.quant.values import Q2_0, DownInput, Importance, ImportanceDown, Quantizer
+from healsweep.settings_errors import problem, yaml_problem
 
 
 class AlphaMode(StrEnum):
@@ -330,10 +330,8 @@ def load_knobs(path: str | Path) -> Knobs:
     try:
         values = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise KnobError(f"{where}: YAML syntax error ({problem}); fix the knob file") from None
+        where, said = yaml_problem(exc, str(path), column=True)
+        raise KnobError(f"{where}: YAML syntax error ({said}); fix the knob file") from None
     if values is None:
         values = {}
     if not isinstance(values, Mapping):
@@ -395,19 +393,3 @@ def _layer_type_names(text: Any) -> list[str]:
         return [name for _, types in parse_layer_types(text) for name in types]
     except ValueError:  # not a valid value: the knob's own check says so
         return []
-
-
-def problem(model: type[_Settings], error: ErrorDetails) -> str:
-    """One line for a validation ``error`` of a field of ``model`` (``Knobs``,
-    ``CalibrationConfig``): ``unknown knob 'x'; known: ...`` or ``knob 'x' = value is not
-    allowed: expected`` what its docstring says it accepts."""
-    name = str(error["loc"][0]) if error["loc"] else "?"
-    if error["type"] == "extra_forbidden":
-        return f"unknown {model.noun} {name!r}; known: {', '.join(model.model_fields)}"
-    field = model.model_fields.get(name)
-    expected = field.description if field is not None and field.description else error["msg"]
-    reason = (error.get("ctx") or {}).get("error") if error["type"] == "value_error" else None
-    because = f" ({reason})" if reason else ""
-    return (
-        f"{model.noun} {name!r} = {error['input']!r} is not allowed{because}: expected {expected}"
-    )

@@ -28,6 +28,7 @@ from healsweep.heal.reads import student_key
 from healsweep.results.schema import Role, TrialStatus, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.placed import PlacedWork, work_task
+from healsweep.sweep.sizes import config_size
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import prior_windows, trial_seed
 from healsweep.sweep.work import WorkFn, run_external_work
@@ -97,12 +98,11 @@ def fixed_configs(spec: SweepSpec, sweep_dir: Path) -> list[FixedConfig]:
     file as built into ``sweep_dir``: :func:`build_externals`)."""
     from healsweep.gguf_io import routed_expert_bpw
     from healsweep.model import open_model
-    from healsweep.sweep.budget import config_size
 
     out = []
     for name in spec.reference_names():
         knobs = reference_knobs(spec, name)
-        size = config_size(spec, knobs)
+        size = config_size(spec.model, knobs)
         bpw, nbytes = (None, None) if size is None else size
         out.append(FixedConfig(Role.REFERENCE, name, knobs, routed_bpw=bpw, file_bytes=nbytes))
     for entry in spec.external:

@@ -52,6 +52,8 @@ from healsweep.heal.stage_names import Stage
 from healsweep.results.store import read_trials
 from healsweep.sweep.spec import RAY_RESOURCE_NAMES
 
+# Ray gives the head node this resource; Ray Train pins its own state actor the same way.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 TRACE = "trace"  # the holder key of the sweep's calibration trace (one per sweep)
 # The stage whose entries name a node as a holder: what a trial there hit or computed.
 _HOLDS = {Stage.QUANTIZE.value: "quantization", Stage.CALIB_TRACE.value: TRACE}
@@ -293,8 +295,6 @@ def open_holders(
     """Start the sweep's :class:`StageHolders` on the head node (where the window book lives,
     for the same reason: it must outlive any worker); ``per_trial``: the resources of one
     trial (``SweepSpec.trial_resources``), which say how many trials a node runs at once."""
-    from healsweep.sweep.trial import HEAD_NODE_RESOURCE
-
     options = StageHolders.options(resources={HEAD_NODE_RESOURCE: 0.001})
     return options.remote(dict(prior), dict(per_trial))
 

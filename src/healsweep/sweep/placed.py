@@ -25,9 +25,11 @@ gives when it is asked for the next one (:data:`AHEAD`, the sweep's
 from __future__ import annotations
 
 import json
+import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -45,6 +47,17 @@ Job = Callable[[], Iterator[WindowRecord]]  # the work, its arguments bound (fun
 AHEAD = 2
 
 
+def stamped(results: Iterable[WindowRecord]) -> Iterator[WindowRecord]:
+    """``results``, each with where (the Ray node this runs on) and when it was scored."""
+    try:
+        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:  # outside a Ray worker (direct calls in tests of the pure parts)
+        node_id, node_ip = "", ""
+    node = {"scored_node_id": node_id, "scored_node_ip": node_ip}
+    for result in results:
+        yield replace(result, scored_at=time.time(), scored_hostname=socket.gethostname(), **node)
+
+
 def _events(
     job: Job,
     resources: Mapping[str, float],
@@ -58,7 +71,6 @@ def _events(
     from healsweep._rss import peak_rss_bytes
     from healsweep.cache import activity, activity_since
     from healsweep.sweep.devices import prepare_trial_process
-    from healsweep.sweep.trial import stamped
 
     seen = prepare_trial_process(resources, own_process=own_process)
     started, cpu, before = time.time(), time.process_time(), activity()
