@@ -31,6 +31,8 @@ LAYER_OF = {
     "_cache_disk": "base",
     "settings_errors": "base",  # one translator of settings files' problems (specs, knob files)
     "_rss": "base",
+    "profile": "base",
+    "threads": "base",
     "cache": "base",
     "runtime": "base",
     "bundled": "base",

@@ -269,13 +269,15 @@ def test_config_hash_is_canonical():
 
 
 # A spec with ints for float knobs and a range, as a user writes them; its hash was computed by
-# b05fe56 (the spec's sections were raw dicts then): typing them must not change it.
+# b05fe56 (the spec's sections were raw dicts then): typing them must not change it. It names
+# one CPU a trial, which was the default then (a spec without `resources` now means the node's
+# share of the cores, so it is stored and hashed without the field).
 PINNED = {
     "name": "pinned", "sampler": "tpe", "num_samples": 3,
     "baseline": {"gain_d": 0, "gamma": 1, "eta": 0}, "fixed": {"eta": 0},
     "search_space": {"rho": {"low": 1, "high": 50, "log": True},
                      "alpha": {"choices": ["gaussian", "none"]}},
-    "calibration": {"max_tokens": 1000},
+    "calibration": {"max_tokens": 1000}, "resources": {"cpu": 1},
 }  # fmt: skip
 PINNED_HASH = "abfb986427ee28c2085f83b5de03c496e51c572dda2b437f61a1525c8fe59d2a"
 

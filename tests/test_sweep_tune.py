@@ -326,3 +326,37 @@ def test_a_placed_task_scores_no_more_than_its_credits_ahead_of_its_trial(ray_cl
     assert len(_log_lines(log)) == 3 + AHEAD - 1 < N_WINDOWS
     assert [r.window_id for r in reported] == [w for _, w in _log_lines(log)[:3]]
     assert work.columns["placed_node"] and work.columns["cache_detail"]
+
+
+def threads_work(spec, knobs, done, seed, *, log: str):
+    """toy_work that first writes what the trial's process gives its host work, as JSON."""
+    from healsweep.threads import seen
+
+    Path(f"{log}.threads-{config_hash(knobs)}").write_text(json.dumps(seen()))
+    yield from toy_work(spec, knobs, done, seed, log=log)
+
+
+@pytest.mark.parametrize("concurrent", [1, 2])
+def test_a_trial_s_host_work_runs_on_the_cores_it_holds(ray_cluster, tmp_path, concurrent):
+    """Ray starts a worker with OMP_NUM_THREADS = the task's num_cpus; a spec without a cpu of
+    its own gives each trial its node's share (2 cores ÷ the trials at once), and the work sees
+    that many threads in BLAS, the environment and XLA's CPU client, and its row records it."""
+    from healsweep.threads import cores
+
+    spec = spec_from_dict(
+        {"name": f"threads{concurrent}", "search_space": GRID, "references": False,
+         "max_concurrent": concurrent}
+    )  # fmt: skip
+    log = tmp_path / "scored.log"
+    run_sweep(spec, results_root=tmp_path, identity_fn=toy_identity,
+              work_fn=functools.partial(threads_work, log=str(log)))  # fmt: skip
+    expected = min(cores(), 2 // concurrent)
+    found = [json.loads(p.read_text()) for p in tmp_path.glob("scored.log.threads-*")]
+    assert len(found) == 4
+    for seen in found:
+        assert seen["threads"] == expected
+        assert seen["omp_num_threads"] == str(expected)
+        assert seen["xla_cpu_threads"] == expected
+        assert seen["blas_threads"] and set(seen["blas_threads"]) == {expected}
+    rows = pq.read_table(tmp_path / f"threads{concurrent}" / "trials.parquet").to_pylist()
+    assert sorted(r["threads"] for r in rows) == [expected] * 4

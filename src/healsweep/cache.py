@@ -60,6 +60,7 @@ from healsweep import _cache_disk as disk
 from healsweep._atomic import atomic_file
 from healsweep._lru import BoundedLRU, gib_setting
 from healsweep.errors import CacheError
+from healsweep.profile import active as active_profile
 from healsweep.runtime import current
 
 _MAGIC = b"HEALSWEEP-CACHE-2\n"
@@ -407,6 +408,9 @@ class StageCache:
         for value in arrays.values():
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False
+        profile = active_profile()
+        if profile is not None:  # the running work's phase that computed it (bench, trials)
+            profile.add_bytes(sum(np.asarray(v).nbytes for v in arrays.values()), stage)
         kept = (
             {name: np.asarray(v) for name, v in arrays.items()},
             copy.deepcopy(dict(meta or {})),

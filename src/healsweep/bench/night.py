@@ -31,8 +31,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from healsweep.bench.trial import phase_table
 from healsweep.errors import HealsweepError
 from healsweep.heal.knobs import Knobs
+from healsweep.profile import phase_totals
 from healsweep.results.placement import pool_summary
 from healsweep.results.schema import KNOB_PREFIX, row_role
 from healsweep.results.store import read_trials
@@ -211,6 +213,10 @@ def night_figures(
         for stage, n in json.loads(row.get("cache_detail") or "{}").get("computed", {}).items():
             computed[stage] += n
     out["computed_by_stage"] = dict(computed)  # a quantization built on two nodes counts twice
+    out["threads"] = sorted({int(r["threads"]) for r in rows if r.get("threads") is not None})
+    out["phases_by_kind"] = phases_by_kind(done, kinds)
+    cold = [r for r in done if kinds.get(r["trial_id"]) == "cold" and r.get("phase_profile")]
+    out["cold_phase_rows"] = json.loads(cold[0]["phase_profile"]) if cold else []
     out["work_cpu_s"] = round(
         cpu_s, 1
     )  # CPU seconds of the work: steadier than wall on a busy host
@@ -227,6 +233,30 @@ def night_figures(
         out["entries_computed_twice"] = sum(
             max(0, n - on_disk.get(stage, 0)) for stage, n in computed.items()
         )
+    return out
+
+
+def phases_by_kind(
+    rows: Sequence[Mapping[str, Any]], kinds: Mapping[str, str]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per trial kind, the mean over its trials of each phase's totals
+    (:func:`~healsweep.profile.phase_totals` of the rows' ``phase_profile``)."""
+    grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row.get("phase_profile"):
+            grouped[kinds.get(row["trial_id"], "?")].append(json.loads(row["phase_profile"]))
+    out = {}
+    for kind in (*KINDS, "?"):
+        if not grouped.get(kind):
+            continue
+        n = len(grouped[kind])
+        totals = phase_totals([r for trial in grouped[kind] for r in trial])
+        for total in totals.values():
+            for key in ("wall_s", "cpu_s", "device_s", "cache_bytes", "calls"):
+                if total[key] is not None:
+                    total[key] = round(total[key] / n, 3)
+            total["trials"] = n
+        out[kind] = totals
     return out
 
 
@@ -313,7 +343,8 @@ def run_night(
     from healsweep.bench.localpool import NodeSpec, local_pool
 
     work_dir.mkdir(parents=True, exist_ok=True)
-    resources = {"cpu": 1, "gpu": 1} if gpu else {"cpu": 1}
+    # no cpu: a trial takes its node's share of the cores (cores ÷ the trials there at once)
+    resources = {"gpu": 1} if gpu else {}
     if nodes:
         slots = nodes * (gpus_per_node if gpu else cpus_per_node)
     else:
@@ -391,4 +422,9 @@ def night_table(night: Mapping[str, Any]) -> str:
             f"| {share(f['busy_share'])} | {f['queued_s']:.0f} "
             f"| {share(f['cpu_utilization'])} | {share(f['gpu_utilization'])} | {rss} |"
         )
+    for placement, f in night["placements"].items():
+        for kind, phases in f.get("phases_by_kind", {}).items():
+            n = next(iter(phases.values()))["trials"] if phases else 0
+            lines += ["", f"{placement}, {kind} trial (mean of {n}), host threads "
+                      f"{', '.join(map(str, f.get('threads', []))) or '-'}:", phase_table(phases)]
     return "\n".join(lines)

@@ -34,6 +34,8 @@ def bench_trial(
         "trial is cold).")] = None,
     trials: Annotated[bool, typer.Option(
         "--trials/--no-trials", help="Run the heal trials (else only the forward).")] = True,
+    cold_only: Annotated[bool, typer.Option(
+        "--cold-only", help="Only the cold trial (the first), not the follow-ups.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Cold, quant-knob-only, rho-only, eta-only and (with ggml's quantizer) type_d-only heal
@@ -63,7 +65,7 @@ def bench_trial(
         with tempfile.TemporaryDirectory(prefix="healsweep-bench-") as scratch:
             out["trials"] = bench_trials(teacher, load_corpus(corpus),
                                          StageCache(cache if cache is not None else scratch),
-                                         calibration, base)
+                                         calibration, base, 1 if cold_only else None)
         if not as_json:
             typer.echo(f"heal trials on {teacher!r}, {calib_tokens} calibration tokens:")
             typer.echo(format_trials(out["trials"]))
@@ -110,7 +112,8 @@ def bench_night(
         ),
     ] = "gain_d",
     windows: Annotated[int, typer.Option("--windows", min=1, help="Dev windows per config.")] = 96,
-    cpus_per_node: Annotated[int, typer.Option("--cpus-per-node", min=1)] = 1,
+    cpus_per_node: Annotated[int, typer.Option(
+        "--cpus-per-node", min=1, help="CPUs each pool node offers Ray (with --nodes).")] = 1,
     gpus_per_node: Annotated[
         int, typer.Option("--gpus-per-node", min=0, help="GPUs each pool node offers Ray.")
     ] = 0,

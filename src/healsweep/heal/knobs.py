@@ -145,7 +145,7 @@ class Knobs(_Settings):
     """a float in (0, 1]"""
     gptq_refine: int = Field(default=0, ge=0, le=20, strict=True)
     """an integer in [0, 20] (rounds; acts only with quantizer gptq)"""
-    # (rounds of code descent + closed-form scale refit after GPTQ, heal/gptq.refine; 0: none)
+    # (rounds of code descent + closed-form scale refit after GPTQ, quant/gptq.refine; 0: none)
     # GPTQ of down on the IQ2 grids (docs/contracts.md, Knobs): `teacher` takes down's input h
     # from the teacher's gate and up; `student` from the layer's quantized gate and up, with
     # down's target corrected so that its output matches the teacher's (W·C·H_s⁻¹).

@@ -17,6 +17,7 @@ teacher trace and the factored Gram.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from healsweep.heal.stage_names import Stage
 from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
+from healsweep.profile import phase
 from healsweep.quant.registry import QuantizedGroup
 from healsweep.quant.values import GROUPS, Group
 from healsweep.runtime import current
@@ -58,6 +60,7 @@ STUDENT_VERSION = 1
 # thread fell behind: on the 4-layer real-size slice a rho-only trial then waited 1.1 s for it
 # after the last layer; with two, 0.55-0.6 s, and the trial took 2.5-2.6 s instead of 2.8 s, H200.)
 HELDOUT_THREADS = 2
+BASIS_AHEAD_ENV = "HEALSWEEP_BASIS_AHEAD"  # auto (on an accelerator), on, off: _basis_ahead
 Progress = Callable[[str, str], None]
 
 
@@ -187,7 +190,11 @@ def build_student(
             say(notice.stage, notice.text)
         replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
         heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
-        for i in hp.moe_layers:
+        ahead = _basis_ahead(run, model, knobs, trace)
+        for n, i in enumerate(hp.moe_layers):
+            run.layer = i
+            if n + 1 < len(hp.moe_layers):
+                ahead(hp.moe_layers[n + 1])
             layer = LayerInputs(
                 model,
                 i,
@@ -196,7 +203,7 @@ def build_student(
                 types[i],
                 trace,
                 once(partial(stages.expert_weights, model, i)),
-                once(partial(run.timed, "calib_trace", partial(trace.layer, i)))
+                once(partial(run.timed, "calib_trace", partial(trace.layer, i), i))
                 if trace
                 else _no_trace,
             )
@@ -215,8 +222,9 @@ def build_student(
             layer_reports.append(healed.report)
             keys.append(healed.keys)
             say(f"layer {i + 1}/{hp.n_layer}", _layer_line(healed.report))
+        run.layer = None
         for layer_report, folds in heldout:
-            found = run.timed(Stage.RIDGE_HELDOUT, folds.result)
+            found = run.timed(Stage.RIDGE_HELDOUT, folds.result, layer_report["layer"])
             layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
         if heldout:
             say(
@@ -240,6 +248,36 @@ def build_student(
     }
     key = content_key("student", STUDENT_VERSION, {"layers": keys})
     return Student(model, replacements, report, key, knobs, alphas, shexp_raw)
+
+
+def _basis_ahead(
+    run: StageRunner, model: GGUFModel, knobs: Knobs, trace: Trace | None
+) -> Callable[[int], None]:
+    """On an accelerator, ``ahead(i)`` starts layer i's ridge basis on a host thread, so its
+    host eigendecomposition runs while the device quantizes and heals the layer before it;
+    Part B then finds the entry written (or waits on its lock for the rest). A no-op on the CPU
+    backend, where both would share the same cores, and where the trial needs no basis.
+    ``HEALSWEEP_BASIS_AHEAD`` = ``on`` | ``off`` overrides the backend's choice (the result is
+    the same either way: the entry is the same computation, only its thread differs)."""
+    import jax
+
+    if trace is None or not knobs.ridge or model.hparams.n_ff_shexp == 0:
+        return lambda i: None
+    chosen = os.environ.get(BASIS_AHEAD_ENV, "auto")
+    if chosen == "off" or (chosen != "on" and jax.default_backend() == "cpu"):
+        return lambda i: None
+    pool = current().executor("ridge-basis", 1)
+
+    def build(i: int) -> None:
+        key = ridge.basis_key(model, trace.key, i)
+        if run.cache.meta("ridge_basis", key) is not None:
+            return
+        with phase("ridge_basis_ahead", i):
+            run.cache.get_or_compute(
+                "ridge_basis", key, lambda: ridge.compute_basis(model, i, trace.layer(i)).to_entry()
+            )
+
+    return lambda i: pool.submit(build, i) and None
 
 
 def _no_trace() -> dict[str, np.ndarray]:

@@ -60,7 +60,6 @@ device.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -74,6 +73,7 @@ from healsweep.kernels.ggml_types import GGMLType, ggml_type
 from healsweep.quant import ggml_iqgrid, ggml_kgrid
 from healsweep.quant.gptq import _HIGHEST, _routed_rows, damped, hidden_rows, second_moments
 from healsweep.quant.imatrix import quantize_expert_stack
+from healsweep.threads import host_threads, one_thread
 
 METHODS = ("block", "column")
 CHUNK_IMPORTANCE = ("conditional", "hessian", "imatrix")
@@ -366,7 +366,9 @@ def quantize_experts_ef(
     outs = [np.empty((n_expert, w.shape[1], kind.row_bytes(n_in)), np.uint8) for w in stacks]
     fed = np.zeros(n_expert, bool)
     experts = np.asarray(experts, np.int64)
-    pool = ThreadPoolExecutor(max_workers=workers or min(GROUP, os.cpu_count() or 1))
+    # a thread per expert of a group; each quantizes its rows on its own thread (no nested pool)
+    pool = ThreadPoolExecutor(max_workers=workers or min(GROUP, host_threads()),
+                              initializer=one_thread)  # fmt: skip
     with pool:
         for a in range(0, len(experts), GROUP):
             group = experts[a : a + GROUP]

@@ -10,9 +10,7 @@ student's unhealed experts of a uniform type are that baseline's bytes.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -43,15 +41,13 @@ def quantize_expert_stack(
     weights: np.ndarray, qtype: int, importance: np.ndarray | None
 ) -> np.ndarray:
     """``weights`` float32 ``[E, out, in]`` (numpy or a device array) by ggml, expert by expert:
-    uint8 ``[E, out, row]``. Experts are quantized on a thread per core (ggml's quantizer runs
-    outside the GIL); the result does not depend on the order."""
+    uint8 ``[E, out, row]``. Each expert's rows are quantized on the process's host threads
+    (:func:`~healsweep.gguf_io._ggml_lib.quantize_rows`); one expert is on the host at a time."""
     # lazy: gguf_io brings gguf-py and tokenizers, which a reader of the registry does not need
     from healsweep.gguf_io._ggml_lib import quantize_rows
 
-    def one(e: int) -> np.ndarray:
-        rows = np.asarray(weights[e], np.float32)  # one expert on the host at a time
-        return quantize_rows(rows, qtype, None if importance is None else importance[e])
-
-    n_expert = weights.shape[0]
-    with ThreadPoolExecutor(max_workers=max(1, min(n_expert, os.cpu_count() or 1))) as pool:
-        return np.stack(list(pool.map(one, range(n_expert))))
+    return np.stack([
+        quantize_rows(np.asarray(weights[e], np.float32), qtype,
+                      None if importance is None else importance[e])
+        for e in range(weights.shape[0])
+    ])  # fmt: skip

@@ -132,7 +132,9 @@ def placement_fields() -> list[pa.Field]:
     (``on_holder``), its ``quantization`` (``sweep.holders.quantization_of``), the GPUs it saw
     (``gpus``: ``CUDA_VISIBLE_DEVICES``), stage-cache entries served, computed and served after
     waiting for another process (``cache_hits``, ``cache_computed``, ``cache_waited``; per stage in
-    ``cache_detail``, JSON), and the work's wall and CPU seconds and its process's peak RSS."""
+    ``cache_detail``, JSON), the work's wall and CPU seconds and its process's peak RSS, the host
+    threads it ran with (``threads``: BLAS, XLA's CPU client, ggml's quantizer) and where its
+    time went (``phase_profile``: JSON rows of :meth:`healsweep.profile.PhaseProfile.rows`)."""
     text, count, seconds = pa.string(), pa.int64(), pa.float64()
     return [
         *(pa.field(name, text) for name in ("placement", "placed_node", "holders")),
@@ -141,6 +143,8 @@ def placement_fields() -> list[pa.Field]:
         *(pa.field(name, count) for name in ("cache_hits", "cache_computed", "cache_waited")),
         pa.field("cache_detail", text),
         *(pa.field(name, seconds) for name in ("work_s", "work_cpu_s", "peak_rss_mb")),
+        pa.field("threads", count),
+        pa.field("phase_profile", text),
     ]
 
 

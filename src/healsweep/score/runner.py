@@ -20,6 +20,7 @@ import numpy as np
 
 from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
+from healsweep.profile import phase
 from healsweep.score.compact import COMPACT, TeacherCacheFormat, cache_format
 from healsweep.score.expert_cache import CachedStudent, ExpertCacheConfig
 from healsweep.score.metrics import WindowMetrics, compact_window_metrics, window_metrics
@@ -120,17 +121,28 @@ def _scored(
     cached: CachedStudent | None,
 ) -> Iterator[tuple[Window, WindowMetrics]]:
     for group in _batches(windows, batch):
-        taught = teacher_outputs(teacher, group, cache, fmt)
-        studied = run_student(student, group, cached)
-        for window, t_out, (s_logits, s_topk, stats) in zip(group, taught, studied, strict=True):
-            routers = (_per_layer(t_out.topk_ids), _per_layer(s_topk))
-            if isinstance(t_out, TeacherOutput):
-                metrics = window_metrics(t_out.logprobs, s_logits, window.scored_tokens, *routers)
-            else:
-                metrics = compact_window_metrics(t_out, s_logits, window.scored_tokens, *routers)
-            if stats is not None:
-                metrics = dataclasses.replace(metrics, expert_cache=stats)
-            yield window, metrics
+        with phase("teacher_record"):
+            taught = teacher_outputs(teacher, group, cache, fmt)
+        with phase("scoring"):
+            studied = run_student(student, group, cached)
+            scored = [
+                (window, _metrics(window, t_out, *student_out))
+                for window, t_out, student_out in zip(group, taught, studied, strict=True)
+            ]
+        yield from scored
+
+
+def _metrics(window: Window, t_out: Any, s_logits: np.ndarray, s_topk: np.ndarray,
+             stats: Any) -> WindowMetrics:  # fmt: skip
+    """One window's metrics from the teacher's output and the student's."""
+    routers = (_per_layer(t_out.topk_ids), _per_layer(s_topk))
+    if isinstance(t_out, TeacherOutput):
+        metrics = window_metrics(t_out.logprobs, s_logits, window.scored_tokens, *routers)
+    else:
+        metrics = compact_window_metrics(t_out, s_logits, window.scored_tokens, *routers)
+    if stats is not None:
+        metrics = dataclasses.replace(metrics, expert_cache=stats)
+    return metrics
 
 
 __all__ = ["check_same_vocab", "run_student", "score_windows"]

@@ -28,6 +28,7 @@ from healsweep.errors import ResultsError, SpecError
 from healsweep.results.schema import scored_all
 from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials
 from healsweep.sweep.budget import MAX_ASKS, BudgetGate, split_grid
+from healsweep.sweep.devices import cpu_share
 from healsweep.sweep.fixed import build_externals, run_fixed
 from healsweep.sweep.holders import open_holders, prior_holders
 from healsweep.sweep.manifest import read_spec, start_manifest
@@ -164,8 +165,11 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
         def drop_notice(record: logging.LogRecord) -> bool:
             return not record.getMessage().startswith(notice)
 
+        # A trial without a cpu of its own takes its node's share of the cores: every core
+        # is the cluster's (sweep.devices.cpu_share).
         per_trial = max(1, int(spec.trial_resources()["cpu"]))
-        local = num_cpus or max(1, min(os.cpu_count() or 1, spec.max_concurrent * per_trial))
+        wanted = spec.max_concurrent * per_trial if spec.cpu_given() else os.cpu_count() or 1
+        local = num_cpus or max(1, min(os.cpu_count() or 1, wanted))
         handlers = list(logging.getLogger("ray").handlers)
         for handler in handlers:
             handler.addFilter(drop_notice)
@@ -388,6 +392,8 @@ def _run(
 
     from healsweep.sweep.progress import register_sink
 
+    alive = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    spec = spec.with_cpu_share(cpu_share(spec.resources, spec.max_concurrent, alive))
     # An unpicklable work function (a ledger grant inside, say) fails here with its own error,
     # not as a Ray serialization error of a task, nor lingering in Tune's process-wide parameter
     # registry to break every later ray.init in this process.

@@ -215,8 +215,9 @@ class SweepSpec(_Strict):
     """wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps, futility}"""
     num_samples: int | None = Field(default=None, ge=1)
     """an integer >= 1 (tpe/random), or omitted for grid"""
-    resources: dict[str, float] = Field(default_factory=lambda: {"cpu": 1.0})
-    """a mapping of resource: amount >= 0, e.g. {cpu: 1} or {metal: 1}"""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """a mapping of resource: amount >= 0, e.g. {gpu: 1}, {metal: 1} or {cpu: 4}; without cpu,
+    a trial takes its node's share of the cores (cores ÷ the trials that run there at once)"""
     max_concurrent: int = Field(default=2, ge=1)
     """an integer >= 1"""
     max_failures: int = Field(default=2, ge=0)
@@ -250,9 +251,11 @@ class SweepSpec(_Strict):
         "budget": None,
         "placement": "cache",
         "cache_root": None,
+        "resources": {},
         "ledger": None,
     }
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _cpu_share: float | None = PrivateAttr(default=None)  # the node share, once Ray is up
 
     @field_validator("sampler", "pruner", mode="before")
     @classmethod
@@ -296,9 +299,21 @@ class SweepSpec(_Strict):
         super().__setstate__(state)
 
     def trial_resources(self) -> dict[str, float]:
-        """Per-trial resources (also of a fixed row's task): one CPU unless the spec says
-        otherwise."""
-        return {"cpu": 1.0, **self.resources}
+        """Per-trial resources (also of a fixed row's task): the spec's, with ``cpu`` its own
+        or, where it names none, the node share :meth:`with_cpu_share` set (one CPU before)."""
+        return {"cpu": self._cpu_share or 1.0, **self.resources}
+
+    def cpu_given(self) -> bool:
+        """Whether the spec names the CPUs of a trial (else it takes its node's share)."""
+        return "cpu" in self.resources
+
+    def with_cpu_share(self, cpus: float) -> SweepSpec:
+        """A copy whose trials take ``cpus`` CPUs where the spec names none (its stored form,
+        so its hash, unchanged)."""
+        copied = self.model_copy()
+        copied._given = self._given
+        copied._cpu_share = None if self.cpu_given() else float(cpus)
+        return copied
 
     def reference_names(self) -> tuple[str, ...]:
         """The reference rows this sweep scores (``unhealed``, ``plain``, both or none)."""
