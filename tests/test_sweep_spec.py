@@ -399,3 +399,19 @@ def test_a_spec_pickled_before_its_sections_were_typed_unpickles_typed():
     assert trial_identity(
         {"rho": 2.0, "alpha": "none"}, spec.baseline, spec.fixed, spec.model
     ).knobs == Knobs(gain_d=0.0, gamma=1.0, eta=0.0, rho=2.0, alpha="none")
+
+
+def test_the_cache_size_limit_is_checked_and_kept_out_of_the_hash():
+    """``cache_max_gb`` (issue 38): GiB >= 0 or null; like the cache's location it changes
+    what is recomputed, never a result, so a spec hashes the same with any limit."""
+    from healsweep.sweep.manifest import spec_hash
+
+    spec = spec_from_dict(PINNED)
+    assert spec.cache_max_gb is None and "cache_max_gb" not in spec.model_dump()
+    limited = spec_from_dict({**PINNED, "cache_max_gb": 16})
+    assert limited.cache_max_gb == 16.0 and spec_hash(limited) == PINNED_HASH
+    for bad, piece in ((-1, ">= 0"), ("lots", "'lots'"), (float("nan"), "nan")):
+        with pytest.raises(SpecError) as err:
+            spec_from_dict({**PINNED, "cache_max_gb": bad})
+        message = str(err.value)
+        assert "'cache_max_gb'" in message and piece in message and "GiB" in message, message

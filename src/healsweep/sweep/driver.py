@@ -24,6 +24,7 @@ from ray.tune.experiment import Trial
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
+from healsweep.cache import cache_limit
 from healsweep.errors import ResultsError, SpecError
 from healsweep.results.schema import scored_all
 from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials
@@ -325,6 +326,7 @@ def run_sweep(
     on_progress: ProgressSink | None = None,
 ) -> SweepRun:
     """Run a new sweep into ``RESULTS/<spec.name>/``; refuse a folder that already holds one."""
+    cache_limit(spec.cache_max_gb, "cache_max_gb")  # a bad HEALSWEEP_CACHE_MAX_GB: refused now
     root = Path(results_root or spec.results).resolve()
     sweep_dir = root / spec.name
     _refuse_existing(sweep_dir, spec.name)
@@ -369,12 +371,17 @@ def resume_sweep(
     num_cpus: int | None = None,
     work_fn: WorkFn = run_trial_work,
     on_progress: ProgressSink | None = None,
+    cache_max_gb: float | None = None,
 ) -> SweepRun:
     """Finish an interrupted sweep: finished trials are not re-run, finished windows not
-    re-scored (they are replayed from the Parquet rows)."""
+    re-scored (they are replayed from the Parquet rows). ``cache_max_gb``: the stage caches'
+    size limit for this run (default: the stored spec's)."""
     sweep_dir = Path(sweep_dir).resolve()
     spec = read_spec(sweep_dir)
     check_paths(spec, str(sweep_dir / SPEC_FILE))  # what it names may have moved since the run
+    if cache_max_gb is not None:  # like the cache's location, not part of the spec's hash
+        spec = spec.model_copy(update={"cache_max_gb": cache_max_gb})
+    cache_limit(spec.cache_max_gb, "cache_max_gb")  # a bad HEALSWEEP_CACHE_MAX_GB: refused now
     with sweep_lock(sweep_dir), ray_session(spec, address, num_cpus):
         start_manifest(sweep_dir, spec, None, kind="resume")
         repair_journal(sweep_dir / JOURNAL_FILE)

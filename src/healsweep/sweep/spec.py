@@ -240,6 +240,8 @@ class SweepSpec(_Strict):
     cache_root: str | None = None
     """a stage-cache folder every worker mounts at this same path (shared storage: each entry
     is then computed once for the whole pool), or null for each worker's own ($HEALSWEEP_CACHE)"""
+    cache_max_gb: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """GiB >= 0, each worker's stage-cache size limit, or null ($HEALSWEEP_CACHE_MAX_GB or none)"""
     # where the sweep's confirms record their openings: the project's specs name the tracked
     # ledger/ledger.jsonl (docs/reliability.md)
     ledger: str | None = None
@@ -251,6 +253,7 @@ class SweepSpec(_Strict):
         "budget": None,
         "placement": "cache",
         "cache_root": None,
+        "cache_max_gb": None,
         "resources": {},
         "ledger": None,
     }

@@ -130,7 +130,8 @@ def _score_dev(
     if not todo:
         return
     index = {w.window_id: i for i, w in enumerate(windows)}
-    cache = StageCache(spec.cache_root)  # None: this worker's own ($HEALSWEEP_CACHE)
+    # None: this worker's own ($HEALSWEEP_CACHE), bounded by $HEALSWEEP_CACHE_MAX_GB if set
+    cache = StageCache(spec.cache_root, spec.cache_max_gb)
     scored = score_windows(
         teacher,
         make_student(teacher, cache),
