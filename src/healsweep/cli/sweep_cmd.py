@@ -48,6 +48,11 @@ class _Printer:
             typer.echo(line, err=True)
 
 
+def _note(line: str) -> None:
+    """A line of the sweep's own work before its trials (the allocator's sensitivity pass)."""
+    typer.echo(line, err=True)
+
+
 def _finish(run: Any) -> None:
     from healsweep.results.schema import TrialStatus, row_role
 
@@ -102,7 +107,8 @@ def run(
     if fixed:
         typer.echo(f"reference and external rows first: {', '.join(fixed)}")
     outcome = run_sweep(
-        loaded, results_root=root, address=address, num_cpus=num_cpus, on_progress=_Printer()
+        loaded, results_root=root, address=address, num_cpus=num_cpus, on_progress=_Printer(),
+        on_note=_note,
     )
     _finish(outcome)
 
@@ -120,7 +126,7 @@ def resume(
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
     outcome = resume_sweep(sweep_dir, address=address, num_cpus=num_cpus, on_progress=_Printer(),
-                           cache_max_gb=limit)  # fmt: skip
+                           cache_max_gb=limit, on_note=_note)  # fmt: skip
     _finish(outcome)
 
 

@@ -170,11 +170,11 @@ def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
     from healsweep.data.split import split_lock_id
     from healsweep.heal.quantize import check_quantizable
     from healsweep.model import open_model
-    from healsweep.sweep.space import grid_configs
+    from healsweep.sweep.space import GRIDDED, grid_configs
 
     model = open_model(spec.model)
     # a grid's configs are known now; a sampler's points are checked when their trial starts
-    for knobs in grid_configs(spec) if spec.sampler.type == "grid" else [spec.baseline]:
+    for knobs in grid_configs(spec) if spec.sampler.type in GRIDDED else [spec.baseline]:
         check_quantizable(model, knobs)
     try:
         window_options(spec.scoring, model)
