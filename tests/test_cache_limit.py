@@ -397,7 +397,7 @@ def test_a_sweep_whose_cache_keeps_nothing_finishes_with_the_same_numbers(tmp_pa
     import pyarrow.parquet as pq
 
     from healsweep.sweep.manifest import spec_hash
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     spec = {
         "model": "demo",

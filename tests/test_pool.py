@@ -168,7 +168,7 @@ def test_the_pool_summary_counts_hits_and_follow_ups_on_their_holder():
 def test_the_night_grid_varies_the_quantization_first():
     from healsweep.bench.night import NightError, night_spec, parse_grid
     from healsweep.sweep.space import grid_configs
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     grid = parse_grid("3x2x2")
     assert grid == {"gain_d": 3, "rho": 2, "eta": 2}
@@ -283,7 +283,7 @@ def test_the_night_reports_bytes_written_per_stage_and_the_caches_on_disk(tmp_pa
 
     from healsweep.bench.night import cache_bytes, cache_on_disk, cache_table, night_spec
     from healsweep.cache import StageCache
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     raw = night_spec("demo", grid={"gain_d": 1, "rho": 1, "eta": 1}, windows=2, placement="cache",
                      resources={"cpu": 1}, max_concurrent=1, cache_max_gb=16)  # fmt: skip

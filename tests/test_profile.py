@@ -105,7 +105,7 @@ def test_a_trial_takes_its_node_s_share_of_the_cores(resources, concurrent, node
 
 def test_a_spec_naming_its_cpus_keeps_them_and_its_stored_form():
     from healsweep.sweep.manifest import spec_hash
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     auto = spec_from_dict({"name": "auto", "resources": {"gpu": 1}})
     given = spec_from_dict({"name": "given", "resources": {"cpu": 3, "gpu": 1}})

@@ -10,15 +10,17 @@ import pytest
 
 from healsweep.errors import GGUFFormatError, SpecError
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.reads import student_key
+from healsweep.sweep.budget import planned_trials
 from healsweep.sweep.space import (
     baseline_point,
     config_hash,
     grid_configs,
     optuna_space,
-    planned_trials,
     trial_identity,
 )
-from healsweep.sweep.spec import FutilitySpec, load_spec, spec_from_dict
+from healsweep.sweep.spec import FutilitySpec
+from healsweep.sweep.spec_files import load_spec, spec_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,13 +252,15 @@ def test_trial_identity_from_tune_configs():
             "search_space": {"gamma": {"low": 0.0, "high": 1.0}},
         }
     )
-    baseline = trial_identity(spec, {"gamma": 0.75})
+    baseline = trial_identity({"gamma": 0.75}, spec.baseline, spec.fixed, spec.model)
     assert baseline.knobs == Knobs() and baseline.is_baseline
     assert baseline.config_hash == config_hash(Knobs()) and baseline.role == "baseline"
-    other = trial_identity(spec, {"gamma": 0.2})
+    other = trial_identity({"gamma": 0.2}, spec.baseline, spec.fixed, spec.model)
     assert other.knobs == Knobs(gamma=0.2) and not other.is_baseline and other.role == "trial"
-    grid = trial_identity(spec, {"knobs": Knobs(eta=0.5).model_dump()})
-    assert grid.knobs == Knobs(eta=0.5) and grid.student == Knobs(eta=0.5).student_key()
+    grid = trial_identity(
+        {"knobs": Knobs(eta=0.5).model_dump()}, spec.baseline, spec.fixed, spec.model
+    )
+    assert grid.knobs == Knobs(eta=0.5) and grid.student == student_key(Knobs(eta=0.5))
 
 
 def test_config_hash_is_canonical():
@@ -392,9 +396,9 @@ def test_a_spec_pickled_before_its_sections_were_typed_unpickles_typed():
         == expected
         == "80afc79c6e24c8dd6b9fa881c72a58a31076f77754f7a3298698b4fbfbcc3a03"
     )
-    assert trial_identity(spec, {"rho": 2.0, "alpha": "none"}).knobs == Knobs(
-        gain_d=0.0, gamma=1.0, eta=0.0, rho=2.0, alpha="none"
-    )
+    assert trial_identity(
+        {"rho": 2.0, "alpha": "none"}, spec.baseline, spec.fixed, spec.model
+    ).knobs == Knobs(gain_d=0.0, gamma=1.0, eta=0.0, rho=2.0, alpha="none")
 
 
 def test_the_cache_size_limit_is_checked_and_kept_out_of_the_hash():

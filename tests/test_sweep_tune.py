@@ -26,7 +26,7 @@ from healsweep.errors import ResultsError
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.driver import run_sweep
 from healsweep.sweep.space import config_hash, trial_identity
-from healsweep.sweep.spec import spec_from_dict
+from healsweep.sweep.spec_files import spec_from_dict
 from healsweep.sweep.trial import trial_seed
 from healsweep.sweep.work import trial_order
 
@@ -137,7 +137,10 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
     assert sorted(_log_lines(log)) == sorted((r["config_hash"], r["window_id"]) for r in rows)
     for row in rows:  # every knob column says which config scored the row; metrics are its own
         knobs = trial_identity(
-            spec, {"knobs": {k[5:]: v for k, v in row.items() if k.startswith("knob_")}}
+            {"knobs": {k[5:]: v for k, v in row.items() if k.startswith("knob_")}},
+            spec.baseline,
+            spec.fixed,
+            spec.model,
         ).knobs
         assert config_hash(knobs) == row["config_hash"]
         assert row["kld_mean"] == pytest.approx(toy_kld(knobs, row["window_id"]), rel=1e-12)
@@ -157,7 +160,10 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
     assert sum(t["is_baseline"] for t in run.trials) == 1
     for trial in trials.values():
         knobs = trial_identity(
-            spec, {"knobs": {k[5:]: v for k, v in trial.items() if k.startswith("knob_")}}
+            {"knobs": {k[5:]: v for k, v in trial.items() if k.startswith("knob_")}},
+            spec.baseline,
+            spec.fixed,
+            spec.model,
         ).knobs
         n = np.array([toy_tokens(w) for w in WINDOW_IDS], dtype=np.float64)
         k = np.array([toy_kld(knobs, w) for w in WINDOW_IDS], dtype=np.float64)
@@ -267,7 +273,6 @@ def test_tpe_with_wilcoxon_prunes_losers_but_never_the_baseline_nor_a_reference(
     assert sum(t["windows_scored"] for t in trials) < 6 * N_WINDOWS
     assert len(_log_lines(log)) == len(rows)
     assert (tmp_path / "tune" / "optuna-pruning.journal").stat().st_size > 0
-
 
 
 def test_only_a_finished_trial_reaches_the_sampler_with_a_final_value():

@@ -18,6 +18,8 @@ export PYTHONUNBUFFERED=1
 # or test run beside a sweep must not starve it (stop 36).
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export HEALSWEEP_CACHE=$HS/cache
+# 64 GB of disk: the 17 GB model (34 GB while it is written), the bounded stage cache, the rest
+export HEALSWEEP_CACHE_MAX_GB=${HEALSWEEP_CACHE_MAX_GB:-28}
 # Keep NVLink multicast off (the device tool's rule for shared hosts).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 hs() { python3 -m healsweep "$@"; }

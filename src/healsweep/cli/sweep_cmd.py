@@ -87,7 +87,7 @@ def run(
     """Run every trial of a sweep spec; results land in RESULTS/<name>/ as they arrive."""
     from healsweep.cache import parse_gb
     from healsweep.sweep.driver import run_sweep
-    from healsweep.sweep.spec import load_spec
+    from healsweep.sweep.spec_files import load_spec
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
     loaded = load_spec(spec)

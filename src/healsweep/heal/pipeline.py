@@ -30,13 +30,23 @@ import numpy as np
 from healsweep.cache import StageCache, content_key
 from healsweep.heal import expert_alpha, quantize, ridge, stages
 from healsweep.heal._runner import StageRunner
-from healsweep.heal.knobs import GROUPS, CalibrationConfig, Knobs, LayerTypes, require_ggml
-from healsweep.heal.quantize import QuantizedGroup, layer_experts, scaled
+from healsweep.heal.knobs import (
+    AlphaGranularity,
+    AlphaMode,
+    CalibrationConfig,
+    Knobs,
+    LayerTypes,
+    require_ggml,
+)
+from healsweep.heal.quantize import fold_alpha, layer_experts
 from healsweep.heal.ridge import HealedShexp, HeldoutFolds, RidgeBasis, RidgeFit, RidgeRhs
+from healsweep.heal.stage_names import Stage
 from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
 from healsweep.profile import phase
+from healsweep.quant.registry import QuantizedGroup
+from healsweep.quant.values import GROUPS, Group
 from healsweep.runtime import current
 
 if TYPE_CHECKING:
@@ -107,7 +117,7 @@ def needs_trace(knobs: Knobs, model: GGUFModel) -> bool:
         for types in quantize.expert_types(model, knobs).values()
         for group in GROUPS
     )
-    return knobs.alpha == "mse" or ridge or reads
+    return knobs.alpha == AlphaMode.MSE or ridge or reads
 
 
 @dataclass(frozen=True)
@@ -203,7 +213,7 @@ def build_student(
             replacements[i] = LayerReplacement(
                 gate_exps=healed.experts.gate,
                 up_exps=healed.experts.up,
-                down_exps=scaled(healed.experts.down, healed.alpha),
+                down_exps=fold_alpha(knobs, types[i].d, healed.experts.down, healed.alpha),
                 down_shexp=None if healed.shexp is None else healed.shexp.dense,
             )
             if healed.shexp is not None:
@@ -214,7 +224,7 @@ def build_student(
             say(f"layer {i + 1}/{hp.n_layer}", _layer_line(healed.report))
         run.layer = None
         for layer_report, folds in heldout:
-            found = run.timed("ridge_heldout", folds.result, layer_report["layer"])
+            found = run.timed(Stage.RIDGE_HELDOUT, folds.result, layer_report["layer"])
             layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
         if heldout:
             say(
@@ -286,18 +296,18 @@ def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
     qkeys: dict[str, str] = {}
     groups: dict[str, QuantizedGroup] = {}
     for g in GROUPS:  # gate/up first: a down quantized from the student's h reads it
-        qkeys[g] = _quantize_key(layer, g, qkeys.get("gu"))
-        compute = partial(_quantize, layer, g, groups.get("gu"))
-        groups[g] = run.value("quantize", qkeys[g], QuantizedGroup, compute)
-    quantized = layer_experts(groups["gu"], groups["d"])
+        qkeys[g] = _quantize_key(layer, g, qkeys.get(Group.GU))
+        compute = partial(_quantize, layer, g, groups.get(Group.GU))
+        groups[g] = run.value(Stage.QUANTIZE, qkeys[g], QuantizedGroup, compute)
+    quantized = layer_experts(groups[Group.GU], groups[Group.D])
     rkey, y_q = None, None
     if trace is not None:
         rkey = stages.routed_q_key(qkeys, trace.key, layer.index)
         y_q = _routed_q(run, layer, rkey, quantized)
     akey = stages.part_a_key(
-        knobs, layer.model, qkeys, rkey if knobs.alpha == "mse" else None, layer.index
+        knobs, layer.model, qkeys, rkey if knobs.alpha == AlphaMode.MSE else None, layer.index
     )
-    alpha = run.value("part_a", akey, LayerAlpha, partial(_part_a, layer, quantized, y_q))
+    alpha = run.value(Stage.PART_A, akey, LayerAlpha, partial(_part_a, layer, quantized, y_q))
     report: dict[str, Any] = {"layer": layer.index, "alpha": alpha.alpha}
     report["types"] = layer.types._asdict()
     fallback = {k: v for g in GROUPS for k, v in groups[g].report.get("gptq_fallback", {}).items()}
@@ -308,7 +318,8 @@ def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
         # Folded into each expert's down scales now; what Part B and the residuals see is the
         # routed output of those scaled experts (alpha 1), computed once and cached.
         report["expert_alphas"] = [float(a) for a in alpha.expert_alpha]
-        experts = quantized._replace(down=scaled(quantized.down, alpha.expert_alpha))
+        down = fold_alpha(knobs, layer.types.d, quantized.down, alpha.expert_alpha)
+        experts = quantized._replace(down=down)
         if y_q is not None:
             skey = stages.routed_q_key({**qkeys, "part_a": akey}, trace.key, layer.index)
             y_healed = _routed_q(run, layer, skey, experts)
@@ -328,7 +339,9 @@ def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
             1 + stats["realized_in_sample_change"]
         )
         report["ridge"] = stats
-    keys = {"quantize_gu": qkeys["gu"], "quantize_d": qkeys["d"], "part_a": akey, "part_b": bkey}
+    keys = {
+        "quantize_gu": qkeys[Group.GU], "quantize_d": qkeys[Group.D], "part_a": akey, "part_b": bkey,
+    }  # fmt: skip
     return HealedLayer(experts, alpha.alpha, shexp, report, keys, folds)
 
 
@@ -362,7 +375,7 @@ def _routed_q(
     def compute() -> RoutedOutput:
         return RoutedOutput(stages.routed_output(experts, layer.trace_layer(), n_expert))
 
-    load = run.lazy("routed_q", key, RoutedOutput, compute)
+    load = run.lazy(Stage.ROUTED_Q, key, RoutedOutput, compute)
     return lambda: load().y_q
 
 
@@ -371,13 +384,13 @@ def _part_a(
 ) -> LayerAlpha:
     """The layer's alpha (``gaussian`` probe or ``mse`` on the trace), or one per expert."""
     knobs = layer.knobs
-    per_expert = knobs.alpha_granularity == "expert"
-    if knobs.alpha == "gaussian":
+    per_expert = knobs.alpha_granularity == AlphaGranularity.EXPERT
+    if knobs.alpha == AlphaMode.GAUSSIAN:
         if per_expert:
             found = expert_alpha.gaussian_alphas(layer.weights(), experts, knobs.gamma)
             return LayerAlpha(1.0, found)
         return LayerAlpha(stages.gaussian_alpha(layer.weights(), experts, knobs.gamma))
-    if knobs.alpha == "mse":
+    if knobs.alpha == AlphaMode.MSE:
         y_ref = layer.trace_layer()["y_ref"]
         value = float(alpha_kernels.alpha_mse(y_ref, y_q(), knobs.gamma))
         if per_expert:  # starved experts keep the layer's alpha
@@ -424,22 +437,22 @@ def _part_b(
     model, i, knobs, trace_layer = layer.model, layer.index, layer.knobs, layer.trace_layer
     nkey = ridge.basis_key(model, layer.trace.key, i)
     basis = run.lazy(
-        "ridge_basis", nkey, RidgeBasis, lambda: ridge.compute_basis(model, i, trace_layer())
+        Stage.RIDGE_BASIS, nkey, RidgeBasis, lambda: ridge.compute_basis(model, i, trace_layer())
     )
     hskey = ridge.rhs_key(nkey, akey, rkey, i)
     rhs = run.lazy(
-        "ridge_rhs",
+        Stage.RIDGE_RHS,
         hskey,
         RidgeRhs,
         lambda: ridge.compute_rhs(model, i, trace_layer(), y_q(), alpha, basis()),
     )
     fkey = ridge.fit_key(knobs, nkey, hskey, i)
     fit = run.lazy(
-        "ridge_fit", fkey, RidgeFit, lambda: ridge.fit_from_rhs(rhs(), basis(), knobs.rho)
+        Stage.RIDGE_FIT, fkey, RidgeFit, lambda: ridge.fit_from_rhs(rhs(), basis(), knobs.rho)
     )
     bkey = ridge.part_b_key(knobs, model, fkey, i)
     shexp = run.value(
-        "part_b",
+        Stage.PART_B,
         bkey,
         HealedShexp,
         lambda: ridge.ridge_layer(model, i, basis(), rhs(), fit(), knobs.eta),

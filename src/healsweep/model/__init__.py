@@ -3,8 +3,9 @@ teacher-forced JAX forward, layer by layer."""
 
 from healsweep.model.files import describe_model, expected_tensor_shapes, open_model, write_model
 from healsweep.model.forward import ForwardResult, LayerCapture, LayerReplacement, forward
-from healsweep.model.layers import matmul, router_topk, select_experts
+from healsweep.model.layers import matmul
 from healsweep.model.registry import ARCHITECTURES, SUPPORTED_ARCHS, architecture
+from healsweep.model.routing import router_topk, select_experts
 
 __all__ = [
     "ARCHITECTURES",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,36 +22,14 @@ from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
 from healsweep.profile import phase
 from healsweep.score.compact import COMPACT, TeacherCacheFormat, cache_format
+from healsweep.score.expert_cache import CachedStudent, ExpertCacheConfig
 from healsweep.score.metrics import WindowMetrics, compact_window_metrics, window_metrics
+from healsweep.score.student import StudentModel, student_model
 from healsweep.score.teacher_cache import TeacherOutput, scored_positions, teacher_outputs
 
 if TYPE_CHECKING:
     from healsweep.data.windows import Window
     from healsweep.gguf_io import GGUFModel
-    from healsweep.model.forward import LayerReplacement
-    from healsweep.score.expert_cache import CachedStudent, ExpertCacheConfig
-
-
-class HealedModel(Protocol):
-    """A healed student (``healsweep.heal.pipeline.Student``): the teacher's model and the
-    layers that replace some of its weights."""
-
-    @property
-    def base(self) -> GGUFModel: ...
-
-    @property
-    def replacements(self) -> dict[int, LayerReplacement]: ...
-
-
-# What can be scored against a teacher: a model file, or a healed student.
-StudentModel: TypeAlias = "GGUFModel | HealedModel"
-
-
-def student_model(student: StudentModel) -> tuple[GGUFModel, dict[int, LayerReplacement] | None]:
-    """``(GGUFModel, replacements or None)`` that run the student's forward."""
-    if hasattr(student, "replacements") and hasattr(student, "base"):
-        return student.base, dict(student.replacements)
-    return student, None
 
 
 def check_same_vocab(teacher: GGUFModel, student: StudentModel) -> None:
@@ -128,8 +106,6 @@ def score_windows(
     check_same_vocab(teacher, student)
     cached = None
     if expert_cache is not None:
-        from healsweep.score.expert_cache import CachedStudent
-
         cached = CachedStudent(student, expert_cache)
     with cache.holding():  # the teacher records read or written: held until scoring ends
         yield from _scored(teacher, student, windows, cache, batch, fmt, cached)
@@ -169,11 +145,4 @@ def _metrics(window: Window, t_out: Any, s_logits: np.ndarray, s_topk: np.ndarra
     return metrics
 
 
-__all__ = [
-    "HealedModel",
-    "StudentModel",
-    "check_same_vocab",
-    "run_student",
-    "score_windows",
-    "student_model",
-]
+__all__ = ["check_same_vocab", "run_student", "score_windows"]

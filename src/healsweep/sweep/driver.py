@@ -36,7 +36,8 @@ from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.progress import ProgressSink
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
 from healsweep.sweep.space import baseline_point, optuna_space
-from healsweep.sweep.spec import RAY_RESOURCE_NAMES, SweepSpec, check_paths
+from healsweep.sweep.spec import RAY_RESOURCE_NAMES, SweepSpec
+from healsweep.sweep.spec_files import check_paths
 from healsweep.sweep.trial import (
     COORDINATOR_RESOURCES,
     TARGET_METRIC,

@@ -22,7 +22,8 @@ from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.ledger import Ledger, head_record
 from healsweep.results.store import MANIFEST_FILE, SPEC_FILE, read_manifest
-from healsweep.sweep.space import KNOB_NAMES, planned_trials
+from healsweep.sweep.budget import planned_trials
+from healsweep.sweep.space import KNOB_NAMES
 from healsweep.sweep.spec import SweepSpec
 
 LEDGER_HEADS = "ledger_heads"  # the manifest's list of ledger heads it saw

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -47,6 +49,17 @@ AHEAD = 2
 PROFILE_EVERY = 16  # windows between the phase profiles a task reports (and its first and last)
 
 
+def stamped(results: Iterable[WindowRecord]) -> Iterator[WindowRecord]:
+    """``results``, each with where (the Ray node this runs on) and when it was scored."""
+    try:
+        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:  # outside a Ray worker (direct calls in tests of the pure parts)
+        node_id, node_ip = "", ""
+    node = {"scored_node_id": node_id, "scored_node_ip": node_ip}
+    for result in results:
+        yield replace(result, scored_at=time.time(), scored_hostname=socket.gethostname(), **node)
+
+
 def _events(
     job: Job,
     resources: Mapping[str, float],
@@ -61,7 +74,6 @@ def _events(
     from healsweep.cache import activity, activity_since
     from healsweep.profile import profiling
     from healsweep.sweep.devices import prepare_trial_process
-    from healsweep.sweep.trial import stamped
 
     seen = prepare_trial_process(resources, own_process=own_process)
     started, cpu, before = time.time(), time.process_time(), activity()

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from healsweep.data.windows import Window
     from healsweep.gguf_io import GGUFModel
     from healsweep.score.expert_cache import ExpertCacheConfig
-    from healsweep.score.runner import StudentModel
+    from healsweep.score.student import StudentModel
 
 # A work function: (spec, knobs, ids of the windows done, seed) -> a record per window it scores.
 WorkFn = Callable[[SweepSpec, Knobs, Collection[str], int], Iterator[WindowRecord]]
