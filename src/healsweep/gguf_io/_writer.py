@@ -1,13 +1,15 @@
 """Write a GGUF model with the gguf-py writer: metadata, tokenizer and tensors.
 
-Tensors are converted (``gguf.quants.quantize``) and spooled one at a time, so ``tensors`` may be
+Tensors are converted (``gguf.quants.quantize``) and spooled in order, so ``tensors`` may be
 a lazy mapping that builds each array on access: writing a model larger than memory then needs
-one tensor's worth of RAM, not the model's.
+a few tensors' worth of RAM (one per host thread that draws and encodes ahead), not the model's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
 from healsweep.gguf_io._kquant import KQUANT_TYPES, quantize_kquant
 from healsweep.gguf_io._tokenizer import TokenizerMetadata
+from healsweep.threads import host_threads
 
 
 def default_type(array_ndim: int):
@@ -99,19 +102,42 @@ def write_gguf(
                     _add_value(writer, key, value)
             for key, value in (extra_metadata or {}).items():
                 _add_value(writer, key, value)
-            for tensor_name in tensors:
+            def encoded(tensor_name: str) -> tuple[np.ndarray, Any]:
                 values = np.asarray(tensors[tensor_name], dtype=np.float32)
                 qtype = (types or {}).get(tensor_name)  # F32 is 0: test against None, not falsy
                 qtype = default_type(values.ndim) if qtype is None else qtype
-                encoded = encode_tensor(tensor_name, values, qtype)
-                raw_dtype = qtype if encoded.dtype == np.uint8 else None
+                return encode_tensor(tensor_name, values, qtype), qtype
+
+            # Tensors are drawn and encoded ahead on the host's threads (numpy's bulk work runs
+            # outside the GIL) and spooled in order, at most one per thread in memory.
+            for tensor_name, (data, qtype) in _in_order(encoded, list(tensors), host_threads()):
+                raw_dtype = qtype if data.dtype == np.uint8 else None
                 if qtype == GGMLQuantizationType.BF16:
                     raw_dtype = qtype
-                writer.add_tensor(tensor_name, encoded, raw_dtype=raw_dtype)
-                del values, encoded
+                writer.add_tensor(tensor_name, data, raw_dtype=raw_dtype)
+                del data
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
         finally:
             writer.close()
     return path
+
+
+def _in_order(
+    fn: Callable[[str], Any], names: list[str], threads: int
+) -> Iterator[tuple[str, Any]]:
+    """``(name, fn(name))`` in the order of ``names``, computed up to ``threads`` ahead."""
+    if threads <= 1:
+        yield from ((name, fn(name)) for name in names)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="gguf-encode") as pool:
+        pending: deque[tuple[str, Future]] = deque()
+        for name in names:
+            pending.append((name, pool.submit(fn, name)))
+            if len(pending) >= threads:
+                first, future = pending.popleft()
+                yield first, future.result()
+        while pending:
+            first, future = pending.popleft()
+            yield first, future.result()

@@ -134,6 +134,7 @@ class LayerInputs:
     trace: Trace | None
     weights: Callable[[], dict[str, Any]]  # the teacher's routed experts and ffn_norm
     trace_layer: Callable[[], dict[str, np.ndarray]]  # only when trace is not None
+    diagnostics: bool = True  # Part B's held-out diagnostic beside the fit (build_student)
 
 
 class HealedLayer(NamedTuple):
@@ -157,11 +158,16 @@ def build_student(
     *,
     corpus: Corpus | None = None,
     progress: Progress | None = None,
+    diagnostics: bool = True,
 ) -> Student:
     """Quantize and heal every layer of ``model`` under ``knobs``; stages come from ``cache``.
 
     ``corpus`` overrides loading ``calibration.corpus`` (tests and benchmarks pass one they
     built); ``progress(stage, message)`` is called as stages finish (the CLI prints it).
+    ``diagnostics=False`` leaves out Part B's held-out diagnostic (``ridge_heldout``), which
+    nothing the student is made of reads: a sweep scores its own held-out windows instead, and
+    the diagnostic's host solves grow with the calibration tokens (29.9 of a rho-only trial's
+    35.5 s on an H100 at 94k tokens, 4 layers, docs/sizing.md).
     """
     from healsweep.model import LayerReplacement
 
@@ -206,6 +212,7 @@ def build_student(
                 once(partial(run.timed, "calib_trace", partial(trace.layer, i), i))
                 if trace
                 else _no_trace,
+                diagnostics,
             )
             healed = _heal_layer(run, layer)
             if healed.folds is not None:
@@ -430,10 +437,11 @@ def _part_b(
     alpha: float,
     akey: str,
     rkey: str,
-) -> tuple[HealedShexp, str, Future]:
+) -> tuple[HealedShexp, str, Future | None]:
     """ridge_basis (once per trace) → ridge_rhs (per target) → ridge_fit (per rho) → part_b
     (per eta), each cached and each read only when a stage after it computes; the held-out
-    diagnostic of the fit on a background thread (its fold sums are the returned future)."""
+    diagnostic of the fit on a background thread (its fold sums are the returned future; None
+    without ``layer.diagnostics``)."""
     model, i, knobs, trace_layer = layer.model, layer.index, layer.knobs, layer.trace_layer
     nkey = ridge.basis_key(model, layer.trace.key, i)
     basis = run.lazy(
@@ -457,6 +465,8 @@ def _part_b(
         HealedShexp,
         lambda: ridge.ridge_layer(model, i, basis(), rhs(), fit(), knobs.eta),
     )
+    if not layer.diagnostics:
+        return shexp, bkey, None
     hkey = ridge.heldout_key(fkey)
     held = run.cache.meta("ridge_heldout", hkey)
     if held is not None:
