@@ -270,12 +270,13 @@ def _basis_ahead(
 
     def build(i: int) -> None:
         key = ridge.basis_key(model, trace.key, i)
-        if run.cache.meta("ridge_basis", key) is not None:
+        if run.meta(Stage.RIDGE_BASIS, key) is not None:
             return
         with phase("ridge_basis_ahead", i):
-            run.cache.get_or_compute(
-                "ridge_basis", key, lambda: ridge.compute_basis(model, i, trace.layer(i)).to_entry()
-            )
+            run.stored(
+                Stage.RIDGE_BASIS, key, RidgeBasis,
+                lambda: ridge.compute_basis(model, i, trace.layer(i)),
+            )  # fmt: skip
 
     return lambda i: pool.submit(build, i) and None
 
@@ -458,7 +459,7 @@ def _part_b(
         lambda: ridge.ridge_layer(model, i, basis(), rhs(), fit(), knobs.eta),
     )
     hkey = ridge.heldout_key(fkey)
-    held = run.cache.meta("ridge_heldout", hkey)
+    held = run.meta(Stage.RIDGE_HELDOUT, hkey)
     if held is not None:
         folds: Future = Future()
         folds.set_result(HeldoutFolds.from_entry({}, held).folds)
@@ -466,10 +467,8 @@ def _part_b(
         args = (model, i, trace_layer(), y_q(), alpha, basis(), rhs(), fit())
 
         def heldout() -> list[list[float]]:
-            found = run.cache.get_or_compute(
-                "ridge_heldout", hkey, lambda: ridge.compute_heldout(*args).to_entry()
-            )
-            return HeldoutFolds.from_entry(*found).folds
+            compute = partial(ridge.compute_heldout, *args)
+            return run.stored(Stage.RIDGE_HELDOUT, hkey, HeldoutFolds, compute).folds
 
         folds = current().executor("ridge-heldout", HELDOUT_THREADS).submit(heldout)
     return shexp, bkey, folds

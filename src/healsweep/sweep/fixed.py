@@ -12,7 +12,6 @@ reference's student replay the reference's windows: :mod:`healsweep.sweep.trial`
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -21,11 +20,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import student_key
-from healsweep.results.schema import Role, TrialStatus, knob_columns, scored_all
+from healsweep.quant.values import Quantizer
+from healsweep.results.schema import Role, TrialStatus, fixed_config_hash, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.placed import PlacedWork, work_task
 from healsweep.sweep.sizes import config_size
@@ -59,13 +58,7 @@ class FixedConfig:
     def config_hash(self) -> str:
         """Content hash over role, label and what is scored (knobs, or the file's fingerprint):
         never equal to a trial's, even when a trial has the reference's knobs."""
-        identity = {
-            "role": self.role,
-            "label": self.label,
-            "knobs": self.knobs.identity() if self.knobs is not None else None,
-            "fingerprint": self.fingerprint,
-        }
-        return hashlib.sha256(canonical_json(identity).encode()).hexdigest()[:16]
+        return fixed_config_hash(self.role, self.label, self.knobs, self.fingerprint)
 
     @property
     def student(self) -> str:
@@ -89,8 +82,8 @@ class FixedConfig:
 def reference_knobs(spec: SweepSpec, name: str) -> Knobs:
     """The knobs of reference ``name``: the baseline with healing off (``plain``: also its
     quantizer replaced by round-to-nearest)."""
-    unhealed = spec.baseline.replace(alpha="none", ridge=False)
-    return unhealed.replace(quantizer="plain") if name == "plain" else unhealed
+    unhealed = spec.baseline.replace(**Knobs.UNHEALED)
+    return unhealed.replace(quantizer=Quantizer.PLAIN) if name == "plain" else unhealed
 
 
 def fixed_configs(spec: SweepSpec, sweep_dir: Path) -> list[FixedConfig]:
