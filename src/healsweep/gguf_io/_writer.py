@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import Keys
+from gguf import GGMLQuantizationType, GGUFWriter, Keys
+from gguf.quants import quantize
 
 from healsweep._atomic import atomic_path
 from healsweep.errors import GGUFFormatError
@@ -23,14 +24,12 @@ from healsweep.gguf_io._tokenizer import TokenizerMetadata
 
 def default_type(array_ndim: int):
     """F32 for vectors (norms, biases, gates), F16 for matrices and expert stacks."""
-    from gguf import GGMLQuantizationType
 
     return GGMLQuantizationType.F32 if array_ndim <= 1 else GGMLQuantizationType.F16
 
 
 def encode_tensor(name: str, values: np.ndarray, qtype) -> np.ndarray:
     """``values`` (float32) in the storage format ``qtype``: float arrays or packed bytes."""
-    from gguf.quants import quantize
 
     block, _ = QUANT_SIZES[TensorType(int(qtype))]
     if values.shape[-1] % block:
@@ -84,7 +83,6 @@ def write_gguf(
     ``arch`` is written as ``general.architecture``; ``drop_keys`` leaves metadata keys out (to
     make deliberately incomplete files). The file is written to a temp name and renamed.
     """
-    from gguf import GGMLQuantizationType, GGUFWriter
 
     path = Path(path)
     with atomic_path(path) as tmp:

@@ -25,6 +25,7 @@ from functools import cache as once
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
@@ -44,6 +45,7 @@ from healsweep.heal.stage_names import Stage
 from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
+from healsweep.model import LayerReplacement
 from healsweep.profile import phase
 from healsweep.quant.registry import QuantizedGroup
 from healsweep.quant.values import GROUPS, Group
@@ -163,7 +165,6 @@ def build_student(
     ``corpus`` overrides loading ``calibration.corpus`` (tests and benchmarks pass one they
     built); ``progress(stage, message)`` is called as stages finish (the CLI prints it).
     """
-    from healsweep.model import LayerReplacement
 
     quantize.check_quantizable(model, knobs)
     require_ggml(knobs.model_dump())
@@ -259,7 +260,6 @@ def _basis_ahead(
     backend, where both would share the same cores, and where the trial needs no basis.
     ``HEALSWEEP_BASIS_AHEAD`` = ``on`` | ``off`` overrides the backend's choice (the result is
     the same either way: the entry is the same computation, only its thread differs)."""
-    import jax
 
     if trace is None or not knobs.ridge or model.hparams.n_ff_shexp == 0:
         return lambda i: None

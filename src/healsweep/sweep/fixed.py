@@ -20,6 +20,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import ray
+
+from healsweep.cache import StageCache
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import student_key
@@ -27,6 +30,7 @@ from healsweep.quant.values import Quantizer
 from healsweep.results.schema import Role, TrialStatus, fixed_config_hash, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.placed import PlacedWork, work_task
+from healsweep.sweep.recorder import ResultsRecorder
 from healsweep.sweep.sizes import config_size
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import prior_windows, trial_seed
@@ -89,7 +93,10 @@ def reference_knobs(spec: SweepSpec, name: str) -> Knobs:
 def fixed_configs(spec: SweepSpec, sweep_dir: Path) -> list[FixedConfig]:
     """The spec's references (in ``REFERENCES`` order), then its external entries (a recipe's
     file as built into ``sweep_dir``: :func:`build_externals`)."""
+    # lazy: heavy (gguf)
     from healsweep.gguf_io import routed_expert_bpw
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     out = []
@@ -111,8 +118,10 @@ def build_externals(spec: SweepSpec, sweep_dir: Path) -> list[Path]:
     ``SWEEP/external/NAME.gguf`` (written atomically, so one that exists is complete and is
     reused, e.g. by a resume); its importance rows come from the sweep's calibration trace, in
     the stage cache the trials share. Returns the files built now."""
-    from healsweep.cache import StageCache
+    # lazy: heavy (gguf)
     from healsweep.heal.llama_baseline import write_llama_baseline
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     built = []
@@ -152,9 +161,7 @@ def run_fixed(
     """Score every fixed config not yet completed (only its student's windows missing from the
     Parquet rows) and record it; returns the configs that were run. ``holders``: the sweep's
     :class:`~healsweep.sweep.holders.StageHolders`."""
-    import ray
 
-    from healsweep.sweep.recorder import ResultsRecorder
 
     recorder = ResultsRecorder(sweep_dir, spec)
     recorder.setup()

@@ -135,6 +135,7 @@ def grid_configs(spec: SweepSpec) -> list[Knobs]:
 
 def optuna_space(spec: SweepSpec) -> dict[str, BaseDistribution]:
     """Optuna distributions of the searched knobs (tpe/random)."""
+    # lazy: heavy (optuna)
     from optuna.distributions import CategoricalDistribution, FloatDistribution
 
     space: dict[str, BaseDistribution] = {}
