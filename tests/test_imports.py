@@ -125,6 +125,30 @@ def test_the_cycle_check_finds_a_cycle_hidden_in_a_function(tmp_path):
     assert cycles(import_graph(package)) == [["healsweep.a", "healsweep.b"]]
 
 
+def face_names_imported_from_within(package: Path) -> list[str]:
+    """``module: from FACE import name`` where a module takes a name its own package's face
+    defines (not a submodule of it): the face imports its modules first, so that is a cycle
+    the graph above does not count (a module importing its own package face is not an edge)."""
+    modules = _modules(package)
+    found = []
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = _imported(node, name, is_package)[0]
+            if source not in modules or not name.startswith(source + "."):
+                continue
+            for alias in node.names:
+                if f"{source}.{alias.name}" not in modules:
+                    found.append(f"{name}: from {source} import {alias.name}")
+    return found
+
+
+def test_no_module_takes_a_name_from_its_own_package_face():
+    assert face_names_imported_from_within(PACKAGE) == []
+
+
 def unmarked_local_imports(path: Path) -> list[str]:
     """``file:line import`` of each import inside a function that is not marked: neither its
     own first line nor the comment just above its run of imports says ``# lazy: <why>``."""

@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from healsweep.conformance import all_cases
-
 # check(got, want, inputs) -> (error figure, failure reason or None when within tolerance)
 Check = Callable[[Any, Any, tuple], tuple[float, str | None]]
 
@@ -213,9 +211,3 @@ def run_case(case: KernelCase, seed: int = 0) -> ConformanceResult:
         device_err=device_err,
         path=path,
     )
-
-
-def run_conformance(cases: list[KernelCase] | None = None) -> list[ConformanceResult]:
-    """Every registered case (:func:`healsweep.conformance.all_cases`), in order."""
-
-    return [run_case(case) for case in (cases if cases is not None else all_cases())]
