@@ -234,6 +234,10 @@ class _LazyTensors(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         return self._model.tensor(name)
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, without reading it (what a writer lays out first)."""
+        return tuple(self._model.tensor_shape(name))
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._model.tensor_names)
 

@@ -136,6 +136,7 @@ class LayerInputs:
     trace: Trace | None
     weights: Callable[[], dict[str, Any]]  # the teacher's routed experts and ffn_norm
     trace_layer: Callable[[], dict[str, np.ndarray]]  # only when trace is not None
+    diagnostics: bool = True  # Part B's held-out diagnostic beside the fit (build_student)
 
 
 class HealedLayer(NamedTuple):
@@ -159,11 +160,16 @@ def build_student(
     *,
     corpus: Corpus | None = None,
     progress: Progress | None = None,
+    diagnostics: bool = True,
 ) -> Student:
     """Quantize and heal every layer of ``model`` under ``knobs``; stages come from ``cache``.
 
     ``corpus`` overrides loading ``calibration.corpus`` (tests and benchmarks pass one they
     built); ``progress(stage, message)`` is called as stages finish (the CLI prints it).
+    ``diagnostics=False`` leaves out Part B's held-out diagnostic (``ridge_heldout``), which
+    nothing the student is made of reads: a sweep scores its own held-out windows instead, and
+    the diagnostic's host solves grow with the calibration tokens (29.9 of a rho-only trial's
+    35.5 s on an H100 at 94k tokens, 4 layers, docs/sizing.md).
     """
 
     quantize.check_quantizable(model, knobs)
@@ -207,6 +213,7 @@ def build_student(
                 once(partial(run.timed, "calib_trace", partial(trace.layer, i), i))
                 if trace
                 else _no_trace,
+                diagnostics,
             )
             healed = _heal_layer(run, layer)
             if healed.folds is not None:
@@ -431,10 +438,11 @@ def _part_b(
     alpha: float,
     akey: str,
     rkey: str,
-) -> tuple[HealedShexp, str, Future]:
+) -> tuple[HealedShexp, str, Future | None]:
     """ridge_basis (once per trace) → ridge_rhs (per target) → ridge_fit (per rho) → part_b
     (per eta), each cached and each read only when a stage after it computes; the held-out
-    diagnostic of the fit on a background thread (its fold sums are the returned future)."""
+    diagnostic of the fit on a background thread (its fold sums are the returned future; None
+    without ``layer.diagnostics``)."""
     model, i, knobs, trace_layer = layer.model, layer.index, layer.knobs, layer.trace_layer
     nkey = ridge.basis_key(model, layer.trace.key, i)
     basis = run.lazy(
@@ -458,6 +466,8 @@ def _part_b(
         HealedShexp,
         lambda: ridge.ridge_layer(model, i, basis(), rhs(), fit(), knobs.eta),
     )
+    if not layer.diagnostics:
+        return shexp, bkey, None
     hkey = ridge.heldout_key(fkey)
     held = run.meta(Stage.RIDGE_HELDOUT, hkey)
     if held is not None:

@@ -96,6 +96,10 @@ class RandomTensors(Mapping):
         rng = np.random.default_rng([self._seed, zlib.crc32(name.encode())])
         return (mean + std * rng.standard_normal(shape)).astype(np.float32)
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, without drawing it (what a writer lays out first)."""
+        return tuple(self._shapes[name])
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._shapes)
 

@@ -212,6 +212,7 @@ class PlacedWork:
         the work's resources itself: a task would wait for them behind it)."""
         if here:
             self.placement = Placement("here", None, ())
+            self.columns.update(quantization=self.quantization, holders="")  # as place() does
             events = _events(job, self.spec.trial_resources(), own_process=False)
             try:
                 for event in events:

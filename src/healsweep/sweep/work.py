@@ -103,7 +103,8 @@ def run_trial_work(
     from healsweep.score.expert_cache import ExpertCacheConfig
 
     def healed(teacher: GGUFModel, cache: StageCache) -> StudentModel:
-        return build_student(teacher, knobs, spec.calibration, cache)
+        # no held-out diagnostic: the sweep scores its own held-out windows (see build_student)
+        return build_student(teacher, knobs, spec.calibration, cache, diagnostics=False)
 
     yield from _score_dev(spec, healed, windows_done, seed, ExpertCacheConfig.from_knobs(knobs))
 
