@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from healsweep import cluster
 from healsweep.cli._apps import app, cluster_app
+from healsweep.conformance import run_conformance
 
 _ADDRESS = typer.Option(
     None, "--address", help="Ray cluster HOST:PORT (default: a local cluster, if any)."
@@ -14,7 +16,6 @@ _ADDRESS = typer.Option(
 @cluster_app.command("status")
 def cluster_status(address: str | None = _ADDRESS) -> None:
     """List the cluster's nodes, their resources, JAX backends and GPUs."""
-    from healsweep import cluster
 
     if not cluster.connect(address):
         raise cluster.ClusterError(
@@ -66,7 +67,6 @@ def node_lines(nodes) -> list[str]:
 
 
 def _cluster_line(address: str | None) -> str:
-    from healsweep import cluster
 
     if not cluster.connect(address):
         return "ray cluster: none running here (sweeps start an embedded local Ray)"
@@ -88,8 +88,7 @@ def doctor(
 ) -> None:
     """JAX backend and devices, the Ray cluster, and the conformance suite: every kernel, GGUF
     decoder and a model layer against float64 references (and the device against the CPU)."""
-    from healsweep import cluster
-    from healsweep.conformance import run_conformance
+    # lazy: heavy (gguf)
     from healsweep.gguf_io._ggml_lib import status_line
 
     info = cluster.jax_info()

@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from healsweep.cache import parse_gb
 from healsweep.cli._apps import CacheMaxGb, sweep_app
 from healsweep.errors import ResultsError
 
@@ -49,6 +50,7 @@ class _Printer:
 
 
 def _finish(run: Any) -> None:
+    # lazy: heavy (pyarrow)
     from healsweep.results.schema import TrialStatus, row_role
 
     trials = [t for t in run.trials if row_role(t).tuned]
@@ -85,8 +87,10 @@ def run(
     cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Run every trial of a sweep spec; results land in RESULTS/<name>/ as they arrive."""
-    from healsweep.cache import parse_gb
+    # lazy: heavy (gguf, jax, optuna, pyarrow, ray)
     from healsweep.sweep.driver import run_sweep
+
+    # lazy: heavy (pyarrow)
     from healsweep.sweep.spec_files import load_spec
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
@@ -115,7 +119,7 @@ def resume(
     cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Finish an interrupted sweep without re-running finished trials or re-scoring windows."""
-    from healsweep.cache import parse_gb
+    # lazy: heavy (gguf, jax, optuna, pyarrow, ray)
     from healsweep.sweep.driver import resume_sweep
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
@@ -127,6 +131,7 @@ def resume(
 @sweep_app.command("status")
 def status(sweep_dir: Path = _SWEEP_DIR) -> None:
     """Trials by status, windows recorded, best config so far, and whether a driver is running."""
+    # lazy: heavy (pyarrow)
     from healsweep.sweep.status import sweep_status
 
     info = sweep_status(sweep_dir)
@@ -139,6 +144,7 @@ def status(sweep_dir: Path = _SWEEP_DIR) -> None:
         typer.echo(f"{row['role']} {label}: {row['status']}{kld}")
     typer.echo(f"windows recorded: {info['windows_recorded']}")
     if info["pool"]:
+        # lazy: heavy (pyarrow)
         from healsweep.results.placement import pool_line
 
         typer.echo(f"pool: {pool_line(info['pool'])}")

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import Keys
+from gguf import GGMLQuantizationType, GGUFWriter, Keys
+from gguf.quants import quantize
 
 from healsweep._atomic import atomic_path
 from healsweep.errors import GGUFFormatError
@@ -26,14 +27,12 @@ from healsweep.threads import host_threads
 
 def default_type(array_ndim: int):
     """F32 for vectors (norms, biases, gates), F16 for matrices and expert stacks."""
-    from gguf import GGMLQuantizationType
 
     return GGMLQuantizationType.F32 if array_ndim <= 1 else GGMLQuantizationType.F16
 
 
 def encode_tensor(name: str, values: np.ndarray, qtype) -> np.ndarray:
     """``values`` (float32) in the storage format ``qtype``: float arrays or packed bytes."""
-    from gguf.quants import quantize
 
     block, _ = QUANT_SIZES[TensorType(int(qtype))]
     if values.shape[-1] % block:
@@ -87,7 +86,6 @@ def write_gguf(
     ``arch`` is written as ``general.architecture``; ``drop_keys`` leaves metadata keys out (to
     make deliberately incomplete files). The file is written to a temp name and renamed.
     """
-    from gguf import GGUFWriter
 
     path = Path(path)
     names = list(tensors)
@@ -164,8 +162,6 @@ def _stored_layout(name: str, shape: tuple[int, ...], qtype: Any) -> tuple[tuple
 
 def _raw_dtype(dtype: np.dtype, qtype: Any) -> Any:
     """gguf-py's ``raw_dtype`` of an encoded tensor: its type where the bytes are packed."""
-    from gguf import GGMLQuantizationType
-
     return qtype if dtype == np.uint8 or qtype == GGMLQuantizationType.BF16 else None
 
 

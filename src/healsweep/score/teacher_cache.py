@@ -84,7 +84,10 @@ def teacher_key(model: GGUFModel, window: Window, fmt: str | TeacherCacheFormat 
 
 def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutput]:
     """One batched teacher forward over ``windows`` (no cache)."""
+    # lazy: heavy (jax)
     from healsweep.kernels.kld import log_softmax
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import forward
 
     positions = [scored_positions(w) for w in windows]
