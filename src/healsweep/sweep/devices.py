@@ -60,7 +60,10 @@ def cpu_share(
     ``nodes``: each alive node's Ray resources (``{"CPU": 16, "GPU": 1, ...}``); at least 1."""
 
     wanted = {RAY_RESOURCE_NAMES.get(k, k): v for k, v in resources.items() if k != "cpu"}
-    able = [n for n in nodes if all(n.get(k, 0) >= v for k, v in wanted.items() if v > 0)]
+    able = [  # a node of no CPUs (a pool's head, say) runs no trial
+        n for n in nodes
+        if n.get("CPU", 0) >= 1 and all(n.get(k, 0) >= v for k, v in wanted.items() if v > 0)
+    ]  # fmt: skip
     if not able:
         return 1
     per_node = math.ceil(max_concurrent / len(able))
