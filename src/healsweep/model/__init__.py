@@ -2,7 +2,13 @@
 teacher-forced JAX forward, layer by layer."""
 
 from healsweep.model.files import describe_model, expected_tensor_shapes, open_model, write_model
-from healsweep.model.forward import ForwardResult, LayerCapture, LayerReplacement, forward
+from healsweep.model.forward import (
+    ForwardResult,
+    LayerCapture,
+    LayerReplacement,
+    forward,
+    forward_each,
+)
 from healsweep.model.layers import matmul, router_topk, select_experts
 from healsweep.model.registry import ARCHITECTURES, SUPPORTED_ARCHS, architecture
 
@@ -16,6 +22,7 @@ __all__ = [
     "describe_model",
     "expected_tensor_shapes",
     "forward",
+    "forward_each",
     "matmul",
     "open_model",
     "router_topk",
