@@ -8,6 +8,7 @@ safety net, not a timing assertion: the figures are measured by ``benchmarks/hos
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -329,3 +330,88 @@ def test_a_spec_names_its_ledger_and_the_manifest_records_its_head(tmp_path):
     bad.write_text("name: b\nledger: nowhere/ledger.jsonl\n")
     run = run_cli("sweep", "run", bad, "--results", tmp_path / "results", tmp_path=tmp_path)
     assert refused(run).startswith(f"{bad}: field 'ledger' = '{tmp_path / 'nowhere'}")
+
+
+# --- 6. no orphans after a driver crash --------------------------------------------------------
+
+EMBEDDED_DRIVER = """
+import os, sys, time, logging, ray
+ray.init(num_cpus=1, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+@ray.remote
+def pid():
+    return os.getpid()
+print(ray.get(pid.remote()), ray._private.worker.global_worker.node.get_session_dir_path(),
+      flush=True)
+time.sleep(600)
+"""
+
+
+def _session_processes(session: Path) -> list[int]:
+    import psutil
+
+    text = str(session.resolve())
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if text in " ".join(proc.info["cmdline"] or ()) or any(
+                f.path.startswith(text) for f in proc.open_files()
+            ):
+                found.append(proc.info["pid"])
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_ray_processes_a_killed_driver_left_are_found_and_stopped(tmp_path):
+    """A real embedded Ray, its driver SIGKILLed: the dashboard and runtime-env agents outlive
+    it (and ignore SIGTERM). `cluster status` names them, `--stop-orphans` and `sweep resume`
+    stop them. Ray's folder is private to the test (RAY_TMPDIR), so nothing else is touched."""
+    import shutil
+    import tempfile
+
+    import psutil
+
+    from healsweep import ray_orphans
+
+    temp = Path(tempfile.mkdtemp(prefix="hsray", dir="/tmp"))  # Ray's socket paths stay short
+    env = {"RAY_TMPDIR": str(temp), "RAY_ADDRESS": ""}
+    driver = subprocess.Popen([sys.executable, "-c", EMBEDDED_DRIVER], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, **env})  # fmt: skip
+    try:
+        worker, session = driver.stdout.readline().split()
+        session = Path(session)
+        assert session.parent == temp / "ray"
+        assert ray_orphans.find(temp / "ray") == []  # its driver runs: nothing is an orphan
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the GCS and raylet share the driver's fate
+            names = [psutil.Process(p).name() for p in _session_processes(session)
+                     if psutil.pid_exists(p)]  # fmt: skip
+            if not {"gcs_server", "raylet"} & set(names):
+                break
+            time.sleep(0.2)
+        left = _session_processes(session)
+        assert left, "nothing outlived the driver (Ray changed?)"
+        status = run_cli("cluster", "status", tmp_path=tmp_path, env=env)
+        assert status.code == 1 and "no Ray cluster is running here" in status.stderr
+        [line] = [x for x in status.stdout.splitlines() if x.startswith("left running: ")]
+        assert f"of {session.name}, whose driver (pid {driver.pid}) is gone" in line
+        assert "ray::DashboardAgent" in line and "stop them with `healsweep cluster status " \
+            "--stop-orphans`" in line  # fmt: skip
+        assert set(left) <= {int(p) for p in re.findall(r"\b(\d+)\b", line.split("kill -9")[1])}
+        # `sweep resume` stops them before it starts Ray again (here it then finds no sweep)
+        resume = run_cli("sweep", "resume", tmp_path / "nothing", tmp_path=tmp_path, env=env)
+        assert resume.stderr.startswith("stopped ") and "ray::RuntimeEnvAgent" in resume.stderr
+        assert resume.stderr.splitlines()[1].startswith("error: ")  # then: no such sweep
+        running = [p for p in _session_processes(session) if psutil.pid_exists(p)
+                   and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+        assert running == []
+        again = run_cli("cluster", "status", "--stop-orphans", tmp_path=tmp_path, env=env)
+        assert again.code == 0 and again.stdout == "no Ray cluster is running here\n"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        ray_orphans.stop(ray_orphans.find(temp / "ray"))
+        shutil.rmtree(temp, ignore_errors=True)

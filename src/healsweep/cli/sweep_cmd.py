@@ -108,9 +108,15 @@ def resume(
     address: str | None = _ADDRESS,
     num_cpus: int | None = _CPUS,
 ) -> None:
-    """Finish an interrupted sweep without re-running finished trials or re-scoring windows."""
+    """Finish an interrupted sweep without re-running finished trials or re-scoring windows.
+
+    Ray processes that a killed driver left on this machine (its dashboard and runtime-env
+    agents outlive a SIGKILL and ignore SIGTERM) are stopped first."""
+    from healsweep.ray_orphans import stop_all
     from healsweep.sweep.driver import resume_sweep
 
+    for line in stop_all():
+        typer.echo(line, err=True)
     outcome = resume_sweep(sweep_dir, address=address, num_cpus=num_cpus, on_progress=_Printer())
     _finish(outcome)
 
