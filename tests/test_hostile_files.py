@@ -1,8 +1,10 @@
 """Hostile files (issue 40): small crafted inputs that used to cost unbounded time or memory, a
 traceback, or a way around the sealed test split. Each goes through the real CLI in a subprocess
 and must end in one ``error:`` line and exit 1 (or be refused where it is loaded); the child's
-peak RSS (``wait4``) must stay under 1 GB. The wall-clock limit of the subprocess (60 s) is a
-safety net, not a timing assertion: the figures are measured by ``benchmarks/hostile.py``.
+peak RSS (``wait4``) must stay under 1 GB. The wall-clock limit of the subprocess (120 s) is a
+safety net, not a timing assertion (a shared machine can stall a process for a minute); each
+refusal records its wall seconds and peak RSS as test properties (``--junitxml``), the figures of
+``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Run(NamedTuple):
     peak_rss: int
 
 
-def run_cli(*args: str, tmp_path: Path, env: dict | None = None, timeout: float = 60) -> Run:
+def run_cli(*args: str, tmp_path: Path, env: dict | None = None, timeout: float = 120) -> Run:
     """Run ``healsweep ARGS`` as a child with a private stage cache and measure it (``wait4``
     gives the child's own peak RSS); fails the test when it runs past ``timeout``."""
     full_env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache"), **(env or {})}
