@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -38,7 +39,8 @@ class Run(NamedTuple):
 def run_cli(*args: str, tmp_path: Path, env: dict | None = None, timeout: float = 120) -> Run:
     """Run ``healsweep ARGS`` as a child with a private stage cache and measure it (``wait4``
     gives the child's own peak RSS); fails the test when it runs past ``timeout``."""
-    full_env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache"), **(env or {})}
+    full_env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache"), **(env or {}),
+                "PYTHONFAULTHANDLER": "1"}  # fmt: skip  (SIGABRT on a stall prints its stacks)
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "healsweep", *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -56,6 +58,8 @@ def run_cli(*args: str, tmp_path: Path, env: dict | None = None, timeout: float 
 
     def kill() -> None:
         killed.set()
+        proc.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack
+        time.sleep(5)
         proc.kill()
 
     timer = threading.Timer(timeout, kill)
@@ -66,7 +70,8 @@ def run_cli(*args: str, tmp_path: Path, env: dict | None = None, timeout: float 
         reader.join()
     proc.returncode = os.waitstatus_to_exitcode(status)
     if killed.is_set():
-        pytest.fail(f"healsweep {' '.join(map(str, args))} ran past {timeout} s")
+        pytest.fail(f"healsweep {' '.join(map(str, args))} ran past {timeout} s; its stacks:\n"
+                    + texts["err"][-6000:])  # fmt: skip
     return Run(proc.returncode, texts["out"], texts["err"], time.monotonic() - start,
                usage.ru_maxrss * 1024)  # fmt: skip
 
@@ -301,6 +306,14 @@ def test_a_split_naming_a_test_document_as_canary_cannot_score_it(tmp_path, tiny
         "document as canary, or burn this one"
     )
     assert "windows" not in run.stdout
+    # a sweep over that split is refused before Ray starts (confirm and export read a sweep's
+    # split the same way, so none of them can hold it)
+    spec = tmp_path / "leaky-sweep.yaml"
+    spec.write_text(f"name: leaky\nmodel: {model}\nsplit: {split}\nsearch_space:\n"
+                    "  gain_d: [0.3]\nscoring: {max_windows: 1, max_scored: 16}\n")  # fmt: skip
+    run = run_cli("sweep", "run", spec, "--results", tmp_path / "results", tmp_path=tmp_path)
+    assert f"names {test_doc.doc_id!r} as canary, but it is a test document" in refused(run)
+    assert not (tmp_path / "results" / "leaky").exists()
 
 
 # --- 4. the ledger a sweep records in (the rest: tests/test_confirm.py) ------------------------
