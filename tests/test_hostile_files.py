@@ -9,7 +9,9 @@ refusal records its wall seconds and peak RSS as test properties (``--junitxml``
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -380,8 +382,9 @@ def _session_processes(session: Path) -> list[int]:
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_ray_processes_a_killed_driver_left_are_found_and_stopped(tmp_path):
     """A real embedded Ray, its driver SIGKILLed: the dashboard and runtime-env agents outlive
-    it (and ignore SIGTERM). `cluster status` names them, `--stop-orphans` and `sweep resume`
-    stop them. Ray's folder is private to the test (RAY_TMPDIR), so nothing else is touched."""
+    it (and ignore SIGTERM). `cluster status` names them, `sweep resume` stops those of the
+    sessions its manifest recorded, `--stop-orphans` every dead session's. Ray's folder is
+    private to the test (RAY_TMPDIR), so nothing else is touched."""
     import shutil
     import tempfile
 
@@ -416,10 +419,15 @@ def test_ray_processes_a_killed_driver_left_are_found_and_stopped(tmp_path):
         assert "ray::DashboardAgent" in line and "stop them with `healsweep cluster status " \
             "--stop-orphans`" in line  # fmt: skip
         assert set(left) <= {int(p) for p in re.findall(r"\b(\d+)\b", line.split("kill -9")[1])}
-        # `sweep resume` stops them before it starts Ray again (here it then finds no sweep)
-        resume = run_cli("sweep", "resume", tmp_path / "nothing", tmp_path=tmp_path, env=env)
+        # `sweep resume` stops those of the sessions its manifest recorded before it starts Ray
+        # again (here a sweep folder whose run recorded this session, and no spec to resume)
+        sweep_dir = tmp_path / "results" / "killed"
+        sweep_dir.mkdir(parents=True)
+        run = {"kind": "run", "host": platform.node(), "ray_session": str(session)}
+        (sweep_dir / "manifest.json").write_text(json.dumps({"sweep": "killed", "runs": [run]}))
+        resume = run_cli("sweep", "resume", sweep_dir, tmp_path=tmp_path, env=env)
         assert resume.stderr.startswith("stopped ") and "ray::RuntimeEnvAgent" in resume.stderr
-        assert resume.stderr.splitlines()[1].startswith("error: ")  # then: no such sweep
+        assert resume.stderr.splitlines()[1].startswith("error: ")  # then: no spec.json
         running = [p for p in _session_processes(session) if psutil.pid_exists(p)
                    and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
         assert running == []

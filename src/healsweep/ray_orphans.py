@@ -11,7 +11,9 @@ A session is *dead* when the process that started it is gone and none of its cor
 core processes and so is never dead while it serves. The processes of a dead session (those whose
 command line names its folder or that hold a file open in it) are orphans: :func:`stop` ends them,
 SIGTERM first and SIGKILL for those still running after a grace period. Only processes of the
-current user are touched.
+current user are touched. A sweep's manifest records the session of each run
+(:func:`current_session`), so ``sweep resume`` stops the orphans of its own sessions only;
+``cluster status --stop-orphans`` stops those of every dead session on the machine.
 """
 
 from __future__ import annotations
@@ -87,14 +89,37 @@ def _session_of(proc: psutil.Process, sessions: dict[str, Path]) -> Path | None:
     return None
 
 
-def find(root: Path | None = None) -> list[Orphans]:
-    """The orphans of every dead session under ``root`` (default :func:`ray_temp_root`)."""
-    root = root or ray_temp_root()
-    if not root.is_dir():
-        return []
+def current_session() -> str | None:
+    """The session folder of the Ray this process is connected to, if any (what a sweep's
+    manifest records, so that a resume knows which session a killed driver left)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        from ray._private import worker
+
+        node = getattr(worker, "_global_node", None)
+        return str(node.get_session_dir_path()) if node is not None else None
+    except Exception:  # a private API: a Ray without it records nothing
+        return None
+
+
+def find(root: Path | None = None, sessions: list[str] | None = None) -> list[Orphans]:
+    """The orphans of every dead session under ``root`` (default :func:`ray_temp_root`), or
+    only of the session folders listed in ``sessions`` (what a sweep's manifest recorded)."""
+    if sessions is not None:
+        candidates = [Path(s) for s in sessions]
+    else:
+        root = root or ray_temp_root()
+        candidates = list(root.iterdir()) if root.is_dir() else []
+    return _orphans_of(candidates)
+
+
+def _orphans_of(candidates: list[Path]) -> list[Orphans]:
     sessions: dict[str, Path] = {}
     drivers: dict[Path, int] = {}
-    for session in root.iterdir():
+    for session in candidates:
         pid = _started_by(session)
         if pid is not None and session.is_dir() and not session.is_symlink():
             sessions[str(session.resolve())] = session
@@ -167,8 +192,8 @@ def _signal(proc: psutil.Process, sig: int) -> None:
         pass
 
 
-def stop_all(root: Path | None = None) -> list[str]:
-    """Find and stop every dead session's orphans under ``root``; one line per session."""
-    found = find(root)
+def stop_sessions(sessions: list[str]) -> list[str]:
+    """Find and stop the orphans of the given session folders; one line per session."""
+    found = find(sessions=sessions)
     stop(found)
     return [f"stopped {group.describe()}" for group in found]

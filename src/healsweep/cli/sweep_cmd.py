@@ -110,12 +110,13 @@ def resume(
 ) -> None:
     """Finish an interrupted sweep without re-running finished trials or re-scoring windows.
 
-    Ray processes that a killed driver left on this machine (its dashboard and runtime-env
-    agents outlive a SIGKILL and ignore SIGTERM) are stopped first."""
-    from healsweep.ray_orphans import stop_all
+    The Ray processes that this sweep's killed driver left on this machine (its dashboard and
+    runtime-env agents outlive a SIGKILL and ignore SIGTERM) are stopped first."""
+    from healsweep.ray_orphans import stop_sessions
     from healsweep.sweep.driver import resume_sweep
+    from healsweep.sweep.manifest import recorded_ray_sessions
 
-    for line in stop_all():
+    for line in stop_sessions(recorded_ray_sessions(sweep_dir)):
         typer.echo(line, err=True)
     outcome = resume_sweep(sweep_dir, address=address, num_cpus=num_cpus, on_progress=_Printer())
     _finish(outcome)
