@@ -438,3 +438,23 @@ def test_ray_processes_a_killed_driver_left_are_found_and_stopped(tmp_path):
             driver.kill()
         ray_orphans.stop(ray_orphans.find(temp / "ray"))
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_calibration_corpus_holding_test_text_is_refused_before_ray_starts(tmp_path):
+    """A calibration corpus of its own (calibration.corpus) that copies a test document."""
+    from healsweep.data.corpus import Document, load_corpus, write_corpus
+
+    demo = load_corpus("demo")
+    test_doc = next(d for d in demo.documents if d.pool == "eval" and d.index % 2 == 0)
+    calib = [d for d in demo.documents if d.pool == "calibration"][:3]
+    copied = Document("copied", "cal-copy", 0, "cal", messages=test_doc.messages,
+                      text=test_doc.text, pool="calibration")  # fmt: skip
+    write_corpus([*calib, copied], tmp_path / "calib.jsonl")
+    spec = _spec(tmp_path, "calibration:\n  corpus: calib.jsonl\n")
+    run = run_cli("sweep", "run", spec, "--results", tmp_path / "results", tmp_path=tmp_path)
+    assert refused(run) == (
+        f"calibration document 'copied' ({tmp_path / 'calib.jsonl'}) has the same text as test "
+        f"document {test_doc.doc_id!r} (demo); calibrating on test text would tune on the test "
+        "split: remove it from the calibration corpus or exclude it "
+        "(calibration.exclude_doc_ids)"
+    )
