@@ -90,19 +90,12 @@ def _session_of(proc: psutil.Process, sessions: dict[str, Path]) -> Path | None:
 
 
 def current_session() -> str | None:
-    """The session folder of the Ray this process is connected to, if any (what a sweep's
-    manifest records, so that a resume knows which session a killed driver left)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return None
-        from ray._private import worker
-
-        node = getattr(worker, "_global_node", None)
-        return str(node.get_session_dir_path()) if node is not None else None
-    except Exception:  # a private API: a Ray without it records nothing
-        return None
+    """The session folder of the Ray this process started (``ray.init()`` names it after the
+    starting process's pid), if any: what a sweep's manifest records, so that a resume knows
+    which session a killed driver left. None for a driver that joined a cluster."""
+    root = ray_temp_root()
+    mine = sorted(root.glob(f"session_*_{os.getpid()}")) if root.is_dir() else []
+    return str(mine[-1]) if mine else None
 
 
 def find(root: Path | None = None, sessions: list[str] | None = None) -> list[Orphans]:

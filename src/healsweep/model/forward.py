@@ -31,6 +31,7 @@ from healsweep.model.resident import resident_layers
 from healsweep.runtime import current
 
 PAD_MULTIPLE = 64
+HEAD_ROWS = 256  # forward_each's rows per output-head call (a fixed shape, the last block padded)
 _LOGIT_CHUNK_BYTES = 64 << 20  # float32 bytes of output-matrix rows decoded at a time
 log = logging.getLogger(__name__)
 
@@ -335,7 +336,7 @@ def forward_each(
     length decide how XLA blocks each matmul), so a sequence's logits in a batch differ in the
     last bits from its logits in another batch. Here every sequence runs as a batch of one,
     padded to its own multiple of :data:`PAD_MULTIPLE`, and the output head takes rows in
-    fixed blocks: a sequence's result is a function of its own tokens only, whatever came with
+    fixed blocks of :data:`HEAD_ROWS`: a sequence's result is a function of its own tokens only, whatever came with
     it, and a layer's weights are still read once for all of them. What the teacher cache stores
     is computed this way, so an entry rebuilt in any batch equals the original bit for bit.
     """
@@ -374,7 +375,7 @@ def forward_each(
         wanted.append(pos)
     hidden = jnp.concatenate([_final_norm(hp.rms_norm_eps, h, norm, jnp.asarray(p, jnp.int32))
                               for h, p in zip(hs, wanted, strict=True)])  # fmt: skip
-    logits = _logits(model, hidden, row_block=PAD_MULTIPLE)
+    logits = _logits(model, hidden, row_block=HEAD_ROWS)
     return ForwardResult(
         logits=list(np.split(logits, np.cumsum([len(p) for p in wanted])[:-1])),
         captures=None,
