@@ -16,7 +16,7 @@ summed over gate, up and down (``T`` the tokens of the set, so the two sets are 
 
 - ``plain``: ggml with the calibration importance row per expert (``baseline llama
   --imatrix-from-calibration``);
-- ``block/<importance>``: :func:`healsweep.heal.ggml_gptq.quantize_experts_ef`, ``method="block"``
+- ``block/<importance>``: :func:`healsweep.quant.ggml_gptq.quantize_experts_ef`, ``method="block"``
   with that chunk importance (conditional, hessian, imatrix);
 - ``block/conditional+N``: the same with ``rounds=N`` of in-chunk refinement;
 - ``column``: ``method="column"`` (Q2_K, Q3_K, IQ2_XXS, IQ2_XS), conditional importance.
@@ -38,11 +38,11 @@ import numpy as np
 
 from healsweep.cache import StageCache
 from healsweep.gguf_io._ggml_lib import dequantize_rows
-from healsweep.heal import ggml_gptq
-from healsweep.heal.gptq import second_moments
 from healsweep.heal.knobs import CalibrationConfig
-from healsweep.heal.llama_baseline import expert_importance, quantize_expert_stack
 from healsweep.kernels.ggml_types import ggml_type
+from healsweep.quant import ggml_gptq
+from healsweep.quant.gptq import second_moments
+from healsweep.quant.imatrix import expert_importance, quantize_expert_stack
 
 TYPES = "iq1_m,iq2_xxs,iq2_xs,iq2_s,q2_k,iq3_xxs,q3_k"
 METHODS = (

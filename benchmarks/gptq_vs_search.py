@@ -31,13 +31,15 @@ import time
 import numpy as np
 
 from healsweep.cache import StageCache, default_cache_dir
-from healsweep.heal import gptq, stages
-from healsweep.heal.knobs import Q2_0, CalibrationConfig, Knobs
-from healsweep.heal.quantize import GROUP_TENSORS, quantize_group
+from healsweep.heal import stages
+from healsweep.heal.knobs import CalibrationConfig, Knobs
+from healsweep.heal.quantize import quantize_group
 from healsweep.heal.trace import calibration_trace
 from healsweep.kernels.q2_0 import Q2Packed
 from healsweep.model import open_model
 from healsweep.model.synthetic import write_random_model
+from healsweep.quant import gptq
+from healsweep.quant.values import GROUPS, Q2_0
 
 TENSORS = ("gate", "up", "down")
 A27B_LAYER = "one layer of the Qwen1.5-MoE-A2.7B shape, random, Q8_0 experts (docs/sizing.md)"
@@ -52,9 +54,9 @@ def _quantize_layer(weights, knobs, trace_layer, calibration) -> dict:
     """The quantize stage of both tensor groups of one layer in Q2_0: ``{"gate.d": ...,
     "gate.codes": ..., ...}`` (fp16 scales and packed codes of each routed stack)."""
     arrays = {}
-    for group, names in GROUP_TENSORS.items():
+    for group in GROUPS:
         found = quantize_group(weights, knobs, trace_layer, calibration, group, Q2_0)
-        for name, stack in zip(names, found.stacks, strict=True):
+        for name, stack in zip(group.tensors, found.stacks, strict=True):
             arrays[f"{name}.d"], arrays[f"{name}.codes"] = np.asarray(stack.d), stack.codes
     return arrays
 

@@ -31,7 +31,7 @@ from healsweep.results.store import read_trials, read_windows
 from healsweep.score.record import WindowMetrics
 from healsweep.score.stats import paired_compare
 from healsweep.sweep.driver import run_sweep
-from healsweep.sweep.spec import load_spec
+from healsweep.sweep.spec_files import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

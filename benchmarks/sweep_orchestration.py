@@ -22,7 +22,7 @@ import ray
 
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.driver import run_sweep
-from healsweep.sweep.spec import spec_from_dict
+from healsweep.sweep.spec_files import spec_from_dict
 from healsweep.sweep.work import trial_order
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -43,7 +43,7 @@ from healsweep.score.compact import TeacherCacheFormat, compact_record, record_b
 from healsweep.score.metrics import compact_window_metrics, window_metrics
 from healsweep.score.runner import run_student
 from healsweep.score.teacher_cache import run_teacher
-from healsweep.sweep.spec import load_spec
+from healsweep.sweep.spec_files import load_spec
 from healsweep.sweep.work import dev_windows
 
 ROOT = Path(__file__).resolve().parents[1]

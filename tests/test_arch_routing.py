@@ -9,7 +9,8 @@ import pytest
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.pipeline import skip_notices
 from healsweep.model import open_model
-from healsweep.model.layers import rope, select_experts
+from healsweep.model.layers import rope
+from healsweep.model.routing import select_experts
 
 
 def _reference_selection(logits, k, *, normalize, gating, scale, bias, n_groups, n_used):

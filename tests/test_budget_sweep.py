@@ -29,7 +29,7 @@ from healsweep.heal.knobs import Knobs
 from healsweep.heal.size import ModelShapes
 from healsweep.model import open_model
 from healsweep.model.synthetic import write_random_model
-from healsweep.sweep.spec import spec_from_dict
+from healsweep.sweep.spec_files import spec_from_dict
 from test_sweep_tune import _log_lines, toy_identity, toy_work
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,8 +84,9 @@ def test_a_grid_config_over_the_budget_is_never_scored_and_is_counted(
     ray_cluster, rows256, tmp_path
 ):
     from healsweep.results.report import write_report
+    from healsweep.sweep.budget import planned_trials
     from healsweep.sweep.driver import run_sweep
-    from healsweep.sweep.space import config_hash, planned_trials
+    from healsweep.sweep.space import config_hash
 
     log = tmp_path / "scored.log"
     spec = _spec(rows256, fixed={"ridge": False}, references=False,
@@ -155,8 +156,9 @@ def test_a_sampled_point_over_the_budget_is_told_pruned_without_a_value(rows256,
     import optuna
     from optuna.trial import TrialState
 
-    from healsweep.sweep.budget import BudgetGate, config_size
+    from healsweep.sweep.budget import BudgetGate
     from healsweep.sweep.driver import PruneAwareOptunaSearch
+    from healsweep.sweep.sizes import config_size
     from healsweep.sweep.space import optuna_space, with_point
 
     spec = _spec(rows256, sampler="random", num_samples=8,
@@ -169,12 +171,12 @@ def test_a_sampled_point_over_the_budget_is_told_pruned_without_a_value(rows256,
     budget = spec.budget.budget()
     for i in range(6):
         point = search.suggest(f"t{i}")
-        assert budget.admits(config_size(spec, with_point(spec, point)))
+        assert budget.admits(config_size(spec.model, with_point(spec, point)))
     study = search._ot_study
     refused = [t for t in study.trials if t.state == TrialState.PRUNED]
     assert refused and all(not t.intermediate_values for t in refused)
     for t in refused:
-        assert not budget.admits(config_size(spec, with_point(spec, t.params)))
+        assert not budget.admits(config_size(spec.model, with_point(spec, t.params)))
     over = json.loads((tmp_path / "over_budget.json").read_text())
     assert len(over) == len({tuple(sorted(t.params.items())) for t in refused})
 
@@ -260,7 +262,7 @@ def test_the_grid_drops_q2_0_knobs_of_groups_stored_in_a_ggml_type():
 def test_the_budget_sweeps_hold_llama_cpps_iq2_files_inside_their_budgets(name, rows256):
     from healsweep.kernels.ggml_types import ggml_type
     from healsweep.sweep.budget import split_grid
-    from healsweep.sweep.spec import load_spec
+    from healsweep.sweep.spec_files import load_spec
 
     spec = load_spec(ROOT / "sweeps" / f"{name}.yaml", check_paths=False)
     limits = spec.budget.budget().limits

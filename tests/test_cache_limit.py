@@ -8,11 +8,14 @@ same root, as two trial processes of a host are.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import multiprocessing
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -296,3 +299,102 @@ def test_a_trial_in_a_cache_that_keeps_nothing_computes_each_stage_once_and_the_
     with later.holding():
         later.put("other", _key("x"), {"w": np.zeros(4)})
         assert set(_stage_sizes(tmp_path / "tight")) == {"other"}
+
+
+def _cli(*args: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache"), **env}
+    return subprocess.run([sys.executable, "-m", "healsweep", *args], capture_output=True,
+                          text=True, env=environ, timeout=300)  # fmt: skip
+
+
+def _one_line(run: subprocess.CompletedProcess) -> str:
+    assert run.returncode == 1, (run.returncode, run.stdout, run.stderr)
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
+    return lines[0]
+
+
+COMMANDS = {
+    "sweep run": ["sweep", "run", "SPEC"],
+    "sweep resume": ["sweep", "resume", "nowhere"],
+    "heal": ["heal", "demo", "--knobs", "k.yaml", "--out", "o.gguf"],
+    "score": ["score", "--model", "demo", "--ref", "demo"],
+    "export": ["export", "nowhere", "--out", "o.gguf"],
+    "confirm": ["confirm", "nowhere", "--milestone", "m"],
+    "bench trial": ["bench", "trial", "demo", "--tokens", ""],
+    "bench night": ["bench", "night", "demo"],
+    "baseline llama": ["baseline", "llama", "demo", "--type", "q2_k", "--out", "o.gguf"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_that_uses_the_cache_refuses_a_bad_limit_in_one_line(command, tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: x\n")
+    args = [str(spec) if a == "SPEC" else a for a in COMMANDS[command]]
+    bad = {"sweep run": "nan", "heal": "-1"}.get(command, "lots")
+    line = _one_line(_cli(*args, "--cache-max-gb", bad, tmp_path=tmp_path))
+    problem = {"nan": "is NaN", "-1": "is negative"}.get(bad, "is not a number")
+    assert f"--cache-max-gb {bad!r} {problem}: give the stage cache's size limit in GiB" in line
+
+
+def test_a_bad_limit_in_the_environment_is_refused_before_a_sweep_starts(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: x\n")
+    run = _cli("sweep", "run", str(spec), "--results", str(tmp_path / "results"),
+               tmp_path=tmp_path, HEALSWEEP_CACHE_MAX_GB="-2")  # fmt: skip
+    assert "HEALSWEEP_CACHE_MAX_GB='-2' is negative" in _one_line(run)
+    assert not (tmp_path / "results" / "x").exists()
+    spec.write_text("name: x\ncache_max_gb: -2\n")
+    line = _one_line(_cli("sweep", "run", str(spec), tmp_path=tmp_path))
+    assert "'cache_max_gb'" in line and "GiB" in line
+
+
+def test_a_sweep_whose_cache_keeps_nothing_finishes_with_the_same_numbers(tmp_path):
+    """The demo model, four trials (two quantizations x two etas), run twice: with
+    no limit, then with the limit from three places at once: the environment says 1000 GiB, the
+    spec 50, ``--cache-max-gb`` 0 (keep only what running trials hold). The CLI's wins: every
+    trial evicts what the one before it left and recomputes it (its trace too), and every
+    window records exactly what the unbounded sweep recorded."""
+    import pyarrow.parquet as pq
+
+    from healsweep.sweep.manifest import spec_hash
+    from healsweep.sweep.spec_files import spec_from_dict
+
+    spec = {
+        "model": "demo",
+        "corpus": "demo",
+        "calibration": {"max_tokens": 512, "chunk_length": 256},
+        "search_space": {"eta": [0.15, 0.5], "gain_d": [0.3, 0.0]},
+        "references": False,
+        "max_concurrent": 1,
+        "scoring": {"max_windows": 2, "batch": 4},
+    }
+    runs = {}
+    for name, limit in (("free", []), ("tight", ["--cache-max-gb", "0"])):
+        path = tmp_path / f"{name}.yaml"
+        given = {**spec, "name": name, **({"cache_max_gb": 50} if limit else {})}
+        path.write_text(json.dumps(given))  # JSON is YAML
+        env = {"HEALSWEEP_CACHE": str(tmp_path / name)}  # each its own stage cache
+        if limit:
+            env["HEALSWEEP_CACHE_MAX_GB"] = "1000"
+        run = _cli("sweep", "run", str(path), "--results", str(tmp_path / "results"), *limit,
+                   tmp_path=tmp_path, **env)  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "4 trials (4 completed)" in run.stdout
+        runs[name] = tmp_path / "results" / name
+    stored = json.loads((runs["tight"] / "spec.json").read_text())
+    assert stored["cache_max_gb"] == 0  # the run's limit, for a resume without the option
+    assert spec_hash(spec_from_dict(stored)) == spec_hash(spec_from_dict({**spec, "name": "tight"}))
+
+    trials = pq.read_table(runs["tight"] / "trials.parquet").to_pylist()
+    details = [json.loads(t["cache_detail"]) for t in sorted(trials, key=lambda t: t["started_at"])]
+    assert all(sum(d["evicted"].values()) > 0 for d in details)  # each evicts what is not held
+    assert sum(d["computed"].get("calib_trace", 0) for d in details) == len(trials)
+
+    def windows(sweep_dir: Path) -> dict:
+        rows = pq.read_table(sweep_dir / "windows").to_pylist()
+        return {(r["config_hash"], r["window_id"]): (r["kld_sum"], r["top1_count"]) for r in rows}
+
+    free, tight = windows(runs["free"]), windows(runs["tight"])
+    assert len(free) == 4 * 2 and tight == free

@@ -413,7 +413,7 @@ def test_a_sweep_can_never_open_the_test_split(swept, tmp_path):
 
     from healsweep.data.split import dump_split, parity_split
     from healsweep.sweep.driver import run_sweep
-    from healsweep.sweep.spec import load_spec, spec_from_dict
+    from healsweep.sweep.spec_files import load_spec, spec_from_dict
 
     base = {"model": swept["spec"]["model"], "corpus": swept["spec"]["corpus"]}
     (tmp_path / "named.yaml").write_text(json.dumps({"name": "named", "split": "test", **base}))

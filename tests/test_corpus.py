@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from healsweep.data.chatml import parse_chatml
+from healsweep.data.chatml import import_chatml_files, parse_chatml
 from healsweep.data.corpus import (
     Document,
     Message,
-    import_chatml_files,
     load_corpus,
     render_chatml,
     split_think,

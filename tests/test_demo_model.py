@@ -118,7 +118,7 @@ def test_the_packaged_medium_cpu_model_opens_by_name_with_rows_for_ggml_types(tm
 
     from healsweep.bundled import demo_model_path, demo_tokenizer_path, resolve_model
     from healsweep.model import open_model
-    from healsweep.sweep.spec import load_spec
+    from healsweep.sweep.spec_files import load_spec
 
     path = resolve_model("demo-medium-cpu")
     assert path == demo_model_path("demo-medium-cpu") and path.stat().st_size <= 25 * 10**6

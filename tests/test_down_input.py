@@ -1,4 +1,4 @@
-"""``down_input: student`` (heal/ggml_gptq.py): down quantized on the quantized gate and up's
+"""``down_input: student`` (quant/ggml_gptq.py): down quantized on the quantized gate and up's
 ``h``, its target re-fitted so that its output matches the teacher's.
 
 References: numpy's float64 least squares for the re-fitted target; the objective
@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from healsweep.heal import ggml_gptq
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.quantize import layer_keys
+from healsweep.quant import ggml_gptq
 
 
 def _silu(z):

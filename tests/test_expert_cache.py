@@ -15,7 +15,7 @@ from healsweep.model.expert_cache import (
     empty_state,
     layer_routing,
 )
-from healsweep.model.layers import router_topk
+from healsweep.model.routing import router_topk
 
 
 def reference_lru(probs, k, normalize, bonus, capacity, runs, starts_from=None, selection=None,

@@ -40,7 +40,7 @@ def sweep(tmp_path_factory, tiny_tokenizer):
     from healsweep.results.store import TRIALS_FILE, atomic_write_table
     from healsweep.sweep.manifest import start_manifest
     from healsweep.sweep.space import config_hash
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
     from healsweep.sweep.work import sweep_identity
 
     root = tmp_path_factory.mktemp("export-trial")

@@ -1,5 +1,5 @@
-"""Error feedback for ggml's types (:mod:`healsweep.heal.ggml_gptq`) and the Q2_K/Q3_K grids it
-re-rounds on (:mod:`healsweep.heal.ggml_kgrid`).
+"""Error feedback for ggml's types (:mod:`healsweep.quant.ggml_gptq`) and the Q2_K/Q3_K grids it
+re-rounds on (:mod:`healsweep.quant.ggml_kgrid`).
 
 References: gguf-py's dequantizer and the in-graph decoder for what stored bytes mean; a
 brute-force nearest code in float64; the float64 OBS update and Schur complement from numpy's
@@ -15,9 +15,9 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from healsweep.errors import KnobError
-from healsweep.heal import ggml_gptq, ggml_iqgrid, ggml_kgrid
-from healsweep.heal.ggml_gptq import inverse_factor
 from healsweep.kernels.ggml_decode import decode_rows
+from healsweep.quant import ggml_gptq, ggml_iqgrid, ggml_kgrid
+from healsweep.quant.ggml_gptq import inverse_factor
 
 K_TYPES = (int(T.Q2_K), int(T.Q3_K))
 EF_TYPES = ("iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "q2_k", "iq3_xxs", "q3_k")
@@ -318,7 +318,7 @@ def routed_problem(seed: int, n_expert: int = 4, n_in: int = 512, tokens: int = 
 
 @pytest.mark.slow
 def test_experts_with_feedback_and_experts_that_fall_back_to_plain_ggml():
-    from healsweep.heal.llama_baseline import quantize_expert_stack
+    from healsweep.quant.imatrix import quantize_expert_stack
 
     w, x, ids = routed_problem(11)
     up = w[:, ::-1].copy()  # a second stack reading the same input
@@ -346,7 +346,7 @@ def test_experts_with_feedback_and_experts_that_fall_back_to_plain_ggml():
 
 @pytest.mark.slow
 def test_down_projection_feedback_reads_the_teacher_hidden_moments():
-    from healsweep.heal.gptq import second_moments
+    from healsweep.quant.gptq import second_moments
 
     w, x, ids = routed_problem(12, n_in=256)
     rng = np.random.default_rng(4)

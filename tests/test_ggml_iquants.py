@@ -317,8 +317,8 @@ def test_forward_decodes_every_new_type_in_the_graph(random_gguf, tmp_path, monk
     import logging
 
     from healsweep.heal.export import write_replacing
-    from healsweep.heal.llama_baseline import quantize_expert_stack
     from healsweep.model import forward, open_model
+    from healsweep.quant.imatrix import quantize_expert_stack
     from healsweep.runtime import Runtime, use
 
     forward_module = importlib.import_module("healsweep.model.forward")

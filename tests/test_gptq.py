@@ -9,11 +9,14 @@ from _heal_fixtures import correlated_layer, heal_setup
 from healsweep.cache import StageCache
 from healsweep.conformance import references
 from healsweep.errors import KnobError
-from healsweep.heal import gptq, stages
+from healsweep.heal import stages
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student, needs_trace
+from healsweep.heal.quantize import reads_trace
+from healsweep.heal.reads import stage_reads
 from healsweep.kernels import gptq as gptq_kernel
 from healsweep.kernels import q2_0
+from healsweep.quant import gptq
 
 setup = heal_setup
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
@@ -135,7 +138,7 @@ def test_second_moments_and_factor_match_float64():
 def test_host_cholesky_matches_numpy_off_the_main_thread_and_reports_failure():
     from concurrent.futures import ThreadPoolExecutor
 
-    from healsweep.heal._lapack import cholesky_lower, one_blas_thread
+    from healsweep.quant._lapack import cholesky_lower, one_blas_thread
 
     rng = np.random.default_rng(4)
     x = rng.standard_normal((200, 96))
@@ -179,13 +182,13 @@ def test_quantizer_knobs_are_validated_and_keyed_only_when_read():
             KnobError, match=rf"^knob '{name}' = .* is not allowed: expected {allowed}$"
         ):
             Knobs(**bad)
-    search = Knobs().for_stage("quantize")
+    search = stage_reads(Knobs(), "quantize")
     assert "quantizer" not in search and "gptq_damp" not in search  # keys from before gptq
-    assert Knobs(gptq_damp=0.5).for_stage("quantize") == search  # inert under search
-    gptq_read = Knobs(quantizer="gptq").for_stage("quantize")
+    assert stage_reads(Knobs(gptq_damp=0.5), "quantize") == search  # inert under search
+    gptq_read = stage_reads(Knobs(quantizer="gptq"), "quantize")
     assert gptq_read == {**search, "quantizer": "gptq", "gptq_damp": 0.01}
-    assert Knobs(quantizer="gptq", gptq_damp=0.1).for_stage("quantize") != gptq_read
-    assert Knobs(quantizer="gptq").uses_activation_statistics()
+    assert stage_reads(Knobs(quantizer="gptq", gptq_damp=0.1), "quantize") != gptq_read
+    assert reads_trace(Knobs(quantizer="gptq"), "gu", "q2_0")
 
 
 def test_build_student_with_gptq_runs_caches_and_keys_by_the_trace(setup, tmp_path):

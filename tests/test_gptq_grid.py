@@ -57,9 +57,9 @@ def test_kernel_codes_are_a_float64_column_loop(shift, n_codes):
 @pytest.mark.parametrize("name", ["q2_k", "q3_k"])
 def test_ggml_bytes_are_the_nearest_codes_of_their_grid_and_gptq_lowers_the_h_error(name):
     from healsweep.gguf_io._ggml_lib import dequantize_rows
-    from healsweep.heal import kgrid
-    from healsweep.heal.llama_baseline import quantize_expert_stack
     from healsweep.kernels.ggml_types import ggml_type
+    from healsweep.quant import kgrid
+    from healsweep.quant.imatrix import quantize_expert_stack
 
     qtype = ggml_type(name).ggml_id
     w, h = correlated_layer(5, n_exp=3, n_out=16, n_in=256, n_tokens=2000)

@@ -9,10 +9,11 @@ from _heal_fixtures import correlated_layer, heal_setup
 from healsweep.cache import StageCache
 from healsweep.conformance import references
 from healsweep.errors import KnobError
-from healsweep.heal import gptq
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.heal.reads import stage_reads
 from healsweep.kernels import gptq_refine
+from healsweep.quant import gptq
 
 setup = heal_setup
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
@@ -70,13 +71,13 @@ def test_refine_knob_is_validated_and_keyed_only_when_it_acts():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(KnobError, match=r"^knob 'gptq_refine' = .* is not allowed: expected"):
             Knobs(gptq_refine=bad)
-    plain_gptq = Knobs(quantizer="gptq").for_stage("quantize")
+    plain_gptq = stage_reads(Knobs(quantizer="gptq"), "quantize")
     assert "gptq_refine" not in plain_gptq  # 0 keeps the keys of gptq as they were
-    assert Knobs(quantizer="gptq", gptq_refine=2).for_stage("quantize") == {
+    assert stage_reads(Knobs(quantizer="gptq", gptq_refine=2), "quantize") == {
         **plain_gptq,
         "gptq_refine": 2,
     }
-    assert Knobs(gptq_refine=2).for_stage("quantize") == Knobs().for_stage("quantize")
+    assert stage_reads(Knobs(gptq_refine=2), "quantize") == stage_reads(Knobs(), "quantize")
 
 
 def test_build_student_with_refine_differs_from_gptq_and_is_cached(setup, tmp_path):

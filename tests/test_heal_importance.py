@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from healsweep.heal.importance import (
+from healsweep.quant.importance import (
     down_importance,
     expert_hidden_moments,
     expert_input_moments,
@@ -14,7 +14,6 @@ from healsweep.heal.importance import (
     norm_proxy,
     pooled_means,
 )
-from healsweep.heal.knobs import Knobs
 
 
 def _routing(rng, t, e, k):
@@ -82,15 +81,15 @@ def test_importance_modes_and_positivity():
     sums = np.abs(np.random.default_rng(2).standard_normal((3, 4))).astype(np.float32)
     sums[:, 1] = 0.0  # a dead channel
     counts = np.array([20, 20, 2], np.float32)
-    assert gate_up_importance(Knobs(importance="none"), norm, None, None, 16) is None
-    proxy = gate_up_importance(Knobs(importance="norm_proxy"), norm, None, None, 16)
+    assert gate_up_importance("none", norm, None, None, 16) is None
+    proxy = gate_up_importance("norm_proxy", norm, None, None, 16)
     assert proxy.shape == (4,) and (proxy > 0).all()
     np.testing.assert_allclose(proxy[[0, 2, 3]], [1.0, 0.25, 4.0])
-    act = gate_up_importance(Knobs(importance="act"), norm, sums, counts, 16)
+    act = gate_up_importance("act", norm, sums, counts, 16)
     assert act.shape == (3, 4) and (act > 0).all()
     np.testing.assert_allclose(act[0, [0, 2, 3]], sums[0, [0, 2, 3]] / 20, rtol=1e-6)
-    assert down_importance(Knobs(), sums, counts, 16) is None
-    down = down_importance(Knobs(importance_down="act"), sums, counts, 16)
+    assert down_importance("none", sums, counts, 16) is None
+    down = down_importance("act", sums, counts, 16)
     assert down.shape == (3, 4) and (down > 0).all()
     with pytest.raises(ValueError, match="act"):
-        gate_up_importance(Knobs(importance="act"), norm, None, None, 16)
+        gate_up_importance("act", norm, None, None, 16)

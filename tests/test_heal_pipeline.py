@@ -119,3 +119,31 @@ def test_act_importance_keys_quantization_by_the_trace(setup, tmp_path):
     act_a = layer_keys(model, Knobs(importance="act"), "trace-a", 0)
     act_b = layer_keys(model, Knobs(importance="act"), "trace-b", 0)
     assert act_a["gu"] != act_b["gu"] and act_a["d"] == act_b["d"]  # act reads gate/up's
+
+
+def test_ridge_bases_built_ahead_on_a_thread_give_the_same_student(setup, tmp_path, monkeypatch):
+    """On an accelerator the next layer's ridge basis is built on a host thread while the device
+    heals the layer before it; forced on here (the CPU backend leaves it off), the student and
+    every stage entry are those of the serial build, and each basis is computed once."""
+    import numpy as np
+
+    from healsweep.heal.pipeline import BASIS_AHEAD_ENV
+
+    model, corpus = setup
+    built = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(BASIS_AHEAD_ENV, mode)
+        cache = StageCache(tmp_path / mode)
+        built[mode] = build_student(model, Knobs(), CAL, cache, corpus=corpus)
+        assert cache.computed["ridge_basis"] == model.hparams.n_layer
+    assert built["on"].key == built["off"].key
+    for i, layer in built["off"].replacements.items():
+        other = built["on"].replacements[i]
+        assert np.array_equal(np.asarray(layer.down_shexp), np.asarray(other.down_shexp))
+    off = sorted(p.stem for p in (tmp_path / "off" / "ridge_basis").rglob("*.hsc"))
+    on = sorted(p.stem for p in (tmp_path / "on" / "ridge_basis").rglob("*.hsc"))
+    assert off == on and len(on) == model.hparams.n_layer
+    for key in on:  # the same arrays (the record also holds the eigh's seconds)
+        a = StageCache(tmp_path / "off").get("ridge_basis", key)[0]
+        b = StageCache(tmp_path / "on").get("ridge_basis", key)[0]
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

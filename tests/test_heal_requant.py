@@ -16,9 +16,9 @@ from healsweep.errors import GGUFFormatError
 from healsweep.heal.export import write_healed_gguf
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
-from healsweep.heal.requant import requantize
 from healsweep.model import open_model
 from healsweep.model.synthetic import write_random_model
+from healsweep.quant.requant import requantize
 
 
 def _values(rng, rows=8, cols=64):

@@ -98,9 +98,9 @@ def test_a_type_only_trial_requantizes_that_group_only(rows256):
 def _quantized_stack(name, rng, n_exp=3, n_out=8, n_in=512):
     """A random expert stack [E, out, in] in type ``name`` (Q2_0 by the codec, the others by
     ggml with a random importance row per expert) and its float32 weights."""
-    from healsweep.heal.llama_baseline import quantize_expert_stack
     from healsweep.kernels import q2_0
     from healsweep.kernels.ggml_decode import GGMLWeight
+    from healsweep.quant.imatrix import quantize_expert_stack
 
     w = rng.standard_normal((n_exp, n_out, n_in)).astype(np.float32)
     if name == "q2_0":
@@ -113,10 +113,11 @@ def _quantized_stack(name, rng, n_exp=3, n_out=8, n_in=512):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [t.name for t in ROUTED_TYPES])
 def test_alpha_folded_into_scales_is_alpha_on_the_outputs_within_fp16_rounding(name):
-    from healsweep.heal.quantize import scaled
+    from healsweep.quant.registry import stored
 
     rng = np.random.default_rng(7)
     stack = _quantized_stack(name, rng)
+    scaled = stored(name).fold_alpha  # every class of a type folds alpha alike
     w = np.asarray(stack.dequantize(), np.float64)  # [E, out, in]
     x = rng.standard_normal((16, w.shape[-1]))
     # one scale per block (or super-block): every weight moves by at most fp16's half ulp
@@ -141,7 +142,8 @@ def test_alpha_folded_into_scales_is_alpha_on_the_outputs_within_fp16_rounding(n
 @pytest.mark.slow
 def test_the_student_scores_the_down_experts_alpha_folded_as_exported(rows256, tmp_path):
     from healsweep.heal.export import write_healed_gguf
-    from healsweep.heal.quantize import cached_experts, layer_keys, scaled
+    from healsweep.heal.quantize import cached_experts, layer_keys
+    from healsweep.quant.registry import stored
 
     model, corpus, cache = rows256
     knobs = Knobs(type_gu="iq2_xs", type_d="q3_k", alpha="mse")
@@ -152,7 +154,8 @@ def test_the_student_scores_the_down_experts_alpha_folded_as_exported(rows256, t
         assert alpha != 1.0
         raw = cached_experts(cache, layer_keys(model, knobs, student.report["trace_key"], i))
         down = student.replacements[i].down_exps
-        np.testing.assert_array_equal(down.raw, scaled(raw.down, alpha).raw)
+        folded = stored(ggml_type(down.qtype).name).fold_alpha(raw.down, alpha)
+        np.testing.assert_array_equal(down.raw, folded.raw)
         np.testing.assert_array_equal(student.replacements[i].gate_exps.raw, raw.gate.raw)
         name = f"blk.{i}.ffn_down_exps.weight"
         np.testing.assert_array_equal(written.raw_rows(name), down.raw)  # what is scored
@@ -252,7 +255,7 @@ def test_gptq_on_the_k_grids_lowers_the_routed_error_and_is_keyed_by_its_knobs(r
                           CAL, cache, corpus=corpus)  # fmt: skip
     assert _delta(cache, before) == {} and again.key == mixed.key
     assert "gate" not in mixed.report["layers"][0]["quantize"]["gptq_fallback"]
-    # IQ2_XXS has one (heal.ggml_gptq): gptq re-quantizes gate/up only, and lowers its error
+    # IQ2_XXS has one (quant.ggml_gptq): gptq re-quantizes gate/up only, and lowers its error
     iq2 = plain.replace(type_gu="iq2_xxs")
     ggml_iq2 = build_student(model, iq2, CAL, cache, corpus=corpus)
     before = dict(cache.computed)

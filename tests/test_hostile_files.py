@@ -321,7 +321,7 @@ def test_a_spec_names_its_ledger_and_the_manifest_records_its_head(tmp_path):
     identity (its hash is unchanged), and a manifest records the head relative to the sweep."""
     from healsweep.ledger import Ledger
     from healsweep.sweep.manifest import ledger_head, recorded_ledger, spec_hash, sweep_ledger
-    from healsweep.sweep.spec import load_spec
+    from healsweep.sweep.spec_files import load_spec
 
     root = Path(__file__).resolve().parents[1]
     spec = load_spec(root / "sweeps" / "demo-ablation.yaml")

@@ -10,7 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from healsweep.errors import HealsweepError, KnobError
-from healsweep.heal.knobs import SCORE_KNOBS, CalibrationConfig, Knobs, Stage, load_knobs
+from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs
+from healsweep.heal.reads import stage_reads
+from healsweep.heal.stage_names import STUDENT_STAGES, Stage
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs" / "knobs").glob("*.yaml"))
@@ -85,7 +87,7 @@ def test_knobs_are_frozen_hashable_and_picklable():
         knobs.replace(eta=5)
 
 
-def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
+def test_stage_reads_partition_the_knobs_and_drop_inert_ones():
     knobs = Knobs()
     # gptq (with refine rounds), per-expert alpha and ggml types with a Q2_0 layer and an IQ2
     # down make every knob live (quantizer, gptq_damp, gptq_refine, alpha_granularity, the type
@@ -93,24 +95,27 @@ def test_for_stage_partitions_the_knobs_and_drops_inert_ones():
     live = Knobs(quantizer="gptq", gptq_refine=1, alpha_granularity="expert", type_gu="iq2_xs",
                  type_d="q2_k", up_first=1, up_last=1, layer_types="0:q2_0,1:iq2_xs/iq2_xxs",
                  down_input="student")  # fmt: skip
-    read = [set(live.for_stage(s)) for s in Stage]
+    read = [set(stage_reads(live, s)) for s in Stage]
     union = set().union(*read)
-    assert union == set(Knobs.model_fields) - set(SCORE_KNOBS)
+    assert union == set(Knobs.model_fields) - set(Knobs.SCORING)
     assert sum(len(r) for r in read) == len(union)  # each knob is read by exactly one stage
     assert knobs.for_stage("calib_trace") == {} and knobs.for_stage("routed_q") == {}
     assert Knobs(alpha="none", gamma=0.1).for_stage("part_a") == Knobs(alpha="none").for_stage(
         "part_a"
     )
     assert Knobs(ridge=False, rho=1).for_stage("part_b") == {"ridge": False}
-    assert Knobs(eta=0.3).for_stage("quantize") == knobs.for_stage("quantize")
+    assert stage_reads(Knobs(eta=0.3), "quantize") == stage_reads(knobs, "quantize")
     # down_input acts on down only, under gptq on an IQ2 grid
-    assert Knobs(down_input="student").for_stage("quantize") == knobs.for_stage("quantize")
+    assert stage_reads(Knobs(down_input="student"), "quantize") == stage_reads(knobs, "quantize")
     student = Knobs(quantizer="gptq", down_input="student", type_gu="iq2_xxs", type_d="iq2_xxs")
-    assert student.for_stage("quantize", group="d", stored_as="iq2_xxs")["down_input"] == "student"
-    assert "down_input" not in student.for_stage("quantize", group="gu", stored_as="iq2_xxs")
-    assert "down_input" not in student.for_stage("quantize", group="d", stored_as="q2_k")
+    read = stage_reads(student, "quantize", group="d", stored_as="iq2_xxs")
+    assert read["down_input"] == "student"
+    assert "down_input" not in stage_reads(student, "quantize", group="gu", stored_as="iq2_xxs")
+    assert "down_input" not in stage_reads(student, "quantize", group="d", stored_as="q2_k")
     with pytest.raises(KnobError, match="unknown stage"):
-        knobs.for_stage("score")
+        stage_reads(knobs, "score")
+    with pytest.raises(ValueError, match="quantizer"):  # its class says what quantize reads
+        knobs.for_stage(Stage.QUANTIZE)
 
 
 def test_score_knobs_never_change_a_stage_key():
@@ -118,7 +123,7 @@ def test_score_knobs_never_change_a_stage_key():
     (so a sweep over them heals once); a trial's bonus needs a cache to act on."""
     for base in (Knobs(), Knobs(quantizer="gptq", alpha="mse", alpha_granularity="expert")):
         cached = base.replace(moce_bonus=0.85, cache_experts=4)
-        assert all(cached.for_stage(s) == base.for_stage(s) for s in Stage)
+        assert all(stage_reads(cached, s) == stage_reads(base, s) for s in STUDENT_STAGES)
     from healsweep.score.expert_cache import ExpertCacheConfig
 
     assert ExpertCacheConfig.from_knobs(Knobs()) is None
@@ -168,10 +173,10 @@ def test_presets_load_and_differ_as_documented():
     assert presets["shipped-audit"] == Knobs()
     mse = presets["mse-alpha"]
     assert (mse.alpha, mse.gamma) == ("mse", 0.0)
-    assert mse.for_stage("quantize") == Knobs().for_stage("quantize")
+    assert stage_reads(mse, "quantize") == stage_reads(Knobs(), "quantize")
     no_heal = presets["no-heal"]
     assert no_heal.alpha == "none" and no_heal.ridge is False
-    assert no_heal.for_stage("quantize") == Knobs().for_stage("quantize")
+    assert stage_reads(no_heal, "quantize") == stage_reads(Knobs(), "quantize")
 
 
 @pytest.mark.slow  # ggml types need ggml's quantizer (the [ggml] extra CI installs for this tier)

@@ -14,6 +14,7 @@ ORDER = (
     "gguf_io",
     "model",
     "data",
+    "quant",  # the quantizer registry: below the heal stages that ask it
     "heal",
     "results",
     "sweep",
@@ -27,7 +28,11 @@ LAYER_OF = {
     "_atomic": "base",
     "_lru": "base",
     "_code": "base",
+    "_cache_disk": "base",
+    "settings_errors": "base",  # one translator of settings files' problems (specs, knob files)
     "_rss": "base",
+    "profile": "base",
+    "threads": "base",
     "cache": "base",
     "runtime": "base",
     "bundled": "base",
@@ -36,6 +41,7 @@ LAYER_OF = {
     "cluster": "sweep",
     "conformance": "model",  # checks the forward, so it sits with it; only the CLI imports it
     "deliver": "confirm",
+    "ledger_heads": "results",  # the heads a results root's sweeps recorded: reads results
     "__main__": "cli",
     "demo": "demo",  # the demo builder: outside the runtime, imported by the CLI alone
 }

@@ -113,7 +113,7 @@ def parity_setup(tmp_path_factory):
     from healsweep.heal.knobs import Knobs
     from healsweep.heal.pipeline import build_student
     from healsweep.score.teacher_cache import scored_positions
-    from healsweep.sweep.spec import load_spec
+    from healsweep.sweep.spec_files import load_spec
     from healsweep.sweep.work import dev_windows
 
     root = tmp_path_factory.mktemp("parity")
@@ -292,7 +292,7 @@ def test_each_type_exports_the_student_llama_cpp_runs(typed_setup, name, tmp_pat
 def test_a_gptq_iq2_student_exports_what_was_scored_and_llama_cpp_runs_it(
     typed_setup, name, tmp_path, record_property
 ):
-    """``quantizer: gptq`` on an IQ2 type (heal.ggml_gptq's column-wise error feedback): the
+    """``quantizer: gptq`` on an IQ2 type (quant.ggml_gptq's column-wise error feedback): the
     exported experts are the scored ones by gguf-py's dequantizer (independent of healsweep's
     decoders), llama.cpp runs the file as the student, and the codes are not plain ggml's."""
     import gguf
@@ -347,7 +347,7 @@ def test_a_type_export_without_the_alpha_fold_is_caught(typed_setup, tmp_path, m
     IQ2_XS student (alpha about 0.85 there) is far outside it."""
     from healsweep.heal import export
     from healsweep.heal.knobs import Knobs
-    from healsweep.heal.quantize import scaled
+    from healsweep.quant.registry import stored
 
     s = typed_setup
     student = _typed_student(s, Knobs(type_gu="iq2_xs", type_d="iq2_xs", alpha="mse"))
@@ -360,7 +360,8 @@ def test_a_type_export_without_the_alpha_fold_is_caught(typed_setup, tmp_path, m
     def without_alpha(weight, experts):
         for layer, r in student.replacements.items():
             if weight is r.down_exps:
-                return right(scaled(weight, 1.0 / unfold[layer]), experts)
+                fold = stored(export.expert_type(weight)).fold_alpha
+                return right(fold(weight, 1.0 / unfold[layer]), experts)
         return right(weight, experts)
 
     monkeypatch.setattr(export, "_expert_data", without_alpha)

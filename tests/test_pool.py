@@ -168,7 +168,7 @@ def test_the_pool_summary_counts_hits_and_follow_ups_on_their_holder():
 def test_the_night_grid_varies_the_quantization_first():
     from healsweep.bench.night import NightError, night_spec, parse_grid
     from healsweep.sweep.space import grid_configs
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     grid = parse_grid("3x2x2")
     assert grid == {"gain_d": 3, "rho": 2, "eta": 2}
@@ -272,3 +272,41 @@ def test_a_running_works_remaining_seconds_come_from_its_own_pace_once_it_scores
     work.taken, work.last_at = 6, 400.0  # 4 windows in 20 s: 5 s a window, 5 windows to go
     assert durations.remaining_s(work, 400.0) == 25.0
     assert durations.remaining_s(work, 410.0) == 15.0
+
+
+def test_the_night_reports_bytes_written_per_stage_and_the_caches_on_disk(tmp_path):
+    """Bytes written and evicted come from the rows' cache activity; the size on disk from the
+    caches' entries at the end, JAX's compilation cache beside them; the spec carries the limit."""
+    import json
+
+    import numpy as np
+
+    from healsweep.bench.night import cache_bytes, cache_on_disk, cache_table, night_spec
+    from healsweep.cache import StageCache
+    from healsweep.sweep.spec_files import spec_from_dict
+
+    raw = night_spec("demo", grid={"gain_d": 1, "rho": 1, "eta": 1}, windows=2, placement="cache",
+                     resources={"cpu": 1}, max_concurrent=1, cache_max_gb=16)  # fmt: skip
+    assert spec_from_dict(raw).cache_max_gb == 16
+    caches = [tmp_path / "node0", tmp_path / "node1"]
+    for n, root in enumerate(caches):
+        StageCache(root).put("quantize", f"{n}" * 64, {"x": np.zeros(1000)}, {})
+    StageCache(caches[1]).put("part_b", "ab" * 32, {"x": np.zeros(10)}, {})
+    (caches[0] / "jax").mkdir()
+    (caches[0] / "jax" / "compiled").write_bytes(b"x" * 100)
+    found = cache_on_disk(caches)
+    sizes = {s: sum(p.stat().st_size for r in caches for p in (r / s).rglob("*.hsc"))
+             for s in ("quantize", "part_b")}  # fmt: skip
+    assert found == {"entry_bytes": sum(sizes.values()), "entry_bytes_by_stage": sizes,
+                     "jax_compilation_cache_bytes": 100}  # fmt: skip
+
+    details = [{"computed": {"quantize": 1}, "bytes_written": {"quantize": 5_000_000},
+                "bytes_evicted": {"part_b": 2_000_000}},
+               {"bytes_written": {"quantize": 1_000_000, "part_b": 500_000}}, {}]  # fmt: skip
+    written = cache_bytes([{"cache_detail": json.dumps(d)} for d in details] + [{}])
+    assert written == {"cache_bytes_written_by_stage": {"part_b": 500_000, "quantize": 6_000_000},
+                       "cache_bytes_written": 6_500_000, "cache_bytes_evicted": 2_000_000}  # fmt: skip
+    table = cache_table({"cache_max_gb": 16, "placements": {"cache": {**written,
+                                                                      "cache_on_disk": found}}})  # fmt: skip
+    assert "| cache | quantize | 6.0 |" in table and "| cache | all | 6.5 |" in table
+    assert "cache: limit 16 GiB, 2.0 MB evicted, JAX's compilation cache 0.0 MB" in table

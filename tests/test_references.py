@@ -20,6 +20,8 @@ from healsweep.conformance.references import q2_0_plain as _plain_f64
 from healsweep.gguf_io import routed_expert_bpw
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.heal.quantize import reads_trace
+from healsweep.heal.reads import stage_reads
 from healsweep.kernels import q2_0_plain
 from healsweep.model import open_model
 from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
@@ -60,8 +62,8 @@ def test_plain_reads_no_knob_and_exports_as_ordinary_q2_0(tmp_path, tiny_tokeniz
     from healsweep.heal.export import write_healed_gguf
     from healsweep.heal.quantize import layer_keys
 
-    assert PLAIN.for_stage("quantize") == {"quantizer": "plain"}
-    assert not PLAIN.uses_activation_statistics()
+    assert stage_reads(PLAIN, "quantize") == {"quantizer": "plain"}
+    assert not any(reads_trace(PLAIN, group, "q2_0") for group in ("gu", "d"))
     path = write_random_model(tmp_path / "m.gguf", n_layer=2, n_ff_exp=64, seed=5,
                               tokenizer=tiny_tokenizer)  # fmt: skip
     model = open_model(path)

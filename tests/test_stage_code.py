@@ -27,6 +27,7 @@ from healsweep.errors import CacheError
 from healsweep.heal import stages, trace
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.score import teacher_cache
 from healsweep.score.teacher_cache import teacher_outputs
 
@@ -97,7 +98,7 @@ ROOTS_OF = {
     trace.STAGE: trace.CODE_ROOTS,
     trace.LAYER_STAGE: trace.CODE_ROOTS,
     teacher_cache.STAGE: teacher_cache.CODE_ROOTS,
-    **dict.fromkeys(stages.VERSIONS, stages.CODE_ROOTS),
+    **dict.fromkeys(set(VERSIONS) - {trace.STAGE, trace.LAYER_STAGE}, stages.CODE_ROOTS),
 }
 
 
@@ -171,11 +172,14 @@ def _call_sites() -> list[tuple[str, str]]:
                 and node.args
             ):
                 continue
-            if node.func.attr in ("value", "lazy") and not isinstance(node.args[0], ast.Constant):
-                continue  # another object's value()/lazy(), not a stage
             arg = node.args[0]
+            named = isinstance(arg, ast.Attribute) and ast.unparse(arg.value) == "Stage"
+            if node.func.attr in ("value", "lazy") and not (isinstance(arg, ast.Constant) or named):
+                continue  # another object's value()/lazy(), not a stage
             if isinstance(arg, ast.Constant):
                 sites.append((module, arg.value))
+            elif named:  # a member of the stage vocabulary
+                sites.append((module, Stage[arg.attr]))
             else:  # a module constant such as STAGE
                 assert isinstance(arg, ast.Name), f"{module}: stage name is {ast.dump(arg)}"
                 sites.append((module, getattr(importlib.import_module(module), arg.id)))

@@ -10,7 +10,7 @@ from healsweep.errors import ResultsError
 from healsweep.results.store import MANIFEST_FILE
 from healsweep.sweep.manifest import read_spec, spec_hash, start_manifest
 from healsweep.sweep.space import KNOB_NAMES
-from healsweep.sweep.spec import load_spec, spec_from_dict
+from healsweep.sweep.spec_files import load_spec, spec_from_dict
 
 
 @pytest.fixture

@@ -254,7 +254,7 @@ def test_futile_edge_cases(trial, best, expected):
 
 def test_the_specs_futility_reaches_the_scheduler(tmp_path):
     from healsweep.sweep.driver import _scheduler
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     on = spec_from_dict(
         {"name": "x", "pruner": {"type": "wilcoxon", "futility": {"min_windows": 5}}}

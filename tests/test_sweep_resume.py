@@ -26,7 +26,7 @@ from healsweep.results.store import read_trials
 from healsweep.sweep.driver import resume_sweep
 from healsweep.sweep.fixed import reference_knobs
 from healsweep.sweep.space import config_hash
-from healsweep.sweep.spec import spec_from_dict
+from healsweep.sweep.spec_files import spec_from_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_sweep_tune import N_WINDOWS, toy_work  # noqa: E402
@@ -37,7 +37,7 @@ sys.path.insert(0, {tests!r})
 import ray
 from test_sweep_tune import toy_identity, toy_work
 from healsweep.sweep.driver import run_sweep
-from healsweep.sweep.spec import spec_from_dict
+from healsweep.sweep.spec_files import spec_from_dict
 ray.init(address={address!r}, logging_level="WARNING", log_to_driver=False)
 spec = spec_from_dict(json.loads({spec!r}))
 work = functools.partial(toy_work, log={log!r}, delay={delay})

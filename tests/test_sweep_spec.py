@@ -10,15 +10,17 @@ import pytest
 
 from healsweep.errors import GGUFFormatError, SpecError
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.reads import student_key
+from healsweep.sweep.budget import planned_trials
 from healsweep.sweep.space import (
     baseline_point,
     config_hash,
     grid_configs,
     optuna_space,
-    planned_trials,
     trial_identity,
 )
-from healsweep.sweep.spec import FutilitySpec, load_spec, spec_from_dict
+from healsweep.sweep.spec import FutilitySpec
+from healsweep.sweep.spec_files import load_spec, spec_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,13 +252,15 @@ def test_trial_identity_from_tune_configs():
             "search_space": {"gamma": {"low": 0.0, "high": 1.0}},
         }
     )
-    baseline = trial_identity(spec, {"gamma": 0.75})
+    baseline = trial_identity({"gamma": 0.75}, spec.baseline, spec.fixed, spec.model)
     assert baseline.knobs == Knobs() and baseline.is_baseline
     assert baseline.config_hash == config_hash(Knobs()) and baseline.role == "baseline"
-    other = trial_identity(spec, {"gamma": 0.2})
+    other = trial_identity({"gamma": 0.2}, spec.baseline, spec.fixed, spec.model)
     assert other.knobs == Knobs(gamma=0.2) and not other.is_baseline and other.role == "trial"
-    grid = trial_identity(spec, {"knobs": Knobs(eta=0.5).model_dump()})
-    assert grid.knobs == Knobs(eta=0.5) and grid.student == Knobs(eta=0.5).student_key()
+    grid = trial_identity(
+        {"knobs": Knobs(eta=0.5).model_dump()}, spec.baseline, spec.fixed, spec.model
+    )
+    assert grid.knobs == Knobs(eta=0.5) and grid.student == student_key(Knobs(eta=0.5))
 
 
 def test_config_hash_is_canonical():
@@ -265,13 +269,15 @@ def test_config_hash_is_canonical():
 
 
 # A spec with ints for float knobs and a range, as a user writes them; its hash was computed by
-# b05fe56 (the spec's sections were raw dicts then): typing them must not change it.
+# b05fe56 (the spec's sections were raw dicts then): typing them must not change it. It names
+# one CPU a trial, which was the default then (a spec without `resources` now means the node's
+# share of the cores, so it is stored and hashed without the field).
 PINNED = {
     "name": "pinned", "sampler": "tpe", "num_samples": 3,
     "baseline": {"gain_d": 0, "gamma": 1, "eta": 0}, "fixed": {"eta": 0},
     "search_space": {"rho": {"low": 1, "high": 50, "log": True},
                      "alpha": {"choices": ["gaussian", "none"]}},
-    "calibration": {"max_tokens": 1000},
+    "calibration": {"max_tokens": 1000}, "resources": {"cpu": 1},
 }  # fmt: skip
 PINNED_HASH = "abfb986427ee28c2085f83b5de03c496e51c572dda2b437f61a1525c8fe59d2a"
 
@@ -390,6 +396,22 @@ def test_a_spec_pickled_before_its_sections_were_typed_unpickles_typed():
         == expected
         == "80afc79c6e24c8dd6b9fa881c72a58a31076f77754f7a3298698b4fbfbcc3a03"
     )
-    assert trial_identity(spec, {"rho": 2.0, "alpha": "none"}).knobs == Knobs(
-        gain_d=0.0, gamma=1.0, eta=0.0, rho=2.0, alpha="none"
-    )
+    assert trial_identity(
+        {"rho": 2.0, "alpha": "none"}, spec.baseline, spec.fixed, spec.model
+    ).knobs == Knobs(gain_d=0.0, gamma=1.0, eta=0.0, rho=2.0, alpha="none")
+
+
+def test_the_cache_size_limit_is_checked_and_kept_out_of_the_hash():
+    """``cache_max_gb`` (issue 38): GiB >= 0 or null; like the cache's location it changes
+    what is recomputed, never a result, so a spec hashes the same with any limit."""
+    from healsweep.sweep.manifest import spec_hash
+
+    spec = spec_from_dict(PINNED)
+    assert spec.cache_max_gb is None and "cache_max_gb" not in spec.model_dump()
+    limited = spec_from_dict({**PINNED, "cache_max_gb": 16})
+    assert limited.cache_max_gb == 16.0 and spec_hash(limited) == PINNED_HASH
+    for bad, piece in ((-1, ">= 0"), ("lots", "'lots'"), (float("nan"), "nan")):
+        with pytest.raises(SpecError) as err:
+            spec_from_dict({**PINNED, "cache_max_gb": bad})
+        message = str(err.value)
+        assert "'cache_max_gb'" in message and piece in message and "GiB" in message, message

@@ -26,7 +26,7 @@ from healsweep.errors import ResultsError
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.driver import run_sweep
 from healsweep.sweep.space import config_hash, trial_identity
-from healsweep.sweep.spec import spec_from_dict
+from healsweep.sweep.spec_files import spec_from_dict
 from healsweep.sweep.trial import trial_seed
 from healsweep.sweep.work import trial_order
 
@@ -137,7 +137,10 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
     assert sorted(_log_lines(log)) == sorted((r["config_hash"], r["window_id"]) for r in rows)
     for row in rows:  # every knob column says which config scored the row; metrics are its own
         knobs = trial_identity(
-            spec, {"knobs": {k[5:]: v for k, v in row.items() if k.startswith("knob_")}}
+            {"knobs": {k[5:]: v for k, v in row.items() if k.startswith("knob_")}},
+            spec.baseline,
+            spec.fixed,
+            spec.model,
         ).knobs
         assert config_hash(knobs) == row["config_hash"]
         assert row["kld_mean"] == pytest.approx(toy_kld(knobs, row["window_id"]), rel=1e-12)
@@ -157,7 +160,10 @@ def test_grid_sweep_writes_every_window_once_with_its_knobs(ray_cluster, tmp_pat
     assert sum(t["is_baseline"] for t in run.trials) == 1
     for trial in trials.values():
         knobs = trial_identity(
-            spec, {"knobs": {k[5:]: v for k, v in trial.items() if k.startswith("knob_")}}
+            {"knobs": {k[5:]: v for k, v in trial.items() if k.startswith("knob_")}},
+            spec.baseline,
+            spec.fixed,
+            spec.model,
         ).knobs
         n = np.array([toy_tokens(w) for w in WINDOW_IDS], dtype=np.float64)
         k = np.array([toy_kld(knobs, w) for w in WINDOW_IDS], dtype=np.float64)
@@ -269,7 +275,6 @@ def test_tpe_with_wilcoxon_prunes_losers_but_never_the_baseline_nor_a_reference(
     assert (tmp_path / "tune" / "optuna-pruning.journal").stat().st_size > 0
 
 
-
 def test_only_a_finished_trial_reaches_the_sampler_with_a_final_value():
     # The sampler's study (TPE's history) must not take a pruned trial's running mean over a
     # few windows (or a failed trial's) for a final value; only a trial that scored every window is.
@@ -321,3 +326,37 @@ def test_a_placed_task_scores_no_more_than_its_credits_ahead_of_its_trial(ray_cl
     assert len(_log_lines(log)) == 3 + AHEAD - 1 < N_WINDOWS
     assert [r.window_id for r in reported] == [w for _, w in _log_lines(log)[:3]]
     assert work.columns["placed_node"] and work.columns["cache_detail"]
+
+
+def threads_work(spec, knobs, done, seed, *, log: str):
+    """toy_work that first writes what the trial's process gives its host work, as JSON."""
+    from healsweep.threads import seen
+
+    Path(f"{log}.threads-{config_hash(knobs)}").write_text(json.dumps(seen()))
+    yield from toy_work(spec, knobs, done, seed, log=log)
+
+
+@pytest.mark.parametrize("concurrent", [1, 2])
+def test_a_trial_s_host_work_runs_on_the_cores_it_holds(ray_cluster, tmp_path, concurrent):
+    """Ray starts a worker with OMP_NUM_THREADS = the task's num_cpus; a spec without a cpu of
+    its own gives each trial its node's share (2 cores ÷ the trials at once), and the work sees
+    that many threads in BLAS, the environment and XLA's CPU client, and its row records it."""
+    from healsweep.threads import cores
+
+    spec = spec_from_dict(
+        {"name": f"threads{concurrent}", "search_space": GRID, "references": False,
+         "max_concurrent": concurrent}
+    )  # fmt: skip
+    log = tmp_path / "scored.log"
+    run_sweep(spec, results_root=tmp_path, identity_fn=toy_identity,
+              work_fn=functools.partial(threads_work, log=str(log)))  # fmt: skip
+    expected = min(cores(), 2 // concurrent)
+    found = [json.loads(p.read_text()) for p in tmp_path.glob("scored.log.threads-*")]
+    assert len(found) == 4
+    for seen in found:
+        assert seen["threads"] == expected
+        assert seen["omp_num_threads"] == str(expected)
+        assert seen["xla_cpu_threads"] == expected
+        assert seen["blas_threads"] and set(seen["blas_threads"]) == {expected}
+    rows = pq.read_table(tmp_path / f"threads{concurrent}" / "trials.parquet").to_pylist()
+    assert sorted(r["threads"] for r in rows) == [expected] * 4

@@ -188,7 +188,7 @@ def test_the_cache_key_names_format_and_size():
 
 
 def test_the_sweep_spec_takes_the_cache_choice_and_refuses_others():
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     assert spec_from_dict({"name": "s"}).scoring.teacher_cache == "compact"
     spec = spec_from_dict({"name": "s", "scoring": {"teacher_cache": "exact"}})

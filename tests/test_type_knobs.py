@@ -18,14 +18,16 @@ from healsweep.heal.knobs import (
     EXPERT_TYPES,
     Knobs,
     LayerTypes,
-    Stage,
     load_knobs,
     require_ggml,
 )
+from healsweep.heal.quantize import reads_trace
+from healsweep.heal.reads import stage_reads, student_key
+from healsweep.heal.stage_names import STUDENT_STAGES
 from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type, step_up
 from healsweep.sweep.space import config_hash
 
-TYPE_KNOBS = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
+TYPE_KNOBS = Knobs.TYPES
 
 
 def test_type_knobs_at_their_defaults_leave_every_config_hash_unchanged():
@@ -102,54 +104,56 @@ def test_each_layer_gets_its_types():
 
 def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
     knobs = Knobs(quantizer="gptq", gptq_refine=2, importance="act", gain_gu=0.1)
-    assert knobs.for_stage("quantize", group="gu", stored_as="iq2_s") == {"type": "iq2_s"}
-    assert knobs.for_stage("quantize", group="gu", stored_as="q2_0") == {
+    assert stage_reads(knobs, "quantize", group="gu", stored_as="iq2_s") == {"type": "iq2_s"}
+    assert stage_reads(knobs, "quantize", group="gu", stored_as="q2_0") == {
         "importance": "act", "gain_gu": 0.1, "quantizer": "gptq", "gptq_damp": 0.01,
         "gptq_refine": 2,
     }  # fmt: skip
-    assert set(knobs.for_stage("quantize", group="d", stored_as="q2_0")) == {
+    assert set(stage_reads(knobs, "quantize", group="d", stored_as="q2_0")) == {
         "importance_down", "gain_d", "quantizer", "gptq_damp", "gptq_refine"
     }  # fmt: skip
-    assert Knobs(quantizer="plain").for_stage("quantize", group="d", stored_as="q2_0") == {
+    assert stage_reads(Knobs(quantizer="plain"), "quantize", group="d", stored_as="q2_0") == {
         "quantizer": "plain"
     }
     # the whole model: the default reads what it always read
-    assert Knobs().for_stage("quantize") == {
+    assert stage_reads(Knobs(), "quantize") == {
         "importance": "norm_proxy", "importance_down": "none", "gain_gu": 0.3, "gain_d": 0.3
     }  # fmt: skip
     ggml = Knobs(type_gu="iq2_s", type_d="iq3_s")
-    assert ggml.for_stage("quantize") == {"type_gu": "iq2_s", "type_d": "iq3_s"}
+    assert stage_reads(ggml, "quantize") == {"type_gu": "iq2_s", "type_d": "iq3_s"}
     # the same student, whatever the quantizer knobs say (no grid for gptq to refine)...
     twin = ggml.replace(quantizer="gptq", gain_gu=1.5, importance_down="act")
-    assert all(twin.for_stage(s) == ggml.for_stage(s) for s in Stage)
-    assert twin.student_key() == ggml.student_key()  # a sweep scores it once
+    assert all(stage_reads(twin, s) == stage_reads(ggml, s) for s in STUDENT_STAGES)
+    assert student_key(twin) == student_key(ggml)  # a sweep scores it once
     # ...unless some layer may be Q2_0: iq2_xxs steps up to q2_0
     stepped = Knobs(type_gu="iq2_xxs", type_d="q2_k", up_last=1)
-    assert "gain_gu" in stepped.for_stage("quantize") and "gain_d" not in stepped.for_stage(
-        "quantize"
-    )
+    assert "gain_gu" in stage_reads(stepped, "quantize")
+    assert "gain_d" not in stage_reads(stepped, "quantize")
     grid = Knobs(quantizer="gptq", gptq_damp=0.1, gain_d=0.2)  # gptq refines the K grids
-    assert grid.for_stage("quantize", group="d", stored_as="q3_k") == {
+    assert stage_reads(grid, "quantize", group="d", stored_as="q3_k") == {
         "type": "q3_k", "quantizer": "gptq", "gptq_damp": 0.1
     }  # fmt: skip
-    assert grid.for_stage("quantize", group="d", stored_as="iq3_s") == {"type": "iq3_s"}
-    for name in ("iq2_xxs", "iq2_xs"):  # ...and the IQ2 grids (heal.ggml_gptq)
-        assert grid.for_stage("quantize", group="gu", stored_as=name) == {
+    assert stage_reads(grid, "quantize", group="d", stored_as="iq3_s") == {"type": "iq3_s"}
+    for name in ("iq2_xxs", "iq2_xs"):  # ...and the IQ2 grids (quant.ggml_gptq)
+        assert stage_reads(grid, "quantize", group="gu", stored_as=name) == {
             "type": name, "quantizer": "gptq", "gptq_damp": 0.1
         }  # fmt: skip
-    assert grid.replace(type_gu="q2_k", type_d="q2_k").for_stage("quantize") == {
+    assert stage_reads(grid.replace(type_gu="q2_k", type_d="q2_k"), "quantize") == {
         "type_gu": "q2_k", "type_d": "q2_k", "quantizer": "gptq", "gptq_damp": 0.1
     }  # fmt: skip
     named = Knobs(type_gu="iq2_xs", type_d="q2_k", layer_types="0:iq2_xs/q2_0")
-    assert "gain_d" in named.for_stage("quantize") and "gain_gu" not in named.for_stage("quantize")
+    assert "gain_d" in stage_reads(named, "quantize")
+    assert "gain_gu" not in stage_reads(named, "quantize")
 
 
 def test_a_ggml_type_reads_the_trace_and_q2_0_only_for_act_or_gptq():
-    assert not Knobs().uses_activation_statistics("gu")
-    assert Knobs(importance="act").uses_activation_statistics("gu")
-    assert not Knobs(importance="act").uses_activation_statistics("d")
-    assert Knobs(quantizer="gptq").uses_activation_statistics("d")
-    assert not Knobs(quantizer="plain", importance="act").uses_activation_statistics()
+    assert not reads_trace(Knobs(), "gu", "q2_0")
+    assert reads_trace(Knobs(importance="act"), "gu", "q2_0")
+    assert not reads_trace(Knobs(importance="act"), "d", "q2_0")
+    assert reads_trace(Knobs(quantizer="gptq"), "d", "q2_0")
+    for group in ("gu", "d"):
+        assert not reads_trace(Knobs(quantizer="plain", importance="act"), group, "q2_0")
+        assert reads_trace(Knobs(quantizer="plain"), group, "iq2_xs")  # its importance rows
 
 
 @pytest.fixture
@@ -166,7 +170,7 @@ def without_ggml(monkeypatch):
 
 def test_a_ggml_type_without_ggml_fails_in_one_line_at_load(without_ggml, tmp_path):
     from healsweep.gguf_io._ggml_lib import status_line
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     knobs = tmp_path / "k.yaml"
     knobs.write_text("type_d: iq2_xs\n")
@@ -210,7 +214,7 @@ def test_the_cli_refuses_a_ggml_type_in_one_line_in_a_process_that_cannot_find_g
 @pytest.mark.slow  # a spec that names a ggml type needs ggml's quantizer (the [bench] extra)
 def test_the_grid_drops_points_whose_only_change_a_ggml_typed_group_does_not_read():
     from healsweep.sweep.space import grid_configs
-    from healsweep.sweep.spec import spec_from_dict
+    from healsweep.sweep.spec_files import spec_from_dict
 
     space = {"type_gu": ["q2_0", "iq2_xs"], "type_d": ["iq2_xs"], "gain_gu": [0.3, 1.0]}
     configs = grid_configs(spec_from_dict({"name": "x", "search_space": space}))
@@ -220,4 +224,4 @@ def test_the_grid_drops_points_whose_only_change_a_ggml_typed_group_does_not_rea
         ("q2_0", "iq2_xs", 1.0),  # gain_gu acts on the Q2_0 gate and up experts
         ("iq2_xs", "iq2_xs", 0.3),  # (iq2_xs, 1.0) is this student again: dropped
     ]
-    assert len({c.student_key() for c in configs}) == len(configs)
+    assert len({student_key(c) for c in configs}) == len(configs)

@@ -47,7 +47,10 @@ from healsweep.errors import SettingError
 
 LIMIT_ENV = "HEALSWEEP_CACHE_MAX_GB"
 MARGIN = 0.1  # an eviction frees down to 90% of the limit, so the next writes do not evict again
-RESCAN_S = 1.0  # a cache looks again at most this often unless its own writes may cross the limit
+# A pass lists every entry (about 20 us an entry on a busy 2-core host: 0.1 s for 5,000), so a
+# cache runs one when its own writes since the last may have used up its share of the room then
+# left under the limit (the room over the processes holding entries), else at most this often.
+RESCAN_S = 30.0
 HOLDS_DIR = ".holds"
 ENTRY_SUFFIX = ".hsc"
 # A holds file on a file system that cannot lock is taken for a live process's until it is this
@@ -57,11 +60,11 @@ _NO_LOCKING = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EN
 _GIB = 2**30
 
 
-def parse_limit(value: object, source: str) -> int | None:
-    """Bytes of a size limit given in GiB by ``source`` (``--cache-max-gb``, ``cache_max_gb``,
-    ``HEALSWEEP_CACHE_MAX_GB=``): None for ``None``, ``""`` or infinity (no limit);
-    :class:`~healsweep.errors.SettingError` for a negative number, NaN or anything that is not
-    a number."""
+def parse_gb(value: object, source: str) -> float | None:
+    """A size limit in GiB as given by ``source`` (``--cache-max-gb``, ``cache_max_gb``,
+    ``HEALSWEEP_CACHE_MAX_GB=``): None for ``None`` or ``""`` (not given), a float >= 0 (``inf``:
+    no limit); :class:`~healsweep.errors.SettingError` for a negative number, NaN or anything
+    that is not a number."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     try:
@@ -79,7 +82,13 @@ def parse_limit(value: object, source: str) -> int | None:
             f"{named} {problem}: give the stage cache's size limit in GiB (a number >= 0; 0 "
             "keeps only what running trials hold), or leave it out for no limit"
         )
-    return None if math.isinf(gib) else int(gib * _GIB)
+    return gib
+
+
+def parse_limit(value: object, source: str) -> int | None:
+    """Bytes of a size limit given in GiB (:func:`parse_gb`): None when not given or infinite."""
+    gib = parse_gb(value, source)
+    return None if gib is None or math.isinf(gib) else int(gib * _GIB)
 
 
 def cache_limit(max_gb: float | str | None = None, source: str = "--cache-max-gb") -> int | None:
@@ -188,15 +197,16 @@ class Holds:
             os.close(fd)
 
 
-def held(root: Path) -> set[str]:
-    """The paths (under ``root``) of the entries held by live processes; holds files left by
-    processes that died are deleted."""
+def held(root: Path) -> tuple[set[str], int]:
+    """The paths (under ``root``) of the entries held by live processes, and how many holds
+    files they are in; holds files left by processes that died are deleted."""
     found: set[str] = set()
+    live = 0
     folder = root / HOLDS_DIR
     try:
         files = [item for item in os.scandir(folder) if item.name.endswith(".holds")]
     except OSError:
-        return found
+        return found, live
     for item in files:
         try:
             fd = os.open(item.path, os.O_RDONLY)
@@ -212,7 +222,8 @@ def held(root: Path) -> set[str]:
         finally:
             os.close(fd)
         found.update(line for line in lines if line)
-    return found
+        live += 1
+    return found, live
 
 
 def _alive(fd: int, item: os.DirEntry) -> bool:
@@ -232,15 +243,16 @@ def _alive(fd: int, item: os.DirEntry) -> bool:
 
 
 class Eviction(NamedTuple):
-    """What one pass found and did: entry bytes before and after, the bytes held, and per
-    stage the entries and bytes deleted. ``over``: still over the limit (what is held does
-    not fit in it)."""
+    """What one pass found and did: entry bytes before and after, the bytes held, per stage
+    the entries and bytes deleted, and the live holds files (the processes at work on the
+    root). ``over``: still over the limit (what is held does not fit in it)."""
 
     before: int
     after: int
     held_bytes: int
     evicted: dict[str, tuple[int, int]]
     over: bool
+    holders: int
 
 
 def evict(root: Path, limit: int, margin: float = MARGIN) -> Eviction | None:
@@ -264,9 +276,9 @@ def evict(root: Path, limit: int, margin: float = MARGIN) -> Eviction | None:
 def _evict(root: Path, limit: int, margin: float) -> Eviction:
     found = entries(root)  # before the holds are read: see the module docstring
     total = before = sum(e.size for e in found)
+    holding, holders = held(root)
     if total <= limit:
-        return Eviction(before, total, 0, {}, False)
-    holding = held(root)
+        return Eviction(before, total, 0, {}, False, holders)
     held_bytes = sum(e.size for e in found if e.relpath in holding)
     target = int(limit * (1.0 - margin))
     evicted: dict[str, tuple[int, int]] = {}
@@ -284,4 +296,4 @@ def _evict(root: Path, limit: int, margin: float) -> Eviction:
         total -= entry.size
         n, size = evicted.get(entry.stage, (0, 0))
         evicted[entry.stage] = (n + 1, size + entry.size)
-    return Eviction(before, total, held_bytes, evicted, total > limit)
+    return Eviction(before, total, held_bytes, evicted, total > limit, holders)

@@ -58,8 +58,12 @@ import numpy as np
 
 from healsweep import _cache_disk as disk
 from healsweep._atomic import atomic_file
+from healsweep._cache_disk import LIMIT_ENV as LIMIT_ENV
+from healsweep._cache_disk import cache_limit as cache_limit
+from healsweep._cache_disk import parse_gb as parse_gb
 from healsweep._lru import BoundedLRU, gib_setting
 from healsweep.errors import CacheError
+from healsweep.profile import active as active_profile
 from healsweep.runtime import current
 
 _MAGIC = b"HEALSWEEP-CACHE-2\n"
@@ -160,6 +164,12 @@ def activity() -> dict[str, dict[str, int]]:
     whatever stage). The difference of two snapshots (:func:`activity_since`) is what happened
     in between."""
     return current().activity.snapshot()
+
+
+def disk_entries(root: str | os.PathLike) -> list[disk.Entry]:
+    """Every entry file under a cache root (``<stage>/<xx>/<key>.hsc``; JAX's compilation cache
+    and lock files left out): when it was last used, its size and its path under the root."""
+    return disk.entries(Path(root))
 
 
 def stage_bytes(detail: Mapping[str, Mapping[str, int]] | None = None) -> dict[str, dict[str, int]]:
@@ -287,7 +297,7 @@ class StageCache:
         self._holding = 0  # depth of holding blocks
         self._scanned_at = -math.inf  # monotonic time of the last eviction pass
         self._since_scan = 0  # bytes written since then
-        self._room = 0  # bytes the entries were below the limit after it
+        self._room = 0  # this cache's share of the room left under the limit after it
 
     @contextmanager
     def holding(self) -> Iterator[None]:
@@ -407,6 +417,9 @@ class StageCache:
         for value in arrays.values():
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False
+        profile = active_profile()
+        if profile is not None:  # the running work's phase that computed it (bench, trials)
+            profile.add_bytes(sum(np.asarray(v).nbytes for v in arrays.values()), stage)
         kept = (
             {name: np.asarray(v) for name, v in arrays.items()},
             copy.deepcopy(dict(meta or {})),
@@ -465,9 +478,9 @@ class StageCache:
 
     def _keep_to_limit(self) -> None:
         """After a write: when the root may be over its limit, evict (see
-        :mod:`healsweep._cache_disk`). A pass lists every entry (milliseconds for thousands),
-        so it runs when this cache's writes since the last one may have crossed the limit, or
-        once a second at most (other processes write too)."""
+        :mod:`healsweep._cache_disk`). A pass lists every entry, so it runs when this cache's
+        writes since the last one exceed its share of the room the last one left (the room
+        over the processes holding entries, who write too), else every ``RESCAN_S`` at most."""
         if self.max_bytes is None:
             return
         now = time.monotonic()
@@ -485,7 +498,7 @@ class StageCache:
         if done is None:
             return
         with self._lock:
-            self._room = max(0, self.max_bytes - done.after)
+            self._room = max(0, self.max_bytes - done.after) // max(1, done.holders)
             for stage, (n, size) in done.evicted.items():
                 self.evicted[stage] += n
                 self.bytes_evicted[stage] += size

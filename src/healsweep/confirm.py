@@ -457,10 +457,12 @@ def confirm(
     n_boot: int = 10_000,
     progress: Progress | None = None,
     pairs: Sequence[str] = (),
+    cache_max_gb: float | str | None = None,
 ) -> dict[str, Any]:
     """Open milestone ``milestone`` of a sweep's split and score its frozen configs on test.
     ``pairs`` (``TRIAL:OTHER``, both among ``trial_ids``) add comparisons between two confirmed
-    trials beside each trial's against the baseline.
+    trials beside each trial's against the baseline. ``cache_max_gb``: the stage cache's size
+    limit (default: the sweep spec's ``cache_max_gb``, else ``HEALSWEEP_CACHE_MAX_GB``).
 
     Returns the ``confirm.json`` summary (also written under ``RESULTS/<sweep>/test/<milestone>``).
     The ledger is ``results_root/ledger.jsonl`` (default: the one the sweep recorded,
@@ -488,6 +490,9 @@ def confirm(
     # head recorded for it under its results root: not removed, replaced or cut back
     checked_ledger(ledger, sweeps=[sweep_dir], roots=[ledger.path.parent, sweep_dir.parent])
     ctx = load_context(sweep_dir)
+    # before the ledger is touched: a bad size limit is refused with nothing opened
+    limit = cache_max_gb if cache_max_gb is not None else ctx.spec.cache_max_gb
+    cache = StageCache(max_gb=limit)
     configs = freeze_configs(ctx, trial_ids)
     grant = open_grant(
         ledger, ctx, milestone, configs, resume=resume, allow_split_change=allow_split_change
@@ -496,7 +501,6 @@ def confirm(
     verb = "resumed" if resume else "opened"
     say(f"{verb} milestone {milestone!r} in {ledger.path} (split lock {ctx.lock_id[:12]}...)")
     windows = sealed_windows(ctx, grant, max_windows)
-    cache = StageCache()
     rows: list[dict[str, Any]] = []
     for n, config in enumerate(configs, start=1):
         label = "baseline" if config.is_baseline else f"trial {config.trial_id}"

@@ -31,8 +31,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from healsweep.bench.trial import phase_table
+from healsweep.cache import disk_entries as cache_entries
 from healsweep.errors import HealsweepError
 from healsweep.heal.knobs import Knobs
+from healsweep.profile import phase_totals
 from healsweep.results.placement import pool_summary
 from healsweep.results.schema import KNOB_PREFIX, row_role
 from healsweep.results.store import read_trials
@@ -85,6 +88,7 @@ def night_spec(
     calib_tokens: int | None = None,
     knobs: Knobs | None = None,
     name: str = "night",
+    cache_max_gb: float | None = None,
 ) -> dict[str, Any]:
     """The sweep spec of a night (a dict, as a spec YAML holds): eta, then rho, then the
     quantization knob, so that grid order (the product, last knob fastest) varies the
@@ -118,6 +122,8 @@ def night_spec(
     }
     if cache_root:
         spec["cache_root"] = cache_root
+    if cache_max_gb is not None:
+        spec["cache_max_gb"] = cache_max_gb
     return spec
 
 
@@ -154,6 +160,24 @@ def entries_on_disk(root: Path) -> dict[str, int]:
             if count:
                 out[stage.name] = count
     return out
+
+
+def cache_on_disk(roots: Sequence[Path]) -> dict[str, Any]:
+    """The stage caches' size at the end of a night: bytes of their entries per stage and in
+    all, and the bytes of JAX's compilation cache beside them (``jax/``, not an entry)."""
+    per_stage: dict[str, int] = defaultdict(int)
+    compiled = 0
+    for root in roots:
+        for entry in cache_entries(root):
+            per_stage[entry.stage] += entry.size
+        jax_dir = root / "jax"
+        if jax_dir.is_dir():
+            compiled += sum(p.stat().st_size for p in jax_dir.rglob("*") if p.is_file())
+    return {
+        "entry_bytes": sum(per_stage.values()),
+        "entry_bytes_by_stage": dict(sorted(per_stage.items())),
+        "jax_compilation_cache_bytes": compiled,
+    }
 
 
 def night_figures(
@@ -211,6 +235,11 @@ def night_figures(
         for stage, n in json.loads(row.get("cache_detail") or "{}").get("computed", {}).items():
             computed[stage] += n
     out["computed_by_stage"] = dict(computed)  # a quantization built on two nodes counts twice
+    out.update(cache_bytes(rows))
+    out["threads"] = sorted({int(r["threads"]) for r in rows if r.get("threads") is not None})
+    out["phases_by_kind"] = phases_by_kind(done, kinds)
+    cold = [r for r in done if kinds.get(r["trial_id"]) == "cold" and r.get("phase_profile")]
+    out["cold_phase_rows"] = json.loads(cold[0]["phase_profile"]) if cold else []
     out["work_cpu_s"] = round(
         cpu_s, 1
     )  # CPU seconds of the work: steadier than wall on a busy host
@@ -227,6 +256,47 @@ def night_figures(
         out["entries_computed_twice"] = sum(
             max(0, n - on_disk.get(stage, 0)) for stage, n in computed.items()
         )
+    return out
+
+
+def cache_bytes(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What the rows' works wrote into the stage caches, per stage and in all, and what their
+    evictions deleted (bytes, from each row's ``cache_detail``)."""
+    written: dict[str, int] = defaultdict(int)
+    evicted = 0
+    for row in rows:
+        detail = json.loads(row.get("cache_detail") or "{}")
+        for stage, n in detail.get("bytes_written", {}).items():
+            written[stage] += n
+        evicted += sum(detail.get("bytes_evicted", {}).values())
+    return {
+        "cache_bytes_written_by_stage": dict(sorted(written.items())),
+        "cache_bytes_written": sum(written.values()),
+        "cache_bytes_evicted": evicted,
+    }
+
+
+def phases_by_kind(
+    rows: Sequence[Mapping[str, Any]], kinds: Mapping[str, str]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per trial kind, the mean over its trials of each phase's totals
+    (:func:`~healsweep.profile.phase_totals` of the rows' ``phase_profile``)."""
+    grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row.get("phase_profile"):
+            grouped[kinds.get(row["trial_id"], "?")].append(json.loads(row["phase_profile"]))
+    out = {}
+    for kind in (*KINDS, "?"):
+        if not grouped.get(kind):
+            continue
+        n = len(grouped[kind])
+        totals = phase_totals([r for trial in grouped[kind] for r in trial])
+        for total in totals.values():
+            for key in ("wall_s", "cpu_s", "device_s", "cache_bytes", "calls"):
+                if total[key] is not None:
+                    total[key] = round(total[key] / n, 3)
+            total["trials"] = n
+        out[kind] = totals
     return out
 
 
@@ -308,12 +378,15 @@ def run_night(
     shared: bool = False,
     calib_tokens: int | None = None,
     knobs: Knobs | None = None,
+    cache_max_gb: float | None = None,
 ) -> dict[str, Any]:
-    """Run the night once per placement; ``{"placements": {placement: figures}, ...}``."""
+    """Run the night once per placement; ``{"placements": {placement: figures}, ...}``.
+    ``cache_max_gb``: the spec's size limit of each stage cache (None: none)."""
     from healsweep.bench.localpool import NodeSpec, local_pool
 
     work_dir.mkdir(parents=True, exist_ok=True)
-    resources = {"cpu": 1, "gpu": 1} if gpu else {"cpu": 1}
+    # no cpu: a trial takes its node's share of the cores (cores ÷ the trials there at once)
+    resources = {"gpu": 1} if gpu else {}
     if nodes:
         slots = nodes * (gpus_per_node if gpu else cpus_per_node)
     else:
@@ -321,7 +394,8 @@ def run_night(
     concurrent = max_concurrent or slots
     out: dict[str, Any] = {"model": model, "nodes": nodes or 1, "grid": dict(grid),
                            "windows": windows, "max_concurrent": concurrent,
-                           "shared_cache": shared, "placements": {}}  # fmt: skip
+                           "shared_cache": shared, "cache_max_gb": cache_max_gb,
+                           "placements": {}}  # fmt: skip
     for placement in placements:
         run_dir = work_dir / placement
         if run_dir.exists():
@@ -332,7 +406,7 @@ def run_night(
                           resources=resources, max_concurrent=concurrent,
                           cache_root=str(shared_root) if shared_root else None,
                           calib_tokens=calib_tokens, knobs=knobs,
-                          name=f"night-{placement}")  # fmt: skip
+                          name=f"night-{placement}", cache_max_gb=cache_max_gb)  # fmt: skip
         spec_path = run_dir / "spec.yaml"
         spec_path.write_text(json.dumps(spec, indent=2))  # JSON is YAML
         results = run_dir / "results"
@@ -353,6 +427,9 @@ def run_night(
         figures = night_figures(results / spec["name"], wall, pool_cpus, sampler.mean(),
                                 shared_root)  # fmt: skip
         figures["sweep_dir"] = str(results / spec["name"])
+        # each node's own root (its entries, or only its JAX cache with a shared root)
+        roots = [run_dir / f"cache-node{i}" for i in range(nodes)] if nodes else [run_dir / "cache"]
+        figures["cache_on_disk"] = cache_on_disk(roots + ([shared_root] if shared_root else []))
         out["placements"][placement] = figures
     first = out["placements"][placements[0]]
     for key in ("trials", "configs_per_hour", "configs_per_night", "cache_hit_rate",
@@ -391,4 +468,31 @@ def night_table(night: Mapping[str, Any]) -> str:
             f"| {share(f['busy_share'])} | {f['queued_s']:.0f} "
             f"| {share(f['cpu_utilization'])} | {share(f['gpu_utilization'])} | {rss} |"
         )
+    for placement, f in night["placements"].items():
+        for kind, phases in f.get("phases_by_kind", {}).items():
+            n = next(iter(phases.values()))["trials"] if phases else 0
+            lines += ["", f"{placement}, {kind} trial (mean of {n}), host threads "
+                      f"{', '.join(map(str, f.get('threads', []))) or '-'}:", phase_table(phases)]
     return "\n".join(lines)
+
+
+def cache_table(night: Mapping[str, Any]) -> str:
+    """The stage caches of each placement's night: per stage, the MB its trials wrote and the
+    MB on disk at the end (with the evictions and JAX's compilation cache under the table)."""
+    lines = ["| placement | stage | MB written | MB on disk at the end |", "|---|---|---|---|"]
+    notes = []
+    for placement, f in night["placements"].items():
+        disk, written = f["cache_on_disk"], f["cache_bytes_written_by_stage"]
+        stages = sorted(set(written) | set(disk["entry_bytes_by_stage"]))
+        for stage in stages:
+            lines.append(f"| {placement} | {stage} | {written.get(stage, 0) / 1e6:.1f} "
+                         f"| {disk['entry_bytes_by_stage'].get(stage, 0) / 1e6:.1f} |")  # fmt: skip
+        lines.append(f"| {placement} | all | {f['cache_bytes_written'] / 1e6:.1f} "
+                     f"| {disk['entry_bytes'] / 1e6:.1f} |")  # fmt: skip
+        limit = night.get("cache_max_gb")
+        notes.append(
+            f"{placement}: limit {'none' if limit is None else f'{limit:g} GiB'}, "
+            f"{f['cache_bytes_evicted'] / 1e6:.1f} MB evicted, JAX's compilation cache "
+            f"{disk['jax_compilation_cache_bytes'] / 1e6:.1f} MB"
+        )
+    return "\n".join(lines + [""] + notes)

@@ -22,6 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
+from healsweep.bench._quant_table import (
+    GAIN,
+    format_table,
+    make_inputs,
+)
+from healsweep.bench.quant_gpu import gpu_table
+
 C_SOURCE = Path(__file__).resolve().parent / "c" / "q2_0_ref.c"
 C_FLAGS = {
     "C gcc -O3": ["-O3"],
@@ -29,20 +36,6 @@ C_FLAGS = {
     "C gcc -O3 -march=native -ffast-math": ["-O3", "-march=native", "-ffast-math"],
 }
 SEEDS = np.array([0.42, 0.55, 0.68, 0.81, 0.94, -0.42, -0.55, -0.68, -0.81, -0.94], np.float32)
-GAIN = 0.3
-# Our formulation, per weight (FMA = 2 flops; round, min, max count 1 each): amax 2; each of the
-# 20 seed passes 9 (w*step, round, max, min, a*q, two FMAs); the final pass 13; the codes 4.
-FLOPS_PER_WEIGHT = 2 + 20 * 9 + 13 + 4
-BYTES_PER_WEIGHT = 4 + 2.25 / 8  # read fp32 once, write 2 bits + an fp16 per 64 weights
-
-
-def make_inputs(rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Heavy-tailed weights [rows, cols] and a positive per-input-channel importance [cols]."""
-    rng = np.random.default_rng(seed)
-    w = (rng.standard_t(5.0, (rows, cols)) * 0.02).astype(np.float32)
-    return w, rng.uniform(0.2, 5.0, cols).astype(np.float32)
-
-
 def numpy_search(w: np.ndarray, imp: np.ndarray, gain: float) -> tuple[np.ndarray, np.ndarray]:
     """The search vectorized over blocks in float32 numpy: ``(d [N] f32, q [N, 64] int8)``."""
     blocks = w.reshape(-1, 64)
@@ -216,28 +209,6 @@ def cpu_table(rows: int, cols: int, repeats: int) -> tuple[list[dict], list[str]
     return table, notes
 
 
-_COLUMNS = {  # key: (header, formatter)
-    "weights_per_s": ("weights/s", lambda v: f"{v / 1e6:10.1f} M"),
-    "one_call_weights_per_s": ("one call", lambda v: f"{v / 1e6:10.1f} M"),
-    "vs_best_C": ("vs best C", lambda v: f"{v:.2f}x"),
-    "blocks_equal_to_ours": ("same codes", lambda v: f"{100 * v:.2f}%"),
-    "of_fp32_ceiling": ("of fp32", lambda v: f"{100 * v:.1f}%"),
-    "of_memory_ceiling": ("of memory", lambda v: f"{100 * v:.1f}%"),
-    "compile_s": ("compile", lambda v: f"{v:.1f} s"),
-}
-
-
-def format_table(table: list[dict], notes: list[str]) -> str:
-    """A fixed-width table of the rows (columns: the keys present), then the notes."""
-    keys = [k for k in _COLUMNS if any(k in row for row in table)]
-    width = max([len("contender")] + [len(row["contender"]) for row in table])
-    lines = [f"{'contender':{width}s}" + "".join(f" {_COLUMNS[k][0]:>12s}" for k in keys)]
-    for row in table:
-        cells = [_COLUMNS[k][1](row[k]) if row.get(k) is not None else "-" for k in keys]
-        lines.append(f"{row['contender']:{width}s}" + "".join(f" {c:>12s}" for c in cells))
-    return "\n".join(lines + [f"note: {n}" for n in notes])
-
-
 def quant_table(
     rows: int, cols: int, repeats: int, progress: Callable[[str], None] | None = None
 ) -> str:
@@ -253,7 +224,5 @@ def quant_table(
     if jax.default_backend() == "cpu":
         table, notes = cpu_table(rows, cols, repeats)
     else:
-        from healsweep.bench.quant_gpu import gpu_table
-
         table, notes = gpu_table(repeats, progress)
     return format_table(table, notes)

@@ -25,7 +25,7 @@ from functools import partial
 
 import numpy as np
 
-from healsweep.bench.quant import (
+from healsweep.bench._quant_table import (
     BYTES_PER_WEIGHT,
     FLOPS_PER_WEIGHT,
     GAIN,

@@ -12,11 +12,14 @@ is reset before each trial where Linux allows it).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from healsweep.cache import StageCache
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.profile import phase_totals, profiling
+from healsweep.threads import host_threads
 
 if TYPE_CHECKING:
     from healsweep.data.corpus import Corpus
@@ -68,16 +71,19 @@ def bench_trials(
     cache: StageCache,
     calibration: CalibrationConfig,
     base: Knobs | None = None,
+    count: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per variant of :func:`trial_variants`: seconds, stage timings, recomputed
-    stages and peak RSS (MiB; ``None`` where the mark cannot be reset)."""
+    """One row per variant of :func:`trial_variants` (the first ``count`` of them): seconds,
+    stage timings, the phase profile, recomputed stages and peak RSS (MiB; ``None`` where the
+    mark cannot be reset)."""
     from healsweep._rss import peak_rss_bytes, reset_peak_rss
 
     rows = []
-    for label, knobs in trial_variants(base or Knobs(), model):
+    for label, knobs in trial_variants(base or Knobs(), model)[:count]:
         resettable = reset_peak_rss()
         start = time.perf_counter()
-        student = build_student(model, knobs, calibration, cache, corpus=corpus)
+        with profiling() as profile:
+            student = build_student(model, knobs, calibration, cache, corpus=corpus)
         rows.append(
             {
                 "trial": label,
@@ -86,6 +92,9 @@ def bench_trials(
                 "timings_s": dict(student.report["timings_s"]),
                 "executed": dict(sorted(student.report["executed"].items())),
                 "peak_rss_mib": peak_rss_bytes() / 2**20 if resettable else None,
+                "threads": host_threads(),
+                "phases": phase_totals(profile.rows()),
+                "phase_rows": profile.rows(),
             }
         )
     return rows
@@ -101,9 +110,23 @@ def format_trials(rows: list[dict[str, Any]]) -> str:
         per_layer = row["seconds"] / max(row["layers"], 1)
         lines.append(f"{row['trial']:<{width}}  {row['seconds']:9.2f}  {per_layer:9.2f}  {rss}")
     for row in rows:
-        lines.append(f"{row['trial']}:")
-        stages = ", ".join(f"{k} {v:.2f}s" for k, v in row["timings_s"].items())
         computed = ", ".join(f"{k} x{v}" for k, v in row["executed"].items()) or "nothing"
-        lines.append(f"    stages: {stages}")
-        lines.append(f"    computed: {computed}")
+        lines.append(f"{row['trial']} ({row['threads']} host threads), computed: {computed}")
+        lines.append(phase_table(row["phases"]))
+    return "\n".join(lines)
+
+
+def phase_table(phases: Mapping[str, Mapping[str, Any]]) -> str:
+    """Per phase (:func:`~healsweep.profile.phase_totals`): wall, CPU and device-busy seconds,
+    CPU over wall (the cores a host phase kept busy) and stage-cache MiB written, as Markdown."""
+    lines = ["| phase | layers | wall s | CPU s | CPU/wall | device s | cache MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, p in phases.items():
+        ratio = p["cpu_s"] / p["wall_s"] if p["wall_s"] > 0.005 else None
+        device = "-" if p["device_s"] is None else f"{p['device_s']:.2f}"
+        lines.append(
+            f"| {name} | {p['layers'] or '-'} | {p['wall_s']:.2f} | {p['cpu_s']:.2f} "
+            f"| {'-' if ratio is None else f'{ratio:.2f}'} | {device} "
+            f"| {p['cache_bytes'] / 2**20:.1f} |"
+        )
     return "\n".join(lines)

@@ -6,6 +6,8 @@ imports happen inside the commands so that ``healsweep --help`` stays instant.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 app = typer.Typer(
@@ -46,3 +48,18 @@ def _root(
 
     rt = ctx.with_resource(Runtime())  # closed last: after the previous runtime is back
     ctx.with_resource(use(rt))
+
+
+# The stage cache's size limit, on every command that uses the cache: a string, parsed by the
+# cache (healsweep.cache.parse_gb), so a bad value is the library's one-line error and exit 1.
+CacheMaxGb = Annotated[
+    str | None,
+    typer.Option(
+        "--cache-max-gb",
+        metavar="GIB",
+        help="Size limit of the stage cache in GiB: least recently used entries no running "
+        "trial holds are evicted (default: the sweep spec's cache_max_gb where there is one, "
+        "else $HEALSWEEP_CACHE_MAX_GB, else no limit; inf: no limit).",
+        show_default=False,
+    ),
+]

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from healsweep.cli._apps import baseline_app
+from healsweep.cli._apps import CacheMaxGb, baseline_app
 from healsweep.cli.heal_cmd import CacheOpt, ChunkOpt, CorpusOpt, MaxTokensOpt, MinTokensOpt
 
 
@@ -31,6 +31,7 @@ def llama(
     chunk_length: ChunkOpt = 512,
     min_tokens_per_expert: MinTokensOpt = 16,
     cache: CacheOpt = None,
+    cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Write MODEL with only its routed experts quantized by ggml (``ggml_quantize_chunk`` from
     llama-cpp-python's libggml; needs the \\[bench] extra); every other tensor is kept as stored.
@@ -40,6 +41,7 @@ def llama(
     from healsweep.heal.llama_baseline import LLAMA_TYPES, bits_per_weight, write_llama_baseline
     from healsweep.model import open_model
 
+    stage_cache = StageCache(cache, cache_max_gb)
     if qtype not in LLAMA_TYPES:
         raise typer.BadParameter(
             f"{qtype!r}: choose one of {', '.join(LLAMA_TYPES)}", param_hint="--type"
@@ -55,7 +57,7 @@ def llama(
                f"({bits_per_weight(LLAMA_TYPES[qtype]):.4g} bits a weight), "
                f"imatrix {'from calibration' if imatrix else 'none'}")  # fmt: skip
     path = write_llama_baseline(
-        teacher, qtype, out, calibration=calibration, cache=StageCache(cache),
+        teacher, qtype, out, calibration=calibration, cache=stage_cache,
         progress=lambda stage, message: typer.echo(f"[{stage}] {message}"),
     )  # fmt: skip
     typer.echo(f"[write] {path}")

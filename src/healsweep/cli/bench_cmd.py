@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from healsweep.cli._apps import bench_app
+from healsweep.cli._apps import CacheMaxGb, bench_app
 
 
 @bench_app.command("trial")
@@ -32,8 +32,11 @@ def bench_trial(
     cache: Annotated[Path | None, typer.Option(
         "--cache", help="Stage cache directory (default: a fresh temporary one, so the first "
         "trial is cold).")] = None,
+    cache_max_gb: CacheMaxGb = None,
     trials: Annotated[bool, typer.Option(
         "--trials/--no-trials", help="Run the heal trials (else only the forward).")] = True,
+    cold_only: Annotated[bool, typer.Option(
+        "--cold-only", help="Only the cold trial (the first), not the follow-ups.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Cold, quant-knob-only, rho-only, eta-only and (with ggml's quantizer) type_d-only heal
@@ -44,7 +47,7 @@ def bench_trial(
 
     from healsweep.bench.forward import bench_forward_pair, format_pairs
     from healsweep.bench.trial import bench_trials, format_trials, type_step
-    from healsweep.cache import StageCache
+    from healsweep.cache import StageCache, parse_gb
     from healsweep.data.corpus import load_corpus
     from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs
     from healsweep.model import open_model
@@ -54,6 +57,7 @@ def bench_trial(
     except ValueError:
         raise typer.BadParameter(
             f"--tokens {tokens!r}: expected comma-separated integers") from None
+    parse_gb(cache_max_gb, "--cache-max-gb")  # a bad value: refused before any work
     teacher = open_model(model)
     out: dict = {"model": str(teacher.path), "trials": [], "forward": []}
     if trials:
@@ -62,8 +66,9 @@ def bench_trial(
                                         chunk_length=chunk_length)
         with tempfile.TemporaryDirectory(prefix="healsweep-bench-") as scratch:
             out["trials"] = bench_trials(teacher, load_corpus(corpus),
-                                         StageCache(cache if cache is not None else scratch),
-                                         calibration, base)
+                                         StageCache(cache if cache is not None else scratch,
+                                                    cache_max_gb),
+                                         calibration, base, 1 if cold_only else None)
         if not as_json:
             typer.echo(f"heal trials on {teacher!r}, {calib_tokens} calibration tokens:")
             typer.echo(format_trials(out["trials"]))
@@ -110,7 +115,8 @@ def bench_night(
         ),
     ] = "gain_d",
     windows: Annotated[int, typer.Option("--windows", min=1, help="Dev windows per config.")] = 96,
-    cpus_per_node: Annotated[int, typer.Option("--cpus-per-node", min=1)] = 1,
+    cpus_per_node: Annotated[int, typer.Option(
+        "--cpus-per-node", min=1, help="CPUs each pool node offers Ray (with --nodes).")] = 1,
     gpus_per_node: Annotated[
         int, typer.Option("--gpus-per-node", min=0, help="GPUs each pool node offers Ray.")
     ] = 0,
@@ -151,16 +157,26 @@ def bench_night(
             "removed after).",
         ),
     ] = None,
+    cache_max_gb: CacheMaxGb = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """A real `sweep run` of a quantization x rho x eta grid: configs per hour and per night,
     seconds per trial by kind, the stage-cache hit rate, the follow-ups run on the node holding
-    their quantization, CPU/GPU utilization and peak RSS (see docs/sizing.md)."""
+    their quantization, CPU/GPU utilization and peak RSS, the stage-cache bytes written per
+    stage and the caches' size on disk at the end (see docs/sizing.md)."""
     import tempfile
 
-    from healsweep.bench.night import NightError, night_table, parse_grid, run_night
+    from healsweep.bench.night import (
+        NightError,
+        cache_table,
+        night_table,
+        parse_grid,
+        run_night,
+    )
+    from healsweep.cache import parse_gb
     from healsweep.heal.knobs import load_knobs
 
+    limit = parse_gb(cache_max_gb, "--cache-max-gb")
     modes = {"cache": ("cache",), "ray": ("ray",), "both": ("ray", "cache")}
     if placement not in modes:
         raise NightError(f"--placement {placement!r}: expected cache, ray or both")
@@ -170,9 +186,9 @@ def bench_night(
             model, folder, nodes=nodes, placements=modes[placement],
             grid=parse_grid(grid, quant_knob), windows=windows, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, gpu=gpu,
             max_concurrent=max_concurrent, shared=shared, calib_tokens=calib_tokens,
-            knobs=load_knobs(knobs) if knobs else None,
+            knobs=load_knobs(knobs) if knobs else None, cache_max_gb=limit,
         )  # fmt: skip
-        table = night_table(night)
+        table = night_table(night) + "\n\n" + cache_table(night)
         (folder / "night.json").write_text(json.dumps(night, indent=2, default=str))
         (folder / "night.md").write_text(table + "\n")
     if as_json:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from healsweep.cli._apps import app
+from healsweep.cli._apps import CacheMaxGb, app
 
 _SWEEP_DIR = typer.Argument(..., help="A finished sweep's results folder, RESULTS/<sweep name>.")
 _MILESTONE = typer.Option(
@@ -60,10 +60,14 @@ def confirm(
     n_boot: int = _BOOT,
     quiet: bool = _QUIET,
     pair: list[str] | None = _PAIR,
+    cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Freeze configs, record the opening in the ledger, score them on the test split, record the
     result hash; prints pooled KLD per config and the verdict of each config vs the baseline."""
+    from healsweep.cache import parse_gb
     from healsweep.confirm import confirm as run_confirm
+
+    parse_gb(cache_max_gb, "--cache-max-gb")  # a bad value: refused before the ledger is read
 
     def progress(message: str) -> None:
         if not (quiet and message.startswith("  window")):
@@ -80,6 +84,7 @@ def confirm(
         n_boot=n_boot,
         progress=progress,
         pairs=pair or (),
+        cache_max_gb=cache_max_gb,
     )
     typer.echo(f"milestone {milestone!r}: {summary['windows']} test windows")
     for config in summary["configs"]:

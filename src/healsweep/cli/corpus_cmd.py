@@ -26,7 +26,8 @@ def corpus_import(
     pool: Annotated[str, typer.Option("--pool", help="eval, calibration or train.")] = "eval",
 ) -> None:
     """Convert ChatML transcript files into a corpus JSONL."""
-    from healsweep.data.corpus import import_chatml_files, validate_documents, write_corpus
+    from healsweep.data.chatml import import_chatml_files
+    from healsweep.data.corpus import validate_documents, write_corpus
 
     documents = import_chatml_files(files, source=source, stratum=stratum, pool=pool)
     validate_documents(documents, str(out))

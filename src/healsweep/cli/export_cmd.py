@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from healsweep.cli._apps import app
+from healsweep.cli._apps import CacheMaxGb, app
 
 
 @app.command("export")
@@ -37,6 +37,7 @@ def export(
             "--cache", help="Stage cache (default: $HEALSWEEP_CACHE or ~/.cache/healsweep)."
         ),
     ] = None,
+    cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Rebuild a trial's student from the stage cache (recomputing what is missing) and write it.
 
@@ -48,6 +49,7 @@ def export(
     from healsweep.heal.export import EXPERT_FORMATS
     from healsweep.results.schema import row_role
 
+    stage_cache = StageCache(cache, cache_max_gb)
     if trial is not None and best:
         raise typer.BadParameter("pass --trial ID or --best, not both", param_hint="--trial")
     if experts not in EXPERT_FORMATS:
@@ -59,7 +61,7 @@ def export(
         typer.echo(f"[{stage}] {message}")
 
     result = export_trial(
-        sweep_dir, out, trial_id=trial, experts=experts, cache=StageCache(cache), progress=progress
+        sweep_dir, out, trial_id=trial, experts=experts, cache=stage_cache, progress=progress
     )
     row = result.trial
     kld = "-" if row["kld_mean"] is None else f"{row['kld_mean']:.5f}"

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from healsweep.cli._apps import app, bench_app
+from healsweep.cli._apps import CacheMaxGb, app, bench_app
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")]
 CorpusOpt = Annotated[str, typer.Option(
@@ -54,6 +54,7 @@ def heal(
     chunk_length: ChunkOpt = 512,
     min_tokens_per_expert: MinTokensOpt = 16,
     cache: CacheOpt = None,
+    cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Quantize the routed experts (Q2_0, or the types the knobs choose) and heal them under one
     knob file; write a GGUF.
@@ -71,10 +72,10 @@ def heal(
     if experts not in export.EXPERT_FORMATS:
         raise typer.BadParameter(f"{experts!r}: choose one of {', '.join(export.EXPERT_FORMATS)}",
                                  param_hint="--experts")
+    stage_cache = StageCache(cache, cache_max_gb)
     chosen = load_knobs(knobs)
     calibration = _calibration(corpus, max_tokens, chunk_length, min_tokens_per_expert)
     teacher = open_model(model)
-    stage_cache = StageCache(cache)
     typer.echo(f"[heal] {teacher!r}")
     typer.echo(f"[knobs] {' '.join(f'{k}={v}' for k, v in chosen.model_dump().items())}")
     student = build_student(teacher, chosen, calibration, stage_cache, progress=_progress)

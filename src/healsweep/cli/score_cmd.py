@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from healsweep.cli._apps import app
+from healsweep.cli._apps import CacheMaxGb, app
 
 
 def _progress(done: int, total: int, elapsed: float) -> None:
@@ -59,6 +59,7 @@ def score(
     cache_dir: Annotated[
         Path | None, typer.Option("--cache", help="Stage cache (default $HEALSWEEP_CACHE).")
     ] = None,
+    cache_max_gb: CacheMaxGb = None,
     teacher_cache: Annotated[
         str,
         typer.Option(
@@ -103,6 +104,7 @@ def score(
     from healsweep.score.compact import TeacherCacheError, cache_format
     from healsweep.score.report import check_same_tokenizer, format_summary, score_report
 
+    stage_cache = StageCache(cache_dir, cache_max_gb)
     try:
         fmt = cache_format(teacher_cache)
     except TeacherCacheError as exc:
@@ -138,7 +140,7 @@ def score(
         teacher,
         student,
         windows,
-        StageCache(cache_dir),
+        stage_cache,
         batch=batch,
         progress=_progress,
         teacher_cache=fmt,

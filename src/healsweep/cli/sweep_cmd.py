@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from healsweep.cli._apps import sweep_app
+from healsweep.cli._apps import CacheMaxGb, sweep_app
 from healsweep.errors import ResultsError
 
 _SPEC = typer.Argument(..., help="Sweep spec YAML (see sweeps/).")
@@ -82,14 +82,19 @@ def run(
     results: Path | None = _RESULTS,
     num_cpus: int | None = _CPUS,
     cache_root: Path | None = _CACHE_ROOT,
+    cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Run every trial of a sweep spec; results land in RESULTS/<name>/ as they arrive."""
+    from healsweep.cache import parse_gb
     from healsweep.sweep.driver import run_sweep
-    from healsweep.sweep.spec import load_spec
+    from healsweep.sweep.spec_files import load_spec
 
+    limit = parse_gb(cache_max_gb, "--cache-max-gb")
     loaded = load_spec(spec)
     if cache_root is not None:  # a location, like --results: not part of the spec's hash
         loaded = loaded.model_copy(update={"cache_root": str(cache_root.resolve())})
+    if limit is not None:  # over the spec's cache_max_gb; not part of the spec's hash either
+        loaded = loaded.model_copy(update={"cache_max_gb": limit})
     root = results or Path(loaded.results)
     typer.echo(f"sweep {loaded.name}: {loaded.sampler.type} sampler, pruner {loaded.pruner.type}, "
                f"results in {root / loaded.name}")  # fmt: skip
@@ -107,18 +112,22 @@ def resume(
     sweep_dir: Path = _SWEEP_DIR,
     address: str | None = _ADDRESS,
     num_cpus: int | None = _CPUS,
+    cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Finish an interrupted sweep without re-running finished trials or re-scoring windows.
 
     The Ray processes that this sweep's killed driver left on this machine (its dashboard and
     runtime-env agents outlive a SIGKILL and ignore SIGTERM) are stopped first."""
+    from healsweep.cache import parse_gb
     from healsweep.ray_orphans import stop_sessions
     from healsweep.sweep.driver import resume_sweep
     from healsweep.sweep.manifest import recorded_ray_sessions
 
+    limit = parse_gb(cache_max_gb, "--cache-max-gb")
     for line in stop_sessions(recorded_ray_sessions(sweep_dir)):
         typer.echo(line, err=True)
-    outcome = resume_sweep(sweep_dir, address=address, num_cpus=num_cpus, on_progress=_Printer())
+    outcome = resume_sweep(sweep_dir, address=address, num_cpus=num_cpus, on_progress=_Printer(),
+                           cache_max_gb=limit)  # fmt: skip
     _finish(outcome)
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 import os
 import re
-import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,11 +121,12 @@ class _Budget:
         self.created += chars
 
 
-_state = threading.local()
+# The budget of the render running in this context (a thread's own; no module-level store).
+_BUDGET: ContextVar[_Budget | None] = ContextVar("healsweep_render_budget", default=None)
 
 
 def _budget() -> _Budget | None:
-    return getattr(_state, "budget", None)
+    return _BUDGET.get()
 
 
 class budgeted:
@@ -135,12 +136,12 @@ class budgeted:
         self.limits = limits
 
     def __enter__(self) -> _Budget:
-        self.outer = _budget()
-        _state.budget = _Budget(self.limits)
-        return _state.budget
+        budget = _Budget(self.limits)
+        self.token = _BUDGET.set(budget)
+        return budget
 
     def __exit__(self, *exc: Any) -> None:
-        _state.budget = self.outer
+        _BUDGET.reset(self.token)
 
 
 def weight(value: Any, depth: int = 0) -> int:

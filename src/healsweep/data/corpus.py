@@ -6,7 +6,7 @@ belongs to a ``source`` with a stable ``index`` (so the parity split applies), a
 ``calibration`` documents feed the healer's calibration trace, ``train`` documents only trained
 the demo model. A document holds either chat ``messages`` or plain ``text``.
 
-The users' own corpora are ChatML transcripts in text files; :func:`import_chatml_files` turns
+The users' own corpora are ChatML transcripts in text files; :func:`healsweep.data.chatml.import_chatml_files` turns
 them into documents (the parser lives in :mod:`healsweep.data.chatml`).
 """
 
@@ -265,54 +265,3 @@ def write_corpus(documents: Iterable[Document], path: str | os.PathLike[str]) ->
     with atomic_file(target, "w", encoding="utf-8", newline="\n") as handle:
         handle.writelines(lines)
     return target
-
-
-def import_chatml_files(
-    paths: Sequence[str | os.PathLike[str]],
-    *,
-    source: str | None = None,
-    stratum: str | None = None,
-    pool: str = "eval",
-) -> list[Document]:
-    """Documents from ChatML transcript files (documents joined by blank lines).
-
-    The source defaults to each file's stem and the index is the document's order in its file;
-    with an explicit ``source`` the index continues across the files in the order given. The
-    stratum defaults to the source. Malformed input raises ``CorpusError`` naming file and line.
-    """
-    from healsweep.data.chatml import parse_chatml
-
-    if pool not in POOLS:
-        raise CorpusError(f"unknown pool {pool!r}; use one of {POOLS}")
-    documents: list[Document] = []
-    next_index: dict[str, int] = {}
-    origin: dict[str, str] = {}
-    for raw_path in paths:
-        path = Path(raw_path)
-        if not path.is_file():
-            raise CorpusError(f"{path}: file not found; pass ChatML text files to import")
-        name = source or path.stem
-        if source is None and name in origin:
-            raise CorpusError(
-                f"{path}: source {name!r} is also the stem of {origin[name]}; "
-                "rename one file or pass --source"
-            )
-        origin[name] = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise CorpusError(f"{path}: not UTF-8 text ({exc.reason}); save it as UTF-8") from exc
-        for messages in parse_chatml(text, str(path)):
-            index = next_index.get(name, 0)
-            next_index[name] = index + 1
-            documents.append(
-                Document(
-                    doc_id=f"{name}-{index:04d}",
-                    source=name,
-                    index=index,
-                    stratum=stratum or name,
-                    messages=tuple(messages),
-                    pool=pool,
-                )
-            )
-    return documents

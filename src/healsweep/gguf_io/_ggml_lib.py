@@ -14,12 +14,14 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 
 from healsweep.errors import SettingError
+from healsweep.threads import host_threads
 
 _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
 
@@ -108,7 +110,10 @@ def quantize_rows(values: np.ndarray, qtype: int, imatrix: np.ndarray | None = N
     """ggml's quantization of float32 rows ``[n, n_per_row]`` to ``qtype``: uint8 ``[n, row_bytes]``.
 
     ``imatrix`` is one importance value per column (``[n_per_row]``, float32) or None; ggml uses
-    it for the types whose quantizer reads one (and ignores it for the others).
+    it for the types whose quantizer reads one (and ignores it for the others). The rows are
+    quantized in ranges on :func:`~healsweep.threads.host_threads` threads (ggml's quantizer
+    runs outside the GIL); every row is quantized alone, so the bytes are the same however
+    they are split.
     """
     lib = libggml()
     values = np.ascontiguousarray(values, np.float32)
@@ -122,15 +127,37 @@ def quantize_rows(values: np.ndarray, qtype: int, imatrix: np.ndarray | None = N
         imatrix = np.ascontiguousarray(imatrix, np.float32)
         if imatrix.shape != (n_per_row,):
             raise ValueError(f"quantize_rows: imatrix must be [{n_per_row}], got {imatrix.shape}")
-    lib.ggml_quantize_init(int(qtype))
+    lib.ggml_quantize_init(int(qtype))  # its tables, once, before threads share them
     out = np.zeros((n_rows, n_per_row // block * size), np.uint8)
-    written = lib.ggml_quantize_chunk(
-        int(qtype), values.ctypes.data, out.ctypes.data, 0, n_rows, n_per_row,
-        None if imatrix is None else imatrix.ctypes.data,
-    )  # fmt: skip
+    weights = None if imatrix is None else imatrix.ctypes.data
+
+    def chunk(rows: range) -> int:  # ggml takes the first weight's index, not the row's
+        return lib.ggml_quantize_chunk(
+            int(qtype), values.ctypes.data, out.ctypes.data, rows.start * n_per_row, len(rows),
+            n_per_row, weights,
+        )  # fmt: skip
+
+    ranges = row_ranges(n_rows, host_threads())
+    if len(ranges) == 1:
+        written = chunk(ranges[0])
+    else:  # each row is quantized on its own: the bytes do not depend on the split
+        with ThreadPoolExecutor(len(ranges), thread_name_prefix="ggml-quantize") as pool:
+            written = sum(pool.map(chunk, ranges))
     if written != out.nbytes:
         raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes, expected {out.nbytes}")
     return out
+
+
+MIN_ROWS_PER_THREAD = 16  # below this a thread's start costs more than its rows
+
+
+def row_ranges(n_rows: int, threads: int) -> list[range]:
+    """``n_rows`` split into at most ``threads`` contiguous ranges of nearly equal size (each of
+    at least :data:`MIN_ROWS_PER_THREAD` rows where there are that many), as ``llama-quantize``
+    gives its threads chunks of rows."""
+    parts = max(1, min(threads, n_rows // MIN_ROWS_PER_THREAD))
+    bounds = [n_rows * i // parts for i in range(parts + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
 def dequantize_rows(raw: np.ndarray, qtype: int, n_per_row: int) -> np.ndarray:

@@ -10,7 +10,6 @@ cached never runs (nor reads the inputs of) an upstream stage it does not need.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any, NamedTuple, Protocol, Self, TypeVar
@@ -18,6 +17,7 @@ from typing import Any, NamedTuple, Protocol, Self, TypeVar
 import numpy as np
 
 from healsweep.cache import StageCache
+from healsweep.profile import PhaseProfile, active
 
 
 class Entry(Protocol):
@@ -36,28 +36,30 @@ V = TypeVar("V")
 class StageRunner:
     """The cache and the clock of one trial.
 
-    ``seconds[stage]``: wall seconds per stage, summed over layers (cache hits included: that
-    is what a trial pays). Stages run inside one another (a stage reads its upstream values
-    only when it computes), so each is charged its own time, without the stages nested in it.
+    Each stage's time is charged to a :class:`~healsweep.profile.PhaseProfile` (the active one
+    of the running work, else the runner's own), to the row of :attr:`layer`, the layer being
+    healed (None for work of the whole model). Stages run inside one another (a stage reads its
+    upstream values only when it computes), so each is charged its own time, without the
+    stages nested in it. ``seconds[stage]``: wall seconds per stage this runner timed, summed
+    over layers (cache hits included: that is what a trial pays).
     """
 
-    def __init__(self, cache: StageCache) -> None:
+    def __init__(self, cache: StageCache, profile: PhaseProfile | None = None) -> None:
         self.cache = cache
-        self.seconds: dict[str, float] = {}
-        self._nested: list[float] = []  # per open stage: seconds of the stages run inside it
+        self.profile = profile or active() or PhaseProfile()
+        self.layer: int | None = None
+        self._stages: dict[str, None] = {}  # the stages timed here, in order
 
-    def timed(self, stage: str, fn: Callable[[], V]) -> V:
-        """``fn()``, its wall time charged to ``stage``."""
-        start = time.perf_counter()
-        self._nested.append(0.0)
-        try:
-            return fn()
-        finally:
-            elapsed = time.perf_counter() - start
-            inner = self._nested.pop()
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + elapsed - inner
-            if self._nested:
-                self._nested[-1] += elapsed
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Wall seconds per stage timed by this runner (see the class)."""
+        spent = self.profile.seconds()
+        return {stage: spent.get(stage, 0.0) for stage in self._stages}
+
+    def timed(self, stage: str, fn: Callable[[], V], layer: int | None = None) -> V:
+        """``fn()``, its wall time charged to ``stage`` (of ``layer``, default :attr:`layer`)."""
+        self._stages.setdefault(stage)
+        return self.profile.timed(stage, fn, self.layer if layer is None else layer)
 
     def value(self, stage: str, key: str, output: type[T], compute: Callable[[], T]) -> T:
         """The ``stage`` entry ``key`` as an ``output``: from the cache, or ``compute()``d and

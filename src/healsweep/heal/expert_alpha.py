@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from healsweep.heal import importance as imp
 from healsweep.heal.stages import ExpertStacks
 from healsweep.kernels import alpha as alpha_kernels
 from healsweep.kernels._precision import healing_jit
+from healsweep.quant import importance as imp
 
 _MIN_ROWS = 256  # routed rows padded to a power of two of at least this: few compiles
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -3,14 +3,14 @@
 ``Knobs`` is the contract table of ``docs/contracts.md``: defaults reproduce the audit's shipped
 healer, every value is range-checked, and an unknown knob or an out-of-range value raises
 :class:`~healsweep.errors.KnobError` naming the knob, the value and what is allowed.
-``Knobs.for_stage`` returns exactly the knobs a stage reads, so a stage's cache key changes only
-when something that stage depends on changes. Calibration settings are not knobs (a sweep does not
-tune them); they live in :class:`CalibrationConfig` and key the calibration-trace stage.
+What each stage reads of them (its cache key) is :func:`healsweep.heal.reads.stage_reads`. The
+module stays light (no quantizer, no jax): every stage digest and the sweep driver read it.
+Calibration settings are not knobs (a sweep does not tune them); they live in
+:class:`CalibrationConfig` and key the calibration-trace stage.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
@@ -18,40 +18,33 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_core import ErrorDetails
 
-from healsweep.cache import canonical_json
 from healsweep.errors import KnobError, SettingError
+from healsweep.heal.stage_names import Stage
 from healsweep.kernels.ggml_types import ROUTED_TYPES, step_up
+from healsweep.quant.values import Q2_0, DownInput, Importance, ImportanceDown, Quantizer
+from healsweep.settings_errors import problem, yaml_problem
 
 
-class Stage(StrEnum):
-    """The stages of a trial's healing, in the order they run (their names key the caches and
-    the per-stage timings)."""
+class AlphaMode(StrEnum):
+    """Knob ``alpha``: Part A's per-layer output scale."""
 
-    CALIB_TRACE = "calib_trace"
-    QUANTIZE = "quantize"
-    ROUTED_Q = "routed_q"
-    PART_A = "part_a"
-    RIDGE_BASIS = "ridge_basis"
-    RIDGE_FIT = "ridge_fit"
-    PART_B = "part_b"
+    NONE = "none"
+    GAUSSIAN = "gaussian"  # the shipped probe: fixed experts on Gaussian inputs
+    MSE = "mse"  # fitted on the calibration trace's routed outputs
 
 
-_STAGE_NAMES = frozenset(Stage)
-# Knobs that change how a student is scored, not how it is healed: no stage reads them.
-SCORE_KNOBS = ("moce_bonus", "cache_experts")
+class AlphaGranularity(StrEnum):
+    """Knob ``alpha_granularity``: one alpha per layer, or one per routed expert."""
+
+    LAYER = "layer"
+    EXPERT = "expert"
+
+
 # The routed experts' storage types: q2_0 through healsweep's own quantizers (knob `quantizer`),
 # every other through ggml's quantizer with the calibration importance; ordered by bits per weight.
 EXPERT_TYPES: tuple[str, ...] = tuple(t.name for t in ROUTED_TYPES)
-Q2_0 = "q2_0"
-GROUPS = ("gu", "d")  # the routed tensor groups a type is chosen for: gate and up, down
-# ggml types whose grid `quantizer: gptq` refines with error feedback: Q2_K/Q3_K (heal.kgrid),
-# IQ2_XXS/IQ2_XS (heal.ggml_gptq, column-wise on ggml's 8-weight grid rows)
-GPTQ_GRID_TYPES = ("q2_k", "q3_k", "iq2_xxs", "iq2_xs")
-IQ2_GRID_TYPES = ("iq2_xxs", "iq2_xs")
 _TYPE_LIST = ", ".join(EXPERT_TYPES)
-_TYPE_KNOBS = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
 
 
 def _float(default: float, lo: float, hi: float, *, lo_open: bool = False) -> Any:
@@ -69,7 +62,7 @@ ADDED_LATER: dict[str, Any] = {
     "up_first": 0,
     "up_last": 0,
     "layer_types": "",
-    "down_input": "teacher",
+    "down_input": DownInput.TEACHER,
 }
 
 
@@ -126,36 +119,47 @@ class Knobs(_Settings):
     A new knob is one field here: its type, default and range, and a docstring saying what it
     accepts (error messages quote it); the sweep spec, its search space, the Parquet columns and
     the config hashes follow from the fields. A knob that changes what a stage computes is also
-    read in :meth:`for_stage`; one added after configs were recorded goes in ``ADDED_LATER``.
+    read by that stage (:func:`healsweep.heal.reads.stage_reads`; a quantize knob: the knobs of
+    its quantizer classes, :mod:`healsweep.quant`); one added after configs were recorded goes
+    in ``ADDED_LATER``. A knob of fixed values is a StrEnum: its members are the strings.
+
+    The groups of knobs are class constants: :attr:`HEALING` (Part A and B), :attr:`SCORING`
+    (read when a student is scored, by no stage), :attr:`TYPES` (the routed experts' types).
     """
 
     noun: ClassVar[str] = "knob"
+    HEALING: ClassVar[tuple[str, ...]] = (
+        "alpha", "gamma", "alpha_granularity", "ridge", "rho", "eta",
+    )  # fmt: skip
+    SCORING: ClassVar[tuple[str, ...]] = ("moce_bonus", "cache_experts")
+    TYPES: ClassVar[tuple[str, ...]] = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
+    UNHEALED: ClassVar[Mapping[str, Any]] = {"alpha": AlphaMode.NONE, "ridge": False}  # A, B off
 
-    importance: Literal["none", "norm_proxy", "act"] = "norm_proxy"
+    importance: Importance = Importance.NORM_PROXY
     """one of none, norm_proxy, act"""
-    importance_down: Literal["none", "act"] = "none"
+    importance_down: ImportanceDown = ImportanceDown.NONE
     """one of none, act"""
-    quantizer: Literal["search", "gptq", "plain"] = "search"
+    quantizer: Quantizer = Quantizer.SEARCH
     """one of search, gptq, plain"""
     gptq_damp: float = _float(0.01, 0.0, 1.0, lo_open=True)
     """a float in (0, 1]"""
     gptq_refine: int = Field(default=0, ge=0, le=20, strict=True)
     """an integer in [0, 20] (rounds; acts only with quantizer gptq)"""
-    # (rounds of code descent + closed-form scale refit after GPTQ, heal/gptq.refine; 0: none)
+    # (rounds of code descent + closed-form scale refit after GPTQ, quant/gptq.refine; 0: none)
     # GPTQ of down on the IQ2 grids (docs/contracts.md, Knobs): `teacher` takes down's input h
     # from the teacher's gate and up; `student` from the layer's quantized gate and up, with
     # down's target corrected so that its output matches the teacher's (W·C·H_s⁻¹).
-    down_input: Literal["teacher", "student"] = "teacher"
+    down_input: DownInput = DownInput.TEACHER
     """one of teacher, student (down's GPTQ input on the IQ2 grids)"""
     gain_gu: float = _float(0.3, 0.0, 2.0)
     """a float in [0, 2]"""
     gain_d: float = _float(0.3, 0.0, 2.0)
     """a float in [0, 2]"""
-    alpha: Literal["none", "gaussian", "mse"] = "gaussian"
+    alpha: AlphaMode = AlphaMode.GAUSSIAN
     """one of none, gaussian, mse"""
     gamma: float = _float(0.75, 0.0, 1.0)
     """a float in [0, 1]"""
-    alpha_granularity: Literal["layer", "expert"] = "layer"
+    alpha_granularity: AlphaGranularity = AlphaGranularity.LAYER
     """one of layer, expert"""
     ridge: bool = Field(default=True, strict=True)
     """true or false"""
@@ -198,55 +202,25 @@ class Knobs(_Settings):
         """One spelling per allocation: ``LAYER:GU/DOWN`` entries, lower case, no spaces."""
         return ",".join(f"{i}:{t.gu}/{t.d}" for i, t in parse_layer_types(text))
 
-    def for_stage(
-        self, stage: Stage | str, *, group: str | None = None, stored_as: str | None = None
-    ) -> dict[str, Any]:
-        """Exactly the knobs ``stage`` reads (its cache-key contribution); {} for knob-free stages.
+    def for_stage(self, stage: str) -> dict[str, Any]:
+        """Exactly the knobs healing stage ``stage`` reads (its cache-key contribution): Part A's
+        and Part B's (``part_a``, ``ridge_fit``, ``part_b``); {} for a stage that reads none.
 
         Knobs that cannot change a stage's output under the current setting are left out (gamma
-        when alpha is none (alpha_granularity too), rho/eta when the ridge is off, gptq_damp
-        under the ``search`` quantizer; importance and gains under ``plain``, which reads none;
-        every quantizer knob for a tensor group stored as a ggml type), so equal outputs share
-        one cache entry.
-
-        ``quantize`` is one stage per layer and tensor group: with ``group`` (``gu`` or ``d``)
-        and the type that group of the layer is ``stored_as`` (:meth:`expert_types`), what that
-        quantization reads: for ``q2_0`` the quantizer's knobs of that group, for a ggml type
-        ``{"type": name}`` (ggml reads no knob; its importance comes from the trace; ``gptq``
-        adds ``quantizer`` and ``gptq_damp`` on the grids of :data:`GPTQ_GRID_TYPES`). Without
-        ``group``,
-        what quantizing the whole model may read, for any model: the type knobs and the
-        quantizer knobs of each group some layer may store as ``q2_0`` (or on a K grid).
+        when alpha is none (alpha_granularity too), rho/eta when the ridge is off), so equal
+        outputs share one cache entry. What ``quantize`` reads is its quantizer class's to say
+        (:func:`healsweep.heal.reads.stage_reads`): asking here is a ``ValueError``.
         """
-        if stage not in _STAGE_NAMES:
-            raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(Stage)}")
         if stage == Stage.QUANTIZE:
-            if group is not None:
-                if stored_as == Q2_0:
-                    return self._q2_0_reads(group)
-                read = {"type": stored_as, **self._grid_reads(stored_as)}
-                if group == "d" and self._down_from_student(stored_as):
-                    read["down_input"] = "student"
-                return read
-            read: dict[str, Any] = {}
-            for group in GROUPS:
-                possible = self._possible_types(group)
-                if Q2_0 in possible:
-                    read.update(self._q2_0_reads(group))
-                for name in possible:
-                    read.update(self._grid_reads(name))
-                    if group == "d" and self._down_from_student(name):
-                        read["down_input"] = "student"
-            read.update(
-                {k: getattr(self, k) for k in _TYPE_KNOBS if getattr(self, k) != ADDED_LATER[k]}
-            )
-            return read
+            raise ValueError("Knobs.for_stage: quantize's reads are its quantizer's: stage_reads")
+        if stage not in set(Stage):
+            raise KnobError(f"unknown stage {stage!r}; stages are {', '.join(Stage)}")
         if stage == Stage.PART_A:
-            if self.alpha == "none":
-                return {"alpha": "none"}
+            if self.alpha == AlphaMode.NONE:
+                return {"alpha": AlphaMode.NONE}
             read = {"alpha": self.alpha, "gamma": self.gamma}
-            if self.alpha_granularity == "expert":  # `layer` adds nothing: keys from before
-                read["alpha_granularity"] = "expert"
+            if self.alpha_granularity == AlphaGranularity.EXPERT:  # `layer` adds nothing
+                read["alpha_granularity"] = AlphaGranularity.EXPERT
             return read
         if stage == Stage.RIDGE_FIT:
             return {"rho": self.rho} if self.ridge else {}
@@ -266,28 +240,9 @@ class Knobs(_Settings):
             if not (k in ADDED_LATER and v == ADDED_LATER[k])
         }
 
-    def student_key(self) -> str:
-        """A short hash of what builds and scores this config's student: the knobs each stage
-        reads (:meth:`for_stage`) and the score-time knobs. Configs with one student key score
-        the same on every window of a sweep (e.g. ``gamma`` is inert with ``alpha: none``), so
-        a sweep scores that student once, whatever rows name it."""
-        reads = {stage.value: self.for_stage(stage) for stage in Stage}
-        reads.update({knob: getattr(self, knob) for knob in SCORE_KNOBS})
-        return hashlib.sha256(canonical_json(reads).encode()).hexdigest()[:16]
-
     def replace(self, **changes: Any) -> Knobs:
         """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""
         return Knobs(**{**self.model_dump(), **changes})
-
-    def uses_activation_statistics(self, group: str | None = None) -> bool:
-        """True when the Q2_0 quantization of ``group`` (``gu``, ``d``; None: either) reads the
-        calibration trace (``act`` importance, or the ``gptq`` quantizer, which needs each
-        expert's routed inputs); never for ``plain``, which reads no importance. (A group stored
-        as a ggml type always reads it: :meth:`expert_types`.)"""
-        if self.quantizer == "plain":
-            return False
-        act = {"gu": self.importance == "act", "d": self.importance_down == "act"}
-        return self.quantizer == "gptq" or (act[group] if group else any(act.values()))
 
     def expert_types(self, moe_layers: Sequence[int], n_layer: int) -> dict[int, LayerTypes]:
         """The storage types of each MoE layer's routed experts: ``type_gu``/``type_d``, the
@@ -319,42 +274,16 @@ class Knobs(_Settings):
             types[layer] = chosen
         return types
 
-    def _possible_types(self, group: str) -> set[str]:
-        """The types some layer of some model may store ``group`` in under these knobs."""
+    def possible_types(self, group: str) -> set[str]:
+        """The types some layer of some model may store ``group`` (``gu``, ``d``) in under these
+        knobs."""
         base = getattr(self, f"type_{group}")
         found = {base, step_up(base)} if self.up_first or self.up_last else {base}
         return found | {t.of(group) for _, t in parse_layer_types(self.layer_types)}
 
-    def _grid_reads(self, stored_as: str) -> dict[str, Any]:
-        """The knobs ggml's quantization in ``stored_as`` reads: none, but ``gptq`` (with its
-        damping) refines the codes on the Q2_K, Q3_K, IQ2_XXS and IQ2_XS grids."""
-        if self.quantizer == "gptq" and stored_as in GPTQ_GRID_TYPES:
-            return {"quantizer": "gptq", "gptq_damp": self.gptq_damp}
-        return {}
-
-    def _down_from_student(self, stored_as: str) -> bool:
-        """Whether down stored as ``stored_as`` is quantized from the quantized gate and up's
-        ``h`` (``down_input: student``, which acts where GPTQ runs on an IQ2 grid)."""
-        return (
-            self.down_input == "student"
-            and self.quantizer == "gptq"
-            and stored_as in IQ2_GRID_TYPES
-        )
-
-    def _q2_0_reads(self, group: str) -> dict[str, Any]:
-        """The knobs the Q2_0 quantization of tensor group ``group`` reads."""
-        if self.quantizer == "plain":  # round-to-nearest, d = amax/2: reads no other knob
-            return {"quantizer": "plain"}
-        if group == "gu":
-            read: dict[str, Any] = {"importance": self.importance, "gain_gu": self.gain_gu}
-        else:
-            read = {"importance_down": self.importance_down, "gain_d": self.gain_d}
-        # `search` (the default) adds nothing, so its keys are those from before `gptq`.
-        if self.quantizer == "gptq":
-            read.update(quantizer="gptq", gptq_damp=self.gptq_damp)
-            if self.gptq_refine:  # 0 adds nothing: keys of plain gptq as before
-                read["gptq_refine"] = self.gptq_refine
-        return read
+    def type_reads(self) -> dict[str, Any]:
+        """The type knobs off their defaults: what the allocation adds to a whole-model read."""
+        return {k: getattr(self, k) for k in self.TYPES if getattr(self, k) != ADDED_LATER[k]}
 
 
 class CalibrationConfig(_Settings):
@@ -401,10 +330,8 @@ def load_knobs(path: str | Path) -> Knobs:
     try:
         values = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise KnobError(f"{where}: YAML syntax error ({problem}); fix the knob file") from None
+        where, said = yaml_problem(exc, str(path), column=True)
+        raise KnobError(f"{where}: YAML syntax error ({said}); fix the knob file") from None
     if values is None:
         values = {}
     if not isinstance(values, Mapping):
@@ -466,19 +393,3 @@ def _layer_type_names(text: Any) -> list[str]:
         return [name for _, types in parse_layer_types(text) for name in types]
     except ValueError:  # not a valid value: the knob's own check says so
         return []
-
-
-def problem(model: type[_Settings], error: ErrorDetails) -> str:
-    """One line for a validation ``error`` of a field of ``model`` (``Knobs``,
-    ``CalibrationConfig``): ``unknown knob 'x'; known: ...`` or ``knob 'x' = value is not
-    allowed: expected`` what its docstring says it accepts."""
-    name = str(error["loc"][0]) if error["loc"] else "?"
-    if error["type"] == "extra_forbidden":
-        return f"unknown {model.noun} {name!r}; known: {', '.join(model.model_fields)}"
-    field = model.model_fields.get(name)
-    expected = field.description if field is not None and field.description else error["msg"]
-    reason = (error.get("ctx") or {}).get("error") if error["type"] == "value_error" else None
-    because = f" ({reason})" if reason else ""
-    return (
-        f"{model.noun} {name!r} = {error['input']!r} is not allowed{because}: expected {expected}"
-    )

@@ -8,16 +8,15 @@ healsweep writes, the K- and IQ-types with blocks of 256, IQ4_NL with 32). With 
 expert: E[x²] over the tokens routed to that expert for gate/up and E[h²] of the teacher expert's
 hidden activation for down, from healsweep's calibration trace (an expert with fewer than
 ``min_tokens_per_expert`` tokens takes the layer-wide statistic). IQ1_S, IQ2_XXS and IQ2_XS
-cannot be made without one. The heal layer quantizes routed experts stored in a ggml type with
-the same two functions (:func:`expert_importance`, :func:`quantize_expert_stack`), so its
-unhealed student of a uniform type is this baseline, byte for byte.
+cannot be made without one. It quantizes with the two functions of :mod:`healsweep.quant.imatrix`
+that the registry's :class:`~healsweep.quant.ggml.GGMLImatrix` quantizes a ggml type with (for
+every type, Q2_0 included: llama.cpp's own Q2_0), so an unhealed student of a uniform ggml type is
+this baseline, byte for byte.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ import numpy as np
 from healsweep.errors import GGUFFormatError, SettingError
 from healsweep.gguf_io import block_prefix
 from healsweep.kernels.ggml_types import ROUTED_TYPES
+from healsweep.quant.imatrix import EXPERT_TENSORS, expert_importance, quantize_expert_stack
 
 if TYPE_CHECKING:
     from healsweep.cache import StageCache
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from healsweep.heal.knobs import CalibrationConfig
 
 LLAMA_TYPES = {t.name: t.ggml_id for t in ROUTED_TYPES}
-_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 Progress = Callable[[str, str], None]
 
 
@@ -65,33 +64,6 @@ def check_baseline(model: GGUFModel, type_name: str, imatrix: bool) -> int:
             "--imatrix-from-calibration"
         )
     return qtype
-
-
-def expert_importance(trace_layer: dict[str, np.ndarray], min_tokens: int) -> dict[str, Any]:
-    """Per-expert importance rows of one layer: gate/up ``[E, n_embd]``, down ``[E, n_ff_exp]``."""
-    from healsweep.heal.importance import pooled_means
-
-    counts = trace_layer["counts"]
-    x_sq = pooled_means(trace_layer["x_sq_sums"], counts, min_tokens)
-    h_sq = pooled_means(trace_layer["h_sq_sums"], counts, min_tokens)
-    return {_EXPERTS[0]: x_sq, _EXPERTS[1]: x_sq, _EXPERTS[2]: h_sq}
-
-
-def quantize_expert_stack(
-    weights: np.ndarray, qtype: int, importance: np.ndarray | None
-) -> np.ndarray:
-    """``weights`` float32 ``[E, out, in]`` (numpy or a device array) by ggml, expert by expert:
-    uint8 ``[E, out, row]``. Experts are quantized on a thread per core (ggml's quantizer runs
-    outside the GIL); the result does not depend on the order."""
-    from healsweep.gguf_io._ggml_lib import quantize_rows
-
-    def one(e: int) -> np.ndarray:
-        rows = np.asarray(weights[e], np.float32)  # one expert on the host at a time
-        return quantize_rows(rows, qtype, None if importance is None else importance[e])
-
-    n_expert = weights.shape[0]
-    with ThreadPoolExecutor(max_workers=max(1, min(n_expert, os.cpu_count() or 1))) as pool:
-        return np.stack(list(pool.map(one, range(n_expert))))
 
 
 def bits_per_weight(qtype: int) -> float:
@@ -136,7 +108,7 @@ def write_llama_baseline(
     block, size = block_geometry(qtype)
     plan = {}
     for i in model.hparams.moe_layers:
-        for suffix in _EXPERTS:
+        for suffix in EXPERT_TENSORS:
             name = block_prefix(i) + suffix
             *lead, n_in = model.tensor_shape(name)
             plan[name] = (ggml_type, (*lead, n_in // block * size), np.dtype(np.uint8))
@@ -154,7 +126,7 @@ def write_llama_baseline(
                 )
             imp = importance[layer][suffix]
         data = quantize_expert_stack(model.tensor(name), qtype, imp)
-        if suffix == _EXPERTS[-1]:
+        if suffix == EXPERT_TENSORS[-1]:
             say(f"layer {layer + 1}/{model.hparams.n_layer}", f"experts quantized to {type_name}")
         return data
 

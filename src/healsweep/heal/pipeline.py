@@ -17,6 +17,7 @@ teacher trace and the factored Gram.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,12 +30,23 @@ import numpy as np
 from healsweep.cache import StageCache, content_key
 from healsweep.heal import expert_alpha, quantize, ridge, stages
 from healsweep.heal._runner import StageRunner
-from healsweep.heal.knobs import GROUPS, CalibrationConfig, Knobs, LayerTypes, require_ggml
-from healsweep.heal.quantize import QuantizedGroup, layer_experts, scaled
+from healsweep.heal.knobs import (
+    AlphaGranularity,
+    AlphaMode,
+    CalibrationConfig,
+    Knobs,
+    LayerTypes,
+    require_ggml,
+)
+from healsweep.heal.quantize import fold_alpha, layer_experts
 from healsweep.heal.ridge import HealedShexp, HeldoutFolds, RidgeBasis, RidgeFit, RidgeRhs
+from healsweep.heal.stage_names import Stage
 from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
+from healsweep.profile import phase
+from healsweep.quant.registry import QuantizedGroup
+from healsweep.quant.values import GROUPS, Group
 from healsweep.runtime import current
 
 if TYPE_CHECKING:
@@ -48,6 +60,7 @@ STUDENT_VERSION = 1
 # thread fell behind: on the 4-layer real-size slice a rho-only trial then waited 1.1 s for it
 # after the last layer; with two, 0.55-0.6 s, and the trial took 2.5-2.6 s instead of 2.8 s, H200.)
 HELDOUT_THREADS = 2
+BASIS_AHEAD_ENV = "HEALSWEEP_BASIS_AHEAD"  # auto (on an accelerator), on, off: _basis_ahead
 Progress = Callable[[str, str], None]
 
 
@@ -104,7 +117,7 @@ def needs_trace(knobs: Knobs, model: GGUFModel) -> bool:
         for types in quantize.expert_types(model, knobs).values()
         for group in GROUPS
     )
-    return knobs.alpha == "mse" or ridge or reads
+    return knobs.alpha == AlphaMode.MSE or ridge or reads
 
 
 @dataclass(frozen=True)
@@ -177,7 +190,11 @@ def build_student(
             say(notice.stage, notice.text)
         replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
         heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
-        for i in hp.moe_layers:
+        ahead = _basis_ahead(run, model, knobs, trace)
+        for n, i in enumerate(hp.moe_layers):
+            run.layer = i
+            if n + 1 < len(hp.moe_layers):
+                ahead(hp.moe_layers[n + 1])
             layer = LayerInputs(
                 model,
                 i,
@@ -186,7 +203,7 @@ def build_student(
                 types[i],
                 trace,
                 once(partial(stages.expert_weights, model, i)),
-                once(partial(run.timed, "calib_trace", partial(trace.layer, i)))
+                once(partial(run.timed, "calib_trace", partial(trace.layer, i), i))
                 if trace
                 else _no_trace,
             )
@@ -196,7 +213,7 @@ def build_student(
             replacements[i] = LayerReplacement(
                 gate_exps=healed.experts.gate,
                 up_exps=healed.experts.up,
-                down_exps=scaled(healed.experts.down, healed.alpha),
+                down_exps=fold_alpha(knobs, types[i].d, healed.experts.down, healed.alpha),
                 down_shexp=None if healed.shexp is None else healed.shexp.dense,
             )
             if healed.shexp is not None:
@@ -205,8 +222,9 @@ def build_student(
             layer_reports.append(healed.report)
             keys.append(healed.keys)
             say(f"layer {i + 1}/{hp.n_layer}", _layer_line(healed.report))
+        run.layer = None
         for layer_report, folds in heldout:
-            found = run.timed("ridge_heldout", folds.result)
+            found = run.timed(Stage.RIDGE_HELDOUT, folds.result, layer_report["layer"])
             layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
         if heldout:
             say(
@@ -232,6 +250,36 @@ def build_student(
     return Student(model, replacements, report, key, knobs, alphas, shexp_raw)
 
 
+def _basis_ahead(
+    run: StageRunner, model: GGUFModel, knobs: Knobs, trace: Trace | None
+) -> Callable[[int], None]:
+    """On an accelerator, ``ahead(i)`` starts layer i's ridge basis on a host thread, so its
+    host eigendecomposition runs while the device quantizes and heals the layer before it;
+    Part B then finds the entry written (or waits on its lock for the rest). A no-op on the CPU
+    backend, where both would share the same cores, and where the trial needs no basis.
+    ``HEALSWEEP_BASIS_AHEAD`` = ``on`` | ``off`` overrides the backend's choice (the result is
+    the same either way: the entry is the same computation, only its thread differs)."""
+    import jax
+
+    if trace is None or not knobs.ridge or model.hparams.n_ff_shexp == 0:
+        return lambda i: None
+    chosen = os.environ.get(BASIS_AHEAD_ENV, "auto")
+    if chosen == "off" or (chosen != "on" and jax.default_backend() == "cpu"):
+        return lambda i: None
+    pool = current().executor("ridge-basis", 1)
+
+    def build(i: int) -> None:
+        key = ridge.basis_key(model, trace.key, i)
+        if run.cache.meta("ridge_basis", key) is not None:
+            return
+        with phase("ridge_basis_ahead", i):
+            run.cache.get_or_compute(
+                "ridge_basis", key, lambda: ridge.compute_basis(model, i, trace.layer(i)).to_entry()
+            )
+
+    return lambda i: pool.submit(build, i) and None
+
+
 def _no_trace() -> dict[str, np.ndarray]:
     raise RuntimeError("a stage read the calibration trace of a trial that has none")
 
@@ -248,18 +296,18 @@ def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
     qkeys: dict[str, str] = {}
     groups: dict[str, QuantizedGroup] = {}
     for g in GROUPS:  # gate/up first: a down quantized from the student's h reads it
-        qkeys[g] = _quantize_key(layer, g, qkeys.get("gu"))
-        compute = partial(_quantize, layer, g, groups.get("gu"))
-        groups[g] = run.value("quantize", qkeys[g], QuantizedGroup, compute)
-    quantized = layer_experts(groups["gu"], groups["d"])
+        qkeys[g] = _quantize_key(layer, g, qkeys.get(Group.GU))
+        compute = partial(_quantize, layer, g, groups.get(Group.GU))
+        groups[g] = run.value(Stage.QUANTIZE, qkeys[g], QuantizedGroup, compute)
+    quantized = layer_experts(groups[Group.GU], groups[Group.D])
     rkey, y_q = None, None
     if trace is not None:
         rkey = stages.routed_q_key(qkeys, trace.key, layer.index)
         y_q = _routed_q(run, layer, rkey, quantized)
     akey = stages.part_a_key(
-        knobs, layer.model, qkeys, rkey if knobs.alpha == "mse" else None, layer.index
+        knobs, layer.model, qkeys, rkey if knobs.alpha == AlphaMode.MSE else None, layer.index
     )
-    alpha = run.value("part_a", akey, LayerAlpha, partial(_part_a, layer, quantized, y_q))
+    alpha = run.value(Stage.PART_A, akey, LayerAlpha, partial(_part_a, layer, quantized, y_q))
     report: dict[str, Any] = {"layer": layer.index, "alpha": alpha.alpha}
     report["types"] = layer.types._asdict()
     fallback = {k: v for g in GROUPS for k, v in groups[g].report.get("gptq_fallback", {}).items()}
@@ -270,7 +318,8 @@ def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
         # Folded into each expert's down scales now; what Part B and the residuals see is the
         # routed output of those scaled experts (alpha 1), computed once and cached.
         report["expert_alphas"] = [float(a) for a in alpha.expert_alpha]
-        experts = quantized._replace(down=scaled(quantized.down, alpha.expert_alpha))
+        down = fold_alpha(knobs, layer.types.d, quantized.down, alpha.expert_alpha)
+        experts = quantized._replace(down=down)
         if y_q is not None:
             skey = stages.routed_q_key({**qkeys, "part_a": akey}, trace.key, layer.index)
             y_healed = _routed_q(run, layer, skey, experts)
@@ -290,7 +339,9 @@ def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
             1 + stats["realized_in_sample_change"]
         )
         report["ridge"] = stats
-    keys = {"quantize_gu": qkeys["gu"], "quantize_d": qkeys["d"], "part_a": akey, "part_b": bkey}
+    keys = {
+        "quantize_gu": qkeys[Group.GU], "quantize_d": qkeys[Group.D], "part_a": akey, "part_b": bkey,
+    }  # fmt: skip
     return HealedLayer(experts, alpha.alpha, shexp, report, keys, folds)
 
 
@@ -324,7 +375,7 @@ def _routed_q(
     def compute() -> RoutedOutput:
         return RoutedOutput(stages.routed_output(experts, layer.trace_layer(), n_expert))
 
-    load = run.lazy("routed_q", key, RoutedOutput, compute)
+    load = run.lazy(Stage.ROUTED_Q, key, RoutedOutput, compute)
     return lambda: load().y_q
 
 
@@ -333,13 +384,13 @@ def _part_a(
 ) -> LayerAlpha:
     """The layer's alpha (``gaussian`` probe or ``mse`` on the trace), or one per expert."""
     knobs = layer.knobs
-    per_expert = knobs.alpha_granularity == "expert"
-    if knobs.alpha == "gaussian":
+    per_expert = knobs.alpha_granularity == AlphaGranularity.EXPERT
+    if knobs.alpha == AlphaMode.GAUSSIAN:
         if per_expert:
             found = expert_alpha.gaussian_alphas(layer.weights(), experts, knobs.gamma)
             return LayerAlpha(1.0, found)
         return LayerAlpha(stages.gaussian_alpha(layer.weights(), experts, knobs.gamma))
-    if knobs.alpha == "mse":
+    if knobs.alpha == AlphaMode.MSE:
         y_ref = layer.trace_layer()["y_ref"]
         value = float(alpha_kernels.alpha_mse(y_ref, y_q(), knobs.gamma))
         if per_expert:  # starved experts keep the layer's alpha
@@ -386,22 +437,22 @@ def _part_b(
     model, i, knobs, trace_layer = layer.model, layer.index, layer.knobs, layer.trace_layer
     nkey = ridge.basis_key(model, layer.trace.key, i)
     basis = run.lazy(
-        "ridge_basis", nkey, RidgeBasis, lambda: ridge.compute_basis(model, i, trace_layer())
+        Stage.RIDGE_BASIS, nkey, RidgeBasis, lambda: ridge.compute_basis(model, i, trace_layer())
     )
     hskey = ridge.rhs_key(nkey, akey, rkey, i)
     rhs = run.lazy(
-        "ridge_rhs",
+        Stage.RIDGE_RHS,
         hskey,
         RidgeRhs,
         lambda: ridge.compute_rhs(model, i, trace_layer(), y_q(), alpha, basis()),
     )
     fkey = ridge.fit_key(knobs, nkey, hskey, i)
     fit = run.lazy(
-        "ridge_fit", fkey, RidgeFit, lambda: ridge.fit_from_rhs(rhs(), basis(), knobs.rho)
+        Stage.RIDGE_FIT, fkey, RidgeFit, lambda: ridge.fit_from_rhs(rhs(), basis(), knobs.rho)
     )
     bkey = ridge.part_b_key(knobs, model, fkey, i)
     shexp = run.value(
-        "part_b",
+        Stage.PART_B,
         bkey,
         HealedShexp,
         lambda: ridge.ridge_layer(model, i, basis(), rhs(), fit(), knobs.eta),

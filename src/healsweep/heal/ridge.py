@@ -127,7 +127,7 @@ class HealedShexp(NamedTuple):
 
     The entry keeps ``raw`` alone (a quarter to two thirds of the bytes): ``dense`` is decoded
     from it when read, bit for bit what the requantization returned
-    (:func:`healsweep.heal.requant.dequantized`)."""
+    (:func:`healsweep.quant.requant.dequantized`)."""
 
     raw: np.ndarray
     dense: np.ndarray
@@ -140,7 +140,7 @@ class HealedShexp(NamedTuple):
     def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> HealedShexp:
         from gguf import GGMLQuantizationType
 
-        from healsweep.heal.requant import dequantized
+        from healsweep.quant.requant import dequantized
 
         stats, raw = meta["stats"], arrays["raw"]
         qtype = GGMLQuantizationType[stats["storage_type"]]
@@ -462,12 +462,12 @@ def ridge_layer(
     """Apply eta·dW to ``blk.{layer}.ffn_down_shexp.weight`` and requantize it to its type.
 
     On the default device, decoded there from the stored bytes; only a storage type that is
-    neither F32 nor F16 goes through the host codecs of :mod:`healsweep.heal.requant`.
+    neither F32 nor F16 goes through the host codecs of :mod:`healsweep.quant.requant`.
     """
     from gguf import GGMLQuantizationType as T
 
-    from healsweep.heal.requant import requantize
     from healsweep.model.forward import dense_on_device
+    from healsweep.quant.requant import requantize
 
     name = tensor_name(MODEL_TENSOR.FFN_DOWN_SHEXP, layer)
     qtype = model.tensor_type(name)

@@ -1,11 +1,12 @@
 """The per-layer stages after the calibration trace: quantize, routed_q, part_a (Part B: ridge).
 
 Each stage is a function of explicit inputs whose cache key is built from exactly those inputs
-(DESIGN.md): the model fingerprint, the keys of the upstream entries it reads and the knobs of
-``Knobs.for_stage``. Entries are per layer, so a stage loads and stores one layer at a time.
+(DESIGN.md): the model fingerprint, the keys of the upstream entries it reads and the knobs it
+reads (:func:`healsweep.heal.reads.stage_reads`). Entries are per layer, so a stage loads and
+stores one layer at a time. Stage names and entry versions: :mod:`healsweep.heal.stage_names`.
 
-* ``quantize``: one layer's routed gate and up, or down, experts in the type chosen for them
-  (Q2_0 by healsweep's quantizers, any other by ggml's), in :mod:`healsweep.heal.quantize`.
+* ``quantize``: one layer's routed gate and up, or down, experts in the type chosen for them,
+  by the class the registry gives (:mod:`healsweep.heal.quantize`, :mod:`healsweep.quant`).
 * ``routed_q``: the quantized experts' routed output on the trace's inputs and routing.
 * ``part_a``: the layer's alpha (``none`` | ``gaussian`` | ``mse``) and the in-sample residuals.
 * ``ridge_basis`` / ``ridge_fit`` / ``part_b``: the ridge on ``ffn_down_shexp`` and its
@@ -23,31 +24,15 @@ import numpy as np
 from healsweep._code import code_digest
 from healsweep.cache import content_key
 from healsweep.gguf_io import block_prefix
-from healsweep.heal import importance as imp
 from healsweep.heal._runner import join_entry, split_entry
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.kernels import alpha as alpha_kernels
+from healsweep.quant import importance as imp
 
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
 
-# Entry format numbers. A key's code digest already changes with any edit to the code the stage
-# can run, so a code change needs no bump here; bump one to drop a stage's entries for a reason
-# outside healsweep's source (say, a dependency release that changes its numerics).
-VERSIONS = {
-    "quantize": 2,  # 2: one entry per tensor group (gate+up, down) instead of per layer
-    "quantize_gptq": 3,
-    "quantize_plain": 2,
-    "quantize_ggml": 1,
-    "routed_q": 1,
-    "part_a": 1,
-    "residuals": 1,
-    "ridge_basis": 1,
-    "ridge_rhs": 1,
-    "ridge_fit": 4,
-    "ridge_heldout": 1,
-    "part_b": 4,  # 4: the requantized bytes alone (the dense values are decoded when read)
-}
 EXPERT_TENSORS = ("gate", "up", "down")
 ROUTED_CHUNK = 2048  # tokens per routed-output call (padded), bounds memory and recompiles
 Arrays = dict[str, np.ndarray]
@@ -60,7 +45,7 @@ Arrays = dict[str, np.ndarray]
 CODE_ROOTS = ("healsweep.heal.pipeline", "healsweep.heal.evaluate")
 
 
-def stage_key(stage: str, inputs: dict[str, Any]) -> str:
+def stage_key(stage: Stage | str, inputs: dict[str, Any]) -> str:
     """Content key of ``stage`` over ``inputs`` plus its version and its code digest."""
     return content_key(stage, VERSIONS[stage], {**inputs, "code": code_digest(CODE_ROOTS)})
 
@@ -174,7 +159,7 @@ def part_a_key(
     return stage_key(
         "part_a",
         {
-            "knobs": knobs.for_stage("part_a"),
+            "knobs": knobs.for_stage(Stage.PART_A),
             "model": model.fingerprint,
             "quantize": quantize,
             "routed_q": routed_q,

@@ -33,17 +33,18 @@ from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key
 from healsweep.data.chat_template import ChatFormat, model_chat_format, render_document
 from healsweep.errors import CacheError, CorpusError
-from healsweep.heal.importance import expert_hidden_moments, expert_input_moments
 from healsweep.heal.knobs import CalibrationConfig
+from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.heal.stages import expert_weights
+from healsweep.quant.importance import expert_hidden_moments, expert_input_moments
 
 if TYPE_CHECKING:
     from healsweep.data.corpus import Corpus, Document
     from healsweep.gguf_io import GGUFModel
 
-STAGE = "calib_trace"
-LAYER_STAGE = "calib_trace_layer"
-VERSION = 3  # entry format; code changes are in the key's code digest
+STAGE = Stage.CALIB_TRACE
+LAYER_STAGE = Stage.CALIB_TRACE_LAYER
+VERSION = VERSIONS[STAGE]  # entry format; code changes are in the key's code digest
 BATCH_TOKENS = 4096  # padded tokens per teacher forward call
 LENGTH_BUCKET = 64  # smallest padded chunk length; buckets double from here
 # The trace is computed by functions of this module: the closure of its imports is its code.

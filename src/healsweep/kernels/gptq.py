@@ -293,7 +293,7 @@ def quantize(w, f, g, importance, gain, experts=None) -> tuple[jax.Array, jax.Ar
 def quantize_lowrank(w, x, u, f_diag, g, importance, gain, experts=None):
     """:func:`quantize` with the feedback in factored form, for ``H = λI + XᵀX`` of ``P`` rows
     (``P`` well below ``in``): ``f_jk = x_jᵀu_k`` for ``j < k``, with ``x`` [E, P, in] the rows
-    (zero rows are inert) and ``u`` [E, P, in] from the host (:func:`healsweep.heal.gptq
+    (zero rows are inert) and ``u`` [E, P, in] from the host (:func:`healsweep.quant.gptq
     .factor_rows`); ``f_diag`` [E, in/64, 64, 64] the same feedback inside each diagonal block
     (``V − I`` there), ``g`` [E, in/64, 64, 64] the inverses of ``V``'s diagonal blocks,
     ``importance`` [E, in] as for :func:`quantize`.

@@ -50,7 +50,7 @@ def quantize(
 ) -> jax.Array:
     """GPTQ codes of the stack ``w`` [E, out, in] (``in % 64 == 0``) on its grid ``scale``,
     ``offset`` [E, out, in/16]; ``f`` [E, in, in] the strictly upper feedback ``V − I`` of each
-    matrix's damped ``H = V·D·Vᵀ`` (:func:`healsweep.heal.gptq.factor`). Returns int32 codes
+    matrix's damped ``H = V·D·Vᵀ`` (:func:`healsweep.quant.gptq.factor`). Returns int32 codes
     [E, out, in] in ``0..n_codes−1``."""
     n_exp, n_out, n_in = w.shape
     w = jnp.asarray(w, jnp.float32)

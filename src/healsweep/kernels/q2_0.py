@@ -36,10 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QK = 64
-SEEDS = (0.42, 0.55, 0.68, 0.81, 0.94, -0.42, -0.55, -0.68, -0.81, -0.94)
+from healsweep.kernels._q2_0_scale import LANES, QK, SEEDS, stored_scale
+from healsweep.kernels._q2_0_scale import pow2_inverse as _pow2_inverse
+from healsweep.kernels._q2_0_scale import safe_ratio as _safe_ratio
+
 BYTES_PER_BLOCK = 18
-LANES = 16
 _CHUNK_WEIGHTS = {"cpu": 1 << 18, "gpu": 1 << 24, "pallas": 1 << 26}
 
 
@@ -59,13 +60,6 @@ def round_code_by_compare(x: jax.Array) -> jax.Array:
     return up + jnp.where(x >= 1.5, one, 0.0) - one
 
 
-def _pow2_inverse(amax: jax.Array) -> jax.Array:
-    """``2**-e`` with ``amax = m * 2**e``, ``m`` in [1, 2); 1 where ``amax`` is 0 (exact scaling)."""
-    bits = jax.lax.bitcast_convert_type(amax, jnp.int32) & 0x7F800000
-    inv = jax.lax.bitcast_convert_type(0x7F000000 - bits, jnp.float32)
-    return jnp.where(amax > 0, inv, 1.0)
-
-
 def _row_sums(rows, arows, step: jax.Array, rnd=round_code):
     """``Σaqw`` and ``Σaq²`` over the 64 rows of each tile, ``q = round_code(w * step)``.
 
@@ -79,11 +73,6 @@ def _row_sums(rows, arows, step: jax.Array, rnd=round_code):
         sqw = aq * w_i if sqw is None else sqw + aq * w_i
         sqq = aq * q if sqq is None else sqq + aq * q
     return sqw, sqq
-
-
-def _safe_ratio(num: jax.Array, den: jax.Array, fallback) -> jax.Array:
-    ok = den > 0
-    return jnp.where(ok, num / jnp.where(ok, den, 1.0), fallback)
 
 
 def _max_rows(rows) -> jax.Array:
@@ -139,14 +128,6 @@ def search_tiles(w: jax.Array, a: jax.Array, gain: jax.Array, rnd=round_code, un
         saw2 = a_i * y_i * y_i if saw2 is None else saw2 + a_i * y_i * y_i
     d = stored_scale(sqw, sqq, saw2, live, gain)
     return d, scale, best_d1, (() if unroll else (d1, score))
-
-
-def stored_scale(sqw, sqq, saw2, live, gain) -> jax.Array:
-    """``d_ls * max(r², 0.25)^(-gain/2)`` from the winner's ``Σaqy``, ``Σaq²`` and ``Σay²``
-    (``y`` the normalized block), 0 for all-zero blocks: the search's last step."""
-    d_ls = _safe_ratio(sqw, sqq, 0.0)
-    r2 = _safe_ratio(_safe_ratio(sqw * sqw, sqq, 0.0), saw2, 1.0)
-    return jnp.where(live, d_ls * jnp.power(jnp.maximum(r2, 0.25), -0.5 * gain), 0.0)
 
 
 def _to_tiles(x: jax.Array, lanes: int) -> jax.Array:

@@ -31,7 +31,9 @@ from functools import cache, partial
 import jax
 import jax.numpy as jnp
 
-from healsweep.kernels.q2_0 import LANES, QK, SEEDS, _pow2_inverse, _safe_ratio, stored_scale
+from healsweep.kernels._q2_0_scale import LANES, QK, SEEDS, stored_scale
+from healsweep.kernels._q2_0_scale import pow2_inverse as _pow2_inverse
+from healsweep.kernels._q2_0_scale import safe_ratio as _safe_ratio
 
 log = logging.getLogger(__name__)
 

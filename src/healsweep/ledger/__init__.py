@@ -5,12 +5,13 @@
 """
 
 from healsweep.ledger._chain import canonical_json, entry_hash
-from healsweep.ledger._grant import CONFIRM_HINT, Grant, require_grant
+from healsweep.ledger._grant import CONFIRM_HINT, Grant
 from healsweep.ledger._heads import check_extends, head_record, names
 from healsweep.ledger._ledger import (
     LEDGER_NAME,
     Ledger,
     Milestone,
+    require_grant,
     require_split_unchanged,
     split_drift,
 )

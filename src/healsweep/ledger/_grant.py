@@ -2,8 +2,9 @@
 
 A :class:`Grant` names the ledger file and the hash of the ``confirm-open`` entry that issued it.
 Its constructor refuses callers other than the ledger, but that is a courtesy: the real check is
-:func:`require_grant`, which re-reads the ledger on every use and accepts the grant only if that
-entry is in a valid chain, opens this split lock id and milestone, and has no result recorded yet.
+:func:`healsweep.ledger._ledger.require_grant`, which re-reads the ledger on every use and
+accepts the grant only if that entry is in a valid chain, opens this split lock id and milestone,
+and has no result recorded yet.
 So a hand-made grant either points at a real, recorded opening or fails.
 
 A grant cannot be pickled: a Ray Tune trainable (or any other process) can never receive one.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from healsweep.errors import LedgerError, TestSplitSealed
+from healsweep.errors import TestSplitSealed
 
 _ISSUER = object()  # only the ledger passes this; see Ledger.open_milestone
 CONFIRM_HINT = (
@@ -84,38 +85,9 @@ class Grant:
         )
 
 
-def require_grant(grant: Any, split_lock_id: str, *, ledger: Any = None) -> None:
-    """Accept ``grant`` for the test windows of ``split_lock_id`` or raise ``TestSplitSealed``.
-
-    Refused when the grant is None or not a :class:`Grant`, when it is for another split lock
-    id, when ``ledger`` (a ``Ledger`` or path) is given and the grant is from another file, when
-    its ledger fails verification, when its ``confirm-open`` entry is missing or does not match
-    it, or when that milestone's result is already recorded (a grant opens the test split once).
-    """
-    from healsweep.ledger._ledger import Ledger
-
-    if grant is None:
-        raise _sealed("no ledger grant was given")
-    if not isinstance(grant, Grant):
-        raise _sealed(f"a {type(grant).__name__} is not a ledger grant")
-    if grant.split_lock_id != split_lock_id:
-        raise _sealed(
-            f"the grant is for split lock {grant.split_lock_id[:12]}... but these windows belong "
-            f"to split lock {split_lock_id[:12]}... (the split or corpus changed)"
-        )
-    if ledger is not None:
-        expected = Path(getattr(ledger, "path", ledger)).resolve()
-        if Path(grant.ledger_path) != expected:
-            raise _sealed(f"the grant comes from {grant.ledger_path}, not from {expected}")
-    try:
-        entries = Ledger(grant.ledger_path).entries()
-    except LedgerError as exc:
-        raise _sealed(f"its ledger does not verify ({exc})") from exc
-    check_against_entries(grant, entries)
-
-
 def check_against_entries(grant: Grant, entries: list[dict[str, Any]]) -> None:
-    """The ledger half of :func:`require_grant`, on entries already read and verified."""
+    """The ledger half of :func:`~healsweep.ledger._ledger.require_grant`, on entries already
+    read and verified."""
     opened = next((e for e in entries if e["hash"] == grant.entry_hash), None)
     if opened is None or opened["kind"] != "confirm-open":
         raise _sealed(f"no confirm-open entry {grant.entry_hash[:12]}... in {grant.ledger_path}")

@@ -31,7 +31,7 @@ from typing import Any
 
 from healsweep.errors import LedgerError, TestSplitSealed
 from healsweep.ledger import _store
-from healsweep.ledger._grant import Grant, check_against_entries, issue
+from healsweep.ledger._grant import Grant, _sealed, check_against_entries, issue
 
 LEDGER_NAME = "ledger.jsonl"
 _MILESTONE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -279,3 +279,31 @@ def require_split_unchanged(ledger: Ledger, current_lock_id: str) -> None:
     latest = split_drift(ledger, current_lock_id)
     if latest is not None:
         raise LedgerError(_drift_message(latest, current_lock_id, ledger.path))
+
+
+def require_grant(grant: Any, split_lock_id: str, *, ledger: Any = None) -> None:
+    """Accept ``grant`` for the test windows of ``split_lock_id`` or raise ``TestSplitSealed``.
+
+    Refused when the grant is None or not a :class:`Grant`, when it is for another split lock
+    id, when ``ledger`` (a ``Ledger`` or path) is given and the grant is from another file, when
+    its ledger fails verification, when its ``confirm-open`` entry is missing or does not match
+    it, or when that milestone's result is already recorded (a grant opens the test split once).
+    """
+    if grant is None:
+        raise _sealed("no ledger grant was given")
+    if not isinstance(grant, Grant):
+        raise _sealed(f"a {type(grant).__name__} is not a ledger grant")
+    if grant.split_lock_id != split_lock_id:
+        raise _sealed(
+            f"the grant is for split lock {grant.split_lock_id[:12]}... but these windows belong "
+            f"to split lock {split_lock_id[:12]}... (the split or corpus changed)"
+        )
+    if ledger is not None:
+        expected = Path(getattr(ledger, "path", ledger)).resolve()
+        if Path(grant.ledger_path) != expected:
+            raise _sealed(f"the grant comes from {grant.ledger_path}, not from {expected}")
+    try:
+        entries = Ledger(grant.ledger_path).entries()
+    except LedgerError as exc:
+        raise _sealed(f"its ledger does not verify ({exc})") from exc
+    check_against_entries(grant, entries)

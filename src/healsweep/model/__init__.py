@@ -9,8 +9,9 @@ from healsweep.model.forward import (
     forward,
     forward_each,
 )
-from healsweep.model.layers import matmul, router_topk, select_experts
+from healsweep.model.layers import matmul
 from healsweep.model.registry import ARCHITECTURES, SUPPORTED_ARCHS, architecture
+from healsweep.model.routing import router_topk, select_experts
 
 __all__ = [
     "ARCHITECTURES",

@@ -9,7 +9,7 @@ subclasses it and overrides only what differs; :mod:`healsweep.model.registry` l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gguf import MODEL_TENSOR as T
@@ -83,8 +83,9 @@ class Architecture:
     ffn_norm = layer_tensor(T.FFN_NORM)  # the layer's norm before its FFN
 
     # --- reading a file ---------------------------------------------------------------------
-    def check_file(self, path: Any, tensor_names: list[str]) -> None:
-        """Refuse a file of this architecture that healsweep cannot run (before any hparam)."""
+    def check_file(self, path: Any, tensor_names: list[str], supported: Sequence[str]) -> None:
+        """Refuse a file of this architecture that healsweep cannot run (before any hparam);
+        ``supported`` names the architectures healsweep runs, for the message."""
 
     def missing_keys(self, has_key: Callable[[str], bool]) -> list[str]:
         """Full metadata keys this architecture needs that the file lacks."""

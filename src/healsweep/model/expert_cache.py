@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from healsweep.model.layers import mix_weights
+from healsweep.model.routing import mix_weights
 
 _NOT_RESIDENT = -1
 _NEVER = jnp.iinfo(jnp.int32).max
@@ -86,7 +86,7 @@ def cached_routing(
     """Route ``N`` tokens in order through one layer's cache: ``(CachedRoute, final states)``.
 
     ``probs [N, E]``: router probabilities, which the weights come from
-    (:func:`healsweep.model.layers.mix_weights` with ``normalize`` and ``scale``);
+    (:func:`healsweep.model.routing.mix_weights` with ``normalize`` and ``scale``);
     ``selection [N, E]``: the scores experts are chosen by before the resident bonus (biased,
     group-masked; default ``probs``). The tokens are the concatenation of ``B`` sequences:
     ``sequence [N]`` int32 says which, ``starts [N]`` marks a sequence's first token, where the

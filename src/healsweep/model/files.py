@@ -24,7 +24,7 @@ from healsweep.gguf_io import (
     tokenizer_summary,
     write_gguf,
 )
-from healsweep.model.registry import ARCHITECTURES, GENERIC, architecture
+from healsweep.model.registry import ARCHITECTURES, GENERIC, SUPPORTED_ARCHS, architecture
 
 
 def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = None) -> GGUFModel:
@@ -45,7 +45,7 @@ def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = 
         )
     arch = architecture(name, where=path)
     shapes = {t.name: t.shape for t in header.tensors}
-    arch.check_file(path, list(shapes))
+    arch.check_file(path, list(shapes), SUPPORTED_ARCHS)
     missing = arch.missing_keys(lambda key: key in header.fields)
     if missing:
         raise GGUFFormatError(

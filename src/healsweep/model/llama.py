@@ -10,6 +10,7 @@ when it is opened.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from gguf import MODEL_TENSOR as T
@@ -24,13 +25,11 @@ class Llama(Architecture):
     rope_kind = "norm"
     norm_topk_prob = True
 
-    def check_file(self, path: Any, tensor_names: list[str]) -> None:
+    def check_file(self, path: Any, tensor_names: list[str], supported: Sequence[str]) -> None:
         if not any(name.endswith(layer_tensor(T.FFN_GATE_INP)) for name in tensor_names):
-            from healsweep.model.registry import SUPPORTED_ARCHS
-
             raise UnsupportedArchitectureError(
                 f"{path} is a dense llama model (no ffn_gate_inp/ffn_*_exps expert tensors); "
-                f"healsweep supports MoE models: {', '.join(SUPPORTED_ARCHS)} (llama with experts)"
+                f"healsweep supports MoE models: {', '.join(supported)} (llama with experts)"
             )
 
     def read_rope_scaling(self, value: Value) -> dict:

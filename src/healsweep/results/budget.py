@@ -19,12 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.reads import student_key
 from healsweep.results.aggregate import ConfigResult, SweepSummary, paired
 from healsweep.results.schema import Role, TrialStatus
 
-HEALING_KNOBS = ("alpha", "gamma", "alpha_granularity", "ridge", "rho", "eta")
-_UNHEALED = {"alpha": "none", "ridge": False}
-TYPE_KNOBS = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
 MAX_LISTED = 20  # over-budget configs listed one by one (the count is always given)
 
 
@@ -65,8 +63,8 @@ def _unhealed_twin(config: ConfigResult, configs: list[ConfigResult]) -> ConfigR
     """The scored config with ``config``'s knobs but healing off (Part A and B)."""
     if config.knobs is None:
         return None
-    want = config.knobs.replace(**_UNHEALED).student_key()
-    return next((c for c in configs if c.knobs is not None and c.knobs.student_key() == want
+    want = student_key(config.knobs.replace(**Knobs.UNHEALED))
+    return next((c for c in configs if c.knobs is not None and student_key(c.knobs) == want
                  and c is not config), None)  # fmt: skip
 
 
@@ -106,7 +104,7 @@ def healing_pairs(summary: SweepSummary) -> list[HealingPair]:
     pairs = []
     for config in scored:
         values = config.knob_values
-        if all(values[k] == v for k, v in _UNHEALED.items()):
+        if all(values[k] == v for k, v in Knobs.UNHEALED.items()):
             continue
         twin = _unhealed_twin(config, scored)
         if twin is not None:
@@ -160,7 +158,7 @@ def over_budget_lines(summary: SweepSummary) -> list[str]:
         knobs = Knobs(**entry.get("knobs", {})).model_dump()
         types = _types(knobs)
         rest = ", ".join(f"{k}={v}" for k, v in knobs.items()
-                         if k not in TYPE_KNOBS and v != base.get(k))  # fmt: skip
+                         if k not in Knobs.TYPES and v != base.get(k))  # fmt: skip
         lines.append(f"- `{chash[:12]}` {entry['routed_bpw']:.4g} bpw, "
                      f"{entry['file_bytes'] / 2**20:.2f} MiB: {types}"
                      f"{'; ' + rest if rest else ''}")  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.reads import student_key
 from healsweep.score.record import WindowRecord
 
 KNOB_PREFIX = "knob_"
@@ -61,6 +62,11 @@ _KNOB_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.s
 _TS = pa.timestamp("us", tz="UTC")
 
 
+def _knob_type(value: Any) -> pa.DataType:
+    """The Arrow type of a knob's column, from its default (a StrEnum knob is a string)."""
+    return next(arrow for kind, arrow in _KNOB_TYPES.items() if isinstance(value, kind))
+
+
 def _config_fields(*extra: pa.Field) -> list[pa.Field]:
     """Who scored a row: the trial, its config and role (``extra`` after them), every knob
     (``knob_<name>``, typed from the knob's default)."""
@@ -72,7 +78,7 @@ def _config_fields(*extra: pa.Field) -> list[pa.Field]:
         pa.field("role", text),
         pa.field("label", text),
         *extra,
-        *(pa.field(KNOB_PREFIX + name, _KNOB_TYPES[type(v)]) for name, v in knobs.items()),
+        *(pa.field(KNOB_PREFIX + name, _knob_type(v)) for name, v in knobs.items()),
     ]
 
 
@@ -126,7 +132,9 @@ def placement_fields() -> list[pa.Field]:
     (``on_holder``), its ``quantization`` (``sweep.holders.quantization_of``), the GPUs it saw
     (``gpus``: ``CUDA_VISIBLE_DEVICES``), stage-cache entries served, computed and served after
     waiting for another process (``cache_hits``, ``cache_computed``, ``cache_waited``; per stage in
-    ``cache_detail``, JSON), and the work's wall and CPU seconds and its process's peak RSS."""
+    ``cache_detail``, JSON), the work's wall and CPU seconds and its process's peak RSS, the host
+    threads it ran with (``threads``: BLAS, XLA's CPU client, ggml's quantizer) and where its
+    time went (``phase_profile``: JSON rows of :meth:`healsweep.profile.PhaseProfile.rows`)."""
     text, count, seconds = pa.string(), pa.int64(), pa.float64()
     return [
         *(pa.field(name, text) for name in ("placement", "placed_node", "holders")),
@@ -135,6 +143,8 @@ def placement_fields() -> list[pa.Field]:
         *(pa.field(name, count) for name in ("cache_hits", "cache_computed", "cache_waited")),
         pa.field("cache_detail", text),
         *(pa.field(name, seconds) for name in ("work_s", "work_cpu_s", "peak_rss_mb")),
+        pa.field("threads", count),
+        pa.field("phase_profile", text),
     ]
 
 
@@ -196,7 +206,7 @@ def student_of(row: Mapping[str, Any]) -> str:
     (:meth:`~healsweep.heal.knobs.Knobs.student_key`), or for an external GGUF its config hash
     (which covers the file's fingerprint). Rows of one student have the same windows."""
     knobs = knobs_of(row)
-    return row["config_hash"] if knobs is None else knobs.student_key()
+    return row["config_hash"] if knobs is None else student_key(knobs)
 
 
 def knob_columns(knobs: Knobs | None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ _MODULE_OF = {
     "window_metrics": "metrics",
     "check_same_vocab": "runner",
     "score_windows": "runner",
-    "student_model": "runner",
+    "student_model": "student",
     "Comparison": "stats",
     "DecisionRule": "stats",
     "StratumChange": "stats",

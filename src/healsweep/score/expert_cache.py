@@ -20,11 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from healsweep.errors import KnobError
 from healsweep.gguf_io import block_prefix
 from healsweep.score.record import CacheWindowStats, per_token
+from healsweep.score.student import StudentModel, student_model
 
 if TYPE_CHECKING:
     from healsweep.data.windows import Window
     from healsweep.heal.knobs import Knobs
-    from healsweep.score.runner import StudentModel
 
 MIB = float(1 << 20)
 _EXPERT_TENSORS = ("gate_exps", "up_exps", "down_exps")
@@ -128,7 +128,6 @@ class CachedStudent:
         """``(ForwardResult, [CacheWindowStats per window])`` of one batched forward."""
         from healsweep.model import forward
         from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
-        from healsweep.score.runner import student_model
 
         model, replacements = student_model(self.student)
         hp = model.hparams

@@ -18,15 +18,16 @@ from gguf import Keys
 
 from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
-from healsweep.score.runner import score_windows, student_model
+from healsweep.score.runner import score_windows
 from healsweep.score.stats import pooled
+from healsweep.score.student import student_model
 
 if TYPE_CHECKING:
     from healsweep.data.windows import Window
     from healsweep.gguf_io import GGUFModel
     from healsweep.score.compact import TeacherCacheFormat
     from healsweep.score.expert_cache import ExpertCacheConfig
-    from healsweep.score.runner import StudentModel
+    from healsweep.score.student import StudentModel
 
 TOKENS_KEY = Keys.Tokenizer.LIST
 

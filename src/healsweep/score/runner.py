@@ -14,43 +14,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
+from healsweep.profile import phase
 from healsweep.score.compact import COMPACT, TeacherCacheFormat, cache_format
+from healsweep.score.expert_cache import CachedStudent, ExpertCacheConfig
 from healsweep.score.metrics import WindowMetrics, compact_window_metrics, window_metrics
+from healsweep.score.student import StudentModel, student_model
 from healsweep.score.teacher_cache import TeacherOutput, scored_positions, teacher_outputs
 
 if TYPE_CHECKING:
     from healsweep.data.windows import Window
     from healsweep.gguf_io import GGUFModel
-    from healsweep.model.forward import LayerReplacement
-    from healsweep.score.expert_cache import CachedStudent, ExpertCacheConfig
-
-
-class HealedModel(Protocol):
-    """A healed student (``healsweep.heal.pipeline.Student``): the teacher's model and the
-    layers that replace some of its weights."""
-
-    @property
-    def base(self) -> GGUFModel: ...
-
-    @property
-    def replacements(self) -> dict[int, LayerReplacement]: ...
-
-
-# What can be scored against a teacher: a model file, or a healed student.
-StudentModel: TypeAlias = "GGUFModel | HealedModel"
-
-
-def student_model(student: StudentModel) -> tuple[GGUFModel, dict[int, LayerReplacement] | None]:
-    """``(GGUFModel, replacements or None)`` that run the student's forward."""
-    if hasattr(student, "replacements") and hasattr(student, "base"):
-        return student.base, dict(student.replacements)
-    return student, None
 
 
 def check_same_vocab(teacher: GGUFModel, student: StudentModel) -> None:
@@ -127,8 +106,6 @@ def score_windows(
     check_same_vocab(teacher, student)
     cached = None
     if expert_cache is not None:
-        from healsweep.score.expert_cache import CachedStudent
-
         cached = CachedStudent(student, expert_cache)
     with cache.holding():  # the teacher records read or written: held until scoring ends
         yield from _scored(teacher, student, windows, cache, batch, fmt, cached)
@@ -144,24 +121,28 @@ def _scored(
     cached: CachedStudent | None,
 ) -> Iterator[tuple[Window, WindowMetrics]]:
     for group in _batches(windows, batch):
-        taught = teacher_outputs(teacher, group, cache, fmt)
-        studied = run_student(student, group, cached)
-        for window, t_out, (s_logits, s_topk, stats) in zip(group, taught, studied, strict=True):
-            routers = (_per_layer(t_out.topk_ids), _per_layer(s_topk))
-            if isinstance(t_out, TeacherOutput):
-                metrics = window_metrics(t_out.logprobs, s_logits, window.scored_tokens, *routers)
-            else:
-                metrics = compact_window_metrics(t_out, s_logits, window.scored_tokens, *routers)
-            if stats is not None:
-                metrics = dataclasses.replace(metrics, expert_cache=stats)
-            yield window, metrics
+        with phase("teacher_record"):
+            taught = teacher_outputs(teacher, group, cache, fmt)
+        with phase("scoring"):
+            studied = run_student(student, group, cached)
+            scored = [
+                (window, _metrics(window, t_out, *student_out))
+                for window, t_out, student_out in zip(group, taught, studied, strict=True)
+            ]
+        yield from scored
 
 
-__all__ = [
-    "HealedModel",
-    "StudentModel",
-    "check_same_vocab",
-    "run_student",
-    "score_windows",
-    "student_model",
-]
+def _metrics(window: Window, t_out: Any, s_logits: np.ndarray, s_topk: np.ndarray,
+             stats: Any) -> WindowMetrics:  # fmt: skip
+    """One window's metrics from the teacher's output and the student's."""
+    routers = (_per_layer(t_out.topk_ids), _per_layer(s_topk))
+    if isinstance(t_out, TeacherOutput):
+        metrics = window_metrics(t_out.logprobs, s_logits, window.scored_tokens, *routers)
+    else:
+        metrics = compact_window_metrics(t_out, s_logits, window.scored_tokens, *routers)
+    if stats is not None:
+        metrics = dataclasses.replace(metrics, expert_cache=stats)
+    return metrics
+
+
+__all__ = ["check_same_vocab", "run_student", "score_windows"]

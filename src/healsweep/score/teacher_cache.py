@@ -29,6 +29,7 @@ import numpy as np
 
 from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key
+from healsweep.heal.stage_names import Stage
 from healsweep.score.compact import (
     COMPACT,
     CompactTeacher,
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from healsweep.data.windows import Window
     from healsweep.gguf_io import GGUFModel
 
-STAGE = "teacher_logits"
+STAGE = Stage.TEACHER_LOGITS
 VERSION = 1  # exact entries' format (code changes are in the key's code digest)
 COMPACT_VERSION = 1
 # Teacher outputs are computed by functions of this module, from the window's fields alone (no

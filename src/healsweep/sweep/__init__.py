@@ -7,6 +7,7 @@ Entry points (import them from their modules; Ray is imported only there):
 ``healsweep.sweep.work.run_trial_work``.
 """
 
-from healsweep.sweep.spec import SweepSpec, load_spec, spec_from_dict
+from healsweep.sweep.spec import SweepSpec
+from healsweep.sweep.spec_files import load_spec, spec_from_dict
 
 __all__ = ["SweepSpec", "load_spec", "spec_from_dict"]

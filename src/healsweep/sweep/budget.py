@@ -20,46 +20,20 @@ and are scored whatever their size (the report places them in the tiers they fit
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from healsweep.errors import KnobError, SpecError
+from healsweep.errors import SpecError
 from healsweep.heal.knobs import Knobs
-from healsweep.heal.size import Budget, ConfigSize, ModelShapes
+from healsweep.heal.size import Budget, ConfigSize
 from healsweep.results.store import record_over_budget
+from healsweep.sweep.sizes import config_size
 from healsweep.sweep.space import config_hash, grid_configs, with_point
 from healsweep.sweep.spec import SweepSpec
 
-TYPE_KNOBS = ("type_gu", "type_d", "up_first", "up_last", "layer_types")  # all a size reads
 MAX_ASKS = 1000  # proposals in a row over budget before the search is declared finished
-
-
-@functools.lru_cache(maxsize=8)
-def _shapes(path: str, size: int, mtime_ns: int) -> ModelShapes:
-    from healsweep.model import open_model
-
-    return ModelShapes.of(open_model(path))
-
-
-def model_shapes(spec: SweepSpec) -> ModelShapes:
-    """The shapes of the sweep's model (read once per process and file version)."""
-    from healsweep.bundled import resolve_model
-
-    path = resolve_model(spec.model)
-    stat = path.stat()
-    return _shapes(str(path), stat.st_size, stat.st_mtime_ns)
-
-
-def config_size(spec: SweepSpec, knobs: Knobs) -> ConfigSize | None:
-    """The size of ``knobs``' file on the sweep's model; None when the knobs cannot be stored
-    on it (a type whose blocks do not divide its rows: the trial itself says so)."""
-    try:
-        return model_shapes(spec).size(knobs)
-    except KnobError:
-        return None
 
 
 def budget_of(spec: SweepSpec) -> Budget | None:
@@ -72,6 +46,11 @@ def over_entry(knobs: Knobs, size: ConfigSize) -> dict[str, Any]:
     return {"knobs": knobs.identity(), "routed_bpw": size.routed_bpw, "file_bytes": size.file_bytes}
 
 
+def planned_trials(spec: SweepSpec) -> int:
+    """How many trials the sweep runs (grid size inside the budget, or num_samples)."""
+    return len(split_grid(spec)[0]) if spec.sampler.type == "grid" else int(spec.num_samples or 0)
+
+
 def split_grid(spec: SweepSpec) -> tuple[list[Knobs], dict[str, dict[str, Any]]]:
     """The grid's configs inside the budget (all of them without one), and those over it by
     config hash (:func:`over_entry`)."""
@@ -80,7 +59,7 @@ def split_grid(spec: SweepSpec) -> tuple[list[Knobs], dict[str, dict[str, Any]]]
         return configs, {}
     inside, over = [], {}
     for knobs in configs:
-        size = config_size(spec, knobs)
+        size = config_size(spec.model, knobs)
         if size is None or budget.admits(size):
             inside.append(knobs)
         else:
@@ -94,7 +73,7 @@ def check_budget(spec: SweepSpec, where: str = "sweep spec") -> None:
     budget = budget_of(spec)
     if budget is None:
         return
-    size = config_size(spec, spec.baseline)
+    size = config_size(spec.model, spec.baseline)
     limits = ", ".join(budget.label(limit) for limit in budget.limits)
     if size is not None and not budget.admits(size):
         raise SpecError(
@@ -114,11 +93,11 @@ def check_budget(spec: SweepSpec, where: str = "sweep spec") -> None:
 def _space_sizes(spec: SweepSpec) -> list[ConfigSize | None]:
     """The sizes of every combination of the searched type knobs (what a size depends on)."""
     dims = spec.search_space.dimensions()
-    typed = {k: getattr(dims[k], "choices", dims[k]) for k in TYPE_KNOBS if k in dims}
+    typed = {k: getattr(dims[k], "choices", dims[k]) for k in Knobs.TYPES if k in dims}
     points = [
         dict(zip(typed, values, strict=True)) for values in itertools.product(*typed.values())
     ]
-    return [config_size(spec, with_point(spec, point)) for point in points[:10_000]]
+    return [config_size(spec.model, with_point(spec, point)) for point in points[:10_000]]
 
 
 class BudgetGate:
@@ -143,7 +122,7 @@ class BudgetGate:
         if self.budget is None:
             return True
         knobs = with_point(self.spec, point)
-        size = config_size(self.spec, knobs)
+        size = config_size(self.spec.model, knobs)
         if size is None or self.budget.admits(size):
             return True
         record_over_budget(self.sweep_dir, {config_hash(knobs): over_entry(knobs, size)})

@@ -15,13 +15,15 @@ environment already has are left as they are.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from healsweep.errors import HealsweepError
 from healsweep.model.resident import SHARE_ENV
 from healsweep.runtime import current
+from healsweep.threads import cores, use_threads
 
 PREALLOCATED = 0.75  # the fraction of a GPU JAX's allocator takes per process by default
 
@@ -44,14 +46,38 @@ def trial_device_env(resources: Mapping[str, float]) -> dict[str, str]:
     return env
 
 
+def cpu_share(
+    resources: Mapping[str, float], max_concurrent: int, nodes: Sequence[Mapping[str, float]]
+) -> int:
+    """The CPUs a trial takes when its spec names none: on the node that can run it and gives it
+    the fewest, the node's cores ÷ the trials that run there at once. A node runs as many as its
+    other resources allow (a GPU each: cores ÷ GPUs), at most its share of ``max_concurrent``
+    over the nodes that can run trials; so a trial alone on its node takes every core.
+    ``nodes``: each alive node's Ray resources (``{"CPU": 16, "GPU": 1, ...}``); at least 1."""
+    from healsweep.sweep.spec import RAY_RESOURCE_NAMES
+
+    wanted = {RAY_RESOURCE_NAMES.get(k, k): v for k, v in resources.items() if k != "cpu"}
+    able = [n for n in nodes if all(n.get(k, 0) >= v for k, v in wanted.items() if v > 0)]
+    if not able:
+        return 1
+    per_node = math.ceil(max_concurrent / len(able))
+    shares = []
+    for node in able:
+        slots = min([per_node] + [int(node[k] // v) for k, v in wanted.items() if v > 0])
+        shares.append(node.get("CPU", 1) / max(1, slots))
+    return max(1, int(min(shares)))
+
+
 def prepare_trial_process(
     resources: Mapping[str, float], *, own_process: bool = True
 ) -> dict[str, Any]:
-    """Set up this process for a trial's work, before any JAX computation: the environment of
-    :func:`trial_device_env` (what the worker's environment sets already wins), the host's
-    compilation cache; what it was given, for the trial's row (``gpus``: the
-    ``CUDA_VISIBLE_DEVICES`` JAX will see, None without GPUs). ``own_process=False``: a process
-    that runs one trial after another on the same GPUs (a Tune actor), whose backend may be up."""
+    """Set up this process for a trial's work, before any JAX computation: the host threads of
+    its CPUs (:func:`healsweep.threads.use_threads`: BLAS, XLA's CPU client, ggml's quantizer),
+    the environment of :func:`trial_device_env` (what the worker's environment sets already
+    wins), the host's compilation cache; what it was given, for the trial's row (``gpus``: the
+    ``CUDA_VISIBLE_DEVICES`` JAX will see, None without GPUs; ``threads``: its host threads).
+    ``own_process=False``: a process that runs one trial after another on the same GPUs (a Tune
+    actor), whose backend may be up."""
     wants_gpu = float(resources.get("gpu", 0.0)) > 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     # The process's first trial records the GPUs it started with (JAX has no public "backend
@@ -70,8 +96,9 @@ def prepare_trial_process(
         )
     for name, value in trial_device_env(resources).items():
         os.environ.setdefault(name, value)
+    threads = use_threads(min(cores(), max(1, int(resources.get("cpu", 1)))))
     enable_compilation_cache()
-    return {"gpus": visible if wants_gpu else None}
+    return {"gpus": visible if wants_gpu else None, "threads": threads}
 
 
 def enable_compilation_cache() -> None:

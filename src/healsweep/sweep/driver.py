@@ -24,17 +24,20 @@ from ray.tune.experiment import Trial
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
+from healsweep.cache import cache_limit
 from healsweep.errors import ResultsError, SpecError
 from healsweep.results.schema import scored_all
 from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials
 from healsweep.sweep.budget import MAX_ASKS, BudgetGate, split_grid
+from healsweep.sweep.devices import cpu_share
 from healsweep.sweep.fixed import build_externals, run_fixed
 from healsweep.sweep.holders import open_holders, prior_holders
 from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.progress import ProgressSink
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
 from healsweep.sweep.space import baseline_point, optuna_space
-from healsweep.sweep.spec import RAY_RESOURCE_NAMES, SweepSpec, check_paths
+from healsweep.sweep.spec import RAY_RESOURCE_NAMES, SweepSpec
+from healsweep.sweep.spec_files import check_paths
 from healsweep.sweep.trial import (
     COORDINATOR_RESOURCES,
     TARGET_METRIC,
@@ -163,8 +166,11 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
         def drop_notice(record: logging.LogRecord) -> bool:
             return not record.getMessage().startswith(notice)
 
+        # A trial without a cpu of its own takes its node's share of the cores: every core
+        # is the cluster's (sweep.devices.cpu_share).
         per_trial = max(1, int(spec.trial_resources()["cpu"]))
-        local = num_cpus or max(1, min(os.cpu_count() or 1, spec.max_concurrent * per_trial))
+        wanted = spec.max_concurrent * per_trial if spec.cpu_given() else os.cpu_count() or 1
+        local = num_cpus or max(1, min(os.cpu_count() or 1, wanted))
         handlers = list(logging.getLogger("ray").handlers)
         for handler in handlers:
             handler.addFilter(drop_notice)
@@ -320,6 +326,7 @@ def run_sweep(
     on_progress: ProgressSink | None = None,
 ) -> SweepRun:
     """Run a new sweep into ``RESULTS/<spec.name>/``; refuse a folder that already holds one."""
+    cache_limit(spec.cache_max_gb, "cache_max_gb")  # a bad HEALSWEEP_CACHE_MAX_GB: refused now
     root = Path(results_root or spec.results).resolve()
     sweep_dir = root / spec.name
     _refuse_existing(sweep_dir, spec.name)
@@ -364,12 +371,17 @@ def resume_sweep(
     num_cpus: int | None = None,
     work_fn: WorkFn = run_trial_work,
     on_progress: ProgressSink | None = None,
+    cache_max_gb: float | None = None,
 ) -> SweepRun:
     """Finish an interrupted sweep: finished trials are not re-run, finished windows not
-    re-scored (they are replayed from the Parquet rows)."""
+    re-scored (they are replayed from the Parquet rows). ``cache_max_gb``: the stage caches'
+    size limit for this run (default: the stored spec's)."""
     sweep_dir = Path(sweep_dir).resolve()
     spec = read_spec(sweep_dir)
     check_paths(spec, str(sweep_dir / SPEC_FILE))  # what it names may have moved since the run
+    if cache_max_gb is not None:  # like the cache's location, not part of the spec's hash
+        spec = spec.model_copy(update={"cache_max_gb": cache_max_gb})
+    cache_limit(spec.cache_max_gb, "cache_max_gb")  # a bad HEALSWEEP_CACHE_MAX_GB: refused now
     with sweep_lock(sweep_dir), ray_session(spec, address, num_cpus):
         start_manifest(sweep_dir, spec, None, kind="resume")
         repair_journal(sweep_dir / JOURNAL_FILE)
@@ -387,6 +399,8 @@ def _run(
 
     from healsweep.sweep.progress import register_sink
 
+    alive = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    spec = spec.with_cpu_share(cpu_share(spec.resources, spec.max_concurrent, alive))
     # An unpicklable work function (a ledger grant inside, say) fails here with its own error,
     # not as a Ray serialization error of a task, nor lingering in Tune's process-wide parameter
     # registry to break every later ray.init in this process.

@@ -24,9 +24,11 @@ from typing import Any
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.reads import student_key
 from healsweep.results.schema import Role, TrialStatus, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.placed import PlacedWork, work_task
+from healsweep.sweep.sizes import config_size
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import prior_windows, trial_seed
 from healsweep.sweep.work import WorkFn, run_external_work
@@ -68,7 +70,7 @@ class FixedConfig:
     @property
     def student(self) -> str:
         """The student it scores, as :func:`~healsweep.results.schema.student_of` names it."""
-        return self.config_hash if self.knobs is None else self.knobs.student_key()
+        return self.config_hash if self.knobs is None else student_key(self.knobs)
 
     def columns(self) -> dict[str, Any]:
         """Its config columns in the results (an external has no knob columns)."""
@@ -96,12 +98,11 @@ def fixed_configs(spec: SweepSpec, sweep_dir: Path) -> list[FixedConfig]:
     file as built into ``sweep_dir``: :func:`build_externals`)."""
     from healsweep.gguf_io import routed_expert_bpw
     from healsweep.model import open_model
-    from healsweep.sweep.budget import config_size
 
     out = []
     for name in spec.reference_names():
         knobs = reference_knobs(spec, name)
-        size = config_size(spec, knobs)
+        size = config_size(spec.model, knobs)
         bpw, nbytes = (None, None) if size is None else size
         out.append(FixedConfig(Role.REFERENCE, name, knobs, routed_bpw=bpw, file_bytes=nbytes))
     for entry in spec.external:
@@ -128,7 +129,7 @@ def build_externals(spec: SweepSpec, sweep_dir: Path) -> list[Path]:
         calibration = spec.calibration if entry.llama.imatrix else None
         out = write_llama_baseline(open_model(spec.model), entry.llama.type,
                                    entry.built_path(sweep_dir), calibration=calibration,
-                                   cache=StageCache())  # fmt: skip
+                                   cache=StageCache(spec.cache_root, spec.cache_max_gb))  # fmt: skip
         log.info("external %s: built %s", entry.name, out)
         built.append(out)
     return built

@@ -46,10 +46,14 @@ from typing import Any
 import ray
 
 from healsweep.cache import canonical_json
-from healsweep.heal.knobs import Knobs, Stage
+from healsweep.heal.knobs import Knobs
+from healsweep.heal.reads import stage_reads
+from healsweep.heal.stage_names import Stage
 from healsweep.results.store import read_trials
 from healsweep.sweep.spec import RAY_RESOURCE_NAMES
 
+# Ray gives the head node this resource; Ray Train pins its own state actor the same way.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 TRACE = "trace"  # the holder key of the sweep's calibration trace (one per sweep)
 # The stage whose entries name a node as a holder: what a trial there hit or computed.
 _HOLDS = {Stage.QUANTIZE.value: "quantization", Stage.CALIB_TRACE.value: TRACE}
@@ -60,7 +64,7 @@ def quantization_of(knobs: Knobs) -> str:
     """The quantized experts a config needs, named within one sweep: a short hash of the knobs
     the quantize stage reads (its cache key's other inputs, the model, trace and code, are the
     sweep's)."""
-    quantize = canonical_json(knobs.for_stage(Stage.QUANTIZE))
+    quantize = canonical_json(stage_reads(knobs, Stage.QUANTIZE))
     return "q-" + hashlib.sha256(quantize.encode()).hexdigest()[:16]
 
 
@@ -291,8 +295,6 @@ def open_holders(
     """Start the sweep's :class:`StageHolders` on the head node (where the window book lives,
     for the same reason: it must outlive any worker); ``per_trial``: the resources of one
     trial (``SweepSpec.trial_resources``), which say how many trials a node runs at once."""
-    from healsweep.sweep.trial import HEAD_NODE_RESOURCE
-
     options = StageHolders.options(resources={HEAD_NODE_RESOURCE: 0.001})
     return options.remote(dict(prior), dict(per_trial))
 

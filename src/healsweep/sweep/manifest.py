@@ -23,16 +23,18 @@ from healsweep.errors import ResultsError
 from healsweep.ledger import Ledger, head_record
 from healsweep.ray_orphans import current_session
 from healsweep.results.store import MANIFEST_FILE, SPEC_FILE, read_manifest
-from healsweep.sweep.space import KNOB_NAMES, planned_trials
+from healsweep.sweep.budget import planned_trials
+from healsweep.sweep.space import KNOB_NAMES
 from healsweep.sweep.spec import SweepSpec
 
 LEDGER_HEADS = "ledger_heads"  # the manifest's list of ledger heads it saw
 
 
 def spec_hash(spec: SweepSpec) -> str:
-    """sha256 of the spec's canonical JSON (the results, stage-cache and ledger locations
-    excluded: moving them is fine, and a resume may name another shared cache root)."""
-    locations = {"results", "cache_root", "ledger"}
+    """sha256 of the spec's canonical JSON (the results, stage-cache and ledger locations and
+    the cache's size limit excluded: moving them is fine, a resume may name another shared
+    cache root, and a limit changes what is recomputed, never a result)."""
+    locations = {"results", "cache_root", "ledger", "cache_max_gb"}
     body = canonical_json(spec.model_dump(mode="json", exclude=locations))
     return hashlib.sha256(body.encode()).hexdigest()
 

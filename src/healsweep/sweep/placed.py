@@ -24,10 +24,13 @@ gives when it is asked for the next one (:data:`AHEAD`, the sweep's
 
 from __future__ import annotations
 
+import itertools
 import json
+import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -43,6 +46,18 @@ Job = Callable[[], Iterator[WindowRecord]]  # the work, its arguments bound (fun
 # in flight, so the task seldom waits and a pruned trial's task scores at most one window that
 # is never reported (without credits, a task faster than Tune ran the whole trial ahead).
 AHEAD = 2
+PROFILE_EVERY = 16  # windows between the phase profiles a task reports (and its first and last)
+
+
+def stamped(results: Iterable[WindowRecord]) -> Iterator[WindowRecord]:
+    """``results``, each with where (the Ray node this runs on) and when it was scored."""
+    try:
+        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:  # outside a Ray worker (direct calls in tests of the pure parts)
+        node_id, node_ip = "", ""
+    node = {"scored_node_id": node_id, "scored_node_ip": node_ip}
+    for result in results:
+        yield replace(result, scored_at=time.time(), scored_hostname=socket.gethostname(), **node)
 
 
 def _events(
@@ -57,35 +72,40 @@ def _events(
     (:meth:`~healsweep.sweep.holders.StageHolders.take_window`)."""
     from healsweep._rss import peak_rss_bytes
     from healsweep.cache import activity, activity_since
+    from healsweep.profile import profiling
     from healsweep.sweep.devices import prepare_trial_process
-    from healsweep.sweep.trial import stamped
 
     seen = prepare_trial_process(resources, own_process=own_process)
     started, cpu, before = time.time(), time.process_time(), activity()
     yield {"event": "started", "node": ray.get_runtime_context().get_node_id(), **seen}
+    with profiling() as profile:
 
-    def stats() -> dict[str, Any]:
-        detail = activity_since(before)
-        return {
-            "cache_hits": sum(detail["hits"].values()),
-            "cache_computed": sum(detail["computed"].values()),
-            "cache_waited": sum(detail["waited"].values()),
-            "cache_detail": json.dumps(detail, sort_keys=True),
-            "work_s": time.time() - started,
-            "work_cpu_s": time.process_time() - cpu,
-            "peak_rss_mb": peak_rss_bytes() / 2**20,
-        }
+        def stats(profiled: bool) -> dict[str, Any]:
+            detail = activity_since(before)
+            found = {
+                "cache_hits": sum(detail["hits"].values()),
+                "cache_computed": sum(detail["computed"].values()),
+                "cache_waited": sum(detail["waited"].values()),
+                "cache_detail": json.dumps(detail, sort_keys=True),
+                "work_s": time.time() - started,
+                "work_cpu_s": time.process_time() - cpu,
+                "peak_rss_mb": peak_rss_bytes() / 2**20,
+            }
+            if profiled:  # tens of KB for a deep model: not with every window Tune logs
+                found["phase_profile"] = json.dumps(profile.rows(), separators=(",", ":"))
+            return found
 
-    records = stamped(job())
-    while True:
-        if pace is not None:
-            holders, work = pace
-            ray.get(holders.take_window.remote(work))
-        record = next(records, None)
-        if record is None:
-            break
-        yield {"event": "window", "record": record, **stats()}
-    yield {"event": "done", **stats()}
+        records = stamped(job())
+        for n in itertools.count(1):
+            if pace is not None:
+                holders, work = pace
+                ray.get(holders.take_window.remote(work))
+            record = next(records, None)
+            if record is None:
+                break
+            # the student is built by the first window; the scoring phases grow after it
+            yield {"event": "window", "record": record, **stats(n == 1 or n % PROFILE_EVERY == 0)}
+        yield {"event": "done", **stats(True)}
 
 
 def _collected(job: Job, resources: Mapping[str, float]) -> list[dict[str, Any]]:
@@ -163,7 +183,8 @@ class PlacedWork:
             self.holders.started.remote(self.work, self.node)
             holders = self.placement.holders
             on_holder = self.node in holders if holders else None
-            self.columns.update(placed_node=self.node, on_holder=on_holder, gpus=event["gpus"])
+            self.columns.update(placed_node=self.node, on_holder=on_holder, gpus=event["gpus"],
+                                threads=event.get("threads"))  # fmt: skip
             return None
         stats = {k: v for k, v in event.items() if k not in ("event", "record")}
         self.columns.update(stats)

@@ -35,8 +35,9 @@ from healsweep.results.store import (
     tidy_windows_dir,
     write_windows,
 )
+from healsweep.sweep.budget import planned_trials
 from healsweep.sweep.progress import Progress, progress_sink
-from healsweep.sweep.space import planned_trials, trial_identity
+from healsweep.sweep.space import trial_identity
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import RunningPool
 
@@ -154,7 +155,7 @@ class ResultsRecorder(Callback):
 
     def _tune_trial(self, trial: Trial) -> dict[str, Any]:
         if trial.trial_id not in self.trials:  # its columns, from the trial's one identity
-            self.open(trial.trial_id, trial_identity(self.spec, trial.config).columns())
+            self.open(trial.trial_id, trial_identity(trial.config, self.spec.baseline, self.spec.fixed, self.spec.model).columns())
         return self.trials[trial.trial_id]
 
     def on_trial_start(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:

@@ -5,7 +5,7 @@ Every trial's knobs are the baseline, then the knobs ``fixed`` names, then the s
 baseline runs first and is itself a trial. For ``grid`` the trial configs are expanded here, in a
 fixed order (baseline first, then the grid in ``itertools.product`` order of the spec's keys, a
 point dropped when an earlier config builds and scores the same student:
-:meth:`~healsweep.heal.knobs.Knobs.student_key`, e.g. ``gptq_damp`` crossed with ``quantizer:
+:func:`~healsweep.heal.reads.student_key`, e.g. ``gptq_damp`` crossed with ``quantizer:
 search``) and handed to Tune as one ``grid_search`` over full knob sets, so the trial list is
 explicit, ordered and free of repeats. For ``tpe``/``random`` the searched knobs become Optuna
 distributions and the baseline is enqueued as the first point; a sampled point equal to the
@@ -22,12 +22,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from healsweep.cache import canonical_json
-from healsweep.errors import SpecError
+from healsweep.errors import HealsweepError, SpecError
 from healsweep.heal.knobs import Knobs, require_ggml
+from healsweep.heal.reads import student_key
 from healsweep.heal.size import ConfigSize
 from healsweep.results.schema import Role, knob_columns
+from healsweep.settings_errors import locate
 from healsweep.sweep.dimensions import Choices, Range
-from healsweep.sweep.spec import SweepSpec, locate
+from healsweep.sweep.sizes import config_size
+from healsweep.sweep.spec import SweepSpec
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -116,18 +119,23 @@ def _inside(value: Any, dim: Choices | Range) -> bool:
 
 def with_point(spec: SweepSpec, point: Mapping[str, Any]) -> Knobs:
     """The baseline's knobs, then those ``fixed`` names, then ``point``'s."""
-    return spec.baseline.replace(**spec.fixed.model_dump(exclude_unset=True), **point)
+    return knobs_at(spec.baseline, spec.fixed, point)
+
+
+def knobs_at(baseline: Knobs, fixed: Knobs, point: Mapping[str, Any]) -> Knobs:
+    """``baseline``'s knobs, then those ``fixed`` names (its fields set), then ``point``'s."""
+    return baseline.replace(**fixed.model_dump(exclude_unset=True), **point)
 
 
 def grid_configs(spec: SweepSpec) -> list[Knobs]:
     """The knobs of a grid sweep's trials: the baseline first, then the grid without points
     that build and score a student an earlier config does (the same student key)."""
-    configs, seen = [spec.baseline], {spec.baseline.student_key()}
+    configs, seen = [spec.baseline], {student_key(spec.baseline)}
     dimensions = spec.search_space.dimensions()
     for values in itertools.product(*dimensions.values()):
         knobs = with_point(spec, dict(zip(dimensions, values, strict=True)))
-        if knobs.student_key() not in seen:
-            seen.add(knobs.student_key())
+        if student_key(knobs) not in seen:
+            seen.add(student_key(knobs))
             configs.append(knobs)
     return configs
 
@@ -148,13 +156,6 @@ def optuna_space(spec: SweepSpec) -> dict[str, BaseDistribution]:
 def baseline_point(spec: SweepSpec) -> dict[str, Any]:
     """The baseline's values of the searched knobs (the first point a tpe/random sweep runs)."""
     return {knob: getattr(spec.baseline, knob) for knob in spec.search_space.dimensions()}
-
-
-def planned_trials(spec: SweepSpec) -> int:
-    """How many trials the sweep runs (grid size inside the budget, or num_samples)."""
-    from healsweep.sweep.budget import split_grid
-
-    return len(split_grid(spec)[0]) if spec.sampler.type == "grid" else int(spec.num_samples or 0)
 
 
 @dataclass(frozen=True)
@@ -186,24 +187,25 @@ class TrialIdentity:
         }
 
 
-def trial_identity(spec: SweepSpec, config: Mapping[str, Any]) -> TrialIdentity:
+def trial_identity(
+    config: Mapping[str, Any], baseline: Knobs, fixed: Knobs, model: str
+) -> TrialIdentity:
     """The identity of the trial with Tune config ``config``: ``{"knobs": {...}}`` of a grid
-    sweep, or the point an Optuna sampler chose."""
+    sweep, or the point an Optuna sampler chose (on ``baseline`` and ``fixed``, the spec's), its
+    size on ``model`` (the spec's) when that file can be read here."""
     if "knobs" in config:
         knobs = Knobs(**config["knobs"])
     else:
-        knobs = with_point(spec, {k: v for k, v in config.items() if k in KNOB_NAMES})
+        point = {k: v for k, v in config.items() if k in KNOB_NAMES}
+        knobs = knobs_at(baseline, fixed, point)
     chash = config_hash(knobs)
-    is_baseline = chash == config_hash(spec.baseline)
-    return TrialIdentity(knobs, chash, knobs.student_key(), is_baseline, _size(spec, knobs))
+    is_baseline = chash == config_hash(baseline)
+    return TrialIdentity(knobs, chash, student_key(knobs), is_baseline, _size(model, knobs))
 
 
-def _size(spec: SweepSpec, knobs: Knobs) -> ConfigSize | None:
+def _size(model: str, knobs: Knobs) -> ConfigSize | None:
     """The config's size for its results columns (None when the model cannot be read here)."""
-    from healsweep.errors import HealsweepError
-    from healsweep.sweep.budget import config_size
-
     try:
-        return config_size(spec, knobs)
+        return config_size(model, knobs)
     except (OSError, HealsweepError):
         return None

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -27,23 +26,20 @@ from pydantic import (
     ModelWrapValidatorHandler,
     PrivateAttr,
     SerializerFunctionWrapHandler,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 
-from healsweep.bundled import is_bundled
-from healsweep.errors import KnobError, SpecError
-from healsweep.heal.knobs import CalibrationConfig, Knobs, problem
+from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.size import Budget
 from healsweep.kernels.ggml_types import ROUTED_TYPES
-from healsweep.results.schema import REFERENCES, Role
-from healsweep.sweep.dimensions import SHAPES, Choices, Range, SearchSpace
+from healsweep.results.schema import REFERENCES
+from healsweep.sweep.dimensions import SearchSpace
 
 if TYPE_CHECKING:
-    from healsweep.gguf_io import GGUFModel
+    pass
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 EXTERNAL_DIR = "external"  # SWEEP/external/NAME.gguf: the files of the spec's llama recipes
@@ -219,8 +215,9 @@ class SweepSpec(_Strict):
     """wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps, futility}"""
     num_samples: int | None = Field(default=None, ge=1)
     """an integer >= 1 (tpe/random), or omitted for grid"""
-    resources: dict[str, float] = Field(default_factory=lambda: {"cpu": 1.0})
-    """a mapping of resource: amount >= 0, e.g. {cpu: 1} or {metal: 1}"""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """a mapping of resource: amount >= 0, e.g. {gpu: 1}, {metal: 1} or {cpu: 4}; without cpu,
+    a trial takes its node's share of the cores (cores ÷ the trials that run there at once)"""
     max_concurrent: int = Field(default=2, ge=1)
     """an integer >= 1"""
     max_failures: int = Field(default=2, ge=0)
@@ -243,6 +240,8 @@ class SweepSpec(_Strict):
     cache_root: str | None = None
     """a stage-cache folder every worker mounts at this same path (shared storage: each entry
     is then computed once for the whole pool), or null for each worker's own ($HEALSWEEP_CACHE)"""
+    cache_max_gb: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """GiB >= 0, each worker's stage-cache size limit, or null ($HEALSWEEP_CACHE_MAX_GB or none)"""
     # where the sweep's confirms record their openings: the project's specs name the tracked
     # ledger/ledger.jsonl (docs/reliability.md)
     ledger: str | None = None
@@ -254,9 +253,12 @@ class SweepSpec(_Strict):
         "budget": None,
         "placement": "cache",
         "cache_root": None,
+        "cache_max_gb": None,
+        "resources": {},
         "ledger": None,
     }
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _cpu_share: float | None = PrivateAttr(default=None)  # the node share, once Ray is up
 
     @field_validator("sampler", "pruner", mode="before")
     @classmethod
@@ -300,9 +302,21 @@ class SweepSpec(_Strict):
         super().__setstate__(state)
 
     def trial_resources(self) -> dict[str, float]:
-        """Per-trial resources (also of a fixed row's task): one CPU unless the spec says
-        otherwise."""
-        return {"cpu": 1.0, **self.resources}
+        """Per-trial resources (also of a fixed row's task): the spec's, with ``cpu`` its own
+        or, where it names none, the node share :meth:`with_cpu_share` set (one CPU before)."""
+        return {"cpu": self._cpu_share or 1.0, **self.resources}
+
+    def cpu_given(self) -> bool:
+        """Whether the spec names the CPUs of a trial (else it takes its node's share)."""
+        return "cpu" in self.resources
+
+    def with_cpu_share(self, cpus: float) -> SweepSpec:
+        """A copy whose trials take ``cpus`` CPUs where the spec names none (its stored form,
+        so its hash, unchanged)."""
+        copied = self.model_copy()
+        copied._given = self._given
+        copied._cpu_share = None if self.cpu_given() else float(cpus)
+        return copied
 
     def reference_names(self) -> tuple[str, ...]:
         """The reference rows this sweep scores (``unhealed``, ``plain``, both or none)."""
@@ -319,299 +333,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json", exclude_unset=True)
     return copy.deepcopy(value)
-
-
-def spec_from_dict(
-    raw: Any, *, where: str = "sweep spec", lines: Mapping | None = None
-) -> SweepSpec:
-    """Validate a parsed spec mapping; ``SpecError`` names the field, value and what is allowed."""
-    if not isinstance(raw, Mapping):
-        raise SpecError(f"{where}: a sweep spec is a YAML mapping, got {type(raw).__name__}")
-    lines = lines or {}
-    try:
-        spec = SweepSpec.model_validate(dict(raw))
-    except ValidationError as exc:
-        raise _pydantic_error(exc, where, lines) from None
-    if spec.split.strip().lower() == "test":
-        raise SpecError(
-            f"{locate(where, lines, ('split',))}: field 'split' = {spec.split!r}: a sweep tunes "
-            "on dev windows only and never opens the test split; score test windows once per "
-            "milestone with `healsweep confirm` (it records a ledger grant)"
-        )
-    from healsweep.sweep.space import check_space
-
-    check_space(spec, where=where, lines=lines)
-    _check_external_names(spec, where, lines)
-    return spec
-
-
-def _check_external_names(spec: SweepSpec, where: str, lines: Mapping) -> None:
-    taken = {Role.BASELINE.value, *REFERENCES}
-    for i, entry in enumerate(spec.external):
-        if entry.name in taken:
-            raise SpecError(
-                f"{locate(where, lines, ('external', i, 'name'))}: field 'external[{i}].name' = "
-                f"{entry.name!r} is taken (by the baseline, a reference or another external "
-                "entry); give each external GGUF its own name"
-            )
-        taken.add(entry.name)
-
-
-def load_spec(path: str | Path, *, check_paths: bool = True) -> SweepSpec:
-    """Read a spec YAML; relative model/corpus/split paths are resolved against its folder."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError(
-            f"cannot read sweep spec {path}: {exc.strerror or exc}; check the path"
-        ) from None
-    try:
-        node = yaml.compose(text)
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(f"{path}{line}: YAML syntax error ({problem}); fix the spec") from None
-    spec = spec_from_dict(raw, where=str(path), lines=_key_lines(node))
-    spec = _resolve_paths(spec, path.parent)
-    if check_paths:
-        _check_paths(spec, str(path))
-    return spec
-
-
-_FILES = {"model": "demo", "corpus": "demo", "split": "auto"}  # field -> its value without a file
-
-
-def _named(field: str, value: str) -> bool:
-    """Whether a file field holds a name rather than a path (``demo``, ``auto``, a packaged
-    model such as ``demo-medium-cpu``)."""
-    return value == _FILES[field] or (field == "model" and is_bundled(value))
-
-
-def _resolve_paths(spec: SweepSpec, folder: Path) -> SweepSpec:
-    def resolved(value: str) -> str:
-        return value if Path(value).is_absolute() else str((folder / value).resolve())
-
-    changes: dict[str, Any] = {
-        field: resolved(getattr(spec, field))
-        for field in _FILES
-        if not _named(field, getattr(spec, field))
-    }
-    corpus = spec.calibration.corpus
-    if corpus != "demo":
-        changes["calibration"] = spec.calibration.model_copy(update={"corpus": resolved(corpus)})
-    changes["external"] = [
-        e if e.path is None else e.model_copy(update={"path": resolved(e.path)})
-        for e in spec.external
-    ]
-    if spec.cache_root is not None:
-        changes["cache_root"] = resolved(spec.cache_root)
-    if spec.ledger is not None:
-        changes["ledger"] = resolved(spec.ledger)
-    out = spec.model_copy(update=changes)
-    given = spec._given.get("calibration")
-    if isinstance(given, Mapping) and given.get("corpus", "demo") != "demo":  # stored resolved
-        out._given = {**spec._given, "calibration": {**given, "corpus": resolved(given["corpus"])}}
-    return out
-
-
-def _check_paths(spec: SweepSpec, where: str) -> None:
-    """Every path of the spec checked where it is loaded: each file exists and is of its kind
-    (a corpus parses as one, a split config as one), the calibration corpus included, and the
-    folders (results root, shared cache root) are folders where they exist; externals open and
-    share the model's tokenizer, and a budget is checked against the model."""
-    for field in _FILES:
-        value = getattr(spec, field)
-        if not _named(field, value) and not Path(value).is_file():
-            allowed = SweepSpec.model_fields[field].description
-            raise SpecError(
-                f"{where}: field '{field}' = {value!r}: no such file; allowed: {allowed}"
-            )
-    _check_contents(spec, where)
-    for field, value in (("results", spec.results), ("cache_root", spec.cache_root)):
-        if value is not None and Path(value).exists() and not Path(value).is_dir():
-            raise SpecError(
-                f"{where}: field '{field}' = {value!r} is a file, not a folder; "
-                f"expected {SweepSpec.model_fields[field].description}"
-            )
-    if spec.ledger is not None and (Path(spec.ledger).is_dir()
-                                    or not Path(spec.ledger).parent.is_dir()):  # fmt: skip
-        raise SpecError(
-            f"{where}: field 'ledger' = {spec.ledger!r} is a folder or lies in a missing one; "
-            f"expected {SweepSpec.model_fields['ledger'].description}"
-        )
-    if spec.external:
-        check_externals(spec, where)
-    if spec.budget is not None:
-        from healsweep.sweep.budget import check_budget
-
-        check_budget(spec, where)
-
-
-def _check_contents(spec: SweepSpec, where: str) -> None:
-    """The corpora and the split config parse (a sweep whose calibration corpus was not a corpus
-    loaded, then failed in every trial)."""
-    from healsweep.data.corpus import load_corpus
-    from healsweep.data.split import load_split
-    from healsweep.errors import HealsweepError
-
-    checks = [("corpus", spec.corpus, load_corpus)]
-    if spec.calibration.corpus != spec.corpus:
-        checks.append(("calibration.corpus", spec.calibration.corpus, load_corpus))
-    if spec.split != "auto":
-        checks.append(("split", spec.split, load_split))
-    for field, value, load in checks:
-        if field == "calibration.corpus" and value != "demo" and not Path(value).is_file():
-            raise SpecError(f"{where}: field 'calibration.corpus' = {value!r}: no such file; "
-                            "allowed: a corpus JSONL path or 'demo'")  # fmt: skip
-        try:
-            load(value)
-        except HealsweepError as exc:
-            raise SpecError(f"{where}: field '{field}' = {value!r}: {exc}") from None
-
-
-def check_paths(spec: SweepSpec, where: str) -> None:
-    """The load-time checks of :func:`load_spec` on a spec already loaded (a stored one, before a
-    resume): SpecError naming the field for a path that is missing or not of its kind."""
-    _check_paths(spec, where)
-
-
-def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
-    """Each ``external`` GGUF opens, and has the token list of the sweep's model; else one
-    ``SpecError`` line naming the entry (before anything is started)."""
-    from healsweep.errors import HealsweepError
-    from healsweep.model import open_model
-    from healsweep.score.report import check_same_tokenizer
-
-    teacher = open_model(spec.model)
-    for i, entry in enumerate(spec.external):
-        at = f"{where}: field 'external[{i}]' ({entry.name})"
-        if entry.llama is not None:
-            _check_recipe(teacher, entry.llama, at)
-            continue
-        if not Path(entry.path).is_file():
-            expected = ExternalSpec.model_fields["path"].description
-            raise SpecError(f"{at}: {entry.path}: no such file; expected {expected}")
-        try:
-            check_same_tokenizer(teacher, open_model(entry.path))
-        except HealsweepError as exc:
-            raise SpecError(f"{at}: {exc}") from None
-
-
-def _check_recipe(teacher: GGUFModel, recipe: LlamaRecipe, at: str) -> None:
-    """A recipe's type fits the model's experts and ggml's quantizer is installed; else one
-    ``SpecError`` line."""
-    from healsweep.errors import HealsweepError
-    from healsweep.gguf_io._ggml_lib import libggml
-    from healsweep.heal.llama_baseline import check_baseline
-
-    try:
-        libggml()
-        check_baseline(teacher, recipe.type, recipe.imatrix)
-    except HealsweepError as exc:
-        raise SpecError(f"{at}: llama {recipe.type}: {exc}") from None
-
-
-def _key_lines(node: Any, prefix: tuple = ()) -> dict[tuple, int]:
-    """Map every key path of a composed YAML mapping to its 1-based line number."""
-    if isinstance(node, yaml.MappingNode):
-        items = [(key.value, key, value) for key, value in node.value]
-    elif isinstance(node, yaml.SequenceNode):
-        items = [(i, item, item) for i, item in enumerate(node.value)]
-    else:
-        items = []
-    lines: dict[tuple, int] = {}
-    for key, marked, value in items:  # a list item's line is its own
-        lines[(*prefix, key)] = marked.start_mark.line + 1
-        lines.update(_key_lines(value, (*prefix, key)))
-    return lines
-
-
-def locate(where: str, lines: Mapping, path: tuple) -> str:
-    """``where:LINE`` for the deepest known prefix of ``path`` (``where`` alone if unknown)."""
-    for cut in range(len(path), 0, -1):
-        if path[:cut] in lines:
-            return f"{where}:{lines[path[:cut]]}"
-    return where
-
-
-def field_name(path: tuple) -> str:
-    """``search_space.gain_d[1]`` from ``("search_space", "gain_d", 1)``."""
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _pydantic_error(exc: ValidationError, where: str, lines: Mapping) -> SpecError:
-    err = exc.errors()[0]
-    loc = tuple(err["loc"])
-    if loc[:1] == ("references",):  # pydantic names the union's member (bool, list[...]) too
-        loc = loc[:1]
-    shape = None
-    if loc[:1] == ("search_space",) and len(loc) > 2 and loc[2] in ("grid", "choices", "range"):
-        shape, loc = loc[2], loc[:2] + loc[3:]  # the dimension's shape (a union tag)
-    name = field_name(loc) or "(top level)"
-    knob_error = err.get("ctx", {}).get("error")
-    if isinstance(knob_error, KnobError):  # baseline, fixed, calibration: Knobs' own message
-        at = locate(where, lines, (*loc, knob_error.name))
-        return SpecError(f"{at}: field '{name}': {knob_error}")
-    at = locate(where, lines, loc)
-    if loc[:1] == ("search_space",) and len(loc) >= 2:
-        return _dimension_error(err, loc, shape, at)
-    names = [part for part in loc if isinstance(part, str)]  # list indices dropped
-    if err["type"] == "extra_forbidden":
-        known = ", ".join(_MODELS[".".join(names[:-1])].model_fields)
-        return SpecError(f"{at}: unknown field '{name}'; known fields: {known}")
-    if err["type"] == "value_error" and names[:1] in (["budget"], ["external"]):
-        why = str(err["ctx"]["error"])  # how the parts of the section fit together
-        return SpecError(f"{at}: field '{name}' = {err['input']!r} is not allowed; {why}")
-    allowed = _allowed(names) or err["msg"]
-    if err["type"] == "missing":
-        return SpecError(f"{at}: field '{name}' is missing; expected {allowed}")
-    return SpecError(f"{at}: field '{name}' = {err['input']!r} is not allowed; expected {allowed}")
-
-
-def _dimension_error(err: Any, loc: tuple, shape: str | None, at: str) -> SpecError:
-    """A ``search_space`` error: an unknown knob, a value the knob refuses (a grid value, a
-    choice, a range's low or high), or a dimension of the wrong shape."""
-    knob, name = str(loc[1]), field_name(loc)
-    if err["type"] == "extra_forbidden" and len(loc) == 2:
-        known = ", ".join(Knobs.model_fields)
-        return SpecError(f"{at}: field 'search_space.{knob}': unknown knob; knobs are {known}")
-    if err["type"] == "extra_forbidden":
-        known = ", ".join((Range if shape == "range" else Choices).model_fields)
-        return SpecError(f"{at}: unknown field '{name}'; known fields: {known}")
-    if err["type"] == "value_error":
-        why = str(err["ctx"]["error"])
-        return SpecError(f"{at}: field '{name}' = {err['input']!r} is not allowed; {why}")
-    expected = _allowed(["search_space", knob, *map(str, loc[2:])], shape) or SHAPES
-    if err["type"] == "missing":
-        return SpecError(f"{at}: field '{name}' is missing; expected {expected}")
-    if isinstance(loc[-1], int) or loc[-1] in ("low", "high"):  # one of the knob's values
-        return SpecError(f"{at}: field '{name}': {problem(Knobs, {**err, 'loc': (knob,)})}")
-    return SpecError(f"{at}: field '{name}' = {err['input']!r} is not allowed; expected {expected}")
-
-
-# The model of each field path that holds one (only these can have an unknown field).
-_MODELS: dict[str, type[BaseModel]] = {
-    "": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec, "pruner.futility": FutilitySpec,
-    "scoring": ScoringSpec, "external": ExternalSpec, "external.llama": LlamaRecipe,
-    "budget": BudgetSpec,
-}  # fmt: skip
-
-
-def _allowed(names: list[str], shape: str | None = None) -> str | None:
-    """What the deepest described field of the path ``names`` accepts (its docstring)."""
-    if shape is not None:  # a field of a search_space dimension
-        model = Range if shape == "range" else Choices
-        field = model.model_fields.get(names[-1]) if len(names) > 2 else None
-        return field.description if field is not None else None
-    for cut in range(len(names), 0, -1):
-        model = _MODELS.get(".".join(names[: cut - 1]))
-        field = model.model_fields.get(names[cut - 1]) if model else None
-        if field is not None and field.description:
-            return field.description
-    return None

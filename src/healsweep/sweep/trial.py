@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-import socket
-import time
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import replace
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,13 +31,13 @@ import ray
 from healsweep.results.schema import scored_all, student_of
 from healsweep.results.store import read_windows
 from healsweep.score.record import WindowMetrics, WindowRecord
+from healsweep.sweep.holders import HEAD_NODE_RESOURCE
+from healsweep.sweep.placed import PlacedWork
 from healsweep.sweep.space import TrialIdentity, trial_identity
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.work import WorkFn
 
 TARGET_METRIC = "running_kld_mean"
-# Ray gives the head node this resource; Ray Train pins its own state actor the same way.
-HEAD_NODE_RESOURCE = "node:__internal_head__"
 # What a trial's coordinator (the Tune trainable) takes: a sliver of the head's resource.
 COORDINATOR_RESOURCES = {HEAD_NODE_RESOURCE: 0.001}
 
@@ -98,17 +95,6 @@ def budget_tier(spec: SweepSpec, trial: TrialIdentity) -> float | None:
 
     budget = budget_of(spec)
     return None if budget is None or trial.size is None else budget.tier(trial.size)
-
-
-def stamped(results: Iterable[WindowRecord]) -> Iterator[WindowRecord]:
-    """``results``, each with where (the Ray node this runs on) and when it was scored."""
-    try:
-        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-    except Exception:  # outside a Ray worker (direct calls in tests of the pure parts)
-        node_id, node_ip = "", ""
-    node = {"scored_node_id": node_id, "scored_node_ip": node_ip}
-    for result in results:
-        yield replace(result, scored_at=time.time(), scored_hostname=socket.gethostname(), **node)
 
 
 class RunningPool:
@@ -175,9 +161,7 @@ def sweep_trial(
     :class:`~healsweep.sweep.holders.StageHolders`. See the module docstring."""
     from ray import tune
 
-    from healsweep.sweep.placed import PlacedWork
-
-    trial = trial_identity(spec, config)
+    trial = trial_identity(config, spec.baseline, spec.fixed, spec.model)
     done: dict[str, WindowRecord] = dict(ray.get(book.done.remote(trial.student)))
     pool = RunningPool()
     sent = {

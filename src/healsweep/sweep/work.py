@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from healsweep.data.windows import Window
     from healsweep.gguf_io import GGUFModel
     from healsweep.score.expert_cache import ExpertCacheConfig
-    from healsweep.score.runner import StudentModel
+    from healsweep.score.student import StudentModel
 
 # A work function: (spec, knobs, ids of the windows done, seed) -> a record per window it scores.
 WorkFn = Callable[[SweepSpec, Knobs, Collection[str], int], Iterator[WindowRecord]]
@@ -130,7 +130,8 @@ def _score_dev(
     if not todo:
         return
     index = {w.window_id: i for i, w in enumerate(windows)}
-    cache = StageCache(spec.cache_root)  # None: this worker's own ($HEALSWEEP_CACHE)
+    # None: this worker's own ($HEALSWEEP_CACHE), bounded by $HEALSWEEP_CACHE_MAX_GB if set
+    cache = StageCache(spec.cache_root, spec.cache_max_gb)
     scored = score_windows(
         teacher,
         make_student(teacher, cache),

@@ -4,7 +4,7 @@ ggml quantizes the experts first (with their importance rows, as for any ggml ty
 stored, one scale ``d·sc`` (and for Q2_K an offset ``dmin·m``) per 16 weights, is then kept and
 only the codes are chosen again by :func:`healsweep.kernels.gptq_grid.quantize`, column by
 column with each expert's damped input second moment ``H_e`` (the same ``H_e``, damping and
-host factor as Q2_0's ``gptq``: :func:`healsweep.heal.gptq.factor`). The bytes stay a valid Q2_K / Q3_K block, so
+host factor as Q2_0's ``gptq``: :func:`healsweep.quant.gptq.factor`). The bytes stay a valid Q2_K / Q3_K block, so
 llama.cpp runs them as any other. Experts with fewer than ``min_tokens_per_expert`` routed tokens,
 or whose ``H_e`` does not factor, keep ggml's codes (counted in the stage's report).
 
@@ -74,8 +74,8 @@ def gptq_stacks(
     """GPTQ codes on ggml's grid for the stacks ``weights`` [E, out, in] (which read one input:
     gate and up, or down with ``gate_up`` the teacher's gate and up stacks), replacing them in
     their ggml rows ``raws`` [E, out, row_bytes]; returns the new rows and the fallback counts."""
-    from healsweep.heal import gptq
     from healsweep.kernels import gptq_grid
+    from healsweep.quant import gptq
 
     counts = np.asarray(trace_layer["counts"])
     enough = np.nonzero(counts >= min_tokens)[0]

@@ -13,7 +13,7 @@ then 8 scale bytes.
 :class:`IQ2Grid` keeps every scale byte of ggml's answer and chooses a group's (index, signs)
 exactly: the lowest ``Σ ω_i (t_i − v_i)²`` over every grid row, the signs of ``t`` with, when
 their count of minus signs is odd, the one flip that costs least (any odd number of flips costs
-more than one). It is what column-wise error feedback (:mod:`healsweep.heal.ggml_gptq`) rounds
+more than one). It is what column-wise error feedback (:mod:`healsweep.quant.ggml_gptq`) rounds
 with, 8 columns at a time. Host numpy.
 """
 

@@ -2,10 +2,10 @@
 with each chunk's error fed forward through the expert's input second moment.
 
 Plain ggml quantization with an importance row (what ``llama-quantize --imatrix`` does, and
-:mod:`healsweep.heal.llama_baseline`) sees only ``diag(H_e)``. Here each expert ``e`` gets its
+:class:`healsweep.quant.ggml.GGMLImatrix`) sees only ``diag(H_e)``. Here each expert ``e`` gets its
 full ``H_e = Σ x xᵀ`` over its routed calibration tokens
-(:func:`healsweep.heal.gptq.second_moments`; gate/up: the FFN input x, down: the teacher
-expert's ``h``), damped (:func:`healsweep.heal.gptq.damped`) and factored as
+(:func:`healsweep.quant.gptq.second_moments`; gate/up: the FFN input x, down: the teacher
+expert's ``h``), damped (:func:`healsweep.quant.gptq.damped`) and factored as
 ``(H_e + λ·mean(diag H_e)·I)⁻¹ = uᵀu`` on the host (:func:`inverse_factor`).
 Then, per matrix ``W`` [out, in], the input dimension is walked in chunks ``S`` of ``chunk``
 columns (a multiple of the type's block; 256 = one super-block):
@@ -21,8 +21,8 @@ ggml's quantizer lays out a whole row.
 ``method="column"`` (Q2_K, Q3_K, IQ2_XXS, IQ2_XS): as ``block``, but inside the chunk the scales
 (and Q2_K's mins) ggml chose for the error-updated weights are kept, read from its bytes, and the
 chunk is re-rounded onto that fixed grid group by group, GPTQ proper: a group of ``k`` columns
-(``k = 1`` on the K grids, :mod:`healsweep.heal.ggml_kgrid`; ``k = 8``, one grid row with its
-signs, on the IQ2 grids, :mod:`healsweep.heal.ggml_iqgrid`) is chosen under the diagonal of its
+(``k = 1`` on the K grids, :mod:`healsweep.quant.ggml_kgrid`; ``k = 8``, one grid row with its
+signs, on the IQ2 grids, :mod:`healsweep.quant.ggml_iqgrid`) is chosen under the diagonal of its
 conditional metric ``(u_ggᵀu_gg)⁻¹``, and its error ``E_g`` updates the chunk's later columns by
 ``E_g·u_gg⁻¹·u_g,later``. The new codes are packed back into ggml's bytes.
 
@@ -47,7 +47,7 @@ had it made the current decisions, and the iteration oscillates), and every row 
 of lowest ``‖E·u_SS⁻¹‖²`` (its share of the objective once later columns re-fit): no row ends
 above ggml's first answer on the calibration ``H``. It is a search, not GPTQ: measure it held out.
 
-Interface for the heal stages (mirrors :func:`healsweep.heal.gptq.quantize_experts`):
+Interface for the heal stages (mirrors :func:`healsweep.quant.gptq.quantize_experts`):
 :func:`quantize_experts_ef` (stacks that share an input, gate and up: one ``H_e`` and one factor
 serve both) and :func:`quantize_stack_ef` (one stack) return ggml's stored bytes
 ``uint8 [E, out, row_bytes]`` for every expert of the stack; experts not in ``experts`` (fewer
@@ -60,7 +60,6 @@ device.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -69,10 +68,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from healsweep.errors import KnobError
-from healsweep.heal import ggml_iqgrid, ggml_kgrid
-from healsweep.heal.gptq import _HIGHEST, _routed_rows, damped, hidden_rows, second_moments
 from healsweep.kernels._precision import healing_jit
 from healsweep.kernels.ggml_types import GGMLType, ggml_type
+from healsweep.quant import ggml_iqgrid, ggml_kgrid
+from healsweep.quant.gptq import _HIGHEST, _routed_rows, damped, hidden_rows, second_moments
+from healsweep.quant.imatrix import quantize_expert_stack
+from healsweep.threads import host_threads, one_thread
 
 METHODS = ("block", "column")
 CHUNK_IMPORTANCE = ("conditional", "hessian", "imatrix")
@@ -147,7 +148,7 @@ def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
     """Upper ``u`` with ``uᵀu = (H + damp·mean(diag H)·I)⁻¹`` per matrix of ``h`` [G, n, n].
 
     Host float64, two triangular LAPACK calls: with ``J`` the reversal and ``J·H·J = L̃L̃ᵀ``,
-    ``H = RRᵀ`` for the upper ``R = J·L̃·J`` (the factor :func:`healsweep.heal.gptq.factor`
+    ``H = RRᵀ`` for the upper ``R = J·L̃·J`` (the factor :func:`healsweep.quant.gptq.factor`
     scales to unit diagonal), so ``u = R⁻¹ = J·L̃⁻¹·J``. Returns ``(u [G, n, n] float32, ok [G]
     bool)``; a matrix that does not factor even after damping has ``ok`` False and ``u = I``.
     """
@@ -224,8 +225,8 @@ def check_options(
 
 def _column_feedback(ws: np.ndarray, grid, u_ss: np.ndarray, inverse: np.ndarray):
     """GPTQ group by group (``grid.width`` columns: 1 on Q2_K/Q3_K, 8 on IQ2) on the grid of
-    ggml's bytes held by ``grid`` (:class:`~healsweep.heal.ggml_kgrid.KGrid`,
-    :class:`~healsweep.heal.ggml_iqgrid.IQ2Grid`) for the chunk ``ws`` [out, c], each group's
+    ggml's bytes held by ``grid`` (:class:`~healsweep.quant.ggml_kgrid.KGrid`,
+    :class:`~healsweep.quant.ggml_iqgrid.IQ2Grid`) for the chunk ``ws`` [out, c], each group's
     error fed to the chunk's later columns through ``u_ss`` [c, c] (``inverse`` = ``u_ss⁻¹``,
     whose diagonal blocks are those of ``u_ss`` inverted); returns the re-packed bytes and
     their values [out, c]."""
@@ -359,15 +360,15 @@ def quantize_experts_ef(
     :func:`corrected_targets` over ``H_s`` (:func:`student_moments`), so down makes up what it
     can of gate and up's error; the others stay plain ggml of the teacher's ``W``.
     """
-    from healsweep.heal.llama_baseline import quantize_expert_stack
-
     kind = check_options(qtype, method, chunk, chunk_importance, rounds)
     n_expert, _, n_in = stacks[0].shape
     importance = np.asarray(importance, np.float32)
     outs = [np.empty((n_expert, w.shape[1], kind.row_bytes(n_in)), np.uint8) for w in stacks]
     fed = np.zeros(n_expert, bool)
     experts = np.asarray(experts, np.int64)
-    pool = ThreadPoolExecutor(max_workers=workers or min(GROUP, os.cpu_count() or 1))
+    # a thread per expert of a group; each quantizes its rows on its own thread (no nested pool)
+    pool = ThreadPoolExecutor(max_workers=workers or min(GROUP, host_threads()),
+                              initializer=one_thread)  # fmt: skip
     with pool:
         for a in range(0, len(experts), GROUP):
             group = experts[a : a + GROUP]

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from healsweep.heal.knobs import Knobs
 from healsweep.kernels._precision import healing_jit
+from healsweep.quant.imatrix import pooled_means
+from healsweep.quant.values import Importance, ImportanceDown
 
 ROW_CHUNK = 256  # routed-token rows per call, zero-padded, so every call has one shape
 _FLOOR = 1e-6  # importance floor relative to the channel maximum: the Q2_0 search needs a > 0
@@ -76,16 +77,6 @@ def expert_hidden_moments(
     return sums, counts
 
 
-def pooled_means(sums: np.ndarray, counts: np.ndarray, min_tokens: int) -> np.ndarray:
-    """[E, C] per-expert means, the layer-wide mean for experts under ``min_tokens`` tokens."""
-    sums = np.asarray(sums, np.float64)
-    counts = np.asarray(counts, np.float64)
-    layer = sums.sum(axis=0) / max(counts.sum(), 1.0)  # [C]
-    enough = counts >= min_tokens
-    per_expert = sums / np.maximum(counts, 1.0)[:, None]
-    return np.where(enough[:, None], per_expert, layer[None, :]).astype(np.float32)
-
-
 def _floored(importance: np.ndarray) -> np.ndarray:
     importance = np.asarray(importance, np.float32)
     top = importance.max(axis=-1, keepdims=True)
@@ -94,16 +85,17 @@ def _floored(importance: np.ndarray) -> np.ndarray:
 
 
 def gate_up_importance(
-    knobs: Knobs,
+    kind: Importance | str,
     ffn_norm_weight: np.ndarray,
     x_sq_sums: np.ndarray | None,
     counts: np.ndarray | None,
     min_tokens: int,
 ) -> np.ndarray | None:
-    """Importance of the gate/up input channels: None, [D] (norm proxy) or [E, D] (act)."""
-    if knobs.importance == "none":
+    """Importance of the gate/up input channels under knob ``importance`` = ``kind``: None,
+    [D] (norm proxy) or [E, D] (act)."""
+    if kind == Importance.NONE:
         return None
-    if knobs.importance == "norm_proxy":
+    if kind == Importance.NORM_PROXY:
         return _floored(norm_proxy(ffn_norm_weight))
     if x_sq_sums is None or counts is None:
         raise ValueError("gate_up_importance: `act` needs the trace's E[x²] sums and counts")
@@ -111,10 +103,11 @@ def gate_up_importance(
 
 
 def down_importance(
-    knobs: Knobs, h_sq_sums: np.ndarray | None, counts: np.ndarray | None, min_tokens: int
+    kind: ImportanceDown | str, h_sq_sums: np.ndarray | None, counts: np.ndarray | None, min_tokens: int
 ) -> np.ndarray | None:
-    """Importance of the down-projection input channels: None or [E, F] (act)."""
-    if knobs.importance_down == "none":
+    """Importance of the down-projection input channels under knob ``importance_down`` =
+    ``kind``: None or [E, F] (act)."""
+    if kind == ImportanceDown.NONE:
         return None
     if h_sq_sums is None or counts is None:
         raise ValueError("down_importance: `act` needs the trace's E[h²] sums and counts")

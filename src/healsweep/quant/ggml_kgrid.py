@@ -11,7 +11,7 @@ with integer codes ``q`` in a fixed range:
   stored as ``q + 4``: its low two bits in the crumbs, its bit 2 as bit ``i`` of mask byte ``l``
   for weight ``32i + l``.
 
-Column-wise error feedback (:mod:`healsweep.heal.ggml_gptq`) keeps the scales ggml chose and
+Column-wise error feedback (:mod:`healsweep.quant.ggml_gptq`) keeps the scales ggml chose and
 re-rounds every weight onto this grid; :func:`pack_codes` writes the new codes into a copy of the
 bytes, leaving every scale byte as it was, so the result decodes with any Q2_K/Q3_K decoder.
 The products ``step · q + offset`` are formed in float32 in the decoders' order (``d · sc``

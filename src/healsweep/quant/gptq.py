@@ -30,7 +30,7 @@ Experts are processed in groups of at most ``GROUP`` (a path's last group padded
 repeats to a power of two: at most half of it is inert, and few shapes compile),
 most-routed first so that a group's routed rows pad to a similar count; the host holds a few
 ``[n, n]`` matrices at a time and each kernel compiles once per shape. The host factors the next
-group (dense: one matrix per thread, :mod:`healsweep.heal._lapack`; low-rank: the group's
+group (dense: one matrix per thread, :mod:`healsweep.quant._lapack`; low-rank: the group's
 experts batched, split over the same threads) while the device quantizes this one.
 """
 
@@ -44,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from healsweep.heal._lapack import cholesky_lower, one_blas_thread, threads_for_factoring
 from healsweep.kernels import gptq as gptq_kernel
 from healsweep.kernels import gptq_refine as refine_kernel
 from healsweep.kernels._precision import healing_jit
+from healsweep.quant._lapack import cholesky_lower, one_blas_thread, threads_for_factoring
 
 GROUP = 8  # experts per kernel call
 LOWRANK_SHARE = 0.25  # low-rank path up to this many routed rows per input channel (docs/sizing.md)

@@ -20,10 +20,11 @@ quantizes the experts factored before. Two things stood in the way (measured on 
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 
 import numpy as np
+
+from healsweep.threads import host_threads, one_thread, openblas_paths
 
 _INT_P = ctypes.POINTER(ctypes.c_int)
 
@@ -66,13 +67,8 @@ def cholesky_lower(a: np.ndarray) -> int:
 def _local_thread_setters() -> tuple:
     """``openblas_set_num_threads_local`` of each OpenBLAS this process has loaded."""
     _dpotrf()  # scipy's LAPACK (and so its OpenBLAS) is loaded by now
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/" in line}
-    except OSError:  # no /proc (macOS): scipy there is usually built on Accelerate
-        return ()
     setters = []
-    for path in sorted(p for p in paths if "openblas" in os.path.basename(p).lower()):
+    for path in openblas_paths():  # none without /proc (macOS: scipy on Accelerate)
         try:
             setter = ctypes.CDLL(path).openblas_set_num_threads_local
         except (OSError, AttributeError):
@@ -84,14 +80,16 @@ def _local_thread_setters() -> tuple:
 
 def one_blas_thread() -> None:
     """Make this thread's BLAS and LAPACK calls single-threaded (an executor's initializer)."""
+    one_thread()
     for setter in _local_thread_setters():
         setter(1)
 
 
 def threads_for_factoring(limit: int) -> int:
-    """Host threads to factor matrices side by side: up to ``limit``, one core left to the
-    device's driver (and on a CPU backend to XLA); 1 where LAPACK's own threads cannot be
+    """Host threads to factor matrices side by side: up to ``limit``, one of the process's host
+    threads (:func:`~healsweep.threads.host_threads`) left to the device's driver (and on a CPU
+    backend to XLA); 1 where LAPACK's own threads cannot be
     limited per thread (each call then spreads over the cores itself)."""
     if not _local_thread_setters():
         return 1
-    return max(1, min(limit, (os.cpu_count() or 2) - 1))
+    return max(1, min(limit, host_threads() - 1))

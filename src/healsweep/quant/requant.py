@@ -20,7 +20,7 @@ from healsweep.errors import GGUFFormatError
 def requantize(name: str, values: np.ndarray, ggml_type: Any) -> tuple[np.ndarray, np.ndarray]:
     """(raw for the writer, dequantized float32) of ``values`` [rows, cols] in ``ggml_type``."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import quantize
 
     values = np.ascontiguousarray(values, dtype=np.float32)
     if ggml_type == GGMLQuantizationType.F32:
