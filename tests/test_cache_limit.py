@@ -130,6 +130,44 @@ def test_an_entry_held_in_a_block_survives_until_the_block_ends(tmp_path, caplog
     assert _present(tmp_path, "mine", "later", "later2") == []
 
 
+def test_blocks_nest_and_the_outermost_lets_go(tmp_path):
+    cache = StageCache(tmp_path)
+    with cache.holding():
+        _put(cache, "outer")
+        with cache.holding():
+            _put(cache, "inner")
+        (holds,) = (tmp_path / disk.HOLDS_DIR).glob("*.holds")  # one file, still held
+        assert disk.held(tmp_path) == (
+            {f"stage/{k[:2]}/{k}.hsc" for k in map(_key, ("outer", "inner"))},
+            1,
+        )
+    assert disk.held(tmp_path) == (set(), 0) and not holds.exists()
+
+
+def test_a_block_never_left_lets_go_when_collected(tmp_path):
+    import gc
+
+    cache = StageCache(tmp_path)
+    block = cache.holding()
+    block.__enter__()
+    _put(cache, "a")
+    assert disk.held(tmp_path)[1] == 1
+    del block, cache
+    gc.collect()
+    assert disk.held(tmp_path) == (set(), 0)
+
+
+def test_a_root_that_takes_no_holds_is_still_read_with_one_warning(tmp_path, caplog):
+    _put(StageCache(tmp_path), "a")
+    (tmp_path / disk.HOLDS_DIR).write_text("not a folder")  # as a root this process cannot write
+    cache = StageCache(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="healsweep.cache"), cache.holding():
+        assert cache.get("stage", _key("a")) is not None
+        assert cache.get("stage", _key("a")) is not None
+    warned = [r.message for r in caplog.records if "cannot record the entries" in r.message]
+    assert len(warned) == 1
+
+
 def _holder(root: str, names: list[str], ready, release, die: bool) -> None:
     """Hold ``names`` (write the first, read the others) until ``release`` is set; ``die``:
     exit inside the block, as a killed trial does (its holds file stays behind, unlocked)."""

@@ -218,3 +218,60 @@ def test_rows_quantized_by_ggml_fold_as_ggml_decodes_them(qtype):
     else:
         size = np.abs(want / f[:, None, None])
     assert np.all(np.abs(got - want) <= REL * f[:, None, None] * size)
+
+
+def iq1_reference(raw: np.ndarray, qtype: int) -> np.ndarray:
+    """Float64 decode of IQ1_S / IQ1_M rows ``[..., row_bytes]`` written from the block layout
+    alone (ggml's ``block_iq1_s``/``block_iq1_m``): ``dl·(grid[idx] + δ)`` per group of 8, with
+    IQ1_M's fp16 ``d`` gathered from the top nibbles of its four scale words."""
+    from gguf.quants import IQ1_S
+
+    IQ1_S.init_grid()
+    grid = np.asarray(IQ1_S.grid, np.float64).reshape(2048, 8)
+    size = geometry(qtype)[1]
+    blocks = raw.reshape(-1, size).astype(np.int64)
+    out = np.empty((len(blocks), 256), np.float64)
+    for b, block in enumerate(blocks):
+
+        def u16(offset: int, block=block) -> int:
+            return int(block[offset]) | int(block[offset + 1]) << 8
+
+        if qtype == int(T.IQ1_S):
+            d = float(np.uint16(u16(0)).view(np.float16))
+            for g in range(32):
+                qh = u16(34 + 2 * (g // 4))
+                idx = int(block[2 + g]) | ((qh >> 3 * (g % 4)) & 7) << 8
+                delta = -0.125 if qh & 0x8000 else 0.125
+                dl = d * (2 * ((qh >> 12) & 7) + 1)
+                out[b, 8 * g : 8 * g + 8] = dl * (grid[idx] + delta)
+        else:
+            words = [u16(48 + 2 * i) for i in range(4)]
+            d = float(np.uint16(sum((w >> 12) << (4 * i) for i, w in enumerate(words)))
+                      .view(np.float16))  # fmt: skip
+            for g in range(32):
+                nibble = int(block[32 + g // 2]) >> (4 * (g % 2))
+                idx = int(block[g]) | (nibble & 7) << 8
+                delta = -0.125 if nibble & 8 else 0.125
+                j = g // 2  # one 3-bit scale per 16 weights
+                dl = d * (2 * ((words[j // 4] >> 3 * (j % 4)) & 7) + 1)
+                out[b, 8 * g : 8 * g + 8] = dl * (grid[idx] + delta)
+    return out.reshape(*raw.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("qtype", [int(T.IQ1_S), IQ1_M], ids=["IQ1_S", "IQ1_M"])
+def test_iq1_fold_against_a_float64_decoder_of_the_layout(qtype):
+    """IQ1_M spreads its fp16 ``d`` over four nibbles, so its fold is its own code
+    (``gguf_io._fold``); both IQ1 folds scale every weight a float64 decoder written from the
+    layout reads by ``f``, to the fp16 rounding of the new ``d``, and that decoder agrees with
+    gguf-py's on the bytes before and after."""
+    rng = np.random.default_rng(5 + qtype)
+    raw = moderate_blocks(qtype, (3, 4), rng)  # [E, out, 2 blocks]
+    f = np.array([0.61, 1.0, 1.37], np.float32)
+    folded = fold_scale(raw, qtype, f)
+    before, after = iq1_reference(raw, qtype), iq1_reference(folded, qtype)
+    np.testing.assert_allclose(before, decode(raw, qtype), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(after, decode(folded, qtype), rtol=1e-6, atol=0)
+    want = f[:, None, None].astype(np.float64) * before
+    assert np.all(np.abs(after - want) <= 2.0**-11 * np.abs(want))
+    np.testing.assert_array_equal(after[1], before[1])  # a factor of 1 changes nothing
+    assert np.abs(after - want).max() > 0

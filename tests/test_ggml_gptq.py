@@ -16,11 +16,12 @@ from gguf.quants import dequantize
 
 from healsweep.errors import KnobError
 from healsweep.kernels.ggml_decode import decode_rows
-from healsweep.quant import ggml_gptq, ggml_iqgrid, ggml_kgrid
+from healsweep.quant import ggml_gptq, ggml_iq1grid, ggml_iqgrid, ggml_kgrid
 from healsweep.quant.ggml_gptq import inverse_factor
+from test_ggml_iquants import set_iq1_m_scale
 
 K_TYPES = (int(T.Q2_K), int(T.Q3_K))
-EF_TYPES = ("iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "q2_k", "iq3_xxs", "q3_k")
+EF_TYPES = ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "q2_k", "iq3_xxs", "q3_k")
 
 
 def random_k_rows(qtype: int, rows: int, blocks: int, rng) -> np.ndarray:
@@ -141,6 +142,96 @@ def test_iq2_group_choice_is_the_weighted_optimum(qtype):
         np.testing.assert_allclose(got_cost, best, rtol=1e-5, atol=1e-12)
 
 
+IQ1_TYPES = (int(T.IQ1_S), int(T.IQ1_M))
+
+
+def random_iq1_rows(qtype: int, rows: int, blocks: int, rng) -> np.ndarray:
+    """Random IQ1_S/IQ1_M rows with a finite positive fp16 ``d`` of ordinary size (every other
+    bit pattern is valid: an 11-bit index names a grid row, a bit the sign of the shift, 3 bits
+    a scale)."""
+    size = ggml_iq1grid.IQ1_TYPES[qtype]
+    raw = rng.integers(0, 256, (rows * blocks, size), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.01, rows * blocks).astype(np.float16).view(np.uint16)
+    if qtype == int(T.IQ1_M):
+        set_iq1_m_scale(raw, d)
+    else:
+        raw[:, 0], raw[:, 1] = d & 0xFF, d >> 8
+    return raw.reshape(rows, blocks * size)
+
+
+def choose_all_iq1(raw, qtype, targets, omega):
+    grid = ggml_iq1grid.IQ1Grid(raw, qtype)
+    groups = range(targets.shape[1] // 8)
+    values = [grid.round(g, targets[:, 8 * g : 8 * g + 8], omega) for g in groups]
+    return grid.packed(), np.concatenate(values, axis=1)
+
+
+def iq1_kept_bytes(qtype: int) -> np.ndarray:
+    """Per byte of a block, whether re-choosing groups must leave it alone: IQ1_S's ``d`` and
+    each ``qh`` word's scale and shift bits (the top nibble of its high byte); IQ1_M's four
+    scale words (3-bit scales and the fp16 ``d``)."""
+    size = ggml_iq1grid.IQ1_TYPES[qtype]
+    mask = np.zeros(size, np.uint8)
+    if qtype == int(T.IQ1_S):
+        mask[0:2] = 0xFF
+        mask[35:50:2] = 0xF0  # high byte of each uint16 qh: bits 12-15
+    else:
+        mask[48:56] = 0xFF
+    return mask
+
+
+@pytest.mark.parametrize("qtype", IQ1_TYPES, ids=["iq1_s", "iq1_m"])
+def test_iq1_grid_rechoosing_stored_values_gives_back_the_bytes(qtype):
+    rng = np.random.default_rng(60 + qtype)
+    raw = random_iq1_rows(qtype, 5, 2, rng)
+    stored = np.asarray(dequantize(raw, T(qtype)), np.float32)
+    packed, values = choose_all_iq1(raw, qtype, stored, rng.uniform(0.2, 3, 8))
+    np.testing.assert_array_equal(packed, raw)
+    np.testing.assert_array_equal(values, stored)
+
+
+@pytest.mark.parametrize("qtype", IQ1_TYPES, ids=["iq1_s", "iq1_m"])
+def test_iq1_grid_choices_decode_as_gguf_py_and_the_graph_and_keep_the_scales(qtype):
+    rng = np.random.default_rng(70 + qtype)
+    raw = random_iq1_rows(qtype, 6, 2, rng)
+    targets = rng.normal(0, 0.02, (6, 512)).astype(np.float32)
+    packed, values = choose_all_iq1(raw, qtype, targets, rng.uniform(0.2, 3, 8))
+    np.testing.assert_array_equal(dequantize(packed, T(qtype)), values)
+    np.testing.assert_array_equal(np.asarray(decode_rows(packed, qtype, 512)), values)
+    size = ggml_iq1grid.IQ1_TYPES[qtype]
+    kept = iq1_kept_bytes(qtype)
+    np.testing.assert_array_equal(packed.reshape(6, 2, size) & kept, raw.reshape(6, 2, size) & kept)
+    assert not np.array_equal(packed, raw)
+
+
+@pytest.mark.parametrize("qtype", IQ1_TYPES, ids=["iq1_s", "iq1_m"])
+def test_iq1_group_choice_is_the_weighted_optimum(qtype):
+    """Brute force in float64 over every grid row, and on IQ1_M both signs of the shift (IQ1_S
+    keeps the shift its four groups share), each group's scale and shift read by gguf-py's
+    dequantizer from the stored bytes."""
+    rng = np.random.default_rng(80 + qtype)
+    raw = random_iq1_rows(qtype, 12, 1, rng)
+    grid = ggml_iq1grid.IQ1Grid(raw, qtype)
+    table = ggml_iq1grid.grid_table().astype(np.float64)  # [2048, 8]
+    stored = np.asarray(dequantize(raw, T(qtype)), np.float64)  # dl·(g + δ) per weight
+    omega = rng.uniform(0.2, 3, 8)
+    for g in (0, 5, 31):
+        target = rng.normal(0, 0.03, (12, 8)).astype(np.float32)
+        got = grid.round(g, target, omega).astype(np.float64)
+        got_cost = ((target - got) ** 2 * omega).sum(axis=1)
+        dl = grid.scale[:, g].astype(np.float64)
+        if qtype == int(T.IQ1_S):  # the stored δ: stored value / dl minus the stored grid row
+            codes = stored[:, 8 * g : 8 * g + 8] / dl[:, None]
+            deltas = [(codes - np.round(codes))[:, :1]]
+        else:
+            deltas = [np.full((12, 1), -0.125), np.full((12, 1), 0.125)]
+        costs = []
+        for delta in deltas:
+            every = dl[:, None, None] * (table[None] + delta[:, :, None])  # [rows, N, 8]
+            costs.append(((target[:, None, :] - every) ** 2 * omega).sum(axis=-1).min(axis=1))
+        np.testing.assert_allclose(got_cost, np.min(costs, axis=0), rtol=1e-5, atol=1e-14)
+
+
 def random_spd(n: int, rng) -> np.ndarray:
     x = rng.standard_normal((3 * n, n)) @ (np.eye(n) + 0.3 * rng.standard_normal((n, n)))
     return (x.T @ x).astype(np.float32)
@@ -172,6 +263,8 @@ def test_options_that_do_not_apply_are_one_line_knob_errors():
     ggml_gptq.check_options("iq2_xs", "block", 512, "conditional")
     ggml_gptq.check_options("q3_k", "column", 256, "imatrix")
     ggml_gptq.check_options("iq2_xxs", "column", 256, "conditional")
+    ggml_gptq.check_options("iq1_s", "column", 256, "conditional")
+    ggml_gptq.check_options("iq1_m", "column", 512, "hessian")
     with pytest.raises(KnobError, match="IQ2_XS grid, not iq3_xxs"):
         ggml_gptq.check_options("iq3_xxs", "column", 256, "conditional")
     with pytest.raises(KnobError, match="multiple of the iq2_xs block"):
@@ -230,7 +323,7 @@ def test_error_feedback_beats_plain_ggml_on_a_correlated_h(qtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", ["q2_k", "q3_k", "iq2_xxs", "iq2_xs"])
+@pytest.mark.parametrize("qtype", ["q2_k", "q3_k", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs"])
 def test_column_feedback_on_the_grid_beats_block_feedback(qtype):
     """Over three seeds at least 8% below block-wise feedback (17-34% below on these problems)."""
     column = [ef_and_plain(qtype, seed, method="column")[0] for seed in range(3)]
@@ -283,11 +376,12 @@ def test_a_scaled_identity_h_is_chunk_by_chunk_ggml(qtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", ["iq2_xxs", "iq2_xs"])
-def test_a_scaled_identity_h_rechooses_iq2_groups_at_most_ggmls_error(qtype):
+@pytest.mark.parametrize("qtype", ["iq1_s", "iq1_m", "iq2_xxs", "iq2_xs"])
+def test_a_scaled_identity_h_rechooses_iq_groups_at_most_ggmls_error(qtype):
     """H = c·I: column-wise feedback keeps ggml's scales and picks each group's exact optimum
     under the flat metric, so no row's error exceeds ggml's answer's, and the total is lower
-    (ggml searches its grid's neighbours with its own weights)."""
+    (ggml searches its grid's neighbours with its own weights; on IQ1 it chose the rows for its
+    scales before rounding them to 3 bits)."""
     from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 
     kind = ggml_gptq.ggml_type(qtype)
@@ -302,7 +396,8 @@ def test_a_scaled_identity_h_rechooses_iq2_groups_at_most_ggmls_error(qtype):
     )
     assert np.all(ours <= theirs * (1 + 1e-6)), (ours / theirs).max()
     assert ours.sum() < theirs.sum()
-    np.testing.assert_array_equal(raw[:, :2], ggml[:, :2])  # the first super-block's d kept
+    kept = slice(48, 56) if qtype == "iq1_m" else slice(0, 2)  # the first super-block's d kept
+    np.testing.assert_array_equal(raw[:, kept], ggml[:, kept])
 
 
 def routed_problem(seed: int, n_expert: int = 4, n_in: int = 512, tokens: int = 600):

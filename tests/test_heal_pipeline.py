@@ -147,3 +147,20 @@ def test_ridge_bases_built_ahead_on_a_thread_give_the_same_student(setup, tmp_pa
         a = StageCache(tmp_path / "off").get("ridge_basis", key)[0]
         b = StageCache(tmp_path / "on").get("ridge_basis", key)[0]
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_student_without_diagnostics_is_the_same_student(setup, tmp_path):
+    """A sweep builds its students without Part B's held-out diagnostic: nothing the student
+    is made of reads it, so the student and its key are those of a build with it."""
+    import numpy as np
+
+    model, corpus = setup
+    cache = StageCache(tmp_path / "cache")
+    lean = build_student(model, Knobs(), CAL, cache, corpus=corpus, diagnostics=False)
+    assert cache.computed["ridge_heldout"] == 0 and cache.computed["part_b"] > 0
+    assert all("heldout_change" not in r.get("ridge", {}) for r in lean.report["layers"])
+    full = build_student(model, Knobs(), CAL, StageCache(tmp_path / "full"), corpus=corpus)
+    assert full.key == lean.key
+    assert all("heldout_change" in r["ridge"] for r in full.report["layers"])
+    for i, layer in full.replacements.items():
+        assert np.array_equal(np.asarray(layer.down_shexp), np.asarray(lean.replacements[i].down_shexp))

@@ -20,7 +20,7 @@ from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import stage_reads
 from healsweep.heal.stage_names import VERSIONS
 from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
-from healsweep.quant.ggml import GGMLImatrix, GGMLStored, IQ2GridGptq, KGridGptq
+from healsweep.quant.ggml import GGMLImatrix, GGMLStored, IQ1GridGptq, IQ2GridGptq, KGridGptq
 from healsweep.quant.q2_0 import Q2Gptq, Q2Plain, Q2Search
 from healsweep.quant.registry import (
     GroupInputs,
@@ -45,12 +45,16 @@ def test_every_type_under_every_quantizer_has_one_class():
         ("q3_k", Quantizer.GPTQ): KGridGptq,
         ("iq2_xxs", Quantizer.GPTQ): IQ2GridGptq,
         ("iq2_xs", Quantizer.GPTQ): IQ2GridGptq,
+        ("iq1_s", Quantizer.GPTQ): IQ1GridGptq,
+        ("iq1_m", Quantizer.GPTQ): IQ1GridGptq,
     }
     for kind in ROUTED_TYPES:
         for quantizer in Quantizer:
             found = quantizer_for(kind.name, quantizer)
             assert found is expected.get((kind.name, quantizer), GGMLImatrix), (kind, quantizer)
-    assert types_with(Quantizer.GPTQ) == ("iq2_xs", "iq2_xxs", "q2_0", "q2_k", "q3_k")
+    assert types_with(Quantizer.GPTQ) == (
+        "iq1_m", "iq1_s", "iq2_xs", "iq2_xxs", "q2_0", "q2_k", "q3_k"
+    )  # fmt: skip
     with pytest.raises(KnobError, match="no quantizer stores routed experts as 'q8_0'"):
         quantizer_for("q8_0", Quantizer.SEARCH)
 

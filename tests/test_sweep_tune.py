@@ -360,3 +360,6 @@ def test_a_trial_s_host_work_runs_on_the_cores_it_holds(ray_cluster, tmp_path, c
         assert seen["blas_threads"] and set(seen["blas_threads"]) == {expected}
     rows = pq.read_table(tmp_path / f"threads{concurrent}" / "trials.parquet").to_pylist()
     assert sorted(r["threads"] for r in rows) == [expected] * 4
+    # a trial worked in its own process on this one node still names its quantization (what
+    # bench night tells a follow-up from a quantization change by): one per gain_d of the grid
+    assert len({r["quantization"] for r in rows}) == 2 and all(r["quantization"] for r in rows)

@@ -134,7 +134,7 @@ def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
         "type": "q3_k", "quantizer": "gptq", "gptq_damp": 0.1
     }  # fmt: skip
     assert stage_reads(grid, "quantize", group="d", stored_as="iq3_s") == {"type": "iq3_s"}
-    for name in ("iq2_xxs", "iq2_xs"):  # ...and the IQ2 grids (quant.ggml_gptq)
+    for name in ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs"):  # ...and the IQ grids (quant.ggml_gptq)
         assert stage_reads(grid, "quantize", group="gu", stored_as=name) == {
             "type": name, "quantizer": "gptq", "gptq_damp": 0.1
         }  # fmt: skip

@@ -39,6 +39,7 @@ import os
 import secrets
 import socket
 import time
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -178,6 +179,8 @@ class Holds:
             self._fd = None
             making.unlink(missing_ok=True)
             raise
+        # a block left without closing (a generator never finished): let go when collected
+        self._release = weakref.finalize(self, _let_go, self._fd, self.path)
 
     def add(self, relpath: str) -> None:
         """Hold the entry at ``relpath`` (under the root) until :meth:`close`."""
@@ -188,13 +191,16 @@ class Holds:
 
     def close(self) -> None:
         """Let go of every entry held (the file is removed before its lock goes)."""
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        try:
-            self.path.unlink(missing_ok=True)
-        finally:
-            os.close(fd)
+        if self._fd is not None:
+            self._fd = None
+            self._release()
+
+
+def _let_go(fd: int, path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def held(root: Path) -> tuple[set[str], int]:

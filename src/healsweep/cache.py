@@ -295,6 +295,7 @@ class StageCache:
         self._writes: list[Future] = []
         self._holds: disk.Holds | None = None  # the holding block's, while one is open
         self._holding = 0  # depth of holding blocks
+        self._unheld = False  # the root took no holds file: go on without
         self._scanned_at = -math.inf  # monotonic time of the last eviction pass
         self._since_scan = 0  # bytes written since then
         self._room = 0  # this cache's share of the room left under the limit after it
@@ -310,9 +311,11 @@ class StageCache:
         try:
             yield
         finally:
+            holds = None
             with self._lock:
                 self._holding -= 1
-                holds, self._holds = (self._holds, None) if not self._holding else (None, None)
+                if not self._holding:
+                    holds, self._holds = self._holds, None
             if holds is not None:
                 holds.close()
 
@@ -323,17 +326,23 @@ class StageCache:
 
     def _hold(self, path: Path) -> None:
         with self._lock:
-            if not self._holding:
+            if not self._holding or self._unheld:
                 return
             try:
                 if self._holds is None:
                     self._holds = disk.Holds(self.root)
                 self._holds.add(path.relative_to(self.root).as_posix())
+                return
             except OSError as exc:
-                raise CacheError(
-                    f"cannot write the holds of cache {self.root}: {exc.strerror or exc}; free "
-                    "disk space or point HEALSWEEP_CACHE at a writable directory"
-                ) from exc
+                # A root this process cannot write to (read-only shared storage, a full disk):
+                # its entries can still be read; unheld, another process's eviction may cost
+                # this one a recomputation, never a wrong result.
+                self._unheld = True
+                failure = exc
+        if current().first_time(("stage cache holds", str(self.root))):
+            log.warning("stage cache %s: cannot record the entries this process holds (%s); "
+                        "another process's eviction may delete them, costing recomputations",
+                        self.root, failure.strerror or failure)  # fmt: skip
 
     def path(self, stage: str, key: str) -> Path:
         return self.root / stage / key[:2] / f"{key}.hsc"

@@ -124,10 +124,13 @@ class PhaseProfile:
 
     def add_bytes(self, n: int, stage: str) -> None:
         """Charge ``n`` bytes of a ``stage`` entry stored in the stage cache to the phase open
-        on this thread (its layer's row), or to a phase named ``stage`` where none is (an entry
-        computed on a helper thread)."""
-        stack = getattr(self._stacks, "open", None)
-        phase, layer = (stack[-1].phase, stack[-1].layer) if stack else (stage, None)
+        on this thread (its layer's row), else to the one open on the profiled thread (work it
+        handed to a pool, such as the trace's layers), else to a phase named ``stage``."""
+        stack = getattr(self._stacks, "open", None) or self._main
+        try:
+            phase, layer = (stack[-1].phase, stack[-1].layer) if stack else (stage, None)
+        except IndexError:  # the profiled thread's phase closed meanwhile
+            phase, layer = stage, None
         with self._lock:
             self._entry(phase, layer).cache_bytes += int(n)
 

@@ -41,6 +41,22 @@ def cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def available_memory() -> int:
+    """Bytes of memory the process can still take without swapping (``MemAvailable``), or the
+    machine's memory where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
 class _Count:
     """The runtime's thread count (None: not set, so every core), and the threads that are
     themselves one of a pool's (each does its share on one thread)."""
@@ -103,6 +119,7 @@ def _openblas(path: str) -> tuple[Any, Any] | None:
 
 
 def _loaded_openblas() -> list[tuple[Any, Any]]:
+    # lazy: heavy (scipy); both are imported here for the OpenBLAS each loads
     import numpy  # noqa: F401  (its OpenBLAS)
     import scipy.linalg  # noqa: F401  (scipy's own OpenBLAS, which LAPACK calls use)
 
@@ -146,6 +163,6 @@ def seen() -> dict[str, object]:
 
 
 __all__ = [
-    "blas_threads", "cores", "host_threads", "one_thread", "seen", "use_threads",
+    "available_memory", "blas_threads", "cores", "host_threads", "one_thread", "seen", "use_threads",
     "xla_cpu_threads",
 ]  # fmt: skip

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from healsweep import cluster, ray_orphans
 from healsweep.cli._apps import app, cluster_app
+from healsweep.conformance import run_conformance
 
 _ADDRESS = typer.Option(
     None, "--address", help="Ray cluster HOST:PORT (default: a local cluster, if any)."
@@ -21,8 +23,6 @@ _STOP_ORPHANS = typer.Option(
 def cluster_status(address: str | None = _ADDRESS, stop_orphans: bool = _STOP_ORPHANS) -> None:
     """List the cluster's nodes, their resources, JAX backends and GPUs; first, the Ray
     processes a killed driver left on this machine (stopped with --stop-orphans)."""
-    from healsweep import cluster, ray_orphans
-
     orphans = ray_orphans.find()
     if stop_orphans:
         ray_orphans.stop(orphans)
@@ -86,7 +86,6 @@ def node_lines(nodes) -> list[str]:
 
 
 def _cluster_line(address: str | None) -> str:
-    from healsweep import cluster
 
     if not cluster.connect(address):
         return "ray cluster: none running here (sweeps start an embedded local Ray)"
@@ -108,8 +107,7 @@ def doctor(
 ) -> None:
     """JAX backend and devices, the Ray cluster, and the conformance suite: every kernel, GGUF
     decoder and a model layer against float64 references (and the device against the CPU)."""
-    from healsweep import cluster
-    from healsweep.conformance import run_conformance
+    # lazy: heavy (gguf)
     from healsweep.gguf_io._ggml_lib import status_line
 
     info = cluster.jax_info()

@@ -268,6 +268,7 @@ def guarded_filter(name: str, func: Any) -> Any:
 
 
 def _is_jinja_context(value: Any) -> bool:
+    # lazy: heavy (jinja2)
     from jinja2.environment import Environment
     from jinja2.nodes import EvalContext
     from jinja2.runtime import Context
@@ -322,6 +323,7 @@ def make_environment(**options: Any) -> Any:
     """An immutable sandboxed Jinja environment whose renders are held to the budget set with
     :class:`budgeted` (outside one it renders without limits). Call :func:`guard_filters` once
     its filters are all in place."""
+    # lazy: heavy (jinja2)
     from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.visitor import NodeTransformer

@@ -146,11 +146,11 @@ class Knobs(_Settings):
     gptq_refine: int = Field(default=0, ge=0, le=20, strict=True)
     """an integer in [0, 20] (rounds; acts only with quantizer gptq)"""
     # (rounds of code descent + closed-form scale refit after GPTQ, quant/gptq.refine; 0: none)
-    # GPTQ of down on the IQ2 grids (docs/contracts.md, Knobs): `teacher` takes down's input h
+    # GPTQ of down on the IQ1/IQ2 grids (docs/contracts.md, Knobs): `teacher` takes down's input h
     # from the teacher's gate and up; `student` from the layer's quantized gate and up, with
     # down's target corrected so that its output matches the teacher's (W·C·H_s⁻¹).
     down_input: DownInput = DownInput.TEACHER
-    """one of teacher, student (down's GPTQ input on the IQ2 grids)"""
+    """one of teacher, student (down's GPTQ input on the IQ1 and IQ2 grids)"""
     gain_gu: float = _float(0.3, 0.0, 2.0)
     """a float in [0, 2]"""
     gain_d: float = _float(0.3, 0.0, 2.0)
@@ -367,6 +367,7 @@ def require_ggml(values: Mapping[str, Any]) -> None:
                 ggml = value != Q2_0
             if not ggml:
                 continue
+            # lazy: heavy (gguf)
             from healsweep.gguf_io._ggml_lib import libggml
 
             try:

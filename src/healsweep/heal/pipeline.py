@@ -25,6 +25,7 @@ from functools import cache as once
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
@@ -44,6 +45,7 @@ from healsweep.heal.stage_names import Stage
 from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
+from healsweep.model import LayerReplacement
 from healsweep.profile import phase
 from healsweep.quant.registry import QuantizedGroup
 from healsweep.quant.values import GROUPS, Group
@@ -134,6 +136,7 @@ class LayerInputs:
     trace: Trace | None
     weights: Callable[[], dict[str, Any]]  # the teacher's routed experts and ffn_norm
     trace_layer: Callable[[], dict[str, np.ndarray]]  # only when trace is not None
+    diagnostics: bool = True  # Part B's held-out diagnostic beside the fit (build_student)
 
 
 class HealedLayer(NamedTuple):
@@ -157,13 +160,17 @@ def build_student(
     *,
     corpus: Corpus | None = None,
     progress: Progress | None = None,
+    diagnostics: bool = True,
 ) -> Student:
     """Quantize and heal every layer of ``model`` under ``knobs``; stages come from ``cache``.
 
     ``corpus`` overrides loading ``calibration.corpus`` (tests and benchmarks pass one they
     built); ``progress(stage, message)`` is called as stages finish (the CLI prints it).
+    ``diagnostics=False`` leaves out Part B's held-out diagnostic (``ridge_heldout``), which
+    nothing the student is made of reads: a sweep scores its own held-out windows instead, and
+    the diagnostic's host solves grow with the calibration tokens (29.9 of a rho-only trial's
+    35.5 s on an H100 at 94k tokens, 4 layers, docs/sizing.md).
     """
-    from healsweep.model import LayerReplacement
 
     quantize.check_quantizable(model, knobs)
     require_ggml(knobs.model_dump())
@@ -206,6 +213,7 @@ def build_student(
                 once(partial(run.timed, "calib_trace", partial(trace.layer, i), i))
                 if trace
                 else _no_trace,
+                diagnostics,
             )
             healed = _heal_layer(run, layer)
             if healed.folds is not None:
@@ -259,7 +267,6 @@ def _basis_ahead(
     backend, where both would share the same cores, and where the trial needs no basis.
     ``HEALSWEEP_BASIS_AHEAD`` = ``on`` | ``off`` overrides the backend's choice (the result is
     the same either way: the entry is the same computation, only its thread differs)."""
-    import jax
 
     if trace is None or not knobs.ridge or model.hparams.n_ff_shexp == 0:
         return lambda i: None
@@ -270,12 +277,13 @@ def _basis_ahead(
 
     def build(i: int) -> None:
         key = ridge.basis_key(model, trace.key, i)
-        if run.cache.meta("ridge_basis", key) is not None:
+        if run.meta(Stage.RIDGE_BASIS, key) is not None:
             return
         with phase("ridge_basis_ahead", i):
-            run.cache.get_or_compute(
-                "ridge_basis", key, lambda: ridge.compute_basis(model, i, trace.layer(i)).to_entry()
-            )
+            run.stored(
+                Stage.RIDGE_BASIS, key, RidgeBasis,
+                lambda: ridge.compute_basis(model, i, trace.layer(i)),
+            )  # fmt: skip
 
     return lambda i: pool.submit(build, i) and None
 
@@ -430,10 +438,11 @@ def _part_b(
     alpha: float,
     akey: str,
     rkey: str,
-) -> tuple[HealedShexp, str, Future]:
+) -> tuple[HealedShexp, str, Future | None]:
     """ridge_basis (once per trace) → ridge_rhs (per target) → ridge_fit (per rho) → part_b
     (per eta), each cached and each read only when a stage after it computes; the held-out
-    diagnostic of the fit on a background thread (its fold sums are the returned future)."""
+    diagnostic of the fit on a background thread (its fold sums are the returned future; None
+    without ``layer.diagnostics``)."""
     model, i, knobs, trace_layer = layer.model, layer.index, layer.knobs, layer.trace_layer
     nkey = ridge.basis_key(model, layer.trace.key, i)
     basis = run.lazy(
@@ -457,8 +466,10 @@ def _part_b(
         HealedShexp,
         lambda: ridge.ridge_layer(model, i, basis(), rhs(), fit(), knobs.eta),
     )
+    if not layer.diagnostics:
+        return shexp, bkey, None
     hkey = ridge.heldout_key(fkey)
-    held = run.cache.meta("ridge_heldout", hkey)
+    held = run.meta(Stage.RIDGE_HELDOUT, hkey)
     if held is not None:
         folds: Future = Future()
         folds.set_result(HeldoutFolds.from_entry({}, held).folds)
@@ -466,10 +477,8 @@ def _part_b(
         args = (model, i, trace_layer(), y_q(), alpha, basis(), rhs(), fit())
 
         def heldout() -> list[list[float]]:
-            found = run.cache.get_or_compute(
-                "ridge_heldout", hkey, lambda: ridge.compute_heldout(*args).to_entry()
-            )
-            return HeldoutFolds.from_entry(*found).folds
+            compute = partial(ridge.compute_heldout, *args)
+            return run.stored(Stage.RIDGE_HELDOUT, hkey, HeldoutFolds, compute).folds
 
         folds = current().executor("ridge-heldout", HELDOUT_THREADS).submit(heldout)
     return shexp, bkey, folds

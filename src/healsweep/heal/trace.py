@@ -23,20 +23,25 @@ import re
 import tempfile
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key
 from healsweep.data.chat_template import ChatFormat, model_chat_format, render_document
+from healsweep.data.corpus import load_corpus
 from healsweep.errors import CacheError, CorpusError
 from healsweep.heal.knobs import CalibrationConfig
 from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.heal.stages import expert_weights
+from healsweep.model import forward
 from healsweep.quant.importance import expert_hidden_moments, expert_input_moments
+from healsweep.threads import available_memory, host_threads
 
 if TYPE_CHECKING:
     from healsweep.data.corpus import Corpus, Document
@@ -211,15 +216,14 @@ def run_trace(
     Arrays are in chunk order (document order), whatever order the batches ran in. Each batch's
     captures are spilled to ``spill`` (a scratch directory) layer by layer as soon as the forward
     returns them, and each layer is assembled, given its importance sums and passed to
-    ``sink(layer, arrays)`` one at a time, so the host holds one batch's captures or one layer's
-    trace, never every layer's. ``uniform`` (default: on accelerators) runs every batch in one
+    ``sink(layer, arrays)`` (from a thread of a pool, layers in any order), as many layers at
+    once as the host's threads and its free memory allow: on a 2-core laptop two layers' traces,
+    never every layer's of a deep model unless memory holds them. ``uniform`` (default: on accelerators) runs every batch in one
     shape (see :func:`_batches`). Returns the tokens each expert received, [L_moe, E] (the
     layers of ``hp.moe_layers``; leading dense layers have no experts and no trace).
     """
-    from healsweep.model import forward
 
     hp = model.hparams
-    import jax
 
     order: list[int] = []  # chunk index of each spilled piece, per layer the same
     if uniform is None:
@@ -257,8 +261,8 @@ def run_trace(
     lengths = {i: (bounds[j], bounds[j + 1]) for j, i in enumerate(order)}
     n_batches = len(batches)
     grid = np.arange(hp.n_expert, dtype=np.int32)
-    counts = []
-    for spilled, layer in enumerate(hp.moe_layers):  # captures cover the MoE layers only
+
+    def assemble(spilled: int, layer: int) -> np.ndarray:
         pieces = [np.load(Path(spill) / f"{spilled}-{n}.npz") for n in range(n_batches)]
         stacked = {
             k: np.concatenate([p[k] for p in pieces]) if pieces[0][k].size else pieces[0][k]
@@ -272,6 +276,7 @@ def run_trace(
             ).astype(v.dtype)
             for k, v in stacked.items()
         }
+        del stacked, pieces
         for n in range(n_batches):
             (Path(spill) / f"{spilled}-{n}.npz").unlink()
         if hp.n_ff_shexp == 0:
@@ -288,7 +293,16 @@ def run_trace(
         arrays.update(x_sq_sums=np.asarray(x_sq), h_sq_sums=h_sq, counts=np.asarray(layer_counts))
         arrays["x"] = arrays["x"].astype(X_DTYPE)  # after the importance sums, which read f32
         sink(layer, arrays)
-        counts.append(np.asarray(layer_counts))
+        return np.asarray(layer_counts)
+
+    # Layers are assembled side by side on the host's threads (reading the spill, reordering,
+    # the importance sums, the cache's write: copies that run outside the GIL), as many at once
+    # as the threads and the memory allow: a layer holds about three copies of its trace.
+    spill_bytes = sum(f.stat().st_size for f in Path(spill).glob("0-*.npz"))
+    side_by_side = max(1, min(host_threads(), len(hp.moe_layers),
+                              available_memory() // max(1, 4 * spill_bytes)))  # fmt: skip
+    with ThreadPoolExecutor(side_by_side, thread_name_prefix="trace-layer") as pool:
+        counts = list(pool.map(assemble, range(len(hp.moe_layers)), hp.moe_layers))
     return np.stack(counts).astype(np.int64)
 
 
@@ -378,7 +392,6 @@ def calibration_trace(
 ) -> Trace:
     """The cached teacher trace over the calibration pool (computed once per key); documents
     are rendered in the model's chat format, which the model fingerprint in the key covers."""
-    from healsweep.data.corpus import load_corpus
 
     corpus = corpus if corpus is not None else load_corpus(calibration.corpus)
     docs = calibration_documents(corpus, calibration)

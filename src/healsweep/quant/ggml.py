@@ -15,9 +15,12 @@ Every class here reads the calibration trace (its importance rows) and names the
   (:mod:`healsweep.quant.ggml_gptq`, ``method="column"``): ggml picks each 256-chunk's scales for
   the error-updated weights, then each 8-weight group is chosen on that grid under the chunk's
   conditional metric; with ``down_input: student``, down on the quantized gate and up's output.
+* :class:`IQ1GridGptq` (``quantizer: gptq`` on IQ1_S, IQ1_M): the same on ggml's IQ1 grids, each
+  8-weight group's grid row (and on IQ1_M its ``δ`` sign) chosen on ggml's scales.
 
 Experts with too few routed tokens, or whose ``H_e`` does not factor, keep plain ggml (counted in
-the stage's report). The two GPTQ classes read ``quantizer`` and ``gptq_damp``.
+the stage's report). The GPTQ classes read ``quantizer`` and ``gptq_damp`` (those on the IQ grids
+also ``down_input``).
 """
 
 from __future__ import annotations
@@ -160,3 +163,9 @@ class IQ2GridGptq(GGMLStored, types=("iq2_xxs", "iq2_xs"), quantizer=Quantizer.G
         }
         report = {"gptq_fallback": {name: dict(fallback) for name in inputs.group.tensors}}
         return cls._stacks(inputs, raws), report
+
+
+class IQ1GridGptq(IQ2GridGptq, types=("iq1_s", "iq1_m"), quantizer=Quantizer.GPTQ):
+    """Column-wise error feedback on ggml's IQ1 grids (8-weight grid rows and their ``δ``
+    shift, :mod:`healsweep.quant.ggml_iq1grid`): the knobs, inputs and fallbacks of
+    :class:`IQ2GridGptq`, whose ``quantize`` serves any grid of ``ggml_gptq.COLUMN_GRIDS``."""

@@ -18,11 +18,12 @@ by GPTQ's block update ``W_R −= (W_S − Q_S)·u_SS⁻¹·u_SR`` (the least-sq
 exactly). Superblocks are quantized independently by ggml, so the bytes are laid out exactly as
 ggml's quantizer lays out a whole row.
 
-``method="column"`` (Q2_K, Q3_K, IQ2_XXS, IQ2_XS): as ``block``, but inside the chunk the scales
-(and Q2_K's mins) ggml chose for the error-updated weights are kept, read from its bytes, and the
-chunk is re-rounded onto that fixed grid group by group, GPTQ proper: a group of ``k`` columns
+``method="column"`` (Q2_K, Q3_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS): as ``block``, but inside the
+chunk the scales (and Q2_K's mins, IQ1_S's shifts) ggml chose for the error-updated weights are
+kept, read from its bytes, and the chunk is re-rounded onto that fixed grid group by group, GPTQ proper: a group of ``k`` columns
 (``k = 1`` on the K grids, :mod:`healsweep.quant.ggml_kgrid`; ``k = 8``, one grid row with its
-signs, on the IQ2 grids, :mod:`healsweep.quant.ggml_iqgrid`) is chosen under the diagonal of its
+signs, on the IQ2 grids, :mod:`healsweep.quant.ggml_iqgrid`; one grid row with its shift
+``δ`` on the IQ1 grids, :mod:`healsweep.quant.ggml_iq1grid`) is chosen under the diagonal of its
 conditional metric ``(u_ggᵀu_gg)⁻¹``, and its error ``E_g`` updates the chunk's later columns by
 ``E_g·u_gg⁻¹·u_g,later``. The new codes are packed back into ggml's bytes.
 
@@ -70,7 +71,7 @@ import numpy as np
 from healsweep.errors import KnobError
 from healsweep.kernels._precision import healing_jit
 from healsweep.kernels.ggml_types import GGMLType, ggml_type
-from healsweep.quant import ggml_iqgrid, ggml_kgrid
+from healsweep.quant import ggml_iq1grid, ggml_iqgrid, ggml_kgrid
 from healsweep.quant.gptq import _HIGHEST, _routed_rows, damped, hidden_rows, second_moments
 from healsweep.quant.imatrix import quantize_expert_stack
 from healsweep.threads import host_threads, one_thread
@@ -81,6 +82,7 @@ GROUP = 8  # experts whose [n, n] second moments and factors are held at once
 COLUMN_GRIDS = {
     **dict.fromkeys(ggml_kgrid.K_TYPES, ggml_kgrid.KGrid),
     **dict.fromkeys(ggml_iqgrid.IQ_TYPES, ggml_iqgrid.IQ2Grid),
+    **dict.fromkeys(ggml_iq1grid.IQ1_TYPES, ggml_iq1grid.IQ1Grid),
 }  # ggml id -> the grid that column-wise feedback re-rounds on
 REFINE_STEP = 0.5  # fraction of the GPTQ-consistent correction each refinement round takes
 
@@ -152,6 +154,7 @@ def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
     scales to unit diagonal), so ``u = R⁻¹ = J·L̃⁻¹·J``. Returns ``(u [G, n, n] float32, ok [G]
     bool)``; a matrix that does not factor even after damping has ``ok`` False and ``u = I``.
     """
+    # lazy: heavy (scipy)
     from scipy.linalg import lapack
 
     u = np.zeros(h.shape, np.float32)
@@ -174,6 +177,7 @@ def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
 def feedback_factor(u: np.ndarray, hessian_diag: np.ndarray, chunk: int) -> Factor:
     """:class:`Factor` of the upper ``u`` [n, n] (``uᵀu = H⁻¹`` damped) and the damped
     ``diag(H)`` [n], for chunks of ``chunk`` columns (host, float64 inside)."""
+    # lazy: heavy (scipy)
     from scipy.linalg import solve_triangular
 
     n = u.shape[0]
@@ -208,7 +212,8 @@ def check_options(
         raise KnobError(f"error feedback method {method!r} is unknown; choose one of {METHODS}")
     if method == "column" and found.ggml_id not in COLUMN_GRIDS:
         raise KnobError(
-            f"column-wise error feedback needs a Q2_K, Q3_K, IQ2_XXS or IQ2_XS grid, not "
+            f"column-wise error feedback needs a Q2_K, Q3_K, IQ1_S, IQ1_M, IQ2_XXS or IQ2_XS "
+            f"grid, not "
             f"{found.name}; use method 'block' for that type"
         )
     if chunk <= 0 or chunk % found.block_weights:
@@ -224,9 +229,10 @@ def check_options(
 
 
 def _column_feedback(ws: np.ndarray, grid, u_ss: np.ndarray, inverse: np.ndarray):
-    """GPTQ group by group (``grid.width`` columns: 1 on Q2_K/Q3_K, 8 on IQ2) on the grid of
-    ggml's bytes held by ``grid`` (:class:`~healsweep.quant.ggml_kgrid.KGrid`,
-    :class:`~healsweep.quant.ggml_iqgrid.IQ2Grid`) for the chunk ``ws`` [out, c], each group's
+    """GPTQ group by group (``grid.width`` columns: 1 on Q2_K/Q3_K, 8 on IQ1/IQ2) on the grid
+    of ggml's bytes held by ``grid`` (:class:`~healsweep.quant.ggml_kgrid.KGrid`,
+    :class:`~healsweep.quant.ggml_iqgrid.IQ2Grid`, :class:`~healsweep.quant.ggml_iq1grid.IQ1Grid`)
+    for the chunk ``ws`` [out, c], each group's
     error fed to the chunk's later columns through ``u_ss`` [c, c] (``inverse`` = ``u_ss⁻¹``,
     whose diagonal blocks are those of ``u_ss`` inverted); returns the re-packed bytes and
     their values [out, c]."""
@@ -247,6 +253,7 @@ def _refine_chunk(ws, raw, values, inverse, diagonal, row, qtype: int, rounds: i
     """``rounds`` re-quantizations by ggml of the chunk ``ws`` [out, c] toward the
     GPTQ-consistent target, each row keeping its bytes of lowest chunk objective
     ``‖(ws − Q)·u_SS⁻¹‖²``; returns ``(raw, values)`` of the best rows."""
+    # lazy: heavy (gguf)
     from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 
     scale = np.diag(diagonal)[None, :]  # diag(u_SS)
@@ -282,6 +289,7 @@ def quantize_matrix(
     is the caller's row (needed for ``chunk_importance="imatrix"``); ``rounds`` of in-chunk
     refinement (``block`` only, see the module docstring). Returns ggml's stored bytes uint8
     [out, row_bytes]."""
+    # lazy: heavy (gguf)
     from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 
     kind = check_options(qtype, method, chunk, chunk_importance, rounds)

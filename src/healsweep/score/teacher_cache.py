@@ -88,7 +88,10 @@ def teacher_key(model: GGUFModel, window: Window, fmt: str | TeacherCacheFormat 
 def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutput]:
     """The teacher's outputs over ``windows`` (no cache), each window's a function of that
     window alone (:func:`~healsweep.model.forward_each`)."""
+    # lazy: heavy (jax)
     from healsweep.kernels.kld import log_softmax
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import forward_each
 
     positions = [scored_positions(w) for w in windows]

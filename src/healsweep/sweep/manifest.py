@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow
+
+import healsweep
 from healsweep._atomic import atomic_write_text
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
@@ -40,11 +43,12 @@ def spec_hash(spec: SweepSpec) -> str:
 
 
 def _versions() -> dict[str, str]:
+    # lazy: heavy (optuna)
     import optuna
-    import pyarrow
+
+    # lazy: heavy (ray)
     import ray
 
-    import healsweep
 
     versions = {m.__name__: m.__version__ for m in (healsweep, ray, optuna, pyarrow)}
     return {**versions, "python": platform.python_version()}
