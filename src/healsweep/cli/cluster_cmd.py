@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from healsweep import cluster
+from healsweep import cluster, ray_orphans
 from healsweep.cli._apps import app, cluster_app
 from healsweep.conformance import run_conformance
 
@@ -13,11 +13,30 @@ _ADDRESS = typer.Option(
 )
 
 
-@cluster_app.command("status")
-def cluster_status(address: str | None = _ADDRESS) -> None:
-    """List the cluster's nodes, their resources, JAX backends and GPUs."""
+_STOP_ORPHANS = typer.Option(
+    False, "--stop-orphans",
+    help="Stop the Ray processes that drivers killed on this machine left running.",
+)  # fmt: skip
 
+
+@cluster_app.command("status")
+def cluster_status(address: str | None = _ADDRESS, stop_orphans: bool = _STOP_ORPHANS) -> None:
+    """List the cluster's nodes, their resources, JAX backends and GPUs; first, the Ray
+    processes a killed driver left on this machine (stopped with --stop-orphans)."""
+    orphans = ray_orphans.find()
+    if stop_orphans:
+        ray_orphans.stop(orphans)
+    for group in orphans:
+        if stop_orphans:
+            typer.echo(f"stopped {group.describe()}")
+        else:
+            pids = " ".join(str(pid) for pid, _ in group.processes)
+            typer.echo(f"left running: {group.describe()}; stop them with `healsweep cluster "
+                       f"status --stop-orphans` (or `kill -9 {pids}`)")  # fmt: skip
     if not cluster.connect(address):
+        if stop_orphans:
+            typer.echo("no Ray cluster is running here")
+            return
         raise cluster.ClusterError(
             "no Ray cluster is running here; start one with metal/head.sh or pass "
             "--address HOST:PORT"

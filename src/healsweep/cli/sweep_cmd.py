@@ -12,6 +12,7 @@ import typer
 from healsweep.cache import parse_gb
 from healsweep.cli._apps import CacheMaxGb, sweep_app
 from healsweep.errors import ResultsError
+from healsweep.ray_orphans import stop_sessions
 
 _SPEC = typer.Argument(..., help="Sweep spec YAML (see sweeps/).")
 _SWEEP_DIR = typer.Argument(..., help="A sweep's results folder, RESULTS/<sweep name>.")
@@ -118,11 +119,17 @@ def resume(
     num_cpus: int | None = _CPUS,
     cache_max_gb: CacheMaxGb = None,
 ) -> None:
-    """Finish an interrupted sweep without re-running finished trials or re-scoring windows."""
+    """Finish an interrupted sweep without re-running finished trials or re-scoring windows.
+
+    The Ray processes that this sweep's killed driver left on this machine (its dashboard and
+    runtime-env agents outlive a SIGKILL and ignore SIGTERM) are stopped first."""
     # lazy: heavy (gguf, jax, optuna, pyarrow, ray)
     from healsweep.sweep.driver import resume_sweep
+    from healsweep.sweep.manifest import recorded_ray_sessions
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
+    for line in stop_sessions(recorded_ray_sessions(sweep_dir)):
+        typer.echo(line, err=True)
     outcome = resume_sweep(sweep_dir, address=address, num_cpus=num_cpus, on_progress=_Printer(),
                            cache_max_gb=limit)  # fmt: skip
     _finish(outcome)

@@ -18,7 +18,7 @@ import numpy as np
 
 from healsweep.cache import StageCache
 from healsweep.data.corpus import load_corpus
-from healsweep.data.split import load_split, parity_split, split_lock_id
+from healsweep.data.split import load_split, parity_split, resolve_split, split_lock_id
 from healsweep.errors import SpecError, SplitError
 from healsweep.heal.knobs import Knobs
 from healsweep.score.record import WindowRecord
@@ -157,7 +157,8 @@ def _score_dev(
 
 def check_documents(spec: SweepSpec, model: GGUFModel) -> None:
     """Build the dev windows and render the calibration documents in the model's chat format,
-    as the trials will (raises what they would raise, once)."""
+    as the trials will (raises what they would raise, once), and refuse a calibration document
+    whose text is a test document's (a calibration corpus of its own could hold one)."""
     # lazy: heavy (gguf)
     from healsweep.data.chat_template import model_chat_format, render_document
 
@@ -165,8 +166,19 @@ def check_documents(spec: SweepSpec, model: GGUFModel) -> None:
     from healsweep.heal.trace import calibration_documents
 
     dev_windows(spec, model)
+    corpus, split_cfg = spec_split(spec)
+    resolved = resolve_split(split_cfg, corpus)
+    test_text = {d.content_hash: d.doc_id for d in corpus.documents
+                 if resolved.assignments[d.doc_id] == "test"}  # fmt: skip
     chat = model_chat_format(model)
     for doc in calibration_documents(load_corpus(spec.calibration.corpus), spec.calibration):
+        if doc.content_hash in test_text:
+            raise SplitError(
+                f"calibration document {doc.doc_id!r} ({spec.calibration.corpus}) has the same "
+                f"text as test document {test_text[doc.content_hash]!r} ({spec.corpus}); "
+                "calibrating on test text would tune on the test split: remove it from the "
+                "calibration corpus or exclude it (calibration.exclude_doc_ids)"
+            )
         render_document(doc, chat)
 
 
