@@ -10,6 +10,7 @@ import importlib
 import sys
 
 from healsweep.cli._apps import app
+from healsweep.errors import HealsweepError
 
 # Each module decorates its commands onto the groups of ``_apps``.
 _COMMAND_MODULES = [
@@ -39,7 +40,6 @@ def _register() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script; never shows a traceback unless ``--debug``."""
-    from healsweep.errors import HealsweepError
 
     _register()
     args = list(sys.argv[1:] if argv is None else argv)

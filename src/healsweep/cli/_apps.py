@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from healsweep.runtime import Runtime, use
+
 app = typer.Typer(
     name="healsweep",
     help="Sweeps of 2-bit quantization healing for GGUF Mixture-of-Experts models.",
@@ -44,7 +46,6 @@ def _root(
     """Give the command a runtime of its own (:mod:`healsweep.runtime`): installed for the
     command, closed when it ends, and the process's previous one put back. (``--debug`` is
     read by :func:`healsweep.cli.main`, before the command runs.)"""
-    from healsweep.runtime import Runtime, use
 
     rt = ctx.with_resource(Runtime())  # closed last: after the previous runtime is back
     ctx.with_resource(use(rt))

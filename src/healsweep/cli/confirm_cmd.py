@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from healsweep.cache import parse_gb
 from healsweep.cli._apps import CacheMaxGb, app
 
 _SWEEP_DIR = typer.Argument(..., help="A finished sweep's results folder, RESULTS/<sweep name>.")
@@ -64,7 +65,7 @@ def confirm(
 ) -> None:
     """Freeze configs, record the opening in the ledger, score them on the test split, record the
     result hash; prints pooled KLD per config and the verdict of each config vs the baseline."""
-    from healsweep.cache import parse_gb
+    # lazy: heavy (pyarrow)
     from healsweep.confirm import confirm as run_confirm
 
     parse_gb(cache_max_gb, "--cache-max-gb")  # a bad value: refused before the ledger is read

@@ -16,7 +16,10 @@ _SEED = typer.Option(0, "--seed", help="Seed of the bootstrap.")
 @app.command("report")
 def report(sweep_dir: Path = _SWEEP_DIR, n_boot: int = _BOOT, seed: int = _SEED) -> None:
     """Leaderboard vs the baseline with CIs and verdicts, strata, knob effects, pruning, plots."""
+    # lazy: heavy (pyarrow)
     from healsweep.confirm import read_confirmed
+
+    # lazy: heavy (gguf, pyarrow)
     from healsweep.results.aggregate import summarize
     from healsweep.results.report import leaderboard, write_report
 

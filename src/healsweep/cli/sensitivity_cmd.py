@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from healsweep.cache import parse_gb
 from healsweep.cli._apps import CacheMaxGb, app
 
 _SPEC = typer.Argument(..., help="Sweep spec YAML with sampler allocator (see sweeps/).")
@@ -28,7 +29,7 @@ def sensitivity(
     """The KLD cost on dev of moving each tensor group one type step down or up, around the
     spec's baseline with its fixed knobs (cached: `sweep run` of the spec reuses it), and the
     allocations the allocator proposes under the spec's budget."""
-    from healsweep.cache import parse_gb
+    # lazy: heavy (gguf, jax, optuna, pyarrow, ray)
     from healsweep.results.budget import sensitivity_lines
     from healsweep.sweep.driver import sensitivity_pass
     from healsweep.sweep.sensitivity import allocator_record

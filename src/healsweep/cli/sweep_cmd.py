@@ -9,8 +9,10 @@ from typing import Any
 
 import typer
 
+from healsweep.cache import parse_gb
 from healsweep.cli._apps import CacheMaxGb, sweep_app
 from healsweep.errors import ResultsError
+from healsweep.ray_orphans import stop_sessions
 
 _SPEC = typer.Argument(..., help="Sweep spec YAML (see sweeps/).")
 _SWEEP_DIR = typer.Argument(..., help="A sweep's results folder, RESULTS/<sweep name>.")
@@ -54,6 +56,7 @@ def _note(line: str) -> None:
 
 
 def _finish(run: Any) -> None:
+    # lazy: heavy (pyarrow)
     from healsweep.results.schema import TrialStatus, row_role
 
     trials = [t for t in run.trials if row_role(t).tuned]
@@ -90,8 +93,10 @@ def run(
     cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Run every trial of a sweep spec; results land in RESULTS/<name>/ as they arrive."""
-    from healsweep.cache import parse_gb
+    # lazy: heavy (gguf, jax, optuna, pyarrow, ray)
     from healsweep.sweep.driver import run_sweep
+
+    # lazy: heavy (pyarrow)
     from healsweep.sweep.spec_files import load_spec
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
@@ -120,11 +125,17 @@ def resume(
     num_cpus: int | None = _CPUS,
     cache_max_gb: CacheMaxGb = None,
 ) -> None:
-    """Finish an interrupted sweep without re-running finished trials or re-scoring windows."""
-    from healsweep.cache import parse_gb
+    """Finish an interrupted sweep without re-running finished trials or re-scoring windows.
+
+    The Ray processes that this sweep's killed driver left on this machine (its dashboard and
+    runtime-env agents outlive a SIGKILL and ignore SIGTERM) are stopped first."""
+    # lazy: heavy (gguf, jax, optuna, pyarrow, ray)
     from healsweep.sweep.driver import resume_sweep
+    from healsweep.sweep.manifest import recorded_ray_sessions
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
+    for line in stop_sessions(recorded_ray_sessions(sweep_dir)):
+        typer.echo(line, err=True)
     outcome = resume_sweep(sweep_dir, address=address, num_cpus=num_cpus, on_progress=_Printer(),
                            cache_max_gb=limit, on_note=_note)  # fmt: skip
     _finish(outcome)
@@ -133,6 +144,7 @@ def resume(
 @sweep_app.command("status")
 def status(sweep_dir: Path = _SWEEP_DIR) -> None:
     """Trials by status, windows recorded, best config so far, and whether a driver is running."""
+    # lazy: heavy (pyarrow)
     from healsweep.sweep.status import sweep_status
 
     info = sweep_status(sweep_dir)
@@ -145,6 +157,7 @@ def status(sweep_dir: Path = _SWEEP_DIR) -> None:
         typer.echo(f"{row['role']} {label}: {row['status']}{kld}")
     typer.echo(f"windows recorded: {info['windows_recorded']}")
     if info["pool"]:
+        # lazy: heavy (pyarrow)
         from healsweep.results.placement import pool_line
 
         typer.echo(f"pool: {pool_line(info['pool'])}")

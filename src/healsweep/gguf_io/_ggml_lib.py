@@ -16,6 +16,7 @@ import importlib.util
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +82,6 @@ def libggml() -> ctypes.CDLL:
 def status_line() -> str:
     """One line for ``healsweep doctor``: whether ggml's quantizer loads (and which
     llama-cpp-python provides it), or why not."""
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         path = _library_path()

@@ -31,6 +31,7 @@ from healsweep.results.store import (
 )
 from healsweep.score.expert_cache import pooled_cache
 from healsweep.score.record import WindowRecord
+from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
 
 MAX_LEVELS = 6
 
@@ -160,7 +161,6 @@ def summarize(
     sweep_dir: str | Path, n_boot: int = 10_000, seed: int = 0, rule: Any = None
 ) -> SweepSummary:
     """Pool, compare and rank every config of a sweep against its baseline."""
-    from healsweep.score.stats import DecisionRule, decision, pooled
 
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
@@ -224,7 +224,6 @@ def summarize(
 def paired(base: ConfigResult, config: ConfigResult, *, n_boot: int, seed: int) -> Any:
     """``config`` against ``base`` on the windows both scored (a paired bootstrap
     ``Comparison``), or None when it is ``base`` or they share no window."""
-    from healsweep.score.stats import paired_compare
 
     shared = [w for w in sorted(config.windows) if w in base.windows]
     if config is base or not shared:

@@ -21,7 +21,7 @@ from typing import Any
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import student_key
 from healsweep.results.aggregate import ConfigResult, SweepSummary, paired
-from healsweep.results.schema import Role, TrialStatus
+from healsweep.results.schema import Role, TrialStatus, is_candidate
 
 MAX_LISTED = 20  # over-budget configs listed one by one (the count is always given)
 GROUP_NAMES = {"gu": "gate/up", "d": "down"}  # the routed experts' tensor groups
@@ -69,6 +69,13 @@ def _unhealed_twin(config: ConfigResult, configs: list[ConfigResult]) -> ConfigR
                  and c is not config), None)  # fmt: skip
 
 
+def _best(configs: list[ConfigResult]) -> ConfigResult | None:
+    """The best of ``configs`` by the sweep's one rule (:func:`~healsweep.results.schema.
+    best_trial`: the completed trial, baseline included, of lowest pooled KLD; first on a tie)."""
+    done = [c for c in configs if is_candidate(c.role, c.status, c.pooled.get("kld_mean"))]
+    return min(done, key=lambda c: c.pooled["kld_mean"], default=None)
+
+
 def tiers(summary: SweepSummary) -> list[Tier]:
     """Every budget tier of the sweep ([] without a budget)."""
     budget = summary.budget
@@ -83,8 +90,7 @@ def tiers(summary: SweepSummary) -> list[Tier]:
             if (value := measured(c, budget.measure)) is not None and budget.within(value, limit)
         ]
         inside.sort(key=lambda c: (c.status != TrialStatus.COMPLETED, c.pooled["kld_mean"]))
-        trials = [c for c in inside if c.role.tuned and c.status == TrialStatus.COMPLETED]
-        best = trials[0] if trials else None
+        best = _best(inside)
         # the files of this tier's size: inside it, and not inside the tier below
         below = budget.limits[budget.limits.index(limit) - 1] if limit != budget.limits[0] else None
         externals = [

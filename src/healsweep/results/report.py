@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from healsweep._atomic import atomic_write_text
 from healsweep.heal.knobs import Knobs
 from healsweep.results.aggregate import ConfigResult, SweepSummary, summarize
 from healsweep.results.budget import (
@@ -20,6 +21,8 @@ from healsweep.results.budget import (
     sensitivity_lines,
     tiers,
 )
+from healsweep.results.placement import pool_line
+from healsweep.results.plots import FOREST_CAPTION, write_plots
 from healsweep.results.schema import Role, TrialStatus
 
 Table = tuple[list[str], list[list[str]]]
@@ -322,8 +325,6 @@ def _sections(
     summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
 ) -> list[tuple[str, list[str]]]:
     """Each section's title and Markdown lines, in order (``plots``: {caption: file name})."""
-    from healsweep.results.placement import pool_line
-    from healsweep.results.plots import FOREST_CAPTION
 
     m = summary.manifest
     reasons = []
@@ -394,6 +395,7 @@ _STYLE = (
 def render_html(name: str, markdown: str) -> str:
     """The HTML page of sweep ``name``: its Markdown report rendered (raw HTML in a cell is
     escaped, not passed)."""
+    # lazy: heavy (markdown_it)
     from markdown_it import MarkdownIt
 
     body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
@@ -414,8 +416,6 @@ def write_report(
     (``summary`` = an already computed :func:`summarize` of the same folder; ``confirmed`` = the
     milestones `healsweep confirm` opened, :func:`healsweep.confirm.read_confirmed`, shown dev
     beside test — passed in, since results sit below confirm in the layer order)."""
-    from healsweep._atomic import atomic_write_text
-    from healsweep.results.plots import write_plots
 
     sweep_dir = Path(sweep_dir)
     summary = summary or summarize(sweep_dir, n_boot=n_boot, seed=seed)

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from healsweep._atomic import atomic_path
+from healsweep._atomic import atomic_path, atomic_write_text
 from healsweep.errors import ResultsError
 from healsweep.results.schema import to_table, trial_schema, window_schema
 
@@ -153,7 +153,6 @@ def read_manifest(sweep_dir: str | Path) -> dict[str, Any]:
 def record_over_budget(sweep_dir: str | Path, configs: Mapping[str, Mapping[str, Any]]) -> None:
     """Add ``{config_hash: {knobs, routed_bpw, file_bytes}}`` of configs the budget refused to
     ``over_budget.json`` (rewritten atomically; a config recorded before is kept once)."""
-    from healsweep._atomic import atomic_write_text
 
     known = read_over_budget(sweep_dir)
     merged = {**known, **{k: dict(v) for k, v in configs.items() if k not in known}}
@@ -169,8 +168,6 @@ def read_over_budget(sweep_dir: str | Path) -> dict[str, dict[str, Any]]:
 
 def write_allocator(sweep_dir: str | Path, record: Mapping[str, Any]) -> None:
     """Write ``allocator.json`` (the sensitivity table the allocator used and its proposals)."""
-    from healsweep._atomic import atomic_write_text
-
     text = json.dumps(record, indent=1, sort_keys=True)
     atomic_write_text(Path(sweep_dir) / ALLOCATOR_FILE, text + "\n")
 

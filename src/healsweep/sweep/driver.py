@@ -20,22 +20,36 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import optuna
+import ray
+from optuna.trial import TrialState
+from ray import tune
 from ray.tune.experiment import Trial
+from ray.tune.schedulers import FIFOScheduler
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from healsweep.cache import cache_limit
+from healsweep.cluster import connect
 from healsweep.errors import ResultsError, SpecError
 from healsweep.heal.knobs import Knobs
 from healsweep.results.schema import scored_all
-from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials
+from healsweep.results.store import (
+    LOCK_FILE,
+    SPEC_FILE,
+    read_manifest,
+    read_trials,
+    record_over_budget,
+    write_allocator,
+)
 from healsweep.sweep.budget import MAX_ASKS, BudgetGate, split_grid
 from healsweep.sweep.devices import cpu_share
 from healsweep.sweep.fixed import build_externals, run_fixed
 from healsweep.sweep.holders import open_holders, prior_holders
 from healsweep.sweep.manifest import read_spec, start_manifest
-from healsweep.sweep.progress import ProgressSink
+from healsweep.sweep.progress import ProgressSink, register_sink
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
+from healsweep.sweep.recorder import ResultsRecorder
 from healsweep.sweep.sensitivity import (
     IDENTITY_KEYS,
     Say,
@@ -75,7 +89,6 @@ class PruneAwareOptunaSearch(OptunaSearch):
         ``PRUNED`` without a value (TPE ranks it below every scored trial), recorded by the
         gate, and the sampler asked again, so it never takes a trial slot
         (:mod:`healsweep.sweep.budget`)."""
-        from optuna.trial import TrialState
 
         for _ in range(MAX_ASKS):
             point = super().suggest(trial_id)
@@ -154,7 +167,6 @@ def sweep_lock(sweep_dir: Path) -> Iterator[None]:
 def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> Iterator[None]:
     """Use a running Ray, connect to ``address``, or start an embedded local one (and stop it);
     then refuse a cluster that cannot give a trial the resources the spec asks for."""
-    import ray
 
     # Tune's own console table: our progress view replaces it (a user can still set these
     # variables to turn it back on).
@@ -162,7 +174,6 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     started = not ray.is_initialized()
     if started and address:  # one-line errors for an unreachable head or a refused join
-        from healsweep.cluster import connect
 
         connect(address)
     elif started:
@@ -216,8 +227,6 @@ def _trainable(spec: SweepSpec, prior: dict, holders: Any, work_fn: WorkFn) -> A
     the pruner would score windows a pruned trial never records: the trainable holds the
     trial's resources and works in its own process, a window at a time (``sweep_trial`` reads
     the resources it holds)."""
-    import ray
-    from ray import tune
 
     trainable = tune.with_parameters(
         sweep_trial, spec=spec, book=open_book(prior), holders=holders, work_fn=work_fn
@@ -233,16 +242,11 @@ def _search(
     """(search algorithm or None, param space, num_samples); a grid's configs (and the
     allocator's ``proposals`` after them) over the budget are recorded and left out, a
     sampler's are refused as it proposes them."""
-    from ray import tune
-
-    from healsweep.results.store import record_over_budget
-
     if spec.sampler.type in GRIDDED:
         inside, over = split_grid(spec, proposals)
         record_over_budget(sweep_dir, over)
         configs = [knobs.model_dump() for knobs in inside]  # Tune's config is data
         return None, {"knobs": tune.grid_search(configs)}, 1
-    import optuna
 
     optuna.logging.set_verbosity(logging.WARNING)  # no "study created" lines on the console
     samplers = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler}
@@ -259,7 +263,6 @@ def _search(
 
 
 def _scheduler(spec: SweepSpec, sweep_dir: Path) -> Any:
-    from ray.tune.schedulers import FIFOScheduler
 
     if spec.pruner.type == "none":
         return FIFOScheduler()
@@ -269,10 +272,6 @@ def _scheduler(spec: SweepSpec, sweep_dir: Path) -> Any:
 def _new_tuner(
     spec: SweepSpec, sweep_dir: Path, trainable: Any, proposals: Sequence[Knobs] = ()
 ) -> Any:
-    from ray import tune
-
-    from healsweep.sweep.recorder import ResultsRecorder
-
     search, space, samples = _search(spec, sweep_dir, proposals)
     return tune.Tuner(
         trainable,
@@ -411,8 +410,6 @@ def _allocate(
     """The allocator's proposals: the sensitivity pass (cached configs read, the others scored
     as placed tasks) and the allocations it predicts best per budget limit, recorded in
     ``allocator.json``."""
-    from healsweep.results.store import read_manifest, write_allocator
-
     manifest = read_manifest(sweep_dir)
     identity = {k: manifest.get(k) for k in IDENTITY_KEYS}
     table = run_sensitivity(spec, identity, work_fn=work_fn, holders=holders, say=say)
@@ -456,10 +453,7 @@ def _run(
     """Score the fixed rows not completed yet, then run the Tune experiment: a new one, or the
     saved one restored (a resumed sweep killed before Tune saved any state starts over,
     replaying what the Parquet rows hold)."""
-    import ray
-    from ray import tune
 
-    from healsweep.sweep.progress import register_sink
 
     alive = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     spec = spec.with_cpu_share(cpu_share(spec.resources, spec.max_concurrent, alive))

@@ -31,13 +31,19 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
+import ray
+from ray.exceptions import RayTaskError
 
+from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key
+from healsweep.data.corpus import load_corpus
+from healsweep.errors import HealsweepError, ResultsError
 from healsweep.heal.knobs import Knobs, LayerTypes
 from healsweep.heal.reads import student_key
 from healsweep.heal.size import ModelShapes
 from healsweep.kernels.ggml_types import ggml_type, step_down, step_up
 from healsweep.score.record import WindowRecord
+from healsweep.score.stats import bootstrap_replicates
 from healsweep.sweep.allocator import (
     GROUP_NAMES,
     Group,
@@ -47,7 +53,10 @@ from healsweep.sweep.allocator import (
     group_size,
     propose,
 )
+from healsweep.sweep.placed import PlacedWork, work_task
+from healsweep.sweep.space import with_point
 from healsweep.sweep.spec import SweepSpec
+from healsweep.sweep.trial import trial_seed
 from healsweep.sweep.work import WorkFn, run_trial_work
 
 log = logging.getLogger(__name__)
@@ -194,8 +203,6 @@ class MoveResult:
 
     def rel_change_ci(self, n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float]:
         """Paired bootstrap 95% CI (over windows) of :attr:`rel_change`."""
-        from healsweep.score.stats import bootstrap_replicates
-
         def cols(s: Scores) -> dict[str, np.ndarray]:
             return {"kld": s.kld_sum, "n": s.kld_count.astype(np.float64),
                     "top1": s.top1_count.astype(np.float64)}  # fmt: skip
@@ -261,8 +268,6 @@ class SensitivityTable:
 
 def sensitivity_base(spec: SweepSpec) -> Knobs:
     """The config the pass moves groups of: the baseline with the spec's ``fixed`` knobs."""
-    from healsweep.sweep.space import with_point
-
     return with_point(spec, {})
 
 
@@ -291,8 +296,6 @@ def entry_key(
     work_fn: Callable,
 ) -> str:
     """The cache key of one config's scores (see the module docstring)."""
-    from healsweep._code import code_digest
-
     scoring = spec.scoring
     return content_key(
         STAGE,
@@ -318,7 +321,7 @@ def entry_key(
 
 
 def _calibration_digest(spec: SweepSpec) -> str:
-    from healsweep.data.corpus import load_corpus
+    # lazy: heavy (jax)
     from healsweep.heal.trace import calibration_documents, documents_digest
 
     corpus = load_corpus(spec.calibration.corpus)
@@ -344,7 +347,7 @@ def run_sensitivity(
     scored as Ray tasks, ``max_concurrent`` at once, each placed by ``holders`` (the sweep's
     :class:`~healsweep.sweep.holders.StageHolders`) when given. ``say`` gets a line as each
     config is done."""
-    from healsweep.model import open_model
+    from healsweep.model import open_model  # lazy: heavy (gguf, jax)
 
     say = say or (lambda line: None)
     scored_spec = pass_spec(spec)
@@ -408,11 +411,6 @@ def _describe(base: Knobs, shapes: ModelShapes) -> str:
 
 def _score(spec: SweepSpec, pending: Sequence[_Config], work_fn: WorkFn, holders: Any) -> Any:
     """Yield ``(config, scores, seconds)`` as each pending config's Ray task ends."""
-    import ray
-
-    from healsweep.sweep.placed import PlacedWork, work_task
-    from healsweep.sweep.trial import trial_seed
-
     task = work_task(spec, collected=True)
     waiting = list(pending)
     running: dict[Any, tuple[_Config, PlacedWork | None, float]] = {}
@@ -445,10 +443,6 @@ def _score(spec: SweepSpec, pending: Sequence[_Config], work_fn: WorkFn, holders
 def _failed(config: _Config, exc: Exception) -> Exception:
     """A config's task failed: its own error when it is a healsweep one (a missing quantizer,
     a bad file), else one line naming the config; what was scored before stays cached."""
-    from ray.exceptions import RayTaskError
-
-    from healsweep.errors import HealsweepError, ResultsError
-
     cause = exc.cause if isinstance(exc, RayTaskError) else exc
     label = "the base config" if config.move is None else config.move.label()
     if isinstance(cause, HealsweepError):
@@ -463,7 +457,7 @@ def _failed(config: _Config, exc: Exception) -> Exception:
 def proposals_of(spec: SweepSpec, table: SensitivityTable) -> list[Proposal]:
     """The allocator's proposals from ``table`` under the spec's budget
     (:func:`healsweep.sweep.allocator.propose`)."""
-    from healsweep.model import open_model
+    from healsweep.model import open_model  # lazy: heavy (gguf, jax)
 
     shapes = ModelShapes.of(open_model(spec.model))
     budget = spec.budget.budget()

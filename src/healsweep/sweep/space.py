@@ -15,18 +15,16 @@ knob by the spec's pydantic model; what is checked here is how the parts fit tog
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from healsweep.cache import canonical_json
 from healsweep.errors import HealsweepError, SpecError
 from healsweep.heal.knobs import EXPERT_TYPES, Knobs, require_ggml
 from healsweep.heal.reads import student_key
 from healsweep.heal.size import ConfigSize
-from healsweep.results.schema import Role, knob_columns
+from healsweep.results.schema import Role, config_hash, knob_columns
 from healsweep.settings_errors import locate
 from healsweep.sweep.dimensions import Choices, Range
 from healsweep.sweep.sizes import config_size
@@ -41,11 +39,6 @@ _SHAPE = {
     "grid": "a non-empty list of values",
     "sampled": "{low, high, log, step} or {choices: [...]}",
 }
-
-
-def config_hash(knobs: Knobs) -> str:
-    """A short content hash of a full knob set (the identity of a config across trials/runs)."""
-    return hashlib.sha256(canonical_json(knobs.identity()).encode()).hexdigest()[:16]
 
 
 def check_space(
@@ -180,6 +173,7 @@ def grid_configs(spec: SweepSpec) -> list[Knobs]:
 
 def optuna_space(spec: SweepSpec) -> dict[str, BaseDistribution]:
     """Optuna distributions of the searched knobs (tpe/random)."""
+    # lazy: heavy (optuna)
     from optuna.distributions import CategoricalDistribution, FloatDistribution
 
     space: dict[str, BaseDistribution] = {}
