@@ -63,9 +63,10 @@ log = logging.getLogger(__name__)
 
 STAGE = "sensitivity"  # the stage cache's folder of these entries
 VERSION = 1
-# What a sensitivity config runs: heal (the trial's stages) and score; their modules' digest
-CODE_ROOTS = ("healsweep.heal.pipeline", "healsweep.heal.evaluate", "healsweep.score.runner",
-              "healsweep.sweep.work")  # fmt: skip
+# What a sensitivity entry runs: this module (its scores), heal (the trial's stages), score and
+# the work function (sweep.work, imported here): their import closure keys it
+CODE_ROOTS = ("healsweep.sweep.sensitivity", "healsweep.heal.pipeline", "healsweep.heal.evaluate",
+              "healsweep.score.runner")  # fmt: skip
 N_BOOT = 2000
 IDENTITY_KEYS = ("model_fingerprint", "split_lock_id")  # of a sweep's identity, in the key
 Say = Callable[[str], None]

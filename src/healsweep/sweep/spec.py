@@ -245,7 +245,7 @@ class SweepSpec(_Strict):
     search_space: SearchSpace = Field(default_factory=SearchSpace)
     """a mapping of knob: [grid values] | {choices: [...]} | {low, high, log, step}"""
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
-    """grid, tpe or random, or {type: grid|tpe|random, seed: int}"""
+    """grid, tpe, random or allocator, or {type: grid|tpe|random|allocator, seed: int}"""
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
     """wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps, futility}"""
     num_samples: int | None = Field(default=None, ge=1)
