@@ -30,6 +30,7 @@ from healsweep.heal.pipeline import build_student
 from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.score import teacher_cache
 from healsweep.score.teacher_cache import teacher_outputs
+from healsweep.sweep import sensitivity
 
 setup = heal_setup
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
@@ -98,6 +99,7 @@ ROOTS_OF = {
     trace.STAGE: trace.CODE_ROOTS,
     trace.LAYER_STAGE: trace.CODE_ROOTS,
     teacher_cache.STAGE: teacher_cache.CODE_ROOTS,
+    sensitivity.STAGE: sensitivity.CODE_ROOTS,
     **dict.fromkeys(set(VERSIONS) - {trace.STAGE, trace.LAYER_STAGE}, stages.CODE_ROOTS),
 }
 
@@ -202,6 +204,7 @@ ROOT_SETS = {
     "heal": stages.CODE_ROOTS,
     "trace": trace.CODE_ROOTS,
     "teacher": teacher_cache.CODE_ROOTS,
+    "sensitivity": sensitivity.CODE_ROOTS,
 }
 
 
@@ -334,9 +337,11 @@ def test_stage_keys_from_an_installed_copy_change_with_one_byte_of_its_code(setu
     assert all(edited["keys"][k] != here["keys"][k] for k in here["keys"]), edited["keys"]
 
 
-# The modules that write stage entries: the stage runner for every heal stage, and the two
-# streaming writers of their own stages (the trace's layers, the teacher's windows).
-_WRITERS = {"healsweep.heal._runner", "healsweep.heal.trace", "healsweep.score.teacher_cache"}
+# The modules that write stage entries: the stage runner for every heal stage, the two
+# streaming writers of their own stages (the trace's layers, the teacher's windows), and the
+# allocator's sensitivity pass (a config's dev scores, no heal stage: issue 39).
+_WRITERS = {"healsweep.heal._runner", "healsweep.heal.trace", "healsweep.score.teacher_cache",
+            "healsweep.sweep.sensitivity"}  # fmt: skip
 
 
 def test_the_stage_runner_writes_every_heal_stage():

@@ -26,6 +26,7 @@ _COMMAND_MODULES = [
     "healsweep.cli.baseline_cmd",
     "healsweep.cli.bench_cmd",
     "healsweep.cli.sweep_cmd",
+    "healsweep.cli.sensitivity_cmd",
     "healsweep.cli.report_cmd",
     "healsweep.cli.confirm_cmd",
     "healsweep.cli.cluster_cmd",

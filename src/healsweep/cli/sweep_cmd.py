@@ -50,6 +50,11 @@ class _Printer:
             typer.echo(line, err=True)
 
 
+def _note(line: str) -> None:
+    """A line of the sweep's own work before its trials (the allocator's sensitivity pass)."""
+    typer.echo(line, err=True)
+
+
 def _finish(run: Any) -> None:
     # lazy: heavy (pyarrow)
     from healsweep.results.schema import TrialStatus, row_role
@@ -107,7 +112,8 @@ def run(
     if fixed:
         typer.echo(f"reference and external rows first: {', '.join(fixed)}")
     outcome = run_sweep(
-        loaded, results_root=root, address=address, num_cpus=num_cpus, on_progress=_Printer()
+        loaded, results_root=root, address=address, num_cpus=num_cpus, on_progress=_Printer(),
+        on_note=_note,
     )
     _finish(outcome)
 
@@ -131,7 +137,7 @@ def resume(
     for line in stop_sessions(recorded_ray_sessions(sweep_dir)):
         typer.echo(line, err=True)
     outcome = resume_sweep(sweep_dir, address=address, num_cpus=num_cpus, on_progress=_Printer(),
-                           cache_max_gb=limit)  # fmt: skip
+                           cache_max_gb=limit, on_note=_note)  # fmt: skip
     _finish(outcome)
 
 

@@ -22,6 +22,7 @@ from healsweep.heal.size import Budget
 from healsweep.results.placement import pool_summary
 from healsweep.results.schema import REFERENCES, Role, TrialStatus, knobs_of, row_role, student_of
 from healsweep.results.store import (
+    read_allocator,
     read_manifest,
     read_over_budget,
     read_stored_spec,
@@ -110,6 +111,7 @@ class SweepSummary:
     over_budget: dict[str, dict[str, Any]] = field(default_factory=dict)  # never scored
     n_boot: int = 10_000  # the paired bootstrap's replicates and seed (further comparisons)
     seed: int = 0
+    allocator: dict[str, Any] = field(default_factory=dict)  # allocator.json (its sampler's)
 
 
 # Which status a config shows when its rows differ, and which row names it first.
@@ -215,6 +217,7 @@ def summarize(
         over_budget=read_over_budget(sweep_dir),
         n_boot=n_boot,
         seed=seed,
+        allocator=read_allocator(sweep_dir),
     )
 
 

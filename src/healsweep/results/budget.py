@@ -24,6 +24,7 @@ from healsweep.results.aggregate import ConfigResult, SweepSummary, paired
 from healsweep.results.schema import Role, TrialStatus, is_candidate
 
 MAX_LISTED = 20  # over-budget configs listed one by one (the count is always given)
+GROUP_NAMES = {"gu": "gate/up", "d": "down"}  # the routed experts' tensor groups
 
 
 @dataclass
@@ -170,4 +171,76 @@ def over_budget_lines(summary: SweepSummary) -> list[str]:
                      f"{'; ' + rest if rest else ''}")  # fmt: skip
     if len(over) > MAX_LISTED:
         lines.append(f"- ... and {len(over) - MAX_LISTED} more (over_budget.json)")
+    return lines
+
+
+def is_uniform(config: ConfigResult) -> bool:
+    """Whether a config stores every routed expert in one type (one type for gate/up and down,
+    no edge-layer steps, no per-layer types)."""
+    values = config.knob_values
+    return bool(values) and values["type_gu"] == values["type_d"] and not (
+        values.get("layer_types") or values.get("up_first") or values.get("up_last")
+    )
+
+
+@dataclass
+class AllocationRow:
+    """A non-uniform allocation beside the best uniform recipe of at most its size."""
+
+    config: ConfigResult
+    uniform: ConfigResult | None  # the best completed uniform trial no larger than it
+    comparison: Any  # the allocation against that uniform recipe (negative: allocation better)
+    predicted: float | None  # the allocator's predicted KLD change, when it proposed it
+
+
+def allocation_rows(summary: SweepSummary) -> list[AllocationRow]:
+    """Every completed non-uniform trial (the allocator's proposals, mixed type pairs, per-layer
+    types) beside the best completed uniform trial whose size, in the budget's measure (routed
+    bpw without a budget), is no larger; by size, then pooled KLD."""
+    measure = summary.budget.measure if summary.budget is not None else "routed_bpw"
+    trials = [c for c in _scored(summary)
+              if c.role.tuned and c.status == TrialStatus.COMPLETED and c.knobs is not None
+              and measured(c, measure) is not None]  # fmt: skip
+    uniform = sorted((c for c in trials if is_uniform(c)), key=lambda c: c.pooled["kld_mean"])
+    predicted = {
+        student_key(Knobs(**p["knobs"])): p["predicted_delta_kld"]
+        for p in summary.allocator.get("proposals", [])
+    }
+    rows = []
+    for config in sorted((c for c in trials if not is_uniform(c)),
+                         key=lambda c: (measured(c, measure), c.pooled["kld_mean"])):  # fmt: skip
+        size = measured(config, measure)
+        best = next((u for u in uniform if measured(u, measure) <= size * (1 + 1e-9)), None)
+        comparison = (
+            paired(best, config, n_boot=summary.n_boot, seed=summary.seed) if best else None
+        )
+        rows.append(AllocationRow(config, best, comparison,
+                                  predicted.get(student_key(config.knobs))))  # fmt: skip
+    return rows
+
+
+def sensitivity_lines(record: dict[str, Any]) -> list[str]:
+    """A Markdown table of a sensitivity record (``allocator.json``'s ``sensitivity``, or
+    ``healsweep sensitivity --json``'s): each move's change of routed bpw, pooled KLD, change
+    against the base with its paired 95% CI, and KLD change per routed bit per weight."""
+    base = record["base"]
+    knobs = base["knobs"]
+    types = f"{knobs.get('type_gu', 'q2_0')}/{knobs.get('type_d', 'q2_0')}"
+    lines = [
+        f"Base: {types}" + (f" ({knobs['layer_types']})" if knobs.get("layer_types") else "")
+        + f", pooled KLD {base['kld']:.5f} on {record['windows']} dev windows"
+        + (f"; ladder {', '.join(record['ladder'])}" if record.get("ladder") else "") + ".",
+        "",
+        "| layer | group | move | Δ routed bpw | pooled KLD | Δ KLD [95% CI] | Δ KLD per Δ bpw |",
+        "|---:|---|---|---:|---:|---|---:|",
+    ]  # fmt: skip
+    for row in record["moves"]:
+        lo, hi = row["rel_change_ci"]
+        bpw = row["delta_routed_bpw"]
+        per = f"{row['delta_kld'] / bpw:+.5f}" if bpw else "-"
+        lines.append(
+            f"| {row['layer']} | {GROUP_NAMES[row['group']]} | {row['from']}→{row['to']} | "
+            f"{bpw:+.4f} | {row['kld']:.5f} | {100 * row['rel_change']:+.2f}% "
+            f"[{100 * lo:+.2f}, {100 * hi:+.2f}] | {per} |"
+        )
     return lines

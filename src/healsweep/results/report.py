@@ -14,9 +14,11 @@ from healsweep.heal.knobs import Knobs
 from healsweep.results.aggregate import ConfigResult, SweepSummary, summarize
 from healsweep.results.budget import (
     allocation,
+    allocation_rows,
     file_mib,
     healing_pairs,
     over_budget_lines,
+    sensitivity_lines,
     tiers,
 )
 from healsweep.results.placement import pool_line
@@ -267,16 +269,47 @@ def healing_table(summary: SweepSummary) -> Table:
     return header, rows
 
 
+def allocations_table(summary: SweepSummary) -> Table:
+    """Each non-uniform allocation beside the best uniform recipe of at most its size (paired Δ
+    of the allocation against it: negative = the allocation is better), with the allocator's
+    predicted change against its base where it proposed the allocation."""
+    level = summary.rule.ci_level
+    header = ["allocation (gate-up/down)", "config", "bpw", "pooled KLD", "predicted Δ KLD",
+              "best uniform no larger", "its bpw", "its KLD",
+              f"Δ KLD vs uniform [{level:.0%} CI]"]  # fmt: skip
+    rows = []
+    for row in allocation_rows(summary):
+        config, uniform = row.config, row.uniform
+        rows.append([
+            allocation(config), describe(config, summary.baseline), _fmt(config.routed_bpw, ".5g"),
+            f"{config.pooled['kld_mean']:.5f}", _fmt(row.predicted, "+.5f"),
+            "-" if uniform is None else f"{describe(uniform, summary.baseline)} "
+            f"({allocation(uniform)})",
+            "-" if uniform is None else _fmt(uniform.routed_bpw, ".5g"),
+            "-" if uniform is None else f"{uniform.pooled['kld_mean']:.5f}",
+            _delta(row.comparison, level),
+        ])  # fmt: skip
+    return header, rows
+
+
 def _budget_sections(summary: SweepSummary) -> list[tuple[str, list[str]]]:
-    """The size budget's sections (none without a budget), and the healing pairs."""
+    """The size budget's sections (none without a budget), the healing pairs, and the
+    allocations beside uniform recipes (with the allocator's sensitivity table)."""
     pairs = healing_table(summary)
     healing = [("What healing adds on top of each allocation", _md(pairs))] if pairs[1] else []
+    mixed = allocations_table(summary)
+    allocations = [("Allocations beside the best uniform recipe of their size", _md(mixed))]
+    allocations = allocations if mixed[1] else []
+    if summary.allocator.get("sensitivity"):
+        lines = sensitivity_lines(summary.allocator["sensitivity"])
+        allocations.append(("Sensitivity of each tensor group", lines))
     if summary.budget is None:
-        return healing
+        return healing + allocations
     found = tiers(summary)
     return [
         ("Best config per budget against llama.cpp", _md(best_per_tier_table(summary, found))),
         *((f"Configs within {tier.label}", _md(tier_table(summary, tier))) for tier in found),
+        *allocations,
         *healing,
         ("Over budget", over_budget_lines(summary)),
     ]

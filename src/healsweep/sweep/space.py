@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from healsweep.errors import HealsweepError, SpecError
-from healsweep.heal.knobs import Knobs, require_ggml
+from healsweep.heal.knobs import EXPERT_TYPES, Knobs, require_ggml
 from healsweep.heal.reads import student_key
 from healsweep.heal.size import ConfigSize
 from healsweep.results.schema import Role, config_hash, knob_columns
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
 
 KNOB_NAMES: tuple[str, ...] = tuple(Knobs.model_fields)
+GRIDDED = ("grid", "allocator")  # samplers whose dimensions are lists of grid values
 _SHAPE = {
     "grid": "a non-empty list of values",
     "sampled": "{low, high, log, step} or {choices: [...]}",
@@ -57,12 +58,20 @@ def check_space(
             raise SpecError(
                 f"{at}: knob '{knob}' is both fixed and searched; remove it from one of them"
             )
-        if (kind == "grid") != isinstance(dim, list):
-            shape = _SHAPE["grid" if kind == "grid" else "sampled"]
+        if (kind in GRIDDED) != isinstance(dim, list):
+            shape = _SHAPE["grid" if kind in GRIDDED else "sampled"]
             raise SpecError(
                 f"{at}: field 'search_space.{knob}' = {written[knob]!r} is not allowed; with "
                 f"sampler {kind} a dimension is {shape}"
             )
+    if spec.allocator is not None and kind != "allocator":
+        raise SpecError(
+            f"{locate(where, lines, ('allocator',))}: field 'allocator' needs sampler allocator "
+            f"(the sampler is {kind}); remove it or set sampler: allocator"
+        )
+    if kind == "allocator":
+        _check_allocator(spec, where, lines)
+        return
     if kind == "grid":
         n = len(grid_configs(spec))
         if spec.num_samples is not None and spec.num_samples != n:
@@ -82,6 +91,35 @@ def check_space(
             f"{where}: field 'num_samples' is missing; sampler {kind} needs an integer >= 1"
         )
     _check_baseline_inside(spec, where, lines)
+
+
+def _check_allocator(spec: SweepSpec, where: str, lines: Mapping) -> None:
+    """The allocator runs the grid and its proposals (no sample count), and moves the base
+    config's types along its ladder: each type the base may store a group in is on it."""
+    if spec.budget is None:
+        raise SpecError(
+            f"{locate(where, lines, ('sampler',))}: sampler allocator chooses types under a "
+            "size budget: add a budget ({routed_bpw: X}, or a file size)"
+        )
+    if spec.num_samples is not None:
+        raise SpecError(
+            f"{locate(where, lines, ('num_samples',))}: field 'num_samples' = "
+            f"{spec.num_samples} is not allowed; sampler allocator runs the grid and its "
+            "proposals (allocator.proposals per budget limit): omit num_samples"
+        )
+    ladder = spec.allocator_settings().ladder
+    require_ggml({"type_gu": ladder or EXPERT_TYPES})  # its moves reach ggml types
+    if ladder is None:
+        return
+    base = with_point(spec, {})
+    for group, experts in (("gu", "gate and up"), ("d", "down")):
+        off = sorted(base.possible_types(group) - set(ladder))
+        if off:
+            raise SpecError(
+                f"{locate(where, lines, ('allocator', 'ladder'))}: field 'allocator.ladder' = "
+                f"{ladder!r} lacks {', '.join(off)}, a type the base config (the baseline "
+                f"with the fixed knobs) stores its {experts} experts in; add it to the ladder"
+            )
 
 
 def _check_baseline_inside(spec: SweepSpec, where: str, lines: Mapping) -> None:

@@ -35,6 +35,7 @@ from healsweep.sweep.budget import check_budget
 from healsweep.sweep.dimensions import SHAPES, Choices, Range
 from healsweep.sweep.space import check_space
 from healsweep.sweep.spec import (
+    AllocatorSpec,
     BudgetSpec,
     ExternalSpec,
     FutilitySpec,
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 _MODELS: dict[str, type[BaseModel]] = {
     "": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec, "pruner.futility": FutilitySpec,
     "scoring": ScoringSpec, "external": ExternalSpec, "external.llama": LlamaRecipe,
-    "budget": BudgetSpec,
+    "budget": BudgetSpec, "allocator": AllocatorSpec,
 }  # fmt: skip
 _SEARCH = SearchSpaceRules(
     "search_space", Knobs, {"grid": Choices, "choices": Choices, "range": Range}, SHAPES
@@ -70,7 +71,7 @@ def spec_from_dict(
         spec = SweepSpec.model_validate(dict(raw))
     except ValidationError as exc:
         message = validation_message(
-            exc, where, lines, _MODELS, explained=("budget", "external"),
+            exc, where, lines, _MODELS, explained=("budget", "external", "allocator"),
             unions=("references",), search=_SEARCH,
         )  # fmt: skip
         raise SpecError(message) from None

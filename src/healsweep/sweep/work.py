@@ -22,7 +22,7 @@ from healsweep.data.split import load_split, parity_split, resolve_split, split_
 from healsweep.errors import SpecError, SplitError
 from healsweep.heal.knobs import Knobs
 from healsweep.score.record import WindowRecord
-from healsweep.sweep.space import grid_configs
+from healsweep.sweep.space import GRIDDED, grid_configs
 from healsweep.sweep.spec import ScoringSpec, SweepSpec
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
 
     model = open_model(spec.model)
     # a grid's configs are known now; a sampler's points are checked when their trial starts
-    for knobs in grid_configs(spec) if spec.sampler.type == "grid" else [spec.baseline]:
+    for knobs in grid_configs(spec) if spec.sampler.type in GRIDDED else [spec.baseline]:
         check_quantizable(model, knobs)
     try:
         window_options(spec.scoring, model)
