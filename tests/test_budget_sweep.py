@@ -276,6 +276,34 @@ def test_the_budget_sweeps_hold_llama_cpps_iq2_files_inside_their_budgets(name, 
 
 
 @needs_ggml
+@pytest.mark.parametrize(
+    ("name", "limit", "ladder", "grid"),
+    [
+        ("medium-cpu-budget-1.75", 1.80, ["iq1_s", "iq1_m", "iq2_xxs"], (3, 1)),
+        ("medium-cpu-budget-2.56", 2.5625, ["iq2_xxs", "iq2_xs", "iq3_xxs"], (5, 1)),
+    ],
+)
+def test_the_allocator_budget_sweeps_load_and_move_every_group(name, limit, ladder, grid, rows256):
+    """Issue 39's dev specs: one budget limit, the allocator's ladder holding the base's types,
+    the grid's uniform and type-pair recipes split by the budget, and a step down and up for
+    each MoE layer's gate/up and down (the base is the ladder's middle type)."""
+    from healsweep.sweep.budget import split_grid
+    from healsweep.sweep.sensitivity import moves, sensitivity_base
+    from healsweep.sweep.spec_files import load_spec
+
+    spec = load_spec(ROOT / "sweeps" / f"{name}.yaml", check_paths=False)
+    assert spec.sampler.type == "allocator" and spec.budget.budget().limits == (limit,)
+    assert spec.allocator.ladder == ladder
+    local = spec.model_copy(update={"model": str(rows256)})
+    inside, over = split_grid(local)
+    assert (len(inside), len(over)) == grid
+    base = sensitivity_base(local)
+    assert base.type_gu == base.type_d == ladder[1]
+    shapes = ModelShapes.of(open_model(rows256))
+    assert len(moves(base, shapes, spec.allocator.ladder)) == 4 * len(shapes.moe_layers)
+
+
+@needs_ggml
 def test_readme_command_1_runs_the_two_recipes_against_llama_cpps_files_of_their_sizes():
     """sweeps/medium-cpu-recipes.yaml (README command (1)): its baseline is
     configs/knobs/budget-2.06.yaml, its one grid point budget-2.31.yaml, its tiers the two sizes

@@ -375,7 +375,9 @@ def test_a_ledger_cannot_be_silently_reset(sweep_copy, swept, tmp_path):
     results, env = sweep_copy.parent, swept["env"]
     ledger = results / "ledger.jsonl"
     summary = confirm(sweep_copy, "m1", max_windows=2, n_boot=200)
-    heads = json.loads((sweep_copy / "manifest.json").read_text())["ledger_heads"]
+    manifest = json.loads((sweep_copy / "manifest.json").read_text())
+    assert "/session_" in manifest["runs"][0]["ray_session"]  # what a resume would clean up
+    heads = manifest["ledger_heads"]
     assert [(h["at"], h["entries"], h["path"]) for h in heads] == [
         ("run", 0, "../ledger.jsonl"), ("confirm m1 opened", 1, "../ledger.jsonl"),
         ("confirm m1 result", 2, "../ledger.jsonl")]  # fmt: skip

@@ -25,7 +25,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from typer.testing import CliRunner
 
-import healsweep.conformance as conformance
+import healsweep.conformance.suite as suite
 from healsweep.cli import _register
 from healsweep.cli._apps import app
 from healsweep.conformance import KernelCase, all_cases, run_case
@@ -261,7 +261,7 @@ def _doctor_in_process(monkeypatch, names: tuple[str, ...], extra=()) -> object:
     """``healsweep doctor --no-ray`` in this process over the named cases (and ``extra``)."""
     cases = [case for case in all_cases() if case.name in names]
     assert len(cases) == len(names)
-    monkeypatch.setattr(conformance, "all_cases", lambda: [*cases, *extra])
+    monkeypatch.setattr(suite, "all_cases", lambda: [*cases, *extra])
     jax.clear_caches()  # a fresh doctor traces the kernels as they are now
     _register()
     done = CliRunner().invoke(app, ["doctor", "--no-ray"])

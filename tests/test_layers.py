@@ -36,6 +36,7 @@ LAYER_OF = {
     "cache": "base",
     "runtime": "base",
     "bundled": "base",
+    "ray_orphans": "base",  # psutil only: the Ray processes a killed driver left
     "ledger": "data",
     "score": "heal",
     "cluster": "sweep",

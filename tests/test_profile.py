@@ -97,6 +97,7 @@ EIGHT_GPUS = {"CPU": 128.0, "GPU": 8.0}
         ({}, 4, [{"CPU": 8.0}, {"CPU": 4.0}], 2),  # the node that gives the fewest
         ({"metal": 1}, 4, [{"CPU": 10.0, "metal": 1.0}, {"CPU": 8.0, "metal": 1.0}], 8),
         ({"gpu": 1}, 1, [CPU_NODE], 1),  # nowhere to run: the cluster check says so later
+        ({}, 2, [{"CPU": 0.0}, {"CPU": 4.0}, {"CPU": 4.0}], 4),  # a head of no CPUs runs none
     ],
 )
 def test_a_trial_takes_its_node_s_share_of_the_cores(resources, concurrent, nodes, share):

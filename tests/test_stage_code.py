@@ -30,6 +30,7 @@ from healsweep.heal.pipeline import build_student
 from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.score import teacher_cache
 from healsweep.score.teacher_cache import teacher_outputs
+from healsweep.sweep import sensitivity
 
 setup = heal_setup
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
@@ -98,6 +99,7 @@ ROOTS_OF = {
     trace.STAGE: trace.CODE_ROOTS,
     trace.LAYER_STAGE: trace.CODE_ROOTS,
     teacher_cache.STAGE: teacher_cache.CODE_ROOTS,
+    sensitivity.STAGE: sensitivity.CODE_ROOTS,
     **dict.fromkeys(set(VERSIONS) - {trace.STAGE, trace.LAYER_STAGE}, stages.CODE_ROOTS),
 }
 
@@ -152,7 +154,7 @@ def test_every_module_a_stage_executes_is_in_its_digest(traced_runs, run):
 
 # The stage helper passes its caller's stage name through: its callers are the call sites.
 _PASS_THROUGH = {"healsweep.cache", "healsweep.heal._runner"}
-_CALLS = ("get_or_compute", "put", "value", "lazy")  # the cache's, and StageRunner's
+_CALLS = ("get_or_compute", "put", "value", "lazy", "stored")  # the cache's, StageRunner's
 
 
 def _call_sites() -> list[tuple[str, str]]:
@@ -174,7 +176,9 @@ def _call_sites() -> list[tuple[str, str]]:
                 continue
             arg = node.args[0]
             named = isinstance(arg, ast.Attribute) and ast.unparse(arg.value) == "Stage"
-            if node.func.attr in ("value", "lazy") and not (isinstance(arg, ast.Constant) or named):
+            if node.func.attr in ("value", "lazy", "stored") and not (
+                isinstance(arg, ast.Constant) or named
+            ):
                 continue  # another object's value()/lazy(), not a stage
             if isinstance(arg, ast.Constant):
                 sites.append((module, arg.value))
@@ -200,6 +204,7 @@ ROOT_SETS = {
     "heal": stages.CODE_ROOTS,
     "trace": trace.CODE_ROOTS,
     "teacher": teacher_cache.CODE_ROOTS,
+    "sensitivity": sensitivity.CODE_ROOTS,
 }
 
 
@@ -330,3 +335,30 @@ def test_stage_keys_from_an_installed_copy_change_with_one_byte_of_its_code(setu
     _edit_one_byte(copy / "kernels" / "_decode_legacy.py")  # the in-graph GGUF decoders
     edited = _keys_of(copy.parent, model)
     assert all(edited["keys"][k] != here["keys"][k] for k in here["keys"]), edited["keys"]
+
+
+# The modules that write stage entries: the stage runner for every heal stage, the two
+# streaming writers of their own stages (the trace's layers, the teacher's windows), and the
+# allocator's sensitivity pass (a config's dev scores, no heal stage: issue 39).
+_WRITERS = {"healsweep.heal._runner", "healsweep.heal.trace", "healsweep.score.teacher_cache",
+            "healsweep.sweep.sensitivity"}  # fmt: skip
+
+
+def test_the_stage_runner_writes_every_heal_stage():
+    """Issue 42: pipeline.py (ridge_heldout, the basis ahead) and evaluate.py (routed_q) wrote
+    the cache themselves; every heal stage entry now goes through StageRunner."""
+    writers = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_of(str(path))
+        if module in ("healsweep.cache", "healsweep._cache_disk"):
+            continue
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("get_or_compute", "put")
+                and "cache" in ast.unparse(node.func.value)
+            ):
+                writers.add(module)
+    assert writers <= _WRITERS, sorted(writers - _WRITERS)
+    assert "healsweep.heal._runner" in writers

@@ -83,7 +83,7 @@ def test_unknown_field_names_it_its_line_and_the_known_fields(tmp_path):
     ("raw", "pieces"),
     [
         ({"name": "../escape"}, ["'name'", "'../escape'", "letters, digits"]),
-        ({"name": "x", "sampler": "bayes"}, ["'sampler.type'", "'bayes'", "grid, tpe or random"]),
+        ({"name": "x", "sampler": "bayes"}, ["'sampler.type'", "'bayes'", "grid, tpe, random or allocator"]),
         (
             {"name": "x", "pruner": {"type": "wilcoxon", "p_threshold": 1.5}},
             ["'pruner.p_threshold'", "1.5", "(0, 1)"],

@@ -26,7 +26,7 @@ from healsweep.heal.knobs import (
 from healsweep.heal.quantize import reads_trace
 from healsweep.heal.reads import stage_reads, student_key
 from healsweep.heal.stage_names import STUDENT_STAGES
-from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type, step_up
+from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type, step_down, step_up
 from healsweep.sweep.space import config_hash
 
 TYPE_KNOBS = Knobs.TYPES
@@ -84,6 +84,22 @@ def test_the_ladder_steps_to_the_next_type_with_more_bits():
     # with a row width: the next one up whose blocks fill the rows (1408 = 44 * 32, not 256's)
     assert step_up("iq2_xs", 1536) == "iq2_s" and step_up("q2_0", 1408) == "iq4_nl"
     assert step_up("iq4_nl", 1408) == "iq4_nl"  # nothing bigger fits: stays
+
+
+def test_the_ladder_steps_down_to_the_last_type_with_fewer_bits():
+    for t in ROUTED_TYPES:
+        down = ggml_type(step_down(t.name))
+        earlier = ROUTED_TYPES[: ROUTED_TYPES.index(t)]
+        smaller = [u for u in earlier if u.bits_per_weight < t.bits_per_weight]
+        assert down == (smaller[-1] if smaller else t)  # the bottom of the ladder stays
+        if down != t:  # a step down then up comes back (the types of one size aside)
+            assert step_up(down.name) in {u.name for u in ROUTED_TYPES
+                                          if u.bits_per_weight == t.bits_per_weight}  # fmt: skip
+    assert [step_down(n) for n in ("iq2_xs", "q2_0", "iq2_xxs", "q3_k", "iq3_s", "iq1_s")] == [
+        "q2_0", "iq2_xxs", "iq1_m", "iq3_xxs", "iq3_xxs", "iq1_s"
+    ]  # fmt: skip
+    # with a row width: the last one down whose blocks fill the rows (rows of 64: q2_0's)
+    assert step_down("iq4_nl", 64) == "q2_0" and step_down("q2_0", 64) == "q2_0"
 
 
 def test_each_layer_gets_its_types():

@@ -44,7 +44,10 @@ class JaxInfo:
 
 def jax_info() -> JaxInfo:
     """JAX version, default backend and its devices in this process."""
+    # lazy: heavy (jax)
     import jax
+
+    # lazy: heavy (jaxlib)
     import jaxlib
 
     devices = tuple(
@@ -125,6 +128,7 @@ def connect(address: str | None) -> bool:
     session and never starts a cluster. An address the user gave (flag or ``RAY_ADDRESS``) that
     cannot be reached raises ``ClusterError``; a stale recorded one means no cluster.
     """
+    # lazy: heavy (ray)
     import ray
 
     if ray.is_initialized():
@@ -195,6 +199,7 @@ def _join_failure(exc: Exception, ray_stderr: str) -> str:
 
 def nodes(census: bool = True) -> list[NodeInfo]:
     """Every node of the connected cluster, with its resources and (census) its JAX backend."""
+    # lazy: heavy (ray)
     import ray
 
     found = [
@@ -218,6 +223,7 @@ def _internal(resource: str) -> bool:
 
 def _census(found: list[NodeInfo]) -> list[NodeInfo]:
     """Ask every alive node, in parallel, for its JAX backend and version."""
+    # lazy: heavy (ray)
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -36,8 +36,27 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from healsweep.cache import canonical_json
+from healsweep._atomic import atomic_write_text
+from healsweep.cache import StageCache, canonical_json
+from healsweep.data.corpus import load_corpus
+from healsweep.data.split import split_lock_id
 from healsweep.errors import LedgerError, ResultsError, SplitError
+from healsweep.ledger import LEDGER_NAME, Ledger, head_record
+from healsweep.ledger_heads import checked_ledger
+from healsweep.results.schema import (
+    Role,
+    best_trial,
+    knob_columns,
+    knobs_of,
+    row_role,
+    window_schema,
+)
+from healsweep.results.store import read_manifest, read_trials, write_windows
+from healsweep.score.record import WindowMetrics, WindowRecord
+from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
+from healsweep.sweep.manifest import append_ledger_head, ledger_head, read_spec, recorded_ledger
+from healsweep.sweep.status import driver_running
+from healsweep.sweep.work import spec_split, window_options
 
 if TYPE_CHECKING:
     from healsweep.cache import StageCache
@@ -81,7 +100,6 @@ def frozen_hash(knobs: Knobs, model_fingerprint: str, calibration: dict[str, Any
 
 def calibration_identity(calibration: CalibrationConfig) -> dict[str, Any]:
     """The calibration settings that change a student, with the calibration corpus's content."""
-    from healsweep.data.corpus import load_corpus
 
     corpus = load_corpus(calibration.corpus)
     rows = sorted((d.doc_id, d.content_hash) for d in corpus.documents)
@@ -94,6 +112,7 @@ def sweep_model(
 ) -> GGUFModel:
     """The sweep's model, opened; ResultsError (ending in ``remedy``) when its fingerprint is
     not the one the manifest recorded."""
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     teacher = open_model(spec.model)
@@ -122,7 +141,6 @@ def best_row(trials: list[dict[str, Any]], where: Path, purpose: str) -> dict[st
     """The sweep's best trial (:func:`~healsweep.results.schema.best_trial`: the completed
     trial with the lowest dev pooled KLD, the baseline included); ResultsError when none has
     completed (``purpose`` ends its message, e.g. "to confirm")."""
-    from healsweep.results.schema import best_trial
 
     best = best_trial(trials)
     if best is None:
@@ -139,7 +157,6 @@ def choose_configs(
     sweep's best trial (refused when that is the baseline: nothing beat it on dev); one row per
     config. Reference and external rows are refused: they are scored on dev beside the trials,
     not confirmed."""
-    from healsweep.results.schema import Role, row_role
 
     baseline = next((t for t in trials if row_role(t) == Role.BASELINE), None)
     if baseline is None:
@@ -174,7 +191,6 @@ def milestone_dir(sweep_dir: str | Path, milestone: str) -> Path:
 
 def result_schema() -> pa.Schema:
     """The windows schema of the sweep plus the milestone, frozen hash and split lock id."""
-    from healsweep.results.schema import window_schema
 
     extra = [pa.field(n, pa.string()) for n in ("milestone", "frozen_hash", "split_lock_id")]
     return pa.schema([*window_schema(), *extra])
@@ -205,11 +221,6 @@ class _Context:
 def load_context(sweep_dir: str | Path) -> _Context:
     """Manifest, spec, teacher, corpus and split of a finished sweep; refuses a sweep whose
     driver still runs, and a model or split that changed since the sweep."""
-    from healsweep.data.split import split_lock_id
-    from healsweep.results.store import read_manifest
-    from healsweep.sweep.manifest import read_spec
-    from healsweep.sweep.status import driver_running
-    from healsweep.sweep.work import spec_split
 
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
@@ -236,8 +247,6 @@ def load_context(sweep_dir: str | Path) -> _Context:
 
 def freeze_configs(ctx: _Context, trial_ids: Sequence[str] | None) -> list[FrozenConfig]:
     """The configs to confirm (baseline first), each with its frozen hash."""
-    from healsweep.results.schema import knobs_of
-    from healsweep.results.store import read_trials
 
     trials = read_trials(ctx.sweep_dir).to_pylist()
     calibration = calibration_identity(ctx.spec.calibration)
@@ -278,8 +287,8 @@ def open_grant(
 def sealed_windows(ctx: _Context, grant: Grant, max_windows: int | None) -> list[Window]:
     """The test windows (needs the grant), sorted by id, the first ``max_windows`` when capped:
     selected as a sweep selects its dev windows (:func:`~healsweep.data.windows.first_windows`)."""
+    # lazy: heavy (gguf)
     from healsweep.data.windows import first_windows, make_windows
-    from healsweep.sweep.work import window_options
 
     options = window_options(ctx.spec.scoring, ctx.teacher)
     windows = make_windows(
@@ -292,10 +301,13 @@ def score_config(
     ctx: _Context, config: FrozenConfig, windows: list[Window], cache: StageCache, say: Progress
 ) -> list[dict[str, Any]]:
     """Build one frozen config's student through the caches and score it on every window."""
+    # lazy: heavy (gguf, jax)
     from healsweep.heal.pipeline import build_student
-    from healsweep.results.schema import knob_columns
+
+    # lazy: heavy (gguf)
     from healsweep.score.expert_cache import ExpertCacheConfig
-    from healsweep.score.record import WindowRecord
+
+    # lazy: heavy (gguf, jax)
     from healsweep.score.runner import score_windows
 
     knobs = config.knobs
@@ -331,8 +343,6 @@ def summarize_test(
 ) -> list[dict[str, Any]]:
     """Pooled figures per config and, for every non-baseline config, the paired comparison with
     the baseline on the same test windows and the decision rule's verdict."""
-    from healsweep.score.record import WindowMetrics
-    from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
 
     rule = DecisionRule()
     by_config: dict[str, dict[str, dict[str, Any]]] = {}
@@ -400,8 +410,6 @@ def compare_pairs(
     """Each ``(trial, other)``: the paired comparison of ``trial`` against ``other`` on the same
     test windows and the decision rule's verdict (as every trial against the baseline), e.g. a
     healed config against the unhealed config that writes llama.cpp's own file."""
-    from healsweep.score.record import WindowMetrics
-    from healsweep.score.stats import DecisionRule, decision, paired_compare
 
     rule = DecisionRule()
     hashes = {c.trial_id: c.config_hash for c in configs}
@@ -473,12 +481,6 @@ def confirm(
     unless ``allow_split_change``. The sweep's manifest records the ledger's head after the
     opening and after the result, ``confirm.json`` the head after the result.
     """
-    from healsweep._atomic import atomic_write_text
-    from healsweep.cache import StageCache
-    from healsweep.ledger import head_record
-    from healsweep.ledger_heads import checked_ledger
-    from healsweep.results.store import write_windows
-    from healsweep.sweep.manifest import append_ledger_head, ledger_head
 
     say = progress or (lambda message: None)
     if max_windows is not None and max_windows < 1:
@@ -545,9 +547,6 @@ def sweep_ledger(sweep_dir: str | Path, results_root: str | Path | None = None) 
     """The ledger a sweep's confirms record in: ``RESULTS_ROOT/ledger.jsonl`` when a results
     root is given, else the one the sweep recorded (its spec's ``ledger``, else
     ``RESULTS/ledger.jsonl`` beside the sweep folder)."""
-    from healsweep.ledger import Ledger
-    from healsweep.results.store import read_manifest
-    from healsweep.sweep.manifest import recorded_ledger
 
     if results_root is not None:
         return Ledger.in_results(Path(results_root))
@@ -561,7 +560,6 @@ def read_confirmed(sweep_dir: str | Path) -> list[dict[str, Any]]:
     result hash and the sweep's ledger holds that result for the milestone's opening,
     ``"file changed"`` or ``"not in ledger"`` otherwise (the report shows it).
     """
-    from healsweep.ledger import LEDGER_NAME
 
     found = []
     for path in sorted(Path(sweep_dir).glob(f"{TEST_DIR}/*/{SUMMARY_FILE}")):
@@ -589,7 +587,6 @@ def read_confirmed(sweep_dir: str | Path) -> list[dict[str, Any]]:
 
 def _ledger_entries(candidates: list[Any]) -> list[dict[str, Any]]:
     """The entries of the first ledger file that exists ([] when none does or it is tampered)."""
-    from healsweep.ledger import Ledger
 
     for candidate in candidates:
         if candidate and Path(candidate).is_file():

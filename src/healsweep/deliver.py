@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from healsweep.errors import ResultsError
+from healsweep.cache import StageCache, canonical_json
+from healsweep.errors import HealsweepError, ResultsError
 
 if TYPE_CHECKING:
     from healsweep.cache import StageCache
@@ -55,6 +56,7 @@ class ExportResult:
 
 def pick_trial(trials: list[dict[str, Any]], trial_id: str, where: Path) -> dict[str, Any]:
     """The row of ``trial_id`` (an external GGUF is refused: it has no student to rebuild)."""
+    # lazy: heavy (pyarrow)
     from healsweep.confirm import trial_by_id
     from healsweep.results.schema import Role, row_role
 
@@ -75,6 +77,7 @@ def choose_best(
     why it. When no trial passes, ResultsError naming the best trial by dev KLD and its
     verdict, unless ``allow_rejected``: then that trial (the baseline when nothing beat it),
     with a line that says it was not accepted."""
+    # lazy: heavy (pyarrow)
     from healsweep.confirm import trial_by_id
     from healsweep.results.aggregate import summarize
     from healsweep.results.findings import (
@@ -129,6 +132,7 @@ def choose_best(
 def find_confirmation(sweep_dir: Path, frozen: str) -> tuple[Confirmation | None, str | None]:
     """The latest ledger-recorded milestone that scored config ``frozen`` on test, and a note
     when a milestone scored it but its record does not check out."""
+    # lazy: heavy (pyarrow)
     from healsweep.confirm import read_confirmed
 
     found, note = None, None
@@ -155,8 +159,10 @@ def find_confirmation(sweep_dir: Path, frozen: str) -> tuple[Confirmation | None
 def _ledger_head(sweep_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """The head of the sweep's ledger (``{"entries", "hash"}``) once the ledger checks out
     against every head recorded for it, or ``(None, why not)``."""
+    # lazy: heavy (pyarrow)
     from healsweep.confirm import sweep_ledger
-    from healsweep.errors import HealsweepError
+
+    # lazy: heavy (pyarrow)
     from healsweep.ledger_heads import checked_ledger
 
     ledger = sweep_ledger(sweep_dir)
@@ -184,10 +190,16 @@ def export_trial(
     since the sweep (its knobs were tuned on another model). ``cache`` is a ``StageCache``
     (default: the user's cache).
     """
-    from healsweep.cache import StageCache, canonical_json
+    # lazy: heavy (pyarrow)
     from healsweep.confirm import calibration_identity, frozen_hash, sweep_model
+
+    # lazy: heavy (gguf)
     from healsweep.heal.export import write_healed_gguf
+
+    # lazy: heavy (gguf, jax)
     from healsweep.heal.pipeline import build_student
+
+    # lazy: heavy (pyarrow)
     from healsweep.results.schema import TrialStatus, knobs_of
     from healsweep.results.store import read_manifest, read_trials
     from healsweep.sweep.manifest import read_spec

@@ -119,6 +119,7 @@ def _openblas(path: str) -> tuple[Any, Any] | None:
 
 
 def _loaded_openblas() -> list[tuple[Any, Any]]:
+    # lazy: heavy (scipy); both are imported here for the OpenBLAS each loads
     import numpy  # noqa: F401  (its OpenBLAS)
     import scipy.linalg  # noqa: F401  (scipy's own OpenBLAS, which LAPACK calls use)
 

@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    # lazy: optional (llama-cpp-python, an optional extra)
     from llama_cpp import Llama
 
     llm = Llama(model_path=args.model, n_ctx=args.seq_len, n_batch=args.seq_len,

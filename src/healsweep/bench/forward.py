@@ -7,6 +7,7 @@ fresh interpreter (``python -m healsweep bench forward MODEL --json``) and colle
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,7 +30,10 @@ def bench_forward(
     One untimed call compiles the layer function for this shape; the best of ``repeats`` timed
     calls gives tokens/s. Every logit row is computed, as ``model logits`` does.
     """
+    # lazy: heavy (gguf)
     from healsweep.gguf_io._summary import layer_bytes
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model.forward import forward
 
     hp = model.hparams
@@ -62,7 +66,10 @@ def layer_scaling(
     seq_len: int = 256, workdir: str | Path | None = None,
 ) -> list[dict[str, Any]]:
     """Bench random models shaped like ``model`` with each layer count, one process each."""
+    # lazy: heavy (gguf)
     from healsweep.gguf_io import split_block
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model.synthetic import write_random_model
 
     hp = model.hparams
@@ -105,7 +112,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def llama_cpp_available() -> bool:
     """Whether ``llama-cpp-python`` (the optional ``[bench]`` extra) is importable."""
-    import importlib.util
 
     return importlib.util.find_spec("llama_cpp") is not None
 

@@ -382,6 +382,7 @@ def run_night(
 ) -> dict[str, Any]:
     """Run the night once per placement; ``{"placements": {placement: figures}, ...}``.
     ``cache_max_gb``: the spec's size limit of each stage cache (None: none)."""
+    # lazy: optional (psutil, a test extra)
     from healsweep.bench.localpool import NodeSpec, local_pool
 
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,7 @@ def numpy_search(w: np.ndarray, imp: np.ndarray, gain: float) -> tuple[np.ndarra
 
 def naive_jnp():
     """The search as a straightforward jnp program on [N, 64] rows (jitted), for reference."""
+    # lazy: heavy (jax)
     import jax
     import jax.numpy as jnp
 
@@ -136,8 +137,10 @@ def run_c(binary: Path, files: dict[str, Path], rows: int, cols: int):
 
 def cpu_table(rows: int, cols: int, repeats: int) -> tuple[list[dict], list[str]]:
     """Interleaved rounds of every contender; the best round of each, and agreement with ours."""
+    # lazy: heavy (jax)
     import jax
 
+    # lazy: heavy (jax)
     from healsweep.kernels import q2_0
 
     w, imp = make_inputs(rows, cols)
@@ -219,6 +222,7 @@ def quant_table(
         raise ValueError(
             f"quant_table: rows must be a multiple of 16 and cols of 64, got {rows} x {cols}"
         )
+    # lazy: heavy (jax)
     import jax
 
     if jax.default_backend() == "cpu":

@@ -48,6 +48,7 @@ VARIANT_TIMEOUT_S = {"xla": 120.0, "pallas": 120.0}
 def _best_of(fn, repeats: int, inner: int = 1) -> float:
     """Seconds a call, best of ``repeats``: each times ``inner`` calls issued back to back and
     waits once, so that with ``inner > 1`` the host's dispatch overlaps the device's work."""
+    # lazy: heavy (jax)
     import jax
 
     jax.block_until_ready(fn())
@@ -61,6 +62,7 @@ def _best_of(fn, repeats: int, inner: int = 1) -> float:
 
 def measured_bandwidth(repeats: int) -> float:
     """Bytes/s of an elementwise pass over 1 GiB (read + write), the memory ceiling's input."""
+    # lazy: heavy (jax)
     import jax
     import jax.numpy as jnp
 
@@ -73,11 +75,13 @@ def measured_bandwidth(repeats: int) -> float:
 def _kernel(kind: str, opts: dict):
     """``(w, importance_rows, gain) -> (d, q)`` on device arrays, with one importance row per
     ``opts["lanes"]`` weight rows (see :func:`_inputs`); ``d`` in row order (no ``tiles``)."""
+    # lazy: heavy (jax)
     from healsweep.kernels import q2_0
 
     opts = dict(opts)
     lanes = opts.pop("lanes")
     if kind == "pallas":
+        # lazy: heavy (jax)
         from healsweep.kernels import q2_0_gpu
 
         return q2_0_gpu.quantize_rows
@@ -91,6 +95,7 @@ def _kernel(kind: str, opts: dict):
 
 def _flops(kind: str) -> int:
     if kind == "pallas":
+        # lazy: heavy (jax)
         from healsweep.kernels import q2_0_gpu
 
         return q2_0_gpu.flops_per_weight()
@@ -99,6 +104,7 @@ def _flops(kind: str) -> int:
 
 def _inputs(n_rows: int, opts: dict, seed: int, device=None):
     """``(w, importance rows, gain)`` on ``device``: one importance row per ``lanes`` rows."""
+    # lazy: heavy (jax)
     import jax
 
     w, imp = make_inputs(n_rows, COLS, seed=seed)
@@ -109,8 +115,10 @@ def _inputs(n_rows: int, opts: dict, seed: int, device=None):
 def _agreement(kind: str, opts: dict) -> tuple[float, float]:
     """Fractions of blocks whose codes, and whose fp16 scales, equal the CPU backend's default
     kernel on one chunk of 256 x COLS."""
+    # lazy: heavy (jax)
     import jax
 
+    # lazy: heavy (jax)
     from healsweep.kernels import q2_0
 
     n_rows = 256
@@ -126,6 +134,7 @@ def _measure(chunk: int, kind: str, opts: dict, repeats: int) -> dict:
     """Compile and time one variant on a device-resident chunk: weights/s with calls issued
     back to back (the device's rate), weights/s of one call waited for (dispatch and launch
     included), and the compile seconds."""
+    # lazy: heavy (jax)
     import jax
 
     args = _inputs(chunk // COLS, opts, seed=0)
@@ -163,6 +172,7 @@ def _measure_isolated(chunk: int, kind: str, opts: dict, repeats: int, timeout: 
 def end_to_end(repeats: int) -> float:
     """Weights/s of ``q2_0.quantize_matrix`` on a host matrix of 2^26 weights (the default
     kernel, chunking and both transfers included), best of ``repeats`` after a warm-up."""
+    # lazy: heavy (jax)
     from healsweep.kernels import q2_0
 
     w, imp = make_inputs((1 << 26) // COLS, COLS, seed=2)
@@ -180,6 +190,7 @@ def gpu_table(
 ) -> tuple[list[dict], list[str]]:
     """Every variant at the first chunk size, the fastest at the others; ``progress`` gets each
     row as it is measured (a run takes minutes)."""
+    # lazy: heavy (jax)
     import jax
 
     start_all = time.perf_counter()

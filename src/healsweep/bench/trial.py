@@ -15,9 +15,13 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from healsweep._rss import peak_rss_bytes, reset_peak_rss
 from healsweep.cache import StageCache
+from healsweep.errors import SettingError
+from healsweep.gguf_io._ggml_lib import libggml
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.kernels.ggml_types import step_up
 from healsweep.profile import phase_totals, profiling
 from healsweep.threads import host_threads
 
@@ -49,9 +53,6 @@ def type_step(type_d: str, width: int) -> tuple[str | None, str]:
     """``(type, "")``: the next type above ``type_d`` whose blocks fill rows of ``width`` weights
     (:func:`~healsweep.kernels.ggml_types.step_up`), or ``(None, why)`` where the type-only
     trial cannot run: ggml's quantizer is not installed, or no bigger type fits the rows."""
-    from healsweep.errors import SettingError
-    from healsweep.gguf_io._ggml_lib import libggml
-    from healsweep.kernels.ggml_types import step_up
 
     try:
         libggml()
@@ -76,7 +77,6 @@ def bench_trials(
     """One row per variant of :func:`trial_variants` (the first ``count`` of them): seconds,
     stage timings, the phase profile, recomputed stages and peak RSS (MiB; ``None`` where the
     mark cannot be reset)."""
-    from healsweep._rss import peak_rss_bytes, reset_peak_rss
 
     rows = []
     for label, knobs in trial_variants(base or Knobs(), model)[:count]:

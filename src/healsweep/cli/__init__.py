@@ -10,6 +10,7 @@ import importlib
 import sys
 
 from healsweep.cli._apps import app
+from healsweep.errors import HealsweepError
 
 # Each module decorates its commands onto the groups of ``_apps``.
 _COMMAND_MODULES = [
@@ -25,6 +26,7 @@ _COMMAND_MODULES = [
     "healsweep.cli.baseline_cmd",
     "healsweep.cli.bench_cmd",
     "healsweep.cli.sweep_cmd",
+    "healsweep.cli.sensitivity_cmd",
     "healsweep.cli.report_cmd",
     "healsweep.cli.confirm_cmd",
     "healsweep.cli.cluster_cmd",
@@ -38,7 +40,6 @@ def _register() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script; never shows a traceback unless ``--debug``."""
-    from healsweep.errors import HealsweepError
 
     _register()
     args = list(sys.argv[1:] if argv is None else argv)

@@ -6,9 +6,12 @@ imports happen inside the commands so that ``healsweep --help`` stays instant.
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from typing import Annotated
 
 import typer
+
+from healsweep.runtime import Runtime, use
 
 # Plain help (click's formatter, not rich's panels): a flag reads `--quiet`, an option with a
 # value `--n-boot <int>`; typer's rich panels label every flag `<bool>` as if it took a value.
@@ -41,8 +44,6 @@ baseline_app = _group("baseline", "External baselines: the routed experts quanti
 
 def _version(shown: bool) -> None:
     if shown:
-        from importlib.metadata import version
-
         typer.echo(f"healsweep {version('healsweep')}")
         raise typer.Exit()
 
@@ -58,7 +59,6 @@ def _root(
     """Give the command a runtime of its own (:mod:`healsweep.runtime`): installed for the
     command, closed when it ends, and the process's previous one put back. (``--debug`` is
     read by :func:`healsweep.cli.main`, before the command runs.)"""
-    from healsweep.runtime import Runtime, use
 
     rt = ctx.with_resource(Runtime())  # closed last: after the previous runtime is back
     ctx.with_resource(use(rt))

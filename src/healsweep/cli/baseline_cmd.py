@@ -7,8 +7,10 @@ from typing import Annotated
 
 import typer
 
+from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, baseline_app
 from healsweep.cli.heal_cmd import CacheOpt, ChunkOpt, CorpusOpt, MaxTokensOpt, MinTokensOpt
+from healsweep.heal.knobs import CalibrationConfig
 
 
 @baseline_app.command("llama")
@@ -36,9 +38,10 @@ def llama(
     """Write MODEL with only its routed experts quantized by ggml (``ggml_quantize_chunk`` from
     llama-cpp-python's libggml; needs the \\[bench] extra); every other tensor is kept as stored.
     """
-    from healsweep.cache import StageCache
-    from healsweep.heal.knobs import CalibrationConfig
+    # lazy: heavy (gguf)
     from healsweep.heal.llama_baseline import LLAMA_TYPES, bits_per_weight, write_llama_baseline
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     stage_cache = StageCache(cache, cache_max_gb)

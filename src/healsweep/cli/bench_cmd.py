@@ -4,12 +4,17 @@ llama.cpp's; `healsweep bench night`: a real sweep run measured end to end."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from healsweep.bench.forward import bench_forward_pair, format_pairs
+from healsweep.cache import StageCache, parse_gb
 from healsweep.cli._apps import CacheMaxGb, bench_app
+from healsweep.data.corpus import load_corpus
+from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs
 
 
 @bench_app.command("trial")
@@ -43,13 +48,11 @@ def bench_trial(
     trials (stage times, peak RSS), then teacher-forced tokens/s and peak RSS of the forward
     beside llama.cpp's (when the optional `llama-cpp-python` is installed; `pip install -e
     ".\\[bench]"`)."""
-    import tempfile
 
-    from healsweep.bench.forward import bench_forward_pair, format_pairs
+    # lazy: heavy (gguf, jax)
     from healsweep.bench.trial import bench_trials, format_trials, type_step
-    from healsweep.cache import StageCache, parse_gb
-    from healsweep.data.corpus import load_corpus
-    from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     try:
@@ -164,8 +167,8 @@ def bench_night(
     seconds per trial by kind, the stage-cache hit rate, the follow-ups run on the node holding
     their quantization, CPU/GPU utilization and peak RSS, the stage-cache bytes written per
     stage and the caches' size on disk at the end (see docs/sizing.md)."""
-    import tempfile
 
+    # lazy: heavy (gguf, jax, pyarrow)
     from healsweep.bench.night import (
         NightError,
         cache_table,
@@ -173,8 +176,6 @@ def bench_night(
         parse_grid,
         run_night,
     )
-    from healsweep.cache import parse_gb
-    from healsweep.heal.knobs import load_knobs
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
     modes = {"cache": ("cache",), "ray": ("ray",), "both": ("ray", "cache")}

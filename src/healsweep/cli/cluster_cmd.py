@@ -4,19 +4,39 @@ from __future__ import annotations
 
 import typer
 
+from healsweep import cluster, ray_orphans
 from healsweep.cli._apps import app, cluster_app
+from healsweep.conformance import run_conformance
 
 _ADDRESS = typer.Option(
     None, "--address", help="Ray cluster HOST:PORT (default: a local cluster, if any)."
 )
 
 
-@cluster_app.command("status")
-def cluster_status(address: str | None = _ADDRESS) -> None:
-    """List the cluster's nodes, their resources, JAX backends and GPUs."""
-    from healsweep import cluster
+_STOP_ORPHANS = typer.Option(
+    False, "--stop-orphans",
+    help="Stop the Ray processes that drivers killed on this machine left running.",
+)  # fmt: skip
 
+
+@cluster_app.command("status")
+def cluster_status(address: str | None = _ADDRESS, stop_orphans: bool = _STOP_ORPHANS) -> None:
+    """List the cluster's nodes, their resources, JAX backends and GPUs; first, the Ray
+    processes a killed driver left on this machine (stopped with --stop-orphans)."""
+    orphans = ray_orphans.find()
+    if stop_orphans:
+        ray_orphans.stop(orphans)
+    for group in orphans:
+        if stop_orphans:
+            typer.echo(f"stopped {group.describe()}")
+        else:
+            pids = " ".join(str(pid) for pid, _ in group.processes)
+            typer.echo(f"left running: {group.describe()}; stop them with `healsweep cluster "
+                       f"status --stop-orphans` (or `kill -9 {pids}`)")  # fmt: skip
     if not cluster.connect(address):
+        if stop_orphans:
+            typer.echo("no Ray cluster is running here")
+            return
         raise cluster.ClusterError(
             "no Ray cluster is running here; start one with metal/head.sh or pass "
             "--address HOST:PORT"
@@ -66,7 +86,6 @@ def node_lines(nodes) -> list[str]:
 
 
 def _cluster_line(address: str | None) -> str:
-    from healsweep import cluster
 
     if not cluster.connect(address):
         return "ray cluster: none running here (sweeps start an embedded local Ray)"
@@ -88,8 +107,7 @@ def doctor(
 ) -> None:
     """JAX backend and devices, the Ray cluster, and the conformance suite: every kernel, GGUF
     decoder and a model layer against float64 references (and the device against the CPU)."""
-    from healsweep import cluster
-    from healsweep.conformance import run_conformance
+    # lazy: heavy (gguf)
     from healsweep.gguf_io._ggml_lib import status_line
 
     info = cluster.jax_info()

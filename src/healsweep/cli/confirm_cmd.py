@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from healsweep.cache import parse_gb
 from healsweep.cli._apps import CacheMaxGb, app
 
 _SWEEP_DIR = typer.Argument(..., help="A finished sweep's results folder, RESULTS/<sweep name>.")
@@ -71,7 +72,7 @@ def confirm(
     """Freeze configs, record the opening in the ledger, score them on the test split, record the
     result hash; prints pooled KLD per config and the verdict of each config vs the baseline
     (progress by config; every window with --verbose; nothing but the result with --quiet)."""
-    from healsweep.cache import parse_gb
+    # lazy: heavy (pyarrow)
     from healsweep.confirm import confirm as run_confirm
 
     if quiet and verbose:

@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 
 from healsweep.cli._apps import corpus_app
+from healsweep.data.chatml import import_chatml_files
+from healsweep.data.corpus import load_corpus, validate_documents, write_corpus
 
 
 @corpus_app.command("import")
@@ -26,8 +28,6 @@ def corpus_import(
     pool: Annotated[str, typer.Option("--pool", help="eval, calibration or train.")] = "eval",
 ) -> None:
     """Convert ChatML transcript files into a corpus JSONL."""
-    from healsweep.data.chatml import import_chatml_files
-    from healsweep.data.corpus import validate_documents, write_corpus
 
     documents = import_chatml_files(files, source=source, stratum=stratum, pool=pool)
     validate_documents(documents, str(out))
@@ -42,7 +42,6 @@ def corpus_info(
     corpus: Annotated[str, typer.Argument(help="Corpus JSONL path, or `demo`.")],
 ) -> None:
     """Documents per pool, source and stratum, split by index parity (odd = dev, even = test)."""
-    from healsweep.data.corpus import load_corpus
 
     loaded = load_corpus(corpus)
     rows = Counter((d.pool, d.source, d.stratum, d.index % 2) for d in loaded)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from healsweep.cli._apps import demo_app
+from healsweep.data.corpus import load_corpus
 
 
 @demo_app.command("corpus")
@@ -25,6 +27,7 @@ def demo_corpus(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the partition and wording.")] = 0,
 ) -> None:
     """Build the demo corpus and its tokenizer from the Python standard library (no network)."""
+    # lazy: heavy (tokenizers)
     from healsweep.demo.corpus_builder import (
         BUILT_WITH,
         DemoCorpusConfig,
@@ -54,7 +57,6 @@ def demo_corpus(
 
 def _deterministic_gpu_ops() -> None:
     """Ask XLA for deterministic GPU kernels; must run before jax starts a backend."""
-    import os
 
     flag = "--xla_gpu_deterministic_ops=true"
     flags = os.environ.get("XLA_FLAGS", "")
@@ -94,8 +96,10 @@ def demo_build(
 ) -> None:
     """Regenerate the demo corpus, tokenizer and trained MoE model from a seed."""
     _deterministic_gpu_ops()
-    from healsweep.data.corpus import load_corpus
+    # lazy: heavy (gguf, jax, optax)
     from healsweep.demo.build import build_demo, demo_figures, demo_preset, demo_train_config
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     recipe = demo_train_config(seed, steps, preset)

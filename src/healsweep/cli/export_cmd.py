@@ -7,7 +7,9 @@ from typing import Annotated
 
 import typer
 
+from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, app
+from healsweep.deliver import export_trial
 
 
 @app.command("export")
@@ -54,9 +56,10 @@ def export(
     A trial confirmed on the test split records its milestone and ledger entry hash in the file's
     metadata; an unconfirmed trial is exported with a one-line note saying so.
     """
-    from healsweep.cache import StageCache
-    from healsweep.deliver import export_trial
+    # lazy: heavy (gguf)
     from healsweep.heal.export import EXPERT_FORMATS
+
+    # lazy: heavy (pyarrow)
     from healsweep.results.schema import row_role
 
     stage_cache = StageCache(cache, cache_max_gb)

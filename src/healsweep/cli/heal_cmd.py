@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, app, bench_app
+from healsweep.data.corpus import load_corpus
+from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs, require_ggml_in
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")]
 CorpusOpt = Annotated[str, typer.Option(
@@ -25,7 +29,6 @@ CacheOpt = Annotated[Path | None, typer.Option(
 
 
 def _calibration(corpus: str, max_tokens: int | None, chunk_length: int, min_tokens: int):
-    from healsweep.heal.knobs import CalibrationConfig
 
     return CalibrationConfig(corpus=corpus, max_tokens=max_tokens, chunk_length=chunk_length,
                              min_tokens_per_expert=min_tokens)
@@ -63,9 +66,10 @@ def heal(
     the scales) or, with ``--experts f16``, dequantized to F16; every other tensor as the model
     stores it; a ridge-healed shared-expert down projection keeps its storage type.
     """
-    from healsweep.cache import StageCache
+    # lazy: heavy (gguf)
     from healsweep.heal import export
-    from healsweep.heal.knobs import load_knobs, require_ggml_in
+
+    # lazy: heavy (gguf, jax)
     from healsweep.heal.pipeline import build_student
     from healsweep.heal.quantize import check_quantizable
     from healsweep.model import open_model
@@ -118,12 +122,11 @@ def bench_heal(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Per-layer routed residual for alpha in {1, gaussian, mse} (+ ridge), cal and held-out."""
-    import tempfile
 
-    from healsweep.cache import StageCache
-    from healsweep.data.corpus import load_corpus
+    # lazy: heavy (gguf, jax)
     from healsweep.heal.evaluate import residual_table
-    from healsweep.heal.knobs import Knobs, load_knobs
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     base = load_knobs(knobs) if knobs else Knobs()
@@ -143,6 +146,7 @@ def _pct(x: float | None) -> str:
 
 
 def _print_table(table: dict) -> None:
+    # lazy: heavy (gguf, jax)
     from healsweep.heal.evaluate import VARIANTS
 
     tokens = table["tokens"]

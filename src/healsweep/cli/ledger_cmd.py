@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from healsweep.cli._apps import ledger_app
+from healsweep.ledger import Ledger
 
 _RESULTS = typer.Option(
     Path("results"), "--results",
@@ -20,7 +21,7 @@ _LEDGER = typer.Option(
 def _checked(results: Path, ledger_path: Path | None) -> tuple[object, list[dict]]:
     """The ledger (--ledger, else RESULTS/ledger.jsonl) and its entries, verified and checked
     against every head recorded for it under the results root."""
-    from healsweep.ledger import Ledger
+    # lazy: heavy (pyarrow)
     from healsweep.ledger_heads import checked_ledger
 
     ledger = Ledger(ledger_path) if ledger_path else Ledger.in_results(results)
@@ -54,7 +55,7 @@ def verify(
     """Check the hash chain and that the ledger extends every head the sweeps under the results
     root recorded for it (not removed, replaced or cut back), then each other ledger those sweeps
     name; exit 0 with "ledger OK: N entries", or 1 with the reason."""
-    from healsweep.ledger import Ledger
+    # lazy: heavy (pyarrow)
     from healsweep.ledger_heads import checked_ledger, ledgers_named
 
     ledger, entries = _checked(results, ledger_path)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
 import typer
 
+from healsweep.bench.forward import bench_forward, format_table, layer_scaling
 from healsweep.cli._apps import bench_app, model_app
+from healsweep.heal.knobs import Knobs
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
@@ -28,6 +32,7 @@ def model_info(
     as_json: JsonOpt = False,
 ) -> None:
     """Architecture, layers, experts, dims, tensor types and bytes, tokenizer summary."""
+    # lazy: heavy (gguf, jax)
     from healsweep.model import describe_model, open_model
 
     info = describe_model(open_model(model, tokenizer_path=tokenizer))
@@ -74,8 +79,6 @@ def _print_healsweep(meta: dict | None) -> None:
     if meta is None:
         typer.echo("healsweep    no healsweep.* metadata: not a file healsweep healed or exported")
         return
-    from healsweep.heal.knobs import Knobs
-
     typer.echo("healsweep    written by healsweep (healsweep.* metadata):")
     if meta.get("baseline"):
         typer.echo(f"  baseline     {meta['baseline']}: {meta.get('baseline_type', '-')}, "
@@ -115,8 +118,8 @@ def model_logits(
     out: Annotated[Path, typer.Option("--out", help="Where to write [T, vocab] float32 .npy.")],
 ) -> None:
     """Teacher-forced logits of one token sequence."""
-    import numpy as np
 
+    # lazy: heavy (gguf, jax)
     from healsweep.model import forward, open_model
 
     if not tokens.is_file():
@@ -156,9 +159,11 @@ def model_slice(
     out: Annotated[Path, typer.Option("--out", help="Where to write the sliced .gguf.")],
 ) -> None:
     """A smaller GGUF of layers A..B-1 with the embeddings, head, tokenizer and all metadata."""
-    import time
 
+    # lazy: heavy (gguf)
     from healsweep.gguf_io import parse_layer_range, slice_model
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     started = time.perf_counter()
@@ -189,7 +194,7 @@ def bench_forward_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Teacher-forced tokens/s and peak RSS of the layer-by-layer forward."""
-    from healsweep.bench.forward import bench_forward, format_table, layer_scaling
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     m = open_model(model)

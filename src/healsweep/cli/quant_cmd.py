@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from healsweep.bench.quant import quant_table
 from healsweep.cli._apps import bench_app
 
 
@@ -22,6 +23,5 @@ def bench_quant(
     if rows % 16 or cols % 64:
         raise typer.BadParameter(f"--rows must be a multiple of 16 and --cols of 64, got "
                                  f"{rows} x {cols}")
-    from healsweep.bench.quant import quant_table
 
     typer.echo(quant_table(rows, cols, repeats, progress=typer.echo))

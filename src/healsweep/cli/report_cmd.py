@@ -26,7 +26,10 @@ def report(
 ) -> None:
     """What the sweep found, the leaderboard vs the baseline with CIs and verdicts, strata, knob
     effects, pruning, plots: report/report.md and report/report.html."""
+    # lazy: heavy (pyarrow)
     from healsweep.confirm import read_confirmed
+
+    # lazy: heavy (gguf, pyarrow)
     from healsweep.results.aggregate import summarize
     from healsweep.results.findings import findings, to_json
     from healsweep.results.report import counts_line, found_lines, leaderboard, write_report

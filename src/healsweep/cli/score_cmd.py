@@ -8,7 +8,12 @@ from typing import Annotated
 
 import typer
 
+from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, app
+from healsweep.data.corpus import load_corpus
+from healsweep.data.split import load_split, parity_split
+from healsweep.errors import SplitError
+from healsweep.score.compact import TeacherCacheError, cache_format
 
 
 def _progress(done: int, total: int, elapsed: float) -> None:
@@ -93,15 +98,19 @@ def score(
 ) -> None:
     """Teacher-forced KLD(ref || model), top-1, delta-p, perplexity and router agreement;
     with an expert cache, its hit rate, misses and MiB read per token (docs/expert-cache.md)."""
-    from healsweep.cache import StageCache
+    # lazy: heavy (gguf)
     from healsweep.data.chat_template import model_chat_format
-    from healsweep.data.corpus import load_corpus
+
+    # lazy: heavy (gguf)
     from healsweep.data.leakage import calibration_tokens, check_leakage
-    from healsweep.data.split import load_split, parity_split
+
+    # lazy: heavy (gguf)
     from healsweep.data.windows import context_cap, first_windows, make_windows
-    from healsweep.errors import SplitError
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
-    from healsweep.score.compact import TeacherCacheError, cache_format
+
+    # lazy: heavy (gguf, jax)
     from healsweep.score.report import check_same_tokenizer, format_summary, score_report
 
     stage_cache = StageCache(cache_dir, cache_max_gb)
@@ -168,6 +177,7 @@ def score(
 
 def _expert_cache(bonus: float, experts: int | None, mib: float | None, warm: bool):
     """The score run's ExpertCacheConfig, or None without a cache size."""
+    # lazy: heavy (gguf)
     from healsweep.score.expert_cache import ExpertCacheConfig
 
     if experts is not None and mib is not None:

@@ -8,6 +8,16 @@ from pathlib import Path
 import typer
 
 from healsweep.cli._apps import split_app
+from healsweep.data.corpus import load_corpus
+from healsweep.data.split import (
+    Exclusion,
+    corpus_reference,
+    dump_split,
+    load_split,
+    parity_split,
+    resolve_split,
+)
+from healsweep.errors import SplitError
 
 _SPLITS = ("dev", "test", "calibration", "canary", "excluded")
 _CORPUS_ARG = typer.Argument(..., help="Corpus JSONL, or 'demo'.")
@@ -32,9 +42,6 @@ def make(
     force: bool = _FORCE,
 ) -> None:
     """Write a split config: per source odd index -> dev, even -> test; calibration pool apart."""
-    from healsweep.data.corpus import load_corpus
-    from healsweep.data.split import Exclusion, dump_split, parity_split, resolve_split
-    from healsweep.errors import SplitError
 
     if out.exists() and not force:
         raise SplitError(
@@ -60,9 +67,6 @@ def show(
     corpus: str | None = _CORPUS_OPT,
 ) -> None:
     """Per source and stratum counts of dev/test/calibration/canary/excluded, and the lock id."""
-    from healsweep.data.corpus import load_corpus
-    from healsweep.data.split import corpus_reference, load_split, resolve_split
-    from healsweep.errors import SplitError
 
     config = load_split(split)
     ref = corpus or corpus_reference(config, split)

@@ -13,8 +13,10 @@ from typing import Any
 
 import typer
 
+from healsweep.cache import parse_gb
 from healsweep.cli._apps import CacheMaxGb, sweep_app
 from healsweep.errors import ResultsError
+from healsweep.ray_orphans import stop_sessions
 
 _SPEC = typer.Argument(..., help="Sweep spec YAML (see sweeps/).")
 _SWEEP_DIR = typer.Argument(..., help="A sweep's results folder, RESULTS/<sweep name>.")
@@ -87,12 +89,18 @@ class _Printer:
         self._stop.set()
 
 
+def _note(line: str) -> None:
+    """A line of the sweep's own work before its trials (the allocator's sensitivity pass)."""
+    typer.echo(line, err=True)
+
+
 def _quiet(progress: Any) -> None:
     """The sink of --quiet: nothing."""
 
 
 def run_summary(run: Any, elapsed_s: float) -> dict[str, Any]:
     """The end of a ``sweep run``/``resume`` as one JSON-ready object."""
+    # lazy: heavy (pyarrow)
     from healsweep.results.aggregate import window_counts
     from healsweep.results.schema import TrialStatus, best_trial, row_role
     from healsweep.results.store import read_windows
@@ -129,6 +137,7 @@ def run_summary(run: Any, elapsed_s: float) -> dict[str, Any]:
 
 
 def _finish(run: Any, elapsed_s: float, as_json: bool) -> None:
+    # lazy: heavy (pyarrow)
     from healsweep.results.schema import TrialStatus
 
     info = run_summary(run, elapsed_s)
@@ -173,8 +182,10 @@ def run(
     as_json: bool = _JSON,
 ) -> None:
     """Run every trial of a sweep spec; results land in RESULTS/<name>/ as they arrive."""
-    from healsweep.cache import parse_gb
+    # lazy: heavy (gguf, jax, optuna, pyarrow, ray)
     from healsweep.sweep.driver import run_sweep
+
+    # lazy: heavy (pyarrow)
     from healsweep.sweep.spec_files import load_spec
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
@@ -193,7 +204,8 @@ def run(
     started, printer = time.time(), (None if quiet else _Printer())
     try:
         outcome = run_sweep(loaded, results_root=root, address=address, num_cpus=num_cpus,
-                            on_progress=printer or _quiet)  # fmt: skip
+                            on_progress=printer or _quiet,
+                            on_note=(lambda line: None) if quiet else _note)  # fmt: skip
     finally:
         if printer is not None:
             printer.close()
@@ -209,15 +221,25 @@ def resume(
     quiet: bool = _QUIET,
     as_json: bool = _JSON,
 ) -> None:
-    """Finish an interrupted sweep without re-running finished trials or re-scoring windows."""
-    from healsweep.cache import parse_gb
+    """Finish an interrupted sweep without re-running finished trials or re-scoring windows.
+
+    The Ray processes that this sweep's killed driver left on this machine (its dashboard and
+    runtime-env agents outlive a SIGKILL and ignore SIGTERM) are stopped first."""
+    # lazy: heavy (gguf, jax, optuna, pyarrow, ray)
     from healsweep.sweep.driver import resume_sweep
+    from healsweep.sweep.manifest import recorded_ray_sessions
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
+    if not quiet:
+        for line in stop_sessions(recorded_ray_sessions(sweep_dir)):
+            typer.echo(line, err=True)
+    else:
+        stop_sessions(recorded_ray_sessions(sweep_dir))
     started, printer = time.time(), (None if quiet else _Printer())
     try:
         outcome = resume_sweep(sweep_dir, address=address, num_cpus=num_cpus,
-                               on_progress=printer or _quiet, cache_max_gb=limit)  # fmt: skip
+                               on_progress=printer or _quiet, cache_max_gb=limit,
+                               on_note=(lambda line: None) if quiet else _note)  # fmt: skip
     finally:
         if printer is not None:
             printer.close()
@@ -230,6 +252,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Trials by status, windows scored, best config so far, and whether a driver is running."""
+    # lazy: heavy (pyarrow)
     from healsweep.sweep.status import sweep_status
 
     info = sweep_status(sweep_dir)
@@ -248,6 +271,7 @@ def status(
         "replayed"] else ""  # fmt: skip
     typer.echo(f"windows scored: {windows['scored']}{again}")
     if info["pool"]:
+        # lazy: heavy (pyarrow)
         from healsweep.results.placement import pool_line
 
         typer.echo(f"pool: {pool_line(info['pool'])}")

@@ -12,23 +12,8 @@ of it. The references import numpy alone; the tests use the same references.
 """
 
 from healsweep.conformance.rules import FORBIDDEN_PRIMITIVES, backend_violations, iter_eqns
-from healsweep.conformance.run import (
-    ConformanceResult,
-    KernelCase,
-    max_rel_err,
-    run_case,
-    run_conformance,
-)
-
-
-def all_cases() -> list[KernelCase]:
-    """The kernel cases, one per in-graph decoder type, and the layer forward, in that order."""
-    from healsweep.conformance.cases import KERNEL_CASES
-    from healsweep.conformance.decoders import decoder_cases
-    from healsweep.conformance.layer import layer_case
-
-    return [*KERNEL_CASES, *decoder_cases(), layer_case()]
-
+from healsweep.conformance.run import ConformanceResult, KernelCase, max_rel_err, run_case
+from healsweep.conformance.suite import all_cases, run_conformance
 
 __all__ = [
     "FORBIDDEN_PRIMITIVES",

@@ -17,6 +17,7 @@ import numpy as np
 
 from healsweep.conformance import references as ref
 from healsweep.conformance.run import KernelCase, max_rel_err
+from healsweep.errors import SettingError
 
 ROWS = 16
 GGML_RTOL = 1e-6  # ggml's C decoders against ours: the same float32 products, compiled by gcc
@@ -25,6 +26,7 @@ GGML_RTOL = 1e-6  # ggml's C decoders against ours: the same float32 products, c
 def type_name(qtype: int) -> str:
     """The name of ggml type ``qtype`` (gguf-py's, or Q2_0 from healsweep's table), else
     ``type<id>``."""
+    # lazy: heavy (gguf)
     from healsweep.gguf_io import TensorType
 
     try:
@@ -34,6 +36,7 @@ def type_name(qtype: int) -> str:
 
 
 def _row_weights(qtype: int) -> int:
+    # lazy: heavy (jax)
     from healsweep.kernels.ggml_decode import block_geometry
 
     block, _ = block_geometry(qtype)
@@ -41,6 +44,7 @@ def _row_weights(qtype: int) -> int:
 
 
 def _inputs(qtype: int, rng: np.random.Generator) -> tuple[np.ndarray]:
+    # lazy: heavy (jax)
     from healsweep.kernels.ggml_decode import row_bytes
 
     n_bytes = row_bytes(qtype, _row_weights(qtype))
@@ -48,6 +52,7 @@ def _inputs(qtype: int, rng: np.random.Generator) -> tuple[np.ndarray]:
 
 
 def _decode(qtype: int, raw):
+    # lazy: heavy (jax)
     from healsweep.kernels.ggml_decode import decode_rows
 
     return decode_rows(raw, qtype, _row_weights(qtype))
@@ -58,6 +63,7 @@ def gguf_reference(qtype: int, raw: np.ndarray) -> np.ndarray:
     cannot decode, ggml's ``to_float``, and a ``ValueError`` saying so where neither can."""
     if qtype == 42:
         return ref.q2_0_from_bytes(raw)
+    # lazy: heavy (gguf)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -78,7 +84,7 @@ def gguf_reference(qtype: int, raw: np.ndarray) -> np.ndarray:
 def ggml_reference(qtype: int, raw: np.ndarray) -> np.ndarray | None:
     """ggml's ``to_float`` of the rows, None where llama-cpp-python is absent or ggml has no
     ``to_float`` for the type (F32)."""
-    from healsweep.errors import SettingError
+    # lazy: heavy (gguf)
     from healsweep.gguf_io import _ggml_lib
 
     try:
@@ -101,6 +107,7 @@ def _check(qtype: int, got, want, inputs) -> tuple[float, str | None]:
 
 def decoder_cases() -> list[KernelCase]:
     """A case for every type with an in-graph decoder."""
+    # lazy: heavy (jax)
     from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES
 
     return [

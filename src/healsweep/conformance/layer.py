@@ -31,6 +31,7 @@ FIELDS = ("ffn_input", "router_logits", "topk_weights", "routed_output", "shexp_
 @cache
 def demo_layer_model():
     """The packaged demo model, its first layer only."""
+    # lazy: heavy (jax)
     from healsweep.model import open_model
 
     return open_model("demo").with_hparams(n_layer=1)
@@ -42,6 +43,7 @@ def _inputs(rng: np.random.Generator) -> tuple[np.ndarray]:
 
 
 def _forward(tokens: np.ndarray, platform: str) -> dict[str, np.ndarray]:
+    # lazy: heavy (jax)
     from healsweep.model import forward
 
     result = forward(demo_layer_model(), [tokens], capture=True)
@@ -75,6 +77,7 @@ def _by_id(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def _check(got, want, inputs) -> tuple[float, str | None]:
+    # lazy: heavy (jax)
     import jax
 
     rtol = RTOL["cpu" if jax.default_backend() == "cpu" else "accelerator"]

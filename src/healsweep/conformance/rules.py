@@ -50,6 +50,7 @@ def _sub_jaxprs(param) -> Iterator:
 
 def backend_violations(fn: Callable, *args, cpu_placed: bool = False) -> list[str]:
     """What in ``fn``'s jaxpr a Metal plugin cannot run; empty when the kernel conforms."""
+    # lazy: heavy (jax)
     import jax
 
     closed = jax.make_jaxpr(fn)(*args)

@@ -137,6 +137,7 @@ class _KernelFailed(Exception):
 def _run_on(case: KernelCase, inputs: tuple, device) -> Any:
     """The case on ``device``: jitted with its inputs committed there (or, for a driver, called
     with ``device`` as the default), run to completion."""
+    # lazy: heavy (jax)
     import jax
 
     if case.driver:
@@ -159,6 +160,7 @@ def _run_on(case: KernelCase, inputs: tuple, device) -> Any:
 def run_case(case: KernelCase, seed: int = 0) -> ConformanceResult:
     """The case on the CPU and, on an accelerator, on the default device: each against the
     float64 reference, and the device against the CPU."""
+    # lazy: heavy (jax)
     import jax
 
     cpu = jax.devices("cpu")[0]
@@ -209,10 +211,3 @@ def run_case(case: KernelCase, seed: int = 0) -> ConformanceResult:
         device_err=device_err,
         path=path,
     )
-
-
-def run_conformance(cases: list[KernelCase] | None = None) -> list[ConformanceResult]:
-    """Every registered case (:func:`healsweep.conformance.all_cases`), in order."""
-    from healsweep.conformance import all_cases
-
-    return [run_case(case) for case in (cases if cases is not None else all_cases())]

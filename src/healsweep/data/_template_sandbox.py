@@ -170,7 +170,7 @@ def _format_width(text: Any) -> int:
     return max((int(d) if len(d) <= 12 else 10**12 for d in digits), default=0)
 
 
-_WIDTHS = frozenset({"center", "ljust", "rjust", "zfill", "wordwrap", "truncate"})
+_WIDTHS = frozenset({"center", "ljust", "rjust", "zfill"})  # a width pads to that many
 
 
 def estimate(name: str, subject: Any, args: tuple, kwargs: dict) -> int:
@@ -198,8 +198,15 @@ def estimate(name: str, subject: Any, args: tuple, kwargs: dict) -> int:
     if name == "expandtabs" and isinstance(subject, str):
         return len(subject) + subject.count("\t") * numbers
     if name == "tojson":
-        return weight(subject) * (1 + abs(int(kwargs.get("indent") or 0)))
-    if name in ("format", "format_map", "%"):
+        indent = kwargs.get("indent")
+        pad = len(indent) if isinstance(indent, str) else _largest_int([indent])
+        return weight(subject) * (1 + pad)
+    if name == "wordwrap" and isinstance(subject, str):
+        width = args[0] if args else kwargs.get("width", 79)
+        wrap = args[2] if len(args) > 2 else kwargs.get("wrapstring") or "\n"
+        lines = len(subject) // max(_largest_int([width]), 1) + 1
+        return len(subject) + lines * len(str(wrap))
+    if name in ("format", "format_map", "%") and isinstance(subject, str):
         width = max(numbers, _format_width(subject))
         return weight(subject) + width + sum(weight(a) for a in args)
     if name in _WIDTHS:
@@ -261,6 +268,7 @@ def guarded_filter(name: str, func: Any) -> Any:
 
 
 def _is_jinja_context(value: Any) -> bool:
+    # lazy: heavy (jinja2)
     from jinja2.environment import Environment
     from jinja2.nodes import EvalContext
     from jinja2.runtime import Context
@@ -315,6 +323,7 @@ def make_environment(**options: Any) -> Any:
     """An immutable sandboxed Jinja environment whose renders are held to the budget set with
     :class:`budgeted` (outside one it renders without limits). Call :func:`guard_filters` once
     its filters are all in place."""
+    # lazy: heavy (jinja2)
     from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.visitor import NodeTransformer

@@ -251,6 +251,7 @@ def _compile(template: str) -> Any:
 @lru_cache(maxsize=1)
 def _environment() -> Any:
     """The Jinja environment chat templates run in (see the module docstring)."""
+    # lazy: heavy (jinja2)
     from jinja2 import nodes
     from jinja2.exceptions import TemplateError
     from jinja2.ext import Extension, loopcontrols

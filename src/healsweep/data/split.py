@@ -36,6 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from healsweep.errors import SplitError
+from healsweep.ledger import require_grant
 
 Assignment = Literal["dev", "test", "calibration", "canary", "excluded"]
 ASSIGNMENTS: tuple[str, ...] = ("dev", "test", "calibration", "canary", "excluded")
@@ -276,7 +277,6 @@ def require_access(split: str, grant: Any, lock_id: str) -> None:
     and raise :class:`SplitError`.
     """
     if split == "test":
-        from healsweep.ledger import require_grant
 
         require_grant(grant, lock_id)
         return

@@ -40,6 +40,7 @@ import numpy as np
 
 from healsweep.data.chat_template import ChatFormat, Region, render_document
 from healsweep.data.corpus import IM_END, IM_START, THINK_CLOSE, THINK_OPEN, Document, split_think
+from healsweep.data.split import require_access, split_lock_id
 from healsweep.errors import SplitError
 
 Kind = Literal["think", "answer", "text"]
@@ -202,7 +203,6 @@ def make_windows(
     ``calibration``/``excluded`` are not eval splits (``SplitError``). Raises ``SplitError`` when
     the split yields no window, ``ChatTemplateError`` when the template fails on a document.
     """
-    from healsweep.data.split import require_access, split_lock_id
 
     if max_scored < 1 or max_context < 0:
         raise ValueError(

@@ -20,11 +20,18 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
-from gguf import Keys
+from gguf import GGMLQuantizationType, Keys
 
+from healsweep.bundled import demo_corpus_path, demo_tokenizer_path
+from healsweep.data.corpus import load_corpus
+from healsweep.data.split import parity_split
+from healsweep.data.windows import make_windows
 from healsweep.demo.train import MoEConfig, Params, TrainConfig, TrainResult, to_gguf_tensors, train
-from healsweep.gguf_io import block_prefix
+from healsweep.errors import SettingError
+from healsweep.gguf_io import ModelHparams, block_prefix, tokenizer_metadata_from_tokenizer
+from healsweep.model import forward, write_model
 
 EOT = "<|endoftext|>"
 MODEL_FILE, CORPUS_FILE, TOKENIZER_FILE = (
@@ -94,7 +101,6 @@ PRESETS: dict[str, Preset] = {
 
 def demo_preset(name: str) -> Preset:
     """The preset called ``name``; an unknown name is a SettingError naming the known ones."""
-    from healsweep.errors import SettingError
 
     if name not in PRESETS:
         raise SettingError(
@@ -152,7 +158,6 @@ def dev_documents(corpus: Any) -> list[Any]:
 
 def hparams_for(cfg: MoEConfig) -> Any:
     """The GGUF hyperparameters of the training config (qwen2moe, top-k not renormalized)."""
-    from healsweep.gguf_io import ModelHparams
 
     return ModelHparams(
         arch="qwen2moe",
@@ -187,8 +192,6 @@ def write_demo_model(
     Matrices are stored F16 and vectors (norms, biases, the shared-expert gate) F32 unless
     ``types`` says otherwise.
     """
-    from healsweep.gguf_io import tokenizer_metadata_from_tokenizer
-    from healsweep.model import write_model
 
     if "blk" in tensors:
         tensors = to_gguf_tensors(tensors)
@@ -244,7 +247,6 @@ def unigram_nll(train_stream: np.ndarray, sequences: Sequence[np.ndarray], n_voc
 
 def model_nll(model: Any, sequences: Sequence[np.ndarray], batch: int = 8) -> float:
     """Mean teacher-forced NLL (nats) of tokens 1.. of each sequence, by the runtime forward."""
-    from healsweep.model import forward
 
     total, count = 0.0, 0
     for start in range(0, len(sequences), batch):
@@ -263,7 +265,6 @@ def window_nll(model: Any, windows: Sequence[Any], batch: int = 8) -> tuple[floa
 
     Scored token ``j`` is predicted from the logits at ``j - 1`` (the windows' convention).
     """
-    from healsweep.model import forward
 
     total, count = 0.0, 0
     for start in range(0, len(windows), batch):
@@ -280,7 +281,6 @@ def window_nll(model: Any, windows: Sequence[Any], batch: int = 8) -> tuple[floa
 
 def expert_load(model: Any, sequences: Sequence[np.ndarray], batch: int = 8) -> np.ndarray:
     """Share of routed (token, slot) assignments per expert, ``[n_layer, n_expert]``; rows sum to 1."""
-    from healsweep.model import forward
 
     hp = model.hparams
     counts = np.zeros((hp.n_layer, hp.n_expert), np.int64)
@@ -314,8 +314,6 @@ def demo_figures(
     Perplexities are over the dev windows' scored tokens (as the sweeps score them) and over the
     whole dev documents; the unigram baseline counts tokens of the training pool (add-one).
     """
-    from healsweep.data.split import parity_split
-    from healsweep.data.windows import make_windows
 
     limit = max_len or model.hparams.context_length
     dev = [s[:limit] for s in encode_documents(dev_documents(corpus), tokenizer)]
@@ -363,12 +361,10 @@ def build_demo(
 
     ``progress(log, params)`` is called at every logged training step (see :func:`train`).
     """
-    import jax
-    from gguf import GGMLQuantizationType
+    # lazy: heavy (tokenizers)
     from tokenizers import Tokenizer
 
-    from healsweep.bundled import demo_corpus_path, demo_tokenizer_path
-    from healsweep.data.corpus import load_corpus
+    # lazy: heavy (tokenizers)
     from healsweep.demo.corpus_builder import DemoCorpusConfig, build_demo_corpus, write_demo_assets
 
     out = Path(out_dir)

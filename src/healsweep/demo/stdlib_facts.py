@@ -20,6 +20,7 @@ import textwrap
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pydoc_data.topics import topics
 
 # (partition unit, modules). Sibling modules that share code or docstrings share a unit.
 MODULE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -258,7 +259,6 @@ def collect_topics() -> list[Topic]:
     ``specialnames`` holds ``customization``...). Topics that share a line of 60+ characters
     form one partition unit, so no repeated passage can land in two pools.
     """
-    from pydoc_data.topics import topics
 
     parsed = []
     for key in sorted(topics):

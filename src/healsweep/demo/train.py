@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from healsweep._atomic import atomic_file
 from healsweep.gguf_io import block_prefix, split_block
 
 Params = dict[str, Any]
@@ -393,7 +394,6 @@ def _run_identity(stream: np.ndarray, cfg: MoEConfig, tcfg: TrainConfig) -> str:
 
 
 def _write_checkpoint(path: Path, identity: str, step: int, state: Any, history: list) -> None:
-    from healsweep._atomic import atomic_file
 
     leaves = jax.tree_util.tree_leaves(state)
     arrays = {f"leaf_{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)}

@@ -24,6 +24,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -127,7 +128,6 @@ def libggml() -> ctypes.CDLL:
 def status_line() -> str:
     """One line for ``healsweep doctor``: whether ggml's quantizer loads, from where (and
     which llama-cpp-python or ggml version provides it), or why not and how to get it."""
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         path, source = library_source()

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf.quants import dequantize
 
+from healsweep.bundled import resolve_model
 from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
 from healsweep.gguf_io._header import (
@@ -124,6 +126,7 @@ class GGUFModel:
 
     def row_bytes(self, name: str) -> int:
         """Stored bytes of one row (the last numpy axis) of the tensor."""
+        # lazy: heavy (jax)
         from healsweep.kernels import ggml_decode  # jax: imported only when bytes are read
 
         return ggml_decode.row_bytes(int(self.tensor_type(name)), self.tensor_shape(name)[-1])
@@ -199,7 +202,6 @@ def _mapped(path: Path, info: Any) -> np.ndarray:
 def host_decodable(qtype: int) -> bool:
     """Whether gguf-py's numpy code dequantizes ggml type ``qtype`` (tried on one zero block;
     gguf-py raises ``NotImplementedError`` for a type it has no code for)."""
-    from gguf.quants import dequantize
 
     qtype = TensorType(int(qtype))
     block, size = QUANT_SIZES[qtype]
@@ -213,10 +215,10 @@ def host_decodable(qtype: int) -> bool:
 def _dequantize(raw: np.ndarray, qtype: Any, n_in: int) -> np.ndarray:
     """Stored values/bytes to float32 on the host: gguf-py's numpy decoder, or, for a type it
     has none for (Q2_0), the in-graph decoder run once."""
-    from gguf.quants import dequantize
 
     if host_decodable(qtype):
         return np.asarray(dequantize(raw, qtype), dtype=np.float32)
+    # lazy: heavy (jax)
     from healsweep.kernels import ggml_decode
 
     rows = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, ggml_decode.row_bytes(qtype, n_in))
@@ -231,6 +233,10 @@ class _LazyTensors(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._model.tensor(name)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, without reading it (what a writer lays out first)."""
+        return tuple(self._model.tensor_shape(name))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._model.tensor_names)
@@ -307,7 +313,6 @@ def _sampled_digest(path: Path, header_bytes: int) -> str:
 def read_gguf(path_or_demo: str | Path) -> GGUFHeader:
     """The header of a GGUF file (``"demo"`` is the packaged demo model), with a missing,
     truncated or corrupt file turned into a one-line :class:`GGUFFormatError`."""
-    from healsweep.bundled import resolve_model
 
     path = resolve_model(path_or_demo)
     if not path.is_file():
@@ -344,6 +349,7 @@ def check_tensors(header: GGUFHeader, expected: dict[str, tuple], arch: str) -> 
     path, infos = header.path, {t.name: t for t in header.tensors}
     decodable = {int(t.type) for t in header.tensors if host_decodable(t.type)}
     if any(int(t.type) not in decodable for t in header.tensors):
+        # lazy: heavy (jax)
         from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES  # jax: only for such files
 
         decodable |= IN_GRAPH_TYPES

@@ -13,6 +13,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from gguf import GGUFValueType, Keys
+
 from healsweep._atomic import atomic_file
 from healsweep.errors import HealsweepError, SliceError
 from healsweep.gguf_io._header import SCALAR_FORMATS as _SCALAR_FORMATS
@@ -86,7 +89,6 @@ class _Encoder:
 
     def kv(self, key: str, value_type: Any, value: Any) -> bytes:
         """One metadata field: a scalar of ``value_type`` or (for STRING) a string."""
-        from gguf import GGUFValueType
 
         head = self.string(key) + self.pack("I", int(value_type))
         if value_type == GGUFValueType.STRING:
@@ -104,8 +106,6 @@ def _metadata_bytes(
     ``nextn_predict_layers`` (0: trailing prediction layers are never kept), per-layer
     ``{arch}.*`` arrays and the provenance keys are re-encoded.
     """
-    import numpy as np
-    from gguf import GGUFValueType, Keys
 
     header = model.header
     with open(header.path, "rb") as fh:

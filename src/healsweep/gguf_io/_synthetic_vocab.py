@@ -32,6 +32,7 @@ def grown_tokenizer(base, vocab_size: int, seed: int = 0):
     whose result is a token already. Raises :class:`TokenizerError` when ``vocab_size`` is
     smaller than ``base``'s vocabulary.
     """
+    # lazy: heavy (tokenizers)
     from tokenizers import AddedToken, Tokenizer
 
     spec = json.loads(base.to_str())

@@ -108,6 +108,7 @@ def tokenizer_metadata_from_gguf(get: Callable[[str], Any], where: str) -> Token
 def build_tokenizer(meta: TokenizerMetadata, where: str = "the GGUF"):
     """A ``tokenizers.Tokenizer`` equivalent to ``meta`` (BPE + byte-level behind the split
     regexes its ``tokenizer.ggml.pre`` names, :data:`PRE_PATTERNS`)."""
+    # lazy: heavy (tokenizers)
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     patterns = PRE_PATTERNS.get("gpt-2" if meta.pre == "default" else meta.pre)
@@ -139,6 +140,7 @@ def build_tokenizer(meta: TokenizerMetadata, where: str = "the GGUF"):
 
 def byte_level_pre_tokenizer(patterns: tuple[str, ...]):
     """The ``tokenizers`` pre-tokenizer: each regex splits (matches kept as pieces), then bytes."""
+    # lazy: heavy (tokenizers)
     from tokenizers import Regex, pre_tokenizers
 
     splits = [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in patterns]
@@ -149,6 +151,7 @@ def byte_level_pre_tokenizer(patterns: tuple[str, ...]):
 
 def load_tokenizer_file(path: str | Path):
     """A ``tokenizers.Tokenizer`` from a ``tokenizer.json``; raises :class:`TokenizerError`."""
+    # lazy: heavy (tokenizers)
     from tokenizers import Tokenizer
 
     path = Path(path)

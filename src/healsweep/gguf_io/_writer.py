@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import Keys
+from gguf import GGMLQuantizationType, GGUFWriter, Keys
+from gguf.quants import quantize
 
 from healsweep._atomic import atomic_path
 from healsweep.errors import GGUFFormatError
@@ -26,14 +27,12 @@ from healsweep.threads import host_threads
 
 def default_type(array_ndim: int):
     """F32 for vectors (norms, biases, gates), F16 for matrices and expert stacks."""
-    from gguf import GGMLQuantizationType
 
     return GGMLQuantizationType.F32 if array_ndim <= 1 else GGMLQuantizationType.F16
 
 
 def encode_tensor(name: str, values: np.ndarray, qtype) -> np.ndarray:
     """``values`` (float32) in the storage format ``qtype``: float arrays or packed bytes."""
-    from gguf.quants import quantize
 
     block, _ = QUANT_SIZES[TensorType(int(qtype))]
     if values.shape[-1] % block:
@@ -87,11 +86,25 @@ def write_gguf(
     ``arch`` is written as ``general.architecture``; ``drop_keys`` leaves metadata keys out (to
     make deliberately incomplete files). The file is written to a temp name and renamed.
     """
-    from gguf import GGMLQuantizationType, GGUFWriter
 
     path = Path(path)
+    names = list(tensors)
+
+    def chosen_type(name: str, ndim: int) -> Any:
+        qtype = (types or {}).get(name)  # F32 is 0: test against None, not falsy
+        return default_type(ndim) if qtype is None else qtype
+
+    def encoded(tensor_name: str) -> tuple[np.ndarray, Any]:
+        values = np.asarray(tensors[tensor_name], dtype=np.float32)
+        qtype = chosen_type(tensor_name, values.ndim)
+        return encode_tensor(tensor_name, values, qtype), qtype
+
     with atomic_path(path) as tmp:
-        writer = GGUFWriter(tmp, arch, use_temp_file=True)
+        # The tensor infos come first in a GGUF; with every tensor's shape known up front
+        # (arrays, or a lazy mapping's shape_of) they are written before the data, and each
+        # tensor's bytes go straight to their place in the file: no spooled copy of the data.
+        shapes = _shapes(tensors, names)
+        writer = GGUFWriter(tmp, arch, use_temp_file=shapes is None)
         try:
             writer.add_string(Keys.General.NAME, name)
             for key, value in metadata.items():
@@ -102,26 +115,54 @@ def write_gguf(
                     _add_value(writer, key, value)
             for key, value in (extra_metadata or {}).items():
                 _add_value(writer, key, value)
-            def encoded(tensor_name: str) -> tuple[np.ndarray, Any]:
-                values = np.asarray(tensors[tensor_name], dtype=np.float32)
-                qtype = (types or {}).get(tensor_name)  # F32 is 0: test against None, not falsy
-                qtype = default_type(values.ndim) if qtype is None else qtype
-                return encode_tensor(tensor_name, values, qtype), qtype
-
+            if shapes is not None:
+                for tensor_name, shape in zip(names, shapes, strict=True):
+                    qtype = chosen_type(tensor_name, len(shape))
+                    stored, dtype, nbytes = _stored_layout(tensor_name, shape, qtype)
+                    writer.add_tensor_info(tensor_name, stored, dtype, nbytes,
+                                           raw_dtype=_raw_dtype(dtype, qtype))  # fmt: skip
+                writer.write_header_to_file()
+                writer.write_kv_data_to_file()
+                writer.write_ti_data_to_file()
             # Tensors are drawn and encoded ahead on the host's threads (numpy's bulk work runs
-            # outside the GIL) and spooled in order, at most one per thread in memory.
-            for tensor_name, (data, qtype) in _in_order(encoded, list(tensors), host_threads()):
-                raw_dtype = qtype if data.dtype == np.uint8 else None
-                if qtype == GGMLQuantizationType.BF16:
-                    raw_dtype = qtype
-                writer.add_tensor(tensor_name, data, raw_dtype=raw_dtype)
+            # outside the GIL) and written in order, at most one per thread in memory.
+            for tensor_name, (data, qtype) in _in_order(encoded, names, host_threads()):
+                if shapes is not None:
+                    writer.write_tensor_data(data)
+                else:
+                    writer.add_tensor(tensor_name, data, raw_dtype=_raw_dtype(data.dtype, qtype))
                 del data
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
+            if shapes is None:
+                writer.write_header_to_file()
+                writer.write_kv_data_to_file()
+                writer.write_tensors_to_file()
         finally:
             writer.close()
     return path
+
+
+def _shapes(tensors: Mapping[str, Any], names: list[str]) -> list[tuple[int, ...]] | None:
+    """Every tensor's shape without building a lazy one (its ``shape_of``, or an array's own
+    shape); None where a lazy mapping cannot tell."""
+    shape_of = getattr(tensors, "shape_of", None)
+    if shape_of is not None:
+        return [tuple(shape_of(name)) for name in names]
+    if isinstance(tensors, dict) and all(hasattr(tensors[n], "shape") for n in names):
+        return [tuple(tensors[n].shape) for n in names]
+    return None
+
+
+def _stored_layout(name: str, shape: tuple[int, ...], qtype: Any) -> tuple[tuple, np.dtype, int]:
+    """``(shape, dtype, bytes)`` of a tensor of ``shape`` once encoded as ``qtype``, from the
+    encoding of one row (what :func:`encode_tensor` gives, without the tensor)."""
+    row = encode_tensor(name, np.zeros((1, shape[-1]), np.float32), qtype)
+    stored = (*shape[:-1], row.shape[-1])
+    return stored, row.dtype, int(np.prod(stored, dtype=np.int64)) * row.dtype.itemsize
+
+
+def _raw_dtype(dtype: np.dtype, qtype: Any) -> Any:
+    """gguf-py's ``raw_dtype`` of an encoded tensor: its type where the bytes are packed."""
+    return qtype if dtype == np.uint8 or qtype == GGMLQuantizationType.BF16 else None
 
 
 def _in_order(

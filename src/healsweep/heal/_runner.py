@@ -78,6 +78,16 @@ class StageRunner:
         """:meth:`value` on the first call of the returned loader, remembered after it."""
         return cache(lambda: self.value(stage, key, output, compute))
 
+    def stored(self, stage: str, key: str, output: type[T], compute: Callable[[], T]) -> T:
+        """:meth:`value` without the clock, for work on another thread (a stage computed ahead
+        or beside the layers; its wait is what the trial pays, timed where it waits)."""
+        entry = self.cache.get_or_compute(stage, key, lambda: compute().to_entry())
+        return output.from_entry(*entry)
+
+    def meta(self, stage: str, key: str) -> dict[str, Any] | None:
+        """The metadata of the ``stage`` entry ``key`` if it is cached (its arrays unread)."""
+        return self.cache.meta(stage, key)
+
 
 def split_entry(
     value: NamedTuple, arrays: tuple[str, ...], renamed: Mapping[str, str] | None = None

@@ -16,8 +16,11 @@ import numpy as np
 
 from healsweep.cache import StageCache
 from healsweep.heal import quantize, ridge, stages
+from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import Student, build_student
+from healsweep.heal.stage_names import Stage
+from healsweep.heal.stages import RoutedOutput
 from healsweep.heal.trace import calibration_documents, calibration_trace
 
 if TYPE_CHECKING:
@@ -101,6 +104,7 @@ def residual_table(
     held_trace = calibration_trace(model, held_cfg, cache, corpus)
 
     rows, totals = [], {}
+    run = StageRunner(cache)
     for position, layer in enumerate(model.hparams.moe_layers):
         qkeys = quantize.layer_keys(model, base, fit_trace.key, layer)
         experts = quantize.cached_experts(cache, qkeys)  # built by the students above
@@ -112,14 +116,14 @@ def residual_table(
         for split, trace in (("cal", fit_trace), ("heldout", held_trace)):
             arrays = trace.layer(layer)
             rkey = stages.routed_q_key(qkeys, trace.key, layer)
-            y_q = cache.get_or_compute(
-                "routed_q",
+            y_q = run.value(
+                Stage.ROUTED_Q,
                 rkey,
-                lambda arrays=arrays, experts=experts: (
-                    {"y_q": stages.routed_output(experts, arrays, model.hparams.n_expert)},
-                    {},
+                RoutedOutput,
+                lambda arrays=arrays, experts=experts: RoutedOutput(
+                    stages.routed_output(experts, arrays, model.hparams.n_expert)
                 ),
-            )[0]["y_q"]
+            ).y_q
             y_ref = arrays["y_ref"]
             variants = {
                 "alpha_1": _energies(y_ref, y_q, 1.0),

@@ -26,11 +26,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from healsweep._atomic import atomic_file, atomic_path
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io import block_prefix, split_block
+from healsweep.gguf_io import add_tensor_info, block_prefix, element_shape, q2_0_type, split_block
 from healsweep.heal.knobs import LayerTypes
 from healsweep.kernels.ggml_types import ggml_type
 
@@ -78,8 +80,8 @@ def type42_rows(weight: Any) -> np.ndarray:
 def expert_type(weight: Any) -> str:
     """The routed-expert type name of a student's expert stack: ``q2_0`` for a ``Q2Packed`` /
     ``Q2Weight``, the ggml type of a ``GGMLWeight``."""
+    # lazy: heavy (jax)
     from healsweep.kernels.ggml_decode import GGMLWeight
-    from healsweep.kernels.ggml_types import ggml_type
 
     if isinstance(weight, GGMLWeight):
         return ggml_type(weight.qtype).name
@@ -90,9 +92,7 @@ def expert_type(weight: Any) -> str:
 
 def _expert_plan(student: Student, name: str, experts: str) -> TensorPlan:
     """(ggml type, stored array shape, dtype) of one healed expert stack in the chosen format."""
-    from gguf import GGMLQuantizationType
 
-    from healsweep.gguf_io import q2_0_type
 
     shape = tuple(student.base.tensor_shape(name))
     if experts == "f16":
@@ -231,9 +231,7 @@ def write_replacing(
     builds it when the writer reaches it, so only one replaced tensor is in memory at a time.
     The file is written to a temp name and renamed.
     """
-    import gguf
 
-    from healsweep.gguf_io import add_tensor_info
 
     out = Path(out)
     header = base.header
@@ -295,9 +293,7 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
 
 
 def _check_shape(base: GGUFModel, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
-    from gguf import GGMLQuantizationType
 
-    from healsweep.gguf_io import element_shape
 
     shape = tuple(shape)
     if dtype == np.uint8 and qtype not in (GGMLQuantizationType.I8,):

@@ -376,6 +376,7 @@ def require_ggml(values: Mapping[str, Any]) -> None:
                 ggml = value != Q2_0
             if not ggml:
                 continue
+            # lazy: heavy (gguf)
             from healsweep.gguf_io._ggml_lib import libggml
 
             try:

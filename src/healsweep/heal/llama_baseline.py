@@ -17,13 +17,17 @@ this baseline, byte for byte.
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from healsweep.cache import StageCache
 from healsweep.errors import GGUFFormatError, SettingError
-from healsweep.gguf_io import block_prefix
+from healsweep.gguf_io import TensorType, _ggml_lib, block_prefix
+from healsweep.gguf_io._ggml_lib import block_geometry, library_source
+from healsweep.heal.export import write_replacing
 from healsweep.kernels.ggml_types import ROUTED_TYPES
 from healsweep.quant.imatrix import EXPERT_TENSORS, expert_importance, quantize_expert_stack
 
@@ -39,7 +43,6 @@ Progress = Callable[[str, str], None]
 def check_baseline(model: GGUFModel, type_name: str, imatrix: bool) -> int:
     """The ggml type id of ``type_name``; raises one line when the rows of the routed experts do
     not fill its blocks or when it needs an importance matrix that was not asked for."""
-    from healsweep.gguf_io import _ggml_lib
 
     if type_name not in LLAMA_TYPES:
         raise SettingError(
@@ -68,7 +71,6 @@ def check_baseline(model: GGUFModel, type_name: str, imatrix: bool) -> int:
 
 def bits_per_weight(qtype: int) -> float:
     """Stored bits per weight of ggml type ``qtype``."""
-    from healsweep.gguf_io import _ggml_lib
 
     block, size = _ggml_lib.block_geometry(qtype)
     return 8.0 * size / block
@@ -88,18 +90,14 @@ def write_llama_baseline(
     ``calibration`` (a ``CalibrationConfig``) asks for the importance matrix from the
     calibration trace (``cache``: the stage cache that holds it); None quantizes without one.
     """
-    from importlib.metadata import PackageNotFoundError, version
 
-    from healsweep.gguf_io import TensorType
-    from healsweep.gguf_io._ggml_lib import block_geometry, library_source
-    from healsweep.heal.export import write_replacing
 
     say = progress or (lambda stage, message: None)
     qtype = check_baseline(model, type_name, calibration is not None)
     ggml_type = TensorType(qtype)
     trace = None
     if calibration is not None:
-        from healsweep.cache import StageCache
+        # lazy: heavy (jax)
         from healsweep.heal.trace import calibration_trace
 
         trace = calibration_trace(model, calibration, cache or StageCache())

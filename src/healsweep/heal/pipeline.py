@@ -25,6 +25,7 @@ from functools import cache as once
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
@@ -44,6 +45,7 @@ from healsweep.heal.stage_names import Stage
 from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
+from healsweep.model import LayerReplacement
 from healsweep.profile import phase
 from healsweep.quant.registry import QuantizedGroup
 from healsweep.quant.values import GROUPS, Group
@@ -169,7 +171,6 @@ def build_student(
     the diagnostic's host solves grow with the calibration tokens (29.9 of a rho-only trial's
     35.5 s on an H100 at 94k tokens, 4 layers, docs/sizing.md).
     """
-    from healsweep.model import LayerReplacement
 
     quantize.check_quantizable(model, knobs)
     require_ggml(knobs.model_dump())
@@ -266,7 +267,6 @@ def _basis_ahead(
     backend, where both would share the same cores, and where the trial needs no basis.
     ``HEALSWEEP_BASIS_AHEAD`` = ``on`` | ``off`` overrides the backend's choice (the result is
     the same either way: the entry is the same computation, only its thread differs)."""
-    import jax
 
     if trace is None or not knobs.ridge or model.hparams.n_ff_shexp == 0:
         return lambda i: None
@@ -277,12 +277,13 @@ def _basis_ahead(
 
     def build(i: int) -> None:
         key = ridge.basis_key(model, trace.key, i)
-        if run.cache.meta("ridge_basis", key) is not None:
+        if run.meta(Stage.RIDGE_BASIS, key) is not None:
             return
         with phase("ridge_basis_ahead", i):
-            run.cache.get_or_compute(
-                "ridge_basis", key, lambda: ridge.compute_basis(model, i, trace.layer(i)).to_entry()
-            )
+            run.stored(
+                Stage.RIDGE_BASIS, key, RidgeBasis,
+                lambda: ridge.compute_basis(model, i, trace.layer(i)),
+            )  # fmt: skip
 
     return lambda i: pool.submit(build, i) and None
 
@@ -468,7 +469,7 @@ def _part_b(
     if not layer.diagnostics:
         return shexp, bkey, None
     hkey = ridge.heldout_key(fkey)
-    held = run.cache.meta("ridge_heldout", hkey)
+    held = run.meta(Stage.RIDGE_HELDOUT, hkey)
     if held is not None:
         folds: Future = Future()
         folds.set_result(HeldoutFolds.from_entry({}, held).folds)
@@ -476,10 +477,8 @@ def _part_b(
         args = (model, i, trace_layer(), y_q(), alpha, basis(), rhs(), fit())
 
         def heldout() -> list[list[float]]:
-            found = run.cache.get_or_compute(
-                "ridge_heldout", hkey, lambda: ridge.compute_heldout(*args).to_entry()
-            )
-            return HeldoutFolds.from_entry(*found).folds
+            compute = partial(ridge.compute_heldout, *args)
+            return run.stored(Stage.RIDGE_HELDOUT, hkey, HeldoutFolds, compute).folds
 
         folds = current().executor("ridge-heldout", HELDOUT_THREADS).submit(heldout)
     return shexp, bkey, folds

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from healsweep.bundled import BUNDLED_MODELS, demo_model_path
 from healsweep.cache import StageCache
-from healsweep.errors import CacheError, GGUFFormatError
+from healsweep.errors import CacheError, GGUFFormatError, HealsweepError
 from healsweep.heal.knobs import CalibrationConfig, Knobs, LayerTypes
 from healsweep.heal.stages import ExpertStacks, stage_key
-from healsweep.kernels.ggml_types import ggml_type
+from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
 from healsweep.quant.registry import GroupInputs, QuantizedGroup, quantizer_for
 from healsweep.quant.values import GROUPS, Q2_0, Group
 
@@ -154,8 +155,6 @@ def check_quantizable(
 def fitting_types(width: int) -> str:
     """The routed-expert types whose blocks fill rows of ``width`` weights, by bits per weight:
     ``q2_0 (2.25 bits), iq4_nl (4.5 bits)``."""
-    from healsweep.kernels.ggml_types import ROUTED_TYPES
-
     fits = sorted((t for t in ROUTED_TYPES if width % t.block_weights == 0),
                   key=lambda t: t.bits_per_weight)  # fmt: skip
     return ", ".join(f"{t.name} ({t.bits_per_weight:g} bits)" for t in fits) or "none"
@@ -178,8 +177,7 @@ def _misfit(model: GGUFModel, knobs: Knobs | None) -> tuple[int, Group, Any] | N
 def _packaged_fits(knobs: Knobs | None) -> list[tuple[str, Path, int]]:
     """The packaged models (``demo``, ``demo-medium-cpu``) whose routed rows the knobs' types
     fill: (name, file, gate/up row width)."""
-    from healsweep.bundled import BUNDLED_MODELS, demo_model_path
-    from healsweep.errors import HealsweepError
+    # lazy: heavy (gguf, jax): the packaged models are opened only to word an error
     from healsweep.model import open_model
 
     fits = []

@@ -34,13 +34,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import MODEL_TENSOR
+from gguf import MODEL_TENSOR, GGMLQuantizationType
+from gguf import GGMLQuantizationType as T
 
 from healsweep.gguf_io import tensor_name
 from healsweep.heal._runner import join_entry, split_entry
 from healsweep.heal.stages import stage_key
 from healsweep.kernels import ridge as kr
 from healsweep.kernels._precision import full_float32, healing_jit, matmul
+from healsweep.model.forward import dense_on_device
+from healsweep.model.layers import swiglu_hidden
+from healsweep.quant.requant import dequantized, requantize
 
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
@@ -138,9 +142,7 @@ class HealedShexp(NamedTuple):
 
     @classmethod
     def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> HealedShexp:
-        from gguf import GGMLQuantizationType
 
-        from healsweep.quant.requant import dequantized
 
         stats, raw = meta["stats"], arrays["raw"]
         qtype = GGMLQuantizationType[stats["storage_type"]]
@@ -149,7 +151,6 @@ class HealedShexp(NamedTuple):
 
 def shexp_weights(model: GGUFModel, layer: int) -> tuple[jax.Array, jax.Array]:
     """The layer's shared-expert gate and up weights [Fs, D] as float32 device arrays."""
-    from healsweep.model.forward import dense_on_device
 
     return tuple(
         dense_on_device(model, tensor_name(kind, layer))
@@ -159,7 +160,6 @@ def shexp_weights(model: GGUFModel, layer: int) -> tuple[jax.Array, jax.Array]:
 
 @healing_jit
 def _design(x, gate, w_gate, w_up):
-    from healsweep.model.layers import swiglu_hidden
 
     z = swiglu_hidden(jnp.asarray(x, jnp.float32), w_gate, w_up)  # [n, Fs]
     return z * jnp.asarray(gate, jnp.float32)[:, None]
@@ -214,6 +214,7 @@ def eigen_basis(gram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     errors of that size (the tests hold the result to a float64 solve at cond(G) ≈ 1e10). A
     5632² G took 6.4 s in float32 and 40 s in float64 on a 2-core CPU.
     """
+    # lazy: heavy (scipy)
     import scipy.linalg
 
     sigma, basis = scipy.linalg.eigh(np.asarray(gram, np.float32), driver="evd", check_finite=False)
@@ -298,6 +299,7 @@ def _inverse_spd(system: np.ndarray) -> jax.Array:
     """``system⁻¹`` (float32, on the default device) of a symmetric positive definite system
     (I - H_k, or its Woodbury twin: a ridge leverage is below 1), by Cholesky in float64 on
     the host; a system that rounding made indefinite is inverted by LU."""
+    # lazy: heavy (scipy)
     from scipy.linalg import lapack
 
     factor, info = lapack.dpotrf(system, lower=False, clean=True)
@@ -464,10 +466,7 @@ def ridge_layer(
     On the default device, decoded there from the stored bytes; only a storage type that is
     neither F32 nor F16 goes through the host codecs of :mod:`healsweep.quant.requant`.
     """
-    from gguf import GGMLQuantizationType as T
 
-    from healsweep.model.forward import dense_on_device
-    from healsweep.quant.requant import requantize
 
     name = tensor_name(MODEL_TENSOR.FFN_DOWN_SHEXP, layer)
     qtype = model.tensor_type(name)

@@ -28,6 +28,9 @@ from healsweep.heal._runner import join_entry, split_entry
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.kernels import alpha as alpha_kernels
+from healsweep.model import architecture
+from healsweep.model.forward import dense_on_device
+from healsweep.model.layers import expert_tile_rows, routed_experts
 from healsweep.quant import importance as imp
 
 if TYPE_CHECKING:
@@ -59,8 +62,6 @@ def expert_weights(
     """What quantize and Part A read of a layer: its routed expert stacks as float32 device
     arrays, decoded in the graph from their stored bytes (several times gguf-py's numpy speed;
     on an accelerator they never cross to the host), and ffn_norm."""
-    from healsweep.model import architecture
-    from healsweep.model.forward import dense_on_device
 
     out = {}
     for suffix in (f"ffn_{n}_exps.weight" for n in tensors):
@@ -103,7 +104,6 @@ def routed_q_key(quantize: Any, trace_key: str, layer: int) -> str:
 
 @partial(jax.jit, static_argnums=(4, 5))
 def _routed(x, ids, weights, experts, n_expert: int, tile: int):
-    from healsweep.model.layers import routed_experts
 
     gate, up, down = experts
     return routed_experts(x, ids, weights, gate, up, down, n_expert, tile)
@@ -113,7 +113,6 @@ def routed_output(
     experts: ExpertStacks, trace_layer: dict[str, np.ndarray], n_expert: int
 ) -> np.ndarray:
     """y_q [T, D]: routing-weighted sum of the given experts on the trace's inputs and routing."""
-    from healsweep.model.layers import expert_tile_rows
 
     x, ids, weights = trace_layer["x"], trace_layer["ids"], trace_layer["weights"]
     n_tokens = x.shape[0]

@@ -28,15 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key
 from healsweep.data.chat_template import ChatFormat, model_chat_format, render_document
+from healsweep.data.corpus import load_corpus
 from healsweep.errors import CacheError, CorpusError
 from healsweep.heal.knobs import CalibrationConfig
 from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.heal.stages import expert_weights
+from healsweep.model import forward
 from healsweep.quant.importance import expert_hidden_moments, expert_input_moments
 from healsweep.threads import available_memory, host_threads
 
@@ -219,10 +222,8 @@ def run_trace(
     shape (see :func:`_batches`). Returns the tokens each expert received, [L_moe, E] (the
     layers of ``hp.moe_layers``; leading dense layers have no experts and no trace).
     """
-    from healsweep.model import forward
 
     hp = model.hparams
-    import jax
 
     order: list[int] = []  # chunk index of each spilled piece, per layer the same
     if uniform is None:
@@ -391,7 +392,6 @@ def calibration_trace(
 ) -> Trace:
     """The cached teacher trace over the calibration pool (computed once per key); documents
     are rendered in the model's chat format, which the model fingerprint in the key covers."""
-    from healsweep.data.corpus import load_corpus
 
     corpus = corpus if corpus is not None else load_corpus(calibration.corpus)
     docs = calibration_documents(corpus, calibration)

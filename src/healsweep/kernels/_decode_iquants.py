@@ -39,6 +39,7 @@ KSIGNS = (_SEVEN_BITS | (_PARITY << 7)).astype(np.int32)
 def grid_words(name: str) -> np.ndarray:
     """gguf-py's grid of type ``name`` as int32 ``[rows, bytes/4]``: each row's values as bytes
     (IQ1's -1/0/1 stored plus one), four to a little-endian word."""
+    # lazy: heavy (gguf)
     import gguf.quants
 
     quant = getattr(gguf.quants, name)

@@ -69,6 +69,7 @@ def block_geometry(qtype: int) -> tuple[int, int]:
     qtype = int(qtype)
     if qtype in _DECODERS:
         return _DECODERS[qtype][:2]
+    # lazy: heavy (gguf)
     from gguf import GGML_QUANT_SIZES
 
     sizes = {int(t): s for t, s in GGML_QUANT_SIZES.items()}

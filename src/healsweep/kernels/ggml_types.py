@@ -86,3 +86,16 @@ def step_up(name: str, width: int | None = None) -> str:
     later = ROUTED_TYPES[ROUTED_TYPES.index(start) + 1 :]
     fits = [t for t in later if width is None or width % t.block_weights == 0]
     return next((t.name for t in fits if t.bits_per_weight > start.bits_per_weight), start.name)
+
+
+def step_down(name: str, width: int | None = None) -> str:
+    """One step down the ladder of :data:`ROUTED_TYPES`, the mirror of :func:`step_up`: the last
+    type before ``name`` in the table with fewer bits per weight (``iq2_xs`` → ``q2_0`` →
+    ``iq2_xxs`` → ``iq1_m`` → ``iq1_s``; ``iq3_s`` and ``q3_k`` → ``iq3_xxs``); with ``width``,
+    the last such type whose blocks fill rows of ``width`` weights. Where there is none
+    (``iq1_s``), ``name`` itself."""
+    start = ggml_type(name)
+    earlier = ROUTED_TYPES[: ROUTED_TYPES.index(start)]
+    fits = [t for t in earlier if width is None or width % t.block_weights == 0]
+    found = [t for t in fits if t.bits_per_weight < start.bits_per_weight]
+    return found[-1].name if found else start.name

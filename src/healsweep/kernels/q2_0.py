@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from healsweep.kernels import q2_0_gpu
 from healsweep.kernels._q2_0_scale import LANES, QK, SEEDS, stored_scale
 from healsweep.kernels._q2_0_scale import pow2_inverse as _pow2_inverse
 from healsweep.kernels._q2_0_scale import safe_ratio as _safe_ratio
@@ -212,7 +213,6 @@ def _backend_options(platform: str | None = None) -> dict:
     the Pallas kernel about 2x the fusion, the fusion about 5x the CPU layout."""
     if (platform or jax.default_backend()) == "cpu":
         return {"tiles": True, "keep_extras": True}
-    from healsweep.kernels import q2_0_gpu
 
     if q2_0_gpu.on_cuda() and q2_0_gpu.lowers():
         return {"pallas": True}
@@ -284,8 +284,6 @@ def quantize_rows(
     importance = np.asarray(importance, np.float32)
     gain32 = jnp.float32(gain)
     opts = {"tiles": True, **opts}
-    if pallas:
-        from healsweep.kernels import q2_0_gpu
     d_out = np.empty((n_rows, n_in // QK), np.float16)
     q_out = np.empty((n_rows, n_in // 4 if packed else n_in), np.uint8 if packed else np.int8)
     for c in range(n_chunks):

@@ -52,6 +52,7 @@ def _seed(m):
 
 def _ptx(asm: str, *args):
     """One float32 PTX instruction applied elementwise."""
+    # lazy: heavy (pallas)
     from jax.experimental.pallas import triton as plgpu
 
     shape = jax.ShapeDtypeStruct(args[0].shape, jnp.float32)
@@ -212,10 +213,12 @@ def _call(w, importance, gain, k: int, interpret: bool):
     tile = (LANES, k * QK)
     params = None
     if not interpret:
+        # lazy: heavy (pallas)
         from jax.experimental.pallas import triton as plgpu
 
         make = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
         params = make(num_warps=max(1, LANES * k // 32), num_stages=1)
+    # lazy: heavy (pallas)
     from jax.experimental import pallas as pl
 
     call = pl.pallas_call(

@@ -2,7 +2,13 @@
 teacher-forced JAX forward, layer by layer."""
 
 from healsweep.model.files import describe_model, expected_tensor_shapes, open_model, write_model
-from healsweep.model.forward import ForwardResult, LayerCapture, LayerReplacement, forward
+from healsweep.model.forward import (
+    ForwardResult,
+    LayerCapture,
+    LayerReplacement,
+    forward,
+    forward_each,
+)
 from healsweep.model.layers import matmul
 from healsweep.model.registry import ARCHITECTURES, SUPPORTED_ARCHS, architecture
 from healsweep.model.routing import router_topk, select_experts
@@ -17,6 +23,7 @@ __all__ = [
     "describe_model",
     "expected_tensor_shapes",
     "forward",
+    "forward_each",
     "matmul",
     "open_model",
     "router_topk",

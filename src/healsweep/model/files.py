@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -121,8 +122,6 @@ def healsweep_metadata(model: GGUFModel) -> dict[str, Any] | None:
     """The ``healsweep.*`` fields a healed or exported file carries (docs/export.md), keyed
     without the prefix, JSON fields (``knobs``, ``calibration``, ``ledger_head``) decoded; None
     for a file healsweep did not write."""
-    import json
-
     keys = [k for k in model.metadata_keys() if k.startswith(HEAL_PREFIX)]
     if not keys:
         return None

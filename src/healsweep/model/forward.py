@@ -31,6 +31,7 @@ from healsweep.model.resident import resident_layers
 from healsweep.runtime import current
 
 PAD_MULTIPLE = 64
+HEAD_ROWS = 256  # forward_each's rows per output-head call (a fixed shape, the last block padded)
 _LOGIT_CHUNK_BYTES = 64 << 20  # float32 bytes of output-matrix rows decoded at a time
 log = logging.getLogger(__name__)
 
@@ -192,14 +193,21 @@ def _head_chunk(hidden, w):
     return matmul(hidden, w)  # [N, C]
 
 
-def _logits(model: GGUFModel, hidden: jax.Array) -> np.ndarray:
+def _logits(model: GGUFModel, hidden: jax.Array, row_block: int | None = None) -> np.ndarray:
     """``hidden [N, D] @ output.weightᵀ`` → ``[N, V]``, reading the vocab in chunks of rows
-    sent as stored bytes and decoded in the graph."""
+    sent as stored bytes and decoded in the graph. With ``row_block``, the rows go through the
+    head in blocks of exactly that many (the last one padded), so that a row's logits do not
+    depend on how many other rows came with it."""
     name = "output.weight" if "output.weight" in model.tensor_names else "token_embd.weight"
     n_vocab, n_embd = model.tensor_shape(name)
     chunk = max(1, _LOGIT_CHUNK_BYTES // (4 * n_embd))
     qtype = int(model.tensor_type(name))
-    out = np.empty((hidden.shape[0], n_vocab), np.float32)
+    n_rows = hidden.shape[0]
+    blocks = [(0, n_rows)] if row_block is None else [
+        (a, min(a + row_block, n_rows)) for a in range(0, n_rows, row_block)]  # fmt: skip
+    if row_block is not None and n_rows % row_block:
+        hidden = jnp.pad(hidden, ((0, row_block - n_rows % row_block), (0, 0)))
+    out = np.empty((n_rows, n_vocab), np.float32)
     stat = model.path.stat()
 
     def load(start: int) -> dict[str, Any]:
@@ -211,7 +219,9 @@ def _logits(model: GGUFModel, hidden: jax.Array) -> np.ndarray:
     for start in range(0, n_vocab, chunk):
         key = (str(model.path), stat.st_size, stat.st_mtime_ns, name, start, chunk)
         w = resident_layers().get(key, partial(load, start))["w"]
-        out[:, start : start + w.shape[0]] = np.asarray(_head_chunk(hidden, w))
+        for a, b in blocks:
+            rows = hidden[a:b] if row_block is None else hidden[a : a + row_block]
+            out[a:b, start : start + w.shape[0]] = np.asarray(_head_chunk(rows, w))[: b - a]
     return out
 
 
@@ -310,4 +320,64 @@ def forward(
         router=list(np.split(per_token, cuts)),
         cache_misses=list(np.split(np.stack(misses, axis=1), cuts)) if misses else None,
         cache_states=states or None,
+    )
+
+
+def forward_each(
+    model: GGUFModel,
+    sequences: Sequence[np.ndarray],
+    *,
+    logits_for: Sequence[np.ndarray] | None = None,
+    prefetch: bool | None = None,
+) -> ForwardResult:
+    """The logits and router ids of :func:`forward`, each sequence computed as if it were alone.
+
+    A batched forward's float rounding depends on the batch's shape (its size and its padded
+    length decide how XLA blocks each matmul), so a sequence's logits in a batch differ in the
+    last bits from its logits in another batch. Here every sequence runs as a batch of one,
+    padded to its own multiple of :data:`PAD_MULTIPLE`, and the output head takes rows in
+    fixed blocks of :data:`HEAD_ROWS`: a sequence's result is a function of its own tokens only, whatever came with
+    it, and a layer's weights are still read once for all of them. What the teacher cache stores
+    is computed this way, so an entry rebuilt in any batch equals the original bit for bit.
+    """
+    hp = model.hparams
+    if prefetch is None:
+        prefetch = jax.devices()[0].platform != "cpu"
+    padded = [_pad_batch([seq], hp.n_vocab) for seq in sequences]  # ([1, T_b], [n_b])
+    hs = [jnp.asarray(_embed(model, tokens)) for tokens, _ in padded]  # [1, T_b, D] each
+    router: list[list[np.ndarray]] = [[] for _ in sequences]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        load = partial(_layer_weights, model)
+        pending = pool.submit(load, 0, None)
+        for i in range(hp.n_layer):
+            weights = pending.result()
+            if prefetch and i + 1 < hp.n_layer:
+                pending = pool.submit(load, i + 1, None)
+            dense = i < hp.n_leading_dense
+            for b, (tokens, (n,)) in enumerate(padded):
+                t = tokens.shape[1]
+                tile = expert_tile_rows(t * hp.n_expert_used, hp.n_expert)
+                positions = jnp.arange(t, dtype=jnp.int32)
+                hs[b], cap = _block(hp, tile, False, dense, weights, hs[b], positions, None)
+                if not dense:
+                    router[b].append(np.asarray(cap["topk_ids"])[:n])
+            if not prefetch and i + 1 < hp.n_layer:
+                jax.block_until_ready(hs)
+                weights = cap = None
+                pending = pool.submit(load, i + 1, None)
+            weights = None
+    norm = jnp.asarray(model.tensor("output_norm.weight"))
+    wanted = []
+    for b, (_, (n,)) in enumerate(padded):
+        pos = np.arange(n) if logits_for is None else np.asarray(logits_for[b], np.int64)
+        if pos.size and (pos.min() < 0 or pos.max() >= n):
+            raise ValueError(f"forward_each: logits_for[{b}] has positions outside [0, {n})")
+        wanted.append(pos)
+    hidden = jnp.concatenate([_final_norm(hp.rms_norm_eps, h, norm, jnp.asarray(p, jnp.int32))
+                              for h, p in zip(hs, wanted, strict=True)])  # fmt: skip
+    logits = _logits(model, hidden, row_block=HEAD_ROWS)
+    return ForwardResult(
+        logits=list(np.split(logits, np.cumsum([len(p) for p in wanted])[:-1])),
+        captures=None,
+        router=[np.stack(r, axis=1) for r in router],  # [T_b, L_moe, k]
     )

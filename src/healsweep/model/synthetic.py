@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import Keys
+from gguf import GGMLQuantizationType, Keys
 
 from healsweep.gguf_io import ModelHparams, split_block, tokenizer_metadata_from_tokenizer
+from healsweep.gguf_io._synthetic_vocab import grown_tokenizer
 from healsweep.gguf_io._tokenizer import PRE_PATTERNS, byte_level_pre_tokenizer
 from healsweep.model.files import write_model
 from healsweep.model.registry import ARCHITECTURES
@@ -47,6 +48,7 @@ def train_tiny_tokenizer(
 ):
     """A byte-level BPE ``tokenizers.Tokenizer`` behind the split regexes of ``pre`` (a
     ``tokenizer.ggml.pre`` name) with ``control_tokens`` as special tokens (ids 0, 1, ...)."""
+    # lazy: heavy (tokenizers)
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -94,6 +96,10 @@ class RandomTensors(Mapping):
         rng = np.random.default_rng([self._seed, zlib.crc32(name.encode())])
         return (mean + std * rng.standard_normal(shape)).astype(np.float32)
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, without drawing it (what a writer lays out first)."""
+        return tuple(self._shapes[name])
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._shapes)
 
@@ -103,7 +109,6 @@ class RandomTensors(Mapping):
 
 def _resolve_types(types: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     """Per-tensor types from one type (for every matrix), or a map by full name or suffix."""
-    from gguf import GGMLQuantizationType
 
     def as_type(t: Any) -> Any:
         return GGMLQuantizationType[t] if isinstance(t, str) else t
@@ -169,7 +174,6 @@ def write_random_model(
     """
     tokenizer = tokenizer or train_tiny_tokenizer()
     if vocab_size is not None:
-        from healsweep.gguf_io._synthetic_vocab import grown_tokenizer
 
         tokenizer = grown_tokenizer(tokenizer, vocab_size)
     tok_meta = tokenizer_metadata_from_tokenizer(tokenizer, bos=bos, eos=eos, pad=bos)

@@ -32,6 +32,7 @@ _INT_P = ctypes.POINTER(ctypes.c_int)
 @cache
 def _dpotrf():
     """LAPACK's ``dpotrf`` as scipy links it, callable without the GIL."""
+    # lazy: heavy (scipy)
     from scipy.linalg import cython_lapack
 
     capsule = cython_lapack.__pyx_capi__["dpotrf"]

@@ -154,6 +154,7 @@ def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
     scales to unit diagonal), so ``u = R⁻¹ = J·L̃⁻¹·J``. Returns ``(u [G, n, n] float32, ok [G]
     bool)``; a matrix that does not factor even after damping has ``ok`` False and ``u = I``.
     """
+    # lazy: heavy (scipy)
     from scipy.linalg import lapack
 
     u = np.zeros(h.shape, np.float32)
@@ -176,6 +177,7 @@ def inverse_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
 def feedback_factor(u: np.ndarray, hessian_diag: np.ndarray, chunk: int) -> Factor:
     """:class:`Factor` of the upper ``u`` [n, n] (``uᵀu = H⁻¹`` damped) and the damped
     ``diag(H)`` [n], for chunks of ``chunk`` columns (host, float64 inside)."""
+    # lazy: heavy (scipy)
     from scipy.linalg import solve_triangular
 
     n = u.shape[0]
@@ -251,6 +253,7 @@ def _refine_chunk(ws, raw, values, inverse, diagonal, row, qtype: int, rounds: i
     """``rounds`` re-quantizations by ggml of the chunk ``ws`` [out, c] toward the
     GPTQ-consistent target, each row keeping its bytes of lowest chunk objective
     ``‖(ws − Q)·u_SS⁻¹‖²``; returns ``(raw, values)`` of the best rows."""
+    # lazy: heavy (gguf)
     from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 
     scale = np.diag(diagonal)[None, :]  # diag(u_SS)
@@ -286,6 +289,7 @@ def quantize_matrix(
     is the caller's row (needed for ``chunk_importance="imatrix"``); ``rounds`` of in-chunk
     refinement (``block`` only, see the module docstring). Returns ggml's stored bytes uint8
     [out, row_bytes]."""
+    # lazy: heavy (gguf)
     from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 
     kind = check_options(qtype, method, chunk, chunk_importance, rounds)

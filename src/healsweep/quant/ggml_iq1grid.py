@@ -41,6 +41,7 @@ IQ1_TYPES: dict[int, int] = {GGML_IQ1_S: 50, GGML_IQ1_M: 56}
 @cache
 def grid_table() -> np.ndarray:
     """gguf-py's IQ1 grid (IQ1_S's, which IQ1_M shares): float32 [2048, 8] in {−1, 0, 1}."""
+    # lazy: heavy (gguf)
     import gguf.quants
 
     quant = gguf.quants.IQ1_S

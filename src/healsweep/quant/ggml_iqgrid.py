@@ -36,6 +36,7 @@ IQ_TYPES: dict[int, tuple[str, int, int]] = {
 @cache
 def grid_table(qtype: int) -> np.ndarray:
     """gguf-py's grid of ``qtype``: float32 [rows, 8] magnitudes (8, 25 or 43)."""
+    # lazy: heavy (gguf)
     import gguf.quants
 
     quant = getattr(gguf.quants, IQ_TYPES[qtype][0])

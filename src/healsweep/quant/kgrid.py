@@ -21,6 +21,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from healsweep.kernels import gptq_grid
+from healsweep.kernels._decode_kquants import q3_k_scales
+from healsweep.quant import gptq
+
 GGML_Q2_K, GGML_Q3_K = 10, 11
 # qtype -> (block bytes, code bytes offset, shift, codes)
 _LAYOUT = {GGML_Q2_K: (84, 16, 0, 4), GGML_Q3_K: (110, 32, 4, 8)}
@@ -30,7 +34,6 @@ def grid(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, int, int]
     """The grid of stored rows ``raw`` uint8 ``[..., row_bytes]``: ``(scale, offset)`` float32
     ``[..., n/16]`` and the static ``(shift, n_codes)``; a weight holds ``scale·(c − shift) −
     offset`` (float32, the decoders' operation order)."""
-    from healsweep.kernels._decode_kquants import q3_k_scales
 
     size, _, shift, n_codes = _LAYOUT[qtype]
     b = np.asarray(raw, np.uint8).reshape(*raw.shape[:-1], -1, size)  # [..., nb, size]
@@ -74,8 +77,6 @@ def gptq_stacks(
     """GPTQ codes on ggml's grid for the stacks ``weights`` [E, out, in] (which read one input:
     gate and up, or down with ``gate_up`` the teacher's gate and up stacks), replacing them in
     their ggml rows ``raws`` [E, out, row_bytes]; returns the new rows and the fallback counts."""
-    from healsweep.kernels import gptq_grid
-    from healsweep.quant import gptq
 
     counts = np.asarray(trace_layer["counts"])
     enough = np.nonzero(counts >= min_tokens)[0]

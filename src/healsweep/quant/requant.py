@@ -19,6 +19,7 @@ from healsweep.errors import GGUFFormatError
 
 def requantize(name: str, values: np.ndarray, ggml_type: Any) -> tuple[np.ndarray, np.ndarray]:
     """(raw for the writer, dequantized float32) of ``values`` [rows, cols] in ``ggml_type``."""
+    # lazy: heavy (gguf)
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -51,6 +52,7 @@ def requantize(name: str, values: np.ndarray, ggml_type: Any) -> tuple[np.ndarra
 def dequantized(raw: np.ndarray, ggml_type: Any, shape: tuple[int, ...]) -> np.ndarray:
     """The float32 values [rows, cols] of ``raw`` as :func:`requantize` returned it in
     ``ggml_type``: bit for bit the values it returned beside it (it computes them here)."""
+    # lazy: heavy (gguf)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -59,6 +61,7 @@ def dequantized(raw: np.ndarray, ggml_type: Any, shape: tuple[int, ...]) -> np.n
     if ggml_type == GGMLQuantizationType.F16:
         return np.asarray(raw, np.float16).astype(np.float32).reshape(shape)
     if ggml_type == GGMLQuantizationType.IQ4_NL:
+        # lazy: heavy (jax)
         from healsweep.kernels import iq4_nl
 
         d, idx = iq4_nl.unpack(np.asarray(raw, np.uint8).reshape(-1, 18))
@@ -67,6 +70,7 @@ def dequantized(raw: np.ndarray, ggml_type: Any, shape: tuple[int, ...]) -> np.n
 
 
 def _iq4_nl(values: np.ndarray) -> np.ndarray:
+    # lazy: heavy (jax)
     from healsweep.kernels import iq4_nl
 
     rows, cols = values.shape

@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.size import Budget
 from healsweep.results.placement import pool_summary
 from healsweep.results.schema import REFERENCES, Role, TrialStatus, knobs_of, row_role, student_of
 from healsweep.results.store import (
+    read_allocator,
     read_manifest,
     read_over_budget,
     read_stored_spec,
@@ -31,6 +34,13 @@ from healsweep.results.store import (
 )
 from healsweep.score.expert_cache import pooled_cache
 from healsweep.score.record import WindowRecord
+from healsweep.score.stats import (
+    DecisionRule,
+    decision,
+    paired_compare,
+    percentile_ci,
+    pooled,
+)
 
 MAX_LEVELS = 6
 
@@ -112,6 +122,7 @@ class SweepSummary:
     seed: int = 0
     rows: dict[str, int] = field(default_factory=dict)  # trials.parquet rows by role
     window_counts: dict[str, int] = field(default_factory=dict)  # :func:`window_counts`
+    allocator: dict[str, Any] = field(default_factory=dict)  # allocator.json (its sampler's)
 
 
 # Which status a config shows when its rows differ, and which row names it first.
@@ -161,7 +172,6 @@ def summarize(
     sweep_dir: str | Path, n_boot: int = 10_000, seed: int = 0, rule: Any = None
 ) -> SweepSummary:
     """Pool, compare and rank every config of a sweep against its baseline."""
-    from healsweep.score.stats import DecisionRule, decision, pooled
 
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
@@ -222,13 +232,13 @@ def summarize(
         seed=seed,
         rows=dict(Counter(str(row_role(t)) for t in trials)),
         window_counts=window_counts(rows),
+        allocator=read_allocator(sweep_dir),
     )
 
 
 def paired(base: ConfigResult, config: ConfigResult, *, n_boot: int, seed: int) -> Any:
     """``config`` against ``base`` on the windows both scored (a paired bootstrap
     ``Comparison``), or None when it is ``base`` or they share no window."""
-    from healsweep.score.stats import paired_compare
 
     shared = [w for w in sorted(config.windows) if w in base.windows]
     if config is base or not shared:
@@ -258,8 +268,6 @@ def main_effects(
     Knobs with more than ``MAX_LEVELS`` distinct values (continuous knobs of a tpe/random
     sweep) are left out: one config per value says nothing about a main effect.
     """
-    from healsweep.score.stats import percentile_ci
-
     full = [c for c in configs if c.windows and len(c.windows) == windows_total]
     if not full:
         return []
@@ -287,8 +295,6 @@ def main_effects(
 
 def _mean_replicates(group: list[ConfigResult]) -> Any:
     """The bootstrap replicates of the mean relative change of ``group`` (see main_effects)."""
-    import numpy as np
-
     reps = [c.comparison.boot_rel_change for c in group if c.comparison is not None]
     if not reps:
         return np.zeros(1)

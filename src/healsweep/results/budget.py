@@ -21,9 +21,10 @@ from typing import Any
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import student_key
 from healsweep.results.aggregate import ConfigResult, SweepSummary, paired
-from healsweep.results.schema import Role, TrialStatus
+from healsweep.results.schema import Role, TrialStatus, is_candidate
 
 MAX_LISTED = 20  # over-budget configs listed one by one (the count is always given)
+GROUP_NAMES = {"gu": "gate/up", "d": "down"}  # the routed experts' tensor groups
 
 
 @dataclass
@@ -68,6 +69,13 @@ def unhealed_twin(config: ConfigResult, configs: list[ConfigResult]) -> ConfigRe
                  and c is not config), None)  # fmt: skip
 
 
+def _best(configs: list[ConfigResult]) -> ConfigResult | None:
+    """The best of ``configs`` by the sweep's one rule (:func:`~healsweep.results.schema.
+    best_trial`: the completed trial, baseline included, of lowest pooled KLD; first on a tie)."""
+    done = [c for c in configs if is_candidate(c.role, c.status, c.pooled.get("kld_mean"))]
+    return min(done, key=lambda c: c.pooled["kld_mean"], default=None)
+
+
 def tiers(summary: SweepSummary) -> list[Tier]:
     """Every budget tier of the sweep ([] without a budget)."""
     budget = summary.budget
@@ -82,8 +90,7 @@ def tiers(summary: SweepSummary) -> list[Tier]:
             if (value := measured(c, budget.measure)) is not None and budget.within(value, limit)
         ]
         inside.sort(key=lambda c: (c.status != TrialStatus.COMPLETED, c.pooled["kld_mean"]))
-        trials = [c for c in inside if c.role.tuned and c.status == TrialStatus.COMPLETED]
-        best = trials[0] if trials else None
+        best = _best(inside)
         # the files of this tier's size: inside it, and not inside the tier below
         below = budget.limits[budget.limits.index(limit) - 1] if limit != budget.limits[0] else None
         externals = [
@@ -164,4 +171,76 @@ def over_budget_lines(summary: SweepSummary) -> list[str]:
                      f"{'; ' + rest if rest else ''}")  # fmt: skip
     if len(over) > MAX_LISTED:
         lines.append(f"- ... and {len(over) - MAX_LISTED} more (over_budget.json)")
+    return lines
+
+
+def is_uniform(config: ConfigResult) -> bool:
+    """Whether a config stores every routed expert in one type (one type for gate/up and down,
+    no edge-layer steps, no per-layer types)."""
+    values = config.knob_values
+    return bool(values) and values["type_gu"] == values["type_d"] and not (
+        values.get("layer_types") or values.get("up_first") or values.get("up_last")
+    )
+
+
+@dataclass
+class AllocationRow:
+    """A non-uniform allocation beside the best uniform recipe of at most its size."""
+
+    config: ConfigResult
+    uniform: ConfigResult | None  # the best completed uniform trial no larger than it
+    comparison: Any  # the allocation against that uniform recipe (negative: allocation better)
+    predicted: float | None  # the allocator's predicted KLD change, when it proposed it
+
+
+def allocation_rows(summary: SweepSummary) -> list[AllocationRow]:
+    """Every completed non-uniform trial (the allocator's proposals, mixed type pairs, per-layer
+    types) beside the best completed uniform trial whose size, in the budget's measure (routed
+    bpw without a budget), is no larger; by size, then pooled KLD."""
+    measure = summary.budget.measure if summary.budget is not None else "routed_bpw"
+    trials = [c for c in _scored(summary)
+              if c.role.tuned and c.status == TrialStatus.COMPLETED and c.knobs is not None
+              and measured(c, measure) is not None]  # fmt: skip
+    uniform = sorted((c for c in trials if is_uniform(c)), key=lambda c: c.pooled["kld_mean"])
+    predicted = {
+        student_key(Knobs(**p["knobs"])): p["predicted_delta_kld"]
+        for p in summary.allocator.get("proposals", [])
+    }
+    rows = []
+    for config in sorted((c for c in trials if not is_uniform(c)),
+                         key=lambda c: (measured(c, measure), c.pooled["kld_mean"])):  # fmt: skip
+        size = measured(config, measure)
+        best = next((u for u in uniform if measured(u, measure) <= size * (1 + 1e-9)), None)
+        comparison = (
+            paired(best, config, n_boot=summary.n_boot, seed=summary.seed) if best else None
+        )
+        rows.append(AllocationRow(config, best, comparison,
+                                  predicted.get(student_key(config.knobs))))  # fmt: skip
+    return rows
+
+
+def sensitivity_lines(record: dict[str, Any]) -> list[str]:
+    """A Markdown table of a sensitivity record (``allocator.json``'s ``sensitivity``, or
+    ``healsweep sensitivity --json``'s): each move's change of routed bpw, pooled KLD, change
+    against the base with its paired 95% CI, and KLD change per routed bit per weight."""
+    base = record["base"]
+    knobs = base["knobs"]
+    types = f"{knobs.get('type_gu', 'q2_0')}/{knobs.get('type_d', 'q2_0')}"
+    lines = [
+        f"Base: {types}" + (f" ({knobs['layer_types']})" if knobs.get("layer_types") else "")
+        + f", pooled KLD {base['kld']:.5f} on {record['windows']} dev windows"
+        + (f"; ladder {', '.join(record['ladder'])}" if record.get("ladder") else "") + ".",
+        "",
+        "| layer | group | move | Δ routed bpw | pooled KLD | Δ KLD [95% CI] | Δ KLD per Δ bpw |",
+        "|---:|---|---|---:|---:|---|---:|",
+    ]  # fmt: skip
+    for row in record["moves"]:
+        lo, hi = row["rel_change_ci"]
+        bpw = row["delta_routed_bpw"]
+        per = f"{row['delta_kld'] / bpw:+.5f}" if bpw else "-"
+        lines.append(
+            f"| {row['layer']} | {GROUP_NAMES[row['group']]} | {row['from']}→{row['to']} | "
+            f"{bpw:+.4f} | {row['kld']:.5f} | {100 * row['rel_change']:+.2f}% "
+            f"[{100 * lo:+.2f}, {100 * hi:+.2f}] | {per} |"
+        )
     return lines

@@ -16,11 +16,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from healsweep.results.aggregate import ConfigResult, SweepSummary, paired
 from healsweep.results.budget import allocation, tiers, unhealed_twin
 from healsweep.results.schema import Role, TrialStatus
+from healsweep.score.stats import decision
 
 
 @dataclass
@@ -45,8 +47,6 @@ class Finding:
 
 def findings(summary: SweepSummary) -> list[Finding]:
     """One :class:`Finding` per budget tier, or one for the whole sweep without a budget."""
-    from healsweep.score.stats import decision
-
     rule = summary.rule
 
     def versus(best: ConfigResult, other: ConfigResult, name: str, kind: str, comp: Any = None):
@@ -167,8 +167,6 @@ def to_json(summary: SweepSummary, found: list[Finding], sweep_dir: str) -> list
 
 def export_command(sweep_dir: str, trial_id: str, scope: str) -> str:
     """The command that writes a trial as a GGUF."""
-    from pathlib import Path
-
     name = Path(sweep_dir).name
     tag = "".join(ch for ch in scope if ch.isdigit() or ch == ".") or "best"
     return f"healsweep export {sweep_dir} --trial {trial_id} --out {name}-{tag}.gguf"

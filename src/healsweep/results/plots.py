@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from healsweep.results.aggregate import ConfigResult, SweepSummary
+from healsweep.results.budget import pareto_front
 from healsweep.results.schema import Role, TrialStatus
 
 MAX_PANELS = 16  # the 12-config methods grid and its two reference rows
@@ -18,9 +19,11 @@ FOREST_CAPTION = "every config: Δ KLD vs baseline with its paired-bootstrap CI 
 
 
 def _pyplot():
+    # lazy: heavy (matplotlib)
     import matplotlib
 
     matplotlib.use("Agg", force=True)
+    # lazy: heavy (matplotlib)
     import matplotlib.pyplot as plt
 
     return plt
@@ -51,6 +54,7 @@ def paired_scatter(summary: SweepSummary, path: Path, label: Callable[[ConfigRes
         lo, hi = min(x + y), max(x + y)
         ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8)
         if lo > 0:
+            # lazy: heavy (matplotlib)
             from matplotlib.ticker import NullFormatter
 
             ax.set(xscale="log", yscale="log")
@@ -187,7 +191,6 @@ def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
     of its own KLD (baseline KLD x (1 + CI of the relative change)); the Pareto front (no config
     is both smaller and better) joined; external files (llama.cpp's uniform quants) labelled;
     a routed-bpw budget's limits as vertical lines."""
-    from healsweep.results.budget import pareto_front
 
     level = summary.rule.ci_level
     sized = [c for c in summary.configs if c.routed_bpw is not None and c.pooled]

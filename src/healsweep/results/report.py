@@ -9,15 +9,29 @@ import math
 from pathlib import Path
 from typing import Any
 
+from healsweep._atomic import atomic_write_text
 from healsweep.heal.knobs import Knobs
 from healsweep.results.aggregate import ConfigResult, SweepSummary, summarize
 from healsweep.results.budget import (
     allocation,
+    allocation_rows,
     file_mib,
     healing_pairs,
     over_budget_lines,
+    sensitivity_lines,
     tiers,
 )
+from healsweep.results.findings import (
+    best_accepted,
+    best_by_kld,
+    export_command,
+    findings,
+    tune_trial_id,
+    types_of,
+    verdict_word,
+)
+from healsweep.results.placement import pool_line
+from healsweep.results.plots import FOREST_CAPTION, write_plots
 from healsweep.results.schema import Role, TrialStatus
 
 Table = tuple[list[str], list[list[str]]]
@@ -268,16 +282,47 @@ def healing_table(summary: SweepSummary) -> Table:
     return header, rows
 
 
+def allocations_table(summary: SweepSummary) -> Table:
+    """Each non-uniform allocation beside the best uniform recipe of at most its size (paired Δ
+    of the allocation against it: negative = the allocation is better), with the allocator's
+    predicted change against its base where it proposed the allocation."""
+    level = summary.rule.ci_level
+    header = ["allocation (gate-up/down)", "config", "bpw", "pooled KLD", "predicted Δ KLD",
+              "best uniform no larger", "its bpw", "its KLD",
+              f"Δ KLD vs uniform [{level:.0%} CI]"]  # fmt: skip
+    rows = []
+    for row in allocation_rows(summary):
+        config, uniform = row.config, row.uniform
+        rows.append([
+            allocation(config), describe(config, summary.baseline), _fmt(config.routed_bpw, ".5g"),
+            f"{config.pooled['kld_mean']:.5f}", _fmt(row.predicted, "+.5f"),
+            "-" if uniform is None else f"{describe(uniform, summary.baseline)} "
+            f"({allocation(uniform)})",
+            "-" if uniform is None else _fmt(uniform.routed_bpw, ".5g"),
+            "-" if uniform is None else f"{uniform.pooled['kld_mean']:.5f}",
+            _delta(row.comparison, level),
+        ])  # fmt: skip
+    return header, rows
+
+
 def _budget_sections(summary: SweepSummary) -> list[tuple[str, list[str]]]:
-    """The size budget's sections (none without a budget), and the healing pairs."""
+    """The size budget's sections (none without a budget), the healing pairs, and the
+    allocations beside uniform recipes (with the allocator's sensitivity table)."""
     pairs = healing_table(summary)
     healing = [("What healing adds on top of each allocation", _md(pairs))] if pairs[1] else []
+    mixed = allocations_table(summary)
+    allocations = [("Allocations beside the best uniform recipe of their size", _md(mixed))]
+    allocations = allocations if mixed[1] else []
+    if summary.allocator.get("sensitivity"):
+        lines = sensitivity_lines(summary.allocator["sensitivity"])
+        allocations.append(("Sensitivity of each tensor group", lines))
     if summary.budget is None:
-        return healing
+        return healing + allocations
     found = tiers(summary)
     return [
         ("Best config per budget against llama.cpp", _md(best_per_tier_table(summary, found))),
         *((f"Configs within {tier.label}", _md(tier_table(summary, tier))) for tier in found),
+        *allocations,
         *healing,
         ("Over budget", over_budget_lines(summary)),
     ]
@@ -298,15 +343,6 @@ def found_lines(summary: SweepSummary, sweep_dir: str) -> list[str]:
     trial id, its Δ against the baseline, its own types unhealed, the other references and each
     llama.cpp file of its size, with CIs and the decision rule's word, and the command that
     exports it; then what ``export --best`` would take."""
-    from healsweep.results.findings import (
-        best_accepted,
-        best_by_kld,
-        export_command,
-        findings,
-        tune_trial_id,
-        types_of,
-        verdict_word,
-    )
 
     level = summary.rule.ci_level
     lines = []
@@ -377,8 +413,6 @@ def _sections(
     sweep_dir: str = "RESULTS/NAME",
 ) -> list[tuple[str, list[str]]]:
     """Each section's title and Markdown lines, in order (``plots``: {caption: file name})."""
-    from healsweep.results.placement import pool_line
-    from healsweep.results.plots import FOREST_CAPTION
 
     m = summary.manifest
     reasons = []
@@ -481,6 +515,7 @@ _STYLE = (
 def render_html(name: str, markdown: str) -> str:
     """The HTML page of sweep ``name``: its Markdown report rendered (raw HTML in a cell is
     escaped, not passed)."""
+    # lazy: heavy (markdown_it)
     from markdown_it import MarkdownIt
 
     body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
@@ -501,8 +536,6 @@ def write_report(
     (``summary`` = an already computed :func:`summarize` of the same folder; ``confirmed`` = the
     milestones `healsweep confirm` opened, :func:`healsweep.confirm.read_confirmed`, shown dev
     beside test — passed in, since results sit below confirm in the layer order)."""
-    from healsweep._atomic import atomic_write_text
-    from healsweep.results.plots import write_plots
 
     sweep_dir = Path(sweep_dir)
     summary = summary or summarize(sweep_dir, n_boot=n_boot, seed=seed)

@@ -9,6 +9,7 @@ and whether the trial was later pruned. ``RESULTS/<sweep>/trials.parquet`` holds
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
@@ -16,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from healsweep.cache import canonical_json
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import student_key
 from healsweep.score.record import WindowRecord
@@ -187,17 +189,41 @@ def end_status(windows_done: int, windows_total: int | None) -> TrialStatus:
     return TrialStatus.COMPLETED if scored_all(windows_done, windows_total) else TrialStatus.PRUNED
 
 
+def short_hash(value: Any) -> str:
+    """16 hex digits of sha256 over the canonical JSON of ``value``: how a config is named."""
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()[:16]
+
+
+def config_hash(knobs: Knobs) -> str:
+    """A short content hash of a full knob set (the identity of a config across trials and runs:
+    :meth:`Knobs.identity`, so a knob added later at its old default leaves it as it was)."""
+    return short_hash(knobs.identity())
+
+
+def fixed_config_hash(role: Role, label: str, knobs: Knobs | None, fingerprint: str | None) -> str:
+    """The config hash of a reference or external row: over its role, label and what it scores
+    (knobs, or the file's fingerprint), so never equal to a trial's, even with a trial's knobs."""
+    identity = {
+        "role": role,
+        "label": label,
+        "knobs": knobs.identity() if knobs is not None else None,
+        "fingerprint": fingerprint,
+    }
+    return short_hash(identity)
+
+
+def is_candidate(role: Role, status: str, kld_mean: float | None) -> bool:
+    """Whether a config may be a sweep's best: a completed trial (the baseline included) with a
+    pooled KLD; reference and external rows are not trials."""
+    return role.tuned and status == TrialStatus.COMPLETED and kld_mean is not None
+
+
 def best_trial(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The sweep's best config so far: the completed trial with the lowest dev pooled KLD, the
     baseline included (a sweep whose baseline beats every tuned config has found nothing
     better; a worse trial is not its answer); reference and external rows are not trials.
     None before a trial has completed."""
-    done = [
-        row
-        for row in rows
-        if row_role(row).tuned and row["status"] == TrialStatus.COMPLETED
-        and row["kld_mean"] is not None
-    ]  # fmt: skip
+    done = [row for row in rows if is_candidate(row_role(row), row["status"], row["kld_mean"])]
     return min(done, key=lambda row: row["kld_mean"], default=None)
 
 

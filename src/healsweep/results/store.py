@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from healsweep._atomic import atomic_path
+from healsweep._atomic import atomic_path, atomic_write_text
 from healsweep.errors import ResultsError
 from healsweep.results.schema import to_table, trial_schema, window_schema
 
@@ -35,6 +35,7 @@ TRIALS_FILE = "trials.parquet"
 MANIFEST_FILE = "manifest.json"
 SPEC_FILE = "spec.json"
 OVER_BUDGET_FILE = "over_budget.json"
+ALLOCATOR_FILE = "allocator.json"  # sampler allocator: its sensitivity table and proposals
 LOCK_FILE = ".sweep.lock"  # held by the running driver; status probes it shared
 _PART = re.compile(r"^part-(?P<trial>.+)-(?P<seq>\d{6})\.parquet$")
 
@@ -152,7 +153,6 @@ def read_manifest(sweep_dir: str | Path) -> dict[str, Any]:
 def record_over_budget(sweep_dir: str | Path, configs: Mapping[str, Mapping[str, Any]]) -> None:
     """Add ``{config_hash: {knobs, routed_bpw, file_bytes}}`` of configs the budget refused to
     ``over_budget.json`` (rewritten atomically; a config recorded before is kept once)."""
-    from healsweep._atomic import atomic_write_text
 
     known = read_over_budget(sweep_dir)
     merged = {**known, **{k: dict(v) for k, v in configs.items() if k not in known}}
@@ -164,6 +164,17 @@ def record_over_budget(sweep_dir: str | Path, configs: Mapping[str, Mapping[str,
 def read_over_budget(sweep_dir: str | Path) -> dict[str, dict[str, Any]]:
     """The configs over the sweep's budget, never scored (``{}`` without a budget)."""
     return _read_json(Path(sweep_dir) / OVER_BUDGET_FILE)
+
+
+def write_allocator(sweep_dir: str | Path, record: Mapping[str, Any]) -> None:
+    """Write ``allocator.json`` (the sensitivity table the allocator used and its proposals)."""
+    text = json.dumps(record, indent=1, sort_keys=True)
+    atomic_write_text(Path(sweep_dir) / ALLOCATOR_FILE, text + "\n")
+
+
+def read_allocator(sweep_dir: str | Path) -> dict[str, Any]:
+    """The allocator's record of the sweep (``{}`` for a sweep of another sampler)."""
+    return _read_json(Path(sweep_dir) / ALLOCATOR_FILE)
 
 
 def read_stored_spec(sweep_dir: str | Path) -> dict[str, Any]:

@@ -154,6 +154,7 @@ def compact_record(
     ``next_ids [n]`` are the scored tokens, ``topk_ids [n, L, k]`` the router's expert ids;
     the tail draws are seeded by ``window_id``. K is capped at the vocabulary size.
     """
+    # lazy: heavy (jax)
     from healsweep.kernels.kld_compact import teacher_top
     from healsweep.score.metrics import _bucket, _pad_rows
 

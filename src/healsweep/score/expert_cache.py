@@ -126,6 +126,7 @@ class CachedStudent:
 
     def run(self, windows: Sequence[Window], positions: Sequence[np.ndarray]) -> Any:
         """``(ForwardResult, [CacheWindowStats per window])`` of one batched forward."""
+        # lazy: heavy (jax)
         from healsweep.model import forward
         from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
 

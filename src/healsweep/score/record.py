@@ -26,6 +26,7 @@ PER_TOKEN = ("hit_rate", "misses_per_token", "mib_per_token")
 
 
 def _arrow_fields(cls: type, prefix: str = "", skip: tuple[str, ...] = ()) -> list[Any]:
+    # lazy: heavy (pyarrow)
     import pyarrow as pa
 
     special = {"float32 list": pa.list_(pa.float32()), "timestamp": pa.timestamp("us", tz="UTC")}
@@ -65,6 +66,7 @@ class CacheWindowStats:
     @classmethod
     def arrow_fields(cls) -> list[Any]:
         """The columns of :meth:`to_dict`."""
+        # lazy: heavy (pyarrow)
         import pyarrow as pa
 
         return _arrow_fields(cls, "cache_") + [pa.field(n, pa.float64()) for n in PER_TOKEN]
@@ -147,6 +149,7 @@ class WindowMetrics:
     @classmethod
     def arrow_fields(cls) -> list[Any]:
         """The columns of :meth:`to_dict`."""
+        # lazy: heavy (pyarrow)
         import pyarrow as pa
 
         ppl = [pa.field(n, pa.float64()) for n in ("teacher_ppl", "student_ppl")]

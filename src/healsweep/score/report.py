@@ -18,6 +18,7 @@ from gguf import Keys
 
 from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
+from healsweep.score.expert_cache import layer_capacities, pooled_cache
 from healsweep.score.runner import score_windows
 from healsweep.score.stats import pooled
 from healsweep.score.student import student_model
@@ -92,7 +93,6 @@ def score_report(
         "windows": records,
     }
     if expert_cache is not None:
-        from healsweep.score.expert_cache import layer_capacities, pooled_cache
 
         report["expert_cache"] = {
             **expert_cache.model_dump(),

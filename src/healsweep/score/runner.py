@@ -20,6 +20,7 @@ import numpy as np
 
 from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
+from healsweep.model import forward
 from healsweep.profile import phase
 from healsweep.score.compact import COMPACT, TeacherCacheFormat, cache_format
 from healsweep.score.expert_cache import CachedStudent, ExpertCacheConfig
@@ -49,7 +50,6 @@ def run_student(
     """One batched student forward: per window ``(logits [n, V], topk_ids [n, L, k], cache
     stats)``; through ``cached`` (a :class:`~healsweep.score.expert_cache.CachedStudent`)
     when given, else the stats are None."""
-    from healsweep.model import forward
 
     model, replacements = student_model(student)
     positions = [scored_positions(w) for w in windows]

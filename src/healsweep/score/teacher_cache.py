@@ -12,7 +12,10 @@ Two entry formats live side by side in stage ``teacher_logits`` (their keys diff
   :mod:`healsweep.score.compact`; the key adds the record format, (K, S), the tail sampler and
   the window id that seeds the draws.
 
-Misses are computed with one batched forward per call (see :func:`teacher_outputs`);
+Misses are computed with one forward per call (see :func:`teacher_outputs`), in which every
+window is computed as if it were alone (:func:`healsweep.model.forward_each`): a record is a
+function of its window, never of the batch it was computed in or of what else is in the cache,
+so a corrupt entry rebuilt later, in any batch, equals the original bit for bit.
 ``StageCache.computed["teacher_logits"]`` counts the windows whose teacher output was computed.
 """
 
@@ -83,12 +86,16 @@ def teacher_key(model: GGUFModel, window: Window, fmt: str | TeacherCacheFormat 
 
 
 def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutput]:
-    """One batched teacher forward over ``windows`` (no cache)."""
+    """The teacher's outputs over ``windows`` (no cache), each window's a function of that
+    window alone (:func:`~healsweep.model.forward_each`)."""
+    # lazy: heavy (jax)
     from healsweep.kernels.kld import log_softmax
-    from healsweep.model import forward
+
+    # lazy: heavy (gguf, jax)
+    from healsweep.model import forward_each
 
     positions = [scored_positions(w) for w in windows]
-    result = forward(model, [w.tokens for w in windows], logits_for=positions)
+    result = forward_each(model, [w.tokens for w in windows], logits_for=positions)
     outputs = []
     for logits, router, pos in zip(result.logits, result.router, positions, strict=True):
         logprobs = np.asarray(log_softmax(logits), dtype=np.float32)  # [n, V]
@@ -127,13 +134,11 @@ def teacher_outputs(
 ) -> list[Teacher]:
     """Teacher outputs of ``windows`` in ``fmt`` (``exact``, ``compact``, ``compact:K:S``).
 
-    When any window lacks an entry on disk, all of ``windows`` are computed together in one
-    batched forward the first time one of them is needed, and only the missing entries are
-    written. A batched forward's float rounding depends on the batch it runs in, so computing
-    just the missing ones would make a window's record depend on which of its neighbours another
-    process (a concurrent trial) had stored first; the whole batch makes it a function of the
-    caller's batch alone, which every trial of a sweep shares. An entry found corrupt on reading
-    is recomputed alone.
+    The windows without an entry on disk are computed together in one forward the first time
+    one of them is needed (an entry found corrupt on reading, alone). Each window's output is a
+    function of that window only (:func:`run_teacher`), so which neighbours were computed with
+    it, which another process (a concurrent trial) stored first, or whether the entry is a
+    rebuild of a corrupt one, changes no bit of it.
     """
     fmt = cache_format(fmt)
     keys = [teacher_key(model, w, fmt) for w in windows]
@@ -142,7 +147,7 @@ def teacher_outputs(
 
     def compute(i: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         if i not in computed:
-            todo = [j for j in range(len(windows)) if j not in computed] if missing else [i]
+            todo = [j for j in missing if j not in computed] if i in missing else [i]
             for j, out in zip(todo, run_teacher(model, [windows[j] for j in todo]), strict=True):
                 computed[j] = out
         out = computed.pop(i)

@@ -21,12 +21,13 @@ and are scored whatever their size (the report places them in the tiers they fit
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from healsweep.errors import SpecError
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.reads import student_key
 from healsweep.heal.size import Budget, ConfigSize
 from healsweep.results.store import record_over_budget
 from healsweep.sweep.sizes import config_size
@@ -47,14 +48,26 @@ def over_entry(knobs: Knobs, size: ConfigSize) -> dict[str, Any]:
 
 
 def planned_trials(spec: SweepSpec) -> int:
-    """How many trials the sweep runs (grid size inside the budget, or num_samples)."""
+    """How many trials the sweep runs (grid size inside the budget, or num_samples; with the
+    allocator, the grid's and at most ``allocator.proposals`` per budget limit)."""
+    if spec.sampler.type == "allocator":
+        per_limit = spec.allocator_settings().proposals
+        return len(split_grid(spec)[0]) + per_limit * len(spec.budget.budget().limits)
     return len(split_grid(spec)[0]) if spec.sampler.type == "grid" else int(spec.num_samples or 0)
 
 
-def split_grid(spec: SweepSpec) -> tuple[list[Knobs], dict[str, dict[str, Any]]]:
-    """The grid's configs inside the budget (all of them without one), and those over it by
-    config hash (:func:`over_entry`)."""
+def split_grid(
+    spec: SweepSpec, extra: Sequence[Knobs] = ()
+) -> tuple[list[Knobs], dict[str, dict[str, Any]]]:
+    """The grid's configs, then ``extra`` configs (the allocator's proposals) that build another
+    student, inside the budget (all of them without one), and those over it by config hash
+    (:func:`over_entry`)."""
     configs, budget = grid_configs(spec), budget_of(spec)
+    students = {student_key(knobs) for knobs in configs}
+    for knobs in extra:
+        if student_key(knobs) not in students:
+            students.add(student_key(knobs))
+            configs.append(knobs)
     if budget is None:
         return configs, {}
     inside, over = [], {}
@@ -81,7 +94,7 @@ def check_budget(spec: SweepSpec, where: str = "sweep spec") -> None:
             f"({size.file_mib:.2f} MiB), over the budget ({limits}); the baseline and the "
             "references are always scored: choose a baseline inside the budget"
         )
-    if spec.sampler.type == "grid":
+    if spec.sampler.type in ("grid", "allocator"):
         return  # the baseline is a trial of the grid
     if not any(budget.admits(s) for s in _space_sizes(spec) if s is not None):
         raise SpecError(

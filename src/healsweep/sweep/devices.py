@@ -20,9 +20,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+
+from healsweep.cache import default_cache_dir
 from healsweep.errors import HealsweepError
 from healsweep.model.resident import SHARE_ENV
 from healsweep.runtime import current
+from healsweep.sweep.spec import RAY_RESOURCE_NAMES
 from healsweep.threads import cores, use_threads
 
 PREALLOCATED = 0.75  # the fraction of a GPU JAX's allocator takes per process by default
@@ -54,10 +58,12 @@ def cpu_share(
     other resources allow (a GPU each: cores ÷ GPUs), at most its share of ``max_concurrent``
     over the nodes that can run trials; so a trial alone on its node takes every core.
     ``nodes``: each alive node's Ray resources (``{"CPU": 16, "GPU": 1, ...}``); at least 1."""
-    from healsweep.sweep.spec import RAY_RESOURCE_NAMES
 
     wanted = {RAY_RESOURCE_NAMES.get(k, k): v for k, v in resources.items() if k != "cpu"}
-    able = [n for n in nodes if all(n.get(k, 0) >= v for k, v in wanted.items() if v > 0)]
+    able = [  # a node of no CPUs (a pool's head, say) runs no trial
+        n for n in nodes
+        if n.get("CPU", 0) >= 1 and all(n.get(k, 0) >= v for k, v in wanted.items() if v > 0)
+    ]  # fmt: skip
     if not able:
         return 1
     per_node = math.ceil(max_concurrent / len(able))
@@ -107,9 +113,7 @@ def enable_compilation_cache() -> None:
     trial processes of a host, and those of a re-run or resumed sweep, compile each shape once.
     A folder the user configured (``JAX_COMPILATION_CACHE_DIR``) is left alone. Takes effect
     only before the process's first compilation."""
-    import jax
 
-    from healsweep.cache import default_cache_dir
 
     if jax.config.jax_compilation_cache_dir:
         return

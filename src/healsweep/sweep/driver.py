@@ -15,27 +15,50 @@ import fcntl
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import optuna
+import ray
+from optuna.trial import TrialState
+from ray import tune
 from ray.tune.experiment import Trial
+from ray.tune.schedulers import FIFOScheduler
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from healsweep.cache import cache_limit
+from healsweep.cluster import connect
 from healsweep.errors import ResultsError, SpecError
+from healsweep.heal.knobs import Knobs
 from healsweep.results.schema import scored_all
-from healsweep.results.store import LOCK_FILE, SPEC_FILE, read_trials
+from healsweep.results.store import (
+    LOCK_FILE,
+    SPEC_FILE,
+    read_manifest,
+    read_trials,
+    record_over_budget,
+    write_allocator,
+)
 from healsweep.sweep.budget import MAX_ASKS, BudgetGate, split_grid
 from healsweep.sweep.devices import cpu_share
 from healsweep.sweep.fixed import build_externals, run_fixed
 from healsweep.sweep.holders import open_holders, prior_holders
 from healsweep.sweep.manifest import read_spec, start_manifest
-from healsweep.sweep.progress import ProgressSink
+from healsweep.sweep.progress import ProgressSink, register_sink
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
-from healsweep.sweep.space import baseline_point, optuna_space
+from healsweep.sweep.recorder import ResultsRecorder
+from healsweep.sweep.sensitivity import (
+    IDENTITY_KEYS,
+    Say,
+    SensitivityTable,
+    allocator_record,
+    proposals_of,
+    run_sensitivity,
+)
+from healsweep.sweep.space import GRIDDED, baseline_point, optuna_space
 from healsweep.sweep.spec import RAY_RESOURCE_NAMES, SweepSpec
 from healsweep.sweep.spec_files import check_paths
 from healsweep.sweep.trial import (
@@ -66,7 +89,6 @@ class PruneAwareOptunaSearch(OptunaSearch):
         ``PRUNED`` without a value (TPE ranks it below every scored trial), recorded by the
         gate, and the sampler asked again, so it never takes a trial slot
         (:mod:`healsweep.sweep.budget`)."""
-        from optuna.trial import TrialState
 
         for _ in range(MAX_ASKS):
             point = super().suggest(trial_id)
@@ -145,7 +167,6 @@ def sweep_lock(sweep_dir: Path) -> Iterator[None]:
 def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> Iterator[None]:
     """Use a running Ray, connect to ``address``, or start an embedded local one (and stop it);
     then refuse a cluster that cannot give a trial the resources the spec asks for."""
-    import ray
 
     # Tune's own console table: our progress view replaces it (a user can still set these
     # variables to turn it back on).
@@ -153,7 +174,6 @@ def ray_session(spec: SweepSpec, address: str | None, num_cpus: int | None) -> I
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     started = not ray.is_initialized()
     if started and address:  # one-line errors for an unreachable head or a refused join
-        from healsweep.cluster import connect
 
         connect(address)
     elif started:
@@ -207,8 +227,6 @@ def _trainable(spec: SweepSpec, prior: dict, holders: Any, work_fn: WorkFn) -> A
     the pruner would score windows a pruned trial never records: the trainable holds the
     trial's resources and works in its own process, a window at a time (``sweep_trial`` reads
     the resources it holds)."""
-    import ray
-    from ray import tune
 
     trainable = tune.with_parameters(
         sweep_trial, spec=spec, book=open_book(prior), holders=holders, work_fn=work_fn
@@ -218,19 +236,17 @@ def _trainable(spec: SweepSpec, prior: dict, holders: Any, work_fn: WorkFn) -> A
     return tune.with_resources(trainable, COORDINATOR_RESOURCES)
 
 
-def _search(spec: SweepSpec, sweep_dir: Path) -> tuple[Any, dict[str, Any], int]:
-    """(search algorithm or None, param space, num_samples); a grid's configs over the budget
-    are recorded and left out, a sampler's are refused as it proposes them."""
-    from ray import tune
-
-    from healsweep.results.store import record_over_budget
-
-    if spec.sampler.type == "grid":
-        inside, over = split_grid(spec)
+def _search(
+    spec: SweepSpec, sweep_dir: Path, proposals: Sequence[Knobs] = ()
+) -> tuple[Any, dict[str, Any], int]:
+    """(search algorithm or None, param space, num_samples); a grid's configs (and the
+    allocator's ``proposals`` after them) over the budget are recorded and left out, a
+    sampler's are refused as it proposes them."""
+    if spec.sampler.type in GRIDDED:
+        inside, over = split_grid(spec, proposals)
         record_over_budget(sweep_dir, over)
         configs = [knobs.model_dump() for knobs in inside]  # Tune's config is data
         return None, {"knobs": tune.grid_search(configs)}, 1
-    import optuna
 
     optuna.logging.set_verbosity(logging.WARNING)  # no "study created" lines on the console
     samplers = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler}
@@ -247,19 +263,16 @@ def _search(spec: SweepSpec, sweep_dir: Path) -> tuple[Any, dict[str, Any], int]
 
 
 def _scheduler(spec: SweepSpec, sweep_dir: Path) -> Any:
-    from ray.tune.schedulers import FIFOScheduler
 
     if spec.pruner.type == "none":
         return FIFOScheduler()
     return WindowPruningScheduler(sweep_dir / JOURNAL_FILE, spec.pruner)
 
 
-def _new_tuner(spec: SweepSpec, sweep_dir: Path, trainable: Any) -> Any:
-    from ray import tune
-
-    from healsweep.sweep.recorder import ResultsRecorder
-
-    search, space, samples = _search(spec, sweep_dir)
+def _new_tuner(
+    spec: SweepSpec, sweep_dir: Path, trainable: Any, proposals: Sequence[Knobs] = ()
+) -> Any:
+    search, space, samples = _search(spec, sweep_dir, proposals)
     return tune.Tuner(
         trainable,
         param_space=space,
@@ -324,8 +337,10 @@ def run_sweep(
     work_fn: WorkFn = run_trial_work,
     identity_fn: Callable[[SweepSpec], dict[str, Any]] = sweep_identity,
     on_progress: ProgressSink | None = None,
+    on_note: Say | None = None,
 ) -> SweepRun:
-    """Run a new sweep into ``RESULTS/<spec.name>/``; refuse a folder that already holds one."""
+    """Run a new sweep into ``RESULTS/<spec.name>/``; refuse a folder that already holds one.
+    ``on_note`` gets the lines of the allocator's sensitivity pass (sampler allocator)."""
     cache_limit(spec.cache_max_gb, "cache_max_gb")  # a bad HEALSWEEP_CACHE_MAX_GB: refused now
     root = Path(results_root or spec.results).resolve()
     sweep_dir = root / spec.name
@@ -338,7 +353,7 @@ def run_sweep(
         with sweep_lock(sweep_dir):
             _refuse_existing(sweep_dir, spec.name)  # another `run` of this name got here first
             start_manifest(sweep_dir, spec, identity, kind="run")
-            return _run(spec, sweep_dir, work_fn, on_progress)
+            return _run(spec, sweep_dir, work_fn, on_progress, on_note)
 
 
 def _refuse_existing(sweep_dir: Path, name: str) -> None:
@@ -372,6 +387,7 @@ def resume_sweep(
     work_fn: WorkFn = run_trial_work,
     on_progress: ProgressSink | None = None,
     cache_max_gb: float | None = None,
+    on_note: Say | None = None,
 ) -> SweepRun:
     """Finish an interrupted sweep: finished trials are not re-run, finished windows not
     re-scored (they are replayed from the Parquet rows). ``cache_max_gb``: the stage caches'
@@ -385,19 +401,59 @@ def resume_sweep(
     with sweep_lock(sweep_dir), ray_session(spec, address, num_cpus):
         start_manifest(sweep_dir, spec, None, kind="resume")
         repair_journal(sweep_dir / JOURNAL_FILE)
-        return _run(spec, sweep_dir, work_fn, on_progress)
+        return _run(spec, sweep_dir, work_fn, on_progress, on_note)
+
+
+def _allocate(
+    spec: SweepSpec, sweep_dir: Path, work_fn: WorkFn, holders: Any, say: Say | None
+) -> list[Knobs]:
+    """The allocator's proposals: the sensitivity pass (cached configs read, the others scored
+    as placed tasks) and the allocations it predicts best per budget limit, recorded in
+    ``allocator.json``."""
+    manifest = read_manifest(sweep_dir)
+    identity = {k: manifest.get(k) for k in IDENTITY_KEYS}
+    table = run_sensitivity(spec, identity, work_fn=work_fn, holders=holders, say=say)
+    proposals = proposals_of(spec, table)
+    write_allocator(sweep_dir, allocator_record(table, proposals))
+    if say is not None:
+        for p in proposals:
+            say(f"allocator, within {spec.budget.budget().label(p.limit)}: "
+                f"{p.knobs.type_gu}/{p.knobs.type_d} {p.knobs.layer_types or ''} at "
+                f"{p.size.routed_bpw:.4g} bpw, predicted ΔKLD {p.predicted_kld:+.5f}")  # fmt: skip
+    return [p.knobs for p in proposals]
+
+
+def sensitivity_pass(
+    spec: SweepSpec,
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    work_fn: WorkFn = run_trial_work,
+    identity_fn: Callable[[SweepSpec], dict[str, Any]] = sweep_identity,
+    say: Say | None = None,
+) -> tuple[SensitivityTable, list[Any]]:
+    """The allocator's sensitivity pass of ``spec`` outside a sweep (``healsweep
+    sensitivity``): on a Ray session as ``run`` uses, into the stage cache a sweep of the same
+    inputs reads; returns the table and, with a budget, the allocator's proposals."""
+    identity = identity_fn(spec)
+    with ray_session(spec, address, num_cpus):
+        holders = open_holders({}, spec.trial_resources())
+        table = run_sensitivity(spec, identity, work_fn=work_fn, holders=holders, say=say)
+    proposals = proposals_of(spec, table) if spec.budget is not None else []
+    return table, proposals
 
 
 def _run(
-    spec: SweepSpec, sweep_dir: Path, work_fn: WorkFn, on_progress: ProgressSink | None
+    spec: SweepSpec,
+    sweep_dir: Path,
+    work_fn: WorkFn,
+    on_progress: ProgressSink | None,
+    on_note: Say | None = None,
 ) -> SweepRun:
     """Score the fixed rows not completed yet, then run the Tune experiment: a new one, or the
     saved one restored (a resumed sweep killed before Tune saved any state starts over,
     replaying what the Parquet rows hold)."""
-    import ray
-    from ray import tune
 
-    from healsweep.sweep.progress import register_sink
 
     alive = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     spec = spec.with_cpu_share(cpu_share(spec.resources, spec.max_concurrent, alive))
@@ -422,7 +478,10 @@ def _run(
                 resume_errored=True,
             )
         else:
-            tuner = _new_tuner(spec, sweep_dir, trainable)
+            proposals: list[Knobs] = []
+            if spec.sampler.type == "allocator":
+                proposals = _allocate(spec, sweep_dir, work_fn, holders, on_note)
+            tuner = _new_tuner(spec, sweep_dir, trainable, proposals)
         _fit(tuner, sweep_dir)
     finally:
         register_sink(sweep_dir, None)

@@ -12,7 +12,6 @@ reference's student replay the reference's windows: :mod:`healsweep.sweep.trial`
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -21,14 +20,18 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from healsweep.cache import canonical_json
+import ray
+
+from healsweep.cache import StageCache
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import student_key
-from healsweep.results.schema import Role, TrialStatus, knob_columns, scored_all
+from healsweep.quant.values import Quantizer
+from healsweep.results.schema import Role, TrialStatus, fixed_config_hash, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.placed import PlacedWork, work_task
 from healsweep.sweep.progress import Phase, Progress, notify
+from healsweep.sweep.recorder import ResultsRecorder
 from healsweep.sweep.sizes import config_size
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import prior_windows, trial_seed
@@ -60,13 +63,7 @@ class FixedConfig:
     def config_hash(self) -> str:
         """Content hash over role, label and what is scored (knobs, or the file's fingerprint):
         never equal to a trial's, even when a trial has the reference's knobs."""
-        identity = {
-            "role": self.role,
-            "label": self.label,
-            "knobs": self.knobs.identity() if self.knobs is not None else None,
-            "fingerprint": self.fingerprint,
-        }
-        return hashlib.sha256(canonical_json(identity).encode()).hexdigest()[:16]
+        return fixed_config_hash(self.role, self.label, self.knobs, self.fingerprint)
 
     @property
     def student(self) -> str:
@@ -90,14 +87,17 @@ class FixedConfig:
 def reference_knobs(spec: SweepSpec, name: str) -> Knobs:
     """The knobs of reference ``name``: the baseline with healing off (``plain``: also its
     quantizer replaced by round-to-nearest)."""
-    unhealed = spec.baseline.replace(alpha="none", ridge=False)
-    return unhealed.replace(quantizer="plain") if name == "plain" else unhealed
+    unhealed = spec.baseline.replace(**Knobs.UNHEALED)
+    return unhealed.replace(quantizer=Quantizer.PLAIN) if name == "plain" else unhealed
 
 
 def fixed_configs(spec: SweepSpec, sweep_dir: Path) -> list[FixedConfig]:
     """The spec's references (in ``REFERENCES`` order), then its external entries (a recipe's
     file as built into ``sweep_dir``: :func:`build_externals`)."""
+    # lazy: heavy (gguf)
     from healsweep.gguf_io import routed_expert_bpw
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     out = []
@@ -120,8 +120,10 @@ def build_externals(spec: SweepSpec, sweep_dir: Path) -> list[Path]:
     reused, e.g. by a resume); its importance rows come from the sweep's calibration trace, in
     the stage cache the trials share. Returns the files built now; tells the sweep's progress
     sink which file it is building."""
-    from healsweep.cache import StageCache
+    # lazy: heavy (gguf)
     from healsweep.heal.llama_baseline import write_llama_baseline
+
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     built = []
@@ -170,9 +172,7 @@ def run_fixed(
     """Score every fixed config not yet completed (only its student's windows missing from the
     Parquet rows) and record it; returns the configs that were run. ``holders``: the sweep's
     :class:`~healsweep.sweep.holders.StageHolders`."""
-    import ray
 
-    from healsweep.sweep.recorder import ResultsRecorder
 
     recorder = ResultsRecorder(sweep_dir, spec)
     recorder.setup()

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from healsweep.cache import canonical_json
 from healsweep.heal.knobs import Knobs
@@ -369,7 +370,6 @@ def _rank(nodes: list[str], loads: Mapping[str, NodeLoad]) -> list[str]:
 def placement_for(mode: str, ask: Ask) -> Placement:
     """The placement of a trial (see the module docstring); ``mode`` is the spec's
     ``placement``."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     near = tuple(ask.holders + [n for n in ask.building if n not in ask.holders])
     if mode != "cache":

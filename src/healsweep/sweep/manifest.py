@@ -17,10 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow
+
+import healsweep
 from healsweep._atomic import atomic_write_text
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.ledger import Ledger, head_record
+from healsweep.ray_orphans import current_session
 from healsweep.results.store import MANIFEST_FILE, SPEC_FILE, read_manifest
 from healsweep.sweep.budget import planned_trials
 from healsweep.sweep.space import KNOB_NAMES
@@ -39,11 +43,12 @@ def spec_hash(spec: SweepSpec) -> str:
 
 
 def _versions() -> dict[str, str]:
+    # lazy: heavy (optuna)
     import optuna
-    import pyarrow
+
+    # lazy: heavy (ray)
     import ray
 
-    import healsweep
 
     versions = {m.__name__: m.__version__ for m in (healsweep, ray, optuna, pyarrow)}
     return {**versions, "python": platform.python_version()}
@@ -108,6 +113,7 @@ def start_manifest(
         "started_at": time.time(),
         "host": platform.node(),
         "versions": _versions(),
+        "ray_session": current_session(),  # what a resume stops if this driver is killed
     }
     if kind == "run":
         atomic_write_text(sweep_dir / SPEC_FILE, spec.model_dump_json(indent=2))
@@ -138,6 +144,17 @@ def start_manifest(
         manifest[LEDGER_HEADS] = [*manifest.get(LEDGER_HEADS, []), head]
     atomic_write_text(sweep_dir / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
+
+
+def recorded_ray_sessions(sweep_dir: str | Path) -> list[str]:
+    """The Ray session folders the sweep's runs recorded on this host ([] without a manifest)."""
+    try:
+        manifest = read_manifest(sweep_dir)
+    except ResultsError:
+        return []
+    runs = manifest.get("runs", [])
+    return [r["ray_session"] for r in runs
+            if r.get("ray_session") and r.get("host") == platform.node()]  # fmt: skip
 
 
 def read_spec(sweep_dir: str | Path) -> SweepSpec:

@@ -26,6 +26,7 @@ import numpy as np
 import optuna
 from optuna.pruners import BasePruner
 
+from healsweep.score.stats import DecisionRule
 from healsweep.sweep.spec import FutilitySpec, PrunerSpec
 
 
@@ -49,6 +50,7 @@ def futile(
     n = len(shared)
     if n < max(min_windows, 2):
         return False
+    # lazy: heavy (scipy)
     from scipy import stats
 
     trial = np.array([trial_values[s] for s in shared], dtype=np.float64)
@@ -106,7 +108,6 @@ class PairedWindows:
 
     def pruner(self) -> BasePruner:
         """The Optuna pruner that judges a trial."""
-        from healsweep.score.stats import DecisionRule
 
         with warnings.catch_warnings():  # "experimental" since optuna 3.6; the API is what we use
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -126,6 +127,7 @@ class RunningMedian:
 
     def observation(self, result: Mapping[str, Any]) -> tuple[int, float]:
         """``(step, value)`` the study is told for a window's result."""
+        # lazy: heavy (ray)
         from healsweep.sweep.trial import TARGET_METRIC
 
         return int(result["windows_done"]), float(result[TARGET_METRIC])

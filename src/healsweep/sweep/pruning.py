@@ -24,6 +24,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import optuna
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
@@ -117,9 +120,6 @@ class WindowPruningScheduler(FIFOScheduler):
     def _reopen(self) -> None:
         """On first use, open the journal and every pruning study it holds."""
         if self._studies is None:
-            import optuna
-            from optuna.storages import JournalStorage
-            from optuna.storages.journal import JournalFileBackend
 
             optuna.logging.set_verbosity(logging.WARNING)
             self._storage = JournalStorage(JournalFileBackend(self.journal_path))
@@ -134,7 +134,6 @@ class WindowPruningScheduler(FIFOScheduler):
         Only Optuna's public API: a trial still running in the journal (the driver stopped
         while it ran) cannot be reported to again, so it is told ``FAIL`` and a new trial takes
         its place, carrying its attributes and every value it had reported."""
-        import optuna
 
         study = self._studies[name] = optuna.create_study(
             storage=self._storage,

@@ -15,18 +15,16 @@ knob by the spec's pydantic model; what is checked here is how the parts fit tog
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from healsweep.cache import canonical_json
 from healsweep.errors import HealsweepError, SpecError
-from healsweep.heal.knobs import Knobs, require_ggml
+from healsweep.heal.knobs import EXPERT_TYPES, Knobs, require_ggml
 from healsweep.heal.reads import student_key
 from healsweep.heal.size import ConfigSize
-from healsweep.results.schema import Role, knob_columns
+from healsweep.results.schema import Role, config_hash, knob_columns
 from healsweep.settings_errors import locate
 from healsweep.sweep.dimensions import Choices, Range
 from healsweep.sweep.sizes import config_size
@@ -36,15 +34,11 @@ if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
 
 KNOB_NAMES: tuple[str, ...] = tuple(Knobs.model_fields)
+GRIDDED = ("grid", "allocator")  # samplers whose dimensions are lists of grid values
 _SHAPE = {
     "grid": "a non-empty list of values",
     "sampled": "{low, high, log, step} or {choices: [...]}",
 }
-
-
-def config_hash(knobs: Knobs) -> str:
-    """A short content hash of a full knob set (the identity of a config across trials/runs)."""
-    return hashlib.sha256(canonical_json(knobs.identity()).encode()).hexdigest()[:16]
 
 
 def check_space(
@@ -64,12 +58,20 @@ def check_space(
             raise SpecError(
                 f"{at}: knob '{knob}' is both fixed and searched; remove it from one of them"
             )
-        if (kind == "grid") != isinstance(dim, list):
-            shape = _SHAPE["grid" if kind == "grid" else "sampled"]
+        if (kind in GRIDDED) != isinstance(dim, list):
+            shape = _SHAPE["grid" if kind in GRIDDED else "sampled"]
             raise SpecError(
                 f"{at}: field 'search_space.{knob}' = {written[knob]!r} is not allowed; with "
                 f"sampler {kind} a dimension is {shape}"
             )
+    if spec.allocator is not None and kind != "allocator":
+        raise SpecError(
+            f"{locate(where, lines, ('allocator',))}: field 'allocator' needs sampler allocator "
+            f"(the sampler is {kind}); remove it or set sampler: allocator"
+        )
+    if kind == "allocator":
+        _check_allocator(spec, where, lines)
+        return
     if kind == "grid":
         n = len(grid_configs(spec))
         if spec.num_samples is not None and spec.num_samples != n:
@@ -89,6 +91,35 @@ def check_space(
             f"{where}: field 'num_samples' is missing; sampler {kind} needs an integer >= 1"
         )
     _check_baseline_inside(spec, where, lines)
+
+
+def _check_allocator(spec: SweepSpec, where: str, lines: Mapping) -> None:
+    """The allocator runs the grid and its proposals (no sample count), and moves the base
+    config's types along its ladder: each type the base may store a group in is on it."""
+    if spec.budget is None:
+        raise SpecError(
+            f"{locate(where, lines, ('sampler',))}: sampler allocator chooses types under a "
+            "size budget: add a budget ({routed_bpw: X}, or a file size)"
+        )
+    if spec.num_samples is not None:
+        raise SpecError(
+            f"{locate(where, lines, ('num_samples',))}: field 'num_samples' = "
+            f"{spec.num_samples} is not allowed; sampler allocator runs the grid and its "
+            "proposals (allocator.proposals per budget limit): omit num_samples"
+        )
+    ladder = spec.allocator_settings().ladder
+    require_ggml({"type_gu": ladder or EXPERT_TYPES})  # its moves reach ggml types
+    if ladder is None:
+        return
+    base = with_point(spec, {})
+    for group, experts in (("gu", "gate and up"), ("d", "down")):
+        off = sorted(base.possible_types(group) - set(ladder))
+        if off:
+            raise SpecError(
+                f"{locate(where, lines, ('allocator', 'ladder'))}: field 'allocator.ladder' = "
+                f"{ladder!r} lacks {', '.join(off)}, a type the base config (the baseline "
+                f"with the fixed knobs) stores its {experts} experts in; add it to the ladder"
+            )
 
 
 def _check_baseline_inside(spec: SweepSpec, where: str, lines: Mapping) -> None:
@@ -142,6 +173,7 @@ def grid_configs(spec: SweepSpec) -> list[Knobs]:
 
 def optuna_space(spec: SweepSpec) -> dict[str, BaseDistribution]:
     """Optuna distributions of the searched knobs (tpe/random)."""
+    # lazy: heavy (optuna)
     from optuna.distributions import CategoricalDistribution, FloatDistribution
 
     space: dict[str, BaseDistribution] = {}

@@ -34,7 +34,7 @@ from pydantic import (
 
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.size import Budget
-from healsweep.kernels.ggml_types import ROUTED_TYPES
+from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
 from healsweep.results.schema import REFERENCES
 from healsweep.sweep.dimensions import SearchSpace
 
@@ -51,10 +51,11 @@ class _Strict(BaseModel):
 
 
 class SamplerSpec(_Strict):
-    """How configs are chosen: the full grid in order, Optuna TPE, or Optuna random."""
+    """How configs are chosen: the full grid in order, Optuna TPE, Optuna random, or the grid
+    plus the allocations the allocator proposes from a sensitivity pass (``allocator``)."""
 
-    type: Literal["grid", "tpe", "random"] = "grid"
-    """grid, tpe or random"""
+    type: Literal["grid", "tpe", "random", "allocator"] = "grid"
+    """grid, tpe, random or allocator"""
     seed: int = 0
     """an integer"""
 
@@ -186,6 +187,40 @@ class BudgetSpec(_Strict):
         return found
 
 
+_TYPE_NAMES = tuple(t.name for t in ROUTED_TYPES)
+
+
+class AllocatorSpec(_Strict):
+    """The allocator sampler (:mod:`healsweep.sweep.allocator`): a sensitivity pass around the
+    baseline with the ``fixed`` knobs (:mod:`healsweep.sweep.sensitivity`), then, per budget
+    limit, the allocations of least predicted KLD, scored as trials beside the grid's."""
+
+    ladder: list[Literal[_TYPE_NAMES]] | None = None  # type: ignore[valid-type]
+    """a list of routed-expert types (the steps a tensor group may take), or null for all"""
+    proposals: int = Field(default=3, ge=1, le=100)
+    """an integer in [1, 100] (allocations proposed per budget limit)"""
+    windows: int | None = Field(default=None, ge=1)
+    """an integer >= 1 (the sensitivity pass's dev windows, the sweep's first N), or null"""
+
+    @field_validator("ladder")
+    @classmethod
+    def _ordered_ladder(cls, ladder: list[str] | None) -> list[str] | None:
+        """The ladder in order of bits per weight; a type twice, or two of one size, refused."""
+        if ladder is None:
+            return None
+        if len(set(ladder)) != len(ladder):
+            raise ValueError(f"it lists a type twice: {ladder!r}")
+        bits = {name: ggml_type(name).bits_per_weight for name in ladder}
+        ordered = sorted(ladder, key=bits.__getitem__)
+        for lower, upper in zip(ordered, ordered[1:], strict=False):
+            if bits[lower] == bits[upper]:
+                raise ValueError(
+                    f"{lower} and {upper} have the same bits per weight ({bits[lower]:g}): a "
+                    "step between them changes no size; keep one"
+                )
+        return ordered
+
+
 # the spec's (and Tune's) resource names -> Ray's (ray.nodes(), ray.cluster_resources())
 RAY_RESOURCE_NAMES = {"cpu": "CPU", "gpu": "GPU"}
 
@@ -210,7 +245,7 @@ class SweepSpec(_Strict):
     search_space: SearchSpace = Field(default_factory=SearchSpace)
     """a mapping of knob: [grid values] | {choices: [...]} | {low, high, log, step}"""
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
-    """grid, tpe or random, or {type: grid|tpe|random, seed: int}"""
+    """grid, tpe, random or allocator, or {type: grid|tpe|random|allocator, seed: int}"""
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
     """wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps, futility}"""
     num_samples: int | None = Field(default=None, ge=1)
@@ -234,6 +269,8 @@ class SweepSpec(_Strict):
     """a list of {name, path} or {name, llama: {type, imatrix}} (GGUFs scored beside trials)"""
     budget: BudgetSpec | None = None
     """{routed_bpw: X | [X, ...]}, {file_bytes: N | [...]} or {file_mib: M | [...]}"""
+    allocator: AllocatorSpec | None = None
+    """{ladder, proposals, windows} (with sampler allocator)"""
     placement: Literal["cache", "ray"] = "cache"
     """cache (default: a trial runs on the node that holds its quantized experts, by Ray's soft
     node affinity) or ray (wherever Ray's default scheduling puts it)"""
@@ -256,9 +293,14 @@ class SweepSpec(_Strict):
         "cache_max_gb": None,
         "resources": {},
         "ledger": None,
+        "allocator": None,
     }
     _given: dict[str, Any] = PrivateAttr(default_factory=dict)
     _cpu_share: float | None = PrivateAttr(default=None)  # the node share, once Ray is up
+
+    def allocator_settings(self) -> AllocatorSpec:
+        """The allocator's settings (its defaults where the spec has no ``allocator``)."""
+        return self.allocator or AllocatorSpec()
 
     @field_validator("sampler", "pruner", mode="before")
     @classmethod

@@ -19,7 +19,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from healsweep.bundled import is_bundled
-from healsweep.errors import SpecError
+from healsweep.data.corpus import load_corpus
+from healsweep.data.split import load_split
+from healsweep.errors import HealsweepError, SpecError
 from healsweep.heal.knobs import Knobs
 from healsweep.results.schema import REFERENCES, Role
 from healsweep.settings_errors import (
@@ -33,6 +35,7 @@ from healsweep.sweep.budget import check_budget
 from healsweep.sweep.dimensions import SHAPES, Choices, Range
 from healsweep.sweep.space import check_space
 from healsweep.sweep.spec import (
+    AllocatorSpec,
     BudgetSpec,
     ExternalSpec,
     FutilitySpec,
@@ -50,7 +53,7 @@ if TYPE_CHECKING:
 _MODELS: dict[str, type[BaseModel]] = {
     "": SweepSpec, "sampler": SamplerSpec, "pruner": PrunerSpec, "pruner.futility": FutilitySpec,
     "scoring": ScoringSpec, "external": ExternalSpec, "external.llama": LlamaRecipe,
-    "budget": BudgetSpec,
+    "budget": BudgetSpec, "allocator": AllocatorSpec,
 }  # fmt: skip
 _SEARCH = SearchSpaceRules(
     "search_space", Knobs, {"grid": Choices, "choices": Choices, "range": Range}, SHAPES
@@ -68,7 +71,7 @@ def spec_from_dict(
         spec = SweepSpec.model_validate(dict(raw))
     except ValidationError as exc:
         message = validation_message(
-            exc, where, lines, _MODELS, explained=("budget", "external"),
+            exc, where, lines, _MODELS, explained=("budget", "external", "allocator"),
             unions=("references",), search=_SEARCH,
         )  # fmt: skip
         raise SpecError(message) from None
@@ -187,9 +190,6 @@ def _check_paths(spec: SweepSpec, where: str) -> None:
 def _check_contents(spec: SweepSpec, where: str) -> None:
     """The corpora and the split config parse (a sweep whose calibration corpus was not a corpus
     loaded, then failed in every trial)."""
-    from healsweep.data.corpus import load_corpus
-    from healsweep.data.split import load_split
-    from healsweep.errors import HealsweepError
 
     checks = [("corpus", spec.corpus, load_corpus)]
     if spec.calibration.corpus != spec.corpus:
@@ -215,7 +215,7 @@ def check_paths(spec: SweepSpec, where: str) -> None:
 def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
     """Each ``external`` GGUF opens, and has the token list of the sweep's model; else one
     ``SpecError`` line naming the entry (before anything is started)."""
-    from healsweep.errors import HealsweepError
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
     from healsweep.score.report import check_same_tokenizer
 
@@ -237,7 +237,7 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
 def _check_recipe(teacher: GGUFModel, recipe: LlamaRecipe, at: str) -> None:
     """A recipe's type fits the model's experts and ggml's quantizer is installed; else one
     ``SpecError`` line."""
-    from healsweep.errors import HealsweepError
+    # lazy: heavy (gguf)
     from healsweep.gguf_io._ggml_lib import libggml
     from healsweep.heal.llama_baseline import check_baseline
 

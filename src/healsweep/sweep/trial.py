@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray import tune
 
 from healsweep.results.schema import scored_all, student_of
 from healsweep.results.store import read_windows
 from healsweep.score.record import WindowMetrics, WindowRecord
+from healsweep.sweep.budget import budget_of
 from healsweep.sweep.holders import HEAD_NODE_RESOURCE
 from healsweep.sweep.placed import PlacedWork
 from healsweep.sweep.space import TrialIdentity, trial_identity
@@ -91,7 +93,6 @@ def trial_seed(sweep_seed: int, chash: str) -> int:
 def budget_tier(spec: SweepSpec, trial: TrialIdentity) -> float | None:
     """The smallest limit of the spec's budget that the trial's config fits (None without a
     budget): the tier it competes in (:mod:`healsweep.sweep.pruning`)."""
-    from healsweep.sweep.budget import budget_of
 
     budget = budget_of(spec)
     return None if budget is None or trial.size is None else budget.tier(trial.size)
@@ -159,7 +160,6 @@ def sweep_trial(
     """The function trainable (wrap with ``tune.with_parameters``); ``book`` and ``holders``
     are the handles of the sweep's :class:`WindowBook` and
     :class:`~healsweep.sweep.holders.StageHolders`. See the module docstring."""
-    from ray import tune
 
     trial = trial_identity(config, spec.baseline, spec.fixed, spec.model)
     done: dict[str, WindowRecord] = dict(ray.get(book.done.remote(trial.student)))

@@ -16,9 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from healsweep.cache import StageCache
+from healsweep.data.corpus import load_corpus
+from healsweep.data.split import load_split, parity_split, resolve_split, split_lock_id
 from healsweep.errors import SpecError, SplitError
 from healsweep.heal.knobs import Knobs
 from healsweep.score.record import WindowRecord
+from healsweep.sweep.space import GRIDDED, grid_configs
 from healsweep.sweep.spec import ScoringSpec, SweepSpec
 
 if TYPE_CHECKING:
@@ -41,8 +45,6 @@ def trial_order(n_windows: int, seed: int) -> list[int]:
 
 def spec_split(spec: SweepSpec) -> tuple[Corpus, SplitConfig]:
     """``(corpus, split config)`` of a sweep spec (``split: auto`` is the corpus's parity split)."""
-    from healsweep.data.corpus import load_corpus
-    from healsweep.data.split import load_split, parity_split
 
     corpus = load_corpus(spec.corpus)
     return corpus, parity_split(corpus) if spec.split == "auto" else load_split(spec.split)
@@ -51,6 +53,7 @@ def spec_split(spec: SweepSpec) -> tuple[Corpus, SplitConfig]:
 def window_options(scoring: ScoringSpec, teacher: GGUFModel) -> dict[str, Any]:
     """``make_windows`` options of a spec's ``scoring``, in the teacher's chat format, with the
     context capped to the teacher's (:func:`~healsweep.data.windows.context_cap`)."""
+    # lazy: heavy (gguf)
     from healsweep.data.chat_template import model_chat_format
     from healsweep.data.windows import context_cap
 
@@ -64,6 +67,7 @@ def window_options(scoring: ScoringSpec, teacher: GGUFModel) -> dict[str, Any]:
 
 def dev_windows(spec: SweepSpec, teacher: GGUFModel) -> list[Window]:
     """The sweep's dev windows in the fixed global order (sorted ids), the first max_windows."""
+    # lazy: heavy (gguf)
     from healsweep.data.windows import first_windows, make_windows
 
     corpus, split_cfg = spec_split(spec)
@@ -92,7 +96,10 @@ def run_trial_work(
     Windows come in the trial's seeded order (:func:`trial_order`); the student is built only
     when at least one window is left to score.
     """
+    # lazy: heavy (gguf, jax)
     from healsweep.heal.pipeline import build_student
+
+    # lazy: heavy (gguf)
     from healsweep.score.expert_cache import ExpertCacheConfig
 
     def healed(teacher: GGUFModel, cache: StageCache) -> StudentModel:
@@ -107,6 +114,7 @@ def run_external_work(
 ) -> Iterator[WindowRecord]:
     """Score the GGUF at ``path`` as the student on the sweep's dev windows (an ``external``
     entry of the spec), like :func:`run_trial_work` scores a healed config."""
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
     yield from _score_dev(spec, lambda teacher, cache: open_model(path), windows_done, seed)
@@ -119,7 +127,7 @@ def _score_dev(
     seed: int,
     expert_cache: ExpertCacheConfig | None = None,
 ) -> Iterator[WindowRecord]:
-    from healsweep.cache import StageCache
+    # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
     from healsweep.score.runner import score_windows
 
@@ -149,14 +157,28 @@ def _score_dev(
 
 def check_documents(spec: SweepSpec, model: GGUFModel) -> None:
     """Build the dev windows and render the calibration documents in the model's chat format,
-    as the trials will (raises what they would raise, once)."""
+    as the trials will (raises what they would raise, once), and refuse a calibration document
+    whose text is a test document's (a calibration corpus of its own could hold one)."""
+    # lazy: heavy (gguf)
     from healsweep.data.chat_template import model_chat_format, render_document
-    from healsweep.data.corpus import load_corpus
+
+    # lazy: heavy (gguf, jax)
     from healsweep.heal.trace import calibration_documents
 
     dev_windows(spec, model)
+    corpus, split_cfg = spec_split(spec)
+    resolved = resolve_split(split_cfg, corpus)
+    test_text = {d.content_hash: d.doc_id for d in corpus.documents
+                 if resolved.assignments[d.doc_id] == "test"}  # fmt: skip
     chat = model_chat_format(model)
     for doc in calibration_documents(load_corpus(spec.calibration.corpus), spec.calibration):
+        if doc.content_hash in test_text:
+            raise SplitError(
+                f"calibration document {doc.doc_id!r} ({spec.calibration.corpus}) has the same "
+                f"text as test document {test_text[doc.content_hash]!r} ({spec.corpus}); "
+                "calibrating on test text would tune on the test split: remove it from the "
+                "calibration corpus or exclude it (calibration.exclude_doc_ids)"
+            )
         render_document(doc, chat)
 
 
@@ -167,14 +189,13 @@ def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
     does not fit the model's context, and documents the model's chat template cannot render
     (the dev windows are built and the calibration documents rendered once here, as every
     trial would: a failing or runaway template stops the sweep in one line, not each trial)."""
-    from healsweep.data.split import split_lock_id
+    # lazy: heavy (gguf, jax)
     from healsweep.heal.quantize import check_quantizable
     from healsweep.model import open_model
-    from healsweep.sweep.space import grid_configs
 
     model = open_model(spec.model)
     # a grid's configs are known now; a sampler's points are checked when their trial starts
-    for knobs in grid_configs(spec) if spec.sampler.type == "grid" else [spec.baseline]:
+    for knobs in grid_configs(spec) if spec.sampler.type in GRIDDED else [spec.baseline]:
         check_quantizable(model, knobs)
     try:
         window_options(spec.scoring, model)
