@@ -101,3 +101,20 @@ def test_progress_shows_the_reference_rows_and_no_eta_before_a_trial_has_finishe
     # left: t1's 8 windows and 2 trials not started (16), at 8 windows a minute
     assert later.eta_s == 24 * 60.0 / 8 and "ETA 3m00s" in later.line()
     assert "ETA" not in Progress.of(rows, 4, 16, 60.0, final=True).line()
+
+
+def test_progress_in_a_log_is_one_plain_line_per_change(capsys):
+    """Not on a terminal (a log, CI): a line per change, no cursor codes, nothing repeated."""
+    from healsweep.cli.sweep_cmd import _Printer
+
+    printer = _Printer()
+    assert not printer.tty
+    fixed = [_row("ref-unhealed", "reference", "running", label="unhealed")]
+    first = Progress(planned=0, phase=Phase.EXTERNALS, note="building llama.cpp's iq2_xs file")
+    for progress in (first, first, Progress.of(fixed, 2, 0, 1.0, phase=Phase.FIXED)):
+        printer(progress)
+    printer.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "\033" not in "".join(lines) and "\r" not in "".join(lines)
+    assert lines[0].startswith("building llama.cpp's iq2_xs file | elapsed ")
+    assert lines[1].startswith("reference and external rows 0/1 done (running: unhealed)")

@@ -70,7 +70,10 @@ class _Printer:
 
     def _draw(self, progress: Any) -> None:
         shown = dataclasses.replace(progress, elapsed_s=time.time() - self.started)
-        typer.echo("\r\033[K" + shown.line(), err=True, nl=progress.final)
+        if self.tty:  # one line, rewritten in place
+            typer.echo("\r\033[K" + shown.line(), err=True, nl=progress.final)
+        else:  # a log: one plain line per event
+            typer.echo(shown.line(), err=True)
 
     def __call__(self, progress: Any) -> None:
         with self._lock:
