@@ -31,7 +31,7 @@ KNOWN_KNOBS = (
     "importance, importance_down, quantizer, gptq_damp, gptq_refine, down_input, gain_gu, gain_d, "
     "alpha, gamma, "
     "alpha_granularity, ridge, rho, eta, moce_bonus, cache_experts, type_gu, type_d, up_first, "
-    "up_last, layer_types"
+    "up_last, layer_types, type_attn, type_shexp, type_embd, type_output, type_dense"
 )
 
 

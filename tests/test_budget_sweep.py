@@ -64,17 +64,32 @@ def test_the_budget_is_one_measure_stored_only_when_given():
     assert spec.budget.budget().limits == tuple(TIERS)
     assert "budget" not in spec_from_dict({"name": "x"}).model_dump()  # earlier hashes hold
     assert _spec("m.gguf", budget={"file_mib": 12}).budget.budget().limits == (12 * 2**20,)
+    whole = _spec("m.gguf", budget={"file_gib": [1.5, 0.25]}).budget.budget()  # the whole file
+    assert whole.limits == (2**28, 3 * 2**29) and whole.measure == "file_bytes"
+    assert (whole.label(3 * 2**29), whole.label(2**28)) == ("1.50 GiB", "256.00 MiB")
     for bad, why in (
         ({"routed_bpw": 2, "file_bytes": 9}, "a budget names one of routed_bpw, file_bytes"),
         ({"routed_bpw": [2.0, 2.0]}, "it lists a limit twice"),
         ({"routed_bpw": 0}, "field 'budget.routed_bpw[0]' = 0 is not allowed"),
-        ({"bpw": 2}, "unknown field 'budget.bpw'; known fields: routed_bpw, file_bytes, file_mib"),
+        ({"bpw": 2}, "unknown field 'budget.bpw'; known fields: routed_bpw, file_bytes, "
+                     "file_mib, file_gib"),
+        ({"file_mib": 9, "file_gib": 1}, "a budget names one of routed_bpw, file_bytes, file_mib, "
+                                         "file_gib"),
     ):
         with pytest.raises(SpecError, match=re.escape(why)):
             spec_from_dict({"name": "x", "budget": bad})
     path_entry = {"name": "q2k", "path": "q2k.gguf"}
     stored = spec_from_dict({"name": "x", "external": [path_entry]}).model_dump()["external"]
     assert stored == [path_entry]  # as before recipes: a sweep recorded then still resumes
+    recipe = {"name": "iq2xxs", "llama": {"type": "iq2_xxs", "imatrix": True}}
+    stored = spec_from_dict({"name": "x", "external": [recipe]}).model_dump()["external"]
+    assert stored == [recipe]  # no `tensors`: stored (and hashed) as before it existed
+    every = {"name": "all", "llama": {"type": "iq2_xxs", "tensors": "all"}}
+    entry = spec_from_dict({"name": "x", "external": [every]}).external[0]
+    assert entry.llama.all_tensors and entry.model_dump()["llama"]["tensors"] == "all"
+    with pytest.raises(SpecError, match="tensors"):
+        spec_from_dict({"name": "x", "external": [{"name": "a", "llama": {"type": "q2_k",
+                                                                          "tensors": "some"}}]})
     with pytest.raises(SpecError, match="either a path or a llama recipe, not both"):
         spec_from_dict({"name": "x", "external": [{**path_entry, "llama": {"type": "q2_k"}}]})
 

@@ -94,7 +94,8 @@ def test_stage_reads_partition_the_knobs_and_drop_inert_ones():
     # knobs and down_input are unkeyed at their defaults)
     live = Knobs(quantizer="gptq", gptq_refine=1, alpha_granularity="expert", type_gu="iq2_xs",
                  type_d="q2_k", up_first=1, up_last=1, layer_types="0:q2_0,1:iq2_xs/iq2_xxs",
-                 down_input="student")  # fmt: skip
+                 down_input="student", type_attn="q4_k", type_shexp="q6_k", type_embd="q6_k",
+                 type_output="q8_0", type_dense="iq4_xs")  # fmt: skip
     read = [set(stage_reads(live, s)) for s in Stage]
     union = set().union(*read)
     assert union == set(Knobs.model_fields) - set(Knobs.SCORING)
@@ -168,8 +169,10 @@ def test_load_knobs_names_the_file_for_bad_values_and_shapes(tmp_path):
 def test_presets_load_and_differ_as_documented():
     names = {p.stem for p in PRESETS}
     assert {"shipped-audit", "mse-alpha", "no-heal"} <= names
-    # the budget recipes store ggml types, which need ggml's quantizer at load: slow tier, below
-    presets = {p.stem: load_knobs(p) for p in PRESETS if not p.stem.startswith("budget-")}
+    # the budget recipes (and the Unsloth-style reference) store ggml types, which need ggml's
+    # quantizer at load: slow tier, below and in test_tensor_types
+    presets = {p.stem: load_knobs(p) for p in PRESETS
+               if not p.stem.startswith(("budget-", "unsloth-style-"))}  # fmt: skip
     assert presets["shipped-audit"] == Knobs()
     mse = presets["mse-alpha"]
     assert (mse.alpha, mse.gamma) == ("mse", 0.0)

@@ -3,6 +3,7 @@ independent float64 computation, verdicts of the decision rule, main effects, pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,6 +12,8 @@ import pytest
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
 from healsweep.results.aggregate import summarize
+from healsweep.results.budget import pareto_front
+from healsweep.results.plots import own_front
 from healsweep.results.report import leaderboard, write_report
 from healsweep.results.schema import knob_columns, to_table, trial_schema, window_schema
 from healsweep.results.store import atomic_write_table
@@ -261,6 +264,14 @@ def test_budget_tiers_healing_pairs_and_the_over_budget_count(tmp_path):
     assert "## Best config per budget against llama.cpp" in report
     assert "## What healing adds on top of each allocation" in report
     assert (folder / "report" / "kld_vs_bpw.png").stat().st_size > 10_000
+    # the plot's front is healsweep's own: llama.cpp's files are reference points beside it
+    sized = [c for c in summary.configs if c.routed_bpw is not None and c.pooled]
+    external = next(c for c in sized if c.role == "external")
+    best = min(sized, key=lambda c: c.pooled["kld_mean"])
+    smaller = dataclasses.replace(external, routed_bpw=1.5625, pooled={"kld_mean": 1e-3})
+    assert pareto_front([*sized, smaller])[0] is smaller  # smaller and better than every config
+    own = own_front([*sized, smaller])
+    assert own == pareto_front([c for c in sized if c.role != "external"]) and own[0] is best
 
 
 def _pooled_sums(factor, idx):

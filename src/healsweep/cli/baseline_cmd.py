@@ -28,6 +28,15 @@ def llama(
             "from the calibration trace, as llama-quantize does with an imatrix.",
         ),
     ] = False,
+    all_tensors: Annotated[
+        bool,
+        typer.Option(
+            "--all-tensors",
+            help="Every matrix in the type, not only the routed experts (attention, shared "
+            "expert, embeddings, output, dense layers; router and vectors stay F32), each with "
+            "its input's importance row from the calibration where --imatrix-from-calibration.",
+        ),
+    ] = False,
     corpus: CorpusOpt = "demo",
     max_tokens: MaxTokensOpt = None,
     chunk_length: ChunkOpt = 512,
@@ -36,7 +45,8 @@ def llama(
     cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Write MODEL with only its routed experts quantized by ggml (``ggml_quantize_chunk`` from
-    llama-cpp-python's libggml; needs the \\[bench] extra); every other tensor is kept as stored.
+    llama-cpp-python's libggml; needs the \\[bench] extra); every other tensor is kept as stored
+    (with --all-tensors: every matrix in the type).
     """
     # lazy: heavy (gguf)
     from healsweep.heal.llama_baseline import LLAMA_TYPES, bits_per_weight, write_llama_baseline
@@ -56,11 +66,12 @@ def llama(
             corpus=corpus, max_tokens=max_tokens, chunk_length=chunk_length,
             min_tokens_per_expert=min_tokens_per_expert,
         )  # fmt: skip
-    typer.echo(f"[baseline] {teacher!r}: routed experts to {qtype} "
+    what = "every matrix" if all_tensors else "routed experts"
+    typer.echo(f"[baseline] {teacher!r}: {what} to {qtype} "
                f"({bits_per_weight(LLAMA_TYPES[qtype]):.4g} bits a weight), "
                f"imatrix {'from calibration' if imatrix else 'none'}")  # fmt: skip
     path = write_llama_baseline(
         teacher, qtype, out, calibration=calibration, cache=stage_cache,
-        progress=lambda stage, message: typer.echo(f"[{stage}] {message}"),
+        progress=lambda stage, message: typer.echo(f"[{stage}] {message}"), all_tensors=all_tensors,
     )  # fmt: skip
     typer.echo(f"[write] {path}")

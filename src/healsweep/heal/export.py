@@ -32,7 +32,14 @@ from gguf import GGMLQuantizationType
 
 from healsweep._atomic import atomic_file, atomic_path
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io import add_tensor_info, block_prefix, element_shape, q2_0_type, split_block
+from healsweep.gguf_io import (
+    TensorType,
+    add_tensor_info,
+    block_prefix,
+    element_shape,
+    q2_0_type,
+    split_block,
+)
 from healsweep.heal.knobs import LayerTypes
 from healsweep.kernels.ggml_types import ggml_type
 
@@ -146,19 +153,21 @@ def routed_bits_per_weight(student: Student) -> float:
 
 
 def _replacement(student: Student, name: str) -> tuple[str, Any] | None:
-    """``("experts", weight)`` or ``("shexp", raw)`` for a tensor the student replaces."""
+    """``("experts", weight)``, ``("shexp", raw)`` or ``("tensor", GGMLWeight)`` (a tensor of
+    another group in the type of its knob) for a tensor the student replaces."""
+    from healsweep.model.forward import HEAD  # lazy: heavy (jax)
+
     layer, suffix = split_block(name)
-    if layer is None:
-        return None
-    replacement = student.replacements.get(layer)
+    replacement = student.replacements.get(HEAD if layer is None else layer)
     if replacement is None:
         return None
-    if suffix in _EXPERT_FIELDS:
+    if layer is not None and suffix in _EXPERT_FIELDS:
         weight = getattr(replacement, _EXPERT_FIELDS[suffix])
         return None if weight is None else ("experts", weight)
     if suffix == "ffn_down_shexp.weight" and layer in student.shexp_raw:
         return "shexp", student.shexp_raw[layer]
-    return None
+    retyped = (replacement.tensors or {}).get(suffix)
+    return None if retyped is None else ("tensor", retyped)
 
 
 def heal_metadata(student: Student, experts: str) -> dict[str, Any]:
@@ -167,7 +176,8 @@ def heal_metadata(student: Student, experts: str) -> dict[str, Any]:
     types = allocation(student)
     named = {name for layer in types.values() for name in layer}
     stored = "f16" if experts == "f16" else (named.pop() if len(named) == 1 else "mixed")
-    return {
+    groups = student.knobs.file_types()
+    found = {
         "knobs": json.dumps(student.knobs.model_dump(), sort_keys=True),
         "student_key": student.key,
         "alphas": [float(a) for a in student.alphas],
@@ -176,6 +186,9 @@ def heal_metadata(student: Student, experts: str) -> dict[str, Any]:
         "expert_types": ",".join(f"{i}:{t.gu}/{t.d}" for i, t in types.items()),
         "routed_bpw": 16.0 if experts == "f16" else routed_bits_per_weight(student),
     }
+    if groups:  # the other tensor groups' types, where the knobs set any
+        found["tensor_types"] = ",".join(f"{g}:{t}" for g, t in groups.items())
+    return found
 
 
 def write_healed_gguf(
@@ -203,13 +216,21 @@ def write_healed_gguf(
             continue
         if found[0] == "experts":
             plan[name] = _expert_plan(student, name, experts)
+        elif found[0] == "tensor":
+            raw = np.asarray(found[1].raw)
+            plan[name] = (TensorType(found[1].qtype), raw.shape, raw.dtype)
         else:
             raw = np.asarray(found[1])
-            plan[name] = (student.base.tensor_type(name), raw.shape, raw.dtype)
+            layer = split_block(name)[0]
+            qtype = student.shexp_types.get(layer)
+            stored = student.base.tensor_type(name) if qtype is None else TensorType(qtype)
+            plan[name] = (stored, raw.shape, raw.dtype)
 
     def produce(name: str) -> np.ndarray:
         kind, value = _replacement(student, name)
-        return _expert_data(value, experts) if kind == "experts" else np.asarray(value)
+        if kind == "experts":
+            return _expert_data(value, experts)
+        return np.asarray(value.raw if kind == "tensor" else value)
 
     return write_replacing(
         student.base, out, plan, produce, {**heal_metadata(student, experts), **(metadata or {})}

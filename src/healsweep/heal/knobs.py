@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from healsweep.errors import KnobError, SettingError
 from healsweep.heal.stage_names import Stage
-from healsweep.kernels.ggml_types import ROUTED_TYPES, step_up
+from healsweep.kernels.ggml_types import ROUTED_TYPES, TENSOR_TYPES, step_up
 from healsweep.quant.values import Q2_0, DownInput, Importance, ImportanceDown, Quantizer
 from healsweep.settings_errors import problem, yaml_problem
 
@@ -45,6 +45,11 @@ class AlphaGranularity(StrEnum):
 # every other through ggml's quantizer with the calibration importance; ordered by bits per weight.
 EXPERT_TYPES: tuple[str, ...] = tuple(t.name for t in ROUTED_TYPES)
 _TYPE_LIST = ", ".join(EXPERT_TYPES)
+# Every other tensor group's storage type (knobs type_attn, type_shexp, type_embd, type_output,
+# type_dense): as the teacher stores it, or a type of kernels.ggml_types.TENSOR_TYPES.
+TEACHER = "teacher"
+GROUP_TYPES: tuple[str, ...] = (TEACHER, *(t.name for t in TENSOR_TYPES))
+_GROUP_TYPE_LIST = ", ".join(GROUP_TYPES)
 
 
 def _float(default: float, lo: float, hi: float, *, lo_open: bool = False) -> Any:
@@ -63,6 +68,11 @@ ADDED_LATER: dict[str, Any] = {
     "up_last": 0,
     "layer_types": "",
     "down_input": DownInput.TEACHER,
+    "type_attn": TEACHER,
+    "type_shexp": TEACHER,
+    "type_embd": TEACHER,
+    "type_output": TEACHER,
+    "type_dense": TEACHER,
 }
 
 
@@ -124,7 +134,9 @@ class Knobs(_Settings):
     in ``ADDED_LATER``. A knob of fixed values is a StrEnum: its members are the strings.
 
     The groups of knobs are class constants: :attr:`HEALING` (Part A and B), :attr:`SCORING`
-    (read when a student is scored, by no stage), :attr:`TYPES` (the routed experts' types).
+    (read when a student is scored, by no stage), :attr:`TYPES` (the storage types: the routed
+    experts' and, :attr:`FILE_TYPES`, every other tensor group's; a config's size follows from
+    them alone).
     """
 
     noun: ClassVar[str] = "knob"
@@ -132,7 +144,12 @@ class Knobs(_Settings):
         "alpha", "gamma", "alpha_granularity", "ridge", "rho", "eta",
     )  # fmt: skip
     SCORING: ClassVar[tuple[str, ...]] = ("moce_bonus", "cache_experts")
-    TYPES: ClassVar[tuple[str, ...]] = ("type_gu", "type_d", "up_first", "up_last", "layer_types")
+    FILE_TYPES: ClassVar[tuple[str, ...]] = (
+        "type_attn", "type_shexp", "type_embd", "type_output", "type_dense",
+    )  # fmt: skip
+    TYPES: ClassVar[tuple[str, ...]] = (
+        "type_gu", "type_d", "up_first", "up_last", "layer_types", *FILE_TYPES,
+    )  # fmt: skip
     UNHEALED: ClassVar[Mapping[str, Any]] = {"alpha": AlphaMode.NONE, "ridge": False}  # A, B off
 
     importance: Importance = Importance.NORM_PROXY
@@ -194,6 +211,29 @@ class Knobs(_Settings):
         description="'' or comma-separated LAYER:GU/DOWN or LAYER:TYPE entries, e.g. "
         "'0:iq2_xs/iq3_xxs,-1:iq3_xxs' (LAYER a block index, negative from the last; types of "
         f"{_TYPE_LIST})",
+    )
+    # Every other tensor group's storage type (docs/contracts.md, Knobs; heal/tensor_types.py):
+    # `teacher` keeps the group as the teacher stores it (the default: every config from before
+    # these knobs); a type requantizes it with ggml's quantizer and the calibration importance
+    # of its input. A tensor whose rows that type's blocks do not fill takes the smallest type
+    # of at least its bits whose blocks do (kernels.ggml_types.fitting_type).
+    type_attn: Literal[GROUP_TYPES] = Field(  # type: ignore[valid-type]
+        default=TEACHER,
+        description=f"one of {_GROUP_TYPE_LIST} (attention: q/k/v/o, or the MLA tensors)",
+    )
+    type_shexp: Literal[GROUP_TYPES] = Field(  # type: ignore[valid-type]
+        default=TEACHER,
+        description=f"one of {_GROUP_TYPE_LIST} (the shared expert's gate, up and down)",
+    )
+    type_embd: Literal[GROUP_TYPES] = Field(  # type: ignore[valid-type]
+        default=TEACHER, description=f"one of {_GROUP_TYPE_LIST} (the token embeddings)"
+    )
+    type_output: Literal[GROUP_TYPES] = Field(  # type: ignore[valid-type]
+        default=TEACHER, description=f"one of {_GROUP_TYPE_LIST} (the output projection)"
+    )
+    type_dense: Literal[GROUP_TYPES] = Field(  # type: ignore[valid-type]
+        default=TEACHER,
+        description=f"one of {_GROUP_TYPE_LIST} (the FFN of the leading dense layers)",
     )
 
     @field_validator("layer_types")
@@ -281,6 +321,12 @@ class Knobs(_Settings):
         found = {base, step_up(base)} if self.up_first or self.up_last else {base}
         return found | {t.of(group) for _, t in parse_layer_types(self.layer_types)}
 
+    def file_types(self) -> dict[str, str]:
+        """The tensor groups other than the routed experts whose type these knobs set (not
+        ``teacher``): group (``attn``, ``shexp``, ``embd``, ``output``, ``dense``) → type."""
+        found = {k.removeprefix("type_"): getattr(self, k) for k in self.FILE_TYPES}
+        return {group: name for group, name in found.items() if name != TEACHER}
+
     def type_reads(self) -> dict[str, Any]:
         """The type knobs off their defaults: what the allocation adds to a whole-model read."""
         return {k: getattr(self, k) for k in self.TYPES if getattr(self, k) != ADDED_LATER[k]}
@@ -360,18 +406,21 @@ def require_ggml_in(knobs: Knobs, where: str) -> None:
 
 def require_ggml(values: Mapping[str, Any]) -> None:
     """Raise :class:`SettingError` (one line: which knob, what to install) when ``values`` may
-    put a routed-expert tensor in a type other than ``q2_0`` and ggml's quantizer
+    put a routed-expert tensor in a type other than ``q2_0``, or another tensor group in any
+    type (the ``type_attn`` ... ``type_dense`` knobs off ``teacher``), and ggml's quantizer
     (llama-cpp-python, the ``[ggml]`` extra) is not installed. ``values`` maps knob names to a
     value, or to a list or ``{choices: [...]}`` of them (a sweep's search space); other knobs
     are ignored. A step up the ladder (``up_first``/``up_last`` > 0) always involves a ggml
     type (``q2_0`` steps to ``iq2_xs``; only ``iq2_xxs`` steps to ``q2_0``). Called where knobs
     enter: a knob file, a sweep spec, ``build_student``."""
-    for knob in ("type_gu", "type_d", "layer_types", "up_first", "up_last"):
+    for knob in ("type_gu", "type_d", "layer_types", "up_first", "up_last", *Knobs.FILE_TYPES):
         for value in _leaves(values.get(knob)):
             if knob == "layer_types":
                 ggml = any(name != Q2_0 for name in _layer_type_names(value))
             elif knob.startswith("up_"):
                 ggml = isinstance(value, int) and value > 0
+            elif knob in Knobs.FILE_TYPES:
+                ggml = value != TEACHER
             else:
                 ggml = value != Q2_0
             if not ggml:

@@ -8,7 +8,12 @@ healsweep writes, the K- and IQ-types with blocks of 256, IQ4_NL with 32). With 
 expert: E[x²] over the tokens routed to that expert for gate/up and E[h²] of the teacher expert's
 hidden activation for down, from healsweep's calibration trace (an expert with fewer than
 ``min_tokens_per_expert`` tokens takes the layer-wide statistic). IQ1_S, IQ2_XXS and IQ2_XS
-cannot be made without one. It quantizes with the two functions of :mod:`healsweep.quant.imatrix`
+cannot be made without one. With ``all_tensors`` every other matrix goes to the same type too
+(attention, shared expert, embeddings, output, dense layers: the groups of
+:mod:`healsweep.heal.tensor_types`, each with the importance row of its input from the same
+calibration, a tensor whose rows the type's blocks do not fill in the smallest type of at least
+its bits that does), as ``llama-quantize`` with one type for every tensor would write it (the
+router and the vectors stay F32, as there). It quantizes with the two functions of :mod:`healsweep.quant.imatrix`
 that the registry's :class:`~healsweep.quant.ggml.GGMLImatrix` quantizes a ggml type with (for
 every type, Q2_0 included: llama.cpp's own Q2_0), so an unhealed student of a uniform ggml type is
 this baseline, byte for byte.
@@ -28,6 +33,13 @@ from healsweep.errors import GGUFFormatError, SettingError
 from healsweep.gguf_io import TensorType, _ggml_lib, block_prefix
 from healsweep.gguf_io._ggml_lib import block_geometry, library_source
 from healsweep.heal.export import write_replacing
+from healsweep.heal.knobs import Knobs
+from healsweep.heal.tensor_types import (
+    group_tensors,
+    input_importance,
+    planned_types,
+    requantize_tensor,
+)
 from healsweep.kernels.ggml_types import ROUTED_TYPES
 from healsweep.quant.imatrix import EXPERT_TENSORS, expert_importance, quantize_expert_stack
 
@@ -84,14 +96,14 @@ def write_llama_baseline(
     calibration: CalibrationConfig | None = None,
     cache: StageCache | None = None,
     progress: Progress | None = None,
+    all_tensors: bool = False,
 ) -> Path:
     """Write ``model`` with its routed experts quantized by ggml to ``type_name``.
 
     ``calibration`` (a ``CalibrationConfig``) asks for the importance matrix from the
     calibration trace (``cache``: the stage cache that holds it); None quantizes without one.
+    ``all_tensors``: every other matrix in ``type_name`` too (the module docstring).
     """
-
-
     say = progress or (lambda stage, message: None)
     qtype = check_baseline(model, type_name, calibration is not None)
     ggml_type = TensorType(qtype)
@@ -104,7 +116,15 @@ def write_llama_baseline(
         tokens = sum(trace.report.get("chunk_lengths", []))
         say("calib_trace", f"importance rows per expert from {tokens} calibration tokens")
     block, size = block_geometry(qtype)
-    plan = {}
+    plan, others, moments = {}, {}, None
+    if all_tensors:
+        others, moments = _all_tensors(model, type_name, calibration, cache)
+        for name, chosen in others.items():
+            *lead, n_in = model.tensor_shape(name)
+            shape = (*lead, chosen.row_bytes(n_in))
+            plan[name] = (TensorType(chosen.ggml_id), shape, np.dtype(np.uint8))
+        say("requant_tensor", f"{len(others)} other matrices to {type_name} (or the type "
+                              "that fits their rows)")  # fmt: skip
     for i in model.hparams.moe_layers:
         for suffix in EXPERT_TENSORS:
             name = block_prefix(i) + suffix
@@ -113,6 +133,8 @@ def write_llama_baseline(
     importance: dict[int, dict[str, Any]] = {}
 
     def produce(name: str) -> np.ndarray:
+        if name in others:
+            return requantize_tensor(model, name, others[name], moments).raw
         layer = int(name.split(".")[1])
         suffix = name.split(".", 2)[2]
         imp = None
@@ -136,7 +158,8 @@ def write_llama_baseline(
         except PackageNotFoundError:  # pragma: no cover - the library loaded, so it is installed
             llama_version = "unknown"
     metadata = {
-        "baseline": "llama.cpp ggml_quantize_chunk, routed experts only",
+        "baseline": "llama.cpp ggml_quantize_chunk, "
+        + ("every matrix" if all_tensors else "routed experts only"),
         "baseline_type": type_name,
         "baseline_bits_per_weight": bits_per_weight(qtype),
         "imatrix": "calibration E[x2] / E[h2] per expert" if trace is not None else "none",
@@ -146,3 +169,19 @@ def write_llama_baseline(
         "experts": type_name,
     }
     return write_replacing(model, out, plan, produce, metadata)
+
+
+def _all_tensors(
+    model: GGUFModel,
+    type_name: str,
+    calibration: CalibrationConfig | None,
+    cache: StageCache | None,
+) -> tuple[dict[str, Any], Any]:
+    """The other matrices of ``model`` in ``type_name`` (name → the type each gets) and their
+    input moments from ``calibration`` (None without)."""
+    uniform = Knobs(**dict.fromkeys(Knobs.FILE_TYPES, type_name))
+    others = planned_types(group_tensors(model), uniform)
+    moments = None
+    if calibration is not None and others:
+        moments = input_importance(model, calibration, cache or StageCache())[1]
+    return others, moments

@@ -18,6 +18,7 @@ teacher trace and the factored Gram.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,7 +30,8 @@ import jax
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
-from healsweep.heal import expert_alpha, quantize, ridge, stages
+from healsweep.gguf_io import block_prefix
+from healsweep.heal import expert_alpha, quantize, ridge, stages, tensor_types
 from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import (
     AlphaGranularity,
@@ -43,9 +45,11 @@ from healsweep.heal.quantize import fold_alpha, layer_experts
 from healsweep.heal.ridge import HealedShexp, HeldoutFolds, RidgeBasis, RidgeFit, RidgeRhs
 from healsweep.heal.stage_names import Stage
 from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
+from healsweep.heal.tensor_types import InputMoments, RequantTensor
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
 from healsweep.model import LayerReplacement
+from healsweep.model.forward import HEAD
 from healsweep.profile import phase
 from healsweep.quant.registry import QuantizedGroup
 from healsweep.quant.values import GROUPS, Group
@@ -77,6 +81,7 @@ class Student:
     knobs: Knobs
     alphas: list[float] = field(default_factory=list)
     shexp_raw: dict[int, np.ndarray] = field(default_factory=dict)  # requantized bytes/values
+    shexp_types: dict[int, int] = field(default_factory=dict)  # where not the teacher's: ggml id
 
 
 class Notice(NamedTuple):
@@ -137,6 +142,8 @@ class LayerInputs:
     weights: Callable[[], dict[str, Any]]  # the teacher's routed experts and ffn_norm
     trace_layer: Callable[[], dict[str, np.ndarray]]  # only when trace is not None
     diagnostics: bool = True  # Part B's held-out diagnostic beside the fit (build_student)
+    shexp_target: Any = None  # (GGMLType, importance row) Part B stores down_shexp in, if not
+    # the teacher's type (knob type_shexp)
 
 
 class HealedLayer(NamedTuple):
@@ -171,10 +178,10 @@ def build_student(
     the diagnostic's host solves grow with the calibration tokens (29.9 of a rho-only trial's
     35.5 s on an H100 at 94k tokens, 4 layers, docs/sizing.md).
     """
-
     quantize.check_quantizable(model, knobs)
     require_ggml(knobs.model_dump())
     types = quantize.expert_types(model, knobs)
+    retype = tensor_types.planned_types(tensor_types.group_tensors(model), knobs)
     say = progress or (lambda stage, message: None)
     hp = model.hparams
     run = StageRunner(cache)
@@ -195,13 +202,33 @@ def build_student(
         notices = skip_notices(knobs, model)
         for notice in notices:
             say(notice.stage, notice.text)
+        part_b = knobs.ridge and hp.n_ff_shexp > 0  # Part B stores each MoE layer's down_shexp
+        healed_shexp = {
+            block_prefix(i) + "ffn_down_shexp.weight" for i in hp.moe_layers if part_b
+        }
+        moments, mkey = None, None
+        if retype:
+            mkey, moments = run.timed(
+                Stage.TENSOR_IMPORTANCE,
+                lambda: tensor_types.input_importance(model, calibration, cache, corpus),
+            )
+        retyped, retyped_keys = _retyped(run, model, retype, moments, mkey, skip=healed_shexp)
+        if retype:
+            say("requant_tensor", _retyped_line(knobs, retype))
         replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
+        shexp_types: dict[int, int] = {}
         heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
         ahead = _basis_ahead(run, model, knobs, trace)
         for n, i in enumerate(hp.moe_layers):
             run.layer = i
             if n + 1 < len(hp.moe_layers):
                 ahead(hp.moe_layers[n + 1])
+            shexp_name = block_prefix(i) + "ffn_down_shexp.weight"
+            target = None
+            if shexp_name in healed_shexp and shexp_name in retype:
+                chosen = retype[shexp_name]
+                row = moments.row(shexp_name, hp.n_ff_shexp, chosen.requires_imatrix)
+                target = (chosen, row)
             layer = LayerInputs(
                 model,
                 i,
@@ -214,6 +241,7 @@ def build_student(
                 if trace
                 else _no_trace,
                 diagnostics,
+                target,
             )
             healed = _heal_layer(run, layer)
             if healed.folds is not None:
@@ -223,14 +251,21 @@ def build_student(
                 up_exps=healed.experts.up,
                 down_exps=fold_alpha(knobs, types[i].d, healed.experts.down, healed.alpha),
                 down_shexp=None if healed.shexp is None else healed.shexp.dense,
+                tensors=tensor_types.layer_tensors(retyped, i) or None,
             )
             if healed.shexp is not None:
                 shexp_raw[i] = healed.shexp.raw
+                if target is not None:
+                    shexp_types[i] = target[0].ggml_id
             alphas.append(healed.alpha)
             layer_reports.append(healed.report)
             keys.append(healed.keys)
             say(f"layer {i + 1}/{hp.n_layer}", _layer_line(healed.report))
         run.layer = None
+        for i in [HEAD, *range(hp.n_leading_dense)]:  # the embeddings, output, dense layers
+            found = tensor_types.layer_tensors(retyped, None if i == HEAD else i)
+            if found:
+                replacements[i] = LayerReplacement(tensors=found)
         for layer_report, folds in heldout:
             found = run.timed(Stage.RIDGE_HELDOUT, folds.result, layer_report["layer"])
             layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
@@ -247,6 +282,7 @@ def build_student(
         "trace_key": trace.key if trace else None,
         "layers": layer_reports,
         "notices": [notice.text for notice in notices],
+        "tensor_types": dict(Counter(chosen.name for chosen in retype.values())),
         "timings_s": {k: round(v, 4) for k, v in run.seconds.items()},
         "executed": {
             k: v - computed_before.get(k, 0)
@@ -254,8 +290,11 @@ def build_student(
             if v != computed_before.get(k, 0)
         },
     }
-    key = content_key("student", STUDENT_VERSION, {"layers": keys})
-    return Student(model, replacements, report, key, knobs, alphas, shexp_raw)
+    found = {"layers": keys}
+    if retype:  # keys from before the group type knobs stay as they were
+        found["tensors"] = dict(sorted(retyped_keys.items()))
+    key = content_key("student", STUDENT_VERSION, found)
+    return Student(model, replacements, report, key, knobs, alphas, shexp_raw, shexp_types)
 
 
 def _basis_ahead(
@@ -459,12 +498,13 @@ def _part_b(
     fit = run.lazy(
         Stage.RIDGE_FIT, fkey, RidgeFit, lambda: ridge.fit_from_rhs(rhs(), basis(), knobs.rho)
     )
-    bkey = ridge.part_b_key(knobs, model, fkey, i)
+    storage = None if layer.shexp_target is None else layer.shexp_target[0].name
+    bkey = ridge.part_b_key(knobs, model, fkey, i, storage)
     shexp = run.value(
         Stage.PART_B,
         bkey,
         HealedShexp,
-        lambda: ridge.ridge_layer(model, i, basis(), rhs(), fit(), knobs.eta),
+        lambda: ridge.ridge_layer(model, i, basis(), rhs(), fit(), knobs.eta, layer.shexp_target),
     )
     if not layer.diagnostics:
         return shexp, bkey, None
@@ -495,3 +535,29 @@ def _layer_line(report: dict[str, Any]) -> str:
         ridge = report["ridge"]
         line += f", ridge rank {ridge['rank']} dof {ridge['dof']:.1f}"
     return line
+
+
+def _retyped(
+    run: StageRunner,
+    model: GGUFModel,
+    retype: dict[str, Any],
+    moments: InputMoments | None,
+    importance_key: str | None,
+    *,
+    skip: set[str],
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each tensor of ``retype`` (name → type) but those in ``skip`` (Part B stores them) in
+    its type, as the forward takes it, from the ``requant_tensor`` stage; and their keys."""
+    found, keys = {}, {}
+    for name, chosen in retype.items():
+        if name in skip:
+            continue
+        keys[name] = tensor_types.requant_key(model, name, chosen, importance_key)
+        compute = partial(tensor_types.requantize_tensor, model, name, chosen, moments)
+        found[name] = run.value(Stage.REQUANT_TENSOR, keys[name], RequantTensor, compute).weight()
+    return found, keys
+
+
+def _retyped_line(knobs: Knobs, retype: dict[str, Any]) -> str:
+    groups = ", ".join(f"{group} {name}" for group, name in knobs.file_types().items())
+    return f"{len(retype)} tensors of other groups requantized ({groups})"

@@ -34,17 +34,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import MODEL_TENSOR, GGMLQuantizationType
+from gguf import MODEL_TENSOR
 from gguf import GGMLQuantizationType as T
 
-from healsweep.gguf_io import tensor_name
+from healsweep.gguf_io import TensorType, tensor_name
 from healsweep.heal._runner import join_entry, split_entry
 from healsweep.heal.stages import stage_key
 from healsweep.kernels import ridge as kr
 from healsweep.kernels._precision import full_float32, healing_jit, matmul
 from healsweep.model.forward import dense_on_device
 from healsweep.model.layers import swiglu_hidden
-from healsweep.quant.requant import dequantized, requantize
+from healsweep.quant.requant import dequantized, requantize, requantize_ggml
 
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
@@ -142,10 +142,8 @@ class HealedShexp(NamedTuple):
 
     @classmethod
     def from_entry(cls, arrays: Arrays, meta: dict[str, Any]) -> HealedShexp:
-
-
         stats, raw = meta["stats"], arrays["raw"]
-        qtype = GGMLQuantizationType[stats["storage_type"]]
+        qtype = TensorType[stats["storage_type"]]
         return cls(raw, dequantized(raw, qtype, tuple(meta["shape"])), stats)
 
 
@@ -444,27 +442,39 @@ def heldout_figures(folds: list[list[float]], eta: float) -> dict[str, Any]:
 # --- part_b ------------------------------------------------------------------------------------
 
 
-def part_b_key(knobs: Knobs, model: GGUFModel, fit: str, layer: int) -> str:
-    """Key of the healed shared-expert down weight: the fit at its rho, and eta."""
-    return stage_key(
-        "part_b",
-        {
-            "knobs": knobs.for_stage("part_b"),
-            "model": model.fingerprint,
-            "ridge_fit": fit,
-            "layer": layer,
-        },
-    )
+def part_b_key(
+    knobs: Knobs, model: GGUFModel, fit: str, layer: int, storage: str | None = None
+) -> str:
+    """Key of the healed shared-expert down weight: the fit at its rho, and eta; ``storage``:
+    the type it is stored in where not the teacher's (knob ``type_shexp``; keys from before it
+    stay as they were)."""
+    inputs = {
+        "knobs": knobs.for_stage("part_b"),
+        "model": model.fingerprint,
+        "ridge_fit": fit,
+        "layer": layer,
+    }
+    if storage is not None:
+        inputs["storage"] = storage
+    return stage_key("part_b", inputs)
 
 
 @full_float32
 def ridge_layer(
-    model: GGUFModel, layer: int, basis: RidgeBasis, rhs: RidgeRhs, fit: RidgeFit, eta: float
+    model: GGUFModel,
+    layer: int,
+    basis: RidgeBasis,
+    rhs: RidgeRhs,
+    fit: RidgeFit,
+    eta: float,
+    target: tuple[Any, np.ndarray | None] | None = None,
 ) -> HealedShexp:
     """Apply eta·dW to ``blk.{layer}.ffn_down_shexp.weight`` and requantize it to its type.
 
     On the default device, decoded there from the stored bytes; only a storage type that is
     neither F32 nor F16 goes through the host codecs of :mod:`healsweep.quant.requant`.
+    ``target`` (knob ``type_shexp``): ``(GGMLType, importance row or None)`` to store it in
+    instead, by ggml's quantizer with that row (:mod:`healsweep.heal.tensor_types`).
     """
 
 
@@ -472,7 +482,10 @@ def ridge_layer(
     qtype = model.tensor_type(name)
     w = dense_on_device(model, name)  # [D, Fs] as the teacher stores it
     new = kr.apply_ridge(w, fit.delta, eta)
-    if qtype == T.F32:
+    if target is not None:
+        qtype = TensorType(target[0].ggml_id)
+        raw, stored = requantize_ggml(np.asarray(new), qtype, target[1])
+    elif qtype == T.F32:
         raw = stored = np.asarray(new)
     elif qtype == T.F16:
         raw = np.asarray(new.astype(jnp.float16))

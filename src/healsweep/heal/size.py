@@ -1,15 +1,17 @@
 """The size of a config's file, from its knobs and the model's shapes alone (no quantization).
 
-A config stores each MoE layer's routed experts in the types :meth:`Knobs.expert_types` gives;
-every other tensor stays as the teacher stores it (what ``export`` and the llama.cpp baselines
-write). So its sizes follow from the block geometry of those types
-(:mod:`healsweep.kernels.ggml_types`) and the teacher's tensor table:
+A config stores each MoE layer's routed experts in the types :meth:`Knobs.expert_types` gives,
+each other tensor group in the type its knob gives (``type_attn`` ... ``type_dense``,
+:func:`healsweep.heal.tensor_types.planned_types`), and every other tensor as the teacher stores
+it (what ``export`` and the llama.cpp baselines write). So its sizes follow from the block
+geometry of those types (:mod:`healsweep.kernels.ggml_types`) and the teacher's tensor table:
 
 - ``routed_bpw``: stored bits of every routed expert tensor (``ffn_{gate,up,down}_exps``) over
   their weights, the figure of :func:`healsweep.heal.export.routed_bits_per_weight` and of
   :func:`healsweep.gguf_io.routed_expert_bpw` on the written file;
-- ``file_bytes``: the teacher's file with those tensors replaced: its size plus, per routed
+- ``file_bytes``: the teacher's file with those tensors replaced: its size plus, per replaced
   tensor, the change of its padded data (gguf pads each tensor's data to the file's alignment).
+  The whole file: a budget in ``file_bytes``/``file_mib``/``file_gib`` counts every tensor.
   The ``healsweep.*`` metadata an export adds (knobs, alphas, a few hundred bytes) is not
   counted: it is not part of the model, and a llama.cpp file carries its own.
 
@@ -23,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from healsweep.heal.tensor_types import GroupTensor, group_tensors, planned_types
 from healsweep.kernels.ggml_types import ggml_type
 
 if TYPE_CHECKING:
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 ROUTED_TENSORS = {"ffn_gate_exps.weight": "gu", "ffn_up_exps.weight": "gu",
                   "ffn_down_exps.weight": "d"}  # fmt: skip
 MIB = 1 << 20
+GIB = 1 << 30
 _DEFAULT_ALIGNMENT = 32  # gguf's GGUF_DEFAULT_ALIGNMENT
 _SLACK = 1e-9  # a size exactly at a limit is inside it (2.0625 bpw is IQ2_XXS's own)
 
@@ -59,6 +63,7 @@ class ModelShapes(NamedTuple):
     alignment: int
     moe_layers: tuple[int, ...]
     n_layer: int
+    others: tuple[GroupTensor, ...] = ()  # the matrices of the other groups' type knobs
 
     @classmethod
     def of(cls, model: GGUFModel) -> ModelShapes:
@@ -77,6 +82,7 @@ class ModelShapes(NamedTuple):
             alignment,
             tuple(model.hparams.moe_layers),
             model.hparams.n_layer,
+            group_tensors(model),
         )
 
     def size(self, knobs: Knobs) -> ConfigSize:
@@ -95,10 +101,24 @@ class ModelShapes(NamedTuple):
             bits += 8 * new
             weights += rows * n_in
             file_bytes += self._padded(new) - self._padded(stored)
+        stored_as = {t.name: t for t in self.others}
+        for name, chosen in planned_types(self.others, knobs).items():
+            tensor = stored_as[name]
+            rows = int(np_prod(tensor.shape[:-1]))
+            new = rows * chosen.row_bytes(tensor.shape[-1])
+            file_bytes += self._padded(new) - self._padded(tensor.nbytes)
         return ConfigSize(bits / weights if weights else float("nan"), file_bytes)
 
     def _padded(self, nbytes: int) -> int:
         return -(-nbytes // self.alignment) * self.alignment
+
+
+def np_prod(values: tuple[int, ...]) -> int:
+    """The product of ``values`` (1 for none), as an exact int."""
+    found = 1
+    for n in values:
+        found *= int(n)
+    return found
 
 
 def config_size(model: GGUFModel, knobs: Knobs) -> ConfigSize:
@@ -137,20 +157,23 @@ class Budget:
         return self.tier(size) is not None
 
     def label(self, limit: float) -> str:
-        """``2.0625 bpw`` or ``12.50 MiB`` (the file limits are shown in MiB)."""
+        """``2.0625 bpw``, ``12.50 MiB`` or, from 1 GiB on, ``21.40 GiB``."""
         if self.measure == "routed_bpw":
             return f"{limit:g} bpw"
+        if limit >= GIB:
+            return f"{limit / GIB:.2f} GiB"
         return f"{limit / MIB:.2f} MiB"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> Budget | None:
-        """The budget of a spec's stored ``budget`` section (``routed_bpw``, ``file_bytes`` or
-        ``file_mib``: a number or a list of them; None or empty: no budget)."""
+        """The budget of a spec's stored ``budget`` section (``routed_bpw``, ``file_bytes``,
+        ``file_mib`` or ``file_gib``: a number or a list of them; None or empty: no budget)."""
         if not raw:
             return None
         for key, scale, measure in (("routed_bpw", 1.0, "routed_bpw"),
                                     ("file_bytes", 1.0, "file_bytes"),
-                                    ("file_mib", float(MIB), "file_bytes")):  # fmt: skip
+                                    ("file_mib", float(MIB), "file_bytes"),
+                                    ("file_gib", float(GIB), "file_bytes")):  # fmt: skip
             value = raw.get(key)
             if value is not None:
                 values = value if isinstance(value, list | tuple) else [value]

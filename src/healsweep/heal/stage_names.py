@@ -30,6 +30,8 @@ class Stage(StrEnum):
     RIDGE_FIT = "ridge_fit"
     RIDGE_HELDOUT = "ridge_heldout"
     PART_B = "part_b"
+    TENSOR_IMPORTANCE = "tensor_importance"  # input E[x²] of every other matrix (imatrix)
+    REQUANT_TENSOR = "requant_tensor"  # a tensor of another group in the type of its knob
     TEACHER_LOGITS = "teacher_logits"  # score: the teacher's record of a window
 
 
@@ -48,6 +50,8 @@ VERSIONS: dict[Stage, int] = {
     Stage.RIDGE_FIT: 4,
     Stage.RIDGE_HELDOUT: 1,
     Stage.PART_B: 4,  # 4: the requantized bytes alone (the dense values are decoded when read)
+    Stage.TENSOR_IMPORTANCE: 1,
+    Stage.REQUANT_TENSOR: 1,
 }
 # The stages whose knob reads make up a student's key (heal.reads.student_key), as recorded in
 # sweeps: the list is part of every student key, so it stays as it was.

@@ -63,6 +63,24 @@ ROUTED_TYPES: tuple[GGMLType, ...] = (
 _BY_NAME = {t.name: t for t in ROUTED_TYPES}
 _BY_ID = {t.ggml_id: t for t in ROUTED_TYPES}
 
+# The types of every other tensor (attention, shared expert, embeddings, output, dense layers):
+# the routed types and the larger ones whole-file recipes keep sensitive tensors in (Unsloth's
+# dynamic quants: Q4_K-Q8_0), ordered by bits per weight. Each has an in-graph decoder.
+TENSOR_TYPES: tuple[GGMLType, ...] = tuple(
+    sorted(
+        (
+            *ROUTED_TYPES,
+            GGMLType("q4_0", 2, 32, 18, False),
+            GGMLType("q5_0", 6, 32, 22, False),
+            GGMLType("q5_k", 13, 256, 176, False),
+            GGMLType("q6_k", 14, 256, 210, False),
+            GGMLType("q8_0", 8, 32, 34, False),
+        ),
+        key=lambda t: t.bits_per_weight,
+    )
+)
+_TENSOR_BY_NAME = {t.name: t for t in TENSOR_TYPES}
+
 
 def ggml_type(key: str | int) -> GGMLType:
     """The routed-expert type named ``key`` (``"iq2_xs"``, any case) or with ggml id ``key``;
@@ -72,6 +90,39 @@ def ggml_type(key: str | int) -> GGMLType:
         raise KnobError(
             f"{key!r} is not a routed-expert type healsweep offers; choose one of "
             f"{', '.join(_BY_NAME)}"
+        )
+    return found
+
+
+def tensor_type(name: str) -> GGMLType:
+    """The storage type named ``name`` among :data:`TENSOR_TYPES` (the routed types and q4_0,
+    q5_0, q5_k, q6_k, q8_0); raises :class:`KnobError` for any other."""
+    found = _TENSOR_BY_NAME.get(name.lower())
+    if found is None:
+        raise KnobError(
+            f"{name!r} is not a tensor type healsweep offers; choose one of "
+            f"{', '.join(_TENSOR_BY_NAME)}"
+        )
+    return found
+
+
+def fitting_type(name: str, width: int) -> GGMLType:
+    """The type a tensor with rows of ``width`` weights is stored in when ``name`` is asked for:
+    ``name`` itself where its blocks fill the rows, else the smallest type of
+    :data:`TENSOR_TYPES` with at least its bits per weight whose blocks do (llama-quantize also
+    falls back to a type of smaller blocks there), else Q8_0 (blocks of 32). ``KnobError`` for
+    rows no block type of the table fills (not a multiple of 32)."""
+    asked = tensor_type(name)
+    fits = [t for t in TENSOR_TYPES if width % t.block_weights == 0]
+    if asked in fits:
+        return asked
+    found = next((t for t in fits if t.bits_per_weight >= asked.bits_per_weight), None)
+    if found is None and fits:
+        found = fits[-1]
+    if found is None:
+        raise KnobError(
+            f"rows of {width} weights fill no block of a tensor type healsweep offers (every "
+            "block holds 32, 64 or 256 weights); keep that tensor group as the teacher stores it"
         )
     return found
 

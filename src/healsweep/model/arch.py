@@ -301,7 +301,16 @@ class Architecture:
     # --- the forward (jitted with ``hp`` static) ----------------------------------------------
     def attention(self, hp: ModelHparams, w: dict[str, Any], x: Any, positions: Any) -> Any:
         """Self-attention of one sequence, ``x [T, D]`` (normed) → ``[T, D]``."""
-        return layers.self_attention(hp, w, x, positions)
+        return self.attention_with_inputs(hp, w, x, positions)[0]
+
+    def attention_with_inputs(
+        self, hp: ModelHparams, w: dict[str, Any], x: Any, positions: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        """:meth:`attention` and the inputs ``[T, n]`` of its matrices that do not read ``x``,
+        by tensor suffix (``attn_output.weight``; MLA's inner projections): what the input
+        importance of a requantized attention tensor is taken from (``model.input_moments``).
+        An architecture overrides this one, not :meth:`attention`."""
+        return layers.self_attention_with_inputs(hp, w, x, positions)
 
     def moe_block(
         self, hp: ModelHparams, w: dict[str, Any], x: Any, tile: int, cache: Any = None

@@ -132,17 +132,28 @@ class Deepseek2(RoutingFromFile):
                 f"{hp.head_dim - hp.rope_dim} no-rope + {hp.rope_dim} rope dims, "
                 f"v {hp.head_dim_v}, {hp.rope_kind} RoPE{yarn}")  # fmt: skip
 
-    def attention(self, hp: ModelHparams, w: dict[str, Any], x: jax.Array, positions: jax.Array):
-        return attention(hp, w, x, positions)
+    def attention_with_inputs(
+        self, hp: ModelHparams, w: dict[str, Any], x: jax.Array, positions: jax.Array
+    ):
+        return attention_with_inputs(hp, w, x, positions)
 
 
 def attention(hp: ModelHparams, w: dict[str, Any], x: jax.Array, positions: jax.Array):
     """Multi-head latent attention of one sequence: ``x [T, D]`` (normed) → ``[T, D]``."""
+    return attention_with_inputs(hp, w, x, positions)[0]
+
+
+def attention_with_inputs(hp: ModelHparams, w: dict[str, Any], x: jax.Array, positions: jax.Array):
+    """:func:`attention` and the inputs of its matrices that do not read ``x``: the output
+    projection's (the heads' mix), ``attn_q_b``'s (the normed q latent) and ``attn_kv_b``'s (the
+    normed kv latent; the split ``attn_k_b``/``attn_v_b`` read per-head inputs: none given)."""
+    inputs: dict[str, jax.Array] = {}
     t, n_head, n_rope = x.shape[0], hp.n_head, hp.rope_dim
     n_nope = hp.head_dim - n_rope
     if hp.q_lora_rank:
         q_a = rms_norm(matmul(x, w["attn_q_a.weight"]), w["attn_q_a_norm.weight"], hp.rms_norm_eps)
         q = matmul(q_a, w["attn_q_b.weight"])
+        inputs["attn_q_b.weight"] = q_a
     else:
         q = matmul(x, w["attn_q.weight"])
     q = q.reshape(t, n_head, hp.head_dim)  # [T, H, nope + rope]
@@ -162,10 +173,13 @@ def attention(hp: ModelHparams, w: dict[str, Any], x: jax.Array, positions: jax.
         v = jnp.einsum("tr,hvr->thv", kv, as_dense(w["attn_v_b.weight"]))  # [T, H, hv]
     else:
         kv_b = matmul(kv, w["attn_kv_b.weight"]).reshape(t, n_head, n_nope + hp.head_dim_v)
+        inputs["attn_kv_b.weight"] = kv
         k_nope, v = kv_b[..., :n_nope], kv_b[..., n_nope:]
     q = jnp.concatenate([q[..., :n_nope], q_pe], axis=-1)  # [T, H, nope + rope]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, (t, n_head, n_rope))], axis=-1)
-    return matmul(causal_attention(q, k, v, attention_scale(hp)), w["attn_output.weight"])
+    mix = causal_attention(q, k, v, attention_scale(hp))  # [T, H*hv]
+    inputs["attn_output.weight"] = mix
+    return matmul(mix, w["attn_output.weight"]), inputs
 
 
 def attention_scale(hp: ModelHparams) -> float:

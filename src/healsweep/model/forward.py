@@ -13,7 +13,7 @@ call and recompilation is rare. Causal attention makes the padding invisible to 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, NamedTuple
@@ -48,12 +48,20 @@ class LayerCapture(NamedTuple):
 
 
 class LayerReplacement(NamedTuple):
-    """Weights that replace a layer's routed experts / shared-expert down projection."""
+    """Weights that replace a layer's routed experts / shared-expert down projection, and any
+    other of its tensors by suffix (``tensors``: a requantized attention or shared expert).
+
+    At key :data:`HEAD` of ``replacements`` a replacement's ``tensors`` hold the model's tensors
+    outside the layers (``token_embd.weight``, ``output.weight``)."""
 
     gate_exps: Any = None  # [E, F, D] dense or quantized pytree; None keeps the model's
     up_exps: Any = None  # [E, F, D]
     down_exps: Any = None  # [E, D, F]
     down_shexp: Any = None  # [D, Fs] (models with a shared expert)
+    tensors: Mapping[str, Any] | None = None  # suffix (or, at HEAD, name) -> weight
+
+
+HEAD = -1  # the key of ``replacements`` whose ``tensors`` replace token_embd / output
 
 
 class ForwardResult(NamedTuple):
@@ -95,7 +103,7 @@ def _block(hp: ModelHparams, tile: int, capture: bool, dense: bool, w: dict[str,
     h = h + out.reshape(b, t, d)
     if not capture:
         return h, {k: v for k, v in cap.items() if k == "topk_ids" or k.startswith("cache_")}
-    return h, {**cap, "ffn_input": x}
+    return h, {**{k: v for k, v in cap.items() if k != "shexp_hidden"}, "ffn_input": x}
 
 
 @partial(jax.jit, static_argnums=(0,))
@@ -153,8 +161,9 @@ def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | Non
     weights = resident_layers().get((str(model.path), stat.st_size, stat.st_mtime_ns, i), load)
     if replacement is None:
         return weights
-    for field, suffix in _REPLACED.items():
-        new = getattr(replacement, field)
+    named = [(suffix, suffix, new) for suffix, new in (replacement.tensors or {}).items()]
+    named += [(f, suffix, getattr(replacement, f)) for f, suffix in _REPLACED.items()]
+    for field, suffix, new in named:  # the named fields last: Part B's down_shexp wins
         if new is None:
             continue
         if suffix not in weights:
@@ -182,9 +191,21 @@ def _pad_batch(sequences: Sequence[np.ndarray], n_vocab: int) -> tuple[np.ndarra
     return tokens, lengths
 
 
-def _embed(model: GGUFModel, tokens: np.ndarray) -> np.ndarray:
+def _head(replacements: Mapping[int, LayerReplacement], name: str) -> Any:
+    """The replacement of the model tensor ``name`` outside the layers, or None."""
+    head = replacements.get(HEAD)
+    return None if head is None or head.tensors is None else head.tensors.get(name)
+
+
+def _embed(model: GGUFModel, tokens: np.ndarray, replaced: Any = None) -> np.ndarray:
+    """The embedding rows of ``tokens`` [B, T] → [B, T, D] float32 (from ``replaced``, a
+    ``GGMLWeight`` of the whole table, where the student requantized it)."""
     unique, inverse = np.unique(tokens, return_inverse=True)
-    rows = model.tensor_take("token_embd.weight", unique)  # [U, D]
+    if replaced is None:
+        rows = model.tensor_take("token_embd.weight", unique)  # [U, D]
+    else:
+        taken = GGMLWeight(np.asarray(replaced.raw)[unique], replaced.qtype, replaced.n_in)
+        rows = np.asarray(_decoded(taken))
     return rows[inverse.reshape(tokens.shape)]  # [B, T, D]
 
 
@@ -193,11 +214,14 @@ def _head_chunk(hidden, w):
     return matmul(hidden, w)  # [N, C]
 
 
-def _logits(model: GGUFModel, hidden: jax.Array, row_block: int | None = None) -> np.ndarray:
+def _logits(
+    model: GGUFModel, hidden: jax.Array, row_block: int | None = None, replaced: Any = None
+) -> np.ndarray:
     """``hidden [N, D] @ output.weightᵀ`` → ``[N, V]``, reading the vocab in chunks of rows
     sent as stored bytes and decoded in the graph. With ``row_block``, the rows go through the
     head in blocks of exactly that many (the last one padded), so that a row's logits do not
-    depend on how many other rows came with it."""
+    depend on how many other rows came with it. ``replaced``: the student's requantized output
+    matrix (a ``GGMLWeight``), read in the same chunks."""
     name = "output.weight" if "output.weight" in model.tensor_names else "token_embd.weight"
     n_vocab, n_embd = model.tensor_shape(name)
     chunk = max(1, _LOGIT_CHUNK_BYTES // (4 * n_embd))
@@ -209,6 +233,7 @@ def _logits(model: GGUFModel, hidden: jax.Array, row_block: int | None = None) -
         hidden = jnp.pad(hidden, ((0, row_block - n_rows % row_block), (0, 0)))
     out = np.empty((n_rows, n_vocab), np.float32)
     stat = model.path.stat()
+    replaced_raw = None if replaced is None else np.asarray(replaced.raw)
 
     def load(start: int) -> dict[str, Any]:
         if qtype in IN_GRAPH_TYPES:  # [C, D] stored bytes
@@ -217,8 +242,12 @@ def _logits(model: GGUFModel, hidden: jax.Array, row_block: int | None = None) -
         return {"w": jax.device_put(model.tensor_rows(name, start, start + chunk))}
 
     for start in range(0, n_vocab, chunk):
-        key = (str(model.path), stat.st_size, stat.st_mtime_ns, name, start, chunk)
-        w = resident_layers().get(key, partial(load, start))["w"]
+        if replaced_raw is not None:
+            piece = jax.device_put(replaced_raw[start : start + chunk])
+            w = GGMLWeight(piece, replaced.qtype, n_embd)
+        else:
+            key = (str(model.path), stat.st_size, stat.st_mtime_ns, name, start, chunk)
+            w = resident_layers().get(key, partial(load, start))["w"]
         for a, b in blocks:
             rows = hidden[a:b] if row_block is None else hidden[a : a + row_block]
             out[a:b, start : start + w.shape[0]] = np.asarray(_head_chunk(rows, w))[: b - a]
@@ -266,7 +295,7 @@ def forward(
     tile = expert_tile_rows(n_batch * padded_len * hp.n_expert_used, hp.n_expert)
     replacements = replacements or {}
 
-    h = jnp.asarray(_embed(model, tokens))  # [B, T, D]
+    h = jnp.asarray(_embed(model, tokens, _head(replacements, "token_embd.weight")))  # [B, T, D]
     captures: list[LayerCapture] = []
     router: list[np.ndarray] = []
     misses: list[np.ndarray] = []
@@ -311,7 +340,11 @@ def forward(
     hidden = _final_norm(
         hp.rms_norm_eps, h, jnp.asarray(model.tensor("output_norm.weight")), jnp.asarray(rows)
     )
-    logits = np.split(_logits(model, hidden), np.cumsum([len(p) for p in wanted])[:-1])
+    head = _head(replacements, "output.weight")
+    if head is None and "output.weight" not in model.tensor_names:  # tied: the embedding's
+        head = _head(replacements, "token_embd.weight")
+    logits = _logits(model, hidden, replaced=head)
+    logits = np.split(logits, np.cumsum([len(p) for p in wanted])[:-1])
     per_token = np.stack(router, axis=1)  # [T_real, L, k]
     cuts = np.cumsum(lengths)[:-1]
     return ForwardResult(

@@ -215,6 +215,14 @@ def self_attention(hp: Any, w: dict[str, Any], x: jax.Array, positions: jax.Arra
     RMSNorm when ``attn_{q,k}_norm.weight`` exist (per head or over the projection, by their
     size); RoPE of kind ``hp.rope_kind`` on the first ``hp.rope_dim`` dims of each head.
     """
+    return self_attention_with_inputs(hp, w, x, positions)[0]
+
+
+def self_attention_with_inputs(
+    hp: Any, w: dict[str, Any], x: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """:func:`self_attention` and the input of its one matrix that does not read ``x``:
+    ``{"attn_output.weight": [T, H*hd]}`` (the heads' mix, what an imatrix records for it)."""
     q = _qk_norm(_projection(x, w, "attn_q"), w.get("attn_q_norm.weight"), hp.n_head,
                  hp.rms_norm_eps)  # [T, H, hd]
     k = _qk_norm(_projection(x, w, "attn_k"), w.get("attn_k_norm.weight"), hp.n_head_kv,
@@ -222,7 +230,8 @@ def self_attention(hp: Any, w: dict[str, Any], x: jax.Array, positions: jax.Arra
     v = _projection(x, w, "attn_v").reshape(x.shape[0], hp.n_head_kv, -1)
     q = rope(q, positions, hp.rope_freq_base, hp.rope_dim, hp.rope_kind)
     k = rope(k, positions, hp.rope_freq_base, hp.rope_dim, hp.rope_kind)
-    return matmul(causal_attention(q, k, v), w["attn_output.weight"])
+    mix = causal_attention(q, k, v)  # [T, H*hd]
+    return matmul(mix, w["attn_output.weight"]), {"attn_output.weight": mix}
 
 
 def moe_ffn(
@@ -273,4 +282,5 @@ def moe_ffn(
     else:
         gate = jnp.ones(x.shape[0], jnp.float32)
     capture["shexp_gate"] = gate
+    capture["shexp_hidden"] = hidden  # down_shexp's input (input_moments; unused otherwise)
     return routed + matmul(hidden, w["ffn_down_shexp.weight"]) * gate[:, None], capture

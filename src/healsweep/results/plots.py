@@ -179,9 +179,18 @@ def kld_vs_mib(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
 
 
 KLD_VS_BPW_CAPTION = (
-    "pooled KLD against routed bits per weight: each config with its paired-bootstrap CI, the "
-    "Pareto front, llama.cpp's files (external) and the budget"
+    "pooled KLD against routed bits per weight: each config with its paired-bootstrap CI, "
+    "healsweep's Pareto front, llama.cpp's files (external) and the budget"
 )
+# The routed bpw the plot always spans (issue 39): llama.cpp's IQ1_S (1.5625) to IQ3_XXS
+# (3.0625), so sweeps of different types share one axis and the reference points line up.
+BPW_RANGE = (1.5, 3.1)
+
+
+def own_front(configs: list[ConfigResult]) -> list[ConfigResult]:
+    """The Pareto front (routed bpw, pooled KLD) of healsweep's own configs: external files are
+    reference points beside it, never on it."""
+    return pareto_front([c for c in configs if c.role != Role.EXTERNAL])
 
 
 def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], str]) -> Path:
@@ -189,8 +198,9 @@ def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
     config (pruned or unfinished ones faint, without bars: their KLD is of a few windows). Bars:
     its paired-bootstrap CI against the baseline on the shared windows, as a range
     of its own KLD (baseline KLD x (1 + CI of the relative change)); the Pareto front (no config
-    is both smaller and better) joined; external files (llama.cpp's uniform quants) labelled;
-    a routed-bpw budget's limits as vertical lines."""
+    is both smaller and better) of healsweep's own configs joined, the external files
+    (llama.cpp's uniform quants: reference points, never on the front) labelled; a routed-bpw
+    budget's limits as vertical lines. The x axis spans at least :data:`BPW_RANGE`."""
 
     level = summary.rule.ci_level
     sized = [c for c in summary.configs if c.routed_bpw is not None and c.pooled]
@@ -215,7 +225,7 @@ def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
         if config.role == Role.EXTERNAL or config.is_baseline:
             ax.annotate(label(config)[:24], (x, y), fontsize=6, xytext=(4, 3),
                         textcoords="offset points")  # fmt: skip
-    front = pareto_front(sized)
+    front = own_front(sized)
     if len(front) > 1:
         ax.step([c.routed_bpw for c in front], [c.pooled["kld_mean"] for c in front],
                 where="post", color="tab:green", lw=1, alpha=0.7, label="Pareto front")  # fmt: skip
@@ -228,6 +238,9 @@ def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
             ax.axvline(limit, color="tab:red", ls="--", lw=0.9, label="budget")
     if any(c.pooled["kld_mean"] > 0 for c in sized):
         ax.set_yscale("log")
+    xs = [c.routed_bpw for c in sized]
+    lo, hi = min([BPW_RANGE[0], *xs]), max([BPW_RANGE[1], *xs])
+    ax.set_xlim(lo - 0.02 * (hi - lo), hi + 0.02 * (hi - lo))
     ax.set_xlabel("routed experts: stored bits per weight")
     ax.set_ylabel(f"pooled KLD ({level:.0%} paired CI vs baseline)")
     ax.set_title("quality against size (lower left is better)", fontsize=9)

@@ -142,7 +142,8 @@ def build_externals(spec: SweepSpec, sweep_dir: Path) -> list[Path]:
         calibration = spec.calibration if entry.llama.imatrix else None
         out = write_llama_baseline(open_model(spec.model), entry.llama.type,
                                    entry.built_path(sweep_dir), calibration=calibration,
-                                   cache=StageCache(spec.cache_root, spec.cache_max_gb))  # fmt: skip
+                                   cache=StageCache(spec.cache_root, spec.cache_max_gb),
+                                   all_tensors=entry.llama.all_tensors)  # fmt: skip
         log.info("external %s: built %s", entry.name, out)
         built.append(out)
     return built

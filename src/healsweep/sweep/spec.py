@@ -122,6 +122,19 @@ class LlamaRecipe(_Strict):
     """a routed-expert type of llama.cpp's quantizer (iq2_xxs, iq2_xs, q2_k, ...)"""
     imatrix: bool = True
     """true (default: importance rows from the sweep's calibration) or false"""
+    tensors: Literal["routed", "all"] | None = None
+    """routed (default: the routed experts alone) or all (every matrix in the type, as
+    llama-quantize with one type for every tensor; router and vectors stay F32)"""
+
+    @model_serializer(mode="wrap")
+    def _dump_tensors(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # left out when not given, so a recipe from before is stored (and hashed) as it was
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+    @property
+    def all_tensors(self) -> bool:
+        """Whether every matrix goes to the type (``tensors: all``)."""
+        return self.tensors == "all"
 
 
 class ExternalSpec(_Strict):
@@ -165,17 +178,20 @@ class BudgetSpec(_Strict):
     """bytes of the model file (an integer or list of integers > 0)"""
     file_mib: list[Annotated[float, Field(gt=0.0)]] | None = None
     """MiB (2^20 bytes) of the model file (a number or list > 0)"""
+    file_gib: list[Annotated[float, Field(gt=0.0)]] | None = None
+    """GiB (2^30 bytes) of the model file (a number or list > 0)"""
 
-    @field_validator("routed_bpw", "file_bytes", "file_mib", mode="before")
+    @field_validator("routed_bpw", "file_bytes", "file_mib", "file_gib", mode="before")
     @classmethod
     def _one_or_many(cls, value: Any) -> Any:
         return [value] if isinstance(value, int | float) and not isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _one_measure(self) -> BudgetSpec:
-        given = [v for v in (self.routed_bpw, self.file_bytes, self.file_mib) if v is not None]
+        measures = (self.routed_bpw, self.file_bytes, self.file_mib, self.file_gib)
+        given = [v for v in measures if v is not None]
         if len(given) != 1 or not given[0]:
-            raise ValueError("a budget names one of routed_bpw, file_bytes, file_mib")
+            raise ValueError("a budget names one of routed_bpw, file_bytes, file_mib, file_gib")
         if len(set(given[0])) != len(given[0]):
             raise ValueError(f"it lists a limit twice: {given[0]!r}")
         return self
@@ -268,7 +284,8 @@ class SweepSpec(_Strict):
     external: list[ExternalSpec] = Field(default_factory=list)
     """a list of {name, path} or {name, llama: {type, imatrix}} (GGUFs scored beside trials)"""
     budget: BudgetSpec | None = None
-    """{routed_bpw: X | [X, ...]}, {file_bytes: N | [...]} or {file_mib: M | [...]}"""
+    """{routed_bpw: X | [X, ...]}, {file_bytes: N | [...]}, {file_mib: M | [...]} or
+    {file_gib: G | [...]} (the file measures count the whole file)"""
     allocator: AllocatorSpec | None = None
     """{ladder, proposals, windows} (with sampler allocator)"""
     placement: Literal["cache", "ray"] = "cache"
