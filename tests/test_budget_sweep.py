@@ -316,3 +316,24 @@ def test_the_allocator_budget_sweeps_load_and_move_every_group(name, limit, ladd
     assert base.type_gu == base.type_d == ladder[1]
     shapes = ModelShapes.of(open_model(rows256))
     assert len(moves(base, shapes, spec.allocator.ladder)) == 4 * len(shapes.moe_layers)
+
+
+@needs_ggml
+def test_readme_command_1_runs_the_two_recipes_against_llama_cpps_files_of_their_sizes():
+    """sweeps/medium-cpu-recipes.yaml (README command (1)): its baseline is
+    configs/knobs/budget-2.06.yaml, its one grid point budget-2.31.yaml, its tiers the two sizes
+    and its external files llama.cpp's IQ2_XXS and IQ2_XS with an importance matrix; the 2.06
+    recipe unhealed is its reference row."""
+    from healsweep.heal.knobs import load_knobs
+    from healsweep.kernels.ggml_types import ggml_type
+    from healsweep.sweep.space import grid_configs
+    from healsweep.sweep.spec_files import load_spec
+
+    spec = load_spec(ROOT / "sweeps" / "medium-cpu-recipes.yaml", check_paths=False)
+    recipes = [load_knobs(ROOT / "configs" / "knobs" / f"budget-{b}.yaml") for b in ("2.06", "2.31")]
+    assert grid_configs(spec) == recipes  # the baseline first, then the grid's one point
+    assert spec.budget.budget().limits == tuple(
+        ggml_type(t).bits_per_weight for t in ("iq2_xxs", "iq2_xs"))  # fmt: skip
+    assert {e.name: (e.llama.type, e.llama.imatrix) for e in spec.external} == {
+        "llama-iq2_xxs": ("iq2_xxs", True), "llama-iq2_xs": ("iq2_xs", True)}  # fmt: skip
+    assert list(spec.reference_names()) == ["unhealed"] and spec.model == "demo-medium-cpu"
