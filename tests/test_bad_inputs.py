@@ -150,17 +150,20 @@ def test_expert_dims_not_multiples_of_64_refused_by_heal(tmp_path, tiny_tokenize
         "--max-tokens", "128", "--chunk-length", "32", tmp_path=tmp_path,
     )  # fmt: skip
     message = one_line_error(run)
-    assert message == (
+    misfit = (
         f"{path}: the rows of ffn_down_exps hold 32 values, not a multiple of the Q2_0 block of "
-        "64; this model's routed experts cannot be quantized to Q2_0"
+        "64; they cannot be stored as q2_0. The types that fit this model, smallest first: "
+        "gate/up (rows of 64): q2_0 (2.25 bits), iq4_nl (4.5 bits); down (rows of 32): iq4_nl "
+        "(4.5 bits); these knobs fit the packaged model demo (rows of 128)"
     )
+    assert message.startswith(misfit) and f"--knobs {knobs} " in message
     assert "calib_trace" not in run.stdout  # refused before any teacher pass
     assert not (tmp_path / "healed.gguf").exists()
     # A sweep over the same model is refused before Ray starts, leaving no results folder.
     spec = tmp_path / "ff32.yaml"
     spec.write_text(f"name: ff32\nmodel: {path}\nsearch_space:\n  gain_d: [0.3]\n")
     run = healsweep("sweep", "run", spec, "--results", tmp_path / "results", tmp_path=tmp_path)
-    assert one_line_error(run) == message
+    assert one_line_error(run).startswith(misfit)
     assert not (tmp_path / "results" / "ff32").exists()
 
 

@@ -322,8 +322,9 @@ def test_the_allocator_budget_sweeps_load_and_move_every_group(name, limit, ladd
 def test_the_whole_file_and_pareto_sweeps_load_with_their_references():
     """Issue 39 part A's dev specs on demo-medium-cpu: the file budget's tiers are llama.cpp's
     file with every matrix in IQ2_XXS and the Unsloth-style file as heal.size counts them (each
-    an external beside the routed-only one), the baseline sits inside the first; the Pareto spec's references are
-    llama.cpp's seven types from IQ1_S to IQ3_XXS and its pairs span 1.625-2.896 routed bpw."""
+    an external beside the routed-only one), the baseline sits inside the first; the Pareto
+    spec's references are llama.cpp's seven types from IQ1_S to IQ3_XXS and its pairs span
+    1.625-2.896 routed bpw."""
     from healsweep.heal.size import config_size
     from healsweep.kernels.ggml_types import ggml_type
     from healsweep.sweep.spec_files import load_spec
@@ -345,3 +346,24 @@ def test_the_whole_file_and_pareto_sweeps_load_with_their_references():
     bpw = [(2 * ggml_type(g).bits_per_weight + ggml_type(d).bits_per_weight) / 3
            for g in pareto.search_space.type_gu for d in pareto.search_space.type_d]  # fmt: skip
     assert (min(bpw), round(max(bpw), 3)) == (1.625, 2.896)
+
+
+@needs_ggml
+def test_readme_command_1_runs_the_two_recipes_against_llama_cpps_files_of_their_sizes():
+    """sweeps/medium-cpu-recipes.yaml (README command (1)): its baseline is
+    configs/knobs/budget-2.06.yaml, its one grid point budget-2.31.yaml, its tiers the two sizes
+    and its external files llama.cpp's IQ2_XXS and IQ2_XS with an importance matrix; the 2.06
+    recipe unhealed is its reference row."""
+    from healsweep.heal.knobs import load_knobs
+    from healsweep.kernels.ggml_types import ggml_type
+    from healsweep.sweep.space import grid_configs
+    from healsweep.sweep.spec_files import load_spec
+
+    spec = load_spec(ROOT / "sweeps" / "medium-cpu-recipes.yaml", check_paths=False)
+    recipes = [load_knobs(ROOT / "configs" / "knobs" / f"budget-{b}.yaml") for b in ("2.06", "2.31")]
+    assert grid_configs(spec) == recipes  # the baseline first, then the grid's one point
+    assert spec.budget.budget().limits == tuple(
+        ggml_type(t).bits_per_weight for t in ("iq2_xxs", "iq2_xs"))  # fmt: skip
+    assert {e.name: (e.llama.type, e.llama.imatrix) for e in spec.external} == {
+        "llama-iq2_xxs": ("iq2_xxs", True), "llama-iq2_xs": ("iq2_xs", True)}  # fmt: skip
+    assert list(spec.reference_names()) == ["unhealed"] and spec.model == "demo-medium-cpu"

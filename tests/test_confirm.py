@@ -62,8 +62,16 @@ def swept(tmp_path_factory, tiny_tokenizer):
     }
     (root / "spec.yaml").write_text(json.dumps(spec))
     env = {**os.environ, "HEALSWEEP_CACHE": str(root / "cache")}
-    run = _cli("sweep", "run", str(root / "spec.yaml"), "--results", str(root / "results"), env=env)
+    run = _cli("sweep", "run", str(root / "spec.yaml"), "--results", str(root / "results"),
+               "--json", "--quiet", env=env)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
+    # --json: one object on stdout (the final summary); --quiet: no progress lines on stderr
+    done = json.loads(run.stdout)
+    assert done["sweep"] == SWEEP and done["trials"] == 2 and done["by_status"] == {"completed": 2}
+    assert done["best"]["trial_id"] and done["unfinished"] == 0
+    assert {row["label"] for row in done["fixed"]} == {"unhealed", "plain"}
+    assert done["windows"]["scored"] > 0 and done["next"].startswith("healsweep report ")
+    assert "trials " not in run.stderr and "reference and external rows" not in run.stderr
     return {"root": root, "sweep": root / "results" / SWEEP, "env": env, "spec": spec}
 
 
@@ -173,6 +181,30 @@ def test_confirm_opens_before_scoring_records_the_result_and_refuses_a_second(
     paths = write_report(sweep_copy, n_boot=500, confirmed=read_confirmed(sweep_copy))
     report = paths["markdown"].read_text()
     assert "| file changed |" in report  # the result no longer matches its ledger hash
+
+
+def test_confirm_prints_progress_by_config_and_windows_only_when_verbose(swept, tmp_path):
+    """By default a config's progress and the result, no window lines; --verbose adds every
+    window; --quiet prints the result alone; --quiet with --verbose is refused."""
+    outputs = {}
+    for flag in ("", "--verbose", "--quiet"):
+        target = tmp_path / (flag.strip("-") or "default") / "results" / SWEEP
+        shutil.copytree(swept["sweep"], target)
+        args = ["confirm", str(target), "--milestone", "m1", "--max-windows", "2",
+                "--n-boot", "200", *([flag] if flag else [])]  # fmt: skip
+        run = _cli(*args, env=swept["env"])
+        assert run.returncode == 0, run.stdout + run.stderr
+        outputs[flag] = run.stdout.splitlines()
+    for lines in outputs.values():
+        assert any(line.startswith("milestone 'm1': 2 test windows") for line in lines)
+    default, verbose, quiet = outputs[""], outputs["--verbose"], outputs["--quiet"]
+    assert any(line.startswith("config 1/") for line in default)
+    assert not any(line.startswith("  window") for line in default)
+    assert sum(line.startswith("  window") for line in verbose) == 2 * 2  # 2 configs x 2 windows
+    assert not any(line.startswith(("config ", "  window", "recorded result")) for line in quiet)
+    both = _cli("confirm", str(target), "--milestone", "m2", "--quiet", "--verbose",
+                env=swept["env"])  # fmt: skip
+    assert both.returncode == 2 and "not both" in both.stderr
 
 
 def test_a_pair_compares_two_confirmed_trials_and_a_bad_pair_is_refused_first(sweep_copy):

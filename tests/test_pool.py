@@ -161,7 +161,7 @@ def test_the_pool_summary_counts_hits_and_follow_ups_on_their_holder():
     assert pool["gpus"] == {"0": 1, "1": 1}
     line = pool_line(pool)
     assert "stage-cache hit rate 40% (10 hits, 15 computed, 1 after waiting)" in line
-    assert "follow-ups on the node holding their quantization 67% of 3" in line
+    assert "2 of 3 follow-ups (67%) ran on the node holding their quantization" in line
     assert "5 rows placed on 2 node(s)" in line and "GPUs 0: 1, 1: 1" in line
 
 

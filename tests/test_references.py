@@ -199,7 +199,7 @@ def test_a_grid_point_that_is_a_reference_is_scored_once_and_listed_with_it(tiny
     assert [r.reference for r in summary.references] == ["unhealed"]
     header, table = leaderboard(summary)
     assert "Δ KLD vs unhealed [95% CI]" in header
-    assert [row[2] for row in table if row[1].endswith("= unhealed")] == ["trial, reference"]
+    assert [row[3] for row in table if row[1].endswith("= unhealed")] == ["trial, reference"]
 
 
 @pytest.mark.parametrize("problem", ["missing", "garbage", "vocabulary"])

@@ -146,7 +146,8 @@ def test_leaderboard_numbers_and_verdicts(tmp_path):
     header, rows = leaderboard(summary)
     verdicts = {row[1]: row[-1] for row in rows}
     assert verdicts["gain_d=0"] == "ACCEPT" and verdicts["alpha=none"] == "reject"
-    assert verdicts["ridge=False"] == "pruned (not judged)" and rows[-1][4] == f"8/{N}"
+    assert verdicts["ridge=False"] == "pruned (not judged)" and rows[-1][5] == f"8/{N}"
+    assert header[2] == "trial" and {row[1]: row[2] for row in rows}["gain_d=0"] == "better"
     assert verdicts["unhealed"] == verdicts["plain"] == "reference"
 
 
@@ -171,8 +172,8 @@ def test_every_config_against_each_reference(tmp_path):
     header, rows = leaderboard(summary)
     assert "Δ KLD vs unhealed [95% CI]" in header and "Δ KLD vs plain [95% CI]" in header
     row = {r[1]: r for r in rows}
-    assert row["plain"][2] == "reference" and row["q2k"][2] == "external"
-    assert row["q2k"][5] == "2.625" and row["baseline"][5] == "2.25"  # IQ2_XXS: 2.0625
+    assert row["plain"][3] == "reference" and row["q2k"][3] == "external"
+    assert row["q2k"][6] == "2.625" and row["baseline"][6] == "2.25"  # IQ2_XXS: 2.0625
     # references are not trials: no main effect of `quantizer`, not in the pruning count
     assert "quantizer" not in {e["knob"] for e in summary.effects}
     assert summary.pruning["trials"] == len(CONFIGS)
@@ -244,7 +245,21 @@ def test_budget_tiers_healing_pairs_and_the_over_budget_count(tmp_path):
     assert all(p.unhealed.label == "unhealed" for p in pairs.values())
     expected = _pooled(1.0) / _pooled(FIXED["unhealed"][2]) - 1
     assert pairs["base"].comparison.rel_change == pytest.approx(expected, rel=1e-9)
+    from healsweep.results.findings import findings
+
+    found = findings(summary)
+    assert [f.scope for f in found] == ["budget ≤ 2.3 bpw", "budget ≤ 2.7 bpw"]
+    assert all(f.best.trial_ids == ["better"] for f in found)
+    assert [v.name for v in found[0].versus] == ["baseline", "unhealed", "plain"]
+    assert [v.name for v in found[1].versus] == ["baseline", "unhealed", "plain", "q2k"]
+    q2k = found[1].versus[-1]
+    assert q2k.kind == "llama.cpp" and q2k.comparison.rel_change == pytest.approx(
+        high.vs_externals[0][1].rel_change, rel=1e-12
+    )
     report = write_report(folder, summary=summary)["markdown"].read_text()
+    assert "- **budget ≤ 2.3 bpw**: the best config is gain_d=0, trial `better`" in report
+    assert f"--trial better --out {folder.name}-2.3.gguf`" in report
+    assert "against llama.cpp's q2k" in report
     assert "1 configs over budget, not scored (budget: 2.3 bpw, 2.7 bpw)." in report
     assert "## Best config per budget against llama.cpp" in report
     assert "## What healing adds on top of each allocation" in report
@@ -257,3 +272,106 @@ def test_budget_tiers_healing_pairs_and_the_over_budget_count(tmp_path):
     assert pareto_front([*sized, smaller])[0] is smaller  # smaller and better than every config
     own = own_front([*sized, smaller])
     assert own == pareto_front([c for c in sized if c.role != "external"]) and own[0] is best
+
+
+def _pooled_sums(factor, idx):
+    """Token-pooled KLD of a config on resampled windows ``idx`` ([B, N] indices), float64."""
+    return (BASE_KLD * factor * TOKENS)[idx].sum(axis=1)
+
+
+def test_knob_effects_carry_a_bootstrap_ci_of_the_group_mean(tmp_path):
+    """The CI of a knob value's mean Δ resamples windows once for every config of the group
+    (the same draw for each, as the paired bootstrap draws them): recomputed here in float64
+    from the raw per-window figures with the same generator."""
+    n_boot = 500
+    summary = summarize(_folder(tmp_path), n_boot=n_boot, seed=3)
+    idx = np.random.default_rng(3).integers(0, N, size=(n_boot, N))
+    base = _pooled_sums(np.ones(N), idx)
+    rel = {name: _pooled_sums(CONFIGS[name][1], idx) / base - 1
+           for name in ("better", "worse", "uneven")}  # fmt: skip
+    effects = {(e["knob"], e["value"]): e for e in summary.effects}
+    groups = {("gain_d", 0.0): ["better", "uneven"], ("gain_d", 0.3): ["worse"],
+              ("alpha", "none"): ["worse", "uneven"], ("alpha", "gaussian"): ["better"]}  # fmt: skip
+    for key, names in groups.items():
+        size = effects[key]["configs"]  # the baseline counts as a config with no change
+        mean = sum(rel[n] for n in names) / size
+        want = np.quantile(mean, [0.025, 0.975])
+        assert effects[key]["ci"] == pytest.approx(tuple(want), rel=1e-9, abs=1e-12), key
+        lo, hi = effects[key]["ci"]
+        assert lo <= effects[key]["rel_change"] <= hi
+    from healsweep.results.report import effects_table
+
+    header, rows = effects_table(summary)
+    assert header[-1] == "mean Δ vs baseline [95% CI]" and all("[" in row[-1] for row in rows)
+
+
+def test_the_report_opens_with_what_the_sweep_found(tmp_path):
+    """Without a budget: the best completed config by pooled KLD with its trial id, each
+    comparison (baseline, references, the external file) with its CI and the decision rule's
+    word, the export command; and the trial export --best takes (the best accepted one)."""
+    from healsweep.results.findings import best_accepted, findings
+    from healsweep.results.report import counts_line, found_lines
+
+    folder = _folder(tmp_path)
+    summary = summarize(folder, n_boot=500)
+    done = {n: _pooled(CONFIGS[n][1]) for n in ("base", "better", "worse", "uneven")}
+    best_name = min(done, key=done.get)
+    (found,) = findings(summary)
+    assert found.scope == "all configs" and found.best.trial_ids == [best_name]
+    against = {v.name: v for v in found.versus}
+    assert set(against) == {"baseline", "unhealed", "plain", "q2k"}
+    for name, factor in (("unhealed", FIXED["unhealed"][2]), ("q2k", FIXED["q2k"][2])):
+        expected = done[best_name] / _pooled(factor) - 1
+        assert against[name].comparison.rel_change == pytest.approx(expected, rel=1e-9)
+    assert best_accepted(summary).trial_ids == ["better"]  # uneven regresses a stratum
+    text = "\n".join(found_lines(summary, "results/s"))
+    assert f"trial `{best_name}`" in text
+    assert f"healsweep export results/s --trial {best_name} --out s-best.gguf" in text
+    assert "`healsweep export results/s --best --out MODEL.gguf` takes trial `better`" in text
+    lo, hi = against["q2k"].comparison.rel_change_ci()
+    assert f"[{lo:+.2%}, {hi:+.2%}]".replace("-", "−") in text
+    report = write_report(folder, summary=summary)["markdown"].read_text()
+    assert report.index("## What the sweep found") < report.index("## Leaderboard")
+    # the counts: 5 trials (one pruned after 8 windows), 3 fixed rows, nothing replayed
+    assert counts_line(summary).startswith(
+        f"5 trials (the baseline included), 2 reference rows, 1 external file on {N} dev "
+        f"windows each; {4 * N + 8 + 3 * N} windows scored; "
+    )
+
+
+def test_a_window_named_by_several_rows_of_one_student_is_counted_once():
+    from healsweep.results.aggregate import window_counts
+
+    same = Knobs(gain_d=0.0)
+    rows = [
+        {"config_hash": h, "role": role, "is_baseline": False, **knob_columns(same),
+         "window_id": f"w{i}"}
+        for h, role in (("trial-hash", "trial"), ("ref-hash", "reference")) for i in range(3)
+    ]  # fmt: skip
+    rows.append({"config_hash": "ext", "role": "external", "is_baseline": False,
+                 "window_id": "w0"})  # fmt: skip
+    assert window_counts(rows) == {"scored": 4, "recorded": 7, "replayed": 3}
+
+
+def test_report_json_and_text_name_the_same_trials(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = _folder(tmp_path)
+    cli = Path(__file__).resolve().parents[1] / "cli.py"
+    run = subprocess.run([sys.executable, str(cli), "report", str(folder), "--json",
+                          "--n-boot", "200"], capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    (found,) = out["findings"]
+    assert found["scope"] == "all configs" and found["best"]["trial_id"] in CONFIGS
+    assert {a["name"] for a in found["against"]} == {"baseline", "unhealed", "plain", "q2k"}
+    assert all(a["rel_change_ci"][0] <= a["rel_change"] <= a["rel_change_ci"][1]
+               for a in found["against"])  # fmt: skip
+    assert out["counts"]["windows"]["scored"] == 4 * N + 8 + 3 * N
+    assert {row["trial"] for row in out["leaderboard"]} >= set(CONFIGS)
+    assert Path(out["files"]["markdown"]).is_file()
+    text = subprocess.run([sys.executable, str(cli), "report", str(folder), "--n-boot", "200"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert text.returncode == 0 and f"trial `{found['best']['trial_id']}`" in text.stdout

@@ -90,12 +90,12 @@ def _row(trial_id, role, status, kld, windows=(8, 8)):
 
 def test_one_best_rule_for_progress_status_confirm_and_export(tmp_path):
     """The best trial is the completed trial with the lowest pooled KLD, the baseline included
-    (``results.schema.best_trial``); the progress line, ``confirm`` and ``export --best`` agree,
-    and confirm refuses to pick the baseline as the config to test against itself."""
+    (``results.schema.best_trial``); the progress line and ``confirm`` agree (``export --best``
+    also asks the decision rule: tests/test_export_trial.py), and confirm refuses to pick the
+    baseline as the config to test against itself."""
     import pytest
 
     from healsweep.confirm import choose_configs
-    from healsweep.deliver import pick_trial
     from healsweep.errors import ResultsError
     from healsweep.results.schema import best_trial, end_status, scored_all
     from healsweep.sweep.progress import Progress
@@ -108,14 +108,12 @@ def test_one_best_rule_for_progress_status_confirm_and_export(tmp_path):
     ]
     assert best_trial(rows)["trial_id"] == "good"
     assert Progress.of(rows, 3, 0, 0.0).best_trial == "good"
-    assert pick_trial(rows, None, tmp_path)["trial_id"] == "good"
     assert [(r["trial_id"], b) for r, b in choose_configs(rows, None, tmp_path)] == [
         ("base", True), ("good", False)
     ]
     rows[0]["kld_mean"] = 0.15  # nothing beats the baseline now
     assert best_trial(rows)["trial_id"] == "base"
     assert Progress.of(rows, 3, 0, 0.0).best_trial == "base"
-    assert pick_trial(rows, None, tmp_path)["trial_id"] == "base"  # the best file is the baseline
     with pytest.raises(ResultsError, match="best completed dev trial is the baseline itself"):
         choose_configs(rows, None, tmp_path)
     assert [r["trial_id"] for r, _ in choose_configs(rows, ["good"], tmp_path)] == ["base", "good"]

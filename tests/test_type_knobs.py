@@ -7,8 +7,10 @@ names a ggml type is plain data until a knob file, a sweep spec or ``build_stude
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -179,12 +181,15 @@ def without_ggml(monkeypatch):
 
     _ggml_lib.libggml.cache_clear()
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # find_spec answers None
+    monkeypatch.delenv(_ggml_lib.ENV_VAR, raising=False)  # no llama.cpp build named either
+    monkeypatch.setattr(_ggml_lib, "BUILT_DIR", Path("no-such-folder"))  # nor tools/build-ggml.sh's
     yield
     monkeypatch.undo()
     _ggml_lib.libggml.cache_clear()
 
 
 def test_a_ggml_type_without_ggml_fails_in_one_line_at_load(without_ggml, tmp_path):
+    from healsweep.gguf_io import _ggml_lib
     from healsweep.gguf_io._ggml_lib import status_line
     from healsweep.sweep.spec_files import spec_from_dict
 
@@ -194,9 +199,10 @@ def test_a_ggml_type_without_ggml_fails_in_one_line_at_load(without_ggml, tmp_pa
         load_knobs(knobs)
     message = str(info.value)
     assert message == (
-        f"{knobs}: knob type_d = 'iq2_xs' needs ggml's quantizer: llama-cpp-python is not "
-        'installed; install the ggml extra (pip install -e ".[ggml]") to use ggml\'s quantizer'
+        f"{knobs}: knob type_d = 'iq2_xs' needs ggml's quantizer: ggml's quantizer "
+        f"(libggml-base) was not found: {_ggml_lib.WAYS}"
     )
+    assert "tools/build-ggml.sh" in message and "HEALSWEEP_GGML_LIB" in message
     with pytest.raises(SettingError, match=r"^knob layer_types = '2:q2_0/q3_k' needs ggml's"):
         require_ggml(Knobs(layer_types="2:q2_0/q3_k").model_dump())
     with pytest.raises(SettingError, match="^knob type_gu = 'q2_k' needs ggml's quantizer"):
@@ -206,25 +212,30 @@ def test_a_ggml_type_without_ggml_fails_in_one_line_at_load(without_ggml, tmp_pa
     require_ggml(Knobs(layer_types="0:q2_0", quantizer="gptq").model_dump())  # all Q2_0: fine
     (tmp_path / "q2.yaml").write_text("type_d: q2_0\nlayer_types: '1:q2_0'\n")
     assert load_knobs(tmp_path / "q2.yaml").type_d == "q2_0"
-    assert status_line().startswith("ggml quantizer: absent (llama-cpp-python is not installed")
+    assert status_line().startswith("ggml quantizer: absent (ggml's quantizer (libggml-base) was")
 
 
 def test_the_cli_refuses_a_ggml_type_in_one_line_in_a_process_that_cannot_find_ggml(tmp_path):
-    # A real process whose import system has no llama_cpp (find_spec answers None there), so
-    # healsweep.gguf_io._ggml_lib finds no library: `healsweep heal` exits 1 with one line, no
-    # traceback, before it opens the model (which does not exist here).
+    # A real process whose import system has no llama_cpp (find_spec answers None there) and no
+    # HEALSWEEP_GGML_LIB, so healsweep.gguf_io._ggml_lib finds no library: `healsweep heal` exits
+    # 1 with one line, no traceback, once it has checked that the type fits the model's rows.
     knobs = tmp_path / "k.yaml"
     knobs.write_text("type_gu: iq2_xxs\n")
     hide = "import sys; sys.modules['llama_cpp'] = None; from healsweep.cli import main; main()"
-    args = ["heal", str(tmp_path / "absent.gguf"), "--knobs", str(knobs), "--out", "o.gguf"]
-    done = subprocess.run([sys.executable, "-c", hide, *args], capture_output=True, text=True)
+    args = ["heal", "demo-medium-cpu", "--knobs", str(knobs), "--out", str(tmp_path / "o.gguf")]
+    env = {k: v for k, v in os.environ.items() if k != "HEALSWEEP_GGML_LIB"}
+    env["HEALSWEEP_CACHE"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, "-c", hide, *args], capture_output=True, text=True,
+                          env=env)  # fmt: skip
     assert done.returncode == 1, done.stderr
-    assert done.stderr == (
-        f"error: {knobs}: knob type_gu = 'iq2_xxs' needs ggml's quantizer: llama-cpp-python is "
-        'not installed; install the ggml extra (pip install -e ".[ggml]") to use ggml\'s '
-        "quantizer\n"
-    )
-    assert "Traceback" not in done.stdout + done.stderr
+    if "tools/build-ggml.sh" in done.stderr and "built" in done.stderr:  # pragma: no cover
+        pytest.fail("this venv has a built libggml-base; the test cannot hide it")
+    assert done.stderr.startswith(
+        f"error: {knobs}: knob type_gu = 'iq2_xxs' needs ggml's quantizer: ggml's quantizer "
+        "(libggml-base) was not found: build it with tools/build-ggml.sh"
+    ), done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stdout + done.stderr
+    assert not (tmp_path / "o.gguf").exists()
 
 
 @pytest.mark.slow  # a spec that names a ggml type needs ggml's quantizer (the [bench] extra)

@@ -51,24 +51,82 @@ class ExportResult:
     frozen_hash: str
     confirmation: Confirmation | None
     notes: list[str] = field(default_factory=list)
+    chosen: str | None = None  # why this trial, when export chose it (--best)
 
 
-def pick_trial(trials: list[dict[str, Any]], trial_id: str | None, where: Path) -> dict[str, Any]:
-    """The row of ``trial_id``, or (None) the sweep's best trial
-    (:func:`~healsweep.results.schema.best_trial`, the baseline when nothing beat it)."""
+def pick_trial(trials: list[dict[str, Any]], trial_id: str, where: Path) -> dict[str, Any]:
+    """The row of ``trial_id`` (an external GGUF is refused: it has no student to rebuild)."""
     # lazy: heavy (pyarrow)
-    from healsweep.confirm import best_row, trial_by_id
+    from healsweep.confirm import trial_by_id
     from healsweep.results.schema import Role, row_role
 
-    if trial_id is not None:
-        row = trial_by_id(trials, trial_id, where)
-        if row_role(row) == Role.EXTERNAL:
+    row = trial_by_id(trials, trial_id, where)
+    if row_role(row) == Role.EXTERNAL:
+        raise ResultsError(
+            f"{where}: {trial_id} is the external GGUF {row['external_path']}, scored as it "
+            "is; there is no student to rebuild (copy that file instead)"
+        )
+    return row
+
+
+def choose_best(
+    sweep_dir: Path, trials: list[dict[str, Any]], allow_rejected: bool = False
+) -> tuple[dict[str, Any], str]:
+    """``export --best``: the trial row of the best completed trial the decision rule accepts
+    against the baseline (:func:`healsweep.results.findings.best_accepted`), and one line on
+    why it. When no trial passes, ResultsError naming the best trial by dev KLD and its
+    verdict, unless ``allow_rejected``: then that trial (the baseline when nothing beat it),
+    with a line that says it was not accepted."""
+    # lazy: heavy (pyarrow)
+    from healsweep.confirm import trial_by_id
+    from healsweep.results.aggregate import summarize
+    from healsweep.results.findings import (
+        best_accepted,
+        best_by_kld,
+        tune_trial_id,
+        verdict_word,
+    )
+    from healsweep.results.report import describe
+
+    summary = summarize(sweep_dir)
+    level = summary.rule.ci_level
+
+    def delta(config: Any) -> str:
+        lo, hi = config.comparison.rel_change_ci(level)
+        return f"{config.comparison.rel_change:+.2%} [{lo:+.2%}, {hi:+.2%}] vs the baseline"
+
+    accepted = best_accepted(summary)
+    if accepted is not None:
+        tid = tune_trial_id(accepted)
+        why = (f"trial {tid} ({describe(accepted, summary.baseline)}): the best trial the "
+               f"decision rule accepts against the baseline, {delta(accepted)}")  # fmt: skip
+        return trial_by_id(trials, tid, sweep_dir), why
+    top = best_by_kld(summary)
+    if top is None or top.pooled["kld_mean"] >= summary.baseline.pooled["kld_mean"]:
+        base = tune_trial_id(summary.baseline)
+        what = (
+            "no trial completed besides the baseline"
+            if top is None
+            else f"no completed trial beat the baseline on dev (the best, trial "
+            f"{tune_trial_id(top)}, is {delta(top)})"
+        )
+        if not allow_rejected:
             raise ResultsError(
-                f"{where}: {trial_id} is the external GGUF {row['external_path']}, scored as it "
-                "is; there is no student to rebuild (copy that file instead)"
+                f"{sweep_dir}: {what}; nothing passes the decision rule. Export the baseline "
+                f"with --best --allow-rejected (or --trial {base}), or any trial with --trial ID"
             )
-        return row
-    return best_row(trials, where, "to export as --best")
+        return trial_by_id(trials, base, sweep_dir), f"{what}: exporting the baseline, trial {base}"
+    tid = tune_trial_id(top)
+    verdict = f"trial {tid} ({describe(top, summary.baseline)}) is {delta(top)}, " + verdict_word(
+        top.verdict
+    )
+    if not allow_rejected:
+        raise ResultsError(
+            f"{sweep_dir}: no trial passes the decision rule against the baseline: the best by "
+            f"dev KLD, {verdict}; export it anyway with --best --allow-rejected (or --trial "
+            f"{tid}), or run more trials"
+        )
+    return trial_by_id(trials, tid, sweep_dir), f"{verdict} (exported with --allow-rejected)"
 
 
 def find_confirmation(sweep_dir: Path, frozen: str) -> tuple[Confirmation | None, str | None]:
@@ -123,8 +181,10 @@ def export_trial(
     experts: str = "healed",
     cache: StageCache | None = None,
     progress: Progress | None = None,
+    allow_rejected: bool = False,
 ) -> ExportResult:
-    """Rebuild a trial's student (``trial_id``, or the best dev trial) and write it to ``out``.
+    """Rebuild a trial's student (``trial_id``, or the best trial the decision rule accepts:
+    :func:`choose_best`, ``allow_rejected`` as there) and write it to ``out``.
 
     Refuses a sweep folder without results, an unknown trial, and a model file that changed
     since the sweep (its knobs were tuned on another model). ``cache`` is a ``StageCache``
@@ -147,7 +207,16 @@ def export_trial(
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
     spec = read_spec(sweep_dir)
-    row = pick_trial(read_trials(sweep_dir).to_pylist(), trial_id, sweep_dir)
+    trials = read_trials(sweep_dir).to_pylist()
+    if not trials:
+        raise ResultsError(f"{sweep_dir}: no trials recorded yet; run the sweep first")
+    chosen = None
+    if trial_id is not None:
+        row = pick_trial(trials, trial_id, sweep_dir)
+    else:
+        row, chosen = choose_best(sweep_dir, trials, allow_rejected)
+        if progress is not None:
+            progress("best", chosen)
     teacher = sweep_model(sweep_dir, spec, manifest, "restore the model the sweep tuned on")
     knobs = knobs_of(row)
     assert knobs is not None  # pick_trial refuses an external row
@@ -181,4 +250,4 @@ def export_trial(
     if head is not None:
         metadata["ledger_head"] = canonical_json(head)
     path = write_healed_gguf(student, out, experts=experts, metadata=metadata)
-    return ExportResult(path, row, knobs, frozen, confirmation, notes)
+    return ExportResult(path, row, knobs, frozen, confirmation, notes, chosen)

@@ -6,23 +6,27 @@ imports happen inside the commands so that ``healsweep --help`` stays instant.
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from typing import Annotated
 
 import typer
 
 from healsweep.runtime import Runtime, use
 
+# Plain help (click's formatter, not rich's panels): a flag reads `--quiet`, an option with a
+# value `--n-boot <int>`; typer's rich panels label every flag `<bool>` as if it took a value.
 app = typer.Typer(
     name="healsweep",
     help="Sweeps of 2-bit quantization healing for GGUF Mixture-of-Experts models.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,
 )
 
 
 def _group(name: str, help_text: str) -> typer.Typer:
-    group = typer.Typer(name=name, help=help_text, no_args_is_help=True)
+    group = typer.Typer(name=name, help=help_text, no_args_is_help=True, rich_markup_mode=None)
     app.add_typer(group, name=name)
     return group
 
@@ -38,10 +42,19 @@ cluster_app = _group("cluster", "Inspect the Ray cluster.")
 baseline_app = _group("baseline", "External baselines: the routed experts quantized by other tools.")
 
 
+def _version(shown: bool) -> None:
+    if shown:
+        typer.echo(f"healsweep {version('healsweep')}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     ctx: typer.Context,
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_version, help="Print the version and exit."
+    ),
 ) -> None:
     """Give the command a runtime of its own (:mod:`healsweep.runtime`): installed for the
     command, closed when it ends, and the process's previous one put back. (``--debug`` is

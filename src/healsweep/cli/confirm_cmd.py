@@ -39,7 +39,12 @@ _NEW_SPLIT = typer.Option(
     False, "--new-split", help="Record a deliberate new split (the ledger's latest differs)."
 )
 _BOOT = typer.Option(10_000, "--n-boot", min=100, help="Paired-bootstrap resamples.")
-_QUIET = typer.Option(False, "--quiet", help="No per-window progress lines.")
+_QUIET = typer.Option(
+    False, "--quiet", help="Print only the result: no progress lines (the ledger is still written)."
+)
+_VERBOSE = typer.Option(
+    False, "--verbose", help="Also print every test window's KLD as it is scored."
+)
 _PAIR = typer.Option(
     None,
     "--pair",
@@ -60,18 +65,23 @@ def confirm(
     new_split: bool = _NEW_SPLIT,
     n_boot: int = _BOOT,
     quiet: bool = _QUIET,
+    verbose: bool = _VERBOSE,
     pair: list[str] | None = _PAIR,
     cache_max_gb: CacheMaxGb = None,
 ) -> None:
     """Freeze configs, record the opening in the ledger, score them on the test split, record the
-    result hash; prints pooled KLD per config and the verdict of each config vs the baseline."""
+    result hash; prints pooled KLD per config and the verdict of each config vs the baseline
+    (progress by config; every window with --verbose; nothing but the result with --quiet)."""
     # lazy: heavy (pyarrow)
     from healsweep.confirm import confirm as run_confirm
 
+    if quiet and verbose:
+        raise typer.BadParameter("pass --quiet or --verbose, not both", param_hint="--quiet")
     parse_gb(cache_max_gb, "--cache-max-gb")  # a bad value: refused before the ledger is read
 
     def progress(message: str) -> None:
-        if not (quiet and message.startswith("  window")):
+        window = message.startswith("  window")
+        if verbose or not (quiet or window):
             typer.echo(message)
 
     summary = run_confirm(

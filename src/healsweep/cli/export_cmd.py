@@ -22,7 +22,17 @@ def export(
     best: Annotated[
         bool,
         typer.Option(
-            "--best", help="Export the completed trial with the lowest dev KLD (default)."
+            "--best",
+            help="Export the best completed trial that the decision rule accepts against the "
+            "baseline (the default without --trial); refused when none is accepted.",
+        ),
+    ] = False,
+    allow_rejected: Annotated[
+        bool,
+        typer.Option(
+            "--allow-rejected",
+            help="With --best: when no trial passes the decision rule, export the best by dev "
+            "KLD anyway (the baseline when nothing beat it), saying so.",
         ),
     ] = False,
     experts: Annotated[
@@ -55,6 +65,11 @@ def export(
     stage_cache = StageCache(cache, cache_max_gb)
     if trial is not None and best:
         raise typer.BadParameter("pass --trial ID or --best, not both", param_hint="--trial")
+    if trial is not None and allow_rejected:
+        raise typer.BadParameter(
+            "--allow-rejected goes with --best; a trial named with --trial is exported as it is",
+            param_hint="--allow-rejected",
+        )
     if experts not in EXPERT_FORMATS:
         raise typer.BadParameter(
             f"{experts!r}: choose one of {', '.join(EXPERT_FORMATS)}", param_hint="--experts"
@@ -64,7 +79,8 @@ def export(
         typer.echo(f"[{stage}] {message}")
 
     result = export_trial(
-        sweep_dir, out, trial_id=trial, experts=experts, cache=stage_cache, progress=progress
+        sweep_dir, out, trial_id=trial, experts=experts, cache=stage_cache, progress=progress,
+        allow_rejected=allow_rejected,
     )
     row = result.trial
     kld = "-" if row["kld_mean"] is None else f"{row['kld_mean']:.5f}"

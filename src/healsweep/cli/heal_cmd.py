@@ -12,7 +12,7 @@ import typer
 from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, app, bench_app
 from healsweep.data.corpus import load_corpus
-from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs
+from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs, require_ggml_in
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")]
 CorpusOpt = Annotated[str, typer.Option(
@@ -71,15 +71,20 @@ def heal(
 
     # lazy: heavy (gguf, jax)
     from healsweep.heal.pipeline import build_student
+    from healsweep.heal.quantize import check_quantizable
     from healsweep.model import open_model
 
     if experts not in export.EXPERT_FORMATS:
         raise typer.BadParameter(f"{experts!r}: choose one of {', '.join(export.EXPERT_FORMATS)}",
                                  param_hint="--experts")
     stage_cache = StageCache(cache, cache_max_gb)
-    chosen = load_knobs(knobs)
+    chosen = load_knobs(knobs, need_ggml=False)
     calibration = _calibration(corpus, max_tokens, chunk_length, min_tokens_per_expert)
     teacher = open_model(model)
+    # Whether the knobs' types fit this model's rows first (the error names where they do fit),
+    # then whether ggml's quantizer is there for them.
+    check_quantizable(teacher, chosen, str(knobs))
+    require_ggml_in(chosen, str(knobs))
     typer.echo(f"[heal] {teacher!r}")
     typer.echo(f"[knobs] {' '.join(f'{k}={v}' for k, v in chosen.model_dump().items())}")
     student = build_student(teacher, chosen, calibration, stage_cache, progress=_progress)

@@ -12,6 +12,7 @@ import typer
 
 from healsweep.bench.forward import bench_forward, format_table, layer_scaling
 from healsweep.cli._apps import bench_app, model_app
+from healsweep.heal.knobs import Knobs
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
@@ -70,6 +71,44 @@ def model_info(
     else:
         typer.echo(f"chat         the file's chat template ({template['chars']} chars, sha256 "
                    f"{template['sha256']}): documents are rendered with it")
+    _print_healsweep(info["healsweep"])
+
+
+def _print_healsweep(meta: dict | None) -> None:
+    """The ``healsweep.*`` metadata of a healed or exported file, one field a line."""
+    if meta is None:
+        typer.echo("healsweep    no healsweep.* metadata: not a file healsweep healed or exported")
+        return
+    typer.echo("healsweep    written by healsweep (healsweep.* metadata):")
+    if meta.get("baseline"):
+        typer.echo(f"  baseline     {meta['baseline']}: {meta.get('baseline_type', '-')}, "
+                   f"imatrix {meta.get('imatrix', '-')}")
+    bpw = meta.get("routed_bpw")
+    bits = "" if bpw is None else f", routed experts {float(bpw):.5g} bits per weight"
+    typer.echo(f"  experts      {meta.get('experts', '-')}{bits}")
+    if meta.get("expert_types"):
+        typer.echo(f"  layer types  {meta['expert_types']} (layer:gate-up/down)")
+    knobs = meta.get("knobs")
+    if isinstance(knobs, dict):
+        defaults = Knobs().model_dump()
+        changed = " ".join(f"{k}={v}" for k, v in knobs.items() if defaults.get(k) != v)
+        typer.echo(f"  knobs        {changed or 'all at their defaults'} (others at defaults)")
+    for key, label in (("teacher_fingerprint", "teacher"), ("student_key", "student key")):
+        if meta.get(key):
+            typer.echo(f"  {label:<12} {meta[key]}")
+    if meta.get("sweep"):
+        kld = meta.get("dev_kld_mean")
+        dev = "" if kld is None else f", dev pooled KLD {float(kld):.5f}"
+        typer.echo(f"  sweep        {meta['sweep']}, trial {meta.get('trial_id', '-')} "
+                   f"(config {meta.get('config_hash', '-')}){dev}")
+    if meta.get("confirmed_milestone"):
+        typer.echo(f"  test         confirmed in milestone {meta['confirmed_milestone']!r}; "
+                   f"ledger entry {meta.get('ledger_entry', '-')}")
+    elif meta.get("sweep"):
+        typer.echo("  test         not confirmed on the test split (dev figures only)")
+    head = meta.get("ledger_head")
+    if isinstance(head, dict):
+        typer.echo(f"  ledger head  {head.get('entries')} entries, {head.get('hash')}")
 
 
 @model_app.command("logits")

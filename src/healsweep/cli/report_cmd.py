@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -11,22 +12,50 @@ from healsweep.cli._apps import app
 _SWEEP_DIR = typer.Argument(..., help="A sweep's results folder, RESULTS/<sweep name>.")
 _BOOT = typer.Option(10_000, "--n-boot", min=100, help="Paired-bootstrap resamples per config.")
 _SEED = typer.Option(0, "--seed", help="Seed of the bootstrap.")
+_JSON = typer.Option(
+    False,
+    "--json",
+    help="Print one JSON object (what the sweep found, the leaderboard, the files written) "
+    "instead of the text tables; the report files are written all the same.",
+)
 
 
 @app.command("report")
-def report(sweep_dir: Path = _SWEEP_DIR, n_boot: int = _BOOT, seed: int = _SEED) -> None:
-    """Leaderboard vs the baseline with CIs and verdicts, strata, knob effects, pruning, plots."""
+def report(
+    sweep_dir: Path = _SWEEP_DIR, n_boot: int = _BOOT, seed: int = _SEED, as_json: bool = _JSON
+) -> None:
+    """What the sweep found, the leaderboard vs the baseline with CIs and verdicts, strata, knob
+    effects, pruning, plots: report/report.md and report/report.html."""
     # lazy: heavy (pyarrow)
     from healsweep.confirm import read_confirmed
 
     # lazy: heavy (gguf, pyarrow)
     from healsweep.results.aggregate import summarize
-    from healsweep.results.report import leaderboard, write_report
+    from healsweep.results.findings import findings, to_json
+    from healsweep.results.report import counts_line, found_lines, leaderboard, write_report
 
     summary = summarize(sweep_dir, n_boot=n_boot, seed=seed)
     paths = write_report(sweep_dir, summary=summary, confirmed=read_confirmed(sweep_dir))
     header, rows = leaderboard(summary)
-    shown = ("#", "config", "status", "pooled KLD", "hit rate", "MiB/token", "top-1", "verdict")
+    if as_json:
+        found = to_json(summary, findings(summary), str(sweep_dir))
+        out = {
+            "sweep": summary.name,
+            "counts": {"rows": summary.rows, "windows": summary.window_counts,
+                       "windows_per_config": summary.windows_total},  # fmt: skip
+            "findings": found,
+            "leaderboard": [dict(zip(header, row, strict=True)) for row in rows],
+            "files": {name: str(path) for name, path in paths.items()},
+        }
+        typer.echo(json.dumps(out, indent=2))
+        return
+    typer.echo(counts_line(summary))
+    typer.echo("")
+    for line in found_lines(summary, str(sweep_dir)):
+        typer.echo(line)
+    typer.echo("")
+    shown = ("#", "config", "trial", "status", "pooled KLD", "hit rate", "MiB/token", "top-1",
+             "verdict")  # fmt: skip
     keep = [i for i, h in enumerate(header) if h in shown or h.startswith("Δ KLD")]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in keep]
     for row in [header, *rows]:

@@ -3,16 +3,24 @@
 Used for the external baseline (``healsweep baseline llama``: llama.cpp's quantization of the
 routed experts) and, in tests, as an implementation of every block format independent of
 healsweep's decoders, and for the routed experts stored in a ggml type (knobs ``type_gu``,
-``type_d``). ``llama-cpp-python`` is an optional extra (``pip install -e ".[ggml]"``, also in
-``[bench]``); without it these functions raise :class:`~healsweep.errors.SettingError`. The library is loaded
-with ``ctypes`` directly, without importing ``llama_cpp`` (which would load libllama and its CPU
-backend into the process).
+``type_d``). Only ``libggml-base`` is used, found in this order (:func:`library_source`):
+
+1. ``$HEALSWEEP_GGML_LIB``: a ``libggml-base`` file, or a folder holding one (a llama.cpp build's
+   ``build/bin``, an install prefix's ``lib``): a llama.cpp the user already has;
+2. ``<venv>/lib/healsweep-ggml/``, where ``tools/build-ggml.sh`` builds that one library from the
+   llama.cpp llama-cpp-python pins (seconds of compiling instead of the whole package's minutes);
+3. the ``lib`` folder of an installed ``llama-cpp-python`` (the ``[ggml]`` / ``[bench]`` extras).
+
+Without any of them these functions raise :class:`~healsweep.errors.SettingError`. The library
+is loaded with ``ctypes`` directly, without importing ``llama_cpp`` (which would load libllama
+and its CPU backend into the process).
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
@@ -40,27 +48,65 @@ class _TypeTraits(ctypes.Structure):
     ]
 
 
-def _library_path() -> Path:
-    """Where the installed llama-cpp-python keeps its libggml-base; SettingError if nowhere."""
+ENV_VAR = "HEALSWEEP_GGML_LIB"
+BUILT_DIR = Path("lib") / "healsweep-ggml"  # under sys.prefix: where tools/build-ggml.sh puts it
+_SUFFIX = ".dylib" if sys.platform == "darwin" else ".so"
+WAYS = (
+    "build it with tools/build-ggml.sh (ggml's base library alone, under a minute of compiling), "
+    f"point {ENV_VAR} at a llama.cpp build's libggml-base (a file, or its folder such as "
+    "build/bin), or install the ggml extra (pip install -e \".[ggml]\": all of "
+    "llama-cpp-python, several minutes of compiling)"
+)
+
+
+def _in_folder(folder: Path) -> Path | None:
+    """The ``libggml-base`` in ``folder`` (or its ``lib``/``bin``), if there is one."""
+    for where in (folder, folder / "lib", folder / "bin"):
+        for name in (f"libggml-base{_SUFFIX}", "libggml-base.so", "ggml-base.dll"):
+            if (where / name).is_file():
+                return where / name
+    return None
+
+
+def library_source() -> tuple[Path, str]:
+    """Where libggml-base is (see the module docstring for the order) and, in words, who
+    provides it; SettingError when nowhere, saying how to get it."""
+    given = os.environ.get(ENV_VAR, "").strip()
+    if given:
+        path = Path(given).expanduser()
+        found = path if path.is_file() else (_in_folder(path) if path.is_dir() else None)
+        if found is None:
+            raise SettingError(
+                f"{ENV_VAR}={given}: no libggml-base{_SUFFIX} there (name the file, or the folder "
+                "holding it, e.g. a llama.cpp build's build/bin); unset it to use another source"
+            )
+        return found, f"{ENV_VAR}"
+    built = _in_folder(Path(sys.prefix) / BUILT_DIR)
+    if built is not None:
+        return built, "tools/build-ggml.sh"
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
-        raise SettingError(
-            "llama-cpp-python is not installed; install the ggml extra "
-            '(pip install -e ".[ggml]") to use ggml\'s quantizer'
-        )
+        raise SettingError(f"ggml's quantizer (libggml-base) was not found: {WAYS}")
     folder = Path(next(iter(spec.submodule_search_locations))) / "lib"
-    suffix = ".dylib" if sys.platform == "darwin" else ".so"
-    candidates = [folder / f"libggml-base{suffix}", folder / "libggml-base.so"]
-    path = next((p for p in candidates if p.exists()), None)
-    if path is None:
+    found = _in_folder(folder)
+    if found is None:
         raise SettingError(f"llama-cpp-python has no libggml-base in {folder}; reinstall it")
-    return path
+    return found, "llama-cpp-python"
+
+
+def _library_path() -> Path:
+    """Where libggml-base is; SettingError if nowhere."""
+    return library_source()[0]
 
 
 @cache
 def libggml() -> ctypes.CDLL:
-    """libggml-base of the installed llama-cpp-python, with the prototypes used here."""
-    lib = ctypes.CDLL(str(_library_path()))
+    """libggml-base (:func:`library_source`), with the prototypes used here."""
+    path, source = library_source()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise SettingError(f"{path} (from {source}) does not load: {exc}; {WAYS}") from None
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     lib.ggml_quantize_chunk.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -80,19 +126,25 @@ def libggml() -> ctypes.CDLL:
 
 
 def status_line() -> str:
-    """One line for ``healsweep doctor``: whether ggml's quantizer loads (and which
-    llama-cpp-python provides it), or why not."""
+    """One line for ``healsweep doctor``: whether ggml's quantizer loads, from where (and
+    which llama-cpp-python or ggml version provides it), or why not and how to get it."""
 
     try:
-        path = _library_path()
-        libggml()
+        path, source = library_source()
+        lib = libggml()
     except SettingError as exc:
         return f"ggml quantizer: absent ({exc}); routed-expert types other than q2_0 need it"
-    try:
-        provider = f"llama-cpp-python {version('llama-cpp-python')}"
-    except PackageNotFoundError:  # pragma: no cover - the library loaded, so it is installed
-        provider = "llama-cpp-python"
-    return f"ggml quantizer: present ({provider}, {path.name})"
+    if source == "llama-cpp-python":
+        try:
+            source = f"llama-cpp-python {version('llama-cpp-python')}"
+        except PackageNotFoundError:  # pragma: no cover - the library loaded, so it is installed
+            pass
+    try:  # ggml_version() exists in ggml builds of 2025 and later
+        lib.ggml_version.restype = ctypes.c_char_p
+        source += f", ggml {lib.ggml_version().decode()}"
+    except AttributeError:
+        pass
+    return f"ggml quantizer: present ({source}: {path})"
 
 
 def block_geometry(qtype: int) -> tuple[int, int]:

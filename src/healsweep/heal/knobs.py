@@ -366,8 +366,11 @@ class CalibrationConfig(_Settings):
         }
 
 
-def load_knobs(path: str | Path) -> Knobs:
-    """Read a YAML mapping of knobs (missing knobs take their defaults); raise ``KnobError``."""
+def load_knobs(path: str | Path, *, need_ggml: bool = True) -> Knobs:
+    """Read a YAML mapping of knobs (missing knobs take their defaults); raise ``KnobError``.
+    With ``need_ggml`` (the default), a knob that needs ggml's quantizer where it cannot be
+    found raises :class:`SettingError` (:func:`require_ggml_in`); a caller that first checks the
+    knobs against a model passes False and calls that itself."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -388,11 +391,17 @@ def load_knobs(path: str | Path) -> Knobs:
         knobs = Knobs(**{str(k): v for k, v in values.items()})
     except KnobError as exc:
         raise KnobError(f"{path}: {exc}") from None
+    if need_ggml:
+        require_ggml_in(knobs, str(path))
+    return knobs
+
+
+def require_ggml_in(knobs: Knobs, where: str) -> None:
+    """:func:`require_ggml` of a knob file's ``knobs``, its message prefixed with ``where``."""
     try:
         require_ggml(knobs.model_dump())
     except SettingError as exc:
-        raise SettingError(f"{path}: {exc}") from None
-    return knobs
+        raise SettingError(f"{where}: {exc}") from None
 
 
 def require_ggml(values: Mapping[str, Any]) -> None:

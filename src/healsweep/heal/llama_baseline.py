@@ -32,7 +32,7 @@ import numpy as np
 from healsweep.cache import StageCache
 from healsweep.errors import GGUFFormatError, SettingError
 from healsweep.gguf_io import TensorType, _ggml_lib, block_prefix
-from healsweep.gguf_io._ggml_lib import block_geometry
+from healsweep.gguf_io._ggml_lib import block_geometry, library_source
 from healsweep.heal.export import write_replacing
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.tensor_types import (
@@ -151,10 +151,13 @@ def write_llama_baseline(
             say(f"layer {layer + 1}/{model.hparams.n_layer}", f"experts quantized to {type_name}")
         return data
 
-    try:
-        llama_version = version("llama-cpp-python")
-    except PackageNotFoundError:  # pragma: no cover - the library loaded, so it is installed
-        llama_version = "unknown"
+    library, source = library_source()
+    llama_version = source  # HEALSWEEP_GGML_LIB or tools/build-ggml.sh: no package to name
+    if source == "llama-cpp-python":
+        try:
+            llama_version = version("llama-cpp-python")
+        except PackageNotFoundError:  # pragma: no cover - the library loaded, so it is installed
+            llama_version = "unknown"
     metadata = {
         "baseline": "llama.cpp ggml_quantize_chunk, "
         + ("every matrix" if all_tensors else "routed experts only"),
@@ -162,6 +165,7 @@ def write_llama_baseline(
         "baseline_bits_per_weight": bits_per_weight(qtype),
         "imatrix": "calibration E[x2] / E[h2] per expert" if trace is not None else "none",
         "llama_cpp_python": llama_version,
+        "ggml_library": library.name,
         "teacher_fingerprint": model.fingerprint,
         "experts": type_name,
     }

@@ -15,15 +15,17 @@ no branch on a type or a quantizer.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from healsweep.bundled import BUNDLED_MODELS, demo_model_path
 from healsweep.cache import StageCache
-from healsweep.errors import CacheError, GGUFFormatError
+from healsweep.errors import CacheError, GGUFFormatError, HealsweepError
 from healsweep.heal.knobs import CalibrationConfig, Knobs, LayerTypes
 from healsweep.heal.stages import ExpertStacks, stage_key
-from healsweep.kernels.ggml_types import ggml_type
+from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
 from healsweep.quant.registry import GroupInputs, QuantizedGroup, quantizer_for
 from healsweep.quant.values import GROUPS, Q2_0, Group
 
@@ -114,12 +116,52 @@ def expert_types(model: GGUFModel, knobs: Knobs) -> dict[int, LayerTypes]:
     return knobs.expert_types(model.hparams.moe_layers, model.hparams.n_layer)
 
 
-def check_quantizable(model: GGUFModel, knobs: Knobs | None = None) -> None:
+def check_quantizable(
+    model: GGUFModel, knobs: Knobs | None = None, knob_file: str | None = None
+) -> None:
     """Raise :class:`GGUFFormatError` unless every routed expert's rows fill whole blocks of the
     type chosen for them (without ``knobs``: Q2_0's blocks of 64): gate/up rows hold
     ``n_embd`` values, down rows ``n_ff_exp``; a ``layer_types`` entry that names no MoE layer
     raises :class:`~healsweep.errors.KnobError`. Called before any teacher pass, so that such a
-    model fails in seconds, naming its file."""
+    model fails in seconds, naming its file, the types that do fit its rows (smallest first)
+    and the packaged models the knobs do fit (``knob_file``: where the knobs came from, for the
+    command the message suggests)."""
+    problem = _misfit(model, knobs)
+    if problem is None:
+        return
+    layer, group, found = problem
+    hp = model.hparams
+    widths = {Group.GU: hp.n_embd, Group.D: hp.n_ff_exp}
+    named = "/".join(f"ffn_{n}_exps" for n in group.tensors)
+    where = f"blk.{layer}.{named}" if found.name != Q2_0 else named
+    ladder = "; ".join(
+        f"{label} (rows of {widths[g]}): {fitting_types(widths[g])}"
+        for g, label in ((Group.GU, "gate/up"), (Group.D, "down"))
+    ) if widths[Group.GU] != widths[Group.D] else fitting_types(widths[group])  # fmt: skip
+    elsewhere = [name for name in _packaged_fits(knobs) if str(model.path) != str(name[1])]
+    hint = (
+        f"; these knobs fit the packaged model {elsewhere[0][0]} (rows of {elsewhere[0][2]}): "
+        f"run them there (`healsweep heal {elsewhere[0][0]} --knobs {knob_file or 'K.yaml'} "
+        "--out OUT.gguf`)"
+        if elsewhere else ""
+    )  # fmt: skip
+    raise GGUFFormatError(
+        f"{model.path}: the rows of {where} hold {widths[group]} values, not a multiple of the "
+        f"{found.name.upper()} block of {found.block_weights}; they cannot be stored as "
+        f"{found.name}. The types that fit this model, smallest first: {ladder}{hint}"
+    )
+
+
+def fitting_types(width: int) -> str:
+    """The routed-expert types whose blocks fill rows of ``width`` weights, by bits per weight:
+    ``q2_0 (2.25 bits), iq4_nl (4.5 bits)``."""
+    fits = sorted((t for t in ROUTED_TYPES if width % t.block_weights == 0),
+                  key=lambda t: t.bits_per_weight)  # fmt: skip
+    return ", ".join(f"{t.name} ({t.bits_per_weight:g} bits)" for t in fits) or "none"
+
+
+def _misfit(model: GGUFModel, knobs: Knobs | None) -> tuple[int, Group, Any] | None:
+    """The first (layer, group, type) whose blocks do not fill the rows, or None."""
     hp = model.hparams
     types = expert_types(model, knobs) if knobs is not None else {}
     widths = {Group.GU: hp.n_embd, Group.D: hp.n_ff_exp}
@@ -127,21 +169,27 @@ def check_quantizable(model: GGUFModel, knobs: Knobs | None = None) -> None:
         chosen = types.get(layer, LayerTypes(Q2_0, Q2_0))
         for group in GROUPS:
             found = ggml_type(chosen.of(group))
-            if widths[group] % found.block_weights == 0:
-                continue
-            named = "/".join(f"ffn_{n}_exps" for n in group.tensors)
-            if found.name == Q2_0:
-                raise GGUFFormatError(
-                    f"{model.path}: the rows of {named} hold {widths[group]} values, not a "
-                    "multiple of the Q2_0 block of 64; this model's routed experts cannot be "
-                    "quantized to Q2_0"
-                )
-            raise GGUFFormatError(
-                f"{model.path}: the rows of blk.{layer}.{named} hold {widths[group]} values, not "
-                f"a multiple of the {found.name.upper()} block of {found.block_weights}; they "
-                f"cannot be stored as {found.name} (choose a type whose block divides "
-                f"{widths[group]}: q2_0 has blocks of 64, iq4_nl of 32)"
-            )
+            if widths[group] % found.block_weights:
+                return layer, group, found
+    return None
+
+
+def _packaged_fits(knobs: Knobs | None) -> list[tuple[str, Path, int]]:
+    """The packaged models (``demo``, ``demo-medium-cpu``) whose routed rows the knobs' types
+    fill: (name, file, gate/up row width)."""
+    # lazy: heavy (gguf, jax): the packaged models are opened only to word an error
+    from healsweep.model import open_model
+
+    fits = []
+    for name in BUNDLED_MODELS:
+        path = demo_model_path(name)
+        try:
+            packaged = open_model(path)
+            if _misfit(packaged, knobs) is None:
+                fits.append((name, path, packaged.hparams.n_embd))
+        except HealsweepError:  # a missing file, a layer_types entry it lacks: not a fit
+            continue
+    return fits
 
 
 def quantize_group(

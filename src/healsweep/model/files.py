@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -110,4 +111,29 @@ def describe_model(model: GGUFModel) -> dict[str, Any]:
         "tensor_types": tensor_storage(model),
         "tokenizer": tokenizer_summary(model),
         "chat_template": chat_template_summary(model),
+        "healsweep": healsweep_metadata(model),
     }
+
+
+HEAL_PREFIX = "healsweep."
+
+
+def healsweep_metadata(model: GGUFModel) -> dict[str, Any] | None:
+    """The ``healsweep.*`` fields a healed or exported file carries (docs/export.md), keyed
+    without the prefix, JSON fields (``knobs``, ``calibration``, ``ledger_head``) decoded; None
+    for a file healsweep did not write."""
+    keys = [k for k in model.metadata_keys() if k.startswith(HEAL_PREFIX)]
+    if not keys:
+        return None
+    out: dict[str, Any] = {}
+    for key in keys:
+        value = model.metadata(key)
+        if isinstance(value, str) and value[:1] in "{[":
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        elif isinstance(value, (list, tuple)):
+            value = [float(v) if not isinstance(v, str) else v for v in value]
+        out[key[len(HEAL_PREFIX) :]] = value
+    return out

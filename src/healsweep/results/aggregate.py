@@ -12,9 +12,12 @@ the Tune trials only.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
@@ -31,7 +34,13 @@ from healsweep.results.store import (
 )
 from healsweep.score.expert_cache import pooled_cache
 from healsweep.score.record import WindowRecord
-from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
+from healsweep.score.stats import (
+    DecisionRule,
+    decision,
+    paired_compare,
+    percentile_ci,
+    pooled,
+)
 
 MAX_LEVELS = 6
 
@@ -111,6 +120,8 @@ class SweepSummary:
     over_budget: dict[str, dict[str, Any]] = field(default_factory=dict)  # never scored
     n_boot: int = 10_000  # the paired bootstrap's replicates and seed (further comparisons)
     seed: int = 0
+    rows: dict[str, int] = field(default_factory=dict)  # trials.parquet rows by role
+    window_counts: dict[str, int] = field(default_factory=dict)  # :func:`window_counts`
     allocator: dict[str, Any] = field(default_factory=dict)  # allocator.json (its sampler's)
 
 
@@ -209,7 +220,9 @@ def summarize(
         references=references,
         strata=sorted({w.stratum for w in baseline.windows.values()}),
         windows_total=windows_total,
-        effects=main_effects([baseline, *(c for c in ranked if not c.is_fixed)], windows_total),
+        effects=main_effects(
+            [baseline, *(c for c in ranked if not c.is_fixed)], windows_total, rule.ci_level
+        ),
         pruning=pruning_summary([t for t in trials if row_role(t).tuned], windows_total),
         rule=rule,
         pool=pool_summary(trials),
@@ -217,6 +230,8 @@ def summarize(
         over_budget=read_over_budget(sweep_dir),
         n_boot=n_boot,
         seed=seed,
+        rows=dict(Counter(str(row_role(t)) for t in trials)),
+        window_counts=window_counts(rows),
         allocator=read_allocator(sweep_dir),
     )
 
@@ -237,9 +252,18 @@ def paired(base: ConfigResult, config: ConfigResult, *, n_boot: int, seed: int) 
     )
 
 
-def main_effects(configs: list[ConfigResult], windows_total: int) -> list[dict[str, Any]]:
+def main_effects(
+    configs: list[ConfigResult], windows_total: int, level: float = 0.95
+) -> list[dict[str, Any]]:
     """Per knob that varies among fully scored configs: per value, the mean pooled KLD and the
-    mean relative change vs the baseline over the configs with that value (the ablation view).
+    mean relative change vs the baseline over the configs with that value (the ablation view),
+    with a ``level`` bootstrap CI of that mean (``ci``: (lo, hi)).
+
+    The CI resamples windows: every fully scored config was compared with the baseline on the
+    same windows in the same order with the same bootstrap seed, so replicate ``b`` of each
+    config's comparison resampled the same windows, and the mean over a value's configs of
+    their replicates is a replicate of the mean. A config without replicates (the baseline
+    itself: 0 in every replicate) counts as no change.
 
     Knobs with more than ``MAX_LEVELS`` distinct values (continuous knobs of a tpe/random
     sweep) are left out: one config per value says nothing about a main effect.
@@ -263,9 +287,34 @@ def main_effects(configs: list[ConfigResult], windows_total: int) -> list[dict[s
                     "configs": len(group),
                     "kld_mean": sum(klds) / len(klds),
                     "rel_change": sum(k / base_kld - 1 for k in klds) / len(klds),
+                    "ci": percentile_ci(_mean_replicates(group), level),
                 }
             )
     return effects
+
+
+def _mean_replicates(group: list[ConfigResult]) -> Any:
+    """The bootstrap replicates of the mean relative change of ``group`` (see main_effects)."""
+    reps = [c.comparison.boot_rel_change for c in group if c.comparison is not None]
+    if not reps:
+        return np.zeros(1)
+    zeros = len(group) - len(reps)  # the baseline: no change in any replicate
+    return (np.sum(reps, axis=0)) / (len(reps) + zeros)
+
+
+def window_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """How many windows a sweep scored, the one count that progress, ``sweep status`` and the
+    report show: ``scored`` = distinct (student, window) pairs (a window a student scored once
+    is recorded again, not re-scored, under every other row that names the same student);
+    ``recorded`` = rows of the windows dataset; ``replayed`` = the difference."""
+    students: dict[str, str] = {}  # config hash -> its student (knobs parsed once a config)
+    pairs = set()
+    for row in rows:
+        chash = row["config_hash"]
+        if chash not in students:
+            students[chash] = student_of(row)
+        pairs.add((students[chash], row["window_id"]))
+    return {"scored": len(pairs), "recorded": len(rows), "replayed": len(rows) - len(pairs)}
 
 
 def pruning_summary(trials: list[dict[str, Any]], windows_total: int) -> dict[str, Any]:

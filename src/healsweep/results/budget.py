@@ -60,7 +60,7 @@ def _scored(summary: SweepSummary) -> list[ConfigResult]:
     return [c for c in summary.configs if c.windows]
 
 
-def _unhealed_twin(config: ConfigResult, configs: list[ConfigResult]) -> ConfigResult | None:
+def unhealed_twin(config: ConfigResult, configs: list[ConfigResult]) -> ConfigResult | None:
     """The scored config with ``config``'s knobs but healing off (Part A and B)."""
     if config.knobs is None:
         return None
@@ -98,7 +98,7 @@ def tiers(summary: SweepSummary) -> list[Tier]:
             and (below is None or not budget.within(measured(c, budget.measure), below))
         ]  # fmt: skip
         vs = [(e, paired(e, best, n_boot=summary.n_boot, seed=summary.seed)) for e in externals]
-        twin = _unhealed_twin(best, scored) if best is not None else None
+        twin = unhealed_twin(best, scored) if best is not None else None
         healing = paired(twin, best, n_boot=summary.n_boot, seed=summary.seed) if twin else None
         out.append(Tier(limit, budget.label(limit), inside, best,
                         [(e, c) for e, c in vs if c is not None], twin, healing))  # fmt: skip
@@ -113,7 +113,7 @@ def healing_pairs(summary: SweepSummary) -> list[HealingPair]:
         values = config.knob_values
         if all(values[k] == v for k, v in Knobs.UNHEALED.items()):
             continue
-        twin = _unhealed_twin(config, scored)
+        twin = unhealed_twin(config, scored)
         if twin is not None:
             comparison = paired(twin, config, n_boot=summary.n_boot, seed=summary.seed)
             if comparison is not None:

@@ -44,15 +44,27 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
+def _follow_ups(pool: Mapping[str, Any]) -> str:
+    """``3 of 4 follow-ups (75%) ran on the node holding their quantization``, or that there
+    were none (every row quantized anew, or one node)."""
+    n = pool["follow_ups"]
+    if not n:
+        return "no follow-ups (no row found its quantization already held by a node)"
+    on = round(pool["follow_up_on_holder"] * n)
+    return (
+        f"{on} of {n} follow-ups ({_share(pool['follow_up_on_holder'])}) ran on the node "
+        "holding their quantization"
+    )
+
+
 def pool_line(pool: Mapping[str, Any]) -> str:
     """One line of :func:`pool_summary` for ``sweep status`` and the report."""
     nodes = ", ".join(f"{node[:8]} {n}" for node, n in sorted(pool["nodes"].items()))
     line = (
         f"stage-cache hit rate {_share(pool['cache_hit_rate'])} ({pool['cache_hits']} hits, "
         f"{pool['cache_computed']} computed, {pool['cache_waited']} after waiting); "
-        f"follow-ups on the node holding their quantization "
-        f"{_share(pool['follow_up_on_holder'])} of {pool['follow_ups']}; "
-        f"{pool['placed']} rows placed on {len(pool['nodes'])} node(s) ({nodes})"
+        f"{_follow_ups(pool)}; {pool['placed']} rows placed on {len(pool['nodes'])} node(s) "
+        f"({nodes})"
     )
     if pool["gpus"]:
         line += "; GPUs " + ", ".join(f"{gpu}: {n}" for gpu, n in sorted(pool["gpus"].items()))

@@ -128,17 +128,22 @@ def forest(summary: SweepSummary, path: Path, label: Callable[[ConfigResult], st
 
 
 def knob_effects(summary: SweepSummary, path: Path) -> Path:
-    """One panel per varied knob: mean relative change vs the baseline per value."""
+    """One panel per varied knob: mean relative change vs the baseline per value, with the
+    bootstrap CI of that mean as error bars."""
     knobs = list(dict.fromkeys(e["knob"] for e in summary.effects))
     panels = max(1, len(knobs))
     fig, axes = _pyplot().subplots(1, panels, figsize=(3.2 * panels, 3.2), squeeze=False)
     for ax, knob in zip(axes.flat, knobs, strict=False):
         rows = [e for e in summary.effects if e["knob"] == knob]
         values = [str(e["value"]) for e in rows]
-        ax.bar(values, [100 * e["rel_change"] for e in rows], color="tab:green")
+        means = [100 * e["rel_change"] for e in rows]
+        below = [m - 100 * e["ci"][0] for m, e in zip(means, rows, strict=True)]
+        above = [100 * e["ci"][1] - m for m, e in zip(means, rows, strict=True)]
+        ax.bar(values, means, color="tab:green", yerr=[below, above], capsize=4,
+               error_kw={"elinewidth": 1, "ecolor": "black"})  # fmt: skip
         ax.axhline(0, color="gray", lw=0.8)
         ax.set_title(knob, fontsize=9)
-        ax.set_ylabel("mean Δ KLD vs baseline (%)", fontsize=7)
+        ax.set_ylabel(f"mean Δ KLD vs baseline (%), {summary.rule.ci_level:.0%} CI", fontsize=7)
         ax.tick_params(labelsize=7)
     if not knobs:
         axes.flat[0].text(0.5, 0.5, "no knob varied across fully scored configs", ha="center")

@@ -21,6 +21,15 @@ from healsweep.results.budget import (
     sensitivity_lines,
     tiers,
 )
+from healsweep.results.findings import (
+    best_accepted,
+    best_by_kld,
+    export_command,
+    findings,
+    tune_trial_id,
+    types_of,
+    verdict_word,
+)
 from healsweep.results.placement import pool_line
 from healsweep.results.plots import FOREST_CAPTION, write_plots
 from healsweep.results.schema import Role, TrialStatus
@@ -84,13 +93,13 @@ def _cache_cells(config: ConfigResult) -> list[str]:
 
 
 def leaderboard(summary: SweepSummary) -> Table:
-    """Rank, config, role, status, windows, routed bpw, file MiB, pooled KLD (with an expert cache: hit
-    rate, MiB/token), Δ KLD [CI] vs the baseline and vs each reference row, top-1, top-1 Δ,
+    """Rank, config, trial ids (every row that names its student), role, status, windows, routed
+    bpw, file MiB, pooled KLD (with an expert cache: hit rate, MiB/token), Δ KLD [CI] vs the baseline and vs each reference row, top-1, top-1 Δ,
     wins/losses, verdict."""
     level = summary.rule.ci_level
     refs = [str(r.reference) for r in summary.references]
     cached = any(c.cache for c in summary.configs)  # scored through a simulated expert cache
-    header = ["#", "config", "role", "status", "windows", "bpw", "file MiB", "pooled KLD",
+    header = ["#", "config", "trial", "role", "status", "windows", "bpw", "file MiB", "pooled KLD",
               *(["hit rate", "MiB/token"] if cached else []),
               f"Δ KLD vs baseline [{level:.0%} CI]",
               *(f"Δ KLD vs {name} [{level:.0%} CI]" for name in refs),
@@ -102,6 +111,7 @@ def leaderboard(summary: SweepSummary) -> Table:
             [
                 str(rank),
                 describe(config, summary.baseline),
+                ", ".join(config.trial_ids),
                 _roles(config),
                 config.status,
                 f"{len(config.windows)}/{summary.windows_total}",
@@ -144,15 +154,17 @@ def strata_table(summary: SweepSummary) -> Table:
 
 
 def effects_table(summary: SweepSummary) -> Table:
-    """Main effect of each varied knob: mean pooled KLD and mean Δ vs baseline per value."""
-    header = ["knob", "value", "configs", "mean pooled KLD", "mean Δ vs baseline"]
+    """Main effect of each varied knob: mean pooled KLD and mean Δ vs baseline per value, with
+    the bootstrap CI of that mean over windows."""
+    level = summary.rule.ci_level
+    header = ["knob", "value", "configs", "mean pooled KLD", f"mean Δ vs baseline [{level:.0%} CI]"]
     rows = [
         [
             e["knob"],
             _value(e["value"]),
             str(e["configs"]),
             f"{e['kld_mean']:.5f}",
-            _fmt(e["rel_change"]),
+            _ci(e["rel_change"], *e["ci"]),
         ]
         for e in summary.effects
     ]
@@ -160,10 +172,11 @@ def effects_table(summary: SweepSummary) -> Table:
 
 
 def pruning_table(summary: SweepSummary) -> Table:
-    """Trials pruned and windows saved."""
+    """Trials pruned and the windows pruning saved (against scoring every trial on every
+    window; the windows scored are counted once, in the report's opening lines)."""
     p = summary.pruning
-    header = ["trials", "pruned", "windows scored", "windows saved", "saved"]
-    row = [str(p["trials"]), str(p["pruned"]), str(p["windows_scored"]), str(p["windows_saved"]),
+    header = ["trials", "pruned", "windows saved by pruning", "saved"]
+    row = [str(p["trials"]), str(p["pruned"]), str(p["windows_saved"]),
            f"{p['saved_fraction']:.1%}"]  # fmt: skip
     return header, [row]
 
@@ -315,6 +328,78 @@ def _budget_sections(summary: SweepSummary) -> list[tuple[str, list[str]]]:
     ]
 
 
+def _signed(value: float) -> str:
+    return _fmt(value).replace("-", "−")
+
+
+_REFERENCE_WORDS = {
+    "unhealed": "the baseline without Part A and B",
+    "plain": "round-to-nearest Q2_0",
+}
+
+
+def found_lines(summary: SweepSummary, sweep_dir: str) -> list[str]:
+    """The report's opening: per budget tier (or for the whole sweep) the best config with its
+    trial id, its Δ against the baseline, its own types unhealed, the other references and each
+    llama.cpp file of its size, with CIs and the decision rule's word, and the command that
+    exports it; then what ``export --best`` would take."""
+
+    level = summary.rule.ci_level
+    lines = []
+    for found in findings(summary):
+        best = found.best
+        if best is None:
+            lines.append(f"- **{found.scope}**: no completed trial fits it.")
+            continue
+        tid = tune_trial_id(best)
+        who = "the baseline" if best is summary.baseline else describe(best, summary.baseline)
+        size = "" if best.routed_bpw is None else f", {best.routed_bpw:.5g} routed bpw"
+        lines.append(
+            f"- **{found.scope}**: the best config is {who}, trial `{tid}` "
+            f"({types_of(best)}{size}), pooled KLD {best.pooled['kld_mean']:.5f}:"
+        )
+        for v in found.versus:
+            lo, hi = v.comparison.rel_change_ci(level)
+            what = {"baseline": "the baseline",
+                    "unhealed": "its own knobs without healing (Part A and B off)",
+                    "llama.cpp": f"llama.cpp's {v.name}",
+                    "reference": f"the reference row {v.name} ({_REFERENCE_WORDS.get(v.name, '')})",
+                    }[v.kind]  # fmt: skip
+            lines.append(
+                f"  - against {what} ({v.comparison.base_kld:.5f}): "
+                f"{_signed(v.comparison.rel_change)} [{_signed(lo)}, {_signed(hi)}], "
+                f"{verdict_word(v.verdict)}"
+            )
+        if not found.versus:
+            lines.append("  - nothing else was scored in this scope to compare it with")
+        lines.append(f"  - export it: `{export_command(sweep_dir, tid, found.scope)}`")
+    accepted, top = best_accepted(summary), best_by_kld(summary)
+    if accepted is not None:
+        lines += ["", f"`healsweep export {sweep_dir} --best --out MODEL.gguf` takes trial "
+                  f"`{tune_trial_id(accepted)}` ({describe(accepted, summary.baseline)}), the "
+                  "best trial the decision rule accepts against the baseline."]  # fmt: skip
+    elif top is not None:
+        comp = top.comparison
+        lo, hi = comp.rel_change_ci(level) if comp is not None else (math.nan, math.nan)
+        lines += ["", "No trial passes the decision rule against the baseline: the best by dev "
+                  f"KLD, trial `{tune_trial_id(top)}` ({describe(top, summary.baseline)}), is "
+                  f"{_signed(comp.rel_change if comp else math.nan)} [{_signed(lo)}, "
+                  f"{_signed(hi)}] against it, {verdict_word(top.verdict)}; `export --best` "
+                  "refuses it unless given `--allow-rejected`."]  # fmt: skip
+    n = len(summary.baseline.windows)
+    lines += [
+        "",
+        f"Δ is the relative change of the best config's token-pooled KLD against the other's on "
+        f"the same dev windows ({n} here; negative = closer to the unquantized model), with its "
+        f"{level:.0%} paired-bootstrap CI over windows; *accepted* means the decision rule "
+        f"passes: the CI lies below 0, no stratum is more than "
+        f"{summary.rule.max_stratum_regression:.0%} worse and top-1 drops by at most "
+        f"{summary.rule.max_top1_drop_points:.1f} pt. These are dev figures: `healsweep confirm` "
+        "scores chosen configs once on the sealed test split.",
+    ]
+    return lines
+
+
 def _md(table: Table) -> list[str]:
     header, rows = table
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -322,7 +407,10 @@ def _md(table: Table) -> list[str]:
 
 
 def _sections(
-    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
+    summary: SweepSummary,
+    plots: dict[str, str],
+    confirmed: list[dict] | None = None,
+    sweep_dir: str = "RESULTS/NAME",
 ) -> list[tuple[str, list[str]]]:
     """Each section's title and Markdown lines, in order (``plots``: {caption: file name})."""
 
@@ -341,6 +429,7 @@ def _sections(
     first = [f"![{c}]({path})" for c, path in plots.items() if c == FOREST_CAPTION]
     rest = [f"![{c}]({path})" for c, path in plots.items() if c != FOREST_CAPTION]
     return [
+        ("What the sweep found", found_lines(summary, sweep_dir)),
         ("Leaderboard against the baseline and the references", _md(leaderboard(summary))),
         *([("Every config against the baseline", first)] if first else []),
         *_budget_sections(summary),
@@ -358,17 +447,44 @@ def _sections(
     ]
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def counts_line(summary: SweepSummary) -> str:
+    """What was scored, in the counts progress and ``sweep status`` show: trials (the baseline
+    included), reference rows, external files, and the windows scored once per student."""
+    rows, windows = summary.rows, summary.window_counts
+    trials = rows.get(Role.TRIAL, 0) + rows.get(Role.BASELINE, 0)
+    fixed = [_count(rows[role], name) for role, name in
+             ((Role.REFERENCE, "reference row"), (Role.EXTERNAL, "external file"))
+             if rows.get(role)]  # fmt: skip
+    replayed = windows.get("replayed", 0)
+    again = (
+        f" ({replayed} more rows name a student another row already scored: recorded, not "
+        "scored again)"
+        if replayed else ""
+    )  # fmt: skip
+    return (
+        f"{_count(trials, 'trial')} (the baseline included)" + "".join(f", {f}" for f in fixed)
+        + f" on {summary.windows_total} dev windows each; "
+        f"{_count(windows.get('scored', 0), 'window')} scored{again}; "
+        f"{_count(len(summary.configs), 'distinct config')} below."
+    )
+
+
 def _intro(summary: SweepSummary) -> str:
     base = summary.baseline
     return (
-        f"{len(summary.configs)} configs on {summary.windows_total} dev windows; baseline pooled "
+        f"{counts_line(summary)} Baseline pooled "
         f"KLD {base.pooled['kld_mean']:.5f}, top-1 {base.pooled['top1']:.2%}. Δ KLD is the "
         "relative change of token-pooled KLD vs the baseline (or a reference row) on the same "
         "windows (negative = better), with a paired bootstrap CI over windows. Reference rows "
         "(unhealed: the baseline's quantizer without Part A and Part B; plain: round-to-nearest "
         "Q2_0 with d = amax/2) and external GGUFs are scored on the same windows, never pruned "
         "and not tuned; bpw = stored bits per weight of the routed experts, file MiB = the "
-        "model file with them in the config's types. A config is "
+        "model file with them in the config's types. Trial ids are those `sweep status`, "
+        "`export --trial` and `confirm --trial` take. A config is "
         "accepted when the CI lies below 0, no stratum regresses by more than "
         f"{summary.rule.max_stratum_regression:.0%}, and top-1 drops by at most "
         f"{summary.rule.max_top1_drop_points:.1f} pt."
@@ -376,11 +492,15 @@ def _intro(summary: SweepSummary) -> str:
 
 
 def render_markdown(
-    summary: SweepSummary, plots: dict[str, str], confirmed: list[dict] | None = None
+    summary: SweepSummary,
+    plots: dict[str, str],
+    confirmed: list[dict] | None = None,
+    sweep_dir: str = "RESULTS/NAME",
 ) -> str:
-    """The Markdown report."""
+    """The Markdown report (``sweep_dir``: the folder as the user names it, for the commands
+    it prints)."""
     out = [f"# Sweep report: {summary.name}", "", _intro(summary), ""]
-    for title, lines in _sections(summary, plots, confirmed):
+    for title, lines in _sections(summary, plots, confirmed, sweep_dir):
         out += [f"## {title}", "", *lines, ""]
     return "\n".join(out)
 
@@ -424,7 +544,7 @@ def write_report(
     plots = write_plots(summary, out, label=lambda c: describe(c, summary.baseline))
     relative = {caption: path.name for caption, path in plots.items()}
     md, page = out / "report.md", out / "report.html"
-    markdown = render_markdown(summary, relative, confirmed)
+    markdown = render_markdown(summary, relative, confirmed, str(sweep_dir))
     atomic_write_text(md, markdown)
     atomic_write_text(page, render_html(summary.name, markdown))
     return {"markdown": md, "html": page, **plots}

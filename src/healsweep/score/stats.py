@@ -120,11 +120,11 @@ class Comparison:
 
     def rel_change_ci(self, level: float = 0.95) -> tuple[float, float]:
         """Percentile bootstrap CI of the relative change of pooled KLD."""
-        return _percentile_ci(self.boot_rel_change, level)
+        return percentile_ci(self.boot_rel_change, level)
 
     def top1_delta_ci(self, level: float = 0.95) -> tuple[float, float]:
         """Percentile bootstrap CI of the pooled top-1 change, in points."""
-        return _percentile_ci(self.boot_top1_delta, level)
+        return percentile_ci(self.boot_top1_delta, level)
 
     def to_dict(self, level: float = 0.95) -> dict[str, Any]:
         """JSON-ready summary with CIs at ``level`` (replicates left out)."""
@@ -149,7 +149,8 @@ class Comparison:
         }
 
 
-def _percentile_ci(replicates: np.ndarray, level: float) -> tuple[float, float]:
+def percentile_ci(replicates: np.ndarray, level: float) -> tuple[float, float]:
+    """The percentile bootstrap CI at ``level`` of ``replicates``."""
     if not 0.0 < level < 1.0:
         raise ValueError(f"ci level must be in (0, 1), got {level}")
     tail = (1.0 - level) / 2.0

@@ -463,11 +463,11 @@ def _run(
     ray.cloudpickle.dumps(work_fn)
     # where earlier runs left entries, and how many trials a node runs at once
     holders = open_holders(prior_holders(sweep_dir), spec.trial_resources())
-    build_externals(spec, sweep_dir)  # llama recipes: once, into the sweep folder
-    run_fixed(spec, sweep_dir, work_fn, holders)  # references, externals: before the trials
-    prior = prior_windows(sweep_dir)  # with the fixed rows': a trial of their student replays
-    register_sink(sweep_dir, on_progress)
+    register_sink(sweep_dir, on_progress)  # progress from the first file built on
     try:
+        build_externals(spec, sweep_dir)  # llama recipes: once, into the sweep folder
+        run_fixed(spec, sweep_dir, work_fn, holders)  # references, externals: before the trials
+        prior = prior_windows(sweep_dir)  # with the fixed rows': a trial of their student replays
         trainable = _trainable(spec, prior, holders, work_fn)
         saved = any(sweep_dir.glob("experiment_state-*.json"))  # tuner.pkl alone is no state
         if saved and tune.Tuner.can_restore(str(sweep_dir)):

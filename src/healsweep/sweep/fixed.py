@@ -30,6 +30,7 @@ from healsweep.quant.values import Quantizer
 from healsweep.results.schema import Role, TrialStatus, fixed_config_hash, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.placed import PlacedWork, work_task
+from healsweep.sweep.progress import Phase, Progress, notify
 from healsweep.sweep.recorder import ResultsRecorder
 from healsweep.sweep.sizes import config_size
 from healsweep.sweep.spec import SweepSpec
@@ -117,7 +118,8 @@ def build_externals(spec: SweepSpec, sweep_dir: Path) -> list[Path]:
     """Build the file of every ``external`` llama recipe not built yet into
     ``SWEEP/external/NAME.gguf`` (written atomically, so one that exists is complete and is
     reused, e.g. by a resume); its importance rows come from the sweep's calibration trace, in
-    the stage cache the trials share. Returns the files built now."""
+    the stage cache the trials share. Returns the files built now; tells the sweep's progress
+    sink which file it is building."""
     # lazy: heavy (gguf)
     from healsweep.heal.llama_baseline import write_llama_baseline
 
@@ -125,9 +127,18 @@ def build_externals(spec: SweepSpec, sweep_dir: Path) -> list[Path]:
     from healsweep.model import open_model
 
     built = []
-    for entry in spec.external:
-        if entry.llama is None or entry.built_path(sweep_dir).is_file():
-            continue
+    todo = [e for e in spec.external
+            if e.llama is not None and not e.built_path(sweep_dir).is_file()]  # fmt: skip
+    started = time.time()
+    for n, entry in enumerate(todo, 1):
+        assert entry.llama is not None
+        note = (
+            f"building llama.cpp's {entry.llama.type} file {entry.name} ({n}/{len(todo)})"
+            + (" with an importance matrix from the calibration trace" if entry.llama.imatrix
+               else "")
+        )  # fmt: skip
+        notify(sweep_dir, Progress(planned=0, phase=Phase.EXTERNALS, note=note,
+                                   elapsed_s=time.time() - started))  # fmt: skip
         calibration = spec.calibration if entry.llama.imatrix else None
         out = write_llama_baseline(open_model(spec.model), entry.llama.type,
                                    entry.built_path(sweep_dir), calibration=calibration,
@@ -166,6 +177,7 @@ def run_fixed(
 
     recorder = ResultsRecorder(sweep_dir, spec)
     recorder.setup()
+    recorder.phase = Phase.FIXED
     pending = []
     for fixed in fixed_configs(spec, sweep_dir):
         row = recorder.trials.get(fixed.trial_id)
@@ -198,6 +210,7 @@ def run_fixed(
             job = partial(_job, spec, fixed, done, work_fn, external_fn)
             options = task.options(scheduling_strategy=work.place().strategy)
             running[options.remote(job, spec.trial_resources())] = (fixed, work)
+            recorder.start(fixed.trial_id)
         ready, _ = ray.wait(list(running), num_returns=1)
         fixed, work = running.pop(ready[0])
         try:
@@ -212,6 +225,7 @@ def run_fixed(
         row.update(work.columns)
         records = sorted(records, key=lambda record: record.position)
         recorder.record(fixed.trial_id, [record.to_dict() for record in records])
+        recorder.count_scored(len(records))
         pool = recorder.pool(fixed.trial_id)
         ended = TrialStatus.COMPLETED if scored_all(len(pool.window_ids), pool.total) else None
         recorder.finish(fixed.trial_id, status or ended or TrialStatus.RUNNING)

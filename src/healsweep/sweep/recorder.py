@@ -20,6 +20,7 @@ from healsweep.results.schema import (
     PLACEMENT_COLUMNS,
     TrialStatus,
     end_status,
+    student_of,
     to_table,
     trial_schema,
 )
@@ -36,7 +37,7 @@ from healsweep.results.store import (
     write_windows,
 )
 from healsweep.sweep.budget import planned_trials
-from healsweep.sweep.progress import Progress, progress_sink
+from healsweep.sweep.progress import Phase, Progress, progress_sink
 from healsweep.sweep.space import trial_identity
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import RunningPool
@@ -47,7 +48,7 @@ _CONFIG = ("sweep", "trial_id", "config_hash", "is_baseline", "role", "label")
 # What setup reads of the window rows: their keys and what a trial's row sums.
 _COUNTED = [
     *("trial_id", "config_hash", "window_id", "windows_total", "scored_node_ip"),
-    *("kld_sum", "kld_count", "top1", "top1_count"),
+    *("kld_sum", "kld_count", "top1", "top1_count", "role", "is_baseline"),
 ]
 
 
@@ -69,6 +70,9 @@ class ResultsRecorder(Callback):
         self._started = time.time()
         self._scored = 0  # windows scored in this session (replays excluded)
         self._sent = 0.0
+        self._pairs: set[tuple[str, str]] = set()  # (student, window id) recorded: the count
+        self._students: dict[str, str] = {}  # config hash -> student
+        self.phase = Phase.TRIALS  # run_fixed's recorder reports the fixed rows' phase
 
     def __getstate__(self) -> dict[str, Any]:
         return {"sweep_dir": self.sweep_dir, "spec": self.spec}
@@ -83,12 +87,22 @@ class ResultsRecorder(Callback):
         self.windows_dir.mkdir(parents=True, exist_ok=True)
         tidy_windows_dir(self.windows_dir)
         self.trials = {row["trial_id"]: row for row in read_trials(self.sweep_dir).to_pylist()}
-        for row in read_windows(self.sweep_dir).select(_COUNTED).to_pylist():
+        table = read_windows(self.sweep_dir)
+        knobs = [name for name in table.column_names if name.startswith(KNOB_PREFIX)]
+        for row in table.select([*_COUNTED, *knobs]).to_pylist():
             self.pool(row["trial_id"]).add(row)
             self._seen.add((row["config_hash"], row["window_id"]))
+            self._pairs.add((self._student(row), row["window_id"]))
         self._seq = {
             trial: next_seq(paths) for trial, paths in part_files(self.windows_dir).items()
         }
+
+    def _student(self, row: Mapping[str, Any]) -> str:
+        """The student of a row with config columns (its knobs read once per config)."""
+        chash = row["config_hash"]
+        if chash not in self._students:
+            self._students[chash] = student_of(row)
+        return self._students[chash]
 
     def pool(self, trial_id: str) -> RunningPool:
         """The windows recorded for ``trial_id``."""
@@ -111,8 +125,10 @@ class ResultsRecorder(Callback):
         pool = self.pool(trial_id)
         config = {k: v for k, v in trial.items() if k in _CONFIG or k.startswith(KNOB_PREFIX)}
         new, keys = [], set()
+        student = self._student(trial)
         for row in rows:
             pool.add(row)
+            self._pairs.add((student, row["window_id"]))
             key = (trial["config_hash"], row["window_id"])
             if key not in self._seen and key not in keys:
                 keys.add(key)
@@ -124,6 +140,16 @@ class ResultsRecorder(Callback):
         write_windows(new, self.windows_dir / f"part-{trial_id}-{seq:06d}.parquet")
         self._seq[trial_id] = seq + 1
         self._seen.update(keys)
+
+    def count_scored(self, n: int) -> None:
+        """``n`` windows were scored (not replayed) by this run: the ETA's rate."""
+        self._scored += n
+
+    def start(self, trial_id: str) -> None:
+        """Mark an open row running (a fixed row whose task was just placed) and say so."""
+        row = self.trials[trial_id]
+        row.update(status=TrialStatus.RUNNING, started_at=row.get("started_at") or time.time())
+        self._progress(force=True)
 
     def finish(self, trial_id: str, status: TrialStatus) -> None:
         """End a trial with ``status``: consolidate its rows, rewrite ``trials.parquet``."""
@@ -149,7 +175,9 @@ class ResultsRecorder(Callback):
             return
         self._sent = now
         elapsed = now - self._started
-        sink(Progress.of(self.trial_rows(), self._planned, self._scored, elapsed, final))
+        rows = self.trial_rows()
+        sink(Progress.of(rows, self._planned, len(self._pairs), elapsed, final,
+                         scored_now=self._scored, phase=self.phase))  # fmt: skip
 
     # Tune hooks ----------------------------------------------------------------------------
 
@@ -175,7 +203,7 @@ class ResultsRecorder(Callback):
         # work started carries none of it).
         row.update({k: result[k] for k in PLACEMENT_COLUMNS if result.get(k) is not None})
         self.record(trial.trial_id, [result])
-        self._scored += not result.get("replayed")
+        self.count_scored(not result.get("replayed"))
         self._progress()
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:
