@@ -184,15 +184,29 @@ def test_presets_load_and_differ_as_documented():
 
 @pytest.mark.slow  # ggml types need ggml's quantizer (the [ggml] extra CI installs for this tier)
 def test_the_budget_recipes_load_with_their_types_and_sizes():
+    from healsweep.heal.size import ModelShapes
     from healsweep.kernels.ggml_types import ggml_type
+    from healsweep.model import open_model
+    from healsweep.sweep.space import grid_configs
+    from healsweep.sweep.spec_files import load_spec
 
     recipes = {p.stem: load_knobs(p) for p in PRESETS if p.stem.startswith("budget-")}
-    assert set(recipes) == {"budget-2.06", "budget-2.31"}
-    for name, knobs in recipes.items():
+    assert set(recipes) == {"budget-1.75", "budget-2.06", "budget-2.31"}
+    for name in ("budget-2.06", "budget-2.31"):  # uniform: one type for every routed tensor
+        knobs = recipes[name]
         limit = float(name.removeprefix("budget-"))
         assert knobs.type_gu == knobs.type_d and knobs.quantizer == "gptq"
         assert (knobs.alpha, knobs.ridge) == ("mse", True)
         assert round(ggml_type(knobs.type_gu).bits_per_weight, 2) == limit
+    # issue 39: an allocation per tensor group, within 1.80 routed bpw on the demo model, the
+    # one config its confirm spec scored against llama.cpp's IQ2_XXS bytes
+    mixed = recipes["budget-1.75"]
+    assert mixed.layer_types and mixed.quantizer == "gptq" and (mixed.alpha, mixed.ridge) == (
+        "mse", True)  # fmt: skip
+    shapes = ModelShapes.of(open_model("demo-medium-cpu"))
+    assert shapes.size(mixed).routed_bpw <= 1.80
+    spec = load_spec(ROOT / "sweeps" / "medium-cpu-confirm-1.75.yaml", check_paths=False)
+    assert [k for k in grid_configs(spec) if k != spec.baseline] == [mixed]
 
 
 def test_calibration_config_validates_and_keys_only_what_changes_the_trace():
