@@ -25,7 +25,7 @@ import pytest
 
 import test_sweep_tune
 from healsweep.errors import SpecError
-from healsweep.heal.knobs import Knobs
+from healsweep.heal.knobs import Knobs, load_knobs
 from healsweep.heal.size import ModelShapes
 from healsweep.model import open_model
 from healsweep.model.synthetic import write_random_model
@@ -245,7 +245,7 @@ def test_a_llama_recipe_is_built_once_into_the_sweep_and_reused_on_resume(rows25
     assert ext["external_path"] == str(built) and ext["status"] == "completed"
     size = ModelShapes.of(open_model(rows256)).size(Knobs(type_gu="q2_k", type_d="q2_k"))
     assert ext["routed_bpw"] == size.routed_bpw == 2.625
-    assert ext["file_bytes"] == stat.st_size
+    assert ext["file_bytes"] == size.file_bytes < stat.st_size  # as a config's: no metadata
     model = open_model(built)
     assert model.metadata("healsweep.imatrix").startswith("calibration")
     rows = pq.read_table(sweep_dir / "windows").num_rows
@@ -316,6 +316,36 @@ def test_the_allocator_budget_sweeps_load_and_move_every_group(name, limit, ladd
     assert base.type_gu == base.type_d == ladder[1]
     shapes = ModelShapes.of(open_model(rows256))
     assert len(moves(base, shapes, spec.allocator.ladder)) == 4 * len(shapes.moe_layers)
+
+
+@needs_ggml
+def test_the_whole_file_and_pareto_sweeps_load_with_their_references():
+    """Issue 39 part A's dev specs on demo-medium-cpu: the file budget's tiers are llama.cpp's
+    file with every matrix in IQ2_XXS and the Unsloth-style file as heal.size counts them (each
+    an external beside the routed-only one), the baseline sits inside the first; the Pareto
+    spec's references are llama.cpp's seven types from IQ1_S to IQ3_XXS and its pairs span
+    1.625-2.896 routed bpw."""
+    from healsweep.heal.size import config_size
+    from healsweep.kernels.ggml_types import ggml_type
+    from healsweep.sweep.spec_files import load_spec
+
+    spec = load_spec(ROOT / "sweeps" / "medium-cpu-file-budget.yaml", check_paths=False)
+    model = open_model(spec.model)
+    uniform = Knobs(type_gu="iq2_xxs", type_d="iq2_xxs",
+                    **dict.fromkeys(Knobs.FILE_TYPES, "iq2_xxs"))  # fmt: skip
+    unsloth = load_knobs(ROOT / "configs" / "knobs" / "unsloth-style-iq2_xxs.yaml")
+    assert spec.budget.budget().limits == (config_size(model, uniform).file_bytes,
+                                           config_size(model, unsloth).file_bytes)  # fmt: skip
+    assert spec.budget.budget().admits(config_size(model, spec.baseline))
+    every = {e.name: e.llama.all_tensors for e in spec.external if e.llama is not None}
+    assert every == {"llama-all-iq2_xxs": True, "llama-iq2_xxs": False}
+    assert any(e.path and "unsloth-style" in e.path for e in spec.external)
+    pareto = load_spec(ROOT / "sweeps" / "medium-cpu-pareto.yaml", check_paths=False)
+    assert [e.llama.type for e in pareto.external] == [
+        "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "q2_k", "iq3_xxs"]  # fmt: skip
+    bpw = [(2 * ggml_type(g).bits_per_weight + ggml_type(d).bits_per_weight) / 3
+           for g in pareto.search_space.type_gu for d in pareto.search_space.type_d]  # fmt: skip
+    assert (min(bpw), round(max(bpw), 3)) == (1.625, 2.896)
 
 
 @needs_ggml

@@ -160,6 +160,24 @@ def test_the_unsloth_style_knob_file_is_its_recipe_and_sizes_as_the_whole_file(t
     assert shapes.size(knobs).file_bytes == want
 
 
+def test_a_files_bytes_are_counted_as_a_configs_without_its_metadata(tmp_path):
+    """ModelShapes.file_bytes_of: the teacher's file with the other file's tensors in place (what
+    the sweep records for an external file): two files of the same metadata written with other
+    storage types differ by exactly that; a file of another model counts its size on disk."""
+    kw = dict(n_layer=2, n_embd=256, n_ff_exp=256, n_ff_shexp=256, n_expert=4, n_expert_used=2,
+              n_head=4, n_head_kv=2, seed=5)  # fmt: skip
+    teacher = open_model(write_random_model(tmp_path / "t.gguf", **kw))
+    other = open_model(write_random_model(
+        tmp_path / "o.gguf", types={"ffn_down_shexp.weight": "Q8_0", "attn_q.weight": "Q8_0"},
+        **kw))  # fmt: skip
+    assert any(teacher.tensor_type(n) != other.tensor_type(n) for n in teacher.tensor_names)
+    shapes = ModelShapes.of(teacher)
+    assert shapes.file_bytes_of(teacher, other) == other.path.stat().st_size
+    assert shapes.file_bytes_of(teacher, teacher) == teacher.path.stat().st_size
+    small = open_model(write_random_model(tmp_path / "s.gguf", n_layer=1))
+    assert shapes.file_bytes_of(teacher, small) == small.path.stat().st_size
+
+
 def test_each_matrix_reads_the_importance_of_its_input():
     assert importance_site("blk.3.attn_q.weight") == "attn_in.3"
     assert importance_site("blk.3.attn_kv_a_mqa.weight") == "attn_in.3"
@@ -314,4 +332,6 @@ def test_llama_cpps_all_tensor_file_is_an_unhealed_uniform_student(tmp_path):
     assert theirs.tensor_type("blk.0.attn_q.weight").name == "IQ2_XXS"
     assert theirs.tensor_type("token_embd.weight").name == "IQ2_XXS"
     predicted = config_size(model, uniform).file_bytes
-    assert abs(base.stat().st_size - predicted) < 2048  # but the baseline's own metadata
+    assert 0 < base.stat().st_size - predicted < 2048  # the baseline's own metadata
+    shapes = ModelShapes.of(model)  # a file counted as a config is, without its metadata
+    assert shapes.file_bytes_of(model, theirs) == predicted == shapes.file_bytes_of(model, ours)

@@ -33,7 +33,7 @@ def llama(
         typer.Option(
             "--all-tensors",
             help="Every matrix in the type, not only the routed experts (attention, shared "
-            "expert, embeddings, output, dense layers; router and vectors stay F32), each with "
+            "expert, embeddings, output, dense layers; router and vectors as stored), each with "
             "its input's importance row from the calibration where --imatrix-from-calibration.",
         ),
     ] = False,

@@ -12,8 +12,9 @@ cannot be made without one. With ``all_tensors`` every other matrix goes to the 
 (attention, shared expert, embeddings, output, dense layers: the groups of
 :mod:`healsweep.heal.tensor_types`, each with the importance row of its input from the same
 calibration, a tensor whose rows the type's blocks do not fill in the smallest type of at least
-its bits that does), as ``llama-quantize`` with one type for every tensor would write it (the
-router and the vectors stay F32, as there). It quantizes with the two functions of :mod:`healsweep.quant.imatrix`
+its bits that does), as ``llama-quantize --pure`` would write it (the router and the vectors
+kept as stored, as there); its default mix for a low-bit ftype raises the output, the embeddings and
+``attn_v`` instead, which this does not copy. It quantizes with the two functions of :mod:`healsweep.quant.imatrix`
 that the registry's :class:`~healsweep.quant.ggml.GGMLImatrix` quantizes a ggml type with (for
 every type, Q2_0 included: llama.cpp's own Q2_0), so an unhealed student of a uniform ggml type is
 this baseline, byte for byte.

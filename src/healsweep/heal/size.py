@@ -109,6 +109,20 @@ class ModelShapes(NamedTuple):
             file_bytes += self._padded(new) - self._padded(tensor.nbytes)
         return ConfigSize(bits / weights if weights else float("nan"), file_bytes)
 
+    def file_bytes_of(self, teacher: GGUFModel, other: GGUFModel) -> int:
+        """The whole-file bytes of ``other`` (a file of this model: llama.cpp's, an export) as
+        :meth:`size` counts a config's: the teacher's file with each of its tensors in
+        ``other``'s bytes (padded), so a file and a config compare without either's own
+        metadata (llama.cpp's files carry some, an export its ``healsweep.*``). A file whose
+        tensors are not the teacher's (another model) counts its size on disk."""
+        if list(other.tensor_names) != list(teacher.tensor_names):
+            return other.path.stat().st_size
+        found = self.file_bytes
+        for name in teacher.tensor_names:
+            found += self._padded(other.tensor_nbytes(name))
+            found -= self._padded(teacher.tensor_nbytes(name))
+        return found
+
     def _padded(self, nbytes: int) -> int:
         return -(-nbytes // self.alignment) * self.alignment
 

@@ -13,7 +13,7 @@ tensor name (any architecture: the names are llama.cpp's):
   embedding, and follows ``type_embd``);
 - ``dense``: ``ffn_{gate,up,down}`` of the leading dense layers.
 
-The router (``ffn_gate_inp``) and every vector stay in F32, as llama-quantize leaves them. A
+The router (``ffn_gate_inp``) and every vector keep the teacher's bytes, as llama-quantize leaves them. A
 tensor whose rows the asked type's blocks do not fill takes the smallest type of at least its
 bits that does (:func:`~healsweep.kernels.ggml_types.fitting_type`); one already stored in the
 type it would get keeps its bytes.

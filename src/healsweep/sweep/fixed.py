@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from healsweep.bundled import resolve_model
 from healsweep.cache import StageCache
 from healsweep.errors import ResultsError
 from healsweep.heal.knobs import Knobs
@@ -32,7 +33,7 @@ from healsweep.score.record import WindowRecord
 from healsweep.sweep.placed import PlacedWork, work_task
 from healsweep.sweep.progress import Phase, Progress, notify
 from healsweep.sweep.recorder import ResultsRecorder
-from healsweep.sweep.sizes import config_size
+from healsweep.sweep.sizes import config_size, model_shapes
 from healsweep.sweep.spec import SweepSpec
 from healsweep.sweep.trial import prior_windows, trial_seed
 from healsweep.sweep.work import WorkFn, run_external_work
@@ -106,11 +107,14 @@ def fixed_configs(spec: SweepSpec, sweep_dir: Path) -> list[FixedConfig]:
         size = config_size(spec.model, knobs)
         bpw, nbytes = (None, None) if size is None else size
         out.append(FixedConfig(Role.REFERENCE, name, knobs, routed_bpw=bpw, file_bytes=nbytes))
+    teacher = open_model(resolve_model(spec.model)) if spec.external else None
     for entry in spec.external:
         path = entry.file(sweep_dir)
         model = open_model(path)
+        # counted as a config's file is (heal.size): without its own metadata
+        nbytes = model_shapes(spec.model).file_bytes_of(teacher, model)
         out.append(FixedConfig(Role.EXTERNAL, entry.name, None, path, model.fingerprint,
-                               routed_expert_bpw(model), Path(path).stat().st_size))  # fmt: skip
+                               routed_expert_bpw(model), nbytes))  # fmt: skip
     return out
 
 

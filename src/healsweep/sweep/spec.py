@@ -124,7 +124,7 @@ class LlamaRecipe(_Strict):
     """true (default: importance rows from the sweep's calibration) or false"""
     tensors: Literal["routed", "all"] | None = None
     """routed (default: the routed experts alone) or all (every matrix in the type, as
-    llama-quantize with one type for every tensor; router and vectors stay F32)"""
+    llama-quantize with one type for every tensor; router and vectors as the teacher stores them)"""
 
     @model_serializer(mode="wrap")
     def _dump_tensors(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
