@@ -191,22 +191,24 @@ def test_the_budget_recipes_load_with_their_types_and_sizes():
     from healsweep.sweep.spec_files import load_spec
 
     recipes = {p.stem: load_knobs(p) for p in PRESETS if p.stem.startswith("budget-")}
-    assert set(recipes) == {"budget-1.75", "budget-2.06", "budget-2.31"}
+    assert set(recipes) == {"budget-1.75", "budget-2.06", "budget-2.31", "budget-2.56"}
     for name in ("budget-2.06", "budget-2.31"):  # uniform: one type for every routed tensor
         knobs = recipes[name]
         limit = float(name.removeprefix("budget-"))
         assert knobs.type_gu == knobs.type_d and knobs.quantizer == "gptq"
         assert (knobs.alpha, knobs.ridge) == ("mse", True)
         assert round(ggml_type(knobs.type_gu).bits_per_weight, 2) == limit
-    # issue 39: an allocation per tensor group, within 1.80 routed bpw on the demo model, the
-    # one config its confirm spec scored against llama.cpp's IQ2_XXS bytes
-    mixed = recipes["budget-1.75"]
-    assert mixed.layer_types and mixed.quantizer == "gptq" and (mixed.alpha, mixed.ridge) == (
-        "mse", True)  # fmt: skip
+    # issue 39: an allocation per tensor group within its budget on the demo model, a config
+    # its confirm spec scored against llama.cpp's bytes (IQ2_XXS; IQ2_S)
     shapes = ModelShapes.of(open_model("demo-medium-cpu"))
-    assert shapes.size(mixed).routed_bpw <= 1.80
-    spec = load_spec(ROOT / "sweeps" / "medium-cpu-confirm-1.75.yaml", check_paths=False)
-    assert [k for k in grid_configs(spec) if k != spec.baseline] == [mixed]
+    for name, limit in (("budget-1.75", 1.80), ("budget-2.56", 2.5625)):
+        mixed = recipes[name]
+        assert mixed.layer_types and mixed.quantizer == "gptq" and (mixed.alpha, mixed.ridge) == (
+            "mse", True)  # fmt: skip
+        assert shapes.size(mixed).routed_bpw <= limit
+        confirm = name.replace("budget-", "medium-cpu-confirm-")
+        spec = load_spec(ROOT / "sweeps" / f"{confirm}.yaml", check_paths=False)
+        assert mixed in grid_configs(spec) and mixed != spec.baseline
 
 
 def test_calibration_config_validates_and_keys_only_what_changes_the_trace():
