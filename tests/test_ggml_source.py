@@ -30,8 +30,9 @@ def _status(value: str | None) -> str:
     return run.stdout.strip()
 
 
-@pytest.mark.skipif(LIB is None, reason="needs a libggml-base: llama-cpp-python ([ggml] extra)")
+@pytest.mark.slow  # needs a libggml-base: llama-cpp-python, installed in the slow tier ([bench])
 def test_a_library_named_by_the_environment_is_used_file_or_folder(tmp_path):
+    assert LIB is not None, "llama-cpp-python is not installed: pip install -e '.[bench]'"
     library = next(p for p in LIB.glob("libggml-base.*") if p.suffix in (".so", ".dylib"))
     for named in (library, LIB, LIB.parent):  # the file, its folder, a prefix with lib/
         line = _status(str(named))

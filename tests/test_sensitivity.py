@@ -289,7 +289,13 @@ def test_an_allocator_spec_is_refused_in_one_line_where_it_cannot_work():
         with pytest.raises(SpecError, match=re.escape(why)) as info:
             spec_from_dict({"name": "x", **bad})
         assert "\n" not in str(info.value)
-    spec = spec_from_dict({"name": "x", "sampler": "allocator", **budget,
+    assert "allocator" not in spec_from_dict({"name": "x"}).model_dump()  # earlier hashes hold
+
+
+@pytest.mark.slow  # a ladder of ggml types needs ggml's quantizer where the spec is loaded
+def test_an_allocator_ladder_is_ordered_by_bits_per_weight():
+    from healsweep.sweep.spec_files import spec_from_dict
+
+    spec = spec_from_dict({"name": "x", "sampler": "allocator", "budget": {"routed_bpw": 1.8},
                            "allocator": {"ladder": ["iq2_xs", "iq1_s", "q2_0"]}})  # fmt: skip
     assert spec.allocator.ladder == ["iq1_s", "q2_0", "iq2_xs"]  # ordered by bits per weight
-    assert "allocator" not in spec_from_dict({"name": "x"}).model_dump()  # earlier hashes hold

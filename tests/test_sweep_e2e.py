@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,8 +123,10 @@ def test_cli_sweep_on_the_real_pipeline_then_status_and_report(tmp_path, tiny_to
     report = _cli("report", str(sweep_dir), "--n-boot", "500", env=env)
     assert report.returncode == 0, report.stderr
     text = (sweep_dir / "report" / "report.md").read_text()
-    assert "| gain_d=0 | trial | completed |" in text and "95% CI" in text
-    assert "| unhealed | reference | completed |" in text and "| plain | reference |" in text
+    # leaderboard rows: config, its trial ids, role, status
+    assert re.search(r"\| gain_d=0 \| [\w-]+ \| trial \| completed \|", text) and "95% CI" in text
+    assert re.search(r"\| unhealed \| ref-[\w-]+ \| reference \| completed \|", text), text
+    assert re.search(r"\| plain \| ref-[\w-]+ \| reference \|", text)
     assert "Δ KLD vs unhealed [95% CI]" in text and "Δ KLD vs plain [95% CI]" in text
     assert ("ACCEPT" in text) or ("reject" in text)
     for png in ("forest.png", "paired_windows.png", "knob_effects.png"):

@@ -133,7 +133,7 @@ def check_quantizable(
     hp = model.hparams
     widths = {Group.GU: hp.n_embd, Group.D: hp.n_ff_exp}
     named = "/".join(f"ffn_{n}_exps" for n in group.tensors)
-    where = f"blk.{layer}.{named}" if found.name != Q2_0 else named
+    where = named if found.name == Q2_0 else f"blk.{layer}.{named}"
     ladder = "; ".join(
         f"{label} (rows of {widths[g]}): {fitting_types(widths[g])}"
         for g, label in ((Group.GU, "gate/up"), (Group.D, "down"))
