@@ -539,7 +539,7 @@ def test_demo_ablation_then_confirm_then_report_with_dev_and_test(tmp_path):
     tuned = [t for t in _trials(sweep_dir) if t["role"] == "trial"]  # (the baseline may win)
     pick = min(tuned, key=lambda t: t["kld_mean"])["trial_id"]
     done = _cli("confirm", str(sweep_dir), "--milestone", "v1", "--max-windows", "8",
-                "--trial", pick, env=env)  # fmt: skip
+                "--trial", pick, "--verbose", env=env)  # fmt: skip  (--verbose: every window)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "opened milestone 'v1'" in done.stdout and "window 8/8" in done.stdout
     summary = json.loads((sweep_dir / "test" / "v1" / "confirm.json").read_text())
