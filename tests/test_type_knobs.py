@@ -252,3 +252,23 @@ def test_the_grid_drops_points_whose_only_change_a_ggml_typed_group_does_not_rea
         ("iq2_xs", "iq2_xs", 0.3),  # (iq2_xs, 1.0) is this student again: dropped
     ]
     assert len({student_key(c) for c in configs}) == len(configs)
+
+
+def test_the_headline_recipe_on_the_small_demo_names_the_model_it_fits(tmp_path):
+    """``heal demo --knobs configs/knobs/budget-2.06.yaml``: the demo's rows of 128 do not hold
+    IQ2_XXS blocks of 256. One line naming the packaged model where the recipe fits, with the
+    command, and the smallest types that do fit the demo; said before any question of ggml's
+    quantizer (which the recipe needs, and which HEALSWEEP_GGML_LIB hides here)."""
+    root = Path(__file__).resolve().parents[1]
+    knobs = "configs/knobs/budget-2.06.yaml"
+    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache"),
+           "HEALSWEEP_GGML_LIB": str(tmp_path / "nowhere")}  # fmt: skip
+    run = subprocess.run([sys.executable, str(root / "cli.py"), "heal", "demo", "--knobs", knobs,
+                          "--out", str(tmp_path / "h.gguf")], capture_output=True, text=True,
+                         cwd=root, env=env, timeout=300)  # fmt: skip
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    (line,) = run.stderr.strip().splitlines()
+    assert "hold 128 values, not a multiple of the IQ2_XXS block of 256" in line
+    assert "The types that fit this model, smallest first: q2_0 (2.25 bits), iq4_nl" in line
+    assert f"`healsweep heal demo-medium-cpu --knobs {knobs} --out OUT.gguf`" in line
+    assert not (tmp_path / "h.gguf").exists()
