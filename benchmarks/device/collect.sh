@@ -10,4 +10,8 @@ if pgrep -f "benchmarks/device/[a-z0-9-]*\.sh" > /dev/null; then echo "collect: 
 for log in /tmp/hs/out/*.log; do echo "== $log"; tail -n 25 "$log"; done
 nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv 2>/dev/null
 du -sh /tmp/hs/cache 2>/dev/null
-tar -czf "$OUT/hs-out.tgz" --exclude="*.hsc" --exclude="*.lock" --exclude="*/jax/*" -C /tmp/hs out 2>/dev/null && ls -la "$OUT"
+# Only what a person reads (a night's stage cache lives under out/night/*/cache: 43 GB on the
+# 24-layer night, and the device tool brings back nothing over its size limit).
+(cd /tmp/hs && find out -type f \( -name "*.log" -o -name "*.json" -o -name "*.md" -o -name "*.csv" \
+  -o -name "*.yaml" -o -name "*.txt" -o -name "*.parquet" -o -name "*.png" \) -size -20M \
+  -not -path "*/cache/cache/*" | tar -czf "$OUT/hs-out.tgz" -T -) && ls -la "$OUT"
