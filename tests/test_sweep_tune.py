@@ -305,6 +305,41 @@ def test_only_a_finished_trial_reaches_the_sampler_with_a_final_value():
     assert by_id["failed"].state.name == "FAIL"
 
 
+def test_the_sampler_is_asked_again_for_a_config_already_scored(monkeypatch):
+    # TPE proposes points of a space of choices again and again (9 of the 24 trials of the
+    # first medium-cpu-file-budget run repeated a finished config): each is told the value it
+    # scored and the sampler asked again, so every suggestion is a config not yet finished, and
+    # a space whose every config is finished ends the search.
+    import optuna
+    from ray.tune.search import Searcher
+
+    from healsweep.sweep import driver
+    from healsweep.sweep.driver import PruneAwareOptunaSearch
+    from healsweep.sweep.trial import TARGET_METRIC
+
+    monkeypatch.setattr(driver, "MAX_REPEATS", 20)
+    choices = ["iq1_m", "iq2_xxs", "iq2_xs"]
+    search = PruneAwareOptunaSearch(
+        space={"type_d": optuna.distributions.CategoricalDistribution(choices)},
+        metric=TARGET_METRIC,
+        mode="min",
+        sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=1),
+    )
+    proposed = []
+    for n in range(len(choices)):
+        point = search.suggest(f"t{n}")
+        proposed.append(point["type_d"])
+        last = {TARGET_METRIC: 0.1 * (1 + choices.index(point["type_d"])), "windows_done": 4,
+                "windows_total": 4, "training_iteration": 4}  # fmt: skip
+        search.on_trial_complete(f"t{n}", last)
+    assert sorted(proposed) == sorted(choices)  # three suggestions, three configs
+    assert search.suggest("t3") == Searcher.FINISHED
+    told = search._ot_study.get_trials(deepcopy=False)
+    assert len(told) >= 3 + 20 and all(t.state.name == "COMPLETE" for t in told)
+    for repeat in told:  # each repeat carries the value its config scored
+        assert repeat.value == pytest.approx(0.1 * (1 + choices.index(repeat.params["type_d"])))
+
+
 def test_a_placed_task_scores_no_more_than_its_credits_ahead_of_its_trial(ray_cluster, tmp_path):
     """A trial's work as a placed Ray task (the multi-node path) waits for its coordinator: the
     task of a trial that reported 3 windows and was then stopped scored at most AHEAD - 1 more

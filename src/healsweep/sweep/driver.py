@@ -71,6 +71,7 @@ from healsweep.sweep.trial import (
 from healsweep.sweep.work import WorkFn, run_trial_work, sweep_identity
 
 log = logging.getLogger(__name__)
+MAX_REPEATS = 100  # already-scored proposals in a row before a search is declared finished
 
 
 class PruneAwareOptunaSearch(OptunaSearch):
@@ -85,19 +86,46 @@ class PruneAwareOptunaSearch(OptunaSearch):
         self._gate = gate
 
     def suggest(self, trial_id: str) -> dict | str | None:
-        """The sampler's next point inside the budget: a point over it is told to the study as
-        ``PRUNED`` without a value (TPE ranks it below every scored trial), recorded by the
-        gate, and the sampler asked again, so it never takes a trial slot
-        (:mod:`healsweep.sweep.budget`)."""
+        """The sampler's next new point inside the budget, so that ``num_samples`` counts
+        configs scored, not proposals:
 
+        - a point over the budget is told to the study as ``PRUNED`` without a value (TPE ranks
+          it below every scored trial), recorded by the gate, and the sampler asked again
+          (:mod:`healsweep.sweep.budget`);
+        - a point the study already finished (TPE proposes one again and again on a space of
+          choices: 9 of the 24 trials of medium-cpu-file-budget) is told ``COMPLETE`` with that
+          trial's value, and the sampler asked again. A point still running or pruned goes
+          through: its trial replays the rows recorded so far.
+
+        Neither takes a trial slot. After ``MAX_ASKS`` such points in a row, or ``MAX_REPEATS``
+        already scored in a row (the sampler has little new left to propose), the search ends."""
+
+        repeats = 0
         for _ in range(MAX_ASKS):
             point = super().suggest(trial_id)
-            if self._gate is None or not isinstance(point, dict) or self._gate.admits(point):
+            if not isinstance(point, dict):
                 return point
-            self._ot_study.tell(self._ot_trials.pop(trial_id), state=TrialState.PRUNED)
-        log.warning("the sampler proposed %d configs over the budget in a row; search ended",
-                    MAX_ASKS)  # fmt: skip
+            asked = self._ot_trials[trial_id]
+            if self._gate is not None and not self._gate.admits(point):
+                self._ot_study.tell(self._ot_trials.pop(trial_id), state=TrialState.PRUNED)
+                continue
+            done = self._finished(asked.params)
+            if done is None:
+                return point
+            self._ot_study.tell(self._ot_trials.pop(trial_id), done.values)
+            repeats += 1
+            if repeats >= MAX_REPEATS:
+                log.warning("the sampler proposed %d configs already scored in a row; search "
+                            "ended", MAX_REPEATS)  # fmt: skip
+                return Searcher.FINISHED
+        log.warning("the sampler proposed %d configs over the budget or already scored in a "
+                    "row; search ended", MAX_ASKS)  # fmt: skip
         return Searcher.FINISHED
+
+    def _finished(self, params: dict[str, Any]) -> optuna.trial.FrozenTrial | None:
+        """The study's finished trial with these parameters, if any."""
+        finished = self._ot_study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        return next((t for t in finished if t.params == params), None)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
         """Tell the study how the trial ended (see the class)."""
