@@ -414,6 +414,7 @@ def test_a_bad_limit_in_the_environment_is_refused_before_a_sweep_starts(tmp_pat
     assert "'cache_max_gb'" in line and "GiB" in line
 
 
+@pytest.mark.slow  # 26-66 s each: the default tier stays near 15 minutes (stop 44)
 def test_a_sweep_whose_cache_keeps_nothing_finishes_with_the_same_numbers(tmp_path):
     """The demo model, four trials (two quantizations x two etas), run twice: with
     no limit, then with the limit from three places at once: the environment says 1000 GiB, the

@@ -169,10 +169,10 @@ def test_load_knobs_names_the_file_for_bad_values_and_shapes(tmp_path):
 def test_presets_load_and_differ_as_documented():
     names = {p.stem for p in PRESETS}
     assert {"shipped-audit", "mse-alpha", "no-heal"} <= names
-    # the budget recipes (and the Unsloth-style reference) store ggml types, which need ggml's
-    # quantizer at load: slow tier, below and in test_tensor_types
+    # the budget and whole-file recipes (and the Unsloth-style reference) store ggml types, which
+    # need ggml's quantizer at load: slow tier, below and in test_tensor_types
     presets = {p.stem: load_knobs(p) for p in PRESETS
-               if not p.stem.startswith(("budget-", "unsloth-style-"))}  # fmt: skip
+               if not p.stem.startswith(("budget-", "file-", "unsloth-style-"))}  # fmt: skip
     assert presets["shipped-audit"] == Knobs()
     mse = presets["mse-alpha"]
     assert (mse.alpha, mse.gamma) == ("mse", 0.0)
@@ -209,6 +209,16 @@ def test_the_budget_recipes_load_with_their_types_and_sizes():
         confirm = name.replace("budget-", "medium-cpu-confirm-")
         spec = load_spec(ROOT / "sweeps" / f"{confirm}.yaml", check_paths=False)
         assert mixed in grid_configs(spec) and mixed != spec.baseline
+    # whole-file recipes: every tensor group typed, the file within its budget (the name's MiB),
+    # the config its confirm spec scored against the reference file of that size
+    files = {p.stem: load_knobs(p) for p in PRESETS if p.stem.startswith("file-")}
+    assert set(files) == {"file-3.13mib", "file-5.96mib"}
+    for name, knobs in files.items():
+        assert all(getattr(knobs, f"type_{g}") != "teacher" for g in ("attn", "shexp", "embd", "output"))
+        confirm = load_spec(ROOT / "sweeps" / f"medium-cpu-confirm-{name}.yaml", check_paths=False)
+        assert shapes.size(knobs).file_bytes <= confirm.budget.file_bytes[0]
+        assert round(confirm.budget.file_bytes[0] / 2**20, 2) == float(name[5:-3])
+        assert knobs in grid_configs(confirm) and knobs != confirm.baseline
 
 
 def test_calibration_config_validates_and_keys_only_what_changes_the_trace():

@@ -118,6 +118,7 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # 26-66 s each: the default tier stays near 15 minutes (stop 44)
 def test_an_external_gguf_is_scored_like_a_trial_beside_the_reference_it_came_from(tiny, tmp_path):
     from healsweep.results.aggregate import summarize
 
@@ -160,6 +161,7 @@ def test_an_external_gguf_is_scored_like_a_trial_beside_the_reference_it_came_fr
     assert pq.read_table(sweep_dir / "windows").num_rows == before
 
 
+@pytest.mark.slow  # 26-66 s each: the default tier stays near 15 minutes (stop 44)
 def test_a_grid_point_that_is_a_reference_is_scored_once_and_listed_with_it(tiny, tmp_path):
     """``unhealed`` is the baseline without Part A and B, and so is the grid point ``alpha:
     none, ridge: false``: one student. The reference scores it (before the trials); the trial

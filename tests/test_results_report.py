@@ -259,7 +259,7 @@ def test_budget_tiers_healing_pairs_and_the_over_budget_count(tmp_path):
     report = write_report(folder, summary=summary)["markdown"].read_text()
     assert "- **budget ≤ 2.3 bpw**: the best config is gain_d=0, trial `better`" in report
     assert f"--trial better --out {folder.name}-2.3.gguf`" in report
-    assert "against llama.cpp's q2k" in report
+    assert "against the external file q2k" in report
     assert "1 configs over budget, not scored (budget: 2.3 bpw, 2.7 bpw)." in report
     assert "## Best config per budget against llama.cpp" in report
     assert "## What healing adds on top of each allocation" in report

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from _tiny_corpus import write_tiny_corpus
 from healsweep.model.synthetic import write_random_model
@@ -22,6 +23,7 @@ def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=600)  # fmt: skip
 
 
+@pytest.mark.slow  # 26-66 s each: the default tier stays near 15 minutes (stop 44)
 def test_a_bonus_sweep_heals_once_and_reports_hit_rate_and_mib(tmp_path, tiny_tokenizer):
     model_path = write_random_model(tmp_path / "m.gguf", n_layer=2, n_expert=8, n_ff_exp=64,
                                     seed=5, tokenizer=tiny_tokenizer)  # fmt: skip

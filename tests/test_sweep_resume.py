@@ -90,6 +90,7 @@ def _completed(sweep_dir: Path, roles=("trial", "baseline", "reference")) -> set
     return {r["config_hash"] for r in rows if r["status"] == "completed" and r["role"] in roles}
 
 
+@pytest.mark.slow  # 26-66 s each: the default tier stays near 15 minutes (stop 44)
 def test_sigkilled_driver_resumes_without_rescoring(ray_address, tmp_path):
     spec = {
         "name": "crash",

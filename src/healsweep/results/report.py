@@ -362,7 +362,7 @@ def found_lines(summary: SweepSummary, sweep_dir: str) -> list[str]:
             lo, hi = v.comparison.rel_change_ci(level)
             what = {"baseline": "the baseline",
                     "unhealed": "its own knobs without healing (Part A and B off)",
-                    "llama.cpp": f"llama.cpp's {v.name}",
+                    "llama.cpp": f"the external file {v.name}",
                     "reference": f"the reference row {v.name} ({_REFERENCE_WORDS.get(v.name, '')})",
                     }[v.kind]  # fmt: skip
             lines.append(
