@@ -36,6 +36,7 @@ from healsweep.cache import (
 from healsweep.errors import SettingError
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
+from healsweep.heal.stage_names import Stage
 
 SPAWN = multiprocessing.get_context("spawn")
 MIB = 2**20
@@ -84,6 +85,31 @@ def test_eviction_deletes_the_least_recently_used_entries_down_to_the_margin(tmp
         _put(cache, name)
         _tick()
     assert _present(tmp_path, "a", "c", "d", "e", "f") == ["d", "e", "f"]
+
+
+def test_the_entries_every_trial_reads_go_last_while_fresh(tmp_path):
+    """The teacher's trace (written first, so least recently used) outlives the per-config
+    entries written after it, unless it went unused for longer than a night: on the 24-layer
+    GPU night plain LRU deleted it after the cold trial and every next trial refilled the disk."""
+    cache = StageCache(tmp_path, max_gb=_gib(3.5))  # three entries fit, four do not
+    _put(cache, "trace", stage="calib_trace_layer")
+    _put(cache, "stale", stage="teacher_logits")
+    stale = cache.path("teacher_logits", _key("stale"))
+    two_nights_ago = time.time_ns() - int(2 * disk.SHARED_FRESH_S * 1e9)
+    os.utime(stale, ns=(two_nights_ago, two_nights_ago))  # last used (and written) then
+    _tick()
+    _put(cache, "q1", stage="routed_q")
+    _tick()
+    _put(cache, "q2", stage="routed_q")  # four: the stale shared entry goes (oldest of all)
+    assert not stale.exists()
+    _tick()
+    _put(cache, "q3", stage="routed_q")  # four again: q1 goes, not the older fresh trace
+    assert _present(tmp_path, "trace", stage="calib_trace_layer") == ["trace"]
+    assert _present(tmp_path, "q1", "q2", "q3", stage="routed_q") == ["q2", "q3"]
+
+
+def test_the_shared_stages_are_stages():
+    assert disk.SHARED_STAGES <= {stage.value for stage in Stage}
 
 
 def test_recency_survives_the_process_and_leaves_the_mtime_alone(tmp_path):

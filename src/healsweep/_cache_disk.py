@@ -9,6 +9,15 @@ until they fit in ``1 - MARGIN`` of it (:func:`evict`). An eviction costs a late
 needs the entry its recomputation, never a wrong result: every entry is content-keyed and
 checks itself when read.
 
+**What goes last.** The entries of :data:`SHARED_STAGES` (the teacher's calibration trace, its
+layers, the other matrices' importance, the teacher's record of each window: keyed by the model
+and the data alone, so every trial of a sweep reads them whatever its knobs) are deleted only
+after every other entry no trial holds, as long as one was used in the last :data:`SHARED_FRESH_S`;
+older ones are plain least recently used (an old sweep's trace does not outstay its welcome). On
+the 24-layer A2.7B night on an H100 (64 GB disk, 17 GB model, limit 28 GB) plain LRU deleted the
+trace (22.6 GB, written first) after the cold trial, and every next trial's recomputation of it
+filled the disk.
+
 **Recency.** Every read of an entry sets its access time explicitly (``os.utime``, so it
 survives the process and does not depend on how the file system is mounted: ``noatime`` only
 stops the kernel's own updates); its modification time is left alone, since it is part of the
@@ -57,6 +66,10 @@ ENTRY_SUFFIX = ".hsc"
 # A holds file on a file system that cannot lock is taken for a live process's until it is this
 # old without a new line (no trial holds an entry for a day without reading another).
 STALE_S = 24 * 3600.0
+# Stage folders every trial of a sweep reads whatever its knobs (heal/stage_names.py names
+# them; tests/test_cache_limit.py checks they are stages): evicted last while fresh (docstring).
+SHARED_STAGES = frozenset({"calib_trace", "calib_trace_layer", "tensor_importance", "teacher_logits"})
+SHARED_FRESH_S = 24 * 3600.0  # a night: a shared entry unused for longer is evicted like any
 _NO_LOCKING = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 _GIB = 2**30
 
@@ -288,7 +301,7 @@ def _evict(root: Path, limit: int, margin: float) -> Eviction:
     held_bytes = sum(e.size for e in found if e.relpath in holding)
     target = int(limit * (1.0 - margin))
     evicted: dict[str, tuple[int, int]] = {}
-    for entry in sorted(found):
+    for entry in sorted(found, key=_eviction_order(time.time_ns())):
         if total <= target:
             break
         if entry.relpath in holding:
@@ -303,3 +316,15 @@ def _evict(root: Path, limit: int, margin: float) -> Eviction:
         n, size = evicted.get(entry.stage, (0, 0))
         evicted[entry.stage] = (n + 1, size + entry.size)
     return Eviction(before, total, held_bytes, evicted, total > limit, holders)
+
+
+def _eviction_order(now_ns: int):
+    """The sort key of :func:`_evict`: entries of other stages and stale shared ones first, then
+    the fresh entries of :data:`SHARED_STAGES`; least recently used first within each."""
+    fresh_after = now_ns - int(SHARED_FRESH_S * 1e9)
+
+    def order(entry: Entry) -> tuple[bool, int, str]:
+        last = entry.stage in SHARED_STAGES and entry.used_ns >= fresh_after
+        return last, entry.used_ns, entry.relpath
+
+    return order
