@@ -321,26 +321,33 @@ def test_the_allocator_budget_sweeps_load_and_move_every_group(name, limit, ladd
 
 @needs_ggml
 def test_the_whole_file_and_pareto_sweeps_load_with_their_references():
-    """Issue 39 part A's dev specs on demo-medium-cpu: the file budget's tiers are llama.cpp's
-    file with every matrix in IQ2_XXS and the Unsloth-style file as heal.size counts them (each
-    an external beside the routed-only one), the baseline sits inside the first; the Pareto
-    spec's references are llama.cpp's seven types from IQ1_S to IQ3_XXS and its pairs span
-    1.625-2.896 routed bpw."""
+    """Issue 39's dev specs on demo-medium-cpu: the file budget's two stages are bounded by
+    llama.cpp's file with every matrix in IQ2_XXS (an external beside the routed-only one), the
+    Unsloth-style size's sweep by that recipe's file as heal.size counts them (the file itself its
+    external); each baseline sits inside its budget; the Pareto spec's references are llama.cpp's
+    seven types from IQ1_S to IQ3_XXS and its pairs span 1.625-2.896 routed bpw."""
     from healsweep.heal.size import config_size
     from healsweep.kernels.ggml_types import ggml_type
     from healsweep.sweep.spec_files import load_spec
 
-    spec = load_spec(ROOT / "sweeps" / "medium-cpu-file-budget.yaml", check_paths=False)
-    model = open_model(spec.model)
+    def sweep(name):
+        return load_spec(ROOT / "sweeps" / f"{name}.yaml", check_paths=False)
+
+    model = open_model("demo-medium-cpu")
     uniform = Knobs(type_gu="iq2_xxs", type_d="iq2_xxs",
                     **dict.fromkeys(Knobs.FILE_TYPES, "iq2_xxs"))  # fmt: skip
     unsloth = load_knobs(ROOT / "configs" / "knobs" / "unsloth-style-iq2_xxs.yaml")
-    assert spec.budget.budget().limits == (config_size(model, uniform).file_bytes,
-                                           config_size(model, unsloth).file_bytes)  # fmt: skip
-    assert spec.budget.budget().admits(config_size(model, spec.baseline))
-    every = {e.name: e.llama.all_tensors for e in spec.external if e.llama is not None}
+    sizes = {"medium-cpu-file-budget": uniform, "medium-cpu-file-budget-refine": uniform,
+             "medium-cpu-file-budget-ud": unsloth}  # fmt: skip
+    for name, reference in sizes.items():
+        spec = sweep(name)
+        assert spec.model == "demo-medium-cpu"
+        assert spec.budget.budget().limits == (config_size(model, reference).file_bytes,)
+        assert spec.budget.budget().admits(config_size(model, spec.baseline))
+    every = {e.name: e.llama.all_tensors for e in sweep("medium-cpu-file-budget").external}
     assert every == {"llama-all-iq2_xxs": True, "llama-iq2_xxs": False}
-    assert any(e.path and "unsloth-style" in e.path for e in spec.external)
+    (ud,) = sweep("medium-cpu-file-budget-ud").external
+    assert ud.path and "unsloth-style" in ud.path
     pareto = load_spec(ROOT / "sweeps" / "medium-cpu-pareto.yaml", check_paths=False)
     assert [e.llama.type for e in pareto.external] == [
         "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "q2_k", "iq3_xxs"]  # fmt: skip
