@@ -105,11 +105,10 @@ class PruneAwareOptunaSearch(OptunaSearch):
             point = super().suggest(trial_id)
             if not isinstance(point, dict):
                 return point
-            asked = self._ot_trials[trial_id]
             if self._gate is not None and not self._gate.admits(point):
                 self._ot_study.tell(self._ot_trials.pop(trial_id), state=TrialState.PRUNED)
                 continue
-            done = self._finished(asked.params)
+            done = self._finished(self._ot_trials[trial_id].params)
             if done is None:
                 return point
             self._ot_study.tell(self._ot_trials.pop(trial_id), done.values)
