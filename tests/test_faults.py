@@ -435,3 +435,65 @@ def test_results_dir_filling_up_mid_sweep(tmp_path, warm_cache, record_property)
             assert rows[key][name] == row[name], (key, name)
     record_property("stopped_after_s", round(stopped_at - filled_at, 1))
     record_property("resume_s", round(resumed_at - start, 1))
+
+
+# Stage cache full mid-sweep -------------------------------------------------------------------
+
+
+def _cache_work(spec, knobs, done, seed, *, toy_work, log: str, cache_root: str):
+    """``toy_work`` (test_sweep_tune) that keeps 256 KiB per window in the real stage cache
+    before the window counts as scored, as a trial's stages keep their outputs."""
+    from healsweep.sweep.space import config_hash
+
+    cache = StageCache(cache_root)
+    for record in toy_work(spec, knobs, done, seed, log=log, delay=0.05):
+        payload = {"x": np.full(64 * 1024, record.window_index, np.float32)}
+        cache.put("toy_entry", f"{config_hash(knobs)}-{record.window_id}", payload)
+        yield record
+
+
+def test_a_full_stage_cache_stops_the_sweep_with_one_line_and_resume_finishes(tmp_path):
+    """The H100 night's follow-ups each failed on a full disk (issue 38): the first trial whose
+    stage cache cannot be written stops the sweep, naming the cache root; nothing retries, the
+    windows recorded so far are kept, and a resume once there is room completes every window."""
+    import functools
+
+    import ray
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_sweep_tune import N_WINDOWS, toy_identity, toy_work
+
+    from healsweep.errors import CacheError
+    from healsweep.sweep.driver import resume_sweep, run_sweep
+    from healsweep.sweep.spec_files import spec_from_dict
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    spec = spec_from_dict({"name": "cachefull", "search_space": {"gain_d": [0.3, 0.0, 1.0]},
+                           "max_concurrent": 1, "max_failures": 3})  # fmt: skip
+    # 2 references + 3 trials of 12 windows, 260 KiB each: 13 MiB; 8 MiB hold the references
+    # and part of the first trial.
+    with mounted(tmp_path / "cache", size="8m") as cache:
+        work = functools.partial(_cache_work, toy_work=toy_work, log=str(tmp_path / "scored.log"),
+                                 cache_root=str(cache))  # fmt: skip
+        sweep_dir = tmp_path / "results" / "cachefull"
+        with pytest.raises(CacheError) as stopped:
+            run_sweep(spec, results_root=tmp_path / "results", work_fn=work,
+                      identity_fn=toy_identity, num_cpus=2)  # fmt: skip
+        message = str(stopped.value)
+        assert message.startswith(
+            f"a trial cannot write the stage cache under {cache}: No space left on device; "
+            "the sweep stopped"
+        ), message
+        assert message.endswith(f"then `healsweep sweep resume {sweep_dir}`"), message
+        kept = {(r["config_hash"], r["window_id"]): r for r in raw_rows(sweep_dir)}
+        assert 2 * N_WINDOWS <= len(kept) < 5 * N_WINDOWS
+        trials = pq.read_table(sweep_dir / "trials.parquet").to_pylist()
+        assert max(t["n_failures"] for t in trials) <= 1, trials  # stopped, not retried
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(cache)], check=True)
+        run = resume_sweep(sweep_dir, work_fn=work, num_cpus=2)
+    assert [t["status"] for t in run.trials] == ["completed"] * 5  # 2 references, 3 configs
+    rows = {(r["config_hash"], r["window_id"]): r for r in raw_rows(sweep_dir)}
+    assert len(rows) == len(raw_rows(sweep_dir)) == 5 * N_WINDOWS  # each window once
+    for key, row in kept.items():  # rows from before the stop are kept, not scored again
+        assert rows[key]["scored_at"] == row["scored_at"]

@@ -49,7 +49,7 @@ from healsweep.sweep.holders import open_holders, prior_holders
 from healsweep.sweep.manifest import read_spec, start_manifest
 from healsweep.sweep.progress import ProgressSink, register_sink
 from healsweep.sweep.pruning import JOURNAL_FILE, WindowPruningScheduler, repair_journal
-from healsweep.sweep.recorder import ResultsRecorder
+from healsweep.sweep.recorder import CacheStop, ResultsRecorder
 from healsweep.sweep.sensitivity import (
     IDENTITY_KEYS,
     Say,
@@ -341,11 +341,25 @@ def _disk_error(exc: BaseException | None) -> str | None:
     return None
 
 
+def _cause(exc: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """The first exception of ``kind`` in ``exc``'s chain of causes, or None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _fit(tuner: Any, sweep_dir: Path) -> None:
     """``tuner.fit()``; a disk that fills up or turns read-only mid-sweep is one ResultsError."""
     try:
         tuner.fit()
     except Exception as exc:
+        stop = _cause(exc, CacheStop)  # Tune wraps what a callback raises in a TuneError
+        if stop is not None:
+            raise CacheStop(str(stop)) from None
         reason = _disk_error(exc)
         if reason is None:
             raise

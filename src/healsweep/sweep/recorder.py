@@ -7,6 +7,7 @@ alike: each window row written atomically under ``windows/`` before the next res
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.experiment import Trial
 
+from healsweep.errors import CacheError
 from healsweep.results.schema import (
     KNOB_PREFIX,
     PLACEMENT_COLUMNS,
@@ -50,6 +52,33 @@ _COUNTED = [
     *("trial_id", "config_hash", "window_id", "windows_total", "scored_node_ip"),
     *("kld_sum", "kld_count", "top1", "top1_count", "role", "is_baseline"),
 ]
+
+
+# What the stage cache raises when it cannot write (cache.py): a full, over-quota or read-only disk
+# under its root. Every later trial on that node would fail the same way.
+_CACHE_UNWRITABLE = re.compile(r"cannot write cache entry under (.+?): ([^;\n]+); free disk space")
+
+
+class CacheStop(CacheError):
+    """A trial's stage cache cannot be written: raised by the recorder to stop the sweep."""
+
+
+def cache_unwritable(error: str | None) -> tuple[str, str] | None:
+    """(cache root, reason) when a trial's error (the worker's traceback as Tune keeps it) is
+    the stage cache failing to write, else None."""
+    found = _CACHE_UNWRITABLE.search(error) if error else None
+    return (found.group(1), found.group(2).strip()) if found else None
+
+
+def _last_error(trial: Trial) -> str | None:
+    """The text of the trial's latest failure: Tune appends each to the trial's local error
+    file before it calls back (the pickled copy reaches storage later)."""
+    path = trial.error_file
+    try:
+        text = Path(path).read_text(errors="replace") if path else None
+    except OSError:
+        return None
+    return text.rsplit("Failure # ", 1)[-1] if text else None
 
 
 class ResultsRecorder(Callback):
@@ -215,12 +244,29 @@ class ResultsRecorder(Callback):
         row = self._tune_trial(trial)
         row["n_failures"] = int(getattr(trial, "num_failures", row["n_failures"] + 1))
         self.finish(trial.trial_id, TrialStatus.ERROR)
+        self._stop_on_unwritable_cache(trial)
 
     def on_trial_recover(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:
         row = self._tune_trial(trial)
         row["n_failures"] = int(getattr(trial, "num_failures", row["n_failures"] + 1))
         row["status"] = TrialStatus.RETRYING
         self._write_trials()
+        self._stop_on_unwritable_cache(trial)
+
+    def _stop_on_unwritable_cache(self, trial: Trial) -> None:
+        """A trial that failed because its node's stage cache cannot be written stops the sweep
+        (raised out of Tune's loop, as a killed driver would stop): retrying it, or starting the
+        next trial, would fail the same way, each after recomputing what it could not keep."""
+        found = cache_unwritable(_last_error(trial))
+        if found is None:
+            return
+        root, reason = found
+        raise CacheStop(
+            f"a trial cannot write the stage cache under {root}: {reason}; the sweep stopped "
+            f"and the windows recorded so far are kept: free space there (or lower the cache's "
+            f"limit with --cache-max-gb, or point HEALSWEEP_CACHE at a larger disk), then "
+            f"`healsweep sweep resume {self.sweep_dir}`"
+        )
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         self._write_trials(final=True)
