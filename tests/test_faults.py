@@ -461,11 +461,10 @@ def test_a_full_stage_cache_stops_the_sweep_with_one_line_and_resume_finishes(tm
     import ray
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_sweep_tune import N_WINDOWS, toy_identity, toy_work
-
     from healsweep.errors import CacheError
     from healsweep.sweep.driver import resume_sweep, run_sweep
     from healsweep.sweep.spec_files import spec_from_dict
+    from test_sweep_tune import N_WINDOWS, toy_identity, toy_work
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     spec = spec_from_dict({"name": "cachefull", "search_space": {"gain_d": [0.3, 0.0, 1.0]},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -156,6 +158,54 @@ def test_stratified_draws_follow_the_tail_distribution():
     assert mass[0] == pytest.approx(0.5, rel=1e-6)
     counts = np.bincount(ids[0], minlength=5) / 1000
     np.testing.assert_allclose(counts, [0, 0.6, 0.2, 0.12, 0.08], atol=2e-3)  # strata: +-1/S
+
+
+def test_tail_draws_are_the_same_bits_on_any_number_of_threads(monkeypatch):
+    """The draws run in pieces of rows on the host's threads; each row's float64 sums are
+    computed alone, so the ids, masses and flags are identical however the rows are split,
+    and equal a plain one-row-at-a-time float64 reference. Rows cover the corner cases: a
+    tail of zero probabilities, a top list with a repeated id, and no tail mass at all."""
+    from healsweep.runtime import Runtime, use
+    from healsweep.score import compact
+    from healsweep.threads import THREAD_ENV, XLA_THREADS_ENV, use_threads
+
+    for name in (*THREAD_ENV, XLA_THREADS_ENV):  # use_threads sets them: restored afterwards
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    monkeypatch.setattr(compact, "TAIL_ROWS", 8)  # several pieces from a small case
+    rng = np.random.default_rng(3)
+    n, n_vocab, k, n_samples = 37, 300, 6, 16
+    logits = rng.standard_normal((n, n_vocab)) * 3
+    logits[4, 40:] = -np.inf  # p = 0 beyond token 40: the tail is not full
+    logits[6] = -np.inf
+    logits[6, :k] = 0.0  # all of p in the top-K: no tail mass
+    logp = (logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)).astype(np.float32)
+    top = np.argsort(-logp, axis=1, kind="stable")[:, :k].astype(np.int32)
+    top[9, 1] = top[9, 0]  # a repeated id leaves one more token in the tail
+
+    def reference(row: int) -> tuple[np.ndarray, float, bool]:
+        p = np.exp(logp[row].astype(np.float64))
+        p[top[row]] = 0.0
+        cdf = np.cumsum(p)
+        u = np.random.default_rng(11).random((n, n_samples))[row]
+        if cdf[-1] <= 0.0:
+            return np.full(n_samples, top[row, 0]), 0.0, False
+        picked = np.searchsorted(cdf, (np.arange(n_samples) + u) / n_samples * cdf[-1], "right")
+        full = np.count_nonzero(p) == n_vocab - len(set(top[row]))
+        return np.minimum(picked, np.flatnonzero(p)[-1]), cdf[-1], full
+
+    runs = []
+    for threads in (1, 3):
+        with use(Runtime()):
+            use_threads(threads)
+            runs.append(compact.draw_tail(logp, top, n_samples, seed=11))
+    for one, many in zip(*runs, strict=True):
+        np.testing.assert_array_equal(one, many)
+    ids, mass, full = runs[0]
+    for row in range(n):
+        want_ids, want_mass, want_full = reference(row)
+        np.testing.assert_array_equal(ids[row], want_ids, err_msg=str(row))
+        assert mass[row] == want_mass and full[row] == want_full, row
+    assert not full[4] and full[3] and mass[6] == 0.0 and full[9]
 
 
 def test_formats_keys_and_sizes():

@@ -19,6 +19,7 @@ the same ids on every platform for the same teacher log-probs.
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -106,6 +107,11 @@ def window_seed(window_id: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
+# Rows per piece of the tail draws: a piece's float64 probabilities and their running sum take
+# 2 x 8 x V bytes a row (about 150 MiB for 64 rows of a 152k vocabulary).
+TAIL_ROWS = 64
+
+
 def draw_tail(
     logp: np.ndarray, top_ids: np.ndarray, n_samples: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,27 +120,59 @@ def draw_tail(
 
     ``logp [n, V]`` float32 teacher log-probs; ``top_ids [n, K]`` the tokens left out. Rows with
     no tail mass get the row's argmax as a placeholder (their tail weighs 0).
+
+    Pieces of :data:`TAIL_ROWS` rows run on the process's host threads
+    (:func:`healsweep.threads.host_threads`): each row's float64 sums run in the same order
+    whatever the piece or thread, so the draws are the same bit for bit on any machine.
     """
-    n, n_vocab = logp.shape
+    from healsweep.threads import host_threads
+
+    n = logp.shape[0]
     uniforms = np.random.default_rng(seed).random((n, n_samples))  # [n, S]
     strata = (np.arange(n_samples)[None, :] + uniforms) / n_samples  # [n, S] in [0, 1)
     ids = np.empty((n, n_samples), dtype=np.int32)
     mass = np.zeros(n, dtype=np.float64)
     full = np.zeros(n, dtype=bool)
-    for row in range(n):
-        p = np.exp(logp[row].astype(np.float64))  # [V]
-        p[top_ids[row]] = 0.0
-        full[row] = np.count_nonzero(p) == n_vocab - len(np.unique(top_ids[row]))
-        cdf = np.cumsum(p)  # [V]
-        mass[row] = cdf[-1]
+    pieces = [slice(a, min(a + TAIL_ROWS, n)) for a in range(0, n, TAIL_ROWS)]
+    threads = min(host_threads(), len(pieces))
+
+    def draw(rows: slice) -> None:
+        _draw_rows(logp[rows], top_ids[rows], strata[rows], ids[rows], mass[rows], full[rows])
+
+    if threads <= 1:
+        for rows in pieces:
+            draw(rows)
+    else:  # numpy's exp, sums and sorts run outside the GIL
+        with ThreadPoolExecutor(threads, thread_name_prefix="teacher-tail") as pool:
+            list(pool.map(draw, pieces))
+    return ids, mass, full
+
+
+def _draw_rows(
+    logp: np.ndarray,
+    top_ids: np.ndarray,
+    strata: np.ndarray,
+    ids: np.ndarray,
+    mass: np.ndarray,
+    full: np.ndarray,
+) -> None:
+    """:func:`draw_tail` for a piece of rows, written into ``ids``, ``mass`` and ``full``."""
+    n_vocab = logp.shape[1]
+    p = np.exp(logp.astype(np.float64))  # [r, V]
+    np.put_along_axis(p, top_ids, 0.0, axis=1)
+    ordered = np.sort(top_ids, axis=1)
+    left_out = 1 + np.count_nonzero(ordered[:, 1:] != ordered[:, :-1], axis=1)  # distinct ids
+    full[:] = np.count_nonzero(p, axis=1) == n_vocab - left_out
+    cdf = np.cumsum(p, axis=1)  # [r, V]: each row summed in order, as a row alone
+    mass[:] = cdf[:, -1]
+    last = n_vocab - 1 - np.argmax(p[:, ::-1] > 0.0, axis=1)  # the last token with p > 0
+    for row in range(len(p)):
         if mass[row] <= 0.0:
             ids[row] = top_ids[row, 0]
             continue
         # side="right": cdf[i-1] <= target < cdf[i], so p[i] > 0; the clip guards rounding.
-        picked = np.searchsorted(cdf, strata[row] * mass[row], side="right")
-        last = int(np.flatnonzero(p)[-1])
-        ids[row] = np.minimum(picked, last)
-    return ids, mass, full
+        picked = np.searchsorted(cdf[row], strata[row] * mass[row], side="right")
+        ids[row] = np.minimum(picked, last[row])
 
 
 def router_dtype(n_expert: int) -> np.dtype:
