@@ -161,17 +161,15 @@ def test_stratified_draws_follow_the_tail_distribution():
 
 
 def test_tail_draws_are_the_same_bits_on_any_number_of_threads(monkeypatch):
-    """The draws run in pieces of rows on the host's threads; each row's float64 sums are
-    computed alone, so the ids, masses and flags are identical however the rows are split,
-    and equal a plain one-row-at-a-time float64 reference. Rows cover the corner cases: a
-    tail of zero probabilities, a top list with a repeated id, and no tail mass at all."""
+    """The rows are shared among the host's threads; each row's float64 sums are computed
+    alone, so the ids, masses and flags are identical however the rows are split, and equal a
+    plain one-row-at-a-time float64 reference. Rows cover the corner cases: a tail of zero
+    probabilities, a top list with a repeated id, and no tail mass at all."""
     from healsweep.runtime import Runtime, use
-    from healsweep.score import compact
     from healsweep.threads import THREAD_ENV, XLA_THREADS_ENV, use_threads
 
     for name in (*THREAD_ENV, XLA_THREADS_ENV):  # use_threads sets them: restored afterwards
         monkeypatch.setenv(name, os.environ.get(name, "1"))
-    monkeypatch.setattr(compact, "TAIL_ROWS", 8)  # several pieces from a small case
     rng = np.random.default_rng(3)
     n, n_vocab, k, n_samples = 37, 300, 6, 16
     logits = rng.standard_normal((n, n_vocab)) * 3
@@ -197,7 +195,7 @@ def test_tail_draws_are_the_same_bits_on_any_number_of_threads(monkeypatch):
     for threads in (1, 3):
         with use(Runtime()):
             use_threads(threads)
-            runs.append(compact.draw_tail(logp, top, n_samples, seed=11))
+            runs.append(draw_tail(logp, top, n_samples, seed=11))
     for one, many in zip(*runs, strict=True):
         np.testing.assert_array_equal(one, many)
     ids, mass, full = runs[0]

@@ -107,11 +107,6 @@ def window_seed(window_id: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-# Rows per piece of the tail draws: a piece's float64 probabilities and their running sum take
-# 2 x 8 x V bytes a row (about 150 MiB for 64 rows of a 152k vocabulary).
-TAIL_ROWS = 64
-
-
 def draw_tail(
     logp: np.ndarray, top_ids: np.ndarray, n_samples: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -121,9 +116,9 @@ def draw_tail(
     ``logp [n, V]`` float32 teacher log-probs; ``top_ids [n, K]`` the tokens left out. Rows with
     no tail mass get the row's argmax as a placeholder (their tail weighs 0).
 
-    Pieces of :data:`TAIL_ROWS` rows run on the process's host threads
-    (:func:`healsweep.threads.host_threads`): each row's float64 sums run in the same order
-    whatever the piece or thread, so the draws are the same bit for bit on any machine.
+    The rows are shared among the process's host threads
+    (:func:`healsweep.threads.host_threads`); each row is drawn alone (its float64 sums in one
+    order), so the draws are the same bit for bit however many threads run.
     """
     from healsweep.threads import host_threads
 
@@ -133,46 +128,42 @@ def draw_tail(
     ids = np.empty((n, n_samples), dtype=np.int32)
     mass = np.zeros(n, dtype=np.float64)
     full = np.zeros(n, dtype=bool)
-    pieces = [slice(a, min(a + TAIL_ROWS, n)) for a in range(0, n, TAIL_ROWS)]
-    threads = min(host_threads(), len(pieces))
 
-    def draw(rows: slice) -> None:
-        _draw_rows(logp[rows], top_ids[rows], strata[rows], ids[rows], mass[rows], full[rows])
+    def draw(rows: range) -> None:
+        # Two V-long float64 buffers a thread, reused row after row: fresh ones each row cost
+        # page faults (the allocator hands the freed memory back) that doubled the time.
+        p, cdf = np.empty(logp.shape[1]), np.empty(logp.shape[1])
+        for row in rows:
+            ids[row], mass[row], full[row] = _draw_row(
+                logp[row], top_ids[row], strata[row], p, cdf
+            )
 
+    threads = min(host_threads(), n)
     if threads <= 1:
-        for rows in pieces:
-            draw(rows)
-    else:  # numpy's exp, sums and sorts run outside the GIL
+        draw(range(n))
+    else:  # numpy's exp, sums and searches run outside the GIL
         with ThreadPoolExecutor(threads, thread_name_prefix="teacher-tail") as pool:
-            list(pool.map(draw, pieces))
+            list(pool.map(draw, [range(t, n, threads) for t in range(threads)]))
     return ids, mass, full
 
 
-def _draw_rows(
-    logp: np.ndarray,
-    top_ids: np.ndarray,
-    strata: np.ndarray,
-    ids: np.ndarray,
-    mass: np.ndarray,
-    full: np.ndarray,
-) -> None:
-    """:func:`draw_tail` for a piece of rows, written into ``ids``, ``mass`` and ``full``."""
-    n_vocab = logp.shape[1]
-    p = np.exp(logp.astype(np.float64))  # [r, V]
-    np.put_along_axis(p, top_ids, 0.0, axis=1)
-    ordered = np.sort(top_ids, axis=1)
-    left_out = 1 + np.count_nonzero(ordered[:, 1:] != ordered[:, :-1], axis=1)  # distinct ids
-    full[:] = np.count_nonzero(p, axis=1) == n_vocab - left_out
-    cdf = np.cumsum(p, axis=1)  # [r, V]: each row summed in order, as a row alone
-    mass[:] = cdf[:, -1]
-    last = n_vocab - 1 - np.argmax(p[:, ::-1] > 0.0, axis=1)  # the last token with p > 0
-    for row in range(len(p)):
-        if mass[row] <= 0.0:
-            ids[row] = top_ids[row, 0]
-            continue
-        # side="right": cdf[i-1] <= target < cdf[i], so p[i] > 0; the clip guards rounding.
-        picked = np.searchsorted(cdf[row], strata[row] * mass[row], side="right")
-        ids[row] = np.minimum(picked, last[row])
+def _draw_row(
+    logp: np.ndarray, top_ids: np.ndarray, strata: np.ndarray, p: np.ndarray, cdf: np.ndarray
+) -> tuple[np.ndarray, float, bool]:
+    """One row of :func:`draw_tail`, ``(ids [S], tail mass, tail full)``, in the float64
+    buffers ``p`` and ``cdf`` ([V] each)."""
+    np.exp(logp, out=p, dtype=np.float64)
+    p[top_ids] = 0.0
+    positive = p > 0.0
+    full = np.count_nonzero(positive) == len(p) - len(np.unique(top_ids))
+    np.cumsum(p, out=cdf)
+    mass = float(cdf[-1])
+    if mass <= 0.0:
+        return np.full(len(strata), top_ids[0]), mass, full
+    last = len(p) - 1 - int(np.argmax(positive[::-1]))  # the last token with p > 0
+    # side="right": cdf[i-1] <= target < cdf[i], so p[i] > 0; the clip guards rounding.
+    picked = np.searchsorted(cdf, strata * mass, side="right")
+    return np.minimum(picked, last), mass, full
 
 
 def router_dtype(n_expert: int) -> np.dtype:
