@@ -26,6 +26,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from healsweep.errors import CacheError
+from healsweep.threads import host_threads
 
 DEFAULT_TOP_K = 128
 DEFAULT_TAIL_SAMPLES = 128
@@ -120,8 +121,6 @@ def draw_tail(
     (:func:`healsweep.threads.host_threads`); each row is drawn alone (its float64 sums in one
     order), so the draws are the same bit for bit however many threads run.
     """
-    from healsweep.threads import host_threads
-
     n = logp.shape[0]
     uniforms = np.random.default_rng(seed).random((n, n_samples))  # [n, S]
     strata = (np.arange(n_samples)[None, :] + uniforms) / n_samples  # [n, S] in [0, 1)
