@@ -176,3 +176,23 @@ def test_two_sweeps_in_one_root_do_not_disturb_each_other(ray_address, tmp_path)
         for name in specs
     }
     assert gains == {"first": [0.0, 0.3], "second": [0.3, 1.0]}
+
+
+def test_a_sweep_being_started_is_refused_as_running_before_its_manifest_exists(tmp_path):
+    """A driver writes spec.json under its lock before the manifest: a resume in between is
+    told the sweep is being run (CI saw "holds no sweep results" there, under load)."""
+    import fcntl
+
+    from healsweep.results.store import LOCK_FILE, SPEC_FILE
+
+    sweep_dir = tmp_path / "starting"
+    sweep_dir.mkdir()
+    (sweep_dir / SPEC_FILE).write_text(spec_from_dict({"name": "starting"}).model_dump_json())
+    with open(sweep_dir / LOCK_FILE, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242")
+        held.flush()
+        with pytest.raises(ResultsError, match="sweep starting is being run by pid 4242"):
+            resume_sweep(sweep_dir, work_fn=toy_work)
+    with pytest.raises(ResultsError, match="holds no sweep results"):  # let go: what it holds
+        resume_sweep(sweep_dir, work_fn=toy_work)

@@ -61,6 +61,7 @@ from healsweep.sweep.sensitivity import (
 from healsweep.sweep.space import GRIDDED, baseline_point, optuna_space
 from healsweep.sweep.spec import RAY_RESOURCE_NAMES, SweepSpec
 from healsweep.sweep.spec_files import check_paths
+from healsweep.sweep.status import driver_running
 from healsweep.sweep.trial import (
     COORDINATOR_RESOURCES,
     TARGET_METRIC,
@@ -178,16 +179,19 @@ def sweep_lock(sweep_dir: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            owner = handle.read().strip() or "another process"
-            raise ResultsError(
-                f"sweep {sweep_dir.name} is being run by {owner}; wait for it to finish or stop "
-                "it before starting or resuming it again"
-            ) from None
+            raise _being_run(sweep_dir, handle.read().strip() or "another process") from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()}")
         handle.flush()
         yield
+
+
+def _being_run(sweep_dir: Path, owner: str) -> ResultsError:
+    return ResultsError(
+        f"sweep {sweep_dir.name} is being run by {owner}; wait for it to finish or stop it "
+        "before starting or resuming it again"
+    )
 
 
 @contextlib.contextmanager
@@ -434,6 +438,9 @@ def resume_sweep(
     re-scored (they are replayed from the Parquet rows). ``cache_max_gb``: the stage caches'
     size limit for this run (default: the stored spec's)."""
     sweep_dir = Path(sweep_dir).resolve()
+    owner = driver_running(sweep_dir)  # first: a sweep being started has its spec before its manifest
+    if owner is not None:
+        raise _being_run(sweep_dir, owner)
     spec = read_spec(sweep_dir)
     check_paths(spec, str(sweep_dir / SPEC_FILE))  # what it names may have moved since the run
     if cache_max_gb is not None:  # like the cache's location, not part of the spec's hash
