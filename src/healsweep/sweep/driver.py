@@ -330,29 +330,24 @@ def _new_tuner(
 _DISK_ERRORS = {code: os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)}
 
 
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and its causes (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def _disk_error(exc: BaseException | None) -> str | None:
     """The full or read-only disk behind a failed ``fit`` (Tune wraps it in a TuneError whose
     text holds the original traceback), or None when the failure was something else."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in _DISK_ERRORS:
-            return _DISK_ERRORS[exc.errno]
-        reason = next((r for r in _DISK_ERRORS.values() if r in str(exc)), None)
+    for cause in _chain(exc):
+        if isinstance(cause, OSError) and cause.errno in _DISK_ERRORS:
+            return _DISK_ERRORS[cause.errno]
+        reason = next((r for r in _DISK_ERRORS.values() if r in str(cause)), None)
         if reason is not None:
             return reason
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def _cause(exc: BaseException | None, kind: type[BaseException]) -> BaseException | None:
-    """The first exception of ``kind`` in ``exc``'s chain of causes, or None."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, kind):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
@@ -361,7 +356,8 @@ def _fit(tuner: Any, sweep_dir: Path) -> None:
     try:
         tuner.fit()
     except Exception as exc:
-        stop = _cause(exc, CacheStop)  # Tune wraps what a callback raises in a TuneError
+        # Tune wraps what a callback raises in a TuneError
+        stop = next((c for c in _chain(exc) if isinstance(c, CacheStop)), None)
         if stop is not None:
             raise CacheStop(str(stop)) from None
         reason = _disk_error(exc)
@@ -438,7 +434,7 @@ def resume_sweep(
     re-scored (they are replayed from the Parquet rows). ``cache_max_gb``: the stage caches'
     size limit for this run (default: the stored spec's)."""
     sweep_dir = Path(sweep_dir).resolve()
-    owner = driver_running(sweep_dir)  # first: a sweep being started has its spec before its manifest
+    owner = driver_running(sweep_dir)  # first: a starting sweep has its spec before its manifest
     if owner is not None:
         raise _being_run(sweep_dir, owner)
     spec = read_spec(sweep_dir)
