@@ -198,6 +198,7 @@ def test_type42_export_distribution_matches_llama_cpp_and_a_wrong_code_order_fai
     parity_setup, tmp_path, record_property, monkeypatch
 ):
     from healsweep.heal import export
+    from healsweep.quant.formats import Q2_0
 
     s = parity_setup
     student_log = _log_softmax(_ours(s["student"].base, s["windows"], s["positions"],
@@ -215,8 +216,8 @@ def test_type42_export_distribution_matches_llama_cpp_and_a_wrong_code_order_fai
     assert ratio <= DIST_RATIO
 
     # The same check on a file whose writer put the codes of each byte in the wrong order.
-    right = export.type42_rows
-    monkeypatch.setattr(export, "type42_rows", lambda w: _swap_code_order(right(w)))
+    right = Q2_0.gguf_rows
+    monkeypatch.setattr(Q2_0, "gguf_rows", staticmethod(lambda w: _swap_code_order(right(w))))
     wrong = export.write_healed_gguf(s["student"], tmp_path / "q2-wrong.gguf")
     wrong_log = _log_softmax(_llama(wrong, s["windows"], s["positions"], tmp_path))
     wrong_ratio = distribution_ratio(s["teacher_log"], student_log, wrong_log)

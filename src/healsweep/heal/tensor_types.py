@@ -46,6 +46,7 @@ from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.stage_names import Stage
 from healsweep.kernels.ggml_types import GGMLType, fitting_type, tensor_type
+from healsweep.quant.formats import format_of
 
 if TYPE_CHECKING:
     from healsweep.cache import StageCache
@@ -252,7 +253,7 @@ def requantize_tensor(
     """Tensor ``name`` of ``model`` quantized by ggml to ``chosen`` with its importance row,
     :data:`ROW_CHUNK` rows at a time (one slice of float32 on the host)."""
     # lazy: optional (llama-cpp-python, an optional extra)
-    from healsweep.gguf_io._ggml_lib import quantize_rows, requires_imatrix
+    from healsweep.gguf_io._ggml_lib import requires_imatrix
 
     shape = tuple(model.tensor_shape(name))
     n_in = shape[-1]
@@ -263,10 +264,11 @@ def requantize_tensor(
         row = np.ones(n_in, np.float32)
     per_first = int(np.prod(shape[1:-1], dtype=np.int64))  # rows per index of the first axis
     step = max(1, ROW_CHUNK // per_first)
+    encode = format_of(chosen.ggml_id).encode_ggml  # ggml's quantizer, as the format asks it
     pieces = []
     for start in range(0, shape[0], step):
         values = model.tensor_rows(name, start, start + step).reshape(-1, n_in)
-        pieces.append(quantize_rows(values, chosen.ggml_id, row))
+        pieces.append(encode(values, chosen.ggml_id, row))
     raw = np.concatenate(pieces).reshape(*shape[:-1], chosen.row_bytes(n_in))
     return RequantTensor(raw, chosen.name, n_in)
 

@@ -1,7 +1,7 @@
 """The ggml types (every routed-expert type but Q2_0): ggml's own quantizer, and GPTQ on its grids.
 
 Stored as the type's rows, ``GGMLWeight`` (uint8 ``[E, out, row_bytes]``, decoded in the graph);
-Part A's alpha multiplies every block's fp16 scale(s) (:func:`healsweep.gguf_io.fold_scale`).
+Part A's alpha multiplies every block's fp16 scale(s) (:mod:`healsweep.quant.formats`).
 Every class here reads the calibration trace (its importance rows) and names the type in its key.
 
 * :class:`GGMLImatrix`: ``ggml_quantize_chunk`` with one importance row per expert (E[x²] of its
@@ -53,14 +53,6 @@ class GGMLStored(GroupQuantizer):
 
         qtype = ggml_type(meta["type"]).ggml_id
         return tuple(GGMLWeight(arrays[f"{n}.raw"], qtype, meta["n_in"]) for n in range(count))
-
-    @classmethod
-    def scale_stack(cls, stack: Any, factor: np.ndarray) -> Any:
-        from healsweep.gguf_io import fold_scale  # lazy: gguf-py loads where a file is touched
-        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: jax is heavy
-
-        raw = fold_scale(np.asarray(stack.raw), stack.qtype, factor)
-        return GGMLWeight(raw, stack.qtype, stack.n_in)
 
     @classmethod
     def _stacks(cls, inputs: GroupInputs, raws: list[np.ndarray]) -> tuple[Any, ...]:

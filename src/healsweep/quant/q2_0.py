@@ -52,11 +52,6 @@ class Q2Stored(GroupQuantizer):
 
         return tuple(Q2Packed(arrays[f"{n}.d"], arrays[f"{n}.codes"]) for n in range(count))
 
-    @classmethod
-    def scale_stack(cls, stack: Any, factor: np.ndarray) -> Any:
-        # Q2Packed / Q2Weight: d [E, out, in/64]
-        return stack.scale_d(factor if factor.ndim == 0 else factor[:, None, None])
-
 
 class Q2Search(Q2Stored, types=(Q2_0,), quantizer=Quantizer.SEARCH):
     """The codec's importance-weighted signed-scale search (the knob default)."""

@@ -85,11 +85,17 @@ class FixedConfig:
         }
 
 
+# What each reference changes beyond the baseline with healing off (results.schema.REFERENCES)
+_REFERENCE_KNOBS: dict[str, dict[str, Any]] = {
+    "unhealed": {},
+    "plain": {"quantizer": Quantizer.PLAIN},  # round-to-nearest Q2_0: ordinary quantization
+}
+
+
 def reference_knobs(spec: SweepSpec, name: str) -> Knobs:
     """The knobs of reference ``name``: the baseline with healing off (``plain``: also its
     quantizer replaced by round-to-nearest)."""
-    unhealed = spec.baseline.replace(**Knobs.UNHEALED)
-    return unhealed.replace(quantizer=Quantizer.PLAIN) if name == "plain" else unhealed
+    return spec.baseline.replace(**Knobs.UNHEALED, **_REFERENCE_KNOBS[name])
 
 
 def fixed_configs(spec: SweepSpec, sweep_dir: Path) -> list[FixedConfig]:
