@@ -19,7 +19,6 @@ from healsweep.errors import KnobError
 from healsweep.gguf_io import TensorType
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import stage_reads
-from healsweep.heal.stage_names import VERSIONS
 from healsweep.kernels.ggml_types import ROUTED_TYPES, STORED_TYPES, ggml_type
 from healsweep.quant.ggml import GGMLImatrix, GGMLStored, IQ1GridGptq, IQ2GridGptq, KGridGptq
 from healsweep.quant.q2_0 import Q2Gptq, Q2Plain, Q2Search
@@ -32,6 +31,7 @@ from healsweep.quant.registry import (
     types_with,
 )
 from healsweep.quant.values import GROUPS, Group, Quantizer
+from healsweep.stage_names import VERSIONS
 
 PACKAGE = Path(healsweep.__file__).parent
 CLASSES = sorted(registered(), key=lambda cls: cls.__name__)

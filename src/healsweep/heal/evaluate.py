@@ -19,9 +19,9 @@ from healsweep.heal import quantize, ridge, stages
 from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import Student, build_student
-from healsweep.heal.stage_names import Stage
 from healsweep.heal.stages import RoutedOutput
 from healsweep.heal.trace import calibration_documents, calibration_trace
+from healsweep.stage_names import Stage
 
 if TYPE_CHECKING:
     from healsweep.data.corpus import Corpus

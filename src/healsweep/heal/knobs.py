@@ -20,10 +20,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from healsweep.errors import KnobError, SettingError
-from healsweep.heal.stage_names import Stage
 from healsweep.kernels.ggml_types import ROUTED_TYPES, TENSOR_TYPES, ggml_type, step_up
 from healsweep.quant.values import Q2_0, DownInput, Importance, ImportanceDown, Quantizer
 from healsweep.settings_errors import problem, yaml_problem
+from healsweep.stage_names import Stage
 
 
 class AlphaMode(StrEnum):

@@ -44,9 +44,9 @@ from healsweep.data.corpus import load_corpus
 from healsweep.gguf_io import split_block
 from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import Knobs
-from healsweep.heal.stage_names import Stage
 from healsweep.kernels.ggml_types import GGMLType, fitting_type, tensor_type
 from healsweep.quant.formats import format_of
+from healsweep.stage_names import Stage
 
 if TYPE_CHECKING:
     from healsweep.cache import StageCache
