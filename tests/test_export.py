@@ -10,13 +10,12 @@ student held in memory.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import gguf
 import numpy as np
 import pytest
 
+from _cli import run_cli
 from _heal_fixtures import heal_setup
 from healsweep.cache import StageCache
 from healsweep.errors import GGUFFormatError
@@ -151,17 +150,12 @@ def test_type42_experts_take_2_25_bits_a_weight_and_the_sidecar_holds_the_same_b
 
 def test_type42_student_scores_against_its_teacher(exported, tmp_path):
     """`score --model q2.gguf --ref teacher` works for a type-42 file (our own, default tier)."""
-    import os
 
     student, q2, _, root = exported
-    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
     corpus = _eval_corpus(tmp_path / "eval.jsonl")
-    run = subprocess.run(
-        [sys.executable, "-m", "healsweep", "score", "--model", str(q2), "--ref",
-         str(student.base.path), "--corpus", str(corpus), "--max-scored", "16",
-         "--max-context", "16", "--json", str(tmp_path / "s.json")],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+    run = run_cli("score", "--model", q2, "--ref", student.base.path, "--corpus", corpus,
+                  "--max-scored", "16", "--max-context", "16", "--json", tmp_path / "s.json",
+                  cache=tmp_path / "cache", timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     record = json.loads((tmp_path / "s.json").read_text())
     assert record["pooled"]["kld_mean"] > 0
@@ -225,11 +219,6 @@ def test_a_tensor_type_healsweep_cannot_decode_is_one_line_naming_tensor_and_typ
     message = str(err.value)
     assert name in message and ("99" in message if qtype == 99 else "Q8_1" in message)
     assert "\n" not in message
-    run = subprocess.run(
-        [sys.executable, "-m", "healsweep", "model", "info", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_cli("model", "info", bad, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and name in run.stderr
