@@ -41,8 +41,10 @@ from healsweep.cache import StageCache, canonical_json
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import split_lock_id
 from healsweep.errors import LedgerError, ResultsError, SplitError
+from healsweep.heal.pipeline import build_student
 from healsweep.ledger import LEDGER_NAME, Ledger, head_record
 from healsweep.ledger_heads import checked_ledger
+from healsweep.model import open_model
 from healsweep.results.schema import (
     Role,
     best_trial,
@@ -52,7 +54,9 @@ from healsweep.results.schema import (
     window_schema,
 )
 from healsweep.results.store import read_manifest, read_trials, write_windows
+from healsweep.score.expert_cache import ExpertCacheConfig
 from healsweep.score.record import WindowMetrics, WindowRecord
+from healsweep.score.runner import score_windows
 from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
 from healsweep.score.windows import scoring_windows
 from healsweep.sweep.manifest import append_ledger_head, ledger_head, read_spec, recorded_ledger
@@ -113,8 +117,6 @@ def sweep_model(
 ) -> GGUFModel:
     """The sweep's model, opened; ResultsError (ending in ``remedy``) when its fingerprint is
     not the one the manifest recorded."""
-    # lazy: heavy (gguf, jax)
-    from healsweep.model import open_model
 
     teacher = open_model(spec.model)
     if manifest.get("model_fingerprint") not in (None, teacher.fingerprint):
@@ -298,14 +300,6 @@ def score_config(
     ctx: _Context, config: FrozenConfig, windows: list[Window], cache: StageCache, say: Progress
 ) -> list[dict[str, Any]]:
     """Build one frozen config's student through the caches and score it on every window."""
-    # lazy: heavy (gguf, jax)
-    from healsweep.heal.pipeline import build_student
-
-    # lazy: heavy (gguf)
-    from healsweep.score.expert_cache import ExpertCacheConfig
-
-    # lazy: heavy (gguf, jax)
-    from healsweep.score.runner import score_windows
 
     knobs = config.knobs
     student = build_student(ctx.teacher, knobs, ctx.spec.calibration, cache)

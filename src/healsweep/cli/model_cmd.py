@@ -10,7 +10,6 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from healsweep.bench.forward import bench_forward, format_table, layer_scaling
 from healsweep.cli._apps import bench_app, model_app
 from healsweep.heal.knobs import Knobs
 
@@ -194,6 +193,9 @@ def bench_forward_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Teacher-forced tokens/s and peak RSS of the layer-by-layer forward."""
+    # lazy: heavy (gguf, jax): --help stays instant
+    from healsweep.bench.forward import bench_forward, format_table, layer_scaling
+
     # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 

@@ -35,6 +35,7 @@ from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io import TensorType, add_tensor_info, block_prefix, element_shape, split_block
 from healsweep.heal.knobs import LayerTypes
 from healsweep.kernels.ggml_types import ggml_type, stored_type
+from healsweep.model.forward import HEAD
 from healsweep.quant.formats import Q2_0, stack_format, stack_type_name
 
 if TYPE_CHECKING:
@@ -110,7 +111,6 @@ def routed_bits_per_weight(student: Student) -> float:
 def _replacement(student: Student, name: str) -> tuple[str, Any] | None:
     """``("experts", weight)``, ``("shexp", raw)`` or ``("tensor", GGMLWeight)`` (a tensor of
     another group in the type of its knob) for a tensor the student replaces."""
-    from healsweep.model.forward import HEAD  # lazy: heavy (jax)
 
     layer, suffix = split_block(name)
     replacement = student.replacements.get(HEAD if layer is None else layer)
@@ -208,7 +208,6 @@ def write_replacing(
     The file is written to a temp name and renamed.
     """
 
-
     out = Path(out)
     header = base.header
     arch = header.get(gguf.Keys.General.ARCHITECTURE)
@@ -269,8 +268,6 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
 
 
 def _check_shape(base: GGUFModel, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
-
-
     shape = tuple(shape)
     if dtype == np.uint8 and qtype not in (GGMLQuantizationType.I8,):
         shape = element_shape(shape, qtype)

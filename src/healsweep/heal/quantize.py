@@ -33,6 +33,7 @@ from healsweep.quant.values import GROUPS, Q2_0, Group
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
     from healsweep.quant.formats import format_of
+from healsweep.model import open_model
 from healsweep.quant.registry import GroupQuantizer
 
 
@@ -179,8 +180,6 @@ def _misfit(model: GGUFModel, knobs: Knobs | None) -> tuple[int, Group, Any] | N
 def _packaged_fits(knobs: Knobs | None) -> list[tuple[str, Path, int]]:
     """The packaged models (``demo``, ``demo-medium-cpu``) whose routed rows the knobs' types
     fill: (name, file, gate/up row width)."""
-    # lazy: heavy (gguf, jax): the packaged models are opened only to word an error
-    from healsweep.model import open_model
 
     fits = []
     for name in BUNDLED_MODELS:

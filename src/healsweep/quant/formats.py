@@ -30,6 +30,9 @@ import numpy as np
 
 from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io import QUANT_SIZES, TensorType, fold_scale, q2_0_type
+from healsweep.gguf_io._ggml_lib import quantize_rows
+from healsweep.kernels import iq4_nl, q2_0
+from healsweep.kernels.ggml_decode import GGMLWeight, decode_rows
 from healsweep.kernels.ggml_types import ggml_type, stored_type
 
 GGML_Q2_0 = ggml_type("q2_0").ggml_id
@@ -91,8 +94,6 @@ class StorageFormat:
     ) -> np.ndarray:
         """``values`` float32 ``[rows, cols]`` by ggml's quantizer with the importance row
         ``importance`` ``[cols]`` (or none): uint8 ``[rows, row_bytes]``."""
-        # lazy: optional (llama-cpp-python, an optional extra)
-        from healsweep.gguf_io._ggml_lib import quantize_rows
 
         return quantize_rows(np.ascontiguousarray(values, np.float32), int(qtype), importance)
 
@@ -132,7 +133,6 @@ class StorageFormat:
     def scale_stack(cls, stack: Any, factor: np.ndarray) -> Any:
         """:meth:`fold_alpha` of a float32 ``factor`` other than 1: a ``GGMLWeight``'s rows with
         every block's fp16 scale(s) rewritten."""
-        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: heavy (jax)
 
         raw = fold_scale(np.asarray(stack.raw), stack.qtype, factor)
         return GGMLWeight(raw, stack.qtype, stack.n_in)
@@ -182,16 +182,12 @@ class IQ4NL(StorageFormat, ids=(int(TensorType.IQ4_NL),)):
 
     @classmethod
     def encode(cls, name: str, values: np.ndarray, qtype: int) -> np.ndarray:
-        from healsweep.kernels import iq4_nl  # lazy: heavy (jax)
-
         rows, cols = values.shape
         d, idx = iq4_nl.quantize(values.reshape(-1, 32))
         return np.asarray(iq4_nl.pack(d, idx), np.uint8).reshape(rows, cols // 32 * 18)
 
     @classmethod
     def decode(cls, raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
-        from healsweep.kernels import iq4_nl  # lazy: heavy (jax)
-
         d, idx = iq4_nl.unpack(np.asarray(raw, np.uint8).reshape(-1, 18))
         return np.asarray(iq4_nl.dequantize(d, idx), np.float32).reshape(shape)
 
@@ -205,14 +201,11 @@ class Q2_0(StorageFormat, ids=(GGML_Q2_0,)):
     @classmethod
     def encode(cls, name: str, values: np.ndarray, qtype: int) -> np.ndarray:
         """The codec's signed-scale search without importance or gain."""
-        from healsweep.kernels import q2_0  # lazy: heavy (jax)
 
         return cls.gguf_rows(q2_0.quantize_matrix(values, None, 0.0, packed=True))
 
     @classmethod
     def decode(cls, raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
-        from healsweep.kernels.ggml_decode import decode_rows  # lazy: heavy (jax)
-
         rows = np.asarray(raw, np.uint8).reshape(shape[0], -1)
         return np.asarray(decode_rows(rows, GGML_Q2_0, shape[-1]), np.float32).reshape(shape)
 

@@ -69,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from healsweep.errors import KnobError
+from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 from healsweep.kernels._precision import healing_jit
 from healsweep.kernels.ggml_types import GGMLType, ggml_type
 from healsweep.quant import ggml_iq1grid, ggml_iqgrid, ggml_kgrid
@@ -253,8 +254,6 @@ def _refine_chunk(ws, raw, values, inverse, diagonal, row, qtype: int, rounds: i
     """``rounds`` re-quantizations by ggml of the chunk ``ws`` [out, c] toward the
     GPTQ-consistent target, each row keeping its bytes of lowest chunk objective
     ``‖(ws − Q)·u_SS⁻¹‖²``; returns ``(raw, values)`` of the best rows."""
-    # lazy: heavy (gguf)
-    from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 
     scale = np.diag(diagonal)[None, :]  # diag(u_SS)
 
@@ -289,8 +288,6 @@ def quantize_matrix(
     is the caller's row (needed for ``chunk_importance="imatrix"``); ``rounds`` of in-chunk
     refinement (``block`` only, see the module docstring). Returns ggml's stored bytes uint8
     [out, row_bytes]."""
-    # lazy: heavy (gguf)
-    from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 
     kind = check_options(qtype, method, chunk, chunk_importance, rounds)
     rows = np.array(w, np.float32)  # the error-updated weights
