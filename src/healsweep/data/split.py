@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from healsweep._yaml_input import load_yaml
 from healsweep.errors import SplitError
 from healsweep.ledger import require_grant
 
@@ -309,13 +310,11 @@ def load_split(path: str | Path) -> SplitConfig:
     """Read and validate a split YAML; every problem is a one-line :class:`SplitError`."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = load_yaml(path, "split config", error=SplitError).value
     except OSError as exc:
         raise SplitError(
             f"cannot read split config {path}: {exc.strerror}; check the path"
-        ) from exc
-    try:
-        raw = yaml.safe_load(text)
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from healsweep._yaml_input import load_yaml
 from healsweep.bundled import is_bundled
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import load_split
@@ -102,14 +103,11 @@ def load_spec(path: str | Path, *, check_paths: bool = True) -> SweepSpec:
     """Read a spec YAML; relative model/corpus/split paths are resolved against its folder."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw, node = load_yaml(path, "sweep spec", error=SpecError)
     except OSError as exc:
         raise SpecError(
             f"cannot read sweep spec {path}: {exc.strerror or exc}; check the path"
         ) from None
-    try:
-        node = yaml.compose(text)
-        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         at, said = yaml_problem(exc, str(path))
         raise SpecError(f"{at}: YAML syntax error ({said}); fix the spec") from None
