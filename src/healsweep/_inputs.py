@@ -223,7 +223,9 @@ def check_output(
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise error(f"cannot create the folder {folder} of {target}: {_reason(exc)}; {hint}")
+            raise error(
+                f"cannot create the folder {folder} of {target}: {_reason(exc)}; {hint}"
+            ) from None
     if not folder.is_dir():
         missing = "does not exist" if not folder.exists() else "is not a folder"
         raise error(f"cannot write {target}: its folder {folder} {missing}; create it first")
