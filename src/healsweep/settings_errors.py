@@ -33,7 +33,7 @@ def problem(model: Any, error: Mapping[str, Any]) -> str:
     if error["type"] == "extra_forbidden":
         return f"unknown {model.noun} {name!r}; known: {', '.join(model.model_fields)}"
     field = model.model_fields.get(name)
-    expected = field.description if field is not None and field.description else error["msg"]
+    expected = _words(field.description) if field is not None and field.description else error["msg"]
     reason = (error.get("ctx") or {}).get("error") if error["type"] == "value_error" else None
     because = f" ({reason})" if reason else ""
     return (
@@ -159,7 +159,7 @@ def _dimension_message(
     names = [search.section, knob, *map(str, loc[2:])]
     if shape is not None:  # a field of the dimension's shape
         field = shape_model.model_fields.get(names[-1]) if len(names) > 2 else None
-        expected = field.description if field is not None else None
+        expected = _words(field.description) if field is not None else None
     else:
         expected = _allowed(names, models)
     expected = expected or search.words
@@ -176,5 +176,10 @@ def _allowed(names: list[str], models: Mapping[str, type[BaseModel]]) -> str | N
         model = models.get(".".join(names[: cut - 1]))
         field = model.model_fields.get(names[cut - 1]) if model else None
         if field is not None and field.description:
-            return field.description
+            return _words(field.description)
     return None
+
+
+def _words(description: str | None) -> str | None:
+    """A field's docstring on one line (a message is one line)."""
+    return " ".join(description.split()) if description else description
