@@ -217,35 +217,48 @@ def check_output(
     created and removed), and ``path`` is not a folder or other non-regular file. Returns
     ``path``."""
     target = Path(path)
-    folder = target.parent
-    hint = f"pass another --out or fix the folder's permissions or free space (the {what})"
-    if make_folder:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise error(
-                f"cannot create the folder {folder} of {target}: {_reason(exc)}; {hint}"
-            ) from None
-    if not folder.is_dir():
-        missing = "does not exist" if not folder.exists() else "is not a folder"
-        raise error(f"cannot write {target}: its folder {folder} {missing}; create it first")
     try:
         st = os.stat(target)
     except OSError:
         st = None
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise error(f"cannot write {target}: it is {_kind(st.st_mode)}; the {what} is a file")
-    _probe(folder, target, hint, error)
+        raise error(
+            f"cannot write the {what} {target}: it is {_kind(st.st_mode)}, and the {what} is "
+            "a file; pass a file path"
+        )
+    check_output_folder(target.parent, what, make=make_folder, target=target, error=error)
     return target
 
 
-def _probe(folder: Path, target: Path, hint: str, error: type[HealsweepError]) -> None:
+def check_output_folder(
+    folder: str | os.PathLike[str],
+    what: str,
+    *,
+    make: bool = False,
+    target: Path | None = None,
+    error: type[HealsweepError] = OutputError,
+) -> Path:
+    """Check, before any work, that files can be created in ``folder`` (made first with
+    ``make``): it is a folder, and a probe file is created in it and removed (the only test
+    that a read-only mount, an ACL or a full inode table cannot fool). Returns ``folder``."""
+    folder = Path(folder)
+    writing = f"the {what} {target}" if target is not None else f"the {what} into {folder}"
+    hint = "pass another path, or fix the folder's permissions or free space"
+    if make:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise error(f"cannot write {writing}: {_reason(exc)} making {folder}; {hint}") from None
+    if not folder.is_dir():
+        missing = "does not exist" if not folder.exists() else "is not a folder"
+        raise error(f"cannot write {writing}: {folder} {missing}; create it first or {hint}")
     probe = folder / f".tmp-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except OSError as exc:
-        raise error(f"cannot write {target}: {_reason(exc)} in {folder}; {hint}") from None
+        raise error(f"cannot write {writing}: {_reason(exc)} in {folder}; {hint}") from None
     probe.unlink(missing_ok=True)
+    return folder
 
 
 def _reason(exc: OSError) -> str:
