@@ -76,7 +76,7 @@ def field_name(path: tuple) -> str:
     """``search_space.gain_d[1]`` from ``("search_space", "gain_d", 1)``."""
     out = ""
     for part in path:  # a key from the file is cut: the message never grows with the input
-        name = str(part) if len(str(part)) <= 80 else quoted(str(part), 80)
+        name = str(part) if len(str(part)) <= 80 else f"{str(part)[:77]}..."
         out += f"[{part}]" if isinstance(part, int) else (f".{name}" if out else name)
     return out
 
