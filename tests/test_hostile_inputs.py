@@ -319,8 +319,8 @@ HOSTILE_DOCS = {
                                  ":2: the JSON nests too deep for Python's parser"),
     "a document over the default limit": (
         b'{"doc_id": "d2", "source": "s", "index": 3, "stratum": "t", "text": "'
-        + b"x" * (5 << 20) + b'"}\n',
-        ":2: the document is over the per-document limit of 4,194,304 bytes (HEALSWEEP_DOC_MIB"),
+        + b"x" * (2 << 20) + b'"}\n',
+        ":2: the document is over the per-document limit of 1,048,576 bytes (HEALSWEEP_DOC_MIB"),
 }  # fmt: skip
 
 
@@ -353,10 +353,10 @@ def test_the_document_limit_is_a_setting(tmp_path, monkeypatch):
 
 CLI_DOCS = {
     "a lone surrogate": (HOSTILE_DOCS["a lone surrogate"], {}),
-    "a 2 MB document over a 1 MiB limit": ((
+    "a 1 MB document over a 0.5 MiB limit": ((
         b'{"doc_id": "d2", "source": "s", "index": 3, "stratum": "t", "text": "'
-        + b"x" * (2 << 20) + b'"}\n', ":2: the document is over the per-document limit of "
-        "1,048,576 bytes"), {"HEALSWEEP_DOC_MIB": "1"}),
+        + b"x" * (1 << 20) + b'"}\n', ":2: the document is over the per-document limit of "
+        "524,288 bytes"), {"HEALSWEEP_DOC_MIB": "0.5"}),
 }  # fmt: skip
 
 

@@ -37,7 +37,9 @@ THINK_CLOSE = "\n</think>\n\n"
 _REQUIRED = ("doc_id", "source", "index", "stratum")
 _KNOWN = frozenset((*_REQUIRED, "pool", "messages", "text", "meta"))
 DOC_SETTING = "HEALSWEEP_DOC_MIB"
-DEFAULT_DOC_MIB = 4.0
+# 1 MiB: about 250,000 tokens of English, longer than the models' contexts; scoring tokenizes a
+# document whole at ~300 bytes a token, so 1 MiB of text that is one token a byte costs ~300 MiB
+DEFAULT_DOC_MIB = 1.0
 # a JSON escape of a UTF-16 surrogate; a pair decodes to one character, a lone one stays a
 # surrogate that no UTF-8 encoder (the tokenizer's, the writer's) accepts
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -159,7 +161,7 @@ def load_corpus(path_or_demo: str | os.PathLike[str]) -> Corpus:
 
 
 def document_limit() -> int:
-    """The per-document byte limit: ``HEALSWEEP_DOC_MIB`` (default 4 MiB)."""
+    """The per-document byte limit: ``HEALSWEEP_DOC_MIB`` (default 1 MiB)."""
     return size_setting(DOC_SETTING, DEFAULT_DOC_MIB)
 
 
