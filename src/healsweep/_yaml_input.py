@@ -21,6 +21,7 @@ Base layer: yaml and :mod:`healsweep._inputs` only. YAML syntax errors propagate
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -34,6 +35,7 @@ YAML_SETTING = "HEALSWEEP_YAML_MIB"
 DEFAULT_MIB = 1.0
 MAX_DEPTH = 64
 MAX_SCALAR = 1 << 16  # characters of one value: a path, a name, a number
+_SURROGATE = re.compile("[\ud800-\udfff]")  # from a "\ud800" escape: encodes to nothing
 VALUES_PER_MIB = 100_000
 CHARS_PER_MIB = 16 * MIB
 
@@ -144,6 +146,12 @@ class _Expansion:
                     f"{self._at(event)}: a value of {len(event.value):,} characters (it starts "
                     f"{quoted(event.value[:40])}); a {self.what} holds names, paths and numbers, "
                     f"at most {MAX_SCALAR:,} characters each"
+                )
+            if found := _SURROGATE.search(event.value):
+                raise self.error(
+                    f"{self._at(event)}: a value holds a lone surrogate (U+{ord(found[0]):04X}, "
+                    f"an escape such as \\u{ord(found[0]):04x} without its pair), which no path, "
+                    "name or file can hold; escape a character outside the BMP as \\U0001XXXX"
                 )
             self._node(event, 1, len(event.value), 1)
             if event.anchor is not None:
