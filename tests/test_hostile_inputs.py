@@ -413,7 +413,8 @@ def test_output_paths_are_checked(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "dir.gguf").mkdir()
     cases = {
-        tmp_path / "missing" / "o.gguf": f"{tmp_path / 'missing'} does not exist; create it first",
+        tmp_path / "missing" / "o.gguf": f"output folder {tmp_path / 'missing'} does not exist; "
+                                          "create it or pass another path",
         tmp_path / "file" / "o.gguf": f"{tmp_path / 'file'} is not a folder",
         tmp_path / "dir.gguf": "it is a folder, and the GGUF is a file",
         tmp_path / "fifo": "it is a FIFO (named pipe), and the GGUF is a file",

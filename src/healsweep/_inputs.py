@@ -249,9 +249,13 @@ def check_output_folder(
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise error(f"cannot write {writing}: {_reason(exc)} making {folder}; {hint}") from None
+    if not folder.exists():
+        raise error(
+            f"cannot write {writing}: its output folder {folder} does not exist; create it or "
+            "pass another path"
+        )
     if not folder.is_dir():
-        missing = "does not exist" if not folder.exists() else "is not a folder"
-        raise error(f"cannot write {writing}: {folder} {missing}; create it first or {hint}")
+        raise error(f"cannot write {writing}: {folder} is not a folder; pass another path")
     probe = folder / f".tmp-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
