@@ -49,14 +49,20 @@ def _create_temp(target: Path) -> tuple[Path, int]:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             continue
-        _lock(fd, blocking=True)
+        try:
+            _lock(fd, blocking=True)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
         return tmp, fd
     raise FileExistsError(errno.EEXIST, "no free temp name", str(target))
 
 
 def _lock(fd: int, *, blocking: bool) -> bool:
     """Take ``fd``'s exclusive flock; False if another holds it (and ``blocking`` is off).
-    True where the platform has no flock (no cleanup is then safe: see remove_stale_temps)."""
+    Without flock (Windows) a non-blocking take fails, so no temp file is judged dead; on a
+    file system without locks it succeeds, and the pid check alone decides."""
     if fcntl is None:
         return not blocking
     try:

@@ -64,18 +64,6 @@ def _not_regular(path: Path, mode: int, what: str, error: type[HealsweepError]) 
     )
 
 
-def check_regular(
-    path: str | os.PathLike[str], what: str, *, error: type[HealsweepError] = InputError
-) -> os.stat_result:
-    """``path``'s stat (symlinks followed) if it is a regular file, else raise ``error``; for
-    readers that open the file themselves (a GGUF is memory-mapped). ``OSError`` (no such file)
-    propagates."""
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise _not_regular(Path(path), st.st_mode, what, error)
-    return st
-
-
 @contextmanager
 def open_regular(
     path: str | os.PathLike[str],
