@@ -247,6 +247,21 @@ def test_every_loader_reads_only_regular_files(loader, kind, irregular):
         assert message.startswith(f"{path} is {what}, not a regular file; a "), message
 
 
+@pytest.mark.parametrize("field", ["model", "corpus", "split", "calibration.corpus"])
+def test_a_spec_path_that_is_a_fifo_is_named_as_one(field, tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    line = ("calibration:\n  corpus: pipe\n" if field == "calibration.corpus"
+            else f"{field}: pipe\n")  # fmt: skip
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: s\nsearch_space:\n  gain_d: [0.3]\n{line}")
+    with pytest.raises(SpecError) as caught:
+        _load_spec(spec)
+    assert str(caught.value).startswith(
+        f"{spec}: field '{field}' = '{fifo}': it is a FIFO (named pipe), not a regular file; "
+    )
+
+
 FIFO_CASES = {"knob file": _knob_file, "spec": _spec_file, "split config": _split_file}
 
 

@@ -64,6 +64,17 @@ def _not_regular(path: Path, mode: int, what: str, error: type[HealsweepError]) 
     )
 
 
+def not_a_file(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read as a file (``"no such file"``, ``"it is a FIFO (named pipe),
+    not a regular file"``), or None when it is a regular file; for a check of a path named in
+    a settings file, before its loader (which checks again on the descriptor) runs."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return "no such file" if isinstance(exc, FileNotFoundError) else _reason(exc)
+    return None if stat.S_ISREG(st.st_mode) else f"it is {_kind(st.st_mode)}, not a regular file"
+
+
 @contextmanager
 def open_regular(
     path: str | os.PathLike[str],
