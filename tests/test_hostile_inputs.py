@@ -513,3 +513,16 @@ def test_a_write_holds_its_temp_files_lock(tmp_path):
         dead_name.unlink()
     assert target.read_bytes() == b"partial"
     assert [p.name for p in tmp_path.iterdir()] == ["t.bin"]
+
+
+def test_the_cli_error_line_is_bounded_and_keeps_its_advice():
+    """The last net: a message that still grew with its input keeps its start and its advice."""
+    from healsweep.cli import MESSAGE_LIMIT as CLI_LIMIT
+    from healsweep.cli import _one_line
+
+    message = "F:1: knob 'x' = '" + "y" * 10**6 + "' is not allowed; expected a float"
+    line = _one_line(message)
+    assert len(line) < CLI_LIMIT + 100
+    assert line.startswith("F:1: knob 'x' = 'yyy") and line.endswith("; expected a float")
+    assert "characters cut" in line
+    assert _one_line("short") == "short"
