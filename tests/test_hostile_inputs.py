@@ -526,3 +526,16 @@ def test_the_cli_error_line_is_bounded_and_keeps_its_advice():
     assert line.startswith("F:1: knob 'x' = 'yyy") and line.endswith("; expected a float")
     assert "characters cut" in line
     assert _one_line("short") == "short"
+
+
+def test_every_yaml_file_is_read_by_the_one_loader():
+    """A loader added later that calls PyYAML itself would bypass the bounds."""
+    import re
+
+    import healsweep
+
+    root = Path(healsweep.__file__).parent
+    direct = re.compile(r"\byaml\.(safe_load|load|full_load|unsafe_load|compose|parse)\w*\(")
+    callers = [str(p.relative_to(root)) for p in root.rglob("*.py")
+               if p.name != "_yaml_input.py" and direct.search(p.read_text(encoding="utf-8"))]
+    assert callers == []
