@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from healsweep._inputs import check_output
 from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, app
 from healsweep.data.corpus import load_corpus
@@ -113,6 +114,8 @@ def score(
     # lazy: heavy (gguf, jax)
     from healsweep.score.report import check_same_tokenizer, format_summary, score_report
 
+    if json_out is not None:
+        check_output(json_out, "score record", make_folder=True)
     stage_cache = StageCache(cache_dir, cache_max_gb)
     try:
         fmt = cache_format(teacher_cache)
