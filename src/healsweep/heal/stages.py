@@ -119,7 +119,10 @@ def _padded(rows: np.ndarray, size: int) -> np.ndarray:
 
 
 def routed_output(
-    experts: ExpertStacks, trace_layer: dict[str, np.ndarray], n_expert: int
+    experts: ExpertStacks,
+    trace_layer: dict[str, np.ndarray],
+    n_expert: int,
+    chunk_tokens: int = ROUTED_CHUNK,
 ) -> np.ndarray:
     """y_q [T, D]: routing-weighted sum of the given experts on the trace's inputs and routing.
 
@@ -127,11 +130,12 @@ def routed_output(
     trace's own dtype and are widened there; chunks are dispatched :data:`ROUTED_IN_FLIGHT`
     ahead of the one copied back, so the device never waits on the host's slicing and copies.
     Only y_q comes back: it is the stage's entry, and Part A, the residuals and the ridge read it.
+    ``chunk_tokens``: tokens per call (a multiple of 64).
     """
 
     x, ids, weights = trace_layer["x"], trace_layer["ids"], trace_layer["weights"]
     n_tokens = x.shape[0]
-    chunk = min(ROUTED_CHUNK, -(-n_tokens // 64) * 64)
+    chunk = min(chunk_tokens, -(-n_tokens // 64) * 64)
     tile = expert_tile_rows(chunk * ids.shape[1], n_expert)
     stacked = jax.device_put(tuple(experts))
     out = np.empty(x.shape, np.float32)
