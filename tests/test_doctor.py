@@ -26,12 +26,12 @@ from jax.interpreters import mlir
 from typer.testing import CliRunner
 
 import healsweep.conformance.suite as suite
-from healsweep.heal import device_phases
-from healsweep.heal.device_phases import phase_cases
 from healsweep.cli import _register
 from healsweep.cli._apps import app
 from healsweep.conformance import KernelCase, all_cases, run_case
 from healsweep.conformance import max_rel_err as _max_rel_err
+from healsweep.heal import device_phases
+from healsweep.heal.device_phases import phase_cases
 from healsweep.kernels import q2_0, q2_0_gpu
 
 

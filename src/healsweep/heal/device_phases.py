@@ -30,8 +30,7 @@ import numpy as np
 
 from healsweep.conformance import KernelCase
 from healsweep.conformance import references as ref
-from healsweep.heal import ridge
-from healsweep.heal import stages
+from healsweep.heal import ridge, stages
 
 # The ridge's tolerance: dW's relative (Frobenius) error against a float64 direct solve at
 # cond(G) ~ 1e10 (tests/test_ridge.py, the ill-conditioned Gram).

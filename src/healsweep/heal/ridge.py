@@ -278,7 +278,8 @@ def basis_from_design(design: Design, n_tokens: int) -> RidgeBasis:
     start = time.perf_counter()
     basis, sigma = eigen_basis(gram)  # on the device, G stays there
     seconds = round(time.perf_counter() - start, 3)
-    return RidgeBasis(basis, sigma, float(np.asarray(jnp.diagonal(gram)).sum()), int(n_tokens), seconds)
+    trace_g = float(np.asarray(jnp.diagonal(gram)).sum())
+    return RidgeBasis(basis, sigma, trace_g, int(n_tokens), seconds)
 
 
 # --- ridge_fit ---------------------------------------------------------------------------------
