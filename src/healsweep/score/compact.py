@@ -156,6 +156,7 @@ def compact_record(
     # lazy: heavy (jax)
     import jax.numpy as jnp
 
+    # lazy: heavy (jax kernels)
     from healsweep.kernels.kld_compact import teacher_top
     from healsweep.kernels.tail_draws import tail_draws
     from healsweep.score.metrics import _bucket, _pad_rows
