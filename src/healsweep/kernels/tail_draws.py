@@ -117,11 +117,15 @@ def tail_draws(
     """
     n_rows, n_draws = strata.shape
     rows = jnp.arange(n_rows, dtype=jnp.int32)[:, None]
-    in_top = jnp.zeros(logp.shape, bool).at[rows, top_ids].set(True)  # [T, V]
-    full = jnp.all(in_top | jnp.isfinite(logp), axis=1)  # [T]
-    p = jnp.where(in_top, 0.0, jnp.exp(logp.astype(jnp.float32)))  # [T, V] tail, unnormalised
-    mass = jnp.sum(p, axis=1)  # [T]
+    # [T, V] tail, unnormalised: the top-K zeroed in place (no [T, V] mask)
+    p = jnp.exp(logp.astype(jnp.float32)).at[rows, top_ids].set(0.0)
+    # every tail token has p > 0: a -inf log-prob anywhere is one of the top-K's (counted once)
+    dead = jnp.isneginf(logp).at[rows, top_ids].set(False)  # [T, V]
+    full = ~jnp.any(dead, axis=1)  # [T]
     *lower, top = _level_sums(p)  # top [T, <= F]
+    # Summed down the tree (sums of <= 64 terms): the same bits run to run on a GPU too, where
+    # one reduction over a whole 152k row may be split across blocks and added atomically.
+    mass = jnp.sum(top, axis=1)  # [T]
     children = jnp.broadcast_to(top[:, None, :], (n_rows, n_draws, top.shape[1]))
     rest = strata.astype(jnp.float32) * _running_sum(top)[:, -1:]  # [T, S] mass to pass
     node, rest = _descend(children, rest)
