@@ -30,6 +30,8 @@ from healsweep.cli import _register
 from healsweep.cli._apps import app
 from healsweep.conformance import KernelCase, all_cases, run_case
 from healsweep.conformance import max_rel_err as _max_rel_err
+from healsweep.heal import device_phases
+from healsweep.heal.device_phases import phase_cases
 from healsweep.kernels import q2_0, q2_0_gpu
 
 
@@ -82,8 +84,10 @@ def test_doctor_without_a_cluster_reports_none_and_every_kernel_against_referenc
     assert any(line.startswith(f"  device {backend}:0") for line in lines)
     assert "ray cluster: none running here" in done.stdout
     rows = _conformance_rows(done.stdout)
-    assert set(rows) == {case.name for case in all_cases()}
+    assert set(rows) == {case.name for case in (*all_cases(), *phase_cases())}
     assert {"q2_0.Q2Packed.dequantize", "ggml_decode.Q4_K", "model.forward"} <= set(rows)
+    assert {"phase.teacher_record", "phase.routed_q", "phase.ridge_basis[device]"} <= set(rows)
+    assert "[device, float64]" in rows["phase.ridge_basis[device]"]
     for name, row in rows.items():
         assert row.split()[1] == backend and " vs reference " in row, row
         assert _verdict(row) == "ok", (name, row)
@@ -251,11 +255,15 @@ def test_a_kernel_that_lowers_on_cpu_only_fails_on_the_default_device():
     assert result.note == f"fails to lower on {jax.default_backend()}"
 
 
-def _doctor_in_process(monkeypatch, names: tuple[str, ...], extra=()) -> object:
-    """``healsweep doctor --no-ray`` in this process over the named cases (and ``extra``)."""
+def _doctor_in_process(monkeypatch, names: tuple[str, ...], extra=(), phases=()) -> object:
+    """``healsweep doctor --no-ray`` in this process over the named cases (and ``extra``) and
+    the named device phases."""
     cases = [case for case in all_cases() if case.name in names]
     assert len(cases) == len(names)
+    chosen = [case for case in phase_cases() if case.name in phases]
+    assert len(chosen) == len(phases)
     monkeypatch.setattr(suite, "all_cases", lambda: [*cases, *extra])
+    monkeypatch.setattr(device_phases, "phase_cases", lambda: chosen)
     jax.clear_caches()  # a fresh doctor traces the kernels as they are now
     _register()
     done = CliRunner().invoke(app, ["doctor", "--no-ray"])
@@ -359,3 +367,40 @@ def test_decoder_cases_follow_in_graph_types(monkeypatch):
     added = next(case for case in decoder_cases() if case.name == f"ggml_decode.{type_name(spare)}")
     result = run_case(added)  # the CPU runs first on every host, so it is the CPU that fails
     assert not result.ok and result.note == "fails to lower on cpu"
+
+
+def test_doctor_exits_1_naming_a_device_ridge_basis_whose_eigenvalues_are_off(monkeypatch):
+    """The device eigh planted 1% off: its ridge solve misses float64 and the host path's, the
+    host path's passes."""
+    true_eigh = jnp.linalg.eigh
+
+    def off_eigh(a, **kwargs):
+        sigma, basis = true_eigh(a, **kwargs)
+        return sigma * 1.01, basis
+
+    monkeypatch.setattr(jnp.linalg, "eigh", off_eigh)
+    names = ("phase.ridge_basis[host]", "phase.ridge_basis[device]")
+    done = _doctor_in_process(monkeypatch, ("q2_0.dequantize",), phases=names)
+    assert done.exit_code == 1, done.output
+    rows = _conformance_rows(done.stdout)
+    assert _verdict(rows["phase.ridge_basis[host]"]) == "ok"
+    assert _verdict(rows["phase.ridge_basis[device]"]) == "WRONG"
+    assert "host path" in rows["phase.ridge_basis[device]"]
+    assert done.stderr.startswith("doctor: 1 of 3 kernel(s) failing: phase.ridge_basis[device] (")
+
+
+def test_doctor_exits_1_naming_a_teacher_record_whose_draws_land_one_token_off(monkeypatch):
+    from healsweep.kernels import tail_draws
+
+    true_draws = tail_draws.tail_draws
+
+    def shifted(logp, top_ids, strata):
+        ids, tail_logp, mass, full = true_draws(logp, top_ids, strata)
+        ids = jnp.minimum(ids + 1, logp.shape[1] - 1)
+        return ids, jnp.take_along_axis(logp, ids, axis=1), mass, full
+
+    monkeypatch.setattr(tail_draws, "tail_draws", shifted)
+    done = _doctor_in_process(monkeypatch, (), phases=("phase.teacher_record",))
+    assert done.exit_code == 1, done.output
+    row = _conformance_rows(done.stdout)["phase.teacher_record"]
+    assert _verdict(row) == "WRONG" and "off their token" in row

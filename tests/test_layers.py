@@ -32,6 +32,8 @@ LAYER_OF = {
     "_cache_disk": "base",
     "settings_errors": "base",  # one translator of settings files' problems (specs, knob files)
     "_rss": "base",
+    "_inputs": "base",  # bounded reading of a user's files, output paths checked first
+    "_yaml_input": "base",  # the one bounded YAML loader of settings files
     "profile": "base",
     "threads": "base",
     "cache": "base",

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from healsweep._atomic import atomic_write_text
+from healsweep._inputs import MIB, read_text
 from healsweep.cache import StageCache, canonical_json
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import split_lock_id
@@ -588,8 +589,8 @@ def read_confirmed(sweep_dir: str | Path) -> list[dict[str, Any]]:
     found = []
     for path in sorted(Path(sweep_dir).glob(f"{TEST_DIR}/*/{SUMMARY_FILE}")):
         try:
-            summary = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+            summary = json.loads(read_text(path, "confirm summary", 64 * MIB, error=ResultsError))
+        except (OSError, json.JSONDecodeError, RecursionError) as exc:
             raise ResultsError(
                 f"{path} is unreadable ({exc}); restore it or rerun confirm"
             ) from None

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from healsweep._inputs import MIB, read_text
 from healsweep.errors import ResultsError
 from healsweep.ledger import Ledger, check_extends, names
 from healsweep.results.store import MANIFEST_FILE
@@ -29,8 +30,8 @@ SUMMARY_HEAD = "ledger_head"
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(read_text(path, "head record", 64 * MIB, error=ResultsError))
+    except (OSError, json.JSONDecodeError, RecursionError) as exc:
         raise ResultsError(
             f"{path} is unreadable ({exc}); it records a ledger head, so the ledger cannot be "
             "checked without it: restore it"

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from healsweep._inputs import quoted
 from healsweep.errors import KnobError
 
 
@@ -32,11 +33,11 @@ def problem(model: Any, error: Mapping[str, Any]) -> str:
     if error["type"] == "extra_forbidden":
         return f"unknown {model.noun} {name!r}; known: {', '.join(model.model_fields)}"
     field = model.model_fields.get(name)
-    expected = field.description if field is not None and field.description else error["msg"]
+    expected = _words(field.description) if field is not None and field.description else error["msg"]
     reason = (error.get("ctx") or {}).get("error") if error["type"] == "value_error" else None
     because = f" ({reason})" if reason else ""
     return (
-        f"{model.noun} {name!r} = {error['input']!r} is not allowed{because}: expected {expected}"
+        f"{model.noun} {name!r} = {quoted(error['input'])} is not allowed{because}: expected {expected}"
     )
 
 
@@ -74,8 +75,9 @@ def locate(where: str, lines: Mapping, path: tuple) -> str:
 def field_name(path: tuple) -> str:
     """``search_space.gain_d[1]`` from ``("search_space", "gain_d", 1)``."""
     out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    for part in path:  # a key from the file is cut: the message never grows with the input
+        name = str(part) if len(str(part)) <= 80 else f"{str(part)[:77]}..."
+        out += f"[{part}]" if isinstance(part, int) else (f".{name}" if out else name)
     return out
 
 
@@ -127,11 +129,11 @@ def validation_message(
         return f"{at}: unknown field '{name}'; known fields: {known}"
     if err["type"] == "value_error" and names[:1] and names[0] in explained:
         why = str(err["ctx"]["error"])  # how the parts of the section fit together
-        return f"{at}: field '{name}' = {err['input']!r} is not allowed; {why}"
+        return f"{at}: field '{name}' = {quoted(err['input'])} is not allowed; {why}"
     allowed = _allowed(names, models) or err["msg"]
     if err["type"] == "missing":
         return f"{at}: field '{name}' is missing; expected {allowed}"
-    return f"{at}: field '{name}' = {err['input']!r} is not allowed; expected {allowed}"
+    return f"{at}: field '{name}' = {quoted(err['input'])} is not allowed; expected {allowed}"
 
 
 def _dimension_message(
@@ -153,11 +155,11 @@ def _dimension_message(
         return f"{at}: unknown field '{name}'; known fields: {', '.join(shape_model.model_fields)}"
     if err["type"] == "value_error":
         why = str(err["ctx"]["error"])
-        return f"{at}: field '{name}' = {err['input']!r} is not allowed; {why}"
+        return f"{at}: field '{name}' = {quoted(err['input'])} is not allowed; {why}"
     names = [search.section, knob, *map(str, loc[2:])]
     if shape is not None:  # a field of the dimension's shape
         field = shape_model.model_fields.get(names[-1]) if len(names) > 2 else None
-        expected = field.description if field is not None else None
+        expected = _words(field.description) if field is not None else None
     else:
         expected = _allowed(names, models)
     expected = expected or search.words
@@ -165,7 +167,7 @@ def _dimension_message(
         return f"{at}: field '{name}' is missing; expected {expected}"
     if isinstance(loc[-1], int) or loc[-1] in ("low", "high"):  # one of the knob's values
         return f"{at}: field '{name}': {problem(search.knobs, {**err, 'loc': (knob,)})}"
-    return f"{at}: field '{name}' = {err['input']!r} is not allowed; expected {expected}"
+    return f"{at}: field '{name}' = {quoted(err['input'])} is not allowed; expected {expected}"
 
 
 def _allowed(names: list[str], models: Mapping[str, type[BaseModel]]) -> str | None:
@@ -174,5 +176,10 @@ def _allowed(names: list[str], models: Mapping[str, type[BaseModel]]) -> str | N
         model = models.get(".".join(names[: cut - 1]))
         field = model.model_fields.get(names[cut - 1]) if model else None
         if field is not None and field.description:
-            return field.description
+            return _words(field.description)
     return None
+
+
+def _words(description: str | None) -> str | None:
+    """A field's docstring on one line (a message is one line)."""
+    return " ".join(description.split()) if description else description

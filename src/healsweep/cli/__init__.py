@@ -38,6 +38,18 @@ def _register() -> None:
         importlib.import_module(name)
 
 
+MESSAGE_LIMIT = 3000  # characters of an error line; the library quotes inputs far shorter
+
+
+def _one_line(message: str) -> str:
+    """The error line, of bounded length: a message that still grew with its input (a value
+    quoted whole somewhere) keeps its start and its closing advice."""
+    if len(message) <= MESSAGE_LIMIT:
+        return message
+    cut = len(message) - MESSAGE_LIMIT
+    return f"{message[:2000]} [... {cut:,} characters cut ...] {message[-1000:]}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script; never shows a traceback unless ``--debug``."""
 
@@ -50,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     except HealsweepError as exc:
         if debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from healsweep._inputs import check_output
 from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, baseline_app
 from healsweep.cli.heal_cmd import CacheOpt, ChunkOpt, CorpusOpt, MaxTokensOpt, MinTokensOpt
@@ -54,6 +55,7 @@ def llama(
     # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
+    check_output(out, "baseline GGUF")
     stage_cache = StageCache(cache, cache_max_gb)
     if qtype not in LLAMA_TYPES:
         raise typer.BadParameter(

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from healsweep._inputs import check_output_folder
 from healsweep.cache import StageCache, parse_gb
 from healsweep.cli._apps import CacheMaxGb, bench_app
 from healsweep.data.corpus import load_corpus
@@ -178,6 +179,8 @@ def bench_night(
         run_night,
     )
 
+    if out is not None:  # the folder of a night's runs: checked before the night, not after
+        check_output_folder(out, "night's runs", make=True)
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
     modes = {"cache": ("cache",), "ray": ("ray",), "both": ("ray", "cache")}
     if placement not in modes:

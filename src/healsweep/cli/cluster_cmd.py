@@ -128,14 +128,17 @@ def doctor(
             "(decoders: gguf-py's and ggml's):"
         )
     results = run_conformance()
-    for r in results:
-        status = "ok" if r.ok else ("WRONG" if r.lowered else "FAILS")
-        figures = f"vs reference {r.err:.1e}"
-        if accelerator and r.device_err == r.device_err:  # not NaN: compared with the CPU
-            figures += f"  vs cpu {r.device_err:.1e}"
-        path = f" [{r.path}]" if r.path else ""
-        note = f"  {r.note}" + (f": {r.error}" if r.error else "") if r.note else ""
-        typer.echo(f"  {r.name:<32} {r.backend:<5} {figures}  {status}{path}{note}")
+    _print_rows(results, accelerator)
+    # lazy: heavy (jax, the heal stages)
+    from healsweep.heal.device_phases import RIDGE_RTOL, phase_cases
+
+    typer.echo(
+        "device phases (the CUDA device's work: teacher record, routed_q, ridge basis), each "
+        f"against float64 and its host path (ridge tolerance {RIDGE_RTOL:.0e}):"
+    )
+    phases = run_conformance(phase_cases())
+    _print_rows(phases, accelerator)
+    results = [*results, *phases]
     bad = [_failure(r) for r in results if not r.ok]
     if bad:
         typer.echo(
@@ -153,6 +156,18 @@ def doctor(
             f"doctor: all {len(results)} kernels agree with their float64 references "
             "(CPU only: no device was compared)"
         )
+
+
+def _print_rows(results: list, accelerator: bool) -> None:
+    """One line per case: its backend, errors, verdict, production path and note."""
+    for r in results:
+        status = "ok" if r.ok else ("WRONG" if r.lowered else "FAILS")
+        figures = f"vs reference {r.err:.1e}"
+        if accelerator and r.device_err == r.device_err:  # not NaN: compared with the CPU
+            figures += f"  vs cpu {r.device_err:.1e}"
+        path = f" [{r.path}]" if r.path else ""
+        note = f"  {r.note}" + (f": {r.error}" if r.error else "") if r.note else ""
+        typer.echo(f"  {r.name:<32} {r.backend:<5} {figures}  {status}{path}{note}")
 
 
 def _failure(result) -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from healsweep._inputs import check_output_folder
 from healsweep.cache import parse_gb
 from healsweep.cli._apps import CacheMaxGb, app
 
@@ -74,10 +75,13 @@ def confirm(
     (progress by config; every window with --verbose; nothing but the result with --quiet)."""
     # lazy: heavy (pyarrow)
     from healsweep.confirm import confirm as run_confirm
+    from healsweep.results.store import read_manifest
 
     if quiet and verbose:
         raise typer.BadParameter("pass --quiet or --verbose, not both", param_hint="--quiet")
     parse_gb(cache_max_gb, "--cache-max-gb")  # a bad value: refused before the ledger is read
+    read_manifest(sweep_dir)  # a clear error when this is not a sweep folder
+    check_output_folder(sweep_dir, "confirm record")  # before the test windows are scored
 
     def progress(message: str) -> None:
         window = message.startswith("  window")

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from healsweep._inputs import check_output
 from healsweep.cli._apps import corpus_app
 from healsweep.data.chatml import import_chatml_files
 from healsweep.data.corpus import load_corpus, validate_documents, write_corpus
@@ -29,6 +30,7 @@ def corpus_import(
 ) -> None:
     """Convert ChatML transcript files into a corpus JSONL."""
 
+    check_output(out, "corpus")
     documents = import_chatml_files(files, source=source, stratum=stratum, pool=pool)
     validate_documents(documents, str(out))
     write_corpus(documents, out)

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from healsweep._inputs import check_output, check_output_folder
 from healsweep.cli._apps import demo_app
 from healsweep.data.corpus import load_corpus
 
@@ -36,6 +37,8 @@ def demo_corpus(
     )
 
     tokenizer_path = tokenizer_out or out.with_name("demo-tokenizer.json")
+    check_output(out, "corpus")
+    check_output(tokenizer_path, "tokenizer.json")
     build = build_demo_corpus(DemoCorpusConfig(seed=seed))
     write_demo_assets(build, out, tokenizer_path)
     report = build.report
@@ -102,6 +105,7 @@ def demo_build(
     # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
+    check_output_folder(out_dir, "demo build", make=True)
     recipe = demo_train_config(seed, steps, preset)
     typer.echo(
         f"{'copying' if demo_preset(preset).packaged_corpus else 'building'} corpus and "

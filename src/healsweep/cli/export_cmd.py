@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from healsweep._inputs import check_output
 from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, app
 
@@ -64,6 +65,7 @@ def export(
     # lazy: heavy (pyarrow)
     from healsweep.results.schema import row_role
 
+    check_output(out, "GGUF")
     stage_cache = StageCache(cache, cache_max_gb)
     if trial is not None and best:
         raise typer.BadParameter("pass --trial ID or --best, not both", param_hint="--trial")

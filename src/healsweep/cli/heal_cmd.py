@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from healsweep._inputs import check_output
 from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, app, bench_app
 from healsweep.data.corpus import load_corpus
@@ -77,6 +78,10 @@ def heal(
     if experts not in export.EXPERT_FORMATS:
         raise typer.BadParameter(f"{experts!r}: choose one of {', '.join(export.EXPERT_FORMATS)}",
                                  param_hint="--experts")
+    check_output(out, "healed GGUF")  # before the heal: a cold one takes minutes to hours
+    for extra, what in ((q2, "Q2_0 sidecar"), (report, "stage report")):
+        if extra is not None:
+            check_output(extra, what)
     stage_cache = StageCache(cache, cache_max_gb)
     chosen = load_knobs(knobs, need_ggml=False)
     calibration = _calibration(corpus, max_tokens, chunk_length, min_tokens_per_expert)

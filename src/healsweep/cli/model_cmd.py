@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from healsweep._inputs import MIB, check_output, read_bytes
 from healsweep.cli._apps import bench_app, model_app
 from healsweep.heal.knobs import Knobs
 
@@ -121,10 +123,12 @@ def model_logits(
     # lazy: heavy (gguf, jax)
     from healsweep.model import forward, open_model
 
-    if not tokens.is_file():
-        raise typer.BadParameter(f"{tokens} does not exist", param_hint="--tokens")
+    check_output(out, "logits .npy")
     try:
-        ids = np.load(tokens, allow_pickle=False)
+        ids = np.load(io.BytesIO(read_bytes(tokens, "token ids .npy", 256 * MIB)),
+                      allow_pickle=False)  # fmt: skip
+    except OSError as exc:
+        raise typer.BadParameter(f"{tokens}: {exc.strerror or exc}", param_hint="--tokens") from None
     except ValueError as exc:
         raise typer.BadParameter(
             f"{tokens} is not a .npy array ({exc})", param_hint="--tokens"
@@ -166,6 +170,7 @@ def model_slice(
     from healsweep.model import open_model
 
     started = time.perf_counter()
+    check_output(out, "sliced GGUF")
     start, stop = parse_layer_range(layers)  # checks the form before the model is opened
     source = open_model(model)
     slice_model(source, (start, stop), out)

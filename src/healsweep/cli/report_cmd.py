@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from healsweep._inputs import check_output_folder
 from healsweep.cli._apps import app
 
 _SWEEP_DIR = typer.Argument(..., help="A sweep's results folder, RESULTS/<sweep name>.")
@@ -33,7 +34,10 @@ def report(
     from healsweep.results.aggregate import summarize
     from healsweep.results.findings import findings, to_json
     from healsweep.results.report import counts_line, found_lines, leaderboard, write_report
+    from healsweep.results.store import read_manifest
 
+    read_manifest(sweep_dir)  # a clear error when this is not a sweep folder
+    check_output_folder(sweep_dir, "report")  # it goes to SWEEP/report/, after the bootstrap
     summary = summarize(sweep_dir, n_boot=n_boot, seed=seed)
     paths = write_report(sweep_dir, summary=summary, confirmed=read_confirmed(sweep_dir))
     header, rows = leaderboard(summary)

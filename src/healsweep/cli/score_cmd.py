@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from healsweep._inputs import check_output
 from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, app
 from healsweep.data.corpus import load_corpus
@@ -107,6 +108,8 @@ def score(
     # lazy: heavy (gguf)
     from healsweep.score.windows import scoring_windows, window_leakage, window_options
 
+    if json_out is not None:
+        check_output(json_out, "score record", make_folder=True)
     stage_cache = StageCache(cache_dir, cache_max_gb)
     try:
         fmt = cache_format(teacher_cache)

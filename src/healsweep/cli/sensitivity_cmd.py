@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from healsweep._inputs import check_output
 from healsweep.cache import parse_gb
 from healsweep.cli._apps import CacheMaxGb, app
 
@@ -35,6 +36,8 @@ def sensitivity(
     from healsweep.sweep.sensitivity import allocator_record
     from healsweep.sweep.spec_files import load_spec
 
+    if json_out is not None:
+        check_output(json_out, "sensitivity record")
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
     loaded = load_spec(spec)
     if limit is not None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from healsweep._inputs import check_output
 from healsweep.cli._apps import split_app
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import (
@@ -47,6 +48,7 @@ def make(
         raise SplitError(
             f"{out} exists; a new split changes the split lock id: pass --force to overwrite"
         )
+    check_output(out, "split config", make_folder=True)
     docs = load_corpus(corpus)
     reference = corpus if corpus == "demo" else _relative(Path(corpus), out)
     config = parity_split(docs, corpus=reference)

@@ -185,14 +185,14 @@ def run(
     as_json: bool = _JSON,
 ) -> None:
     """Run every trial of a sweep spec; results land in RESULTS/<name>/ as they arrive."""
-    # lazy: heavy (gguf, jax, optuna, pyarrow, ray)
-    from healsweep.sweep.driver import run_sweep
-
     # lazy: heavy (pyarrow)
     from healsweep.sweep.spec_files import load_spec
 
     limit = parse_gb(cache_max_gb, "--cache-max-gb")
-    loaded = load_spec(spec)
+    loaded = load_spec(spec)  # a bad spec is refused before Ray and the driver are imported
+    # lazy: heavy (gguf, jax, optuna, pyarrow, ray)
+    from healsweep.sweep.driver import run_sweep
+
     if cache_root is not None:  # a location, like --results: not part of the spec's hash
         loaded = loaded.model_copy(update={"cache_root": str(cache_root.resolve())})
     if limit is not None:  # over the spec's cache_max_gb; not part of the spec's hash either

@@ -244,6 +244,49 @@ def teacher_top(logprobs: np.ndarray, next_ids: np.ndarray, top_k: int):
     return logp, top_ids, np.take_along_axis(logp, top_ids, 1), logp[rows, next_ids]
 
 
+def tail_draws(logp: np.ndarray, top_ids: np.ndarray, strata: np.ndarray):
+    """``(ids, logp at ids, tail mass, tail full)``: per row the float64 inverse CDF of the
+    teacher's tail (p outside ``top_ids``) at ``strata [T, S] · P_tail`` (the first token whose
+    running mass passes the target; the last positive token if rounding passes the end), the
+    argmax where the tail is empty. The host path the compact record used before the device."""
+    logp = np.asarray(logp, np.float32)
+    ids = np.empty(strata.shape, np.int64)
+    mass = np.zeros(len(logp))
+    full = np.zeros(len(logp), bool)
+    for row in range(len(logp)):
+        p = np.exp(logp[row].astype(np.float64))
+        p[top_ids[row]] = 0.0
+        cdf = np.cumsum(p)
+        mass[row] = cdf[-1]
+        full[row] = np.isfinite(np.delete(logp[row], np.unique(top_ids[row]))).all()
+        if cdf[-1] <= 0.0:
+            ids[row] = top_ids[row, 0]
+            continue
+        picked = np.searchsorted(cdf, np.asarray(strata[row], np.float64) * cdf[-1], "right")
+        ids[row] = np.minimum(picked, np.flatnonzero(p)[-1])
+    return ids, np.take_along_axis(logp, ids, 1).astype(np.float64), mass, full
+
+
+def tail_edge_misses(ids, logp, top_ids, strata, tol: float = 1e-5) -> tuple[float, int]:
+    """``(fraction of draws unlike the float64 inverse CDF's, draws whose float64 interval
+    misses the target by more than tol·P_tail)``: a float32 sampler may move a draw within its
+    rounding of a token's edge to the neighbour (the first figure), never further (the second
+    must be 0), and never onto a top-K token or one with p = 0 (counted there too)."""
+    want = tail_draws(logp, top_ids, strata)[0]
+    differ = np.argwhere(np.asarray(ids) != want)
+    bad = 0
+    for row, draw in differ:
+        p = np.exp(np.asarray(logp[row], np.float64))
+        p[top_ids[row]] = 0.0
+        cdf = np.cumsum(p)
+        token = int(ids[row, draw])
+        target = float(strata[row, draw]) * cdf[-1]
+        low = cdf[token - 1] if token else 0.0
+        inside = low - tol * cdf[-1] <= target <= cdf[token] + tol * cdf[-1]
+        bad += int(not inside or p[token] <= 0.0)
+    return len(differ) / max(want.size, 1), bad
+
+
 def compact_kld(top_ids, top_logp, tail_ids, tail_logp, tail_mass, tail_full, student, tail):
     """Per-token KL estimate of a compact record against ``student`` logits [T, V], float64.
 

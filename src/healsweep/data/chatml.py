@@ -16,8 +16,20 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from healsweep.data.corpus import IM_END, IM_START, POOLS, ROLES, Document, Message
+from healsweep._inputs import read_text, size_setting
+from healsweep.data.corpus import (
+    DOC_SETTING,
+    IM_END,
+    IM_START,
+    POOLS,
+    ROLES,
+    Document,
+    Message,
+    document_limit,
+)
 from healsweep.errors import CorpusError
+
+IMPORT_SETTING = "HEALSWEEP_IMPORT_MIB"  # the size limit of one ChatML file (default 256 MiB)
 
 
 def parse_chatml(text: str, where: str) -> list[list[Message]]:
@@ -107,8 +119,6 @@ def import_chatml_files(
     origin: dict[str, str] = {}
     for raw_path in paths:
         path = Path(raw_path)
-        if not path.is_file():
-            raise CorpusError(f"{path}: file not found; pass ChatML text files to import")
         name = source or path.stem
         if source is None and name in origin:
             raise CorpusError(
@@ -117,10 +127,14 @@ def import_chatml_files(
             )
         origin[name] = str(path)
         try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise CorpusError(f"{path}: not UTF-8 text ({exc.reason}); save it as UTF-8") from exc
-        for messages in parse_chatml(text, str(path)):
+            text = read_text(path, "ChatML file", size_setting(IMPORT_SETTING, 256),
+                             setting=IMPORT_SETTING, error=CorpusError)  # fmt: skip
+        except FileNotFoundError:
+            raise CorpusError(f"{path}: file not found; pass ChatML text files to import") from None
+        except OSError as exc:
+            raise CorpusError(f"cannot read {path}: {exc.strerror or exc}") from None
+        for number, messages in enumerate(parse_chatml(text, str(path)), start=1):
+            _check_size(messages, path, number)
             index = next_index.get(name, 0)
             next_index[name] = index + 1
             documents.append(
@@ -134,3 +148,15 @@ def import_chatml_files(
                 )
             )
     return documents
+
+
+def _check_size(messages: Sequence[Message], path: Path, number: int) -> None:
+    """CorpusError when a document is over the per-document limit its corpus line would be."""
+    limit = document_limit()
+    size = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in messages)
+    if size > limit:
+        raise CorpusError(
+            f"{path}: document {number} holds {size:,} bytes, over the per-document limit of "
+            f"{limit:,} bytes ({DOC_SETTING}, docs/corpus-format.md); split it or raise "
+            f"{DOC_SETTING}"
+        )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from healsweep._atomic import atomic_file
+from healsweep._inputs import decode_utf8, open_regular, quoted, size_setting
 from healsweep.bundled import demo_corpus_path
 from healsweep.errors import CorpusError
 
@@ -34,6 +36,14 @@ THINK_CLOSE = "\n</think>\n\n"
 
 _REQUIRED = ("doc_id", "source", "index", "stratum")
 _KNOWN = frozenset((*_REQUIRED, "pool", "messages", "text", "meta"))
+DOC_SETTING = "HEALSWEEP_DOC_MIB"
+# 1 MiB: about 250,000 tokens of English, longer than the models' contexts; scoring tokenizes a
+# document whole at ~300 bytes a token, so 1 MiB of text that is one token a byte costs ~300 MiB
+DEFAULT_DOC_MIB = 1.0
+# a JSON escape of a UTF-16 surrogate; a pair decodes to one character, a lone one stays a
+# surrogate that no UTF-8 encoder (the tokenizer's, the writer's) accepts
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Message(NamedTuple):
@@ -130,44 +140,85 @@ def load_corpus(path_or_demo: str | os.PathLike[str]) -> Corpus:
 
     Raises ``CorpusError`` naming the file and line for bad JSON, a missing or mistyped field,
     a duplicate ``doc_id`` or ``(source, index)``, an unknown role or pool, or a document with
-    both or neither of ``messages`` and ``text``.
+    both or neither of ``messages`` and ``text``; and for a file that is not a regular one, a
+    byte that is not UTF-8 (naming its offset), a line over the per-document limit
+    (``HEALSWEEP_DOC_MIB``, read no further than that) or a lone surrogate.
     """
     path = demo_corpus_path() if str(path_or_demo) == "demo" else Path(path_or_demo)
-    if not path.is_file():
+    try:
+        lines = read_document_lines(path)
+    except FileNotFoundError:
         hint = (
             "rebuild it with `healsweep demo corpus`"
             if str(path_or_demo) == "demo"
             else ("pass a corpus JSONL path or `demo`")
         )
-        raise CorpusError(f"corpus file {path} not found; {hint}")
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except UnicodeDecodeError as exc:
-        raise CorpusError(
-            f"{path}: not UTF-8 text ({exc.reason}); save the corpus as UTF-8"
-        ) from exc
-    documents = parse_corpus_lines(lines, str(path))
+        raise CorpusError(f"corpus file {path} not found; {hint}") from None
+    except OSError as exc:
+        raise CorpusError(f"cannot read corpus file {path}: {exc.strerror or exc}") from None
+    documents = _parse_numbered(lines, str(path))
     return Corpus(documents=documents, path=path)
+
+
+def document_limit() -> int:
+    """The per-document byte limit: ``HEALSWEEP_DOC_MIB`` (default 1 MiB)."""
+    return size_setting(DOC_SETTING, DEFAULT_DOC_MIB)
+
+
+def read_document_lines(path: Path) -> list[tuple[int, str]]:
+    """``(line number, text)`` of each non-blank line of the corpus file ``path``: a regular
+    file of UTF-8 text, each line (one document) read only up to :func:`document_limit`.
+    ``OSError`` of the open propagates."""
+    limit = document_limit()
+    lines, offset, number = [], 0, 0
+    with open_regular(path, "corpus", error=CorpusError) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        while raw := fh.readline(limit + 2):  # the document, its newline, one byte more
+            number += 1
+            body = raw.rstrip(b"\r\n")
+            if len(body) > limit:
+                raise CorpusError(
+                    f"{path}:{number}: the document is over the per-document limit of "
+                    f"{limit:,} bytes ({DOC_SETTING}, docs/corpus-format.md); split it into "
+                    f"several documents, or raise {DOC_SETTING}"
+                )
+            text = decode_utf8(raw, str(path), "corpus", offset=offset, line=number,
+                               error=CorpusError)  # fmt: skip
+            offset += len(raw)
+            if offset > size:
+                break  # a /proc file says size 0 and gives more: refused below
+            if text.strip():
+                lines.append((number, text))
+    if offset != size:
+        raise CorpusError(
+            f"{path} gave {offset:,} bytes where its size says {size:,}: it changed while read, "
+            "or is a /proc or /sys file; a corpus is read only from a regular file on disk"
+        )
+    return lines
 
 
 def parse_corpus_lines(lines: Sequence[str], where: str) -> list[Document]:
     """Validate JSONL lines into documents; errors name ``where`` and the 1-based line."""
+    return _parse_numbered(enumerate(lines, start=1), where)
+
+
+def _parse_numbered(lines: Iterable[tuple[int, str]], where: str) -> list[Document]:
     documents: list[Document] = []
     seen_ids: dict[str, int] = {}
     seen_keys: dict[tuple[str, int], int] = {}
-    for lineno, line in enumerate(lines, start=1):
+    for lineno, line in lines:
         if not line.strip():
             continue
         doc = _parse_record(line, f"{where}:{lineno}")
         if doc.doc_id in seen_ids:
             raise CorpusError(
-                f"{where}:{lineno}: duplicate doc_id {doc.doc_id!r} (first on line "
+                f"{where}:{lineno}: duplicate doc_id {quoted(doc.doc_id)} (first on line "
                 f"{seen_ids[doc.doc_id]}); give every document a unique doc_id"
             )
         key = (doc.source, doc.index)
         if key in seen_keys:
             raise CorpusError(
-                f"{where}:{lineno}: duplicate (source, index) = ({doc.source!r}, {doc.index}) "
+                f"{where}:{lineno}: duplicate (source, index) = ({quoted(doc.source)}, {doc.index}) "
                 f"(first on line {seen_keys[key]}); indexes must be unique within a source"
             )
         seen_ids[doc.doc_id] = lineno
@@ -182,7 +233,14 @@ def _parse_record(line: str, where: str) -> Document:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise CorpusError(f"{where}: bad JSON ({exc.msg} at column {exc.colno})") from exc
+        raise CorpusError(f"{where}: bad JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise CorpusError(
+            f"{where}: the JSON nests too deep for Python's parser; a document is an object "
+            "of strings, messages and a flat meta"
+        ) from None
+    if _SURROGATE_ESCAPE.search(line):
+        _refuse_lone_surrogates(record, where)
     if not isinstance(record, dict):
         raise CorpusError(f"{where}: a document must be a JSON object, got {type(record).__name__}")
     for name in _REQUIRED:
@@ -190,16 +248,16 @@ def _parse_record(line: str, where: str) -> Document:
             raise CorpusError(f"{where}: missing field {name!r}; every document needs {_REQUIRED}")
     unknown = sorted(set(record) - _KNOWN)
     if unknown:
-        raise CorpusError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(_KNOWN)}")
+        raise CorpusError(f"{where}: unknown field(s) {quoted(unknown)}; allowed: {sorted(_KNOWN)}")
     for name in ("doc_id", "source", "stratum"):
         if not isinstance(record[name], str) or not record[name]:
             raise CorpusError(f"{where}: field {name!r} must be a non-empty string")
     index = record["index"]
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise CorpusError(f"{where}: field 'index' must be an integer >= 0, got {index!r}")
+        raise CorpusError(f"{where}: field 'index' must be an integer >= 0, got {quoted(index)}")
     pool = record.get("pool", "eval")
     if pool not in POOLS:
-        raise CorpusError(f"{where}: unknown pool {pool!r}; use one of {POOLS}")
+        raise CorpusError(f"{where}: unknown pool {quoted(pool)}; use one of {POOLS}")
     meta = record.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise CorpusError(f"{where}: field 'meta' must be a JSON object")
@@ -228,6 +286,26 @@ def _parse_record(line: str, where: str) -> Document:
     )
 
 
+def _refuse_lone_surrogates(record: Any, where: str) -> None:
+    """CorpusError when a string of the record holds a lone surrogate (``"\\ud800"`` escaped in
+    the JSON): no UTF-8 encoder, the tokenizer's included, can write it."""
+    pending = [([], record)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, dict):
+            pending += [([*path, str(k)], k) for k in value]
+            pending += [([*path, str(k)], v) for k, v in value.items()]
+        elif isinstance(value, list):
+            pending += [([*path, str(i)], v) for i, v in enumerate(value)]
+        elif isinstance(value, str) and (found := _SURROGATE.search(value)):
+            field = ".".join(path) or "(the document)"
+            raise CorpusError(
+                f"{where}: field {quoted(field, 80)} holds a lone surrogate (U+{ord(found[0]):04X}, "
+                f"at character {found.start():,}), which is not text any UTF-8 encoder writes; "
+                "escape a character outside the BMP as a surrogate pair, or remove it"
+            )
+
+
 def _parse_messages(raw: Any, where: str) -> tuple[Message, ...]:
     if not isinstance(raw, list) or not raw:
         raise CorpusError(f"{where}: field 'messages' must be a non-empty list")
@@ -239,7 +317,7 @@ def _parse_messages(raw: Any, where: str) -> tuple[Message, ...]:
             )
         role, content = item["role"], item["content"]
         if role not in ROLES:
-            raise CorpusError(f"{where}: message {number} has unknown role {role!r}; use {ROLES}")
+            raise CorpusError(f"{where}: message {number} has unknown role {quoted(role)}; use {ROLES}")
         if not isinstance(content, str):
             raise CorpusError(f"{where}: message {number} content must be a string")
         if IM_START in content or IM_END in content:

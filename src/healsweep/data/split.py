@@ -35,6 +35,8 @@ from typing import Any, Literal, Protocol
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from healsweep._inputs import quoted
+from healsweep._yaml_input import load_yaml
 from healsweep.errors import SplitError
 from healsweep.ledger import require_grant
 
@@ -195,13 +197,7 @@ def resolve_split(config: SplitConfig, documents: Iterable[SplitDocument] | Any)
     twice with different roles, or leaves the dev set empty.
     """
     docs = tuple(getattr(documents, "documents", documents))
-    present = {d.doc_id for d in docs}
-    missing = sorted(config.named_doc_ids() - present)
-    if missing:
-        raise SplitError(
-            f"the split config names doc ids the corpus does not contain: {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}; remove them or use the matching corpus"
-        )
+    check_named_ids(config, docs)
     _check_roles(config)
     assignments, reasons = {}, {}
     for doc in docs:
@@ -214,6 +210,19 @@ def resolve_split(config: SplitConfig, documents: Iterable[SplitDocument] | Any)
         )
     lock = _lock_id(docs, assignments, reasons)
     return ResolvedSplit(lock, assignments, reasons, docs)
+
+
+def check_named_ids(config: SplitConfig, documents: Iterable[SplitDocument] | Any) -> None:
+    """SplitError when ``config`` names doc ids (canary, exclusions, calibration) that the
+    corpus does not contain: the config was made for another corpus."""
+    present = {d.doc_id for d in getattr(documents, "documents", documents)}
+    missing = sorted(config.named_doc_ids() - present)
+    if missing:
+        raise SplitError(
+            f"the split config names doc ids the corpus does not contain: "
+            f"{quoted(missing[:5])}{' ...' if len(missing) > 5 else ''}; remove them or use the "
+            "matching corpus"
+        )
 
 
 def split_lock_id(config: SplitConfig, documents: Iterable[SplitDocument] | Any) -> str:
@@ -309,13 +318,11 @@ def load_split(path: str | Path) -> SplitConfig:
     """Read and validate a split YAML; every problem is a one-line :class:`SplitError`."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = load_yaml(path, "split config", error=SplitError).value
     except OSError as exc:
         raise SplitError(
             f"cannot read split config {path}: {exc.strerror}; check the path"
-        ) from exc
-    try:
-        raw = yaml.safe_load(text)
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

@@ -40,7 +40,7 @@ import numpy as np
 
 from healsweep.data.chat_template import ChatFormat, Region, render_document
 from healsweep.data.corpus import IM_END, IM_START, THINK_CLOSE, THINK_OPEN, Document, split_think
-from healsweep.data.split import require_access, split_lock_id
+from healsweep.data.split import check_named_ids, require_access, split_lock_id
 from healsweep.errors import SplitError
 
 Kind = Literal["think", "answer", "text"]
@@ -209,6 +209,9 @@ def make_windows(
             f"make_windows: max_scored must be >= 1 and max_context >= 0, got {max_scored}, "
             f"{max_context}"
         )
+    # a config naming documents the corpus lacks is refused here as `split show` refuses it,
+    # not scored as if it matched
+    check_named_ids(split_cfg, corpus)
     lock_id = split_lock_id(split_cfg, corpus) if split == "test" else ""
     require_access(split, grant, lock_id)
     docs = [d for d in getattr(corpus, "documents", corpus) if split_cfg.assign(d) == split]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from gguf.quants import dequantize
 
+from healsweep._inputs import open_regular
 from healsweep.bundled import resolve_model
 from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
@@ -315,10 +316,15 @@ def read_gguf(path_or_demo: str | Path) -> GGUFHeader:
     truncated or corrupt file turned into a one-line :class:`GGUFFormatError`."""
 
     path = resolve_model(path_or_demo)
-    if not path.is_file():
-        raise GGUFFormatError(f"model file {path} does not exist; pass a .gguf path or `demo`")
-    with path.open("rb") as fh:
-        magic = fh.read(4)
+    try:
+        with open_regular(path, "GGUF model", error=GGUFFormatError) as fh:
+            magic = fh.read(4)
+    except FileNotFoundError:
+        raise GGUFFormatError(
+            f"model file {path} does not exist; pass a .gguf path or `demo`"
+        ) from None
+    except OSError as exc:
+        raise GGUFFormatError(f"cannot read model file {path}: {exc.strerror or exc}") from None
     if magic != _GGUF_MAGIC:
         raise GGUFFormatError(
             f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf model"

@@ -18,7 +18,10 @@ from typing import Any
 
 from gguf import Keys
 
+from healsweep._inputs import MIB, read_text
 from healsweep.errors import TokenizerError
+
+TOKENIZER_FILE_LIMIT = 256 * MIB  # a tokenizer.json of 10^6 tokens and merges is ~100 MiB
 
 # ``tokenizer.ggml.pre`` names and their split regexes, applied in order (as llama.cpp and the HF
 # tokenizers use them). Names that share regexes are told apart by llama.cpp for other reasons.
@@ -155,10 +158,13 @@ def load_tokenizer_file(path: str | Path):
     from tokenizers import Tokenizer
 
     path = Path(path)
-    if not path.is_file():
-        raise TokenizerError(f"tokenizer file {path} does not exist; pass a tokenizer.json path")
     try:
-        return Tokenizer.from_file(str(path))
+        text = read_text(path, "tokenizer.json", TOKENIZER_FILE_LIMIT, error=TokenizerError)
+    except OSError as exc:
+        missing = "does not exist" if isinstance(exc, FileNotFoundError) else "cannot be read"
+        raise TokenizerError(f"tokenizer file {path} {missing}; pass a tokenizer.json path") from None
+    try:
+        return Tokenizer.from_str(text)
     except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise TokenizerError(

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from healsweep._yaml_input import load_yaml
 from healsweep.errors import KnobError, SettingError
 from healsweep.kernels.ggml_types import ROUTED_TYPES, TENSOR_TYPES, ggml_type, step_up
 from healsweep.quant.values import Q2_0, DownInput, Importance, ImportanceDown, Quantizer
@@ -373,11 +374,9 @@ def load_knobs(path: str | Path, *, need_ggml: bool = True) -> Knobs:
     knobs against a model passes False and calls that itself."""
     path = Path(path)
     try:
-        text = path.read_text()
+        values = load_yaml(path, "knob file", error=KnobError).value
     except OSError as exc:
         raise KnobError(f"cannot read knob file {path}: {exc.strerror or exc}") from None
-    try:
-        values = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         where, said = yaml_problem(exc, str(path), column=True)
         raise KnobError(f"{where}: YAML syntax error ({said}); fix the knob file") from None

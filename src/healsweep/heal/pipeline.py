@@ -301,7 +301,9 @@ def _basis_ahead(
     run: StageRunner, model: GGUFModel, knobs: Knobs, trace: Trace | None
 ) -> Callable[[int], None]:
     """On an accelerator, ``ahead(i)`` starts layer i's ridge basis on a host thread, so its
-    host eigendecomposition runs while the device quantizes and heals the layer before it;
+    eigendecomposition (on CUDA the device's float64 eigh, elsewhere the host's LAPACK:
+    :func:`healsweep.heal.ridge.basis_on`) runs while the device quantizes and heals the layer
+    before it;
     Part B then finds the entry written (or waits on its lock for the rest). A no-op on the CPU
     backend, where both would share the same cores, and where the trial needs no basis.
     ``HEALSWEEP_BASIS_AHEAD`` = ``on`` | ``off`` overrides the backend's choice (the result is

@@ -6,8 +6,9 @@ several times D); Z' = silu(X·Wgᵀ)·(X·Wuᵀ)·gate is recomputed here, chun
 layer's shared-expert weights.
 
 * ``ridge_basis`` (per trace and layer, no knobs): the Gram G = Z'ᵀZ' in float32 on the default
-  device, then ``G = V diag(sigma) Vᵀ`` by ``eigh`` on the host CPU (never on an accelerator),
-  float32. Paid once per sweep and layer.
+  device, then ``G = V diag(sigma) Vᵀ`` by ``eigh``: on a CUDA/ROCm device in float64 there, else
+  on the host CPU in float32 (Metal: DESIGN.md); :func:`basis_on` is the one switch. Paid once
+  per sweep and layer.
 * ``ridge_rhs`` (adds part_a and routed_q, no knobs): B = Z'ᵀdY, C = VᵀB, the in-sample |dY|²
   and, per fold block, tr(Z'_kᵀZ'_k) — the one pass over Z' a target needs, shared by every rho.
 * ``ridge_fit`` (adds rho): dW = V diag(1/(sigma+lambda)) C — one matrix product, no Z' (a
@@ -26,6 +27,7 @@ layer's shared-expert weights.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
     from healsweep.heal.knobs import Knobs
 
+BASIS_ON_ENV = "HEALSWEEP_BASIS_ON"  # host | device | auto (the backend decides)
 LOBO_BLOCKS = 4
 CHUNK = 2048  # tokens of Z' alive at a time (padded to a multiple of 64)
 Arrays = dict[str, np.ndarray]
@@ -203,19 +206,50 @@ def basis_key(model: GGUFModel, trace_key: str, layer: int) -> str:
     )
 
 
-def eigen_basis(gram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(V [Fs, Fs], sigma [Fs]) with G = V diag(sigma) Vᵀ: LAPACK ``syevd`` on the host CPU.
+def basis_on() -> str:
+    """Where the ridge basis's eigendecomposition runs: ``device`` on a CUDA or ROCm GPU (float64
+    there: cuSOLVER's eigh), ``host`` elsewhere (LAPACK on the CPU, float32: Metal has neither
+    float64 nor eigh, and on the CPU backend host and device are the same cores).
+    :data:`BASIS_ON_ENV` = ``host`` | ``device`` overrides the backend's choice (``doctor`` and
+    the tests run the device path on the CPU backend this way)."""
+    chosen = os.environ.get(BASIS_ON_ENV, "auto").strip().lower()
+    if chosen in ("host", "device"):
+        return chosen
+    return "device" if jax.default_backend() in ("gpu", "cuda", "rocm") else "host"
 
-    In float32: G itself is a float32 sum, so its entries carry errors of about eps32·|G| that a
-    float64 factorization cannot remove, and lambda = rho·mean(sigma) dominates eigenvalue
-    errors of that size (the tests hold the result to a float64 solve at cond(G) ≈ 1e10). A
-    5632² G took 6.4 s in float32 and 40 s in float64 on a 2-core CPU.
+
+def eigen_basis(gram: Any, on: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(V [Fs, Fs], sigma [Fs]) float32 with G = V diag(sigma) Vᵀ, where :func:`basis_on` says.
+
+    On the host: LAPACK ``syevd`` in float32. G itself is a float32 sum, so its entries carry
+    errors of about eps32·|G| that a float64 factorization cannot remove, and lambda =
+    rho·mean(sigma) dominates eigenvalue errors of that size (the tests hold the result to a
+    float64 solve at cond(G) ≈ 1e10). A 5632² G took 6.4 s in float32 and 40 s in float64 on a
+    2-core CPU. On the device: ``eigh`` of G widened to float64 (x64 only for this call; the
+    device's G never crosses to the host), the basis rounded back to float32: at least as
+    close to the float64 solve as the host's, so both share one cache key (``doctor`` and
+    tests/test_device_phases.py hold each to the same tolerance).
     """
+    if (on or basis_on()) == "device":
+        with _x64():
+            wide = jnp.asarray(gram).astype(jnp.float64)
+            sigma, basis = jnp.linalg.eigh(wide, symmetrize_input=True)
+            return np.asarray(basis.astype(jnp.float32)), np.asarray(sigma.astype(jnp.float32))
     # lazy: heavy (scipy)
     import scipy.linalg
 
     sigma, basis = scipy.linalg.eigh(np.asarray(gram, np.float32), driver="evd", check_finite=False)
     return np.asarray(basis, np.float32), np.asarray(sigma, np.float32)
+
+
+def _x64() -> Any:
+    """A context in which JAX computes in float64 (this thread only)."""
+    if hasattr(jax, "enable_x64"):  # jax >= 0.6
+        return jax.enable_x64(True)
+    # lazy: jax 0.5.0 (Metal's last) has it only here
+    from jax.experimental import enable_x64
+
+    return enable_x64()
 
 
 Design = Callable[[int, int], jax.Array]  # (a, b) → Z' of tokens a..b [b - a, Fs]
@@ -240,11 +274,11 @@ def basis_from_design(design: Design, n_tokens: int) -> RidgeBasis:
     for a, b in _pieces(n_tokens):
         z_gated = design(a, b)
         gram = _gram(z_gated) if gram is None else gram + _gram(z_gated)
-    gram = np.asarray(gram)
     start = time.perf_counter()
-    basis, sigma = eigen_basis(gram)
+    basis, sigma = eigen_basis(gram)  # on the device, G stays there
     seconds = round(time.perf_counter() - start, 3)
-    return RidgeBasis(basis, sigma, float(np.trace(gram)), int(n_tokens), seconds)
+    trace_g = float(np.asarray(jnp.diagonal(gram)).sum())
+    return RidgeBasis(basis, sigma, trace_g, int(n_tokens), seconds)
 
 
 # --- ridge_fit ---------------------------------------------------------------------------------

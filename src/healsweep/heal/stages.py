@@ -102,31 +102,53 @@ def routed_q_key(quantize: Any, trace_key: str, layer: int) -> str:
     return stage_key("routed_q", {"quantize": quantize, "trace": trace_key, "layer": layer})
 
 
+ROUTED_IN_FLIGHT = 3  # chunks dispatched ahead of the one being copied back
+
+
 @partial(jax.jit, static_argnums=(4, 5))
 def _routed(x, ids, weights, experts, n_expert: int, tile: int):
-
     gate, up, down = experts
+    x = x.astype(jax.numpy.float32)  # the trace keeps f16: half the bytes cross to the device
     return routed_experts(x, ids, weights, gate, up, down, n_expert, tile)
 
 
+def _padded(rows: np.ndarray, size: int) -> np.ndarray:
+    """``rows`` with zero rows appended up to ``size`` (a copy only for the last, short chunk)."""
+    pad = size - rows.shape[0]
+    return rows if pad == 0 else np.pad(rows, ((0, pad), (0, 0)))
+
+
 def routed_output(
-    experts: ExpertStacks, trace_layer: dict[str, np.ndarray], n_expert: int
+    experts: ExpertStacks,
+    trace_layer: dict[str, np.ndarray],
+    n_expert: int,
+    chunk_tokens: int = ROUTED_CHUNK,
 ) -> np.ndarray:
-    """y_q [T, D]: routing-weighted sum of the given experts on the trace's inputs and routing."""
+    """y_q [T, D]: routing-weighted sum of the given experts on the trace's inputs and routing.
+
+    The experts go to the device once (not once per chunk); each chunk's inputs cross in the
+    trace's own dtype and are widened there; chunks are dispatched :data:`ROUTED_IN_FLIGHT`
+    ahead of the one copied back, so the device never waits on the host's slicing and copies.
+    Only y_q comes back: it is the stage's entry, and Part A, the residuals and the ridge read it.
+    ``chunk_tokens``: tokens per call (a multiple of 64).
+    """
 
     x, ids, weights = trace_layer["x"], trace_layer["ids"], trace_layer["weights"]
     n_tokens = x.shape[0]
-    chunk = min(ROUTED_CHUNK, -(-n_tokens // 64) * 64)
+    chunk = min(chunk_tokens, -(-n_tokens // 64) * 64)
     tile = expert_tile_rows(chunk * ids.shape[1], n_expert)
-    stacked = tuple(experts)
+    stacked = jax.device_put(tuple(experts))
     out = np.empty(x.shape, np.float32)
+    pending: list[tuple[int, int, jax.Array]] = []
     for a in range(0, n_tokens, chunk):
-        b = min(a + chunk, n_tokens)
-        pad = chunk - (b - a)  # zero rows with zero routing weight add nothing
-        xs = np.pad(np.asarray(x[a:b], np.float32), ((0, pad), (0, 0)))  # the trace keeps f16
-        ids_s = np.pad(ids[a:b], ((0, pad), (0, 0)))
-        ws = np.pad(weights[a:b], ((0, pad), (0, 0)))
-        out[a:b] = np.asarray(_routed(xs, ids_s, ws, stacked, n_expert, tile))[: b - a]
+        b = min(a + chunk, n_tokens)  # zero rows with zero routing weight add nothing
+        parts = (_padded(np.asarray(m[a:b]), chunk) for m in (x, ids, weights))
+        pending.append((a, b, _routed(*parts, stacked, n_expert, tile)))
+        if len(pending) > ROUTED_IN_FLIGHT:
+            done_a, done_b, y = pending.pop(0)
+            out[done_a:done_b] = np.asarray(y)[: done_b - done_a]
+    for done_a, done_b, y in pending:
+        out[done_a:done_b] = np.asarray(y)[: done_b - done_a]
     return out
 
 

@@ -22,8 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from healsweep._atomic import atomic_file
+from healsweep._inputs import MIB, read_text
 from healsweep.errors import LedgerError
 from healsweep.ledger._chain import RESTORE_HINT, head_of, parse_lines, seal
+
+LEDGER_LIMIT = 64 * MIB  # an entry per milestone opening: a few hundred bytes each
 
 
 def head_path(path: Path) -> Path:
@@ -78,7 +81,7 @@ def locked(path: Path, exclusive: bool, timeout: float) -> Iterator[None]:
 def _read_head(path: Path) -> dict[str, Any] | None:
     hp = head_path(path)
     try:
-        head = json.loads(hp.read_text(encoding="utf-8"))
+        head = json.loads(read_text(hp, "ledger head record", MIB, error=LedgerError))
     except FileNotFoundError:
         return None
     except (OSError, json.JSONDecodeError) as exc:
@@ -124,11 +127,9 @@ def check_head(path: Path, entries: list[dict[str, Any]], head: dict[str, Any] |
 def read_verified(path: Path) -> list[dict[str, Any]]:
     """The entries of a ledger after checking the chain and the head (no locking here)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, "ledger", LEDGER_LIMIT, error=LedgerError)
     except FileNotFoundError:
         text = ""
-    except UnicodeDecodeError:
-        raise LedgerError(f"{path} is not UTF-8 text; {RESTORE_HINT}") from None
     head = _read_head(path)
     if not path.exists() and head is not None and int(head["entries"]) > 0:
         raise LedgerError(

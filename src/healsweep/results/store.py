@@ -27,6 +27,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from healsweep._atomic import atomic_path, atomic_write_text
+from healsweep._inputs import MIB, quoted, read_text
 from healsweep.errors import ResultsError
 from healsweep.results.schema import to_table, trial_schema, window_schema
 
@@ -36,6 +37,7 @@ MANIFEST_FILE = "manifest.json"
 SPEC_FILE = "spec.json"
 OVER_BUDGET_FILE = "over_budget.json"
 ALLOCATOR_FILE = "allocator.json"  # sampler allocator: its sensitivity table and proposals
+RECORD_LIMIT = 64 * MIB  # a sweep folder's JSON records (manifest, spec, allocator)
 LOCK_FILE = ".sweep.lock"  # held by the running driver; status probes it shared
 _PART = re.compile(r"^part-(?P<trial>.+)-(?P<seq>\d{6})\.parquet$")
 
@@ -140,14 +142,16 @@ def read_manifest(sweep_dir: str | Path) -> dict[str, Any]:
     """The sweep's manifest; ``ResultsError`` when the folder is not a sweep's results."""
     path = Path(sweep_dir) / MANIFEST_FILE
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_text(path, "sweep manifest", RECORD_LIMIT, error=ResultsError))
     except FileNotFoundError:
         raise ResultsError(
             f"{sweep_dir} holds no sweep results ({MANIFEST_FILE} missing); "
             "pass RESULTS/<sweep name> of a sweep started with `healsweep sweep run`"
         ) from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ResultsError(f"{path} is unreadable ({exc}); the results folder is damaged") from None
+    except (OSError, json.JSONDecodeError, RecursionError) as exc:
+        raise ResultsError(
+            f"{path} is unreadable ({quoted(str(exc))}); the results folder is damaged"
+        ) from None
 
 
 def record_over_budget(sweep_dir: str | Path, configs: Mapping[str, Mapping[str, Any]]) -> None:
@@ -184,8 +188,10 @@ def read_stored_spec(sweep_dir: str | Path) -> dict[str, Any]:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_text(path, "sweep record", RECORD_LIMIT, error=ResultsError))
     except FileNotFoundError:
         return {}
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ResultsError(f"{path} is unreadable ({exc}); the results folder is damaged") from None
+    except (OSError, json.JSONDecodeError, RecursionError) as exc:
+        raise ResultsError(
+            f"{path} is unreadable ({quoted(str(exc))}); the results folder is damaged"
+        ) from None

@@ -12,25 +12,26 @@ default size.
 The tail draws are stratified along the tail's cumulative distribution (one uniform per
 stratum ``[s/S, (s+1)/S)``: unbiased, and never worse than independent draws) and come from a
 generator seeded by the window id alone, so every student is scored on the same draws and
-config-vs-config differences keep only the students' own noise. Drawing is host-side numpy:
-the same ids on every platform for the same teacher log-probs.
+config-vs-config differences keep only the students' own noise. The uniforms are numpy's (the
+same numbers on every platform and jax version); top-K and the draws themselves run on the
+default device (:mod:`healsweep.kernels.tail_draws`), so only the record leaves it. A device's
+float32 rounding can move a draw that falls within ~1e-7 of a token's edge to its neighbour:
+records made on different backends are equally valid samples, not the same bits.
 """
 
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from healsweep.errors import CacheError
-from healsweep.threads import host_threads
 
 DEFAULT_TOP_K = 128
 DEFAULT_TAIL_SAMPLES = 128
-SAMPLER = "stratified-cdf-v1"  # part of the cache key: a new sampler means new entries
+SAMPLER = "stratified-cdf-device-v2"  # part of the cache key: a new sampler means new entries
 CACHE_KINDS = ("compact", "exact")
 
 
@@ -108,61 +109,31 @@ def window_seed(window_id: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
+def tail_strata(seed: int, n_rows: int, n_samples: int) -> np.ndarray:
+    """``[n_rows, S]`` float32 in ``[0, 1)``: one uniform in each stratum ``[s/S, (s+1)/S)``,
+    from numpy's generator seeded by ``seed`` (the same numbers on every backend and every jax
+    version; ``n_rows x S`` floats is all the device needs from the host to draw)."""
+    uniforms = np.random.default_rng(seed).random((n_rows, n_samples))  # [n, S]
+    return ((np.arange(n_samples)[None, :] + uniforms) / n_samples).astype(np.float32)
+
+
 def draw_tail(
-    logp: np.ndarray, top_ids: np.ndarray, n_samples: int, seed: int
+    logp: Any, top_ids: Any, n_samples: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(tail_ids [n, S] int32, tail_mass [n] float64, tail_full [n] bool)``: stratified draws
-    from each row's tail, its mass, and whether every tail token has ``p > 0``.
+    """``(tail_ids [n, S] int32, tail_mass [n] float32, tail_full [n] bool)``: stratified draws
+    from each row's tail on the default device (:func:`healsweep.kernels.tail_draws.tail_draws`),
+    its mass, and whether every tail token has ``p > 0``.
 
-    ``logp [n, V]`` float32 teacher log-probs; ``top_ids [n, K]`` the tokens left out. Rows with
-    no tail mass get the row's argmax as a placeholder (their tail weighs 0).
-
-    The rows are shared among the process's host threads
-    (:func:`healsweep.threads.host_threads`); each row is drawn alone (its float64 sums in one
-    order), so the draws are the same bit for bit however many threads run.
+    ``logp [n, V]`` float32 teacher log-probs (a host or a device array); ``top_ids [n, K]`` the
+    tokens left out. Rows with no tail mass get the row's argmax as a placeholder (their tail
+    weighs 0).
     """
-    n = logp.shape[0]
-    uniforms = np.random.default_rng(seed).random((n, n_samples))  # [n, S]
-    strata = (np.arange(n_samples)[None, :] + uniforms) / n_samples  # [n, S] in [0, 1)
-    ids = np.empty((n, n_samples), dtype=np.int32)
-    mass = np.zeros(n, dtype=np.float64)
-    full = np.zeros(n, dtype=bool)
+    # lazy: heavy (jax)
+    from healsweep.kernels.tail_draws import tail_draws
 
-    def draw(rows: range) -> None:
-        # Two V-long float64 buffers a thread, reused row after row: fresh ones each row cost
-        # page faults (the allocator hands the freed memory back) that doubled the time.
-        p, cdf = np.empty(logp.shape[1]), np.empty(logp.shape[1])
-        for row in rows:
-            ids[row], mass[row], full[row] = _draw_row(
-                logp[row], top_ids[row], strata[row], p, cdf
-            )
-
-    threads = min(host_threads(), n)
-    if threads <= 1:
-        draw(range(n))
-    else:  # numpy's exp, sums and searches run outside the GIL
-        with ThreadPoolExecutor(threads, thread_name_prefix="teacher-tail") as pool:
-            list(pool.map(draw, [range(t, n, threads) for t in range(threads)]))
-    return ids, mass, full
-
-
-def _draw_row(
-    logp: np.ndarray, top_ids: np.ndarray, strata: np.ndarray, p: np.ndarray, cdf: np.ndarray
-) -> tuple[np.ndarray, float, bool]:
-    """One row of :func:`draw_tail`, ``(ids [S], tail mass, tail full)``, in the float64
-    buffers ``p`` and ``cdf`` ([V] each)."""
-    np.exp(logp, out=p, dtype=np.float64)
-    p[top_ids] = 0.0
-    positive = p > 0.0
-    full = np.count_nonzero(positive) == len(p) - len(np.unique(top_ids))
-    np.cumsum(p, out=cdf)
-    mass = float(cdf[-1])
-    if mass <= 0.0:
-        return np.full(len(strata), top_ids[0]), mass, full
-    last = len(p) - 1 - int(np.argmax(positive[::-1]))  # the last token with p > 0
-    # side="right": cdf[i-1] <= target < cdf[i], so p[i] > 0; the clip guards rounding.
-    picked = np.searchsorted(cdf, strata * mass, side="right")
-    return np.minimum(picked, last), mass, full
+    strata = tail_strata(seed, logp.shape[0], n_samples)
+    ids, _, mass, full = tail_draws(logp, np.asarray(top_ids, np.int32), strata)
+    return np.asarray(ids), np.asarray(mass), np.asarray(full)
 
 
 def router_dtype(n_expert: int) -> np.dtype:
@@ -183,29 +154,34 @@ def compact_record(
     the tail draws are seeded by ``window_id``. K is capped at the vocabulary size.
     """
     # lazy: heavy (jax)
+    import jax.numpy as jnp
+
+    # lazy: heavy (jax kernels)
     from healsweep.kernels.kld_compact import teacher_top
+    from healsweep.kernels.tail_draws import tail_draws
     from healsweep.score.metrics import _bucket, _pad_rows
 
     n = len(next_ids)
     top_k = min(fmt.top_k, logprobs.shape[1])
     # Rows padded as the scorer pads them: XLA's row reductions can round differently for
-    # another row count, and the exact cache's log-probs come from the padded shape.
+    # another row count, and the exact cache's log-probs come from the padded shape. The rows
+    # stay on the device: top-K and the draws run there, only the record comes back.
     rows = _bucket(n)
-    padded = teacher_top(
-        _pad_rows(logprobs, rows), _pad_rows(np.asarray(next_ids, np.int32), rows), top_k
-    )
-    logp, top_ids, top_logp, logp_next = (np.asarray(a)[:n] for a in padded)
-    tail_ids, tail_mass, tail_full = draw_tail(
-        logp, top_ids, fmt.tail_samples, window_seed(window_id)
-    )
+    logprobs = jnp.asarray(logprobs, jnp.float32)
+    logprobs = jnp.pad(logprobs, ((0, rows - n), (0, 0)))  # zero rows, as _pad_rows
+    ids = _pad_rows(np.asarray(next_ids, np.int32), rows)
+    logp, top_ids, top_logp, logp_next = teacher_top(logprobs, ids, top_k)  # on the device
+    strata = _pad_rows(tail_strata(window_seed(window_id), n, fmt.tail_samples), rows)
+    drawn = tail_draws(logp, top_ids, strata)  # on the device
+    tail_ids, tail_logp, tail_mass, tail_full = (np.asarray(a)[:n] for a in drawn)
     return CompactTeacher(
-        top_ids=top_ids.astype(np.int32),
-        top_logp=top_logp.astype(np.float32),
+        top_ids=np.asarray(top_ids)[:n].astype(np.int32),
+        top_logp=np.asarray(top_logp)[:n].astype(np.float32),
         tail_ids=tail_ids,
-        tail_logp=np.take_along_axis(logp, tail_ids, axis=1).astype(np.float32),
+        tail_logp=tail_logp.astype(np.float32),
         tail_mass=tail_mass.astype(np.float32),
         tail_full=tail_full,
-        logp_next=logp_next.astype(np.float32),
+        logp_next=np.asarray(logp_next)[:n].astype(np.float32),
         topk_ids=np.asarray(topk_ids, dtype=np.int32),
     )
 
@@ -230,5 +206,6 @@ __all__ = [
     "draw_tail",
     "record_bytes",
     "router_dtype",
+    "tail_strata",
     "window_seed",
 ]

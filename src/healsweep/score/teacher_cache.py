@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 STAGE = Stage.TEACHER_LOGITS
 VERSION = 1  # exact entries' format (code changes are in the key's code digest)
-COMPACT_VERSION = 1
+COMPACT_VERSION = 2  # 2: top-K and the tail draws on the device (float32 two-level inverse CDF)
 # Teacher outputs are computed by functions of this module, from the window's fields alone (no
 # method of the window's class runs): the closure of its imports (the forward, the kernels, the
 # compact record) is the code a key covers.
@@ -55,7 +55,7 @@ CODE_ROOTS = ("healsweep.score.teacher_cache",)
 class TeacherOutput(NamedTuple):
     """The teacher's view of one window's scored positions."""
 
-    logprobs: np.ndarray  # [n, V] float32 log-softmax
+    logprobs: Any  # [n, V] float32 log-softmax (run_teacher: a device array, kept there)
     topk_ids: np.ndarray  # [n, L, k] int32
 
 
@@ -98,7 +98,7 @@ def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutp
     result = forward_each(model, [w.tokens for w in windows], logits_for=positions)
     outputs = []
     for logits, router, pos in zip(result.logits, result.router, positions, strict=True):
-        logprobs = np.asarray(log_softmax(logits), dtype=np.float32)  # [n, V]
+        logprobs = log_softmax(logits)  # [n, V] on the device: a compact record is made there
         outputs.append(TeacherOutput(logprobs, np.asarray(router[pos], dtype=np.int32)))
     return outputs
 
@@ -108,7 +108,7 @@ def _entry(
 ) -> dict[str, np.ndarray]:
     """The arrays stored for one window in ``fmt``."""
     if fmt.kind == "exact":
-        return {"logprobs": out.logprobs, "topk_ids": out.topk_ids}
+        return {"logprobs": np.asarray(out.logprobs, np.float32), "topk_ids": out.topk_ids}
     # the scored tokens from the fields the key holds (not Window.scored_tokens: its module is
     # no part of this stage's code digest)
     scored = window.tokens[window.scored_from : window.scored_from + window.n_scored]

@@ -21,6 +21,7 @@ import pyarrow
 
 import healsweep
 from healsweep._atomic import atomic_write_text
+from healsweep._inputs import MIB, read_text
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
 from healsweep.ledger import Ledger, head_record
@@ -162,7 +163,8 @@ def read_spec(sweep_dir: str | Path) -> SweepSpec:
     path = Path(sweep_dir) / SPEC_FILE
     read_manifest(sweep_dir)  # a clear error when this is not a sweep folder
     try:
-        return SweepSpec.model_validate_json(path.read_text(encoding="utf-8"))
+        text = read_text(path, "stored sweep spec", 64 * MIB, error=ResultsError)
+        return SweepSpec.model_validate_json(text)
     except FileNotFoundError:
         raise ResultsError(f"{path} is missing; the sweep folder is incomplete") from None
     except ValueError as exc:

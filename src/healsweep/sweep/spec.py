@@ -237,6 +237,8 @@ class AllocatorSpec(_Strict):
         return ordered
 
 
+# what a trial asks of a resource: Ray takes a negative, NaN or infinite amount and fails late
+ResourceAmount = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 # the spec's (and Tune's) resource names -> Ray's (ray.nodes(), ray.cluster_resources())
 RAY_RESOURCE_NAMES = {"cpu": "CPU", "gpu": "GPU"}
 
@@ -266,8 +268,8 @@ class SweepSpec(_Strict):
     """wilcoxon, median or none, or {type: ..., p_threshold, n_startup_steps, futility}"""
     num_samples: int | None = Field(default=None, ge=1)
     """an integer >= 1 (tpe/random), or omitted for grid"""
-    resources: dict[str, float] = Field(default_factory=dict)
-    """a mapping of resource: amount >= 0, e.g. {gpu: 1}, {metal: 1} or {cpu: 4}; without cpu,
+    resources: dict[str, ResourceAmount] = Field(default_factory=dict)
+    """a mapping of resource: a finite amount >= 0, e.g. {gpu: 1}, {metal: 1} or {cpu: 4}; without cpu,
     a trial takes its node's share of the cores (cores ÷ the trials that run there at once)"""
     max_concurrent: int = Field(default=2, ge=1)
     """an integer >= 1"""

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from healsweep._inputs import not_a_file, quoted
+from healsweep._yaml_input import load_yaml
 from healsweep.bundled import is_bundled
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import load_split
@@ -106,14 +108,11 @@ def load_spec(path: str | Path, *, check_paths: bool = True) -> SweepSpec:
     """Read a spec YAML; relative model/corpus/split paths are resolved against its folder."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw, node = load_yaml(path, "sweep spec", error=SpecError)
     except OSError as exc:
         raise SpecError(
             f"cannot read sweep spec {path}: {exc.strerror or exc}; check the path"
         ) from None
-    try:
-        node = yaml.compose(text)
-        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         at, said = yaml_problem(exc, str(path))
         raise SpecError(f"{at}: YAML syntax error ({said}); fix the spec") from None
@@ -167,11 +166,9 @@ def _check_paths(spec: SweepSpec, where: str) -> None:
     share the model's tokenizer, and a budget is checked against the model."""
     for field in _FILES:
         value = getattr(spec, field)
-        if not _named(field, value) and not Path(value).is_file():
+        if not _named(field, value) and (why := not_a_file(value)):
             allowed = SweepSpec.model_fields[field].description
-            raise SpecError(
-                f"{where}: field '{field}' = {value!r}: no such file; allowed: {allowed}"
-            )
+            raise SpecError(f"{where}: field '{field}' = {quoted(value)}: {why}; allowed: {allowed}")
     _check_contents(spec, where)
     for field, value in (("results", spec.results), ("cache_root", spec.cache_root)):
         if value is not None and Path(value).exists() and not Path(value).is_dir():
@@ -201,8 +198,8 @@ def _check_contents(spec: SweepSpec, where: str) -> None:
     if spec.split != "auto":
         checks.append(("split", spec.split, load_split))
     for field, value, load in checks:
-        if field == "calibration.corpus" and value != "demo" and not Path(value).is_file():
-            raise SpecError(f"{where}: field 'calibration.corpus' = {value!r}: no such file; "
+        if field == "calibration.corpus" and value != "demo" and (why := not_a_file(value)):
+            raise SpecError(f"{where}: field 'calibration.corpus' = {quoted(value)}: {why}; "
                             "allowed: a corpus JSONL path or 'demo'")  # fmt: skip
         try:
             load(value)
@@ -226,9 +223,9 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
         if entry.llama is not None:
             _check_recipe(teacher, entry.llama, at)
             continue
-        if not Path(entry.path).is_file():
+        if why := not_a_file(entry.path):
             expected = ExternalSpec.model_fields["path"].description
-            raise SpecError(f"{at}: {entry.path}: no such file; expected {expected}")
+            raise SpecError(f"{at}: {entry.path}: {why}; expected {expected}")
         try:
             check_same_tokenizer(teacher, open_model(entry.path))
         except HealsweepError as exc:
