@@ -14,7 +14,6 @@ from healsweep.cli._apps import CacheMaxGb, app
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import load_split, parity_split
 from healsweep.errors import SplitError
-from healsweep.score.compact import TeacherCacheError, cache_format
 
 
 def _progress(done: int, total: int, elapsed: float) -> None:
@@ -101,6 +100,9 @@ def score(
     with an expert cache, its hit rate, misses and MiB read per token (docs/expert-cache.md)."""
     # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
+
+    # lazy: heavy (jax): the compact record's kernels
+    from healsweep.score.compact import TeacherCacheError, cache_format
 
     # lazy: heavy (gguf, jax)
     from healsweep.score.report import check_same_tokenizer, format_summary, score_report

@@ -28,6 +28,9 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from healsweep.errors import CacheError
+from healsweep.kernels.kld_compact import teacher_top
+from healsweep.kernels.tail_draws import tail_draws
+from healsweep.score.metrics import _bucket, _pad_rows
 
 DEFAULT_TOP_K = 128
 DEFAULT_TAIL_SAMPLES = 128
@@ -128,8 +131,6 @@ def draw_tail(
     tokens left out. Rows with no tail mass get the row's argmax as a placeholder (their tail
     weighs 0).
     """
-    # lazy: heavy (jax)
-    from healsweep.kernels.tail_draws import tail_draws
 
     strata = tail_strata(seed, logp.shape[0], n_samples)
     ids, _, mass, full = tail_draws(logp, np.asarray(top_ids, np.int32), strata)
@@ -155,11 +156,6 @@ def compact_record(
     """
     # lazy: heavy (jax)
     import jax.numpy as jnp
-
-    # lazy: heavy (jax kernels)
-    from healsweep.kernels.kld_compact import teacher_top
-    from healsweep.kernels.tail_draws import tail_draws
-    from healsweep.score.metrics import _bucket, _pad_rows
 
     n = len(next_ids)
     top_k = min(fmt.top_k, logprobs.shape[1])
