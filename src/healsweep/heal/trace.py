@@ -3,7 +3,8 @@
 Calibration documents are the corpus's ``pool: calibration`` documents (minus any excluded ids),
 tokenized whole and cut into consecutive chunks of at most ``chunk_length`` tokens; every chunk
 is traced, so any number of tokens is used and nothing is dropped unless ``max_tokens`` asks for
-it (then the cut is recorded in the report). Per layer the trace keeps the FFN input X [T, D]
+it (then the cut is recorded in the report; the default budget, ``night``, is sized from the model's
+shape: :func:`healsweep.heal.knobs.night_tokens`). Per layer the trace keeps the FFN input X [T, D]
 (float16, see ``X_DTYPE``), the routing, the routed output y_ref, the shared expert's gate [T], and the sums behind
 ``act`` importance (E[x²] and E[h²] per expert): its size does not grow with the shared expert's
 width (Part B recomputes that expert's down input from X, :mod:`healsweep.heal.ridge`). The report counts tokens per stratum (with the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -92,8 +94,17 @@ def documents_digest(docs: list[Document]) -> str:
     return digest.hexdigest()
 
 
+def budgeted(model: GGUFModel, calibration: CalibrationConfig) -> CalibrationConfig:
+    """``calibration`` with ``max_tokens: night`` resolved to this model's tokens
+    (:meth:`CalibrationConfig.for_model`): what the trace, its key and its report use."""
+    hp = model.hparams
+    return calibration.for_model(hp.n_embd, hp.n_expert_used, hp.n_expert, hp.n_ff_exp)
+
+
 def trace_key(model: GGUFModel, calibration: CalibrationConfig, docs: list[Document]) -> str:
-    """Content key of the trace: model fingerprint, calibration settings, document contents."""
+    """Content key of the trace: model fingerprint, calibration settings (the budget resolved:
+    :func:`budgeted`), document contents."""
+    calibration = budgeted(model, calibration)
     return content_key(
         STAGE,
         VERSION,
@@ -135,8 +146,11 @@ def make_chunks(
     docs: list[Any], tokenizer: Any, calibration: CalibrationConfig, chat: ChatFormat | None = None
 ) -> tuple[list[CalibrationChunk], dict[str, Any]]:
     """Tokenize and chunk the documents, rendered in the model's ``chat`` format (None = ChatML);
-    returns the chunks and what was used or cut."""
+    returns the chunks and what was used or cut. A ``night`` budget must have been resolved for
+    the model first (:func:`budgeted`)."""
     budget = calibration.max_tokens
+    if isinstance(budget, str):
+        raise ValueError(f"make_chunks: resolve max_tokens {budget!r} for the model (budgeted)")
     chunks: list[CalibrationChunk] = []
     used = available = split_docs = 0
     cut_doc = None
@@ -394,20 +408,24 @@ def calibration_trace(
     are rendered in the model's chat format, which the model fingerprint in the key covers."""
 
     corpus = corpus if corpus is not None else load_corpus(calibration.corpus)
+    calibration = budgeted(model, calibration)
     docs = calibration_documents(corpus, calibration)
     key = trace_key(model, calibration, docs)
     for i in model.hparams.moe_layers:  # read later, one by one: held from now (a bounded
         cache.hold(LAYER_STAGE, layer_key(key, i))  # cache must not evict layer 5 meanwhile)
 
     def compute() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        start = time.perf_counter()
         chunks, info = make_chunks(docs, model.tokenizer(), calibration, model_chat_format(model))
+
+        def store(i: int, arrays: dict[str, np.ndarray]) -> None:
+            # A layer lost costs the whole trace again (Trace.layer): at least the forward
+            # over every layer, which has run by now; the eviction weighs that.
+            seconds = time.perf_counter() - start
+            cache.put(LAYER_STAGE, layer_key(key, i), arrays, seconds=seconds)
+
         with tempfile.TemporaryDirectory(prefix="trace-spill-", dir=_scratch(cache)) as spill:
-            counts = run_trace(
-                model,
-                chunks,
-                lambda i, arrays: cache.put(LAYER_STAGE, layer_key(key, i), arrays),
-                spill,
-            )  # [L, E]
+            counts = run_trace(model, chunks, store, spill)  # [L, E]
         return {"tokens_per_expert": counts}, _report(chunks, info, counts, calibration)
 
     def recompute() -> None:
