@@ -14,6 +14,7 @@ from healsweep.heal import knobs, ridge
 from healsweep.heal.knobs import CalibrationConfig
 from healsweep.heal.trace import (
     LAYER_STAGE,
+    budget_takes,
     budgeted,
     calibration_trace,
     layer_key,
@@ -132,6 +133,26 @@ def test_the_night_budget_is_sized_from_the_trace_entries_it_writes(model, corpu
     assert budgeted(model, CalibrationConfig()).max_tokens == knobs.night_tokens(
         hp.n_embd, hp.n_expert_used, hp.n_expert, hp.n_ff_exp
     )
+
+
+@pytest.mark.parametrize("budget", [1, 7, 25, 26, 40, 59, 60, 1000, None])
+def test_a_budget_takes_documents_of_every_stratum_in_turn(budget):
+    """An independent re-statement of the rule: walk the strata in turn (first-appearance
+    order), each stratum's documents in pool order, taking whole documents, the last one cut."""
+    strata = ["a", "a", "a", "b", "b", "c", "a", "c"]
+    lengths = [5, 9, 4, 12, 3, 8, 11, 8]
+    takes = budget_takes(strata, lengths, budget)
+    want, left = [0] * len(lengths), sum(lengths) if budget is None else budget
+    order = [0, 3, 5, 1, 4, 7, 2, 6]  # a1 b1 c1 a2 b2 c2 a3 a4
+    for i in order:
+        want[i] = min(lengths[i], max(left, 0))
+        left -= want[i]
+    assert takes == want
+    assert sum(takes) == min(sum(lengths), budget or sum(lengths))
+    if budget is None or budget > 5 + 12:  # past the first document of a and of b: c too
+        assert {strata[i] for i, t in enumerate(takes) if t} == {"a", "b", "c"}
+    smaller = budget_takes(strata, lengths, max(1, (budget or 60) // 2))
+    assert all(s <= t for s, t in zip(smaller, takes, strict=True))  # a prefix of its documents
 
 
 def test_max_tokens_cut_is_reported(model, corpus):

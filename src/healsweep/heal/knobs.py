@@ -368,10 +368,11 @@ class CalibrationConfig(_Settings):
     ``max_tokens`` is the budget: ``night`` (the default) as many tokens as keep each layer's
     trace within 4 GB / 24 (:func:`night_tokens`: 13,451 at Qwen1.5-MoE-A2.7B's shape, so a
     24-layer trace stays within 4 GB; a small model's whole pool, such as the demo models' 35k
-    tokens), an integer that many, ``null`` every token of the pool. Under a budget, documents
-    are taken whole in corpus order (minus ``exclude_doc_ids``) until it is reached, the last
-    one cut to fit (the trace report says which and how much): the same tokens every time, and a
-    smaller budget's tokens are a prefix of a larger one's. ``chunk_length`` is the forward's
+    tokens), an integer that many, ``null`` every token of the pool. Under a budget smaller than
+    the pool, documents (minus ``exclude_doc_ids``) are taken whole, one stratum after the other
+    in turn, each stratum's in the pool's order, until it is reached, the last one cut to fit
+    (:func:`healsweep.heal.trace.budget_takes`; the trace report says which was cut and how
+    much): the same tokens every time, every stratum calibrated. ``chunk_length`` is the forward's
     sequence length: longer documents are split into consecutive chunks, all of them traced. An
     expert with fewer than ``min_tokens_per_expert`` routed tokens uses the layer-wide statistic
     for ``act`` importance, and ``search`` instead of ``gptq``.
