@@ -7,8 +7,11 @@
 HS=${HS:-/tmp/hs}
 wait_s=${1:-540}
 end=$((SECONDS + wait_s))
-while pgrep -f "benchmarks/device/[a-z0-9-]*\.sh" > /dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
-if pgrep -f "benchmarks/device/[a-z0-9-]*\.sh" > /dev/null; then echo "collect: still running"; else echo "collect: all jobs ended"; fi
+# The jobs start.sh started (sequence.sh and its jobs), not this script: it matched itself and
+# always waited the whole SECONDS.
+jobs_running() { pgrep -af "benchmarks/device/[a-z0-9-]*\.sh" | grep -v "device/collect\.sh" > /dev/null; }
+while jobs_running && [ $SECONDS -lt $end ]; do sleep 5; done
+if jobs_running; then echo "collect: still running"; else echo "collect: all jobs ended"; fi
 for log in "$HS"/out/*.log; do echo "== $log"; tail -n 25 "$log"; done
 nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv 2>/dev/null
 du -sh "$HS/cache" 2>/dev/null

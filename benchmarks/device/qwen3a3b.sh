@@ -3,13 +3,16 @@
 # (D 2048, 32 heads x 128 with 4 KV heads, 128 experts of 768, top-8, no shared expert), 24 of
 # its 48 layers (to fit the device's 64 GB disk), a 151,936-token vocabulary, routed experts
 # Q8_0 (~16 GB), then its cold trial measured as the night's (`bench night --gpu`, one config).
+# No shared expert, so no Part B: the knobs fit alpha on the calibration trace (alpha: mse, the
+# default KNOBS), so that the trace and routed_q, the night's costliest host phases, are measured.
 # Started by start.sh (alone, or after night24 in one start); writes to $HS/out.
-#   bash benchmarks/device/qwen3a3b.sh [LAYERS] [GRID] [WINDOWS] [VOCAB]
-#   (defaults: 24 1x1x1 64 151936; VOCAB 0 keeps the tiny test tokenizer)
+#   bash benchmarks/device/qwen3a3b.sh [LAYERS] [GRID] [WINDOWS] [VOCAB] [KNOBS]
+#   (defaults: 24 1x1x1 64 151936 configs/knobs/mse-alpha.yaml; VOCAB 0: the tiny tokenizer)
 # A smoke run on a CPU host (no nvidia-smi: no --gpu): `qwen3a3b.sh 1 1x1x1 2 0`.
 set -u
 HS=${HS:-/tmp/hs}
 layers=${1:-24}; grid=${2:-1x1x1}; windows=${3:-64}; vocab=${4:-151936}
+knobs=${5:-configs/knobs/mse-alpha.yaml}
 model=$HS/qwen3a3b-${layers}l-v${vocab}.gguf
 gpu=--gpu
 command -v nvidia-smi > /dev/null || gpu=""
@@ -46,7 +49,7 @@ if [ -n "$gpu" ]; then
   smi=$!
 fi
 start=$SECONDS
-python3 -m healsweep bench night "$model" $gpu --grid "$grid" --windows "$windows" --json \
+python3 -m healsweep bench night "$model" $gpu --grid "$grid" --windows "$windows" --knobs "$knobs" --json \
   --out "$out/qwen3a3b" > "$out/qwen3a3b.json"
 echo "bench night exit $? after $((SECONDS - start)) s"
 cat "$out/qwen3a3b/night.md" 2>/dev/null
