@@ -27,7 +27,7 @@ if [ ! -f "$model" ] && [ "$free_gb" -lt 40 ]; then
   echo "qwen3a3b: ${free_gb} GB free; removing the earlier jobs' models and night caches"
   find "$HS" -maxdepth 1 -name "*.gguf" ! -name "$(basename "$model")" -print -delete
   find "$out" -mindepth 3 -maxdepth 3 -type d -name cache -path "*/night*" -print -exec rm -rf {} +
-  rm -rf "${HEALSWEEP_CACHE:-$HS/cache}"
+  case "${HEALSWEEP_CACHE:-$HS/cache}" in "$HS"/*) rm -rf "${HEALSWEEP_CACHE:-$HS/cache}" ;; esac
   df -h "$HS" | tail -1
 fi
 if [ ! -f "$model" ]; then
