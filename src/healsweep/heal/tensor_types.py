@@ -184,9 +184,10 @@ def compute_moments(
 ) -> InputMoments:
     """The teacher's input moments over the calibration pool's chunks (those the trace runs)."""
     # lazy: heavy (jax)
-    from healsweep.heal.trace import _batches, calibration_documents, make_chunks
+    from healsweep.heal.trace import _batches, budgeted, calibration_documents, make_chunks
     from healsweep.model.moments import input_moments
 
+    calibration = budgeted(model, calibration)
     docs = calibration_documents(corpus, calibration)
     chunks, _ = make_chunks(docs, model.tokenizer(), calibration, model_chat_format(model))
     sums: dict[str, np.ndarray] = {}
