@@ -11,7 +11,8 @@ if [ ! -d .whl ]; then  # a CPU smoke run: this python3's own packages
 elif [ ! -f /tmp/site/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || { echo "env.sh: wheel install failed" >&2; return 1; }
-  cp -r .llama/llama_cpp /tmp/site/ && touch /tmp/site/.installed
+  # ggml's library only where it was fetched (no ggml-typed knob needs it otherwise)
+  { [ ! -d .llama/llama_cpp ] || cp -r .llama/llama_cpp /tmp/site/; } && touch /tmp/site/.installed
 fi
 export PYTHONPATH=/tmp/site:$PWD/src  # start.sh points its job at its own copy
 export PATH=/tmp/site/bin:$PATH
