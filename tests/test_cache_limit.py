@@ -1,4 +1,5 @@
-"""The bounded stage cache: a size limit (CLI > spec > environment > none), LRU eviction of the
+"""The bounded stage cache: a size limit (CLI > spec > environment > none), eviction (least worth
+per byte first: recompute seconds over bytes, recency breaking ties) of the
 entries no running trial holds, held entries surviving another process's eviction, and the
 per-stage byte counters (``cache.activity``) against the files on disk.
 
@@ -31,6 +32,8 @@ from healsweep.cache import (
     activity,
     activity_since,
     content_key,
+    entry_seconds,
+    recompute_seconds,
     stage_bytes,
 )
 from healsweep.errors import SettingError
@@ -106,6 +109,84 @@ def test_the_entries_every_trial_reads_go_last_while_fresh(tmp_path):
     _put(cache, "q3", stage="routed_q")  # four again: q1 goes, not the older fresh trace
     assert _present(tmp_path, "trace", stage="calib_trace_layer") == ["trace"]
     assert _present(tmp_path, "q1", "q2", "q3", stage="routed_q") == ["q2", "q3"]
+
+
+def _put_worth(cache: StageCache, name: str, seconds: float | None, stage: str = "stage") -> None:
+    cache.put(stage, _key(name), {"w": np.full(ENTRY, len(name), np.float32)}, seconds=seconds)
+
+
+def test_eviction_weighs_recompute_seconds_against_bytes(tmp_path):
+    """Issue 46: a ridge basis (127 MB, 4 s of 16 cores on the A2.7B night) must outlive
+    scratch that is cheap to redo, although plain LRU would delete it first (written first,
+    and a follow-up reads it only when a stage after it computes)."""
+    cache = StageCache(tmp_path, max_gb=_gib(3.5))  # three entries of 1 MiB fit, four do not
+    _put_worth(cache, "basis", 4.0)
+    _tick()
+    _put_worth(cache, "q1", 0.05)
+    _tick()
+    _put_worth(cache, "q2", 0.05)
+    _tick()
+    _put_worth(cache, "q3", 0.05)  # four: the cheapest per byte goes, the oldest of them first
+    assert _present(tmp_path, "basis", "q1", "q2", "q3") == ["basis", "q2", "q3"]
+    _tick()
+    _put_worth(cache, "dear", 2.0)  # dearer than the scratch left: the scratch goes
+    assert _present(tmp_path, "basis", "q2", "q3", "dear") == ["basis", "q3", "dear"]
+
+
+def test_an_entry_unused_for_hours_loses_its_worth(tmp_path):
+    cache = StageCache(tmp_path, max_gb=_gib(3.5))
+    _put_worth(cache, "old", 4.0)
+    path = cache.path("stage", _key("old"))
+    hours_ago = time.time_ns() - int(30 * disk.HALF_LIFE_S * 1e9)  # 2^-30 of its worth left
+    os.utime(path, ns=(hours_ago, hours_ago))
+    for name in ("q1", "q2", "q3"):
+        _put_worth(cache, name, 0.05)
+        _tick()
+    assert not path.exists() and _present(tmp_path, "q1", "q2", "q3") == ["q1", "q2", "q3"]
+
+
+def test_an_entry_that_records_no_seconds_goes_first(tmp_path):
+    """Entries written before recompute seconds were recorded (or by a plain put) are worth
+    nothing: they go, least recently used first, before any entry that records its cost."""
+    cache = StageCache(tmp_path, max_gb=_gib(3.5))
+    _put_worth(cache, "costed", 0.01)
+    _tick()
+    _put_worth(cache, "a", None)
+    _tick()
+    _put_worth(cache, "b", None)
+    _tick()
+    _put_worth(cache, "c", 0.01)
+    assert _present(tmp_path, "costed", "a", "b", "c") == ["costed", "b", "c"]
+    assert disk.value(1.0, 2**20, 0.0) == 2 * disk.value(1.0, 2**20, disk.HALF_LIFE_S)
+
+
+def test_an_entry_records_its_own_compute_seconds_not_the_stages_it_computed_inside(tmp_path):
+    """The recompute seconds of get_or_compute are the compute's wall time less that of the
+    entries computed inside it (each records its own), or what the compute stated (work shared
+    out over several entries, as the teacher's forward over a batch of windows)."""
+    cache = StageCache(tmp_path)
+
+    def inner():
+        time.sleep(0.3)
+        return {"w": np.zeros(4)}, {}
+
+    def outer():
+        time.sleep(0.05)
+        cache.get_or_compute("inner", _key("inner"), inner)
+        return {"w": np.ones(4)}, {}
+
+    def shared():
+        recompute_seconds(7.5)
+        return {"w": np.ones(4)}, {}
+
+    cache.get_or_compute("outer", _key("outer"), outer)
+    cache.get_or_compute("shared", _key("shared"), shared)
+    seconds = {
+        e.stage: entry_seconds(tmp_path / e.relpath, e.size) for e in disk.entries(tmp_path)
+    }
+    assert seconds["inner"] >= 0.3 and 0.05 <= seconds["outer"] < 0.25
+    assert seconds["shared"] == 7.5
+    assert cache.get("outer", _key("outer"))[1] == {}  # the seconds are the header's, not meta's
 
 
 def test_the_shared_stages_are_stages():

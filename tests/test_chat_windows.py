@@ -189,7 +189,7 @@ def test_calibration_and_trace_chunks_are_rendered_with_the_template(qwen_model,
     (tokens,) = calibration_tokens(corpus, parity_split(corpus), qwen_model.tokenizer(), chat)
     assert _decode(qwen_model, tokens) == EXPECTED["qwen3", "tool_turn"]
     (chunk,), _ = make_chunks(corpus.pool("calibration"), qwen_model.tokenizer(),
-                              CalibrationConfig(chunk_length=512), chat)  # fmt: skip
+                              CalibrationConfig(max_tokens=None, chunk_length=512), chat)  # fmt: skip
     np.testing.assert_array_equal(chunk.tokens, tokens)
     # the tool turn's content and the <tool_call> block, found in Qwen's <tool_response> wrapping
     tool_text = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'

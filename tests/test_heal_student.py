@@ -73,9 +73,9 @@ def test_student_forward_reproduces_alpha_times_y_q_in_layer_0(setup, shared_cac
     model, corpus = setup
     cache = shared_cache
     student = build_student(model, Knobs(alpha="mse", ridge=False), CAL, cache, corpus=corpus)
-    from healsweep.heal.trace import make_chunks
+    from healsweep.heal.trace import budgeted, make_chunks
 
-    chunks, _ = make_chunks(corpus.pool("calibration"), model.tokenizer(), CAL)
+    chunks, _ = make_chunks(corpus.pool("calibration"), model.tokenizer(), budgeted(model, CAL))
     tokens = [c.tokens for c in chunks[:3]]
     rep = student.replacements[0]
     out = forward(model, tokens, capture=True, replacements={0: rep})

@@ -10,10 +10,12 @@ import pytest
 from healsweep.cache import StageCache
 from healsweep.data.corpus import load_corpus
 from healsweep.errors import CorpusError
-from healsweep.heal import ridge
+from healsweep.heal import knobs, ridge
 from healsweep.heal.knobs import CalibrationConfig
 from healsweep.heal.trace import (
     LAYER_STAGE,
+    budget_takes,
+    budgeted,
     calibration_trace,
     layer_key,
     make_chunks,
@@ -83,7 +85,7 @@ def corpus(tmp_path):
 def test_chunks_cover_every_calibration_token_and_count_tool_content(model, corpus):
     tok = model.tokenizer()
     cfg = CalibrationConfig(chunk_length=16)
-    chunks, info = make_chunks(corpus.pool("calibration"), tok, cfg)
+    chunks, info = make_chunks(corpus.pool("calibration"), tok, budgeted(model, cfg))
     lengths = {
         d.doc_id: len(tok.encode(d.render(), add_special_tokens=False).ids)
         for d in corpus.pool("calibration")
@@ -103,6 +105,56 @@ def test_chunks_cover_every_calibration_token_and_count_tool_content(model, corp
     assert sum(c.tool_tokens for c in chunks if c.doc_id != "cal-b") == 0
 
 
+def test_the_night_budget_is_sized_from_the_trace_entries_it_writes(model, corpus, tmp_path):
+    """``max_tokens: night`` (the default) keeps one layer's trace entry within 4 GB / 24, so a
+    24-layer Qwen1.5-MoE-A2.7B trace (D 2048, top-4 of 60 experts of 1408) stays within 4 GB:
+    the bytes per token and per layer it assumes are those of real entries on disk."""
+    cache = StageCache(tmp_path)
+    sizes = {}
+    for tokens in (60, 120):
+        trace = calibration_trace(model, CalibrationConfig(max_tokens=tokens, chunk_length=32),
+                                  cache, corpus)  # fmt: skip
+        assert trace.report["tokens_used"] == tokens
+        sizes[tokens] = cache.path(LAYER_STAGE, layer_key(trace.key, 0)).stat().st_size
+    hp = model.hparams
+    per_token = knobs.trace_token_bytes(hp.n_embd, hp.n_expert_used)
+    assert abs(sizes[120] - sizes[60] - 60 * per_token) <= 64 * 8  # each array 64-aligned
+    fixed = knobs.trace_layer_fixed_bytes(hp.n_expert, hp.n_embd, hp.n_ff_exp)
+    assert 0 < sizes[60] - 60 * per_token <= fixed
+    a27b = knobs.night_tokens(2048, 4, 60, 1408)
+    assert a27b == CalibrationConfig().for_model(2048, 4, 60, 1408).max_tokens == 13_451
+    assert 24 * (a27b * knobs.trace_token_bytes(2048, 4)
+                 + knobs.trace_layer_fixed_bytes(60, 2048, 1408)) <= 4 * 10**9  # fmt: skip
+    # a small model's night is its whole pool here: what the default traces is what null does
+    night = calibration_trace(model, CalibrationConfig(chunk_length=32), cache, corpus)
+    every = calibration_trace(model, CalibrationConfig(max_tokens=None, chunk_length=32), cache,
+                              corpus)  # fmt: skip
+    assert night.report["tokens_used"] == every.report["tokens_used"]
+    assert budgeted(model, CalibrationConfig()).max_tokens == knobs.night_tokens(
+        hp.n_embd, hp.n_expert_used, hp.n_expert, hp.n_ff_exp
+    )
+
+
+@pytest.mark.parametrize("budget", [1, 7, 25, 26, 40, 59, 60, 1000, None])
+def test_a_budget_takes_documents_of_every_stratum_in_turn(budget):
+    """An independent re-statement of the rule: walk the strata in turn (first-appearance
+    order), each stratum's documents in pool order, taking whole documents, the last one cut."""
+    strata = ["a", "a", "a", "b", "b", "c", "a", "c"]
+    lengths = [5, 9, 4, 12, 3, 8, 11, 8]
+    takes = budget_takes(strata, lengths, budget)
+    want, left = [0] * len(lengths), sum(lengths) if budget is None else budget
+    order = [0, 3, 5, 1, 4, 7, 2, 6]  # a1 b1 c1 a2 b2 c2 a3 a4
+    for i in order:
+        want[i] = min(lengths[i], max(left, 0))
+        left -= want[i]
+    assert takes == want
+    assert sum(takes) == min(sum(lengths), budget or sum(lengths))
+    if budget is None or budget > 5 + 12:  # past the first document of a and of b: c too
+        assert {strata[i] for i, t in enumerate(takes) if t} == {"a", "b", "c"}
+    smaller = budget_takes(strata, lengths, max(1, (budget or 60) // 2))
+    assert all(s <= t for s, t in zip(smaller, takes, strict=True))  # a prefix of its documents
+
+
 def test_max_tokens_cut_is_reported(model, corpus):
     chunks, info = make_chunks(
         corpus.pool("calibration"),
@@ -117,7 +169,7 @@ def test_trace_equals_direct_captures_chunk_by_chunk(model, corpus, tmp_path):
     cfg = CalibrationConfig(chunk_length=32, min_tokens_per_expert=4)
     cache = StageCache(tmp_path / "cache")
     trace = calibration_trace(model, cfg, cache, corpus)
-    chunks, _ = make_chunks(corpus.pool("calibration"), model.tokenizer(), cfg)
+    chunks, _ = make_chunks(corpus.pool("calibration"), model.tokenizer(), budgeted(model, cfg))
     direct = [forward(model, [c.tokens], capture=True).captures for c in chunks]
     n_tokens = sum(len(c.tokens) for c in chunks)
     for layer in range(model.hparams.n_layer):
@@ -162,7 +214,7 @@ def test_trace_equals_direct_captures_chunk_by_chunk(model, corpus, tmp_path):
 
 def test_trace_streams_layers_in_chunk_order_whatever_the_batching(model, corpus, tmp_path):
     chunks, _ = make_chunks(
-        corpus.pool("calibration"), model.tokenizer(), CalibrationConfig(chunk_length=40)
+        corpus.pool("calibration"), model.tokenizer(), CalibrationConfig(max_tokens=None, chunk_length=40)
     )
     runs = []
     # one batch; then one or two chunks per batch, buckets interleaved; then every chunk padded

@@ -27,6 +27,28 @@ def test_a_resume_with_the_same_knobs_appends_a_run(spec, tmp_path):
     ]
 
 
+def test_a_sweep_begun_before_the_night_budget_keeps_every_calibration_token(spec, tmp_path):
+    """Issue 46: a calibration that names no max_tokens now means ``night`` (a budget); a sweep
+    begun before (its manifest without ``calibration_default``) resumes, exports and confirms
+    on every token of the pool, as it ran, and its stored spec hashes as before."""
+    assert "max_tokens" not in spec.calibration.model_fields_set
+    start_manifest(tmp_path, spec, {}, kind="run")
+    assert read_spec(tmp_path).calibration.max_tokens == "night"
+    manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    del manifest["calibration_default"]
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    old = read_spec(tmp_path)
+    assert old.calibration.max_tokens is None and spec_hash(old) == spec_hash(spec)
+    assert start_manifest(tmp_path, old, None, kind="resume")["runs"][-1]["kind"] == "resume"
+    given = spec_from_dict({**json.loads(spec.model_dump_json()), "calibration": {"max_tokens": 4096}})
+    (tmp_path / "given").mkdir()
+    start_manifest(tmp_path / "given", given, {}, kind="run")
+    manifest = json.loads((tmp_path / "given" / MANIFEST_FILE).read_text())
+    del manifest["calibration_default"]
+    (tmp_path / "given" / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert read_spec(tmp_path / "given").calibration.max_tokens == 4096  # as the spec gave it
+
+
 def test_a_resume_with_other_knobs_is_refused_and_changes_nothing(spec, tmp_path):
     start_manifest(tmp_path, spec, {}, kind="run")
     manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())

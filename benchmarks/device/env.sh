@@ -4,12 +4,15 @@
 # machine, outside the work tree (a later call replaces the tree; a job started in the
 # background keeps running from /tmp/hs/repo), and sets the environment every job runs with.
 set -u
-export HS=/tmp/hs
+export HS=${HS:-/tmp/hs}  # a CPU smoke run points it elsewhere
 mkdir -p "$HS/out"
-if [ ! -f /tmp/site/.installed ]; then
+if [ ! -d .whl ]; then  # a CPU smoke run: this python3's own packages
+  echo "env.sh: no .whl/ carried; using $(command -v python3)'s packages" >&2
+elif [ ! -f /tmp/site/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || { echo "env.sh: wheel install failed" >&2; return 1; }
-  cp -r .llama/llama_cpp /tmp/site/ && touch /tmp/site/.installed
+  # ggml's library only where it was fetched (no ggml-typed knob needs it otherwise)
+  { [ ! -d .llama/llama_cpp ] || cp -r .llama/llama_cpp /tmp/site/; } && touch /tmp/site/.installed
 fi
 export PYTHONPATH=/tmp/site:$PWD/src  # start.sh points its job at its own copy
 export PATH=/tmp/site/bin:$PATH

@@ -1,16 +1,18 @@
 #!/bin/bash
 # The full-depth night on one GPU (issue 38): a random qwen2moe of Qwen1.5-MoE-A2.7B's shape,
 # 24 layers, 151,936-token vocabulary, routed experts Q8_0 (17.0 GB), then `bench night --gpu`.
-# Started by start.sh (in the background, from /tmp/hs/repo); writes to /tmp/hs/out.
+# Started by start.sh (in the background, from $HS/repo; HS defaults to /tmp/hs); writes to
+# $HS/out, and prints bench night's tables and each trial's phase table (phases.py) in its log.
 #   bash benchmarks/device/night24.sh [LAYERS] [GRID] [WINDOWS] [VOCAB]
 #   (defaults: 24 2x3x4 64 151936; VOCAB 0 keeps the tiny test tokenizer)
 # A smoke run of this script on a CPU host (no nvidia-smi: no --gpu): `night24.sh 1 1x1x2 2 0`.
 set -u
+HS=${HS:-/tmp/hs}
 layers=${1:-24}; grid=${2:-2x3x4}; windows=${3:-64}; vocab=${4:-151936}
-model=/tmp/hs/a27b-${layers}l-v${vocab}.gguf
+model=$HS/a27b-${layers}l-v${vocab}.gguf
 gpu=--gpu
 command -v nvidia-smi > /dev/null || gpu=""
-out=/tmp/hs/out
+out=$HS/out
 mkdir -p "$out"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 python3 -c "from healsweep.threads import seen; print('host threads', seen())"
@@ -27,12 +29,18 @@ PY
   echo "model written in $((SECONDS - start)) s: $(du -h "$model" | cut -f1)"
 fi
 # GPU busy share over the whole night, sampled beside bench night's own sampler
-(nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$out/nvidia-smi.csv" 2>/dev/null &)
+smi=""
+if [ -n "$gpu" ]; then
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$out/nvidia-smi.csv" 2>/dev/null &
+  smi=$!
+fi
 start=$SECONDS
 python3 -m healsweep bench night "$model" $gpu --grid "$grid" --windows "$windows" --json \
   --out "$out/night" > "$out/night.json"
 echo "bench night exit $? after $((SECONDS - start)) s"
 cp "$out/night/night.md" "$out/night.md" 2>/dev/null && cat "$out/night.md"
-du -sh "$HEALSWEEP_CACHE" 2>/dev/null
-pkill -f "nvidia-smi --query-gpu" 2>/dev/null
+echo "== phase table of each trial (trials.parquet)"
+python3 benchmarks/device/phases.py "$out/night"
+du -sh "${HEALSWEEP_CACHE:-$HS/cache}" "$out/night" 2>/dev/null
+[ -n "$smi" ] && kill "$smi" 2>/dev/null
 echo "night24 done"

@@ -1,19 +1,31 @@
-"""The stage cache on disk: its size limit, the entries running trials hold, and LRU eviction.
+"""The stage cache on disk: its size limit, the entries running trials hold, and eviction by
+the seconds an entry saves per byte it takes.
 
 **The limit.** A cache root may be given a size limit, in GiB of its entries (the ``*.hsc``
 files; JAX's compilation cache in ``jax/``, lock files and the trace's scratch folders are not
 counted): ``--cache-max-gb`` on a command, else ``cache_max_gb`` of the sweep spec, else
 ``HEALSWEEP_CACHE_MAX_GB``, else none (:func:`cache_limit`). After a write that takes the
-entries over the limit, the least recently used entries that no running trial holds are deleted
+entries over the limit, entries that no running trial holds are deleted, least valuable first,
 until they fit in ``1 - MARGIN`` of it (:func:`evict`). An eviction costs a later trial that
 needs the entry its recomputation, never a wrong result: every entry is content-keyed and
 checks itself when read.
+
+**What an entry is worth.** Its value is what it saves per byte it takes: the wall seconds its
+recomputation would cost (recorded in its header when it was computed:
+:meth:`healsweep.cache.StageCache.get_or_compute`), over its size, halved for every
+:data:`HALF_LIFE_S` since it was last used (:func:`value`). The least valuable goes first, the
+least recently used first among equals (an entry that records no seconds is worth nothing: it
+goes by recency alone). A ridge basis of the 24-layer A2.7B night (127 MB, 4 s of the host's 16
+cores) is worth about 30 ms/MB; a layer's routed_q (770 MB of y_q, 4 s) 5 ms/MB; so when the
+cache is full the routed outputs of the quantization configs tried go before the bases every
+config reads, where plain LRU deleted the bases a follow-up had not read yet (they are read only
+when a stage after them computes), and the gain_d trial recomputed all 24 of them (107 s).
 
 **What goes last.** The entries of :data:`SHARED_STAGES` (the teacher's calibration trace, its
 layers, the other matrices' importance, the teacher's record of each window: keyed by the model
 and the data alone, so every trial of a sweep reads them whatever its knobs) are deleted only
 after every other entry no trial holds, as long as one was used in the last :data:`SHARED_FRESH_S`;
-older ones are plain least recently used (an old sweep's trace does not outstay its welcome). On
+older ones are ranked by value with the rest (an old sweep's trace does not outstay its welcome). On
 the 24-layer A2.7B night on an H100 (64 GB disk, 17 GB model, limit 28 GB) plain LRU deleted the
 trace (22.6 GB, written first) after the cold trial, and every next trial's recomputation of it
 filled the disk.
@@ -49,7 +61,7 @@ import secrets
 import socket
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -70,6 +82,9 @@ STALE_S = 24 * 3600.0
 # them; tests/test_cache_limit.py checks they are stages): evicted last while fresh (docstring).
 SHARED_STAGES = frozenset({"calib_trace", "calib_trace_layer", "tensor_importance", "teacher_logits"})
 SHARED_FRESH_S = 24 * 3600.0  # a night: a shared entry unused for longer is evicted like any
+# An entry's value halves for every hour unused: within a night's trials (seconds to minutes
+# apart) the seconds per byte decide; an entry of a sweep that ended hours ago goes first.
+HALF_LIFE_S = 3600.0
 _NO_LOCKING = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 _GIB = 2**30
 
@@ -274,10 +289,16 @@ class Eviction(NamedTuple):
     holders: int
 
 
-def evict(root: Path, limit: int, margin: float = MARGIN) -> Eviction | None:
-    """Delete least recently used entries no live process holds until the entries under
-    ``root`` fit in ``(1 - margin) * limit`` bytes; nothing when they fit in ``limit``. None
-    when another process is evicting under ``root`` now (it will do it)."""
+Seconds = Callable[[Path, int], float]  # an entry file's recompute seconds, by path and size
+
+
+def evict(
+    root: Path, limit: int, margin: float = MARGIN, seconds: Seconds | None = None
+) -> Eviction | None:
+    """Delete the least valuable entries no live process holds (:func:`value`; ``seconds``
+    reads an entry's recompute seconds, default none: least recently used first) until the
+    entries under ``root`` fit in ``(1 - margin) * limit`` bytes; nothing when they fit in
+    ``limit``. None when another process is evicting under ``root`` now (it will do it)."""
     folder = root / HOLDS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     gate = os.open(folder / "evict.lock", os.O_RDWR | os.O_CREAT, 0o666)
@@ -287,12 +308,12 @@ def evict(root: Path, limit: int, margin: float = MARGIN) -> Eviction | None:
         except OSError as exc:
             if exc.errno not in _NO_LOCKING:
                 return None  # taken: another process is evicting
-        return _evict(root, limit, margin)
+        return _evict(root, limit, margin, seconds or (lambda path, size: 0.0))
     finally:
         os.close(gate)
 
 
-def _evict(root: Path, limit: int, margin: float) -> Eviction:
+def _evict(root: Path, limit: int, margin: float, seconds: Seconds) -> Eviction:
     found = entries(root)  # before the holds are read: see the module docstring
     total = before = sum(e.size for e in found)
     holding, holders = held(root)
@@ -301,11 +322,10 @@ def _evict(root: Path, limit: int, margin: float) -> Eviction:
     held_bytes = sum(e.size for e in found if e.relpath in holding)
     target = int(limit * (1.0 - margin))
     evicted: dict[str, tuple[int, int]] = {}
-    for entry in sorted(found, key=_eviction_order(time.time_ns())):
+    candidates = [e for e in found if e.relpath not in holding]
+    for entry in sorted(candidates, key=_eviction_order(root, time.time_ns(), seconds)):
         if total <= target:
             break
-        if entry.relpath in holding:
-            continue
         try:
             os.unlink(root / entry.relpath)
         except FileNotFoundError:  # deleted by someone else meanwhile
@@ -318,13 +338,22 @@ def _evict(root: Path, limit: int, margin: float) -> Eviction:
     return Eviction(before, total, held_bytes, evicted, total > limit, holders)
 
 
-def _eviction_order(now_ns: int):
+def value(recompute_s: float, size: int, idle_s: float) -> float:
+    """What an entry is worth keeping: the seconds its recomputation costs per byte it takes,
+    halved for every :data:`HALF_LIFE_S` it has gone unused (``idle_s``)."""
+    return recompute_s / max(size, 1) * 0.5 ** (max(idle_s, 0.0) / HALF_LIFE_S)
+
+
+def _eviction_order(root: Path, now_ns: int, seconds: Seconds):
     """The sort key of :func:`_evict`: entries of other stages and stale shared ones first, then
-    the fresh entries of :data:`SHARED_STAGES`; least recently used first within each."""
+    the fresh entries of :data:`SHARED_STAGES`; within each the least valuable (:func:`value`)
+    first, then the least recently used."""
     fresh_after = now_ns - int(SHARED_FRESH_S * 1e9)
 
-    def order(entry: Entry) -> tuple[bool, int, str]:
+    def order(entry: Entry) -> tuple[bool, float, int, str]:
         last = entry.stage in SHARED_STAGES and entry.used_ns >= fresh_after
-        return last, entry.used_ns, entry.relpath
+        idle_s = (now_ns - entry.used_ns) / 1e9
+        worth = value(seconds(root / entry.relpath, entry.size), entry.size, idle_s)
+        return last, worth, entry.used_ns, entry.relpath
 
     return order

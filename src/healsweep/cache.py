@@ -27,8 +27,11 @@ entry without the lock (``put``) still leave one whole entry: each writes its ow
 renames it into place.
 
 A cache root may have a size limit (``--cache-max-gb``, the sweep spec's ``cache_max_gb``,
-``HEALSWEEP_CACHE_MAX_GB``): after a write that takes its entries over it, the least recently
-used entries that no running trial holds are deleted (:mod:`healsweep._cache_disk`). Inside
+``HEALSWEEP_CACHE_MAX_GB``): after a write that takes its entries over it, the entries that no
+running trial holds and that are cheapest to redo for the room they take are deleted
+(:mod:`healsweep._cache_disk`): each entry's header records its recompute seconds, the wall time
+its ``compute`` took less the time of the entries computed inside it (:func:`recompute_seconds`
+states it for work shared by several entries). Inside
 :meth:`StageCache.holding` every entry a cache reads or writes is held, across processes, until
 the block ends; every read marks its entry used. The bytes of entry files written and read are
 counted per stage beside the hits (:func:`activity`, :func:`stage_bytes`).
@@ -131,6 +134,45 @@ def _recent() -> RecentEntries:
 def _writer() -> ThreadPoolExecutor:
     """The thread that writes entries behind (:meth:`StageCache.writing_behind`)."""
     return current().executor("cache-write", 1)
+
+
+_frames = threading.local()  # per thread: the computes of get_or_compute running, innermost last
+
+
+class _Frame:
+    """One running ``compute``: when it began, the wall seconds of the computes nested in it,
+    and the recompute seconds it stated (:func:`recompute_seconds`), if any."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.nested = 0.0
+        self.stated: float | None = None
+
+    def own(self) -> float:
+        return max(0.0, time.perf_counter() - self.start - self.nested)
+
+
+@contextmanager
+def _computing() -> Iterator[_Frame]:
+    stack = _frames.__dict__.setdefault("stack", [])
+    frame = _Frame()
+    stack.append(frame)
+    try:
+        yield frame
+    finally:
+        stack.pop()
+        if stack:  # the enclosing compute did not spend this time itself
+            stack[-1].nested += time.perf_counter() - frame.start
+
+
+def recompute_seconds(seconds: float) -> None:
+    """Inside a ``compute`` of :meth:`StageCache.get_or_compute`: what recomputing this entry
+    costs, in wall seconds, in place of the compute's measured own time (work done once for
+    several entries, such as the teacher's forward over a batch of windows, is shared out).
+    Outside a compute, nothing."""
+    stack = getattr(_frames, "stack", None)
+    if stack:
+        stack[-1].stated = float(seconds)
 
 
 def _hashers() -> ThreadPoolExecutor:
@@ -390,29 +432,30 @@ class StageCache:
         if pending is not None:
             return copy.deepcopy(pending[1])
         try:
-            with open(path, "rb") as fh:
-                head = fh.read(_HEAD)
-                if len(head) < _HEAD or head[: len(_MAGIC)] != _MAGIC:
-                    return None
-                (length,) = struct.unpack("<Q", head[-8:])
-                body = fh.read(length)
+            header = _header(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise CacheError(f"cannot read cache entry {path}: {exc}") from exc
-        if len(body) < length or hashlib.sha256(body).digest() != head[len(_MAGIC) : -8]:
-            return None
-        return json.loads(body)["meta"]
+        return None if header is None else header["meta"]
 
     def put(
-        self, stage: str, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping | None = None
+        self,
+        stage: str,
+        key: str,
+        arrays: Mapping[str, np.ndarray],
+        meta: Mapping | None = None,
+        *,
+        seconds: float | None = None,
     ) -> None:
         """Write an entry atomically (:func:`healsweep._atomic.atomic_file`); inside
-        :meth:`writing_behind`, on the writer thread while the caller goes on.
+        :meth:`writing_behind`, on the writer thread while the caller goes on. ``seconds``:
+        the wall seconds recomputing it would cost, recorded in its header for eviction
+        (:mod:`healsweep._cache_disk`); None: unknown, the entry is evicted as if free to redo.
 
         The arrays are made read-only: what a later trial of this worker reads back from memory
         must be what was written."""
-        self._store(stage, key, arrays, meta, None)
+        self._store(stage, key, arrays, meta, None, seconds)
 
     def _store(
         self,
@@ -421,6 +464,7 @@ class StageCache:
         arrays: Mapping[str, np.ndarray],
         meta: Mapping | None,
         lock: _EntryLock | None,
+        seconds: float | None = None,
     ) -> None:
         """:meth:`put`, releasing ``lock`` once the entry is on disk (or its write failed)."""
         for value in arrays.values():
@@ -441,11 +485,11 @@ class StageCache:
                 lock.release()
             raise
         if not self._behind:
-            self._write(stage, path, *kept, lock)
+            self._write(stage, path, *kept, lock, seconds)
             return
         with self._lock:
             self._pending[path] = kept
-            self._writes.append(_writer().submit(self._write, stage, path, *kept, lock))
+            self._writes.append(_writer().submit(self._write, stage, path, *kept, lock, seconds))
 
     def _write(
         self,
@@ -454,9 +498,10 @@ class StageCache:
         arrays: dict[str, np.ndarray],
         meta: dict,
         lock: _EntryLock | None,
+        seconds: float | None = None,
     ) -> None:
         try:
-            header, data = _layout(arrays, meta)
+            header, data = _layout(arrays, meta, seconds)
             path.parent.mkdir(parents=True, exist_ok=True)
             # Not fsynced: an entry checks itself when read, so a power loss can cost a
             # recomputation, never a wrong result.
@@ -499,7 +544,7 @@ class StageCache:
                 return
             self._scanned_at, self._since_scan = now, 0
         try:
-            done = disk.evict(self.root, self.max_bytes)
+            done = disk.evict(self.root, self.max_bytes, seconds=entry_seconds)
         except OSError as exc:
             log.warning("stage cache %s: eviction failed (%s); the cache may exceed its limit",
                         self.root, exc)  # fmt: skip
@@ -545,9 +590,10 @@ class StageCache:
         key: str,
         compute: Callable[[], tuple[Mapping[str, np.ndarray], Mapping]],
     ) -> tuple[dict[str, np.ndarray], dict]:
-        """Serve ``stage/key`` from disk, or run ``compute() -> (arrays, meta)`` and store it;
-        while one process computes an entry, another that needs it waits and then reads it (see
-        the module docstring)."""
+        """Serve ``stage/key`` from disk, or run ``compute() -> (arrays, meta)`` and store it
+        with its recompute seconds (the compute's wall time less that of the entries computed
+        inside it, or what it stated: :func:`recompute_seconds`); while one process computes
+        an entry, another that needs it waits and then reads it (see the module docstring)."""
         found = self.get(stage, key)
         if found is not None:
             with self._lock:
@@ -558,8 +604,10 @@ class StageCache:
         try:
             found = self.get(stage, key)  # written while this process waited, or just before
             if found is None:
-                arrays, meta = compute()
-                arrays = {name: np.asarray(value) for name, value in arrays.items()}
+                with _computing() as frame:
+                    arrays, meta = compute()
+                    arrays = {name: np.asarray(value) for name, value in arrays.items()}
+                seconds = frame.own() if frame.stated is None else frame.stated
         except BaseException:
             lock.release()
             raise
@@ -569,10 +617,49 @@ class StageCache:
                 self.hits[stage] += 1
                 self.waited[stage] += waited
             return found
-        self._store(stage, key, arrays, meta, lock)  # releases the lock once on disk
+        self._store(stage, key, arrays, meta, lock, seconds)  # releases the lock once on disk
         with self._lock:
             self.computed[stage] += 1
         return arrays, dict(meta)
+
+
+_SECONDS_KEPT = 65536  # entries whose recompute seconds an evicting process remembers
+
+
+class _KnownSeconds(dict):
+    """Recompute seconds read from entry headers, by (path, size): the runtime's."""
+
+
+def _header(path: str | os.PathLike) -> dict | None:
+    """An entry's header (its own checksum checked), or None when absent or not whole."""
+    with open(path, "rb") as fh:
+        head = fh.read(_HEAD)
+        if len(head) < _HEAD or head[: len(_MAGIC)] != _MAGIC:
+            return None
+        (length,) = struct.unpack("<Q", head[-8:])
+        body = fh.read(length)
+    if len(body) < length or hashlib.sha256(body).digest() != head[len(_MAGIC) : -8]:
+        return None
+    return json.loads(body)
+
+
+def entry_seconds(path: str | os.PathLike, size: int) -> float:
+    """The recompute seconds an entry file's header records; 0.0 when it records none (an
+    entry written before they were, or by a plain :meth:`StageCache.put`) or cannot be read.
+    Remembered by (path, size) in this process: an eviction pass asks for every entry, and an
+    entry's content (so its header) is fixed by its key."""
+    kept = current().owned(_KnownSeconds)
+    found = kept.get((str(path), size))
+    if found is None:
+        try:
+            header = _header(path)
+        except (OSError, ValueError):
+            header = None
+        found = float((header or {}).get("recompute_s", 0.0))
+        if len(kept) >= _SECONDS_KEPT:
+            kept.clear()
+        kept[(str(path), size)] = found
+    return found
 
 
 def _pieces(data: memoryview) -> list[memoryview]:
@@ -587,9 +674,10 @@ def _digests(buffers: list[memoryview]) -> list[str]:
 
 
 def _layout(
-    arrays: Mapping[str, np.ndarray], meta: dict
+    arrays: Mapping[str, np.ndarray], meta: dict, seconds: float | None = None
 ) -> tuple[bytes, list[tuple[int, memoryview]]]:
-    """(magic + header digest + header, [(zero padding before it, bytes) per array])."""
+    """(magic + header digest + header, [(zero padding before it, bytes) per array]); the
+    header holds ``recompute_s`` when ``seconds`` is given (readers before it ignore it)."""
     values = {name: np.asarray(value, order="C") for name, value in arrays.items()}  # keeps 0-d
     specs, data = [], []
     buffers = [
@@ -616,7 +704,10 @@ def _layout(
         )
         data.append((pad, buf))
         offset += len(buf)
-    body = canonical_json({"meta": meta, "arrays": specs, "piece": PIECE}).encode()
+    header: dict[str, Any] = {"meta": meta, "arrays": specs, "piece": PIECE}
+    if seconds is not None:
+        header["recompute_s"] = round(float(seconds), 6)
+    body = canonical_json(header).encode()
     body += b" " * (-(_HEAD + len(body)) % _ALIGN)  # array offsets count from the header's end
     head = _MAGIC + hashlib.sha256(body).digest() + struct.pack("<Q", len(body))
     return head + body, data

@@ -71,8 +71,8 @@ CacheMaxGb = Annotated[
     typer.Option(
         "--cache-max-gb",
         metavar="GIB",
-        help="Size limit of the stage cache in GiB: least recently used entries no running "
-        "trial holds are evicted (default: the sweep spec's cache_max_gb where there is one, "
+        help="Size limit of the stage cache in GiB: the entries no running trial holds that "
+        "are cheapest to recompute per byte are evicted (default: the sweep spec's cache_max_gb where there is one, "
         "else $HEALSWEEP_CACHE_MAX_GB, else no limit; inf: no limit).",
         show_default=False,
     ),

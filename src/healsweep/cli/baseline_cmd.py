@@ -11,7 +11,7 @@ from healsweep._inputs import check_output
 from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, baseline_app
 from healsweep.cli.heal_cmd import CacheOpt, ChunkOpt, CorpusOpt, MaxTokensOpt, MinTokensOpt
-from healsweep.heal.knobs import CalibrationConfig
+from healsweep.heal.knobs import NIGHT, CalibrationConfig
 
 
 @baseline_app.command("llama")
@@ -39,7 +39,7 @@ def llama(
         ),
     ] = False,
     corpus: CorpusOpt = "demo",
-    max_tokens: MaxTokensOpt = None,
+    max_tokens: MaxTokensOpt = NIGHT,
     chunk_length: ChunkOpt = 512,
     min_tokens_per_expert: MinTokensOpt = 16,
     cache: CacheOpt = None,

@@ -13,13 +13,31 @@ from healsweep._inputs import check_output
 from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, app, bench_app
 from healsweep.data.corpus import load_corpus
-from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs, require_ggml_in
+from healsweep.heal.knobs import NIGHT, CalibrationConfig, Knobs, load_knobs, require_ggml_in
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")]
 CorpusOpt = Annotated[str, typer.Option(
     "--corpus", help="Corpus JSONL whose `pool: calibration` documents calibrate, or `demo`.")]
-MaxTokensOpt = Annotated[int | None, typer.Option(
-    "--max-tokens", min=1, help="Use at most this many calibration tokens (default: all).")]
+
+
+def _max_tokens(value: str) -> int | str | None:
+    """``--max-tokens``: a positive integer, ``night`` or ``all`` (null: every token)."""
+    if value in (NIGHT, "all"):
+        return None if value == "all" else NIGHT
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise typer.BadParameter(f"{value!r}: give a positive integer, `night` or `all`")
+    return tokens
+
+
+MaxTokensOpt = Annotated[str, typer.Option(
+    "--max-tokens", metavar="N|night|all", callback=_max_tokens,
+    help="Calibration tokens: N; `night`, as many as keep a layer's trace within 4 GB / 24 "
+         "(13,451 at Qwen1.5-MoE-A2.7B's shape; a small model's whole pool, as the demo "
+         "models'); or `all`.")]
 ChunkOpt = Annotated[int, typer.Option(
     "--chunk-length", min=16, help="Tokens per traced sequence; longer documents are chunked.")]
 MinTokensOpt = Annotated[int, typer.Option(
@@ -29,7 +47,7 @@ CacheOpt = Annotated[Path | None, typer.Option(
     "--cache", help="Stage cache directory (default: $HEALSWEEP_CACHE or ~/.cache/healsweep).")]
 
 
-def _calibration(corpus: str, max_tokens: int | None, chunk_length: int, min_tokens: int):
+def _calibration(corpus: str, max_tokens: int | str | None, chunk_length: int, min_tokens: int):
 
     return CalibrationConfig(corpus=corpus, max_tokens=max_tokens, chunk_length=chunk_length,
                              min_tokens_per_expert=min_tokens)
@@ -54,7 +72,7 @@ def heal(
     report: Annotated[Path | None, typer.Option(
         "--report", help="Also write the stage report (alphas, residuals, ridge) as JSON.")] = None,
     corpus: CorpusOpt = "demo",
-    max_tokens: MaxTokensOpt = None,
+    max_tokens: MaxTokensOpt = NIGHT,
     chunk_length: ChunkOpt = 512,
     min_tokens_per_expert: MinTokensOpt = 16,
     cache: CacheOpt = None,
@@ -119,7 +137,7 @@ def bench_heal(
     corpus: CorpusOpt = "demo",
     heldout_every: Annotated[int, typer.Option(
         "--heldout-every", min=2, help="Hold out every n-th calibration document per stratum.")] = 4,
-    max_tokens: MaxTokensOpt = None,
+    max_tokens: MaxTokensOpt = NIGHT,
     chunk_length: ChunkOpt = 512,
     cache: Annotated[Path | None, typer.Option(
         "--cache", help="Stage cache directory (default: a fresh temporary one, so the first "

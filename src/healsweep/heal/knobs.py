@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -333,29 +333,72 @@ class Knobs(_Settings):
         return {k: getattr(self, k) for k in self.TYPES if getattr(self, k) != ADDED_LATER[k]}
 
 
+# The calibration budget of a night (issue 46): one MoE layer's trace entry within 4 GB / 24, so
+# that a 24-layer trace stays within 4 GB of a night's stage cache. On the 24-layer A2.7B night
+# every token of the pool (~94k) made a 22.6 GB trace, and the cache evicted what the next trial
+# needed to keep it.
+NIGHT = "night"
+NIGHT_TRACE_LAYER_BYTES = 4 * 10**9 // 24
+_ENTRY_HEADER_BYTES = 1 << 16  # an entry's header (checksums of its pieces) and padding, at most
+
+
+def trace_token_bytes(n_embd: int, n_expert_used: int) -> int:
+    """Bytes a token adds to one layer's trace entry (:mod:`healsweep.heal.trace`): its FFN
+    input x (float16) and routed output y_ref (float32) [D], its routing ids (int32) and
+    weights (float32) [k], and its shared-expert gate (float32)."""
+    return 2 * n_embd + 4 * n_embd + 8 * n_expert_used + 4
+
+
+def trace_layer_fixed_bytes(n_expert: int, n_embd: int, n_ff_exp: int) -> int:
+    """Bytes of one layer's trace entry that do not grow with the tokens: the ``act`` sums
+    E[x²] [E, D] and E[h²] [E, F] and the per-expert counts [E] (float32), and the header."""
+    return 4 * n_expert * (n_embd + n_ff_exp + 1) + _ENTRY_HEADER_BYTES
+
+
+def night_tokens(n_embd: int, n_expert_used: int, n_expert: int, n_ff_exp: int) -> int:
+    """The calibration tokens of ``max_tokens: night`` for a model of this shape: as many as keep
+    one layer's trace entry within :data:`NIGHT_TRACE_LAYER_BYTES` (13,451 for Qwen1.5-MoE-A2.7B's
+    D 2048, top-4 of 60 experts of 1408; 13,366 for Qwen3-30B-A3B's top-8 of 128 of 768)."""
+    room = NIGHT_TRACE_LAYER_BYTES - trace_layer_fixed_bytes(n_expert, n_embd, n_ff_exp)
+    return max(1, room // trace_token_bytes(n_embd, n_expert_used))
+
+
 class CalibrationConfig(_Settings):
     """Which calibration tokens the teacher trace uses and how ``act`` statistics are pooled.
 
-    ``max_tokens=None`` uses every token of the calibration pool; otherwise documents are taken in
-    corpus order until the budget is reached (the last one cut to fit, and the trace report says
-    so). ``chunk_length`` is the forward's sequence length: longer documents are split into
-    consecutive chunks, all of them traced. An expert with fewer than ``min_tokens_per_expert``
-    routed tokens uses the layer-wide statistic for ``act`` importance, and ``search`` instead of
-    ``gptq``.
+    ``max_tokens`` is the budget: ``night`` (the default) as many tokens as keep each layer's
+    trace within 4 GB / 24 (:func:`night_tokens`: 13,451 at Qwen1.5-MoE-A2.7B's shape, so a
+    24-layer trace stays within 4 GB; a small model's whole pool, such as the demo models' 35k
+    tokens), an integer that many, ``null`` every token of the pool. Under a budget smaller than
+    the pool, documents (minus ``exclude_doc_ids``) are taken whole, one stratum after the other
+    in turn, each stratum's in the pool's order, until it is reached, the last one cut to fit
+    (:func:`healsweep.heal.trace.budget_takes`; the trace report says which was cut and how
+    much): the same tokens every time, every stratum calibrated. ``chunk_length`` is the forward's
+    sequence length: longer documents are split into consecutive chunks, all of them traced. An
+    expert with fewer than ``min_tokens_per_expert`` routed tokens uses the layer-wide statistic
+    for ``act`` importance, and ``search`` instead of ``gptq``.
     """
 
     noun: ClassVar[str] = "calibration setting"
 
     corpus: str = "demo"
     """a corpus path or 'demo'"""
-    max_tokens: int | None = Field(default=None, ge=1, strict=True)
-    """a positive integer, or null for all calibration tokens"""
+    max_tokens: Annotated[int, Field(ge=1, strict=True)] | Literal["night"] | None = NIGHT
+    """a positive integer, 'night' (a layer's trace within 4 GB / 24) or null for all tokens"""
     chunk_length: int = Field(default=512, ge=16, le=65536, strict=True)
     """an integer in [16, 65536]"""
     min_tokens_per_expert: int = Field(default=16, ge=1, strict=True)
     """an integer >= 1"""
     exclude_doc_ids: tuple[str, ...] = ()
     """a list of document ids"""
+
+    def for_model(self, n_embd: int, n_expert_used: int, n_expert: int, n_ff_exp: int) -> Self:
+        """These settings with ``max_tokens: night`` resolved to the tokens of a model of this
+        shape (:func:`night_tokens`); an integer or null as it is."""
+        if self.max_tokens != NIGHT:
+            return self
+        tokens = night_tokens(n_embd, n_expert_used, n_expert, n_ff_exp)
+        return self.model_copy(update={"max_tokens": tokens})
 
     def key_inputs(self) -> dict[str, Any]:
         """The settings that change the trace (the corpus is keyed by content, not by path)."""

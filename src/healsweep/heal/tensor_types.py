@@ -46,7 +46,7 @@ from healsweep.gguf_io._ggml_lib import requires_imatrix
 from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.stages import stage_key
-from healsweep.heal.trace import _batches, calibration_documents, make_chunks, trace_key
+from healsweep.heal.trace import _batches, budgeted, calibration_documents, make_chunks, trace_key
 from healsweep.kernels.ggml_decode import GGMLWeight
 from healsweep.kernels.ggml_types import GGMLType, fitting_type, tensor_type
 from healsweep.model.moments import input_moments
@@ -186,7 +186,7 @@ def compute_moments(
     model: GGUFModel, calibration: CalibrationConfig, corpus: Corpus
 ) -> InputMoments:
     """The teacher's input moments over the calibration pool's chunks (those the trace runs)."""
-
+    calibration = budgeted(model, calibration)
     docs = calibration_documents(corpus, calibration)
     chunks, _ = make_chunks(docs, model.tokenizer(), calibration, model_chat_format(model))
     sums: dict[str, np.ndarray] = {}

@@ -3,7 +3,8 @@
 Calibration documents are the corpus's ``pool: calibration`` documents (minus any excluded ids),
 tokenized whole and cut into consecutive chunks of at most ``chunk_length`` tokens; every chunk
 is traced, so any number of tokens is used and nothing is dropped unless ``max_tokens`` asks for
-it (then the cut is recorded in the report). Per layer the trace keeps the FFN input X [T, D]
+it (then the cut is recorded in the report; the default budget, ``night``, is sized from the model's
+shape: :func:`healsweep.heal.knobs.night_tokens`). Per layer the trace keeps the FFN input X [T, D]
 (float16, see ``X_DTYPE``), the routing, the routed output y_ref, the shared expert's gate [T], and the sums behind
 ``act`` importance (E[x²] and E[h²] per expert): its size does not grow with the shared expert's
 width (Part B recomputes that expert's down input from X, :mod:`healsweep.heal.ridge`). The report counts tokens per stratum (with the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -92,8 +94,17 @@ def documents_digest(docs: list[Document]) -> str:
     return digest.hexdigest()
 
 
+def budgeted(model: GGUFModel, calibration: CalibrationConfig) -> CalibrationConfig:
+    """``calibration`` with ``max_tokens: night`` resolved to this model's tokens
+    (:meth:`CalibrationConfig.for_model`): what the trace, its key and its report use."""
+    hp = model.hparams
+    return calibration.for_model(hp.n_embd, hp.n_expert_used, hp.n_expert, hp.n_ff_exp)
+
+
 def trace_key(model: GGUFModel, calibration: CalibrationConfig, docs: list[Document]) -> str:
-    """Content key of the trace: model fingerprint, calibration settings, document contents."""
+    """Content key of the trace: model fingerprint, calibration settings (the budget resolved:
+    :func:`budgeted`), document contents."""
+    calibration = budgeted(model, calibration)
     return content_key(
         STAGE,
         VERSION,
@@ -135,25 +146,20 @@ def make_chunks(
     docs: list[Any], tokenizer: Any, calibration: CalibrationConfig, chat: ChatFormat | None = None
 ) -> tuple[list[CalibrationChunk], dict[str, Any]]:
     """Tokenize and chunk the documents, rendered in the model's ``chat`` format (None = ChatML);
-    returns the chunks and what was used or cut."""
+    returns the chunks, in the documents' order, and what was used or cut. Under a budget the
+    documents are taken by :func:`budget_takes`. A ``night`` budget must have been resolved for
+    the model first (:func:`budgeted`)."""
     budget = calibration.max_tokens
+    if isinstance(budget, str):
+        raise ValueError(f"make_chunks: resolve max_tokens {budget!r} for the model (budgeted)")
+    encoded = [_encode(doc, tokenizer, chat) for doc in docs]
+    takes = budget_takes([d.stratum for d in docs], [len(ids) for ids, _ in encoded], budget)
     chunks: list[CalibrationChunk] = []
-    used = available = split_docs = 0
+    split_docs = 0
     cut_doc = None
-    for doc in docs:
-        text = render_document(doc, chat)
-        encoding = tokenizer.encode(text, add_special_tokens=False)
-        ids = np.asarray(encoding.ids, np.int32)
-        starts = np.asarray([a for a, _ in encoding.offsets], np.int64)
-        in_tool = np.zeros(len(ids), bool)
-        for a, b in _tool_char_spans(doc, text, chat):
-            in_tool |= (starts >= a) & (starts < b)
-        available += len(ids)
-        take = len(ids) if budget is None else max(0, min(len(ids), budget - used))
-        if take < len(ids) and take > 0:
+    for doc, (ids, in_tool), take in zip(docs, encoded, takes, strict=True):
+        if 0 < take < len(ids):
             cut_doc = {"doc_id": doc.doc_id, "kept": take, "of": len(ids)}
-        if take == 0:
-            continue
         if take > calibration.chunk_length:
             split_docs += 1
         for a in range(0, take, calibration.chunk_length):
@@ -161,15 +167,53 @@ def make_chunks(
             chunks.append(
                 CalibrationChunk(doc.doc_id, doc.stratum, ids[a:b], int(in_tool[a:b].sum()))
             )
-        used += take
     info = {
-        "tokens_used": used,
-        "tokens_available": available,
+        "tokens_used": sum(takes),
+        "tokens_available": sum(len(ids) for ids, _ in encoded),
         "documents": len(docs),
         "documents_split_into_chunks": split_docs,
         "document_cut_by_max_tokens": cut_doc,
     }
     return chunks, info
+
+
+def _encode(doc: Any, tokenizer: Any, chat: ChatFormat | None) -> tuple[np.ndarray, np.ndarray]:
+    """A document's token ids and which of them sit inside tool calls or tool turns."""
+    text = render_document(doc, chat)
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    ids = np.asarray(encoding.ids, np.int32)
+    starts = np.asarray([a for a, _ in encoding.offsets], np.int64)
+    in_tool = np.zeros(len(ids), bool)
+    for a, b in _tool_char_spans(doc, text, chat):
+        in_tool |= (starts >= a) & (starts < b)
+    return ids, in_tool
+
+
+def budget_takes(strata: list[str], lengths: list[int], budget: int | None) -> list[int]:
+    """Tokens taken of each document (in the pool's order) under ``budget`` (None: all).
+
+    Documents are taken whole, one stratum after the other in turn (strata in the order they
+    first appear, each stratum's documents in the pool's order), until the budget is reached; the
+    document that reaches it is cut to fit. So a budget smaller than the pool calibrates on every
+    stratum (the demo pool lists its strata one after the other: taking documents in the pool's
+    order, 17.6% of it was code alone, +54.9% pooled dev KLD for budget-2.06 on demo-medium-cpu
+    against the whole pool; docs/sizing.md), the same documents every time, and a smaller
+    budget's documents are among a larger one's."""
+    takes = [0] * len(lengths)
+    if budget is None or budget >= sum(lengths):
+        return list(lengths)
+    queues: dict[str, list[int]] = {}
+    for i, stratum in enumerate(strata):
+        queues.setdefault(stratum, []).append(i)
+    left = budget
+    turn = [q[::-1] for q in queues.values()]  # each stratum's documents, next one last
+    while left > 0 and any(turn):
+        for queue in turn:
+            if queue and left > 0:
+                i = queue.pop()
+                takes[i] = min(lengths[i], left)
+                left -= takes[i]
+    return takes
 
 
 def _bucket(length: int) -> int:
@@ -394,20 +438,24 @@ def calibration_trace(
     are rendered in the model's chat format, which the model fingerprint in the key covers."""
 
     corpus = corpus if corpus is not None else load_corpus(calibration.corpus)
+    calibration = budgeted(model, calibration)
     docs = calibration_documents(corpus, calibration)
     key = trace_key(model, calibration, docs)
     for i in model.hparams.moe_layers:  # read later, one by one: held from now (a bounded
         cache.hold(LAYER_STAGE, layer_key(key, i))  # cache must not evict layer 5 meanwhile)
 
     def compute() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        start = time.perf_counter()
         chunks, info = make_chunks(docs, model.tokenizer(), calibration, model_chat_format(model))
+
+        def store(i: int, arrays: dict[str, np.ndarray]) -> None:
+            # A layer lost costs the whole trace again (Trace.layer): at least the forward
+            # over every layer, which has run by now; the eviction weighs that.
+            seconds = time.perf_counter() - start
+            cache.put(LAYER_STAGE, layer_key(key, i), arrays, seconds=seconds)
+
         with tempfile.TemporaryDirectory(prefix="trace-spill-", dir=_scratch(cache)) as spill:
-            counts = run_trace(
-                model,
-                chunks,
-                lambda i, arrays: cache.put(LAYER_STAGE, layer_key(key, i), arrays),
-                spill,
-            )  # [L, E]
+            counts = run_trace(model, chunks, store, spill)  # [L, E]
         return {"tokens_per_expert": counts}, _report(chunks, info, counts, calibration)
 
     def recompute() -> None:

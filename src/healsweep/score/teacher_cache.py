@@ -22,13 +22,14 @@ so a corrupt entry rebuilt later, in any batch, equals the original bit for bit.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from healsweep._code import code_digest
-from healsweep.cache import StageCache, content_key
+from healsweep.cache import StageCache, content_key, recompute_seconds
 from healsweep.score.compact import (
     COMPACT,
     CompactTeacher,
@@ -143,14 +144,18 @@ def teacher_outputs(
     fmt = cache_format(fmt)
     keys = [teacher_key(model, w, fmt) for w in windows]
     missing = [i for i, key in enumerate(keys) if not cache.path(STAGE, key).is_file()]
-    computed: dict[int, TeacherOutput] = {}
+    computed: dict[int, tuple[TeacherOutput, float]] = {}  # with its share of the forward's s
 
     def compute(i: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         if i not in computed:
             todo = [j for j in missing if j not in computed] if i in missing else [i]
-            for j, out in zip(todo, run_teacher(model, [windows[j] for j in todo]), strict=True):
-                computed[j] = out
-        out = computed.pop(i)
+            start = time.perf_counter()
+            outs = run_teacher(model, [windows[j] for j in todo])
+            share = (time.perf_counter() - start) / len(todo)
+            for j, out in zip(todo, outs, strict=True):
+                computed[j] = (out, share)
+        out, share = computed.pop(i)
+        recompute_seconds(share)  # one forward made them all: each entry is worth its share
         meta = {"window_id": windows[i].window_id, "model": model.fingerprint, "format": fmt.label}
         return _entry(model, windows[i], out, fmt), meta
 

@@ -24,6 +24,7 @@ from healsweep._atomic import atomic_write_text
 from healsweep._inputs import MIB, read_text
 from healsweep.cache import canonical_json
 from healsweep.errors import ResultsError
+from healsweep.heal.knobs import NIGHT
 from healsweep.ledger import Ledger, head_record
 from healsweep.ray_orphans import current_session
 from healsweep.results.store import MANIFEST_FILE, SPEC_FILE, read_manifest
@@ -128,6 +129,9 @@ def start_manifest(
             "sampler": spec.sampler.type,
             "pruner": spec.pruner.model_dump(),
             "planned_trials": planned_trials(spec),
+            # what a calibration that names no max_tokens uses (read_spec): sweeps begun before
+            # the night budget have no such key and keep every token, as they ran
+            "calibration_default": NIGHT,
             "created_at": run["started_at"],
             "runs": [run],
             LEDGER_HEADS: [ledger_head(sweep_ledger(spec, sweep_dir), sweep_dir, "run")],
@@ -161,11 +165,17 @@ def recorded_ray_sessions(sweep_dir: str | Path) -> list[str]:
 def read_spec(sweep_dir: str | Path) -> SweepSpec:
     """The stored spec of a sweep (``ResultsError`` when missing or damaged)."""
     path = Path(sweep_dir) / SPEC_FILE
-    read_manifest(sweep_dir)  # a clear error when this is not a sweep folder
+    manifest = read_manifest(sweep_dir)  # a clear error when this is not a sweep folder
     try:
         text = read_text(path, "stored sweep spec", 64 * MIB, error=ResultsError)
-        return SweepSpec.model_validate_json(text)
+        spec = SweepSpec.model_validate_json(text)
     except FileNotFoundError:
         raise ResultsError(f"{path} is missing; the sweep folder is incomplete") from None
     except ValueError as exc:
         raise ResultsError(f"{path} is not a valid sweep spec ({exc}); restore it") from None
+    if "calibration_default" in manifest or "max_tokens" in spec.calibration.model_fields_set:
+        return spec
+    # Begun when a calibration naming no max_tokens meant every token: so it resumes, exports
+    # and confirms on the calibration it ran on (its stored form, and so its hash, unchanged).
+    every = spec.calibration.model_copy(update={"max_tokens": None})
+    return spec.model_copy(update={"calibration": every})
