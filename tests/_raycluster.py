@@ -2,6 +2,9 @@
 (:mod:`healsweep.bench.localpool`, what `healsweep bench night --nodes N` starts) as a head with
 ``head_cpus`` CPUs plus one worker node per entry of ``workers`` (that node's custom resources).
 
+:func:`local_ray` is the default tier's: an embedded single-node Ray in the test process, as
+``healsweep sweep run`` starts one without ``--address``.
+
 Each node is a ``ray start --block`` process of its own (its own process group), on 127.0.0.1,
 with token authentication and ``HOME`` in the pool's folder (the real ``~/.ray`` is never read or
 written); on exit exactly the processes it launched are stopped. ``cluster.processes[i]`` is node
@@ -11,7 +14,10 @@ i's ``ray start`` (0: the head).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping
+
+import ray
 
 from healsweep.bench.localpool import LocalPool, NodeSpec, local_pool
 
@@ -39,3 +45,15 @@ def ray_cluster(
     ]
     with local_pool(nodes, timeout_s=timeout_s, extra_env=extra_env) as pool:
         yield pool
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int) -> Iterator[str]:
+    """An embedded Ray of ``num_cpus`` CPUs in this process (no dashboard, workers' logs not
+    forwarded), shut down on exit; yields its GCS address (for a driver in a subprocess)."""
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=False)  # fmt: skip
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import gguf
 import numpy as np
 import pytest
 
+from _cli import run_cli
 from healsweep.data.corpus import Document, write_corpus
 from healsweep.ledger import Ledger
 from healsweep.model import SUPPORTED_ARCHS
@@ -37,14 +37,7 @@ KNOWN_KNOBS = (
 
 def healsweep(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess with a private stage cache."""
-    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
-    return subprocess.run(
-        [sys.executable, "-m", "healsweep", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    return run_cli(*args, cache=tmp_path / "cache")
 
 
 def one_line_error(run: subprocess.CompletedProcess) -> str:

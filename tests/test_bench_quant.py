@@ -15,6 +15,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from _cli import run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -50,11 +52,8 @@ def test_bench_quant_runs_from_an_installed_package_outside_the_checkout(tmp_pat
         cwd=work, env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert Path(where.stdout.strip()).is_relative_to(site)
-    done = subprocess.run(
-        [sys.executable, "-m", "healsweep", "bench", "quant",
-         "--rows", "16", "--cols", "64", "--repeats", "1"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_cli("bench", "quant", "--rows", "16", "--cols", "64", "--repeats", "1",
+                   cwd=work, env=env, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {line.split("  ")[0].strip(): line for line in done.stdout.splitlines()}
     for contender in ("jax kernel, chunks already on device", "jax quantize_matrix, end to end",

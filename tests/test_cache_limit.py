@@ -16,7 +16,6 @@ import multiprocessing
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 
+from _cli import cli_env, run_cli
 from _heal_fixtures import heal_setup
 from healsweep import _cache_disk as disk
 from healsweep.cache import (
@@ -39,7 +39,7 @@ from healsweep.cache import (
 from healsweep.errors import SettingError
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
-from healsweep.heal.stage_names import Stage
+from healsweep.stage_names import Stage
 
 SPAWN = multiprocessing.get_context("spawn")
 MIB = 2**20
@@ -447,9 +447,7 @@ def test_a_trial_in_a_cache_that_keeps_nothing_computes_each_stage_once_and_the_
 
 
 def _cli(*args: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache"), **env}
-    return subprocess.run([sys.executable, "-m", "healsweep", *args], capture_output=True,
-                          text=True, env=environ, timeout=300)  # fmt: skip
+    return run_cli(*args, env=cli_env(tmp_path / "cache", **env))
 
 
 def _one_line(run: subprocess.CompletedProcess) -> str:

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from _cli import run_cli
 from healsweep.model import forward, open_model
 
 
 def _run(*args, tmp_path):
-    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
-    return subprocess.run([sys.executable, "-m", "healsweep", *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    return run_cli(*args, cache=tmp_path / "cache")
 
 
 def test_model_info_describes_arch_types_and_tokenizer(random_gguf, tmp_path):

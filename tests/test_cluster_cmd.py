@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
+from _cli import run_cli
 from healsweep.cli.cluster_cmd import format_resources, node_lines
 from healsweep.cluster import ClusterError, NodeInfo, parse_address, reachable, recorded_address
 
@@ -41,13 +41,7 @@ def env(tmp_path):
 
 def _status(env: dict, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "healsweep", "cluster", "status", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_cli("cluster", "status", *args, env=env, timeout=120)
     return done, time.monotonic() - start
 
 

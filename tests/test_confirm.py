@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
+from _raycluster import local_ray
 from _tiny_corpus import write_tiny_corpus
 from healsweep.confirm import confirm, frozen_hash, read_confirmed
 from healsweep.data.corpus import Document, load_corpus, write_corpus
@@ -460,9 +460,7 @@ def test_a_sweep_can_never_open_the_test_split(swept, tmp_path):
     spec = spec_from_dict({"name": "sealed", "split": str(split_path), "max_failures": 0, **base})
     log = tmp_path / "sealed.log"
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=1, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=False)  # fmt: skip
-    try:
+    with local_ray(1):
         run = run_sweep(spec, results_root=tmp_path / "res",
                         work_fn=functools.partial(sealed_work, log=str(log)))  # fmt: skip
         # the baseline trial and both reference rows: each failed, none opened the test split
@@ -478,8 +476,6 @@ def test_a_sweep_can_never_open_the_test_split(swept, tmp_path):
         with pytest.raises(TestSplitSealed, match="cannot be pickled or sent to another process"):
             run_sweep(spec.model_copy(update={"name": "sealed2"}), results_root=tmp_path / "res",
                       work_fn=work)  # fmt: skip
-    finally:
-        ray.shutdown()
 
 
 def _launch(sweep_dir: Path, milestone: str, env: dict) -> subprocess.Popen:

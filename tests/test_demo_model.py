@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from _cli import run_cli
+
 
 @pytest.fixture(scope="module")
 def demo():
@@ -97,15 +99,7 @@ def test_demo_model_is_far_better_than_unigram_on_dev_documents(demo) -> None:
 
 
 def test_model_info_demo_cli() -> None:
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-m", "healsweep", "model", "info", "demo"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_cli("model", "info", "demo", timeout=120)
     assert done.returncode == 0, done.stderr
     assert "qwen2moe" in done.stdout and "16" in done.stdout
 

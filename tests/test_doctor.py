@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from jax.interpreters import mlir
 from typer.testing import CliRunner
 
 import healsweep.conformance.suite as suite
+from _cli import run_cli
 from healsweep.cli import _register
 from healsweep.cli._apps import app
 from healsweep.conformance import KernelCase, all_cases, run_case
@@ -53,13 +53,7 @@ def doctor_env(tmp_path_factory):
 
 
 def _doctor(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "healsweep", "doctor", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_cli("doctor", *args, env=env)
 
 
 CPU_ONLY = (

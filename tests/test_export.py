@@ -10,21 +10,21 @@ student held in memory.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import gguf
 import numpy as np
 import pytest
 
+from _cli import run_cli
 from _heal_fixtures import heal_setup
 from healsweep.cache import StageCache
 from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io import GGML_Q2_0, QUANT_SIZES, TensorType, q2_0_type
-from healsweep.heal.export import type42_rows, write_healed_gguf, write_q2_sidecar
+from healsweep.heal.export import write_healed_gguf, write_q2_sidecar
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.model import forward, open_model
+from healsweep.quant.formats import Q2_0
 
 setup = heal_setup
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
@@ -72,14 +72,14 @@ def test_type42_rows_follow_the_ggml_layout():
     rng = np.random.default_rng(0)
     q = rng.integers(-1, 3, (3, 5, 128)).astype(np.int8)
     d = rng.normal(size=(3, 5, 2)).astype(np.float16)
-    rows = type42_rows(Q2Weight(d, q))
+    rows = Q2_0.gguf_rows(Q2Weight(d, q))
     assert rows.shape == (3, 5, 36) and rows.dtype == np.uint8
     want = q.reshape(3, 5, 2, 64).astype(np.float64) * d.astype(np.float64)[..., None]
     np.testing.assert_array_equal(_decode_type42(rows), want.reshape(3, 5, 128))
     # A Q2Packed of the same weight gives the same bytes (its codes are already ggml's order).
     c = (q + 1).astype(np.uint8).reshape(3, 5, 32, 4)
     codes = c[..., 0] | c[..., 1] << 2 | c[..., 2] << 4 | c[..., 3] << 6
-    np.testing.assert_array_equal(type42_rows(Q2Packed(d, codes)), rows)
+    np.testing.assert_array_equal(Q2_0.gguf_rows(Q2Packed(d, codes)), rows)
 
 
 def test_exported_experts_are_the_students_blocks_bit_for_bit(exported):
@@ -92,7 +92,7 @@ def test_exported_experts_are_the_students_blocks_bit_for_bit(exported):
             weight = getattr(replacement, field)
             assert int(model.tensor_type(name)) == 42
             raw = model.raw_rows(name)
-            np.testing.assert_array_equal(raw, type42_rows(weight))
+            np.testing.assert_array_equal(raw, Q2_0.gguf_rows(weight))
             dense = np.asarray(weight.dequantize())
             np.testing.assert_array_equal(_decode_type42(raw), dense)  # alpha is in d
             np.testing.assert_array_equal(model.tensor(name), dense)  # host decode of type 42
@@ -150,17 +150,12 @@ def test_type42_experts_take_2_25_bits_a_weight_and_the_sidecar_holds_the_same_b
 
 def test_type42_student_scores_against_its_teacher(exported, tmp_path):
     """`score --model q2.gguf --ref teacher` works for a type-42 file (our own, default tier)."""
-    import os
 
     student, q2, _, root = exported
-    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
     corpus = _eval_corpus(tmp_path / "eval.jsonl")
-    run = subprocess.run(
-        [sys.executable, "-m", "healsweep", "score", "--model", str(q2), "--ref",
-         str(student.base.path), "--corpus", str(corpus), "--max-scored", "16",
-         "--max-context", "16", "--json", str(tmp_path / "s.json")],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+    run = run_cli("score", "--model", q2, "--ref", student.base.path, "--corpus", corpus,
+                  "--max-scored", "16", "--max-context", "16", "--json", tmp_path / "s.json",
+                  cache=tmp_path / "cache", timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     record = json.loads((tmp_path / "s.json").read_text())
     assert record["pooled"]["kld_mean"] > 0
@@ -224,11 +219,6 @@ def test_a_tensor_type_healsweep_cannot_decode_is_one_line_naming_tensor_and_typ
     message = str(err.value)
     assert name in message and ("99" in message if qtype == 99 else "Q8_1" in message)
     assert "\n" not in message
-    run = subprocess.run(
-        [sys.executable, "-m", "healsweep", "model", "info", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_cli("model", "info", bad, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and name in run.stderr

@@ -20,10 +20,10 @@ import pytest
 from _tiny_corpus import write_tiny_corpus
 from healsweep.cache import StageCache
 from healsweep.errors import ResultsError
-from healsweep.heal.export import type42_rows
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.model import open_model
+from healsweep.quant.formats import Q2_0
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 30  # dev windows: each trial's window rows carry its KLD times a small per-window wobble
@@ -124,7 +124,7 @@ def test_best_trial_is_rebuilt_from_its_knobs_and_says_it_is_unconfirmed(sweep, 
     assert model.metadata("healsweep.student_key") == student.key
     for layer, replacement in student.replacements.items():
         raw = model.raw_rows(f"blk.{layer}.ffn_down_exps.weight")
-        np.testing.assert_array_equal(raw, type42_rows(replacement.down_exps))
+        np.testing.assert_array_equal(raw, Q2_0.gguf_rows(replacement.down_exps))
     # `model info` shows what the file carries: knobs, types, teacher, trial, test-split state
     env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cold-cache")}
     info = subprocess.run([sys.executable, str(ROOT / "cli.py"), "model", "info", str(out)],

@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from _cli import HEALSWEEP, run_cli
 from _raycluster import ray_cluster
 from healsweep.cache import StageCache
 
@@ -83,17 +84,14 @@ def cli_env(cache: Path, **extra: str) -> dict[str, str]:
 
 def cli(*args: object, env: dict, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
     """Run the real CLI to completion."""
-    return subprocess.run(
-        [sys.executable, "-m", "healsweep", *map(str, args)],
-        capture_output=True, text=True, env=env, timeout=timeout, **kwargs,
-    )  # fmt: skip
+    return run_cli(*args, env=env, timeout=timeout, **kwargs)
 
 
 def spawn(*args: object, env: dict, log: Path, **kwargs) -> subprocess.Popen:
     """Start the real CLI in its own session (so whatever it starts can be found and stopped)."""
     with open(log, "w") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "healsweep", *map(str, args)],
+            [*HEALSWEEP, *map(str, args)],
             stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True, **kwargs,
         )  # fmt: skip
 

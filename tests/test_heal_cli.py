@@ -4,8 +4,6 @@ clear errors."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from _cli import run_cli
 from healsweep.cli import _register
 from healsweep.cli._apps import app
 from healsweep.gguf_io import read_header
@@ -126,8 +125,7 @@ def test_sidecar_blocks_decode_to_the_f16_experts_and_alphas_fold_into_down(heal
 def test_bad_knob_file_is_one_line_and_exit_1(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("alpha: mse\ngain_d: 5\n")
-    run = subprocess.run([sys.executable, "-m", "healsweep", "heal", "x.gguf", "--knobs", str(bad),
-                          "--out", str(tmp_path / "o.gguf")], capture_output=True, text=True)
+    run = run_cli("heal", "x.gguf", "--knobs", bad, "--out", tmp_path / "o.gguf", timeout=None)
     assert run.returncode == 1
     assert "Traceback" not in run.stderr
     assert "gain_d" in run.stderr and "[0, 2]" in run.stderr

@@ -18,7 +18,7 @@ from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.model import open_model
 from healsweep.model.synthetic import write_random_model
-from healsweep.quant.requant import requantize
+from healsweep.quant.formats import requantize
 
 
 def _values(rng, rows=8, cols=64):

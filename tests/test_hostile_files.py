@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import pytest
 
+from _cli import HEALSWEEP
 from healsweep.model.synthetic import write_random_model
 
 RSS_LIMIT = 1 << 30  # bytes
@@ -54,7 +55,7 @@ def run_cli(*args: str, tmp_path: Path, env: dict | None = None, timeout: float 
     full_env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache"), **(env or {}),
                 "PYTHONFAULTHANDLER": "1"}  # fmt: skip  (SIGABRT on a stall prints its stacks)
     rss_file = tmp_path / f"rss-{time.monotonic_ns()}.txt"
-    command = [sys.executable, "-c", _MEASURED, str(rss_file), sys.executable, "-m", "healsweep"]
+    command = [sys.executable, "-c", _MEASURED, str(rss_file), *HEALSWEEP]
     start = time.monotonic()
     proc = subprocess.Popen([*command, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=full_env,

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from healsweep.errors import HealsweepError, KnobError
 from healsweep.heal.knobs import CalibrationConfig, Knobs, load_knobs
 from healsweep.heal.reads import stage_reads
-from healsweep.heal.stage_names import STUDENT_STAGES, Stage
+from healsweep.stage_names import STUDENT_STAGES, Stage
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs" / "knobs").glob("*.yaml"))

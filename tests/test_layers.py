@@ -15,6 +15,7 @@ ORDER = (
     "model",
     "data",
     "quant",  # the quantizer registry: below the heal stages that ask it
+    "score",  # the teacher cache and the window metrics: they name no heal module
     "heal",
     "results",
     "sweep",
@@ -40,7 +41,7 @@ LAYER_OF = {
     "bundled": "base",
     "ray_orphans": "base",  # psutil only: the Ray processes a killed driver left
     "ledger": "data",
-    "score": "heal",
+    "stage_names": "base",  # the stage vocabulary, beside the cache: heal and score name stages
     "cluster": "sweep",
     "conformance": "model",  # checks the forward, so it sits with it; only the CLI imports it
     "deliver": "confirm",

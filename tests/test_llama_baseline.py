@@ -8,12 +8,10 @@ calibration trace's stored inputs for the importance rows.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
+from _cli import run_cli
 from _heal_fixtures import _corpus_file
 from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 from healsweep.model import open_model
@@ -23,11 +21,8 @@ EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
 def _cli(*args, tmp_path):
-    import os
 
-    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
-    return subprocess.run([sys.executable, "-m", "healsweep", "baseline", "llama", *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    return run_cli("baseline", "llama", *args, cache=tmp_path / "cache", timeout=600)
 
 
 def test_q2_0_baseline_of_the_demo_changes_only_the_routed_experts(tmp_path):

@@ -9,7 +9,6 @@ graph) runs the exported students.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _cli import run_cli
 from healsweep.gguf_io._ggml_lib import dequantize_rows
 from healsweep.model import open_model
 
@@ -56,12 +56,8 @@ def test_a_llama_cpp_q2_0_file_decodes_as_ggml_decodes_it(llama_q2_0):
 
 
 def test_score_accepts_a_llama_cpp_q2_0_file(llama_q2_0, tmp_path):
-    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
-    run = subprocess.run(
-        [sys.executable, "-m", "healsweep", "score", "--model", str(llama_q2_0), "--ref", "demo",
-         "--max-windows", "4", "--json", str(tmp_path / "s.json")],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+    run = run_cli("score", "--model", llama_q2_0, "--ref", "demo", "--max-windows", "4",
+                  "--json", tmp_path / "s.json", cache=tmp_path / "cache", timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     pooled = json.loads((tmp_path / "s.json").read_text())["pooled"]
     assert pooled["kld_mean"] > 0.05  # ternary everywhere: far from the teacher, but scored
@@ -198,6 +194,7 @@ def test_type42_export_distribution_matches_llama_cpp_and_a_wrong_code_order_fai
     parity_setup, tmp_path, record_property, monkeypatch
 ):
     from healsweep.heal import export
+    from healsweep.quant.formats import Q2_0
 
     s = parity_setup
     student_log = _log_softmax(_ours(s["student"].base, s["windows"], s["positions"],
@@ -215,8 +212,8 @@ def test_type42_export_distribution_matches_llama_cpp_and_a_wrong_code_order_fai
     assert ratio <= DIST_RATIO
 
     # The same check on a file whose writer put the codes of each byte in the wrong order.
-    right = export.type42_rows
-    monkeypatch.setattr(export, "type42_rows", lambda w: _swap_code_order(right(w)))
+    right = Q2_0.gguf_rows
+    monkeypatch.setattr(Q2_0, "gguf_rows", staticmethod(lambda w: _swap_code_order(right(w))))
     wrong = export.write_healed_gguf(s["student"], tmp_path / "q2-wrong.gguf")
     wrong_log = _log_softmax(_llama(wrong, s["windows"], s["positions"], tmp_path))
     wrong_ratio = distribution_ratio(s["teacher_log"], student_log, wrong_log)

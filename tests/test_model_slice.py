@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
+from _cli import run_cli
 from healsweep.errors import GGUFFormatError, SliceError
 from healsweep.gguf_io import (
     ModelHparams,
@@ -31,16 +29,7 @@ MIXED_TYPES = {
 
 
 def _run(*args, tmp_path, preexec_fn=None):
-    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
-    return subprocess.run(
-        [sys.executable, "-m", "healsweep", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-        preexec_fn=preexec_fn,
-    )
+    return run_cli(*args, cache=tmp_path / "cache", preexec_fn=preexec_fn)
 
 
 def _fields(path):

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import pyarrow.parquet as pq
 import pytest
 
+from _cli import HEALSWEEP
 from _raycluster import ray_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -42,7 +42,7 @@ def cluster(tmp_path_factory):
 
 
 def _healsweep(cluster, *args: str, timeout: float = 900):
-    return cluster.run([sys.executable, "-m", "healsweep", *args], timeout=timeout)
+    return cluster.run([*HEALSWEEP, *args], timeout=timeout)
 
 
 def _worker_ids(cluster) -> dict[str, str]:
@@ -77,7 +77,7 @@ def test_cluster_status_lists_every_node_its_resources_and_jax_backend(cluster):
 def test_a_driver_without_the_clusters_token_is_refused_with_one_line(cluster):
     wrong = {**cluster.env, "RAY_AUTH_TOKEN": "0" * 64}
     done = subprocess.run(
-        [sys.executable, "-m", "healsweep", "cluster", "status", "--address", cluster.address],
+        [*HEALSWEEP, "cluster", "status", "--address", cluster.address],
         env=wrong,
         capture_output=True,
         text=True,

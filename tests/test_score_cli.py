@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from _cli import run_cli
 from healsweep.conformance.references import log_softmax as _np_log_softmax
 from healsweep.data.corpus import Document, Message, write_corpus
 from healsweep.model import forward, open_model
@@ -17,14 +15,7 @@ from healsweep.model.synthetic import train_tiny_tokenizer, write_random_model
 
 
 def _cli(tmp_path, *args):
-    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
-    return subprocess.run(
-        [sys.executable, "-m", "healsweep", "score", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    return run_cli("score", *args, cache=tmp_path / "cache", timeout=600)
 
 
 @pytest.fixture(scope="module")

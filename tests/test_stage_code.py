@@ -27,9 +27,9 @@ from healsweep.errors import CacheError
 from healsweep.heal import stages, trace
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
-from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.score import teacher_cache
 from healsweep.score.teacher_cache import teacher_outputs
+from healsweep.stage_names import VERSIONS, Stage
 from healsweep.sweep import sensitivity
 
 setup = heal_setup

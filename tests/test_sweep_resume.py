@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -19,7 +18,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import ray
 
 from healsweep.errors import ResultsError
 from healsweep.results.store import read_trials
@@ -29,6 +27,7 @@ from healsweep.sweep.space import config_hash
 from healsweep.sweep.spec_files import spec_from_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _raycluster import local_ray  # noqa: E402
 from test_sweep_tune import N_WINDOWS, toy_work  # noqa: E402
 
 _DRIVER = """
@@ -47,11 +46,8 @@ run_sweep(spec, results_root={root!r}, work_fn=work, identity_fn=toy_identity)
 
 @pytest.fixture(scope="module")
 def ray_address():
-    ray.init(
-        num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
-    )
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    with local_ray(2) as address:
+        yield address
 
 
 def _spawn(address: str, spec: dict, root: Path, log: Path, delay: float) -> subprocess.Popen:

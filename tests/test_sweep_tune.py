@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import logging
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
+from _raycluster import local_ray
 from healsweep.errors import ResultsError
 from healsweep.score.record import WindowRecord
 from healsweep.sweep.driver import run_sweep
@@ -102,11 +102,8 @@ def _log_lines(log: Path) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(
-        num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
-    )
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    with local_ray(2) as address:
+        yield address
 
 
 GRID = {"alpha": ["gaussian", "none"], "gain_d": [0.3, 0.0]}

@@ -25,8 +25,8 @@ from healsweep.heal.knobs import (
 )
 from healsweep.heal.quantize import reads_trace
 from healsweep.heal.reads import stage_reads, student_key
-from healsweep.heal.stage_names import STUDENT_STAGES
 from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type, step_down, step_up
+from healsweep.stage_names import STUDENT_STAGES
 from healsweep.sweep.space import config_hash
 
 TYPE_KNOBS = Knobs.TYPES

@@ -42,8 +42,10 @@ from healsweep.cache import StageCache, canonical_json
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import split_lock_id
 from healsweep.errors import LedgerError, ResultsError, SplitError
+from healsweep.heal.pipeline import build_student
 from healsweep.ledger import LEDGER_NAME, Ledger, head_record
 from healsweep.ledger_heads import checked_ledger
+from healsweep.model import open_model
 from healsweep.results.schema import (
     Role,
     best_trial,
@@ -53,8 +55,11 @@ from healsweep.results.schema import (
     window_schema,
 )
 from healsweep.results.store import read_manifest, read_trials, write_windows
+from healsweep.score.expert_cache import ExpertCacheConfig
 from healsweep.score.record import WindowMetrics, WindowRecord
+from healsweep.score.runner import score_windows
 from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
+from healsweep.score.windows import scoring_windows
 from healsweep.sweep.manifest import append_ledger_head, ledger_head, read_spec, recorded_ledger
 from healsweep.sweep.status import driver_running
 from healsweep.sweep.work import spec_split, window_options
@@ -113,8 +118,6 @@ def sweep_model(
 ) -> GGUFModel:
     """The sweep's model, opened; ResultsError (ending in ``remedy``) when its fingerprint is
     not the one the manifest recorded."""
-    # lazy: heavy (gguf, jax)
-    from healsweep.model import open_model
 
     teacher = open_model(spec.model)
     if manifest.get("model_fingerprint") not in (None, teacher.fingerprint):
@@ -288,28 +291,16 @@ def open_grant(
 def sealed_windows(ctx: _Context, grant: Grant, max_windows: int | None) -> list[Window]:
     """The test windows (needs the grant), sorted by id, the first ``max_windows`` when capped:
     selected as a sweep selects its dev windows (:func:`~healsweep.data.windows.first_windows`)."""
-    # lazy: heavy (gguf)
-    from healsweep.data.windows import first_windows, make_windows
-
     options = window_options(ctx.spec.scoring, ctx.teacher)
-    windows = make_windows(
-        ctx.corpus, ctx.teacher.tokenizer(), ctx.split_cfg, split="test", grant=grant, **options
-    )
-    return first_windows(windows, max_windows)
+    found = scoring_windows(ctx.corpus, ctx.teacher, ctx.split_cfg, "test", options, max_windows,
+                            grant)  # fmt: skip
+    return found.windows
 
 
 def score_config(
     ctx: _Context, config: FrozenConfig, windows: list[Window], cache: StageCache, say: Progress
 ) -> list[dict[str, Any]]:
     """Build one frozen config's student through the caches and score it on every window."""
-    # lazy: heavy (gguf, jax)
-    from healsweep.heal.pipeline import build_student
-
-    # lazy: heavy (gguf)
-    from healsweep.score.expert_cache import ExpertCacheConfig
-
-    # lazy: heavy (gguf, jax)
-    from healsweep.score.runner import score_windows
 
     knobs = config.knobs
     student = build_student(ctx.teacher, knobs, ctx.spec.calibration, cache)
@@ -489,14 +480,7 @@ def confirm(
     sweep_dir = Path(sweep_dir)
     pairs_of = parse_pairs(pairs, trial_ids)
     ledger = sweep_ledger(sweep_dir, results_root)
-    # the ledger must extend every head the sweep recorded (whichever ledger it names) and every
-    # head recorded for it under its results root: not removed, replaced or cut back
-    checked_ledger(ledger, sweeps=[sweep_dir], roots=[ledger.path.parent, sweep_dir.parent])
-    ctx = load_context(sweep_dir)
-    # before the ledger is touched: a bad size limit is refused with nothing opened
-    limit = cache_max_gb if cache_max_gb is not None else ctx.spec.cache_max_gb
-    cache = StageCache(max_gb=limit)
-    configs = freeze_configs(ctx, trial_ids)
+    ctx, cache, configs = _checked_context(ledger, sweep_dir, trial_ids, cache_max_gb)
     grant = open_grant(
         ledger, ctx, milestone, configs, resume=resume, allow_split_change=allow_split_change
     )
@@ -504,17 +488,10 @@ def confirm(
     verb = "resumed" if resume else "opened"
     say(f"{verb} milestone {milestone!r} in {ledger.path} (split lock {ctx.lock_id[:12]}...)")
     windows = sealed_windows(ctx, grant, max_windows)
-    rows: list[dict[str, Any]] = []
-    for n, config in enumerate(configs, start=1):
-        label = "baseline" if config.is_baseline else f"trial {config.trial_id}"
-        say(f"config {n}/{len(configs)} ({label}, {config.frozen_hash[:12]}...): healing")
-        rows += score_config(ctx, config, windows, cache, say)
-    for row in rows:
-        row.update(milestone=milestone, split_lock_id=ctx.lock_id)
+    rows = _score_configs(ctx, configs, windows, cache, say, milestone)
     out = milestone_dir(sweep_dir, milestone)
     out.mkdir(parents=True, exist_ok=True)
     write_windows(rows, out / WINDOWS_FILE, result_schema())
-    result_hash = file_sha256(out / WINDOWS_FILE)
     summary = {
         "sweep": ctx.spec.name,
         "milestone": milestone,
@@ -527,21 +504,68 @@ def confirm(
         "max_windows": max_windows,
         "window_selection": "first by window id",  # before this key: round-robin over strata
         "result_file": WINDOWS_FILE,
-        "result_hash": result_hash,
+        "result_hash": file_sha256(out / WINDOWS_FILE),
         "configs": summarize_test(rows, configs, n_boot),
     }
     if pairs_of:  # only then, so a summary without pairs keeps its former keys
         summary["pairs"] = compare_pairs(rows, configs, pairs_of, n_boot)
-    # The summary is on disk before the result is recorded, so a crash in between leaves it
-    # readable (the report marks it "not in ledger") rather than a recorded result with no summary.
+    _record_result(ledger, grant, sweep_dir, out, summary, say)
+    return summary
+
+
+def _checked_context(
+    ledger: Ledger,
+    sweep_dir: Path,
+    trial_ids: Sequence[str] | None,
+    cache_max_gb: float | str | None,
+) -> tuple[_Context, StageCache, list[FrozenConfig]]:
+    """The sweep's context, its stage cache and its frozen configs, once the ledger extends
+    every head recorded for it; all before the ledger is touched (a bad size limit or trial id
+    is refused with nothing opened)."""
+    # the ledger must extend every head the sweep recorded (whichever ledger it names) and every
+    # head recorded for it under its results root: not removed, replaced or cut back
+    checked_ledger(ledger, sweeps=[sweep_dir], roots=[ledger.path.parent, sweep_dir.parent])
+    ctx = load_context(sweep_dir)
+    limit = cache_max_gb if cache_max_gb is not None else ctx.spec.cache_max_gb
+    cache = StageCache(max_gb=limit)
+    return ctx, cache, freeze_configs(ctx, trial_ids)
+
+
+def _score_configs(
+    ctx: _Context,
+    configs: list[FrozenConfig],
+    windows: list[Window],
+    cache: StageCache,
+    say: Progress,
+    milestone: str,
+) -> list[dict[str, Any]]:
+    """Every frozen config healed and scored on the test windows: the result rows."""
+    rows: list[dict[str, Any]] = []
+    for n, config in enumerate(configs, start=1):
+        label = "baseline" if config.is_baseline else f"trial {config.trial_id}"
+        say(f"config {n}/{len(configs)} ({label}, {config.frozen_hash[:12]}...): healing")
+        rows += score_config(ctx, config, windows, cache, say)
+    for row in rows:
+        row.update(milestone=milestone, split_lock_id=ctx.lock_id)
+    return rows
+
+
+def _record_result(
+    ledger: Ledger, grant: Grant, sweep_dir: Path, out: Path, summary: dict[str, Any], say: Progress
+) -> None:
+    """Write the summary, record the result in the ledger, then write the summary again with
+    the entry. The summary is on disk before the result is recorded, so a crash in between
+    leaves it readable (the report marks it "not in ledger") rather than a recorded result with
+    no summary."""
+    milestone = summary["milestone"]
     atomic_write_text(out / SUMMARY_FILE, _dumps(summary))
-    entry = ledger.record_result(grant, result_hash)
+    entry = ledger.record_result(grant, summary["result_hash"])
     append_ledger_head(sweep_dir, ledger_head(ledger, sweep_dir, f"confirm {milestone} result"))
     summary.update(result_entry_hash=entry["hash"], confirmed_at=entry["time"],
                    ledger_head=head_record(ledger, out))  # fmt: skip
     atomic_write_text(out / SUMMARY_FILE, _dumps(summary))
-    say(f"recorded result {result_hash[:12]}... in {ledger.path}; wrote {out / SUMMARY_FILE}")
-    return summary
+    say(f"recorded result {summary['result_hash'][:12]}... in {ledger.path}; wrote "
+        f"{out / SUMMARY_FILE}")  # fmt: skip
 
 
 def sweep_ledger(sweep_dir: str | Path, results_root: str | Path | None = None) -> Ledger:

@@ -19,14 +19,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from healsweep.cache import StageCache, canonical_json
+from healsweep.confirm import (
+    calibration_identity,
+    frozen_hash,
+    read_confirmed,
+    sweep_ledger,
+    sweep_model,
+    trial_by_id,
+)
 from healsweep.errors import HealsweepError, ResultsError
-
-if TYPE_CHECKING:
-    from healsweep.cache import StageCache
-    from healsweep.heal.knobs import Knobs
+from healsweep.heal.export import write_healed_gguf
+from healsweep.heal.knobs import Knobs
+from healsweep.heal.pipeline import build_student
+from healsweep.ledger_heads import checked_ledger
+from healsweep.results.aggregate import summarize
+from healsweep.results.findings import best_accepted, best_by_kld, tune_trial_id, verdict_word
+from healsweep.results.report import describe
+from healsweep.results.schema import Role, TrialStatus, knobs_of, row_role
+from healsweep.results.store import read_manifest, read_trials
+from healsweep.sweep.manifest import read_spec
 
 Progress = Callable[[str, str], None]
 
@@ -56,9 +70,6 @@ class ExportResult:
 
 def pick_trial(trials: list[dict[str, Any]], trial_id: str, where: Path) -> dict[str, Any]:
     """The row of ``trial_id`` (an external GGUF is refused: it has no student to rebuild)."""
-    # lazy: heavy (pyarrow)
-    from healsweep.confirm import trial_by_id
-    from healsweep.results.schema import Role, row_role
 
     row = trial_by_id(trials, trial_id, where)
     if row_role(row) == Role.EXTERNAL:
@@ -77,16 +88,6 @@ def choose_best(
     why it. When no trial passes, ResultsError naming the best trial by dev KLD and its
     verdict, unless ``allow_rejected``: then that trial (the baseline when nothing beat it),
     with a line that says it was not accepted."""
-    # lazy: heavy (pyarrow)
-    from healsweep.confirm import trial_by_id
-    from healsweep.results.aggregate import summarize
-    from healsweep.results.findings import (
-        best_accepted,
-        best_by_kld,
-        tune_trial_id,
-        verdict_word,
-    )
-    from healsweep.results.report import describe
 
     summary = summarize(sweep_dir)
     level = summary.rule.ci_level
@@ -132,8 +133,6 @@ def choose_best(
 def find_confirmation(sweep_dir: Path, frozen: str) -> tuple[Confirmation | None, str | None]:
     """The latest ledger-recorded milestone that scored config ``frozen`` on test, and a note
     when a milestone scored it but its record does not check out."""
-    # lazy: heavy (pyarrow)
-    from healsweep.confirm import read_confirmed
 
     found, note = None, None
     for summary in read_confirmed(sweep_dir):
@@ -159,11 +158,6 @@ def find_confirmation(sweep_dir: Path, frozen: str) -> tuple[Confirmation | None
 def _ledger_head(sweep_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """The head of the sweep's ledger (``{"entries", "hash"}``) once the ledger checks out
     against every head recorded for it, or ``(None, why not)``."""
-    # lazy: heavy (pyarrow)
-    from healsweep.confirm import sweep_ledger
-
-    # lazy: heavy (pyarrow)
-    from healsweep.ledger_heads import checked_ledger
 
     ledger = sweep_ledger(sweep_dir)
     try:
@@ -190,19 +184,6 @@ def export_trial(
     since the sweep (its knobs were tuned on another model). ``cache`` is a ``StageCache``
     (default: the user's cache).
     """
-    # lazy: heavy (pyarrow)
-    from healsweep.confirm import calibration_identity, frozen_hash, sweep_model
-
-    # lazy: heavy (gguf)
-    from healsweep.heal.export import write_healed_gguf
-
-    # lazy: heavy (gguf, jax)
-    from healsweep.heal.pipeline import build_student
-
-    # lazy: heavy (pyarrow)
-    from healsweep.results.schema import TrialStatus, knobs_of
-    from healsweep.results.store import read_manifest, read_trials
-    from healsweep.sweep.manifest import read_spec
 
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)

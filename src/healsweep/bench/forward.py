@@ -20,6 +20,10 @@ from typing import Any
 import numpy as np
 
 from healsweep._rss import peak_rss_bytes
+from healsweep.gguf_io import split_block
+from healsweep.gguf_io._summary import layer_bytes
+from healsweep.model.forward import forward
+from healsweep.model.synthetic import write_random_model
 
 
 def bench_forward(
@@ -30,11 +34,6 @@ def bench_forward(
     One untimed call compiles the layer function for this shape; the best of ``repeats`` timed
     calls gives tokens/s. Every logit row is computed, as ``model logits`` does.
     """
-    # lazy: heavy (gguf)
-    from healsweep.gguf_io._summary import layer_bytes
-
-    # lazy: heavy (gguf, jax)
-    from healsweep.model.forward import forward
 
     hp = model.hparams
     sequences = bench_sequences(hp.n_vocab, n_tokens, seq_len, seed)
@@ -66,11 +65,6 @@ def layer_scaling(
     seq_len: int = 256, workdir: str | Path | None = None,
 ) -> list[dict[str, Any]]:
     """Bench random models shaped like ``model`` with each layer count, one process each."""
-    # lazy: heavy (gguf)
-    from healsweep.gguf_io import split_block
-
-    # lazy: heavy (gguf, jax)
-    from healsweep.model.synthetic import write_random_model
 
     hp = model.hparams
     types = {split_block(n)[1]: model.tensor_type(n) for n in model.tensor_names}

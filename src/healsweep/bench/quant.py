@@ -28,6 +28,7 @@ from healsweep.bench._quant_table import (
     make_inputs,
 )
 from healsweep.bench.quant_gpu import gpu_table
+from healsweep.kernels import q2_0
 
 C_SOURCE = Path(__file__).resolve().parent / "c" / "q2_0_ref.c"
 C_FLAGS = {
@@ -139,9 +140,6 @@ def cpu_table(rows: int, cols: int, repeats: int) -> tuple[list[dict], list[str]
     """Interleaved rounds of every contender; the best round of each, and agreement with ours."""
     # lazy: heavy (jax)
     import jax
-
-    # lazy: heavy (jax)
-    from healsweep.kernels import q2_0
 
     w, imp = make_inputs(rows, cols)
     imp_groups = np.broadcast_to(imp, (rows // q2_0.LANES, cols))

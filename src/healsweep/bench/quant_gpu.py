@@ -32,6 +32,7 @@ from healsweep.bench._quant_table import (
     format_table,
     make_inputs,
 )
+from healsweep.kernels import q2_0, q2_0_gpu
 
 # H200 SXM: 132 SMs x 128 fp32 lanes x 2 flops (FMA) x 1.98 GHz boost; HBM3e 4.8 TB/s.
 DATASHEET = {"fp32_flops": 132 * 128 * 2 * 1.98e9, "bytes_per_s": 4.8e12}
@@ -75,14 +76,10 @@ def measured_bandwidth(repeats: int) -> float:
 def _kernel(kind: str, opts: dict):
     """``(w, importance_rows, gain) -> (d, q)`` on device arrays, with one importance row per
     ``opts["lanes"]`` weight rows (see :func:`_inputs`); ``d`` in row order (no ``tiles``)."""
-    # lazy: heavy (jax)
-    from healsweep.kernels import q2_0
 
     opts = dict(opts)
     lanes = opts.pop("lanes")
     if kind == "pallas":
-        # lazy: heavy (jax)
-        from healsweep.kernels import q2_0_gpu
 
         return q2_0_gpu.quantize_rows
 
@@ -95,8 +92,6 @@ def _kernel(kind: str, opts: dict):
 
 def _flops(kind: str) -> int:
     if kind == "pallas":
-        # lazy: heavy (jax)
-        from healsweep.kernels import q2_0_gpu
 
         return q2_0_gpu.flops_per_weight()
     return FLOPS_PER_WEIGHT
@@ -117,9 +112,6 @@ def _agreement(kind: str, opts: dict) -> tuple[float, float]:
     kernel on one chunk of 256 x COLS."""
     # lazy: heavy (jax)
     import jax
-
-    # lazy: heavy (jax)
-    from healsweep.kernels import q2_0
 
     n_rows = 256
     d_dev, q_dev = _kernel(kind, opts)(*_inputs(n_rows, opts, seed=1))
@@ -172,8 +164,6 @@ def _measure_isolated(chunk: int, kind: str, opts: dict, repeats: int, timeout: 
 def end_to_end(repeats: int) -> float:
     """Weights/s of ``q2_0.quantize_matrix`` on a host matrix of 2^26 weights (the default
     kernel, chunking and both transfers included), best of ``repeats`` after a warm-up."""
-    # lazy: heavy (jax)
-    from healsweep.kernels import q2_0
 
     w, imp = make_inputs((1 << 26) // COLS, COLS, seed=2)
     q2_0.quantize_matrix(w, imp, GAIN)

@@ -11,7 +11,6 @@ from typing import Annotated
 import typer
 
 from healsweep._inputs import check_output_folder
-from healsweep.bench.forward import bench_forward_pair, format_pairs
 from healsweep.cache import StageCache, parse_gb
 from healsweep.cli._apps import CacheMaxGb, bench_app
 from healsweep.data.corpus import load_corpus
@@ -49,6 +48,8 @@ def bench_trial(
     trials (stage times, peak RSS), then teacher-forced tokens/s and peak RSS of the forward
     beside llama.cpp's (when the optional `llama-cpp-python` is installed; `pip install -e
     ".\\[bench]"`)."""
+    # lazy: heavy (gguf, jax): --help stays instant
+    from healsweep.bench.forward import bench_forward_pair, format_pairs
 
     # lazy: heavy (gguf, jax)
     from healsweep.bench.trial import bench_trials, format_trials, type_step

@@ -6,7 +6,6 @@ import typer
 
 from healsweep import cluster, ray_orphans
 from healsweep.cli._apps import app, cluster_app
-from healsweep.conformance import run_conformance
 
 _ADDRESS = typer.Option(
     None, "--address", help="Ray cluster HOST:PORT (default: a local cluster, if any)."
@@ -86,7 +85,6 @@ def node_lines(nodes) -> list[str]:
 
 
 def _cluster_line(address: str | None) -> str:
-
     if not cluster.connect(address):
         return "ray cluster: none running here (sweeps start an embedded local Ray)"
     found = cluster.nodes(census=False)
@@ -107,7 +105,8 @@ def doctor(
 ) -> None:
     """JAX backend and devices, the Ray cluster, and the conformance suite: every kernel, GGUF
     decoder and a model layer against float64 references (and the device against the CPU)."""
-    # lazy: heavy (gguf)
+    # lazy: heavy (gguf, jax): the conformance suite runs every kernel
+    from healsweep.conformance import run_conformance
     from healsweep.gguf_io._ggml_lib import status_line
 
     info = cluster.jax_info()

@@ -10,7 +10,6 @@ import typer
 from healsweep._inputs import check_output
 from healsweep.cache import StageCache
 from healsweep.cli._apps import CacheMaxGb, app
-from healsweep.deliver import export_trial
 
 
 @app.command("export")
@@ -57,6 +56,9 @@ def export(
     A trial confirmed on the test split records its milestone and ledger entry hash in the file's
     metadata; an unconfirmed trial is exported with a one-line note saying so.
     """
+    # lazy: heavy (gguf, jax, pyarrow): --help stays instant
+    from healsweep.deliver import export_trial
+
     # lazy: heavy (gguf)
     from healsweep.heal.export import EXPERT_FORMATS
 

@@ -12,7 +12,6 @@ import numpy as np
 import typer
 
 from healsweep._inputs import MIB, check_output, read_bytes
-from healsweep.bench.forward import bench_forward, format_table, layer_scaling
 from healsweep.cli._apps import bench_app, model_app
 from healsweep.heal.knobs import Knobs
 
@@ -199,6 +198,9 @@ def bench_forward_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Teacher-forced tokens/s and peak RSS of the layer-by-layer forward."""
+    # lazy: heavy (gguf, jax): --help stays instant
+    from healsweep.bench.forward import bench_forward, format_table, layer_scaling
+
     # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 

@@ -6,7 +6,6 @@ from typing import Annotated
 
 import typer
 
-from healsweep.bench.quant import quant_table
 from healsweep.cli._apps import bench_app
 
 
@@ -20,6 +19,9 @@ def bench_quant(
 ) -> None:
     """Q2_0 quantize weights/s: the jitted kernel vs C loops (-O3, -march=native, -ffast-math),
     numpy and naive jnp on the CPU, or against the fp32 and memory ceilings on a GPU."""
+    # lazy: heavy (jax): --help stays instant
+    from healsweep.bench.quant import quant_table
+
     if rows % 16 or cols % 64:
         raise typer.BadParameter(f"--rows must be a multiple of 16 and --cols of 64, got "
                                  f"{rows} x {cols}")

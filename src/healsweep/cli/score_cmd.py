@@ -14,7 +14,6 @@ from healsweep.cli._apps import CacheMaxGb, app
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import load_split, parity_split
 from healsweep.errors import SplitError
-from healsweep.score.compact import TeacherCacheError, cache_format
 
 
 def _progress(done: int, total: int, elapsed: float) -> None:
@@ -99,20 +98,17 @@ def score(
 ) -> None:
     """Teacher-forced KLD(ref || model), top-1, delta-p, perplexity and router agreement;
     with an expert cache, its hit rate, misses and MiB read per token (docs/expert-cache.md)."""
-    # lazy: heavy (gguf)
-    from healsweep.data.chat_template import model_chat_format
-
-    # lazy: heavy (gguf)
-    from healsweep.data.leakage import calibration_tokens, check_leakage
-
-    # lazy: heavy (gguf)
-    from healsweep.data.windows import context_cap, first_windows, make_windows
-
     # lazy: heavy (gguf, jax)
     from healsweep.model import open_model
 
+    # lazy: heavy (jax): the compact record's kernels
+    from healsweep.score.compact import TeacherCacheError, cache_format
+
     # lazy: heavy (gguf, jax)
     from healsweep.score.report import check_same_tokenizer, format_summary, score_report
+
+    # lazy: heavy (gguf)
+    from healsweep.score.windows import scoring_windows, window_leakage, window_options
 
     if json_out is not None:
         check_output(json_out, "score record", make_folder=True)
@@ -128,23 +124,19 @@ def score(
     cfg = load_split(split_config) if split_config is not None else parity_split(docs)
     context_length = min(teacher.hparams.context_length, student.hparams.context_length)
     try:
-        max_context = context_cap(max_scored, max_context, context_length)
+        options = window_options(teacher, max_scored, max_context, context_length)
     except SplitError as exc:
         raise typer.BadParameter(str(exc), param_hint="--max-context") from None
-    chat = model_chat_format(teacher)
-    every = make_windows(
-        docs, teacher.tokenizer(), cfg, split, max_scored=max_scored, max_context=max_context,
-        chat=chat,
-    )  # fmt: skip
-    windows = first_windows(every, max_windows)
-    calibration = calibration_tokens(docs, cfg, teacher.tokenizer(), chat)
-    leakage = check_leakage(calibration, windows, allow_leakage=allow_leakage)
+    max_context = options["max_context"]
+    found = scoring_windows(docs, teacher, cfg, split, options, max_windows)
+    windows, chat = found.windows, found.chat
+    n_calibration, leakage = window_leakage(docs, cfg, teacher, found, allow_leakage)
     typer.echo(f"ref        {teacher.path}  ({teacher.fingerprint[:16]})")
     typer.echo(f"model      {student.path}  ({student.fingerprint[:16]})")
     typer.echo(f"tokenizer  identical token lists ({n_vocab} tokens)")
     typer.echo(f"chat       {chat.describe()}")
-    typer.echo(f"windows    {len(windows)} of {len(every)} in split {split!r} of corpus {corpus}")
-    typer.echo(f"leakage    vs {len(calibration)} calibration documents: {leakage.summary()}")
+    typer.echo(f"windows    {len(windows)} of {found.total} in split {split!r} of corpus {corpus}")
+    typer.echo(f"leakage    vs {n_calibration} calibration documents: {leakage.summary()}")
     typer.echo(f"teacher    cache {fmt.label}")
     if expert_cache is not None:
         typer.echo(f"experts    cache {expert_cache.label()} (the teacher routes without it)")

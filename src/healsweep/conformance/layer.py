@@ -19,6 +19,7 @@ import numpy as np
 from healsweep.conformance import references as ref
 from healsweep.conformance.run import KernelCase, max_rel_err
 from healsweep.gguf_io import block_prefix
+from healsweep.model import forward, open_model
 
 N_TOKENS = 48
 ROUTING_TIE = 1e-4
@@ -31,8 +32,6 @@ FIELDS = ("ffn_input", "router_logits", "topk_weights", "routed_output", "shexp_
 @cache
 def demo_layer_model():
     """The packaged demo model, its first layer only."""
-    # lazy: heavy (jax)
-    from healsweep.model import open_model
 
     return open_model("demo").with_hparams(n_layer=1)
 
@@ -43,9 +42,6 @@ def _inputs(rng: np.random.Generator) -> tuple[np.ndarray]:
 
 
 def _forward(tokens: np.ndarray, platform: str) -> dict[str, np.ndarray]:
-    # lazy: heavy (jax)
-    from healsweep.model import forward
-
     result = forward(demo_layer_model(), [tokens], capture=True)
     cap = result.captures[0]
     return {"logits": result.logits[0], **{f: getattr(cap, f) for f in (*FIELDS, "topk_ids")}}

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
+from healsweep.conformance.cases import KERNEL_CASES
 from healsweep.conformance.decoders import decoder_cases
+from healsweep.conformance.layer import layer_case
 from healsweep.conformance.run import ConformanceResult, KernelCase, run_case
 
 
 def all_cases() -> list[KernelCase]:
     """The kernel cases, one per in-graph decoder type, and the layer forward, in that order."""
-    # lazy: heavy (jax)
-    from healsweep.conformance.cases import KERNEL_CASES
-
-    # lazy: heavy (gguf)
-    from healsweep.conformance.layer import layer_case
 
     return [*KERNEL_CASES, *decoder_cases(), layer_case()]
 

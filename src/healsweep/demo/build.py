@@ -28,6 +28,7 @@ from healsweep.bundled import demo_corpus_path, demo_tokenizer_path
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import parity_split
 from healsweep.data.windows import make_windows
+from healsweep.demo.corpus_builder import DemoCorpusConfig, build_demo_corpus, write_demo_assets
 from healsweep.demo.train import MoEConfig, Params, TrainConfig, TrainResult, to_gguf_tensors, train
 from healsweep.errors import SettingError
 from healsweep.gguf_io import ModelHparams, block_prefix, tokenizer_metadata_from_tokenizer
@@ -363,9 +364,6 @@ def build_demo(
     """
     # lazy: heavy (tokenizers)
     from tokenizers import Tokenizer
-
-    # lazy: heavy (tokenizers)
-    from healsweep.demo.corpus_builder import DemoCorpusConfig, build_demo_corpus, write_demo_assets
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,33 +16,14 @@ from __future__ import annotations
 import numpy as np
 
 from healsweep.errors import GGUFFormatError
+from healsweep.kernels.ggml_types import STORED_TYPES, stored_type
 
 _FP16_MAX = 65504.0
-GGML_IQ1_M = 29
-IQ1_M_SCALES = 48  # IQ1_M: four uint16 at bytes 48-55, the fp16 spread over their top nibbles
 
-# ggml type id -> (bytes per block, byte offsets of the fp16 fields scaled together)
+# ggml type id -> (bytes per block, byte offsets of the fp16 fields scaled together), from the
+# one table of block geometry (kernels.ggml_types); the float types have no block scale
 SCALE_FIELDS: dict[int, tuple[int, tuple[int, ...]]] = {
-    2: (18, (0,)),  # Q4_0: d
-    3: (20, (0, 2)),  # Q4_1: d, m
-    6: (22, (0,)),  # Q5_0: d
-    7: (24, (0, 2)),  # Q5_1: d, m
-    8: (34, (0,)),  # Q8_0: d
-    10: (84, (80, 82)),  # Q2_K: d, dmin after 16 scale and 64 code bytes
-    11: (110, (108,)),  # Q3_K: d last
-    12: (144, (0, 2)),  # Q4_K: d, dmin
-    13: (176, (0, 2)),  # Q5_K: d, dmin
-    14: (210, (208,)),  # Q6_K: d last
-    16: (66, (0,)),  # IQ2_XXS
-    17: (74, (0,)),  # IQ2_XS
-    18: (98, (0,)),  # IQ3_XXS
-    19: (50, (0,)),  # IQ1_S
-    20: (18, (0,)),  # IQ4_NL
-    21: (110, (0,)),  # IQ3_S
-    22: (82, (0,)),  # IQ2_S
-    23: (136, (0,)),  # IQ4_XS
-    GGML_IQ1_M: (56, ()),  # IQ1_M: see IQ1_M_SCALES
-    42: (18, (0,)),  # Q2_0: d
+    t.ggml_id: (t.block_bytes, t.scale_offsets) for t in STORED_TYPES if t.scale_offsets is not None
 }
 FOLDABLE_TYPES: frozenset[int] = frozenset(SCALE_FIELDS)
 
@@ -100,11 +81,12 @@ def fold_scale(raw: np.ndarray, qtype: int, factor: float | np.ndarray) -> np.nd
     blocks = raw.reshape(*raw.shape[:-1], -1, size).copy()  # [..., out, nb, size]
     for offset in offsets:
         _set_u16(blocks, offset, _scaled_fp16(_get_u16(blocks, offset), factor))
-    if qtype == GGML_IQ1_M:
-        words = [_get_u16(blocks, IQ1_M_SCALES + 2 * i) for i in range(4)]
+    nibbles = stored_type(qtype).nibble_scale  # IQ1_M: the fp16 over four words' top nibbles
+    if nibbles is not None:
+        words = [_get_u16(blocks, nibbles + 2 * i) for i in range(4)]
         d_bits = (words[0] >> 12) | ((words[1] >> 12) << 4) | ((words[2] >> 12) << 8)
         d_bits = _scaled_fp16(d_bits | (words[3] & 0xF000), factor)
         for i, word in enumerate(words):
             top = ((d_bits >> (4 * i)) & 0xF) << 12
-            _set_u16(blocks, IQ1_M_SCALES + 2 * i, (word & 0x0FFF) | top)
+            _set_u16(blocks, nibbles + 2 * i, (word & 0x0FFF) | top)
     return blocks.reshape(raw.shape)

@@ -16,9 +16,12 @@ from enum import IntEnum
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-GGML_Q2_0 = 42
+from healsweep.kernels.ggml_types import ggml_type
+
+_Q2_0 = ggml_type("q2_0")
+GGML_Q2_0 = _Q2_0.ggml_id
 # ggml types gguf-py may lack: name → (id, (weights per block, bytes per block))
-_LOCAL_TYPES = {"Q2_0": (GGML_Q2_0, (64, 18))}  # fp16 d, then 16 bytes of 2-bit codes LSB first
+_LOCAL_TYPES = {"Q2_0": (GGML_Q2_0, (_Q2_0.block_weights, _Q2_0.block_bytes))}
 
 _GGUF_IDS = {int(member) for member in GGMLQuantizationType}
 TensorType = IntEnum(

@@ -31,6 +31,8 @@ import numpy as np
 from healsweep.conformance import KernelCase
 from healsweep.conformance import references as ref
 from healsweep.heal import ridge, stages
+from healsweep.kernels.kld import log_softmax
+from healsweep.score.compact import TeacherCacheFormat, compact_record, tail_strata, window_seed
 
 # The ridge's tolerance: dW's relative (Frobenius) error against a float64 direct solve at
 # cond(G) ~ 1e10 (tests/test_ridge.py, the ill-conditioned Gram).
@@ -50,9 +52,6 @@ def _record_inputs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _record(logits: np.ndarray, next_ids: np.ndarray, platform: str = "cpu") -> tuple:
-    # lazy: heavy (jax kernels)
-    from healsweep.kernels.kld import log_softmax
-    from healsweep.score.compact import TeacherCacheFormat, compact_record
 
     logprobs = log_softmax(jax.numpy.asarray(logits))  # on the device, as run_teacher leaves it
     router = np.zeros((len(next_ids), 1, 1), np.int32)
@@ -69,8 +68,6 @@ def _record_reference(logits: np.ndarray, next_ids: np.ndarray) -> dict[str, Any
 def _record_check(got: Any, want: dict[str, Any], inputs: tuple) -> tuple[float, str | None]:
     """Top-K ids exact, log-probs within 1e-5, every tail draw the float64 inverse CDF's but for
     near-edge moves (at most 1%), the tail mass within 1e-5 of the float64 one."""
-    # lazy: heavy (jax kernels)
-    from healsweep.score.compact import tail_strata, window_seed
 
     strata = tail_strata(window_seed("doctor"), len(got.top_ids), got.tail_ids.shape[1])
     logp32 = want["logp"].astype(np.float32)

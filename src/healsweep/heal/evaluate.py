@@ -19,9 +19,9 @@ from healsweep.heal import quantize, ridge, stages
 from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import Student, build_student
-from healsweep.heal.stage_names import Stage
 from healsweep.heal.stages import RoutedOutput
 from healsweep.heal.trace import calibration_documents, calibration_trace
+from healsweep.stage_names import Stage
 
 if TYPE_CHECKING:
     from healsweep.data.corpus import Corpus
@@ -77,99 +77,122 @@ def residual_table(
     """Per-layer and pooled residuals of every variant, in-sample and held-out, plus timings."""
     base = base or Knobs()
     fit_cfg, held_cfg = heldout_split(corpus, calibration, every)
-    start = time.perf_counter()
-    shipped = build_student(model, base.replace(alpha="gaussian"), fit_cfg, cache, corpus=corpus)
-    cold = {
-        "seconds": time.perf_counter() - start,
-        "timings_s": shipped.report["timings_s"],
-        "executed": shipped.report["executed"],
-    }
-    trials = {}
-    for name, changed in (
-        ("eta_only", {"eta": base.eta * 2}),
-        ("rho_only", {"rho": base.rho * 2}),
-        ("quant_only", {"gain_d": 0.5 if base.gain_d != 0.5 else 0.25}),
-    ):
-        start = time.perf_counter()
-        built = build_student(
-            model, base.replace(alpha="gaussian", **changed), fit_cfg, cache, corpus=corpus
-        )
-        trials[name] = {
-            "seconds": time.perf_counter() - start,
-            "timings_s": built.report["timings_s"],
-            "executed": built.report["executed"],
-        }
+    shipped, cold = _timed_student(model, base.replace(alpha="gaussian"), fit_cfg, cache, corpus)
+    trials = {
+        name: _timed_student(model, base.replace(alpha="gaussian", **changed), fit_cfg, cache,
+                             corpus)[1]
+        for name, changed in _timed_changes(base)
+    }  # fmt: skip
     mse = build_student(model, base.replace(alpha="mse", gamma=0.0), fit_cfg, cache, corpus=corpus)
-    fit_trace = calibration_trace(model, fit_cfg, cache, corpus)
-    held_trace = calibration_trace(model, held_cfg, cache, corpus)
-
-    rows, totals = [], {}
+    traces = {
+        "cal": calibration_trace(model, fit_cfg, cache, corpus),
+        "heldout": calibration_trace(model, held_cfg, cache, corpus),
+    }
+    totals: dict[str, list[float]] = {}
     run = StageRunner(cache)
-    for position, layer in enumerate(model.hparams.moe_layers):
-        qkeys = quantize.layer_keys(model, base, fit_trace.key, layer)
-        experts = quantize.cached_experts(cache, qkeys)  # built by the students above
-        row: dict[str, Any] = {
-            "layer": layer,
-            "alpha_gaussian": shipped.alphas[position],
-            "alpha_mse": mse.alphas[position],
-        }
-        for split, trace in (("cal", fit_trace), ("heldout", held_trace)):
-            arrays = trace.layer(layer)
-            rkey = stages.routed_q_key(qkeys, trace.key, layer)
-            y_q = run.value(
-                Stage.ROUTED_Q,
-                rkey,
-                RoutedOutput,
-                lambda arrays=arrays, experts=experts: RoutedOutput(
-                    stages.routed_output(experts, arrays, model.hparams.n_expert)
-                ),
-            ).y_q
-            y_ref = arrays["y_ref"]
-            variants = {
-                "alpha_1": _energies(y_ref, y_q, 1.0),
-                "gaussian": _energies(y_ref, y_q, shipped.alphas[position]),
-                "mse": _energies(y_ref, y_q, mse.alphas[position]),
-                "gaussian_ridge": _energies(
-                    y_ref, y_q, shipped.alphas[position], _shared_change(shipped, layer, arrays)
-                ),
-                "mse_ridge": _energies(
-                    y_ref, y_q, mse.alphas[position], _shared_change(mse, layer, arrays)
-                ),
-            }
-            if split == "heldout":
-                row["alpha_oracle_heldout"] = float(
-                    np.sum(y_ref.astype(np.float64) * y_q) / np.sum(y_q.astype(np.float64) ** 2)
-                )
-            for name, (res, ref) in variants.items():
-                row[f"{split}.{name}"] = res / ref if ref > 0 else 0.0
-                acc = totals.setdefault(f"{split}.{name}", [0.0, 0.0])
-                acc[0] += res
-                acc[1] += ref
-        ridge = shipped.report["layers"][position].get("ridge") or {}
-        row.update(
-            {
-                f"ridge.{k}": ridge.get(k)
-                for k in (
-                    "rank",
-                    "dof",
-                    "in_sample_change",
-                    "heldout_change",
-                    "realized_in_sample_change",
-                )
-            }
-        )
-        rows.append(row)
+    rows = [
+        _layer_row(model, run, base, traces, (shipped, mse), (position, layer), totals)
+        for position, layer in enumerate(model.hparams.moe_layers)
+    ]
     return {
         "rows": rows,
         "pooled": {k: res / ref if ref > 0 else 0.0 for k, (res, ref) in totals.items()},
-        "tokens": {
-            "cal": fit_trace.report["tokens_used"],
-            "heldout": held_trace.report["tokens_used"],
-        },
-        "calibration_report": fit_trace.report,
+        "tokens": {split: trace.report["tokens_used"] for split, trace in traces.items()},
+        "calibration_report": traces["cal"].report,
         "ridge_warnings": sorted(
             {(r.get("ridge") or {}).get("warning") or "" for r in shipped.report["layers"]} - {""}
         ),
         "trial_cold": cold,
         **{f"trial_{name}": trial for name, trial in trials.items()},
+    }
+
+
+def _timed_changes(base: Knobs) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The warm trials timed after the cold one: each changes one stage's knob."""
+    return (
+        ("eta_only", {"eta": base.eta * 2}),
+        ("rho_only", {"rho": base.rho * 2}),
+        ("quant_only", {"gain_d": 0.5 if base.gain_d != 0.5 else 0.25}),
+    )
+
+
+def _timed_student(
+    model: GGUFModel, knobs: Knobs, cfg: CalibrationConfig, cache: StageCache, corpus: Corpus
+) -> tuple[Student, dict[str, Any]]:
+    """The student of ``knobs`` and how long it took, per stage, with what it executed."""
+    start = time.perf_counter()
+    built = build_student(model, knobs, cfg, cache, corpus=corpus)
+    timing = {
+        "seconds": time.perf_counter() - start,
+        "timings_s": built.report["timings_s"],
+        "executed": built.report["executed"],
+    }
+    return built, timing
+
+
+_RIDGE_FIGURES = ("rank", "dof", "in_sample_change", "heldout_change", "realized_in_sample_change")
+
+
+def _layer_row(
+    model: GGUFModel,
+    run: StageRunner,
+    base: Knobs,
+    traces: dict[str, Any],
+    students: tuple[Student, Student],
+    where: tuple[int, int],
+    totals: dict[str, list[float]],
+) -> dict[str, Any]:
+    """The row of MoE layer ``where = (position, layer)``: its alphas, each variant's residual
+    per split (its energies added to ``totals``) and the shipped ridge's figures."""
+    (shipped, mse), (position, layer) = students, where
+    qkeys = quantize.layer_keys(model, base, traces["cal"].key, layer)
+    experts = quantize.cached_experts(run.cache, qkeys)  # built by the students above
+    row: dict[str, Any] = {
+        "layer": layer,
+        "alpha_gaussian": shipped.alphas[position],
+        "alpha_mse": mse.alphas[position],
+    }
+    for split, trace in traces.items():
+        arrays = trace.layer(layer)
+        y_q = _routed_q(model, run, stages.routed_q_key(qkeys, trace.key, layer), experts, arrays)
+        y_ref = arrays["y_ref"]
+        if split == "heldout":
+            row["alpha_oracle_heldout"] = float(
+                np.sum(y_ref.astype(np.float64) * y_q) / np.sum(y_q.astype(np.float64) ** 2)
+            )
+        for name, (res, ref) in _variants(y_ref, y_q, students, where, arrays).items():
+            row[f"{split}.{name}"] = res / ref if ref > 0 else 0.0
+            acc = totals.setdefault(f"{split}.{name}", [0.0, 0.0])
+            acc[0] += res
+            acc[1] += ref
+    ridge_report = shipped.report["layers"][position].get("ridge") or {}
+    row.update({f"ridge.{k}": ridge_report.get(k) for k in _RIDGE_FIGURES})
+    return row
+
+
+def _routed_q(model: GGUFModel, run: StageRunner, key: str, experts: Any, arrays: Any) -> Any:
+    """``y_q``: the quantized experts' routed output on a trace layer (the students cached it)."""
+
+    def compute() -> RoutedOutput:
+        return RoutedOutput(stages.routed_output(experts, arrays, model.hparams.n_expert))
+
+    return run.value(Stage.ROUTED_Q, key, RoutedOutput, compute).y_q
+
+
+def _variants(
+    y_ref: np.ndarray,
+    y_q: np.ndarray,
+    students: tuple[Student, Student],
+    where: tuple[int, int],
+    arrays: dict[str, np.ndarray],
+) -> dict[str, tuple[float, float]]:
+    """(residual, reference) energies of each of :data:`VARIANTS` on one split of a layer."""
+    (shipped, mse), (position, layer) = students, where
+    a_ship, a_mse = shipped.alphas[position], mse.alphas[position]
+    return {
+        "alpha_1": _energies(y_ref, y_q, 1.0),
+        "gaussian": _energies(y_ref, y_q, a_ship),
+        "mse": _energies(y_ref, y_q, a_mse),
+        "gaussian_ridge": _energies(y_ref, y_q, a_ship, _shared_change(shipped, layer, arrays)),
+        "mse_ridge": _energies(y_ref, y_q, a_mse, _shared_change(mse, layer, arrays)),
     }

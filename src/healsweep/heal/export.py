@@ -32,16 +32,11 @@ from gguf import GGMLQuantizationType
 
 from healsweep._atomic import atomic_file, atomic_path
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io import (
-    TensorType,
-    add_tensor_info,
-    block_prefix,
-    element_shape,
-    q2_0_type,
-    split_block,
-)
+from healsweep.gguf_io import TensorType, add_tensor_info, block_prefix, element_shape, split_block
 from healsweep.heal.knobs import LayerTypes
-from healsweep.kernels.ggml_types import ggml_type
+from healsweep.kernels.ggml_types import ggml_type, stored_type
+from healsweep.model.forward import HEAD
+from healsweep.quant.formats import Q2_0, stack_format, stack_type_name
 
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
@@ -54,66 +49,29 @@ _EXPERT_FIELDS = {
 }
 HEAL_KEY_PREFIX = "healsweep."
 EXPERT_FORMATS = ("healed", "q2_0", "f16")
-_QK, _BLOCK_BYTES = 64, 18
 TensorPlan = tuple[Any, tuple[int, ...], Any]  # (ggml type, stored array shape, numpy dtype)
 
 
-def type42_rows(weight: Any) -> np.ndarray:
-    """A Q2_0 expert stack as ggml type-42 rows: uint8 ``[..., out, in/64 * 18]``.
-
-    ``weight`` is a ``Q2Packed`` (``d`` fp16 ``[..., out, in/64]``, ``codes`` uint8
-    ``[..., out, in/4]``, already in ggml's code order) or a ``Q2Weight`` (``q`` int8
-    ``[..., out, in]``, packed here: code ``j`` of a block at bits ``2*(j%4)`` of byte ``j//4``).
-    Each block is its fp16 ``d`` (little-endian) followed by its 16 code bytes.
-    """
-    d = np.ascontiguousarray(np.asarray(weight.d, np.float16))  # [..., out, nb]
-    codes = getattr(weight, "codes", None)
-    if codes is None:
-        c = (np.asarray(weight.q, np.int16) + 1).astype(np.uint8)  # [..., out, in]
-        c = c.reshape(*c.shape[:-1], -1, 4)
-        codes = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
-    codes = np.asarray(codes, np.uint8)  # [..., out, in/4]
-    nb = d.shape[-1]
-    if codes.shape[:-1] != d.shape[:-1] or codes.shape[-1] != nb * (_QK // 4):
-        raise ValueError(
-            f"type42_rows: codes {codes.shape} do not match scales {d.shape} (16 bytes a block)"
-        )
-    blocks = np.empty((*d.shape, _BLOCK_BYTES), np.uint8)  # [..., out, nb, 18]
-    blocks[..., :2] = d.astype("<f2")[..., None].view(np.uint8)
-    blocks[..., 2:] = codes.reshape(*d.shape, _QK // 4)
-    return blocks.reshape(*d.shape[:-1], nb * _BLOCK_BYTES)
-
-
 def expert_type(weight: Any) -> str:
-    """The routed-expert type name of a student's expert stack: ``q2_0`` for a ``Q2Packed`` /
-    ``Q2Weight``, the ggml type of a ``GGMLWeight``."""
-    # lazy: heavy (jax)
-    from healsweep.kernels.ggml_decode import GGMLWeight
-
-    if isinstance(weight, GGMLWeight):
-        return ggml_type(weight.qtype).name
-    if isinstance(weight, np.ndarray):
-        raise GGUFFormatError("a healed expert stack is dense; write it with experts='f16'")
-    return "q2_0"
+    """The routed-expert type name of a student's expert stack (``q2_0``, a ggml type's name);
+    :class:`GGUFFormatError` for a dense one."""
+    return stack_type_name(weight)
 
 
 def _expert_plan(student: Student, name: str, experts: str) -> TensorPlan:
     """(ggml type, stored array shape, dtype) of one healed expert stack in the chosen format."""
-
-
-    shape = tuple(student.base.tensor_shape(name))
     if experts == "f16":
+        shape = tuple(student.base.tensor_shape(name))
         return GGMLQuantizationType.F16, shape, np.dtype(np.float16)
     _, weight = _replacement(student, name)
     stored = expert_type(weight)
-    if stored == "q2_0":
-        return q2_0_type(), (*shape[:-1], shape[-1] // _QK * _BLOCK_BYTES), np.dtype(np.uint8)
-    if experts == "q2_0":
+    if experts not in ("healed", stored):  # a named type: every expert stack must be in it
         raise GGUFFormatError(
-            f"{name} of this student is stored as {stored}, not q2_0; write the experts as "
-            "healed (experts='healed', each in its own type) or as f16"
+            f"{name} of this student is stored as {stored}, not {experts}; write the experts "
+            "as healed (experts='healed', each in its own type) or as f16"
         )
-    return GGMLQuantizationType(weight.qtype), tuple(weight.raw.shape), np.dtype(np.uint8)
+    found = stack_format(weight)
+    return found.gguf_type(weight), found.gguf_shape(weight), np.dtype(np.uint8)
 
 
 def _expert_data(weight: Any, experts: str) -> np.ndarray:
@@ -121,9 +79,7 @@ def _expert_data(weight: Any, experts: str) -> np.ndarray:
     if experts == "f16":
         dense = weight if isinstance(weight, np.ndarray) else np.asarray(weight.dequantize())
         return np.asarray(dense, np.float32).astype(np.float16)
-    if expert_type(weight) == "q2_0":
-        return type42_rows(weight)
-    return np.asarray(weight.raw, np.uint8)
+    return stack_format(weight).gguf_rows(weight)
 
 
 def allocation(student: Student) -> dict[int, LayerTypes]:
@@ -155,7 +111,6 @@ def routed_bits_per_weight(student: Student) -> float:
 def _replacement(student: Student, name: str) -> tuple[str, Any] | None:
     """``("experts", weight)``, ``("shexp", raw)`` or ``("tensor", GGMLWeight)`` (a tensor of
     another group in the type of its knob) for a tensor the student replaces."""
-    from healsweep.model.forward import HEAD  # lazy: heavy (jax)
 
     layer, suffix = split_block(name)
     replacement = student.replacements.get(HEAD if layer is None else layer)
@@ -253,7 +208,6 @@ def write_replacing(
     The file is written to a temp name and renamed.
     """
 
-
     out = Path(out)
     header = base.header
     arch = header.get(gguf.Keys.General.ARCHITECTURE)
@@ -314,8 +268,6 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
 
 
 def _check_shape(base: GGUFModel, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
-
-
     shape = tuple(shape)
     if dtype == np.uint8 and qtype not in (GGMLQuantizationType.I8,):
         shape = element_shape(shape, qtype)
@@ -329,13 +281,14 @@ def write_q2_sidecar(student: Student, out: str | Path) -> Path:
     (those in another type are not in it), the alphas and the knobs."""
     out = Path(out)
     arrays: dict[str, np.ndarray] = {"alphas": np.asarray(student.alphas, np.float32)}
+    block_bytes = stored_type(Q2_0.ids[0]).block_bytes
     for layer, replacement in sorted(student.replacements.items()):
         for suffix, field in _EXPERT_FIELDS.items():
             weight = getattr(replacement, field)
-            if weight is None or isinstance(weight, np.ndarray) or expert_type(weight) != "q2_0":
+            if getattr(weight, "qtype", None) not in Q2_0.ids:
                 continue
-            rows = type42_rows(weight)  # [..., out, nb * 18]
-            arrays[block_prefix(layer) + suffix] = rows.reshape(*rows.shape[:-1], -1, _BLOCK_BYTES)
+            rows = Q2_0.gguf_rows(weight)  # [..., out, nb * 18]
+            arrays[block_prefix(layer) + suffix] = rows.reshape(*rows.shape[:-1], -1, block_bytes)
     arrays["knobs_json"] = np.frombuffer(json.dumps(student.knobs.model_dump()).encode(), np.uint8)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(out, "wb") as fh:

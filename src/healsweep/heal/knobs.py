@@ -21,10 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from healsweep._yaml_input import load_yaml
 from healsweep.errors import KnobError, SettingError
-from healsweep.heal.stage_names import Stage
-from healsweep.kernels.ggml_types import ROUTED_TYPES, TENSOR_TYPES, step_up
+from healsweep.kernels.ggml_types import ROUTED_TYPES, TENSOR_TYPES, ggml_type, step_up
 from healsweep.quant.values import Q2_0, DownInput, Importance, ImportanceDown, Quantizer
 from healsweep.settings_errors import problem, yaml_problem
+from healsweep.stage_names import Stage
 
 
 class AlphaMode(StrEnum):
@@ -446,6 +446,15 @@ def require_ggml_in(knobs: Knobs, where: str) -> None:
         raise SettingError(f"{where}: {exc}") from None
 
 
+def _by_ggml(name: Any) -> bool:
+    """Whether routed experts stored as ``name`` are quantized by ggml: every type but those
+    healsweep's own quantizers serve (and any name that is no type, as it always was)."""
+    try:
+        return not ggml_type(str(name)).own_quantizer
+    except KnobError:
+        return True
+
+
 def require_ggml(values: Mapping[str, Any]) -> None:
     """Raise :class:`SettingError` (one line: which knob, what to install) when ``values`` may
     put a routed-expert tensor in a type other than ``q2_0``, or another tensor group in any
@@ -458,13 +467,13 @@ def require_ggml(values: Mapping[str, Any]) -> None:
     for knob in ("type_gu", "type_d", "layer_types", "up_first", "up_last", *Knobs.FILE_TYPES):
         for value in _leaves(values.get(knob)):
             if knob == "layer_types":
-                ggml = any(name != Q2_0 for name in _layer_type_names(value))
+                ggml = any(_by_ggml(name) for name in _layer_type_names(value))
             elif knob.startswith("up_"):
                 ggml = isinstance(value, int) and value > 0
             elif knob in Knobs.FILE_TYPES:
                 ggml = value != TEACHER
             else:
-                ggml = value != Q2_0
+                ggml = _by_ggml(value)
             if not ggml:
                 continue
             # lazy: heavy (gguf)

@@ -41,6 +41,7 @@ from healsweep.heal.tensor_types import (
     planned_types,
     requantize_tensor,
 )
+from healsweep.heal.trace import calibration_trace
 from healsweep.kernels.ggml_types import ROUTED_TYPES
 from healsweep.quant.imatrix import EXPERT_TENSORS, expert_importance, quantize_expert_stack
 
@@ -110,8 +111,6 @@ def write_llama_baseline(
     ggml_type = TensorType(qtype)
     trace = None
     if calibration is not None:
-        # lazy: heavy (jax)
-        from healsweep.heal.trace import calibration_trace
 
         trace = calibration_trace(model, calibration, cache or StageCache())
         tokens = sum(trace.report.get("chunk_lengths", []))

@@ -26,12 +26,15 @@ from healsweep.errors import CacheError, GGUFFormatError, HealsweepError
 from healsweep.heal.knobs import CalibrationConfig, Knobs, LayerTypes
 from healsweep.heal.stages import ExpertStacks, stage_key
 from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
+from healsweep.quant.formats import format_of
 from healsweep.quant.registry import GroupInputs, QuantizedGroup, quantizer_for
 from healsweep.quant.values import GROUPS, Q2_0, Group
 
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
-    from healsweep.quant.registry import GroupQuantizer
+    from healsweep.quant.formats import format_of
+from healsweep.model import open_model
+from healsweep.quant.registry import GroupQuantizer
 
 
 def group_quantizer(knobs: Knobs, stored_as: str) -> type[GroupQuantizer]:
@@ -177,8 +180,6 @@ def _misfit(model: GGUFModel, knobs: Knobs | None) -> tuple[int, Group, Any] | N
 def _packaged_fits(knobs: Knobs | None) -> list[tuple[str, Path, int]]:
     """The packaged models (``demo``, ``demo-medium-cpu``) whose routed rows the knobs' types
     fill: (name, file, gate/up row width)."""
-    # lazy: heavy (gguf, jax): the packaged models are opened only to word an error
-    from healsweep.model import open_model
 
     fits = []
     for name in BUNDLED_MODELS:
@@ -219,5 +220,5 @@ def quantize_group(
 
 def fold_alpha(knobs: Knobs, stored_as: str, stack: Any, factor: float | np.ndarray) -> Any:
     """``stack`` (stored as ``stored_as``) with Part A's ``factor`` folded into its fp16 scales
-    (a scalar, or one per expert ``[E]``), as the type's class folds it."""
-    return group_quantizer(knobs, stored_as).fold_alpha(stack, factor)
+    (a scalar, or one per expert ``[E]``), as the type's storage format folds it."""
+    return format_of(ggml_type(stored_as).ggml_id).fold_alpha(stack, factor)

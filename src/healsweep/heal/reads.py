@@ -14,9 +14,9 @@ from typing import Any
 from healsweep.cache import canonical_json
 from healsweep.errors import KnobError
 from healsweep.heal.knobs import Knobs
-from healsweep.heal.stage_names import STUDENT_STAGES, Stage
 from healsweep.quant.registry import quantizer_for
 from healsweep.quant.values import GROUPS, Group
+from healsweep.stage_names import STUDENT_STAGES, Stage
 
 
 def stage_reads(

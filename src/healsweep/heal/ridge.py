@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from gguf import MODEL_TENSOR
-from gguf import GGMLQuantizationType as T
 
 from healsweep.gguf_io import TensorType, tensor_name
 from healsweep.heal._runner import join_entry, split_entry
@@ -46,7 +45,7 @@ from healsweep.kernels import ridge as kr
 from healsweep.kernels._precision import full_float32, healing_jit, matmul
 from healsweep.model.forward import dense_on_device
 from healsweep.model.layers import swiglu_hidden
-from healsweep.quant.requant import dequantized, requantize, requantize_ggml
+from healsweep.quant.formats import dequantized, requantize, requantize_ggml
 
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
@@ -134,7 +133,7 @@ class HealedShexp(NamedTuple):
 
     The entry keeps ``raw`` alone (a quarter to two thirds of the bytes): ``dense`` is decoded
     from it when read, bit for bit what the requantization returned
-    (:func:`healsweep.quant.requant.dequantized`)."""
+    (:func:`healsweep.quant.formats.dequantized`)."""
 
     raw: np.ndarray
     dense: np.ndarray
@@ -505,8 +504,8 @@ def ridge_layer(
 ) -> HealedShexp:
     """Apply eta·dW to ``blk.{layer}.ffn_down_shexp.weight`` and requantize it to its type.
 
-    On the default device, decoded there from the stored bytes; only a storage type that is
-    neither F32 nor F16 goes through the host codecs of :mod:`healsweep.quant.requant`.
+    On the default device, decoded there from the stored bytes; the result is stored by its
+    storage format's class (:mod:`healsweep.quant.formats`).
     ``target`` (knob ``type_shexp``): ``(GGMLType, importance row or None)`` to store it in
     instead, by ggml's quantizer with that row (:mod:`healsweep.heal.tensor_types`).
     """
@@ -519,12 +518,7 @@ def ridge_layer(
     if target is not None:
         qtype = TensorType(target[0].ggml_id)
         raw, stored = requantize_ggml(np.asarray(new), qtype, target[1])
-    elif qtype == T.F32:
-        raw = stored = np.asarray(new)
-    elif qtype == T.F16:
-        raw = np.asarray(new.astype(jnp.float16))
-        stored = raw.astype(np.float32)
-    else:
+    else:  # its storage format's class: F32 and F16 as they are, the block types by their codec
         raw, stored = requantize(name, np.asarray(new), qtype)
     quad, lin, moved, size = (
         float(v) for v in kr.step_moments(basis.basis, basis.sigma, rhs.rhs, w, stored)

@@ -3,7 +3,7 @@
 Each stage is a function of explicit inputs whose cache key is built from exactly those inputs
 (DESIGN.md): the model fingerprint, the keys of the upstream entries it reads and the knobs it
 reads (:func:`healsweep.heal.reads.stage_reads`). Entries are per layer, so a stage loads and
-stores one layer at a time. Stage names and entry versions: :mod:`healsweep.heal.stage_names`.
+stores one layer at a time. Stage names and entry versions: :mod:`healsweep.stage_names`.
 
 * ``quantize``: one layer's routed gate and up, or down, experts in the type chosen for them,
   by the class the registry gives (:mod:`healsweep.heal.quantize`, :mod:`healsweep.quant`).
@@ -26,12 +26,12 @@ from healsweep.cache import content_key
 from healsweep.gguf_io import block_prefix
 from healsweep.heal._runner import join_entry, split_entry
 from healsweep.heal.knobs import Knobs
-from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.kernels import alpha as alpha_kernels
 from healsweep.model import architecture
 from healsweep.model.forward import dense_on_device
 from healsweep.model.layers import expert_tile_rows, routed_experts
 from healsweep.quant import importance as imp
+from healsweep.stage_names import VERSIONS, Stage
 
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel

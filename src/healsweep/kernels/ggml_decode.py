@@ -22,6 +22,7 @@ from healsweep.errors import GGUFFormatError
 from healsweep.kernels import _decode_iquants as iq
 from healsweep.kernels import _decode_kquants as kq
 from healsweep.kernels import _decode_legacy as lg
+from healsweep.kernels.ggml_types import stored_type
 
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
 GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
@@ -30,31 +31,32 @@ GGML_IQ2_XXS, GGML_IQ2_XS, GGML_IQ3_XXS, GGML_IQ1_S = 16, 17, 18, 19
 GGML_IQ4_NL, GGML_IQ3_S, GGML_IQ2_S, GGML_IQ4_XS, GGML_IQ1_M = 20, 21, 22, 23, 29
 GGML_Q2_0 = 42
 
-# qtype -> (weights per block, bytes per block, decoder of int32 [..., nb, bytes] blocks)
-_DECODERS: dict[int, tuple[int, int, Callable[[jax.Array], jax.Array]]] = {
-    GGML_F32: (1, 4, lg.decode_f32),
-    GGML_F16: (1, 2, lg.decode_f16),
-    GGML_BF16: (1, 2, lg.decode_bf16),
-    GGML_Q8_0: (32, 34, lg.decode_q8_0),
-    GGML_Q4_0: (32, 18, lg.decode_q4_0),
-    GGML_Q4_1: (32, 20, lg.decode_q4_1),
-    GGML_Q5_0: (32, 22, lg.decode_q5_0),
-    GGML_Q5_1: (32, 24, lg.decode_q5_1),
-    GGML_IQ4_NL: (32, 18, lg.decode_iq4_nl),
-    GGML_Q2_0: (64, 18, lg.decode_q2_0),
-    GGML_Q2_K: (256, 84, kq.decode_q2_k),
-    GGML_Q3_K: (256, 110, kq.decode_q3_k),
-    GGML_Q4_K: (256, 144, kq.decode_q4_k),
-    GGML_Q5_K: (256, 176, kq.decode_q5_k),
-    GGML_Q6_K: (256, 210, kq.decode_q6_k),
-    GGML_IQ4_XS: (256, 136, kq.decode_iq4_xs),
-    GGML_IQ1_S: (256, 50, iq.decode_iq1_s),
-    GGML_IQ1_M: (256, 56, iq.decode_iq1_m),
-    GGML_IQ2_XXS: (256, 66, iq.decode_iq2_xxs),
-    GGML_IQ2_XS: (256, 74, iq.decode_iq2_xs),
-    GGML_IQ2_S: (256, 82, iq.decode_iq2_s),
-    GGML_IQ3_XXS: (256, 98, iq.decode_iq3_xxs),
-    GGML_IQ3_S: (256, 110, iq.decode_iq3_s),
+# qtype -> decoder of int32 [..., nb, bytes] blocks; each type's geometry is its row of
+# kernels.ggml_types.STORED_TYPES, the one table of block sizes
+_DECODERS: dict[int, Callable[[jax.Array], jax.Array]] = {
+    GGML_F32: lg.decode_f32,
+    GGML_F16: lg.decode_f16,
+    GGML_BF16: lg.decode_bf16,
+    GGML_Q8_0: lg.decode_q8_0,
+    GGML_Q4_0: lg.decode_q4_0,
+    GGML_Q4_1: lg.decode_q4_1,
+    GGML_Q5_0: lg.decode_q5_0,
+    GGML_Q5_1: lg.decode_q5_1,
+    GGML_IQ4_NL: lg.decode_iq4_nl,
+    GGML_Q2_0: lg.decode_q2_0,
+    GGML_Q2_K: kq.decode_q2_k,
+    GGML_Q3_K: kq.decode_q3_k,
+    GGML_Q4_K: kq.decode_q4_k,
+    GGML_Q5_K: kq.decode_q5_k,
+    GGML_Q6_K: kq.decode_q6_k,
+    GGML_IQ4_XS: kq.decode_iq4_xs,
+    GGML_IQ1_S: iq.decode_iq1_s,
+    GGML_IQ1_M: iq.decode_iq1_m,
+    GGML_IQ2_XXS: iq.decode_iq2_xxs,
+    GGML_IQ2_XS: iq.decode_iq2_xs,
+    GGML_IQ2_S: iq.decode_iq2_s,
+    GGML_IQ3_XXS: iq.decode_iq3_xxs,
+    GGML_IQ3_S: iq.decode_iq3_s,
 }
 
 IN_GRAPH_TYPES: frozenset[int] = frozenset(_DECODERS)
@@ -68,7 +70,8 @@ def block_geometry(qtype: int) -> tuple[int, int]:
     """
     qtype = int(qtype)
     if qtype in _DECODERS:
-        return _DECODERS[qtype][:2]
+        kind = stored_type(qtype)
+        return kind.block_weights, kind.block_bytes
     # lazy: heavy (gguf)
     from gguf import GGML_QUANT_SIZES
 
@@ -98,7 +101,8 @@ def decode_rows(raw, qtype: int, n_in: int) -> jax.Array:
     qtype, n_in = int(qtype), int(n_in)
     if qtype not in _DECODERS:
         raise GGUFFormatError(f"ggml type {qtype} has no in-graph decoder; dequantize it on host")
-    block, size, decode = _DECODERS[qtype]
+    block, size = block_geometry(qtype)
+    decode = _DECODERS[qtype]
     raw = jnp.asarray(raw)
     expected = row_bytes(qtype, n_in)
     if raw.dtype != jnp.uint8 or raw.ndim < 1 or raw.shape[-1] != expected:

@@ -7,26 +7,35 @@ patch its enum for that. Names are the knob spellings (llama.cpp's type names, l
 refuses those types without an importance row. (llama-quantize, the tool, also refuses IQ2_S and
 IQ1_M without an imatrix; healsweep always passes the calibration importance to ggml anyway.)
 
-Every type here has an in-graph decoder (``kernels.ggml_decode``) and an fp16 block or
-super-block scale that Part A's alpha folds into (``gguf_io.fold_scale``).
+Every type here has an in-graph decoder (``kernels.ggml_decode``) and, but the float types, an
+fp16 block or super-block scale that Part A's alpha folds into (``gguf_io.fold_scale``): where its
+bytes sit in the block is a fact of the type too (``scale_offsets``), so this table is the one
+place a block's geometry is written (:data:`STORED_TYPES`, :func:`stored_type`). What a type
+does with the geometry (encode, decode, fold, write) is its storage format's class,
+:mod:`healsweep.quant.formats`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from healsweep.errors import KnobError
+from healsweep.errors import GGUFFormatError, KnobError
 
 
 @dataclass(frozen=True)
 class GGMLType:
-    """One ggml storage type: ``block_weights`` weights take ``block_bytes`` bytes."""
+    """One ggml storage type: ``block_weights`` weights take ``block_bytes`` bytes; alpha scales
+    the fp16 fields at ``scale_offsets`` of each block (None: a float type, no block scale), and
+    for IQ1_M the fp16 spread over the top nibbles of four uint16 at ``nibble_scale``."""
 
     name: str
     ggml_id: int
     block_weights: int
     block_bytes: int
     requires_imatrix: bool
+    scale_offsets: tuple[int, ...] | None = (0,)
+    nibble_scale: int | None = None
+    own_quantizer: bool = False  # routed experts in it need no ggml: healsweep quantizes them
 
     @property
     def bits_per_weight(self) -> float:
@@ -47,18 +56,18 @@ class GGMLType:
 # Ordered by bits per weight; ids and geometry as in ggml's type traits (ggml.c).
 ROUTED_TYPES: tuple[GGMLType, ...] = (
     GGMLType("iq1_s", 19, 256, 50, True),
-    GGMLType("iq1_m", 29, 256, 56, False),
+    GGMLType("iq1_m", 29, 256, 56, False, (), nibble_scale=48),  # four uint16 at bytes 48-55
     GGMLType("iq2_xxs", 16, 256, 66, True),
-    GGMLType("q2_0", 42, 64, 18, False),
+    GGMLType("q2_0", 42, 64, 18, False, own_quantizer=True),  # fp16 d, then 16 bytes of 2-bit codes LSB first
     GGMLType("iq2_xs", 17, 256, 74, True),
     GGMLType("iq2_s", 22, 256, 82, False),
-    GGMLType("q2_k", 10, 256, 84, False),
+    GGMLType("q2_k", 10, 256, 84, False, (80, 82)),  # d, dmin after 16 scale and 64 code bytes
     GGMLType("iq3_xxs", 18, 256, 98, False),
     GGMLType("iq3_s", 21, 256, 110, False),
-    GGMLType("q3_k", 11, 256, 110, False),
+    GGMLType("q3_k", 11, 256, 110, False, (108,)),  # d last
     GGMLType("iq4_xs", 23, 256, 136, False),
     GGMLType("iq4_nl", 20, 32, 18, False),
-    GGMLType("q4_k", 12, 256, 144, False),
+    GGMLType("q4_k", 12, 256, 144, False, (0, 2)),  # d, dmin
 )
 _BY_NAME = {t.name: t for t in ROUTED_TYPES}
 _BY_ID = {t.ggml_id: t for t in ROUTED_TYPES}
@@ -72,14 +81,26 @@ TENSOR_TYPES: tuple[GGMLType, ...] = tuple(
             *ROUTED_TYPES,
             GGMLType("q4_0", 2, 32, 18, False),
             GGMLType("q5_0", 6, 32, 22, False),
-            GGMLType("q5_k", 13, 256, 176, False),
-            GGMLType("q6_k", 14, 256, 210, False),
+            GGMLType("q5_k", 13, 256, 176, False, (0, 2)),
+            GGMLType("q6_k", 14, 256, 210, False, (208,)),
             GGMLType("q8_0", 8, 32, 34, False),
         ),
         key=lambda t: t.bits_per_weight,
     )
 )
 _TENSOR_BY_NAME = {t.name: t for t in TENSOR_TYPES}
+
+# Every type healsweep decodes in the graph: the tensor types, the float types a GGUF keeps
+# vectors and unquantized matrices in, and the legacy affine types (a scale and a min).
+STORED_TYPES: tuple[GGMLType, ...] = (
+    *TENSOR_TYPES,
+    GGMLType("f32", 0, 1, 4, False, None),
+    GGMLType("f16", 1, 1, 2, False, None),
+    GGMLType("bf16", 30, 1, 2, False, None),
+    GGMLType("q4_1", 3, 32, 20, False, (0, 2)),  # d, m
+    GGMLType("q5_1", 7, 32, 24, False, (0, 2)),  # d, m
+)
+_STORED_BY_ID = {t.ggml_id: t for t in STORED_TYPES}
 
 
 def ggml_type(key: str | int) -> GGMLType:
@@ -92,6 +113,20 @@ def ggml_type(key: str | int) -> GGMLType:
             f"{', '.join(_BY_NAME)}"
         )
     return found
+
+
+def stored_type(ggml_id: int) -> GGMLType:
+    """The type with ggml id ``ggml_id`` among :data:`STORED_TYPES`; raises
+    :class:`GGUFFormatError` for any other (a type healsweep has no geometry for)."""
+    found = _STORED_BY_ID.get(int(ggml_id))
+    if found is None:
+        raise GGUFFormatError(f"ggml type {int(ggml_id)} is not one healsweep stores or decodes")
+    return found
+
+
+def stored_ids() -> frozenset[int]:
+    """The ggml ids of :data:`STORED_TYPES`."""
+    return frozenset(_STORED_BY_ID)
 
 
 def tensor_type(name: str) -> GGMLType:

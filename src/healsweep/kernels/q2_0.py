@@ -378,6 +378,7 @@ class Q2Weight:
     """A Q2_0 matrix: ``d`` [..., out, in/64] float16 and ``q`` [..., out, in] int8 in {-1..2}."""
 
     __slots__ = ("d", "q")
+    qtype = 42  # ggml's type id of Q2_0 (kernels.ggml_types): what a stack is stored as
 
     def __init__(self, d, q):
         self.d = d
@@ -442,6 +443,7 @@ class Q2Packed:
     unless ``.q`` is asked for."""
 
     __slots__ = ("d", "codes")
+    qtype = 42  # ggml's type id of Q2_0 (kernels.ggml_types): what a stack is stored as
 
     def __init__(self, d, codes):
         self.d = d

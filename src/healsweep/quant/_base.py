@@ -12,9 +12,9 @@ and says, as class attributes and three small methods, everything the pipeline a
   calibration trace) and :meth:`reads_gate_up` (the layer's quantized gate and up);
 - ``key_stage``: the stage name its cache keys are built under (a ``Stage`` of heal);
 - :meth:`quantize`: a layer's tensor group, from :class:`GroupInputs`;
-- how it is stored: :meth:`to_arrays` / :meth:`from_arrays` (the cache entry) and
-  :meth:`fold_alpha` (Part A's alpha into its scales, :meth:`scale_stack` per format), shared
-  by the classes of one format.
+- how it is stored: :meth:`to_arrays` / :meth:`from_arrays` (the cache entry), shared by the
+  classes of one type; :meth:`fold_alpha` (Part A's alpha into its scales) is the storage
+  format's (:mod:`healsweep.quant.formats`).
 
 A class with ``quantizer=None`` serves its types under every ``quantizer`` value no other class
 claims for them (ggml's own quantizer, which reads no knob). Nothing is kept at module level:
@@ -32,6 +32,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from healsweep.kernels.ggml_types import ggml_type
+from healsweep.quant.formats import stack_format
 from healsweep.quant.values import Group, Quantizer
 
 Arrays = dict[str, np.ndarray]
@@ -134,17 +135,8 @@ class GroupQuantizer(ABC):
     @classmethod
     def fold_alpha(cls, stack: Any, factor: float | np.ndarray) -> Any:
         """``stack`` with ``factor`` (a scalar, or one per expert ``[E]``) folded into its fp16
-        scales: it decodes to ``factor`` times what ``stack`` decodes to, up to the fp16
-        rounding of each scale. A factor of exactly 1 returns ``stack`` itself."""
-        factor = np.asarray(factor, np.float32)
-        if factor.ndim == 0 and factor == 1.0:
-            return stack
-        return cls.scale_stack(stack, factor)
-
-    @classmethod
-    @abstractmethod
-    def scale_stack(cls, stack: Any, factor: np.ndarray) -> Any:
-        """:meth:`fold_alpha` of a float32 ``factor`` other than 1, in this storage format."""
+        scales, as its storage format folds it (:meth:`StorageFormat.fold_alpha`)."""
+        return stack_format(stack).fold_alpha(stack, factor)
 
 
 def registered() -> Iterator[type[GroupQuantizer]]:

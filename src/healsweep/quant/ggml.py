@@ -1,7 +1,7 @@
 """The ggml types (every routed-expert type but Q2_0): ggml's own quantizer, and GPTQ on its grids.
 
 Stored as the type's rows, ``GGMLWeight`` (uint8 ``[E, out, row_bytes]``, decoded in the graph);
-Part A's alpha multiplies every block's fp16 scale(s) (:func:`healsweep.gguf_io.fold_scale`).
+Part A's alpha multiplies every block's fp16 scale(s) (:mod:`healsweep.quant.formats`).
 Every class here reads the calibration trace (its importance rows) and names the type in its key.
 
 * :class:`GGMLImatrix`: ``ggml_quantize_chunk`` with one importance row per expert (E[x²] of its
@@ -30,7 +30,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from healsweep.kernels.ggml_decode import GGMLWeight
 from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
+from healsweep.quant import ggml_gptq, kgrid
 from healsweep.quant._base import Arrays, GroupInputs, GroupQuantizer
 from healsweep.quant.imatrix import expert_importance, quantize_expert_stack
 from healsweep.quant.values import Q2_0, DownInput, Group, Quantizer
@@ -49,23 +51,11 @@ class GGMLStored(GroupQuantizer):
 
     @classmethod
     def from_arrays(cls, arrays: Arrays, meta: Mapping[str, Any], count: int) -> tuple[Any, ...]:
-        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: jax is heavy
-
         qtype = ggml_type(meta["type"]).ggml_id
         return tuple(GGMLWeight(arrays[f"{n}.raw"], qtype, meta["n_in"]) for n in range(count))
 
     @classmethod
-    def scale_stack(cls, stack: Any, factor: np.ndarray) -> Any:
-        from healsweep.gguf_io import fold_scale  # lazy: gguf-py loads where a file is touched
-        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: jax is heavy
-
-        raw = fold_scale(np.asarray(stack.raw), stack.qtype, factor)
-        return GGMLWeight(raw, stack.qtype, stack.n_in)
-
-    @classmethod
     def _stacks(cls, inputs: GroupInputs, raws: list[np.ndarray]) -> tuple[Any, ...]:
-        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: jax is heavy
-
         qtype, n_in = ggml_type(inputs.stored_as).ggml_id, inputs.stacks()[0].shape[-1]
         return tuple(GGMLWeight(raw, qtype, n_in) for raw in raws)
 
@@ -104,8 +94,6 @@ class KGridGptq(GGMLStored, types=("q2_k", "q3_k"), quantizer=Quantizer.GPTQ):
 
     @classmethod
     def quantize(cls, inputs: GroupInputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        from healsweep.quant import kgrid  # lazy: jax is heavy (knobs read this module)
-
         qtype = ggml_type(inputs.stored_as).ggml_id
         rows = expert_importance(inputs.trace_layer, inputs.min_tokens)
         stacks = inputs.stacks()
@@ -136,8 +124,6 @@ class IQ2GridGptq(GGMLStored, types=("iq2_xxs", "iq2_xs"), quantizer=Quantizer.G
 
     @classmethod
     def quantize(cls, inputs: GroupInputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        from healsweep.quant import ggml_gptq  # lazy: jax is heavy (knobs read this module)
-
         rows = expert_importance(inputs.trace_layer, inputs.min_tokens)
         importance = rows[f"ffn_{inputs.group.tensors[0]}_exps.weight"]  # gate's = up's
         student = None

@@ -69,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from healsweep.errors import KnobError
+from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 from healsweep.kernels._precision import healing_jit
 from healsweep.kernels.ggml_types import GGMLType, ggml_type
 from healsweep.quant import ggml_iq1grid, ggml_iqgrid, ggml_kgrid
@@ -253,8 +254,6 @@ def _refine_chunk(ws, raw, values, inverse, diagonal, row, qtype: int, rounds: i
     """``rounds`` re-quantizations by ggml of the chunk ``ws`` [out, c] toward the
     GPTQ-consistent target, each row keeping its bytes of lowest chunk objective
     ``‖(ws − Q)·u_SS⁻¹‖²``; returns ``(raw, values)`` of the best rows."""
-    # lazy: heavy (gguf)
-    from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 
     scale = np.diag(diagonal)[None, :]  # diag(u_SS)
 
@@ -289,8 +288,6 @@ def quantize_matrix(
     is the caller's row (needed for ``chunk_importance="imatrix"``); ``rounds`` of in-chunk
     refinement (``block`` only, see the module docstring). Returns ggml's stored bytes uint8
     [out, row_bytes]."""
-    # lazy: heavy (gguf)
-    from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 
     kind = check_options(qtype, method, chunk, chunk_importance, rounds)
     rows = np.array(w, np.float32)  # the error-updated weights
@@ -374,51 +371,66 @@ def quantize_experts_ef(
     outs = [np.empty((n_expert, w.shape[1], kind.row_bytes(n_in)), np.uint8) for w in stacks]
     fed = np.zeros(n_expert, bool)
     experts = np.asarray(experts, np.int64)
+    options = dict(method=method, chunk=chunk, chunk_importance=chunk_importance, rounds=rounds)
     # a thread per expert of a group; each quantizes its rows on its own thread (no nested pool)
     pool = ThreadPoolExecutor(max_workers=workers or min(GROUP, host_threads()),
                               initializer=one_thread)  # fmt: skip
     with pool:
         for a in range(0, len(experts), GROUP):
             group = experts[a : a + GROUP]
-            weights = [np.asarray(w[group], np.float32) for w in stacks]  # [G, out, in]
-            if student_gate_up is None:
-                h = second_moments(x, ids, group, gate_up)  # [G, n, n]
-                u, ok = inverse_factor(h, damp)
-            else:
-                h, cross = student_moments(x, ids, group, gate_up, student_gate_up)
-                u, ok = inverse_factor(h, damp)
-                weights = corrected_targets(weights, cross, h, damp, u, ok)
-            diag = np.einsum("gii->gi", h).astype(np.float64)
-            diag += damp * diag.mean(axis=1, keepdims=True)  # the diagonal of gptq.damped(h)
-
-            def one(g: int, u=u, diag=diag, weights=weights, group=group) -> list[np.ndarray]:
-                factor = feedback_factor(u[g], diag[g], chunk)
-                return [
-                    quantize_matrix(
-                        w[g],
-                        kind.ggml_id,
-                        factor,
-                        importance[group[g]],
-                        method=method,
-                        chunk=chunk,
-                        chunk_importance=chunk_importance,
-                        rounds=rounds,
-                    )
-                    for w in weights
-                ]
-
+            weights, u, ok, diag = _group_system(
+                stacks, group, x, ids, damp, gate_up, student_gate_up
+            )
             done = np.nonzero(ok)[0]
-            for g, found in zip(done, pool.map(one, done), strict=True):
-                for out, raw in zip(outs, found, strict=True):
+            found = _fed_rows(pool, kind.ggml_id, (weights, u, diag), importance[group], done,
+                              options)  # fmt: skip
+            for g, rows in zip(done, found, strict=True):
+                for out, raw in zip(outs, rows, strict=True):
                     out[group[g]] = raw
             fed[group[done]] = True
+    _plain_rest(stacks, outs, fed, kind.ggml_id, importance)
+    return outs, fed
+
+
+def _group_system(stacks, group, x, ids, damp, gate_up, student_gate_up):
+    """A group of experts' targets ``[G, out, in]`` per stack, the inverse factors ``u`` of
+    their damped ``H`` and which factored (``ok`` [G]), and the damped diagonals ``[G, n]``:
+    on the teacher's inputs, or (``student_gate_up``) the student's ``h`` with the targets
+    corrected for gate and up's error."""
+    weights = [np.asarray(w[group], np.float32) for w in stacks]  # [G, out, in]
+    if student_gate_up is None:
+        h = second_moments(x, ids, group, gate_up)  # [G, n, n]
+        u, ok = inverse_factor(h, damp)
+    else:
+        h, cross = student_moments(x, ids, group, gate_up, student_gate_up)
+        u, ok = inverse_factor(h, damp)
+        weights = corrected_targets(weights, cross, h, damp, u, ok)
+    diag = np.einsum("gii->gi", h).astype(np.float64)
+    diag += damp * diag.mean(axis=1, keepdims=True)  # the diagonal of gptq.damped(h)
+    return weights, u, ok, diag
+
+
+def _fed_rows(pool, qtype: int, system, importance, done, options: dict[str, Any]):
+    """Per expert ``g`` of ``done`` (on ``pool``, in order): each stack's rows of ``g`` with
+    error feedback over its factor; ``system`` is :func:`_group_system`'s (weights, u, diag)."""
+    weights, u, diag = system
+
+    def one(g: int) -> list[np.ndarray]:
+        factor = feedback_factor(u[g], diag[g], options["chunk"])
+        return [quantize_matrix(w[g], qtype, factor, importance[g], **options) for w in weights]
+
+    return pool.map(one, done)
+
+
+def _plain_rest(stacks, outs: list[np.ndarray], fed: np.ndarray, qtype: int, importance) -> None:
+    """The experts without feedback (too few tokens, or an ``H`` that did not factor): plain
+    ggml with their importance rows, into ``outs``."""
     plain = np.nonzero(~fed)[0]
     if len(plain):
         for w, out in zip(stacks, outs, strict=True):
             out[plain] = quantize_expert_stack(
-                np.asarray(w[plain], np.float32), kind.ggml_id, importance[plain]
+                np.asarray(w[plain], np.float32), qtype, importance[plain]
             )
-    return outs, fed
 
 
 def quantize_stack_ef(weights, *args: Any, **options: Any) -> np.ndarray:

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from healsweep.gguf_io._ggml_lib import quantize_rows
+
 EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
@@ -43,8 +45,6 @@ def quantize_expert_stack(
     """``weights`` float32 ``[E, out, in]`` (numpy or a device array) by ggml, expert by expert:
     uint8 ``[E, out, row]``. Each expert's rows are quantized on the process's host threads
     (:func:`~healsweep.gguf_io._ggml_lib.quantize_rows`); one expert is on the host at a time."""
-    # lazy: gguf_io brings gguf-py and tokenizers, which a reader of the registry does not need
-    from healsweep.gguf_io._ggml_lib import quantize_rows
 
     return np.stack([
         quantize_rows(np.asarray(weights[e], np.float32), qtype,

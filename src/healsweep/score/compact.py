@@ -28,6 +28,9 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from healsweep.errors import CacheError
+from healsweep.kernels import tail_draws as draws
+from healsweep.kernels.kld_compact import teacher_top
+from healsweep.score.metrics import _bucket, _pad_rows
 
 DEFAULT_TOP_K = 128
 DEFAULT_TAIL_SAMPLES = 128
@@ -128,11 +131,10 @@ def draw_tail(
     tokens left out. Rows with no tail mass get the row's argmax as a placeholder (their tail
     weighs 0).
     """
-    # lazy: heavy (jax)
-    from healsweep.kernels.tail_draws import tail_draws
 
     strata = tail_strata(seed, logp.shape[0], n_samples)
-    ids, _, mass, full = tail_draws(logp, np.asarray(top_ids, np.int32), strata)
+    # through its module, so a fault planted there (doctor's tests) reaches the record
+    ids, _, mass, full = draws.tail_draws(logp, np.asarray(top_ids, np.int32), strata)
     return np.asarray(ids), np.asarray(mass), np.asarray(full)
 
 
@@ -156,11 +158,6 @@ def compact_record(
     # lazy: heavy (jax)
     import jax.numpy as jnp
 
-    # lazy: heavy (jax kernels)
-    from healsweep.kernels.kld_compact import teacher_top
-    from healsweep.kernels.tail_draws import tail_draws
-    from healsweep.score.metrics import _bucket, _pad_rows
-
     n = len(next_ids)
     top_k = min(fmt.top_k, logprobs.shape[1])
     # Rows padded as the scorer pads them: XLA's row reductions can round differently for
@@ -172,7 +169,7 @@ def compact_record(
     ids = _pad_rows(np.asarray(next_ids, np.int32), rows)
     logp, top_ids, top_logp, logp_next = teacher_top(logprobs, ids, top_k)  # on the device
     strata = _pad_rows(tail_strata(window_seed(window_id), n, fmt.tail_samples), rows)
-    drawn = tail_draws(logp, top_ids, strata)  # on the device
+    drawn = draws.tail_draws(logp, top_ids, strata)  # on the device
     tail_ids, tail_logp, tail_mass, tail_full = (np.asarray(a)[:n] for a in drawn)
     return CompactTeacher(
         top_ids=np.asarray(top_ids)[:n].astype(np.int32),

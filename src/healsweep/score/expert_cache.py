@@ -19,12 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from healsweep.errors import KnobError
 from healsweep.gguf_io import block_prefix
+from healsweep.model import forward
+from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
 from healsweep.score.record import CacheWindowStats, per_token
 from healsweep.score.student import StudentModel, student_model
 
 if TYPE_CHECKING:
     from healsweep.data.windows import Window
-    from healsweep.heal.knobs import Knobs
 
 MIB = float(1 << 20)
 _EXPERT_TENSORS = ("gate_exps", "up_exps", "down_exps")
@@ -43,9 +44,9 @@ class ExpertCacheConfig(BaseModel):
     warm: bool = False
 
     @classmethod
-    def from_knobs(cls, knobs: Knobs) -> ExpertCacheConfig | None:
-        """The cache a trial's knobs ask for (``cache_experts`` > 0), else None; ``KnobError``
-        for a bonus without a cache (it would have nothing to act on)."""
+    def from_knobs(cls, knobs: Any) -> ExpertCacheConfig | None:
+        """The cache a trial's knobs (heal's ``Knobs``) ask for (``cache_experts`` > 0), else
+        None; ``KnobError`` for a bonus without a cache (it would have nothing to act on)."""
         if not knobs.cache_experts:
             if knobs.moce_bonus:
                 raise KnobError(f"knob 'moce_bonus' = {knobs.moce_bonus!r} needs an expert "
@@ -126,9 +127,6 @@ class CachedStudent:
 
     def run(self, windows: Sequence[Window], positions: Sequence[np.ndarray]) -> Any:
         """``(ForwardResult, [CacheWindowStats per window])`` of one batched forward."""
-        # lazy: heavy (jax)
-        from healsweep.model import forward
-        from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
 
         model, replacements = student_model(self.student)
         hp = model.hparams

@@ -30,7 +30,6 @@ import numpy as np
 
 from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key, recompute_seconds
-from healsweep.heal.stage_names import Stage
 from healsweep.score.compact import (
     COMPACT,
     CompactTeacher,
@@ -39,6 +38,7 @@ from healsweep.score.compact import (
     compact_record,
     router_dtype,
 )
+from healsweep.stage_names import Stage
 
 if TYPE_CHECKING:
     from healsweep.data.windows import Window

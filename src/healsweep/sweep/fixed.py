@@ -25,8 +25,11 @@ import ray
 from healsweep.bundled import resolve_model
 from healsweep.cache import StageCache
 from healsweep.errors import ResultsError
+from healsweep.gguf_io import routed_expert_bpw
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.llama_baseline import write_llama_baseline
 from healsweep.heal.reads import student_key
+from healsweep.model import open_model
 from healsweep.quant.values import Quantizer
 from healsweep.results.schema import Role, TrialStatus, fixed_config_hash, knob_columns, scored_all
 from healsweep.score.record import WindowRecord
@@ -85,21 +88,22 @@ class FixedConfig:
         }
 
 
+# What each reference changes beyond the baseline with healing off (results.schema.REFERENCES)
+_REFERENCE_KNOBS: dict[str, dict[str, Any]] = {
+    "unhealed": {},
+    "plain": {"quantizer": Quantizer.PLAIN},  # round-to-nearest Q2_0: ordinary quantization
+}
+
+
 def reference_knobs(spec: SweepSpec, name: str) -> Knobs:
     """The knobs of reference ``name``: the baseline with healing off (``plain``: also its
     quantizer replaced by round-to-nearest)."""
-    unhealed = spec.baseline.replace(**Knobs.UNHEALED)
-    return unhealed.replace(quantizer=Quantizer.PLAIN) if name == "plain" else unhealed
+    return spec.baseline.replace(**Knobs.UNHEALED, **_REFERENCE_KNOBS[name])
 
 
 def fixed_configs(spec: SweepSpec, sweep_dir: Path) -> list[FixedConfig]:
     """The spec's references (in ``REFERENCES`` order), then its external entries (a recipe's
     file as built into ``sweep_dir``: :func:`build_externals`)."""
-    # lazy: heavy (gguf)
-    from healsweep.gguf_io import routed_expert_bpw
-
-    # lazy: heavy (gguf, jax)
-    from healsweep.model import open_model
 
     out = []
     for name in spec.reference_names():
@@ -124,11 +128,6 @@ def build_externals(spec: SweepSpec, sweep_dir: Path) -> list[Path]:
     reused, e.g. by a resume); its importance rows come from the sweep's calibration trace, in
     the stage cache the trials share. Returns the files built now; tells the sweep's progress
     sink which file it is building."""
-    # lazy: heavy (gguf)
-    from healsweep.heal.llama_baseline import write_llama_baseline
-
-    # lazy: heavy (gguf, jax)
-    from healsweep.model import open_model
 
     built = []
     todo = [e for e in spec.external
@@ -177,7 +176,6 @@ def run_fixed(
     """Score every fixed config not yet completed (only its student's windows missing from the
     Parquet rows) and record it; returns the configs that were run. ``holders``: the sweep's
     :class:`~healsweep.sweep.holders.StageHolders`."""
-
 
     recorder = ResultsRecorder(sweep_dir, spec)
     recorder.setup()

@@ -49,8 +49,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from healsweep.cache import canonical_json
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import stage_reads
-from healsweep.heal.stage_names import Stage
 from healsweep.results.store import read_trials
+from healsweep.stage_names import Stage
 from healsweep.sweep.spec import RAY_RESOURCE_NAMES
 
 # Ray gives the head node this resource; Ray Train pins its own state actor the same way.

@@ -41,6 +41,7 @@ from healsweep.cache import activity, activity_since
 from healsweep.heal.knobs import Knobs
 from healsweep.profile import profiling
 from healsweep.score.record import WindowRecord
+from healsweep.sweep.devices import prepare_trial_process
 from healsweep.sweep.holders import Placement, held_keys, placement_for, quantization_of
 from healsweep.sweep.spec import SweepSpec
 
@@ -73,8 +74,6 @@ def _events(
     ``own_process=False``: the work runs in the coordinator itself (see :meth:`PlacedWork.records`).
     ``pace``: ``(holders, work id)``, each window waits for a credit of its coordinator's first
     (:meth:`~healsweep.sweep.holders.StageHolders.take_window`)."""
-    # lazy: heavy (gguf, jax)
-    from healsweep.sweep.devices import prepare_trial_process
 
     seen = prepare_trial_process(resources, own_process=own_process)
     started, cpu, before = time.time(), time.process_time(), activity()

@@ -28,6 +28,7 @@ from optuna.pruners import BasePruner
 
 from healsweep.score.stats import DecisionRule
 from healsweep.sweep.spec import FutilitySpec, PrunerSpec
+from healsweep.sweep.trial import TARGET_METRIC
 
 
 def futile(
@@ -127,8 +128,6 @@ class RunningMedian:
 
     def observation(self, result: Mapping[str, Any]) -> tuple[int, float]:
         """``(step, value)`` the study is told for a window's result."""
-        # lazy: heavy (ray)
-        from healsweep.sweep.trial import TARGET_METRIC
 
         return int(result["windows_done"]), float(result[TARGET_METRIC])
 

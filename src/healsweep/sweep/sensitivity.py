@@ -41,7 +41,9 @@ from healsweep.errors import HealsweepError, ResultsError
 from healsweep.heal.knobs import Knobs, LayerTypes
 from healsweep.heal.reads import student_key
 from healsweep.heal.size import ModelShapes
+from healsweep.heal.trace import calibration_documents, documents_digest
 from healsweep.kernels.ggml_types import ggml_type, step_down, step_up
+from healsweep.model import open_model
 from healsweep.score.record import WindowRecord
 from healsweep.score.stats import bootstrap_replicates
 from healsweep.sweep.allocator import (
@@ -322,9 +324,6 @@ def entry_key(
 
 
 def _calibration_digest(spec: SweepSpec) -> str:
-    # lazy: heavy (jax)
-    from healsweep.heal.trace import calibration_documents, documents_digest
-
     corpus = load_corpus(spec.calibration.corpus)
     return documents_digest(calibration_documents(corpus, spec.calibration))
 
@@ -348,7 +347,6 @@ def run_sensitivity(
     scored as Ray tasks, ``max_concurrent`` at once, each placed by ``holders`` (the sweep's
     :class:`~healsweep.sweep.holders.StageHolders`) when given. ``say`` gets a line as each
     config is done."""
-    from healsweep.model import open_model  # lazy: heavy (gguf, jax)
 
     say = say or (lambda line: None)
     scored_spec = pass_spec(spec)
@@ -458,7 +456,6 @@ def _failed(config: _Config, exc: Exception) -> Exception:
 def proposals_of(spec: SweepSpec, table: SensitivityTable) -> list[Proposal]:
     """The allocator's proposals from ``table`` under the spec's budget
     (:func:`healsweep.sweep.allocator.propose`)."""
-    from healsweep.model import open_model  # lazy: heavy (gguf, jax)
 
     shapes = ModelShapes.of(open_model(spec.model))
     budget = spec.budget.budget()

@@ -51,35 +51,24 @@ def spec_split(spec: SweepSpec) -> tuple[Corpus, SplitConfig]:
 
 
 def window_options(scoring: ScoringSpec, teacher: GGUFModel) -> dict[str, Any]:
-    """``make_windows`` options of a spec's ``scoring``, in the teacher's chat format, with the
-    context capped to the teacher's (:func:`~healsweep.data.windows.context_cap`)."""
+    """``make_windows`` options of a spec's ``scoring`` (:func:`healsweep.score.windows
+    .window_options`: the teacher's chat format, the context capped to the teacher's)."""
     # lazy: heavy (gguf)
-    from healsweep.data.chat_template import model_chat_format
-    from healsweep.data.windows import context_cap
+    from healsweep.score import windows as scoring_windows
 
-    context = teacher.hparams.context_length
-    return {
-        "max_scored": scoring.max_scored,
-        "max_context": context_cap(scoring.max_scored, scoring.max_context, context),
-        "chat": model_chat_format(teacher),
-    }
+    return scoring_windows.window_options(teacher, scoring.max_scored, scoring.max_context)
 
 
 def dev_windows(spec: SweepSpec, teacher: GGUFModel) -> list[Window]:
     """The sweep's dev windows in the fixed global order (sorted ids), the first max_windows."""
     # lazy: heavy (gguf)
-    from healsweep.data.windows import first_windows, make_windows
+    from healsweep.score.windows import scoring_windows
 
     corpus, split_cfg = spec_split(spec)
-    windows = make_windows(
-        corpus,
-        teacher.tokenizer(),
-        split_cfg,
-        split="dev",
-        grant=None,
-        **window_options(spec.scoring, teacher),
-    )
-    windows = first_windows(windows, spec.scoring.max_windows)
+    options = window_options(spec.scoring, teacher)
+    windows = scoring_windows(
+        corpus, teacher, split_cfg, "dev", options, spec.scoring.max_windows
+    ).windows
     if not windows:
         raise SplitError(
             f"sweep {spec.name}: the dev split of corpus {spec.corpus} has no windows; "
