@@ -19,6 +19,7 @@ from healsweep.gguf_io import (
     ModelHparams,
     chat_template_summary,
     check_tensors,
+    check_tokenizer_fields,
     layer_bytes,
     read_gguf,
     tensor_storage,
@@ -58,6 +59,8 @@ def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = 
         raise GGUFFormatError(f"{path}: {exc}") from None
     tied = "output.weight" not in shapes
     check_tensors(header, arch.tensor_shapes(hp, tied_output=tied), hp.arch)
+    # the embedding's rows (and the output head's, which check_tensors held to n_vocab)
+    check_tokenizer_fields(header.fields, hp.n_vocab, str(path))
     return GGUFModel(header, hp, tokenizer_path)
 
 
