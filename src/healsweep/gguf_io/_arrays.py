@@ -12,12 +12,18 @@ iteration, ``in`` and ``==`` with a list work as they did on the lists.
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 _CHUNK = 1 << 16  # items turned into Python values at once while iterating
+
+
+class HeaderProblem(Exception):
+    """Something a GGUF header says that cannot be (a duplicate name, dims that overflow, an
+    array longer than the file); the message names it."""
 
 
 class _Array(Sequence):
@@ -86,21 +92,46 @@ class StringArray(_Array):
         return np.diff(self._starts) - self._prefix
 
 
+MAX_STRINGS = 1 << 22  # items of one string array (the largest vocabularies: ~260,000 tokens)
+_CHECK_STRINGS = 1 << 20  # strings whose UTF-8 is checked at once
+
+
 def read_strings(buf: Any, pos: int, count: int, order: str) -> tuple[StringArray, int]:
     """``count`` length-prefixed UTF-8 strings from ``buf`` at ``pos``; returns the array and
-    the position after it. Each string is checked to decode (UnicodeDecodeError) and to end
-    inside ``buf`` (EOFError)."""
-    length = struct.Struct(order + "Q")
-    size = len(buf)
-    starts = np.empty(count + 1, np.int64)  # sized by count: the caller bounds it by the file
-    first = at = pos
-    for i in range(count):
-        starts[i] = at - first
-        (n,) = length.unpack_from(buf, at)
-        end = at + 8 + n
-        if end > size:
+    the position after it. Raises EOFError for a string that runs past ``buf``,
+    UnicodeDecodeError for one that is not UTF-8, and HeaderProblem past :data:`MAX_STRINGS`
+    (the positions chain through each string's length, so reading costs a Python step per
+    string: about a second per million)."""
+    if count > MAX_STRINGS:
+        raise HeaderProblem(
+            f"an array of {count:,} strings, over the {MAX_STRINGS:,} healsweep reads"
+        )
+    unpack, size = struct.Struct(order + "Q").unpack_from, len(buf)
+    starts = array("q")
+    at = pos
+    for _ in range(count):
+        starts.append(at - pos)
+        at += 8 + unpack(buf, at)[0]
+        if at > size:
             raise EOFError("a string of a metadata array runs past the end of the file")
-        bytes(buf[at + 8 : end]).decode("utf-8")
-        at = end
-    starts[count] = at - first
-    return StringArray(bytes(buf[first:at]), starts, 8), at
+    starts.append(at - pos)
+    stored = bytes(buf[pos:at])
+    offsets = np.frombuffer(starts, np.int64)
+    for first in range(0, count, _CHECK_STRINGS):
+        _check_utf8(stored, offsets[first : first + _CHECK_STRINGS + 1])
+    return StringArray(stored, offsets, 8), at
+
+
+def _check_utf8(stored: bytes, starts: np.ndarray) -> None:
+    """The strings between ``starts`` decode: their bytes together decode, and none starts
+    inside a character (a continuation byte, 0b10xxxxxx), so no boundary splits one."""
+    base = int(starts[0])
+    raw = np.frombuffer(stored, np.uint8, int(starts[-1]) - base, base)
+    keep = np.ones(len(raw), bool)
+    for offset in range(8):  # the 8-byte length prefixes are not text
+        keep[starts[:-1] - base + offset] = False
+    raw[keep].tobytes().decode("utf-8")
+    firsts = starts[:-1] - base + 8
+    nonempty = firsts < starts[1:] - base
+    if np.any((raw[firsts[nonempty]] & 0xC0) == 0x80):
+        raise UnicodeDecodeError("utf-8", b"", 0, 1, "a string starts inside a character")

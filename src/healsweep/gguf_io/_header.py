@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from gguf import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUFValueType, Keys
 
-from healsweep.gguf_io._arrays import NumericArray, read_strings
+from healsweep.gguf_io._arrays import HeaderProblem, NumericArray, read_strings
 from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
 
 _SUPPORTED_VERSIONS = (2, 3)
@@ -37,11 +37,6 @@ class UnknownTensorType(Exception):
     def __init__(self, name: str, qtype: int):
         super().__init__(name, qtype)
         self.name, self.qtype = name, qtype
-
-
-class HeaderProblem(Exception):
-    """Something the header says that cannot be (a duplicate name, dims that overflow, an array
-    longer than the file); the message names it."""
 
 
 class TruncatedTensor(Exception):

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +136,7 @@ def healsweep_metadata(model: GGUFModel) -> dict[str, Any] | None:
                 value = json.loads(value)
             except ValueError:
                 pass
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, Sequence):  # a list, or gguf_io's arrays held as stored bytes
             value = [float(v) if not isinstance(v, str) else v for v in value]
         out[key[len(HEAL_PREFIX) :]] = value
     return out
