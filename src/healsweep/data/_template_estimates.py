@@ -64,25 +64,33 @@ def _written_width(text: Any) -> int:
     return max((int(d) if len(d) <= 12 else 10**12 for d in digits), default=0)
 
 
-def _nested_fields(text: str) -> bool:
-    """Whether a ``str.format`` string takes a width from its arguments (``{:>{}}``)."""
+def _nested_fields(text: str) -> list[str] | None:
+    """The field names a ``str.format`` string takes widths from (``{:>{}}`` → ``[""]``);
+    None when it does not parse (format() itself will fail)."""
     try:
-        return any(spec and "{" in spec for _, _, spec, _ in string.Formatter().parse(text))
+        parsed = list(string.Formatter().parse(text))
+        return [name or "" for _, _, spec, _ in parsed if spec and "{" in spec
+                for _, name, _, _ in string.Formatter().parse(spec) if name is not None]  # fmt: skip
     except ValueError:
-        return False  # format() itself will fail
+        return None
+
+
+_UNBOUNDED = 1 << 62  # what an estimate says when it cannot see the size it would build
 
 
 def _format(name: str, subject: str, args: tuple, kwargs: dict) -> int:
     """``'%*s' % (w, x)``, ``'%*s'|format(w, x)``, ``'{:>{}}'.format(x, w)``: the width is
-    written in the string or passed among the arguments."""
+    written in the string or passed among the arguments. A width read from an item or an
+    attribute of an argument (``{:{0[1]}}``) is not followed: refused as unbounded."""
     width = _written_width(subject)
+    nested = _nested_fields(subject) if name != "%" else []
     if name == "%" or "*" in subject:  # printf style: '*' takes an int argument
         width = max(width, _largest([*args, *kwargs.values()]))
-    elif _nested_fields(subject):
+    if nested:
+        if any("[" in field or "." in field for field in nested):
+            return _UNBOUNDED
         width = max(width, _largest([*args, *kwargs.values()], digit_strings=True))
     return len(subject) + width + sum(weight(a) for a in args) + sum(map(weight, kwargs.values()))
-
-
 def _pieces(text: str, sep: Any) -> int:
     """How many pieces splitting ``text`` at ``sep`` (whitespace when None) can give."""
     if isinstance(sep, str) and sep:
