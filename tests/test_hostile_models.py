@@ -393,3 +393,37 @@ def test_a_recorded_head_of_the_wrong_type_is_one_line(tmp_path):
     (sweep / "manifest.json").write_text(json.dumps({"ledger_heads": [head]}))
     with pytest.raises(LedgerError, match="records a ledger head with entries '1'"):
         checked_ledger(ledger, sweeps=[sweep])
+
+
+# --- confirm's memory: a compile per distinct scored-row count no more --------------------------
+
+
+def test_scoring_compiles_a_handful_of_shapes_whatever_the_row_counts(tmp_path, random_gguf):
+    """Each distinct row count of a window compiled the final norm, the teacher's log-softmax
+    (each primitive of it, eagerly) and a device slice anew, and every executable stayed in
+    memory: a plain `confirm` of the demo (542 test windows) passed 2.8 GB by window 238. Rows
+    are padded to buckets now, so 1..99 rows compile two final-norm shapes and one teacher
+    log-softmax per power of two."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from healsweep.model.forward import _final_norm, _final_norm_rows
+    from healsweep.score.teacher_cache import _log_softmax, run_teacher
+
+    h, weight = jnp.ones((1, 128, 16)), jnp.ones(16)
+    before = _final_norm_rows._cache_size()
+    for n in range(1, 100):
+        assert _final_norm(1e-6, h, weight, np.arange(n)).shape == (n, 16)
+    assert _final_norm_rows._cache_size() - before <= 2  # 64 and 128 rows
+
+    from healsweep.data.windows import Window
+    from healsweep.model import open_model
+
+    model = open_model(random_gguf())
+    windows = [Window(window_id=f"w{n}", doc_id="d", source="s", doc_index=1, stratum="think",
+                      split="dev", kind="think", tokens=np.arange(2, 6 + n, dtype=np.int32),
+                      scored_from=4, n_scored=n) for n in (3, 9, 17, 40)]  # fmt: skip
+    before = _log_softmax()._cache_size()
+    outputs = run_teacher(model, windows)
+    assert [len(o.logprobs) for o in outputs] == [w.n_scored for w in windows]
+    assert _log_softmax()._cache_size() - before <= 4  # 8, 16, 32, 64 rows
