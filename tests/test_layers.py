@@ -31,6 +31,7 @@ LAYER_OF = {
     "_cache_disk": "base",
     "settings_errors": "base",  # one translator of settings files' problems (specs, knob files)
     "_rss": "base",
+    "_malloc": "base",  # glibc arenas capped as the command line starts
     "profile": "base",
     "threads": "base",
     "cache": "base",
