@@ -34,6 +34,7 @@ LAYER_OF = {
     "_rss": "base",
     "_inputs": "base",  # bounded reading of a user's files, output paths checked first
     "_yaml_input": "base",  # the one bounded YAML loader of settings files
+    "_malloc": "base",  # glibc arenas capped as the command line starts
     "profile": "base",
     "threads": "base",
     "cache": "base",

@@ -31,9 +31,10 @@ SUMMARY_HEAD = "ledger_head"
 def _read(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(read_text(path, "head record", 64 * MIB, error=ResultsError))
-    except (OSError, json.JSONDecodeError, RecursionError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON
+        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise ResultsError(
-            f"{path} is unreadable ({exc}); it records a ledger head, so the ledger cannot be "
+            f"{path} is unreadable ({detail}); it records a ledger head, so the ledger cannot be "
             "checked without it: restore it"
         ) from None
     return data if isinstance(data, dict) else {}
@@ -45,7 +46,8 @@ def heads_in(sweep_dir: str | Path) -> list[tuple[Path, dict[str, Any]]]:
     found: list[tuple[Path, dict[str, Any]]] = []
     manifest = sweep_dir / MANIFEST_FILE
     if manifest.is_file():
-        found += [(manifest, h) for h in _read(manifest).get("ledger_heads", [])
+        recorded = _read(manifest).get("ledger_heads")
+        found += [(manifest, h) for h in (recorded if isinstance(recorded, list) else [])
                   if isinstance(h, dict)]  # fmt: skip
     for summary in sorted(sweep_dir.glob(SUMMARY_GLOB)):
         head = _read(summary).get(SUMMARY_HEAD)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from healsweep._malloc import cap_arenas
 from healsweep.cli._apps import app
 from healsweep.errors import HealsweepError
 
@@ -53,6 +54,7 @@ def _one_line(message: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script; never shows a traceback unless ``--debug``."""
 
+    cap_arenas()  # before any thread starts (see healsweep._malloc)
     _register()
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args

@@ -169,15 +169,12 @@ class ChatFormat:
     def _render(
         self, messages: list[dict[str, str]], add_generation_prompt: bool, what: str
     ) -> str:
-        try:
-            compiled = _compile(self.template)
-        except Exception as exc:  # jinja2.TemplateSyntaxError and friends
-            raise ChatTemplateError(
-                f"{self.source}: tokenizer.chat_template does not compile ({_first_line(exc)}); "
-                + _FIX
-            ) from exc
+        # One budget covers the compile too: what Jinja still evaluates while it compiles (an
+        # ``{% autoescape %}`` value; constant folding is off, see make_environment) runs the
+        # same guarded filters, so it is bounded like the render.
         try:
             with budgeted(self.limits):
+                compiled = self._compiled()
                 return compiled.render(
                     messages=messages,
                     tools=None,
@@ -192,10 +189,23 @@ class ChatFormat:
                 "template raise HEALSWEEP_TEMPLATE_SECONDS / HEALSWEEP_TEMPLATE_MIB, otherwise "
                 + _FIX
             ) from None
+        except ChatTemplateError:
+            raise
         except Exception as exc:  # raise_exception(), undefined names, type errors in the template
             raise ChatTemplateError(
                 f"{self.source}: tokenizer.chat_template failed on {what} "
                 f"({type(exc).__name__}: {_first_line(exc)}); " + _FIX
+            ) from exc
+
+    def _compiled(self) -> Any:
+        try:
+            return _compile(self.template)
+        except RenderLimitExceeded:
+            raise
+        except Exception as exc:  # jinja2.TemplateSyntaxError and friends
+            raise ChatTemplateError(
+                f"{self.source}: tokenizer.chat_template does not compile ({_first_line(exc)}); "
+                + _FIX
             ) from exc
 
 

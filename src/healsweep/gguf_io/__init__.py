@@ -32,6 +32,7 @@ from healsweep.gguf_io._tokenizer import (
     load_tokenizer_file,
     tokenizer_metadata_from_tokenizer,
 )
+from healsweep.gguf_io._tokenizer_checks import check_tokenizer_fields
 from healsweep.gguf_io._writer import encode_tensor, write_gguf
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "build_tokenizer",
     "chat_template_summary",
     "check_tensors",
+    "check_tokenizer_fields",
     "element_shape",
     "encode_tensor",
     "file_fingerprint",

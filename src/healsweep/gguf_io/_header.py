@@ -9,6 +9,7 @@ tensor infos, aligned data) with gguf-py's constants, and maps tensor types to
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from gguf import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUFValueType, Keys
 
+from healsweep.gguf_io._arrays import HeaderProblem, NumericArray, read_strings
 from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
 
 _SUPPORTED_VERSIONS = (2, 3)
@@ -130,11 +132,17 @@ class _Cursor:
         item_type = GGUFValueType(self.scalar("I"))
         count = self.scalar("Q")
         fmt = SCALAR_FORMATS.get(item_type)
-        if fmt is not None and item_type != GGUFValueType.BOOL:
+        smallest = struct.calcsize(fmt) if fmt else 8  # a string's or an array's length prefix
+        if count > (len(self.buf) - self.pos) // smallest:
+            raise HeaderProblem(f"an array of {count:,} items runs past the end of the file")
+        if fmt is not None:  # kept as stored: see _arrays
             dtype = np.dtype(fmt).newbyteorder(self.order)
-            items = np.frombuffer(self.buf, dtype, count, self.pos)
+            items = np.frombuffer(self.buf, dtype, count, self.pos).astype(dtype.newbyteorder("="))
             self.pos += items.nbytes
-            return items.tolist(), item_type
+            return NumericArray(items), item_type
+        if item_type == GGUFValueType.STRING:
+            strings, self.pos = read_strings(self.buf, self.pos, count, self.order)
+            return strings, item_type
         return [self.value(item_type)[0] for _ in range(count)], item_type
 
 
@@ -164,13 +172,16 @@ def read_header(path: Path) -> GGUFHeader:
             value_type = GGUFValueType(cur.scalar("I"))
             value, item_type = cur.value(value_type)
             if name in fields:
-                raise KeyError(f"duplicate metadata key {name}")
+                raise HeaderProblem(f"metadata key {_quoted(name)} appears twice")
             fields[name] = Field(name, offset, cur.pos, value_type, item_type, value)
         kv_end = cur.pos
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
-            dims = tuple(cur.scalar("Q") for _ in range(cur.scalar("I")))
+            n_dims = cur.scalar("I")
+            if n_dims > _MAX_DIMS:
+                raise HeaderProblem(f"tensor {_quoted(name)} has {n_dims} dims; ggml has at most 4")
+            dims = tuple(cur.scalar("Q") for _ in range(n_dims))
             qtype, offset = cur.scalar("I"), cur.scalar("Q")
             infos.append((name, dims, qtype, offset))
         header_end = cur.pos
@@ -190,10 +201,9 @@ def read_header(path: Path) -> GGUFHeader:
         if qtype not in _TYPE_IDS:
             raise UnknownTensorType(name, qtype)
         if name in names:
-            raise ValueError(f"duplicate tensor {name}")
+            raise HeaderProblem(f"tensor {_quoted(name)} appears twice")
         names.add(name)
-        block, type_size = QUANT_SIZES[TensorType(qtype)]
-        n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
+        n_bytes = _stored_bytes(name, dims, TensorType(qtype), size)
         start = data_offset + offset
         if start + n_bytes > size:
             raise TruncatedTensor(name, start + n_bytes, size)
@@ -203,3 +213,32 @@ def read_header(path: Path) -> GGUFHeader:
 
 
 _TYPE_IDS = frozenset(int(t) for t in QUANT_SIZES)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+def _quoted(name: str) -> str:
+    """A name from the file, for a message: quoted, at most 80 characters of it."""
+    return repr(name if len(name) <= 80 else name[:77] + "...")
+
+
+def _stored_bytes(name: str, dims: tuple[int, ...], qtype: TensorType, size: int) -> int:
+    """Bytes a tensor of ``dims`` stores, in exact integers: refused when a dim is 0, the rows
+    do not hold whole blocks, or the count passes 2**63 or the file's size (a product of
+    uint64 dims overflowed int64 in numpy before, and a negative size passed every check)."""
+    block, type_size = QUANT_SIZES[qtype]
+    elements = math.prod(dims)
+    if not dims or elements == 0 or elements >= 1 << 63:
+        raise HeaderProblem(f"tensor {_quoted(name)} has dims {_dims(dims)}: "
+                            f"{elements:,} elements (expected 1 to 2**63 - 1)")  # fmt: skip
+    if dims[0] % block:
+        raise HeaderProblem(f"tensor {_quoted(name)} has rows of {dims[0]:,} values, not a "
+                            f"multiple of the {block}-value blocks of its type {qtype.name}")  # fmt: skip
+    n_bytes = elements // block * type_size
+    if n_bytes > size:
+        raise HeaderProblem(f"tensor {_quoted(name)} has dims {_dims(dims)}: {n_bytes:,} bytes "
+                            f"of data, more than the file's {size:,} bytes")  # fmt: skip
+    return n_bytes
+
+
+def _dims(dims: tuple[int, ...]) -> str:
+    return "(" + ", ".join(f"{d:,}" if d < 1 << 20 else f"{d:.3g}" for d in dims) + ")"

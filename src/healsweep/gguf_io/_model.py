@@ -24,6 +24,7 @@ from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io._ggml_types import QUANT_SIZES, TensorType
 from healsweep.gguf_io._header import (
     GGUFHeader,
+    HeaderProblem,
     TruncatedTensor,
     UnknownTensorType,
     read_header,
@@ -342,10 +343,15 @@ def read_gguf(path_or_demo: str | Path) -> GGUFHeader:
             f"{path} is truncated: tensor {cut.name} ends at byte {cut.end} but the file has "
             f"{cut.size} bytes; re-download or re-export the file"
         ) from None
-    except Exception as exc:  # struct.error, ValueError, ... on a cut or damaged header
+    except HeaderProblem as problem:
         raise GGUFFormatError(
-            f"{path} is truncated or corrupt in its header ({type(exc).__name__}); "
-            "re-download or re-export the file"
+            f"{path} is corrupt in its header: {problem}; re-download or re-export the file"
+        ) from None
+    except Exception as exc:  # struct.error, ValueError, ... on a cut or damaged header
+        detail = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise GGUFFormatError(
+            f"{path} is truncated or corrupt in its header ({type(exc).__name__}"
+            f"{': ' + detail if detail else ''}); re-download or re-export the file"
         ) from exc
 
 

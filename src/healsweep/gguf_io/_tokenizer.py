@@ -20,6 +20,7 @@ from gguf import Keys
 
 from healsweep._inputs import MIB, read_text
 from healsweep.errors import TokenizerError
+from healsweep.gguf_io._tokenizer_checks import check_merges
 
 TOKENIZER_FILE_LIMIT = 256 * MIB  # a tokenizer.json of 10^6 tokens and merges is ~100 MiB
 
@@ -126,18 +127,26 @@ def build_tokenizer(meta: TokenizerMetadata, where: str = "the GGUF"):
             "the tokenizer metadata is corrupt, re-export the GGUF"
         )
     vocab = {tok: i for i, tok in enumerate(meta.tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta.merges]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-    tokenizer.pre_tokenizer = byte_level_pre_tokenizer(patterns)
-    tokenizer.decoder = decoders.ByteLevel()
-    added = [
-        AddedToken(tok, special=kind == TOKEN_CONTROL, normalized=False)
-        for tok, kind in zip(meta.tokens, meta.token_types, strict=True)
-        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
-    ]
-    # add_tokens/add_special_tokens keep the ids the vocabulary already gives these strings.
-    tokenizer.add_special_tokens([a for a in added if a.special])
-    tokenizer.add_tokens([a for a in added if not a.special])
+    merges = check_merges(meta.merges, vocab, where)
+    try:
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+        tokenizer.pre_tokenizer = byte_level_pre_tokenizer(patterns)
+        tokenizer.decoder = decoders.ByteLevel()
+        added = [
+            AddedToken(tok, special=kind == TOKEN_CONTROL, normalized=False)
+            for tok, kind in zip(meta.tokens, meta.token_types, strict=True)
+            if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+        ]
+        # add_tokens/add_special_tokens keep the ids the vocabulary already gives these strings.
+        tokenizer.add_special_tokens([a for a in added if a.special])
+        tokenizer.add_tokens([a for a in added if not a.special])
+    except Exception as exc:  # tokenizers raises bare Exceptions; what it refused, in one line
+        detail = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise TokenizerError(
+            f"{where}: the tokenizer metadata ({Keys.Tokenizer.LIST}, {Keys.Tokenizer.MERGES}) "
+            f"does not build a BPE tokenizer ({detail}); re-export the GGUF or pass a "
+            "tokenizer.json with --tokenizer"
+        ) from exc
     return tokenizer
 
 

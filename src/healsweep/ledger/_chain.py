@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,21 @@ _REQUIRED = {
     "confirm-open": ("time", "user", "split_lock_id", "milestone", "config_hashes", "trial_ids"),
     "confirm-resume": ("time", "user", "open_hash"),
     "confirm-result": ("time", "user", "open_hash", "result_hash"),
+}
+MAX_LINE = 1 << 20  # characters of one entry (an opening of 1,000 configs is ~150 KB)
+MAX_DEPTH = 4  # entries are objects of strings, numbers and lists of strings: depth 2
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_STR, _STRS, _HASH, _SEQ = "a string", "a list of strings", "a 64-digit hex hash", "an integer"
+FIELD_TYPES = {  # every field healsweep writes or reads, and its type
+    "kind": _STR, "time": _STR, "user": _STR, "split_lock_id": _STR, "milestone": _STR,
+    "replaces_split_lock_id": _STR, "result_hash": _STR, "open_hash": _STR,
+    "config_hashes": _STRS, "trial_ids": _STRS, "seq": _SEQ, "hash": _HASH, "prev_hash": _HASH,
+}  # fmt: skip
+_IS = {
+    _STR: lambda v: isinstance(v, str),
+    _STRS: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    _HASH: lambda v: isinstance(v, str) and _HEX64.fullmatch(v) is not None,
+    _SEQ: lambda v: isinstance(v, int) and not isinstance(v, bool),
 }
 RESTORE_HINT = (
     "restore the ledger from a backup or version control, then run `healsweep ledger verify`"
@@ -62,12 +78,7 @@ def parse_lines(text: str, where: str) -> list[dict[str, Any]]:
     entries: list[dict[str, Any]] = []
     prev = GENESIS_HASH
     for line_no, line in enumerate(text.splitlines(), start=1):
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            raise _bad(where, line_no, "not a JSON object (edited or truncated)") from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("hash"), str):
-            raise _bad(where, line_no, "not a ledger entry (no hash field)")
+        entry = _parsed(line, where, line_no)
         if entry_hash(entry) != entry["hash"]:
             raise _bad(where, line_no, "its hash does not match its content (the entry was edited)")
         if entry.get("seq") != line_no - 1:
@@ -89,6 +100,41 @@ def parse_lines(text: str, where: str) -> list[dict[str, Any]]:
         prev = entry["hash"]
     _check_semantics(entries, where)
     return entries
+
+
+def _parsed(line: str, where: str, line_no: int) -> dict[str, Any]:
+    """One line as an entry whose every known field has its type, before anything hashes or
+    compares it (a list where a string belongs used to end in a TypeError)."""
+    if len(line) > MAX_LINE:
+        raise _bad(where, line_no, f"a line of {len(line):,} characters, over the "
+                                   f"{MAX_LINE:,} a ledger entry may have")  # fmt: skip
+    try:
+        entry = json.loads(line)
+    except (ValueError, RecursionError):  # JSONDecodeError; nesting past the parser's stack
+        raise _bad(where, line_no, "not a JSON object (edited or truncated)") from None
+    if _depth(entry) > MAX_DEPTH:
+        raise _bad(where, line_no, f"values nested more than {MAX_DEPTH} deep (not a ledger entry)")
+    if not isinstance(entry, dict) or not isinstance(entry.get("hash"), str):
+        raise _bad(where, line_no, "not a ledger entry (no hash field)")
+    for field, kind in FIELD_TYPES.items():
+        if field in entry and not _IS[kind](entry[field]):
+            shown = canonical_json(entry[field])
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise _bad(where, line_no, f"field {field!r} is {shown}; expected {kind}")
+    return entry
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in ``value`` (1 for a flat object), counted without
+    recursion and stopping past :data:`MAX_DEPTH`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_DEPTH:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict)
+                                                       else item)]  # fmt: skip
+    return deepest
 
 
 def _check_fields(entry: Mapping[str, Any], where: str, line_no: int) -> None:

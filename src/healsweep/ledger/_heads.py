@@ -49,9 +49,9 @@ def check_extends(ledger: Any, heads: Iterable[tuple[str, Head]]) -> list[dict[s
     not extend (the ledger is missing, shorter, or has another entry at that position)."""
     path = Path(ledger.path)
     entries = ledger.entries()
+    recorded = [(where, *_recorded(where, head)) for where, head in heads]
     # the longest head first: it says most about what is missing
-    for where, head in sorted(heads, key=lambda h: -int(h[1].get("entries", 0))):
-        n, expected = int(head.get("entries", 0)), head.get("hash")
+    for where, n, expected in sorted(recorded, key=lambda h: -h[1]):
         if n <= 0:
             continue
         if not path.exists():
@@ -71,3 +71,17 @@ def check_extends(ledger: Any, heads: Iterable[tuple[str, Head]]) -> list[dict[s
                 f"({str(expected)[:12]}...): the ledger was rewritten or replaced; {RESTORE_HINT}"
             )
     return entries
+
+
+def _recorded(where: str, head: Head) -> tuple[int, str | None]:
+    """``(entries, hash)`` of a recorded head, each of its type, before either is compared."""
+    n, digest = head.get("entries", 0), head.get("hash")
+    if (not isinstance(n, int) or isinstance(n, bool) or n < 0
+            or (n > 0 and not isinstance(digest, str))):  # fmt: skip
+        shown = repr(n) if isinstance(n, int | str) else type(n).__name__
+        raise LedgerError(
+            f"{where} records a ledger head with entries {shown[:40]} and a hash of type "
+            f"{type(digest).__name__} (expected a count and a hex hash): the file was edited; "
+            f"{RESTORE_HINT}"
+        )
+    return n, digest

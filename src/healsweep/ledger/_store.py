@@ -81,16 +81,33 @@ def locked(path: Path, exclusive: bool, timeout: float) -> Iterator[None]:
 def _read_head(path: Path) -> dict[str, Any] | None:
     hp = head_path(path)
     try:
-        head = json.loads(read_text(hp, "ledger head record", MIB, error=LedgerError))
+        head = json.loads(read_text(hp, "ledger head record", _HEAD_BYTES, error=LedgerError))
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON
+        detail = exc.strerror if isinstance(exc, OSError) else type(exc).__name__
         raise LedgerError(
-            f"the ledger head record {hp} is unreadable ({exc}); {RESTORE_HINT}"
-        ) from exc
-    if not isinstance(head, dict) or "entries" not in head or "hash" not in head:
-        raise LedgerError(f"the ledger head record {hp} is malformed; {RESTORE_HINT}")
+            f"the ledger head record {hp} is unreadable ({detail}); {RESTORE_HINT}"
+        ) from None
+    if not _is_head(head) or ("pending" in head and not _is_head(head["pending"])):
+        raise LedgerError(
+            f"the ledger head record {hp} is malformed (expected an entry count and a 64-digit "
+            f"hex hash); {RESTORE_HINT}"
+        )
     return head
+
+
+_HEAD_BYTES = 4096  # a head record is ~200 bytes
+
+
+def _is_head(record: Any) -> bool:
+    """``{"entries": n >= 0, "hash": 64 hex digits, ...}``."""
+    if not isinstance(record, dict):
+        return False
+    entries, digest = record.get("entries"), record.get("hash")
+    return (isinstance(entries, int) and not isinstance(entries, bool) and entries >= 0
+            and isinstance(digest, str) and len(digest) == 64
+            and all(c in "0123456789abcdef" for c in digest))  # fmt: skip
 
 
 def _same(state: Mapping[str, Any], record: Mapping[str, Any] | None) -> bool:

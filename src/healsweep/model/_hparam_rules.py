@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from healsweep.errors import GGUFFormatError
@@ -54,8 +54,13 @@ _EXPECTED = {
 }
 
 
+def _is_array(raw: Any) -> bool:
+    """A metadata array (a list, or gguf_io's arrays held as stored bytes)."""
+    return isinstance(raw, Sequence) and not isinstance(raw, str | bytes)
+
+
 def _show(raw: Any) -> str:
-    if isinstance(raw, list):
+    if _is_array(raw):
         return f"an array of {len(raw)} values"
     text = repr(raw)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -74,7 +79,7 @@ def checked_value(key: str, field: str, raw: Any) -> Any:
         "any": True,
     }[kind]  # fmt: skip
     if not ok:
-        per_layer = " (per-layer values are not supported)" if isinstance(raw, list) else ""
+        per_layer = " (per-layer values are not supported)" if _is_array(raw) else ""
         raise GGUFFormatError(
             f"{key} is {_show(raw)}; expected {_EXPECTED[kind]}{per_layer}: {_INCONSISTENT}"
         )

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from healsweep.gguf_io import (
     ModelHparams,
     chat_template_summary,
     check_tensors,
+    check_tokenizer_fields,
     layer_bytes,
     read_gguf,
     tensor_storage,
@@ -58,6 +59,8 @@ def open_model(path_or_demo: str | Path, *, tokenizer_path: str | Path | None = 
         raise GGUFFormatError(f"{path}: {exc}") from None
     tied = "output.weight" not in shapes
     check_tensors(header, arch.tensor_shapes(hp, tied_output=tied), hp.arch)
+    # the embedding's rows (and the output head's, which check_tensors held to n_vocab)
+    check_tokenizer_fields(header.fields, hp.n_vocab, str(path))
     return GGUFModel(header, hp, tokenizer_path)
 
 
@@ -133,7 +136,7 @@ def healsweep_metadata(model: GGUFModel) -> dict[str, Any] | None:
                 value = json.loads(value)
             except ValueError:
                 pass
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, Sequence):  # a list, or gguf_io's arrays held as stored bytes
             value = [float(v) if not isinstance(v, str) else v for v in value]
         out[key[len(HEAL_PREFIX) :]] = value
     return out

@@ -107,8 +107,21 @@ def _block(hp: ModelHparams, tile: int, capture: bool, dense: bool, w: dict[str,
 
 
 @partial(jax.jit, static_argnums=(0,))
-def _final_norm(eps: float, h, weight, rows):
+def _final_norm_rows(eps: float, h, weight, rows):
     return rms_norm(h.reshape(-1, h.shape[-1])[rows], weight, eps)  # [N, D]
+
+
+def _final_norm(eps: float, h, weight, rows) -> np.ndarray:
+    """The final norm of the ``rows`` (flat token indices) of ``h``: ``[N, D]`` on the host.
+    The rows are padded to a multiple of :data:`PAD_MULTIPLE` (repeating row 0) and the
+    padding dropped on the host, so a handful of shapes compile: a compile per distinct row
+    count (and a device slice per count) kept every executable in memory, several MB a
+    scored window over a test split (issue 47)."""
+    rows = np.asarray(rows, np.int32)
+    n = len(rows)
+    padded = np.zeros(-(-max(n, 1) // PAD_MULTIPLE) * PAD_MULTIPLE, np.int32)
+    padded[:n] = rows
+    return np.asarray(_final_norm_rows(eps, h, weight, jnp.asarray(padded)))[:n]
 
 
 def device_weight(model: GGUFModel, name: str) -> Any:
@@ -337,9 +350,7 @@ def forward(
             if pos.size and (pos.min() < 0 or pos.max() >= n):
                 raise ValueError(f"forward: logits_for[{b}] has positions outside [0, {n})")
     rows = np.concatenate([b * padded_len + p for b, p in enumerate(wanted)]).astype(np.int32)
-    hidden = _final_norm(
-        hp.rms_norm_eps, h, jnp.asarray(model.tensor("output_norm.weight")), jnp.asarray(rows)
-    )
+    hidden = _final_norm(hp.rms_norm_eps, h, jnp.asarray(model.tensor("output_norm.weight")), rows)
     head = _head(replacements, "output.weight")
     if head is None and "output.weight" not in model.tensor_names:  # tied: the embedding's
         head = _head(replacements, "token_embd.weight")
@@ -406,8 +417,8 @@ def forward_each(
         if pos.size and (pos.min() < 0 or pos.max() >= n):
             raise ValueError(f"forward_each: logits_for[{b}] has positions outside [0, {n})")
         wanted.append(pos)
-    hidden = jnp.concatenate([_final_norm(hp.rms_norm_eps, h, norm, jnp.asarray(p, jnp.int32))
-                              for h, p in zip(hs, wanted, strict=True)])  # fmt: skip
+    hidden = np.concatenate([_final_norm(hp.rms_norm_eps, h, norm, p)
+                             for h, p in zip(hs, wanted, strict=True)])  # fmt: skip
     logits = _logits(model, hidden, row_block=HEAD_ROWS)
     return ForwardResult(
         logits=list(np.split(logits, np.cumsum([len(p) for p in wanted])[:-1])),

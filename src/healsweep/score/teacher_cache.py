@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
+from functools import cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -89,19 +90,32 @@ def teacher_key(model: GGUFModel, window: Window, fmt: str | TeacherCacheFormat 
 def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutput]:
     """The teacher's outputs over ``windows`` (no cache), each window's a function of that
     window alone (:func:`~healsweep.model.forward_each`)."""
-    # lazy: heavy (jax)
-    from healsweep.kernels.kld import log_softmax
-
     # lazy: heavy (gguf, jax)
     from healsweep.model import forward_each
+    from healsweep.score.metrics import _bucket, _pad_rows
 
     positions = [scored_positions(w) for w in windows]
     result = forward_each(model, [w.tokens for w in windows], logits_for=positions)
     outputs = []
     for logits, router, pos in zip(result.logits, result.router, positions, strict=True):
-        logprobs = log_softmax(logits)  # [n, V] on the device: a compact record is made there
+        # rows padded as the scorer pads them: one compiled log-softmax per bucket, not each
+        # primitive per row count (which kept ~20 executables per distinct count in memory);
+        # the [n, V] log-probs stay on the device, where the compact record is made
+        n = len(pos)
+        logprobs = _log_softmax()(_pad_rows(logits, _bucket(n)))[:n]  # [n, V]
         outputs.append(TeacherOutput(logprobs, np.asarray(router[pos], dtype=np.int32)))
     return outputs
+
+
+@cache
+def _log_softmax() -> Any:
+    """:func:`~healsweep.kernels.kld.log_softmax`, jitted once."""
+    # lazy: heavy (jax)
+    import jax
+
+    from healsweep.kernels.kld import log_softmax
+
+    return jax.jit(log_softmax)
 
 
 def _entry(
