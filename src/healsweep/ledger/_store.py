@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from healsweep._atomic import atomic_file
-from healsweep._inputs import MIB, read_text
+from healsweep._inputs import MIB, read_bytes, read_text
 from healsweep.errors import LedgerError
 from healsweep.ledger._chain import RESTORE_HINT, head_of, parse_lines, seal
 
@@ -81,7 +81,8 @@ def locked(path: Path, exclusive: bool, timeout: float) -> Iterator[None]:
 def _read_head(path: Path) -> dict[str, Any] | None:
     hp = head_path(path)
     try:
-        head = json.loads(read_text(hp, "ledger head record", _HEAD_BYTES, error=LedgerError))
+        # bytes, so bad UTF-8 is reported below with the advice to restore the record
+        head = json.loads(read_bytes(hp, "ledger head record", _HEAD_BYTES, error=LedgerError))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON

@@ -113,6 +113,7 @@ def _log_softmax() -> Any:
     # lazy: heavy (jax)
     import jax
 
+    # lazy: heavy (jax)
     from healsweep.kernels.kld import log_softmax
 
     return jax.jit(log_softmax)
