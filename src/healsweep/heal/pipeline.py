@@ -303,12 +303,14 @@ class _Healed(NamedTuple):
 
 def _heal_layers(run: StageRunner, plan: TrialPlan, say: Progress) -> _Healed:
     """Heal the MoE layers in order, each layer's arrays let go before the next one's teacher
-    weights are read; Part B's held-out diagnostics are collected at the end (at most
-    :data:`HELDOUT_THREADS` of them pending, so their inputs never pile up)."""
+    weights are read; Part B's held-out diagnostics are collected at the end. At most
+    :func:`_heldout_backlog` of them are pending while the next layers heal, so their inputs
+    (the layer's basis, B and fit) never pile up."""
     hp = plan.model.hparams
     healed = _Healed([], [], [], {})
     heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
     ahead = _basis_ahead(run, plan.model, plan.knobs, plan.trace)
+    backlog = _heldout_backlog()
     for n, i in enumerate(hp.moe_layers):
         run.layer = i
         if n + 1 < len(hp.moe_layers):
@@ -316,7 +318,7 @@ def _heal_layers(run: StageRunner, plan: TrialPlan, say: Progress) -> _Healed:
         layer = _heal_layer(run, _layer_inputs(run, plan, i, plan.diagnostics))
         if layer.folds is not None:
             heldout.append((layer.report, layer.folds))
-            _wait_heldout(run, heldout[:-HELDOUT_THREADS], plan.knobs)
+            _wait_heldout(run, heldout[: len(heldout) - backlog], plan.knobs)
         if layer.shexp is not None and i in plan.shexp_targets:
             healed.shexp_types[i] = plan.shexp_targets[i][0].ggml_id
         healed.alphas.append(layer.alpha)
@@ -333,6 +335,15 @@ def _heal_layers(run: StageRunner, plan: TrialPlan, say: Progress) -> _Healed:
             + ", ".join(f"{100 * r['ridge']['heldout_change']:+.2f}%" for r, _ in heldout),
         )
     return healed
+
+
+def _heldout_backlog() -> int:
+    """Held-out diagnostics left running beside the next layers: :data:`HELDOUT_THREADS` on an
+    accelerator, where their host solves overlap the device's work; none on the CPU backend,
+    where they would share the next layer's cores and hold a second layer's basis, B, fit and
+    solver buffers at that layer's peak (the 2-layer A2.7B slice's second layer peaked 630 MiB
+    above its first with the first layer's diagnostic running beside it, issue 46)."""
+    return 0 if jax.default_backend() == "cpu" else HELDOUT_THREADS
 
 
 def _wait_heldout(run: StageRunner, pending: list[tuple[dict[str, Any], Future]],
