@@ -90,5 +90,6 @@ def test_a_trials_owned_memory_does_not_grow_with_depth(tmp_path, tiny_tokenizer
                                   tokenizer=tiny_tokenizer, **SHAPE)  # fmt: skip
         peaks[layers] = peak_owned_mib(path, tmp_path / f"cache{layers}")
         record_property(f"peak_owned_mib_{layers}_layers", round(peaks[layers], 1))
+    print(f"peak owned memory: {peaks[2]:.0f} MiB at 2 layers, {peaks[8]:.0f} MiB at 8")
     assert peaks[2] > 100  # the sampler saw the trial
     assert peaks[8] <= peaks[2] + SLACK_MIB, peaks
