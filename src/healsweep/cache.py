@@ -8,9 +8,9 @@ at most ``PIECE`` bytes of its data), then the arrays' raw bytes, each at a 64-b
 It is written to a temp file and renamed into place, so a reader sees a whole entry or none; a
 truncated or corrupt entry fails a checksum, is deleted and recomputed, never used.
 
-Reading maps the file (read-only) and checks the pieces on several threads; the arrays are
-read-only views of that mapping, so a hit costs one parallel pass of sha256 over pages the OS
-keeps in its page cache, and no memory of the process's own: a streamed trial reads each
+Reading maps the file (read-only; a file under a MiB is read instead) and checks the pieces on
+several threads; the arrays are read-only views of that mapping, so a hit costs one parallel
+pass of sha256 over pages the OS keeps in its page cache, and no memory of the process's own: a streamed trial reads each
 layer's entries back when it scores, and what it holds stays one layer's, however deep the
 model (a quantized layer of a real-size model is hundreds of MB). An entry is never changed in
 place (written to a temp file and renamed, deleted by unlink, which leaves a mapping whole), so
@@ -77,6 +77,10 @@ _DIGEST_BYTES = 32
 _HEAD = len(_MAGIC) + _DIGEST_BYTES + 8  # magic, sha256 of the header, header length (u64 LE)
 _ALIGN = 64
 PIECE = 32 << 20  # bytes of array data per checksum (pieces are checked in parallel)
+# Entries of at least this many bytes are mapped, smaller ones read: a worker may keep many
+# thousands of small entries (teacher records), and each mapping counts against the kernel's
+# limit on a process's mappings (vm.max_map_count, 65,530 by default).
+MAP_MIN_BYTES = 1 << 20
 log = logging.getLogger(__name__)
 
 
@@ -630,16 +634,34 @@ def _layout(
     return head + body, data
 
 
+def _read_small(fh: Any, size: int) -> np.ndarray | None:
+    """A small entry file read whole into a read-only buffer (None if it ends early)."""
+    buffer = np.empty(size, np.uint8)
+    filled, view = 0, memoryview(buffer)
+    while filled < size:
+        got = fh.readinto(view[filled:])
+        if not got:
+            return None
+        filled += got
+    buffer.flags.writeable = False
+    return buffer
+
+
 def _read(path: Path, verify: bool = True) -> tuple[dict[str, np.ndarray], dict, int] | None:
-    """The arrays (read-only views of a read-only mapping of the file), metadata and the file's
-    size, or None when the entry is not whole: a short file, a wrong magic or any checksum
+    """The arrays (read-only views of a read-only mapping of the file, or of a copy for a file
+    under :data:`MAP_MIN_BYTES`), metadata and the file's size, or None when the entry is not whole: a short file, a wrong magic or any checksum
     that does not match (``verify=False``: the data's checksums are not checked, for a file
     this process has just written from the bytes it checksummed)."""
     with open(path, "rb", buffering=0) as fh:
         size = os.fstat(fh.fileno()).st_size
         if size < _HEAD:
             return None
-        mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)  # outlives the fd
+        if size >= MAP_MIN_BYTES:
+            mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)  # outlives the fd
+        else:
+            mapped = _read_small(fh, size)
+            if mapped is None:
+                return None
     view = memoryview(mapped)
     if bytes(view[: len(_MAGIC)]) != _MAGIC:
         return None
