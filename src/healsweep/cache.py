@@ -10,9 +10,9 @@ truncated or corrupt entry fails a checksum, is deleted and recomputed, never us
 
 Reading maps the file (read-only; a file under a MiB is read instead) and checks the pieces on
 several threads; the arrays are read-only views of that mapping, so a hit costs one parallel
-pass of sha256 over pages the OS keeps in its page cache, and no memory of the process's own: a streamed trial reads each
-layer's entries back when it scores, and what it holds stays one layer's, however deep the
-model (a quantized layer of a real-size model is hundreds of MB). An entry is never changed in
+pass of sha256 over pages the OS keeps in its page cache, and no memory of the process's own:
+a streamed trial reads each layer's entries back when it scores, and what it holds stays one
+layer's, however deep the model (a quantized layer of a real-size model is hundreds of MB). An entry is never changed in
 place (written to a temp file and renamed, deleted by unlink, which leaves a mapping whole), so
 the bytes a mapping serves stay the ones that were checked. Entries read or written lately stay
 mapped, least recently used first out, up to ``HEALSWEEP_RECENT_GB`` of mapped bytes (default:
