@@ -424,6 +424,15 @@ def test_a_trial_in_a_cache_that_keeps_nothing_computes_each_stage_once_and_the_
     n = model.hparams.n_layer
     assert cache.computed["calib_trace"] == 1 and cache.computed["quantize"] == 2 * n
     assert all(v == n for s, v in cache.computed.items() if s not in ("calib_trace", "quantize"))
+    done = activity_since(before)
+    # nothing was evicted while the trial held it; everything is on disk, counted byte for byte
+    # (counted before the students' layers are read back below: the free cache's are read from
+    # its files, the recent entries having been cleared)
+    assert not done["evicted"]
+    assert stage_bytes(done) == {
+        stage: {"written": size, "read": 0}
+        for stage, size in _stage_sizes(tmp_path / "tight").items()
+    }
     for i, layer in free.replacements.items():
         for name in ("gate_exps", "up_exps", "down_exps", "down_shexp"):
             want = jax.tree_util.tree_leaves(getattr(layer, name))
@@ -431,13 +440,6 @@ def test_a_trial_in_a_cache_that_keeps_nothing_computes_each_stage_once_and_the_
             for a, b in zip(want, got, strict=True):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{i} {name}")
     assert tight.key == free.key
-    done = activity_since(before)
-    # nothing was evicted while the trial held it; everything is on disk, counted byte for byte
-    assert not done["evicted"]
-    assert stage_bytes(done) == {
-        stage: {"written": size, "read": 0}
-        for stage, size in _stage_sizes(tmp_path / "tight").items()
-    }
     # the next trial's first write evicts all of it: the trial let go when its student was built
     _tick()
     later = StageCache(tmp_path / "tight", max_gb=0)

@@ -287,6 +287,6 @@ def test_bench_trial_ends_with_a_type_only_trial_that_requantizes_the_down_group
                                 "ridge_fit": n, "ridge_heldout": n, "ridge_rhs": n,
                                 "routed_q": n}  # fmt: skip
     table = format_trials(rows).splitlines()
-    assert table[0].split() == ["trial", "seconds", "per", "layer", "peak", "RSS"]
+    assert table[0].split() == ["trial", "seconds", "per", "layer", "peak", "RSS", "peak", "owned"]
     assert table[len(rows)].startswith("type_d only")
     assert f"{last['seconds']:9.2f}  {last['seconds'] / n:9.2f}" in table[len(rows)]

@@ -78,7 +78,7 @@ ENTRY_SUFFIX = ".hsc"
 # A holds file on a file system that cannot lock is taken for a live process's until it is this
 # old without a new line (no trial holds an entry for a day without reading another).
 STALE_S = 24 * 3600.0
-# Stage folders every trial of a sweep reads whatever its knobs (heal/stage_names.py names
+# Stage folders every trial of a sweep reads whatever its knobs (stage_names.py names
 # them; tests/test_cache_limit.py checks they are stages): evicted last while fresh (docstring).
 SHARED_STAGES = frozenset({"calib_trace", "calib_trace_layer", "tensor_importance", "teacher_logits"})
 SHARED_FRESH_S = 24 * 3600.0  # a night: a shared entry unused for longer is evicted like any

@@ -8,14 +8,19 @@ at most ``PIECE`` bytes of its data), then the arrays' raw bytes, each at a 64-b
 It is written to a temp file and renamed into place, so a reader sees a whole entry or none; a
 truncated or corrupt entry fails a checksum, is deleted and recomputed, never used.
 
-Reading takes the file into one buffer and checks the pieces on several threads; the arrays are
-read-only views of that buffer, so a hit costs one read and one parallel pass of sha256, no
-further copies (a quantized layer of a real-size model is hundreds of MB, read by every trial
-that reuses it). Entries read or written lately stay in memory, least recently used first out, up to
-``HEALSWEEP_RECENT_GB`` (default: an eighth of the machine's memory), keyed by the file's path,
-inode, size and mtime: a sweep worker runs trial after trial in one process, and a trial that
-changes only ``rho`` or ``eta`` reads what the one before it read. A file rewritten or damaged
-since is read again (and checked), never served from memory.
+Reading maps the file (read-only; a file under a MiB is read instead) and checks the pieces on
+several threads; the arrays are read-only views of that mapping, so a hit costs one parallel
+pass of sha256 over pages the OS keeps in its page cache, and no memory of the process's own:
+a streamed trial reads each layer's entries back when it scores, and what it holds stays one
+layer's, however deep the model (a quantized layer of a real-size model is hundreds of MB). An entry is never changed in
+place (written to a temp file and renamed, deleted by unlink, which leaves a mapping whole), so
+the bytes a mapping serves stay the ones that were checked. Entries read or written lately stay
+mapped, least recently used first out, up to ``HEALSWEEP_RECENT_GB`` of mapped bytes (default:
+an eighth of the machine's memory; a deleted entry's disk space is freed when its mapping
+goes), keyed by the file's path, inode, size and mtime: a sweep worker runs trial after trial in
+one process, and a trial that changes only ``rho`` or ``eta`` reads what the one before it read,
+without checking it again. A file rewritten or damaged since is read again (and checked), never
+served from memory.
 
 An entry is computed once per cache root, however many processes share it (the trials of a
 multi-GPU host, or every worker of a pool whose root is on shared storage): a process that misses
@@ -46,6 +51,7 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import os
 import struct
 import threading
@@ -74,6 +80,10 @@ _DIGEST_BYTES = 32
 _HEAD = len(_MAGIC) + _DIGEST_BYTES + 8  # magic, sha256 of the header, header length (u64 LE)
 _ALIGN = 64
 PIECE = 32 << 20  # bytes of array data per checksum (pieces are checked in parallel)
+# Entries of at least this many bytes are mapped, smaller ones read: a worker may keep many
+# thousands of small entries (teacher records), and each mapping counts against the kernel's
+# limit on a process's mappings (vm.max_map_count, 65,530 by default).
+MAP_MIN_BYTES = 1 << 20
 log = logging.getLogger(__name__)
 
 
@@ -511,10 +521,12 @@ class StageCache:
                     fh.write(b"\0" * pad)
                     fh.write(values)
             # The next trial of this worker reads what this one computed (a rho-only trial
-            # reads the quantized experts and the trace a quant-knob trial wrote): keep it.
+            # reads the quantized experts and the trace a quant-knob trial wrote): keep the
+            # file mapped (its bytes are the ones just checksummed), not the computed arrays,
+            # which would stay in the process's own memory, one entry per layer.
             st = os.stat(path)
             key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
-            _recent().get(key, lambda: (arrays, meta, st.st_size))
+            _recent().get(key, lambda: _read(path, verify=False))
             with self._lock:
                 self.bytes_written[stage] += st.st_size
                 self._since_scan += st.st_size
@@ -713,21 +725,34 @@ def _layout(
     return head + body, data
 
 
-def _read(path: Path) -> tuple[dict[str, np.ndarray], dict, int] | None:
-    """The arrays (read-only views of one buffer holding the file), metadata and the file's
-    size, or None when the entry is not whole: a short file, a wrong magic or any checksum
-    that does not match."""
+def _read_small(fh: Any, size: int) -> np.ndarray | None:
+    """A small entry file read whole into a read-only buffer (None if it ends early)."""
+    buffer = np.empty(size, np.uint8)
+    filled, view = 0, memoryview(buffer)
+    while filled < size:
+        got = fh.readinto(view[filled:])
+        if not got:
+            return None
+        filled += got
+    buffer.flags.writeable = False
+    return buffer
+
+
+def _read(path: Path, verify: bool = True) -> tuple[dict[str, np.ndarray], dict, int] | None:
+    """The arrays (read-only views of a read-only mapping of the file, or of a copy for a file
+    under :data:`MAP_MIN_BYTES`), metadata and the file's size, or None when the entry is not whole: a short file, a wrong magic or any checksum
+    that does not match (``verify=False``: the data's checksums are not checked, for a file
+    this process has just written from the bytes it checksummed)."""
     with open(path, "rb", buffering=0) as fh:
         size = os.fstat(fh.fileno()).st_size
         if size < _HEAD:
             return None
-        mapped = np.empty(size, np.uint8)  # read, not mapped: an entry changed in place later
-        filled, view = 0, memoryview(mapped)  # cannot reach into arrays already served
-        while filled < size:
-            got = fh.readinto(view[filled:])
-            if not got:
+        if size >= MAP_MIN_BYTES:
+            mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)  # outlives the fd
+        else:
+            mapped = _read_small(fh, size)
+            if mapped is None:
                 return None
-            filled += got
     view = memoryview(mapped)
     if bytes(view[: len(_MAGIC)]) != _MAGIC:
         return None
@@ -746,9 +771,8 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict, int] | None:
     if any(base + spec["offset"] + spec["nbytes"] > size for spec in specs):
         return None
     buffers = [view[base + s["offset"] : base + s["offset"] + s["nbytes"]] for s in specs]
-    if _digests(buffers) != [d for spec in specs for d in spec["sha256"]]:
+    if verify and _digests(buffers) != [d for spec in specs for d in spec["sha256"]]:
         return None
-    mapped.flags.writeable = False  # kept in memory for later trials: nobody may change them
     arrays = {
         spec["name"]: np.frombuffer(
             mapped,

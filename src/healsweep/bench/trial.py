@@ -5,8 +5,9 @@ cold trial (empty cache: teacher trace, quantization, Part A, the ridge factoriz
 then trials that change only quantization knobs (``gain_gu``), only ``rho``, only ``eta``, and
 (where ggml's quantizer is installed and a bigger type fits the model's rows) only ``type_d`` —
 the kinds of step a sweep takes. Each reports its wall time, the time of every stage it ran, which
-stages were computed rather than read from the cache, and its own peak RSS (the high-water mark
-is reset before each trial where Linux allows it).
+stages were computed rather than read from the cache, its own peak RSS (the high-water mark
+is reset before each trial where Linux allows it) and its peak owned memory (``RssAnon``,
+sampled: what the process holds, not the file pages it reads through a map).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from healsweep._rss import peak_rss_bytes, reset_peak_rss
+from healsweep._rss import OwnedPeak, peak_rss_bytes, reset_peak_rss
 from healsweep.cache import StageCache
 from healsweep.errors import SettingError
 from healsweep.gguf_io._ggml_lib import libggml
@@ -82,7 +83,7 @@ def bench_trials(
     for label, knobs in trial_variants(base or Knobs(), model)[:count]:
         resettable = reset_peak_rss()
         start = time.perf_counter()
-        with profiling() as profile:
+        with profiling() as profile, OwnedPeak() as owned:
             student = build_student(model, knobs, calibration, cache, corpus=corpus)
         rows.append(
             {
@@ -92,6 +93,7 @@ def bench_trials(
                 "timings_s": dict(student.report["timings_s"]),
                 "executed": dict(sorted(student.report["executed"].items())),
                 "peak_rss_mib": peak_rss_bytes() / 2**20 if resettable else None,
+                "peak_owned_mib": None if owned.peak is None else owned.peak / 2**20,
                 "threads": host_threads(),
                 "phases": phase_totals(profile.rows()),
                 "phase_rows": profile.rows(),
@@ -104,11 +106,14 @@ def format_trials(rows: list[dict[str, Any]]) -> str:
     """The rows of :func:`bench_trials` as text: a table of trials (wall time, per healed
     layer, peak RSS), then each trial's stages and what it computed."""
     width = max(len("trial"), *(len(row["trial"]) for row in rows))
-    lines = [f"{'trial':<{width}}  {'seconds':>9}  {'per layer':>9}  peak RSS"]
+    lines = [f"{'trial':<{width}}  {'seconds':>9}  {'per layer':>9}  {'peak RSS':>9}  peak owned"]
     for row in rows:
         rss = "-" if row["peak_rss_mib"] is None else f"{row['peak_rss_mib']:.0f} MiB"
+        owned = row.get("peak_owned_mib")
+        owned = "-" if owned is None else f"{owned:.0f} MiB"
         per_layer = row["seconds"] / max(row["layers"], 1)
-        lines.append(f"{row['trial']:<{width}}  {row['seconds']:9.2f}  {per_layer:9.2f}  {rss}")
+        lines.append(f"{row['trial']:<{width}}  {row['seconds']:9.2f}  {per_layer:9.2f}  "
+                     f"{rss:>9}  {owned}")  # fmt: skip
     for row in rows:
         computed = ", ".join(f"{k} x{v}" for k, v in row["executed"].items()) or "nothing"
         lines.append(f"{row['trial']} ({row['threads']} host threads), computed: {computed}")

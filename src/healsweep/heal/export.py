@@ -84,11 +84,12 @@ def _expert_data(weight: Any, experts: str) -> np.ndarray:
 
 def allocation(student: Student) -> dict[int, LayerTypes]:
     """The types of the student's routed experts, per healed layer (gate/up, down)."""
-    return {
-        layer: LayerTypes(expert_type(r.gate_exps), expert_type(r.down_exps))
-        for layer, r in sorted(student.replacements.items())
-        if r.gate_exps is not None and r.down_exps is not None
-    }
+    found = {}
+    for layer in sorted(student.replacements):  # one layer read at a time
+        r = student.replacements[layer]
+        if r.gate_exps is not None and r.down_exps is not None:
+            found[layer] = LayerTypes(expert_type(r.gate_exps), expert_type(r.down_exps))
+    return found
 
 
 def routed_bits_per_weight(student: Student) -> float:
@@ -282,7 +283,8 @@ def write_q2_sidecar(student: Student, out: str | Path) -> Path:
     out = Path(out)
     arrays: dict[str, np.ndarray] = {"alphas": np.asarray(student.alphas, np.float32)}
     block_bytes = stored_type(Q2_0.ids[0]).block_bytes
-    for layer, replacement in sorted(student.replacements.items()):
+    for layer in sorted(student.replacements):  # one layer read at a time
+        replacement = student.replacements[layer]
         for suffix, field in _EXPERT_FIELDS.items():
             weight = getattr(replacement, field)
             if getattr(weight, "qtype", None) not in Q2_0.ids:

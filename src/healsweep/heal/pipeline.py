@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cache as once
@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
-from healsweep.gguf_io import block_prefix
+from healsweep.gguf_io import block_prefix, split_block
 from healsweep.heal import expert_alpha, quantize, ridge, stages, tensor_types
 from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import (
@@ -43,17 +43,18 @@ from healsweep.heal.knobs import (
 )
 from healsweep.heal.quantize import fold_alpha, layer_experts
 from healsweep.heal.ridge import HealedShexp, HeldoutFolds, RidgeBasis, RidgeFit, RidgeRhs
-from healsweep.heal.stage_names import Stage
 from healsweep.heal.stages import ExpertStacks, LayerAlpha, Residuals, RoutedOutput
+from healsweep.heal.streamed import LayerMap, field_of
 from healsweep.heal.tensor_types import InputMoments, RequantTensor
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
 from healsweep.model import LayerReplacement
 from healsweep.model.forward import HEAD
-from healsweep.profile import phase
+from healsweep.profile import PhaseProfile, phase
 from healsweep.quant.registry import QuantizedGroup
 from healsweep.quant.values import GROUPS, Group
 from healsweep.runtime import current
+from healsweep.stage_names import Stage
 
 if TYPE_CHECKING:
     from healsweep.data.corpus import Corpus
@@ -72,15 +73,20 @@ Progress = Callable[[str, str], None]
 
 @dataclass
 class Student:
-    """A healed student: the base model plus per-layer replacements, and what built it."""
+    """A healed student: the base model plus per-layer replacements, and what built it.
+
+    ``replacements`` and ``shexp_raw`` are :class:`~healsweep.heal.streamed.LayerMap` views:
+    a layer's quantized experts and healed shared expert are read back from the stage cache
+    when that layer is asked for, so a student of any depth holds one or two layers' arrays
+    (a forward reads them layer by layer), never every layer's."""
 
     base: GGUFModel  # the teacher
-    replacements: dict[int, LayerReplacement]  # quantized experts, healed shexp
+    replacements: Mapping[int, LayerReplacement]  # quantized experts, healed shexp
     report: dict[str, Any]
     key: str
     knobs: Knobs
     alphas: list[float] = field(default_factory=list)
-    shexp_raw: dict[int, np.ndarray] = field(default_factory=dict)  # requantized bytes/values
+    shexp_raw: Mapping[int, np.ndarray] = field(default_factory=dict)  # requantized bytes/values
     shexp_types: dict[int, int] = field(default_factory=dict)  # where not the teacher's: ggml id
 
 
@@ -159,6 +165,36 @@ class HealedLayer(NamedTuple):
     folds: Future | None
 
 
+@dataclass(frozen=True)
+class TrialPlan:
+    """What every layer of one trial's student is built from, and read back from: the inputs
+    and the keys, never a layer's arrays (those are stage-cache entries, read per layer)."""
+
+    model: GGUFModel
+    knobs: Knobs
+    calibration: CalibrationConfig
+    cache: StageCache
+    trace: Trace | None
+    types: dict[int, LayerTypes]  # per MoE layer, its experts' storage types
+    retype: dict[str, Any]  # tensor name -> the type its group's knob asks for
+    retyped_keys: dict[str, str]  # requant_tensor key of each of those Part B does not store
+    moments: InputMoments | None  # the importance the requantized tensors read
+    shexp_targets: dict[int, tuple[Any, np.ndarray]]  # see _shexp_targets
+    diagnostics: bool
+
+    @property
+    def part_b(self) -> bool:
+        """Whether Part B stores each MoE layer's down_shexp."""
+        return self.knobs.ridge and self.model.hparams.n_ff_shexp > 0
+
+
+class StudentLayer(NamedTuple):
+    """One layer of a built student, as the forward and an export read it."""
+
+    replacement: LayerReplacement
+    shexp_raw: np.ndarray | None  # Part B's down_shexp as stored (None without Part B)
+
+
 def build_student(
     model: GGUFModel,
     knobs: Knobs,
@@ -171,6 +207,10 @@ def build_student(
 ) -> Student:
     """Quantize and heal every layer of ``model`` under ``knobs``; stages come from ``cache``.
 
+    Layer-major: each layer's stages run, are stored, and are let go before the next layer's
+    teacher weights are read; the student returned holds the stage keys and reads a layer's
+    replacement back from ``cache`` when it is asked for (:class:`Student`).
+
     ``corpus`` overrides loading ``calibration.corpus`` (tests and benchmarks pass one they
     built); ``progress(stage, message)`` is called as stages finish (the CLI prints it).
     ``diagnostics=False`` leaves out Part B's held-out diagnostic (``ridge_heldout``), which
@@ -180,109 +220,24 @@ def build_student(
     """
     quantize.check_quantizable(model, knobs)
     require_ggml(knobs.model_dump())
-    types = quantize.expert_types(model, knobs)
-    retype = tensor_types.planned_types(tensor_types.group_tensors(model), knobs)
     say = progress or (lambda stage, message: None)
-    hp = model.hparams
     run = StageRunner(cache)
     computed_before = dict(cache.computed)
     # Entries are written on the cache's writer thread while the next stages run; all are
     # on disk when the block ends. Every entry the trial reads or writes is held (no eviction
     # of a bounded cache deletes it) until its student is built.
     with cache.holding(), cache.writing_behind():
-        trace: Trace | None = None
-        if needs_trace(knobs, model):
-            trace = run.timed(
-                "calib_trace", lambda: calibration_trace(model, calibration, cache, corpus)
-            )
-            for line in report_lines(trace.report):
-                say("calib_trace", line)
-        else:
-            say("calib_trace", "not needed by these knobs (no teacher pass)")
-        notices = skip_notices(knobs, model)
-        for notice in notices:
-            say(notice.stage, notice.text)
-        part_b = knobs.ridge and hp.n_ff_shexp > 0  # Part B stores each MoE layer's down_shexp
-        healed_shexp = {
-            block_prefix(i) + "ffn_down_shexp.weight" for i in hp.moe_layers if part_b
-        }
-        moments, mkey = None, None
-        if retype:
-            mkey, moments = run.timed(
-                Stage.TENSOR_IMPORTANCE,
-                lambda: tensor_types.input_importance(model, calibration, cache, corpus),
-            )
-        retyped, retyped_keys = _retyped(run, model, retype, moments, mkey, skip=healed_shexp)
-        if retype:
-            say("requant_tensor", _retyped_line(knobs, retype))
-        replacements, alphas, shexp_raw, layer_reports, keys = {}, [], {}, [], []
-        shexp_types: dict[int, int] = {}
-        heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
-        ahead = _basis_ahead(run, model, knobs, trace)
-        for n, i in enumerate(hp.moe_layers):
-            run.layer = i
-            if n + 1 < len(hp.moe_layers):
-                ahead(hp.moe_layers[n + 1])
-            shexp_name = block_prefix(i) + "ffn_down_shexp.weight"
-            target = None
-            if shexp_name in healed_shexp and shexp_name in retype:
-                chosen = retype[shexp_name]
-                row = moments.row(shexp_name, hp.n_ff_shexp, chosen.requires_imatrix)
-                target = (chosen, row)
-            layer = LayerInputs(
-                model,
-                i,
-                knobs,
-                calibration,
-                types[i],
-                trace,
-                once(partial(stages.expert_weights, model, i)),
-                once(partial(run.timed, "calib_trace", partial(trace.layer, i), i))
-                if trace
-                else _no_trace,
-                diagnostics,
-                target,
-            )
-            healed = _heal_layer(run, layer)
-            if healed.folds is not None:
-                heldout.append((healed.report, healed.folds))
-            replacements[i] = LayerReplacement(
-                gate_exps=healed.experts.gate,
-                up_exps=healed.experts.up,
-                down_exps=fold_alpha(knobs, types[i].d, healed.experts.down, healed.alpha),
-                down_shexp=None if healed.shexp is None else healed.shexp.dense,
-                tensors=tensor_types.layer_tensors(retyped, i) or None,
-            )
-            if healed.shexp is not None:
-                shexp_raw[i] = healed.shexp.raw
-                if target is not None:
-                    shexp_types[i] = target[0].ggml_id
-            alphas.append(healed.alpha)
-            layer_reports.append(healed.report)
-            keys.append(healed.keys)
-            say(f"layer {i + 1}/{hp.n_layer}", _layer_line(healed.report))
-        run.layer = None
-        for i in [HEAD, *range(hp.n_leading_dense)]:  # the embeddings, output, dense layers
-            found = tensor_types.layer_tensors(retyped, None if i == HEAD else i)
-            if found:
-                replacements[i] = LayerReplacement(tensors=found)
-        for layer_report, folds in heldout:
-            found = run.timed(Stage.RIDGE_HELDOUT, folds.result, layer_report["layer"])
-            layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
-        if heldout:
-            say(
-                "ridge_heldout",
-                "held-out change per layer: "
-                + ", ".join(f"{100 * r['ridge']['heldout_change']:+.2f}%" for r, _ in heldout),
-            )
+        plan, notices = _plan(run, model, knobs, calibration, corpus, say, diagnostics)
+        healed = _heal_layers(run, plan, say)
         run.timed("cache_write", cache.flush)  # what is still being written: not overlapped
+    trace = plan.trace
     report = {
         "knobs": knobs.model_dump(),
         "calibration": trace.report if trace else None,
         "trace_key": trace.key if trace else None,
-        "layers": layer_reports,
+        "layers": healed.reports,
         "notices": [notice.text for notice in notices],
-        "tensor_types": dict(Counter(chosen.name for chosen in retype.values())),
+        "tensor_types": dict(Counter(chosen.name for chosen in plan.retype.values())),
         "timings_s": {k: round(v, 4) for k, v in run.seconds.items()},
         "executed": {
             k: v - computed_before.get(k, 0)
@@ -290,11 +245,188 @@ def build_student(
             if v != computed_before.get(k, 0)
         },
     }
-    found = {"layers": keys}
-    if retype:  # keys from before the group type knobs stay as they were
-        found["tensors"] = dict(sorted(retyped_keys.items()))
+    found = {"layers": healed.keys}
+    if plan.retype:  # keys from before the group type knobs stay as they were
+        found["tensors"] = dict(sorted(plan.retyped_keys.items()))
     key = content_key("student", STUDENT_VERSION, found)
-    return Student(model, replacements, report, key, knobs, alphas, shexp_raw, shexp_types)
+    return _streamed_student(plan, report, key, healed.alphas, healed.shexp_types)
+
+
+def _plan(
+    run: StageRunner,
+    model: GGUFModel,
+    knobs: Knobs,
+    calibration: CalibrationConfig,
+    corpus: Corpus | None,
+    say: Progress,
+    diagnostics: bool,
+) -> tuple[TrialPlan, list[Notice]]:
+    """The whole-model stages (the calibration trace, the input moments, the other groups'
+    requantized tensors), the notices, and the plan the layers are built from."""
+    cache = run.cache
+    trace: Trace | None = None
+    if needs_trace(knobs, model):
+        trace = run.timed(
+            "calib_trace", lambda: calibration_trace(model, calibration, cache, corpus)
+        )
+        for line in report_lines(trace.report):
+            say("calib_trace", line)
+    else:
+        say("calib_trace", "not needed by these knobs (no teacher pass)")
+    notices = skip_notices(knobs, model)
+    for notice in notices:
+        say(notice.stage, notice.text)
+    retype = tensor_types.planned_types(tensor_types.group_tensors(model), knobs)
+    moments, mkey = None, None
+    if retype:
+        mkey, moments = run.timed(
+            Stage.TENSOR_IMPORTANCE,
+            lambda: tensor_types.input_importance(model, calibration, cache, corpus),
+        )
+    keys = _retyped_keys(run, model, knobs, retype, moments, mkey)
+    targets = _shexp_targets(model, knobs, retype, moments)
+    plan = TrialPlan(model, knobs, calibration, cache, trace, quantize.expert_types(model, knobs),
+                     retype, keys, moments, targets, diagnostics)  # fmt: skip
+    if retype:
+        say("requant_tensor", _retyped_line(knobs, retype))
+    return plan, notices
+
+
+class _Healed(NamedTuple):
+    """What :func:`_heal_layers` keeps of the layers: small figures and keys, no arrays."""
+
+    alphas: list[float]
+    reports: list[dict[str, Any]]
+    keys: list[dict[str, str | None]]
+    shexp_types: dict[int, int]
+
+
+def _heal_layers(run: StageRunner, plan: TrialPlan, say: Progress) -> _Healed:
+    """Heal the MoE layers in order, each layer's arrays let go before the next one's teacher
+    weights are read; Part B's held-out diagnostics are collected at the end. At most
+    :func:`_heldout_backlog` of them are pending while the next layers heal, so their inputs
+    (the layer's basis, B and fit) never pile up."""
+    hp = plan.model.hparams
+    healed = _Healed([], [], [], {})
+    heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
+    ahead = _basis_ahead(run, plan.model, plan.knobs, plan.trace)
+    backlog = _heldout_backlog()
+    for n, i in enumerate(hp.moe_layers):
+        run.layer = i
+        if n + 1 < len(hp.moe_layers):
+            ahead(hp.moe_layers[n + 1])
+        layer = _heal_layer(run, _layer_inputs(run, plan, i, plan.diagnostics))
+        if layer.folds is not None:
+            heldout.append((layer.report, layer.folds))
+            _wait_heldout(run, heldout[: len(heldout) - backlog], plan.knobs)
+        if layer.shexp is not None and i in plan.shexp_targets:
+            healed.shexp_types[i] = plan.shexp_targets[i][0].ggml_id
+        healed.alphas.append(layer.alpha)
+        healed.reports.append(layer.report)
+        healed.keys.append(layer.keys)
+        say(f"layer {i + 1}/{hp.n_layer}", _layer_line(layer.report))
+        del layer  # this layer's experts and shared expert: in the cache, not in memory
+    run.layer = None
+    _wait_heldout(run, heldout, plan.knobs)
+    if heldout:
+        say(
+            "ridge_heldout",
+            "held-out change per layer: "
+            + ", ".join(f"{100 * r['ridge']['heldout_change']:+.2f}%" for r, _ in heldout),
+        )
+    return healed
+
+
+def _heldout_backlog() -> int:
+    """Held-out diagnostics left running beside the next layers: :data:`HELDOUT_THREADS` on an
+    accelerator, where their host solves overlap the device's work; none on the CPU backend,
+    where they would share the next layer's cores and hold a second layer's basis, B, fit and
+    solver buffers at that layer's peak (the 2-layer A2.7B slice's second layer peaked 630 MiB
+    above its first with the first layer's diagnostic running beside it, issue 46)."""
+    return 0 if jax.default_backend() == "cpu" else HELDOUT_THREADS
+
+
+def _wait_heldout(run: StageRunner, pending: list[tuple[dict[str, Any], Future]],
+                  knobs: Knobs) -> None:  # fmt: skip
+    """Wait for the held-out fold sums of ``pending`` layers (in order) and add their figures
+    to the layer reports; a layer done already is not waited for twice."""
+    for layer_report, folds in pending:
+        if "heldout_change" in layer_report["ridge"]:
+            continue
+        found = run.timed(Stage.RIDGE_HELDOUT, folds.result, layer_report["layer"])
+        layer_report["ridge"].update(ridge.heldout_figures(found, knobs.eta))
+
+
+def _healed_shexp(model: GGUFModel, knobs: Knobs) -> dict[int, str]:
+    """Per MoE layer whose down_shexp Part B stores, that tensor's name."""
+    hp = model.hparams
+    part_b = knobs.ridge and hp.n_ff_shexp > 0
+    return {i: block_prefix(i) + "ffn_down_shexp.weight" for i in hp.moe_layers if part_b}
+
+
+def _shexp_targets(
+    model: GGUFModel, knobs: Knobs, retype: dict[str, Any], moments: InputMoments | None
+) -> dict[int, tuple[Any, np.ndarray]]:
+    """Per MoE layer whose down_shexp Part B stores in another type than the teacher's (knob
+    ``type_shexp``): ``(type, importance row)``."""
+    n_ff = model.hparams.n_ff_shexp
+    return {
+        i: (retype[name], moments.row(name, n_ff, retype[name].requires_imatrix))
+        for i, name in _healed_shexp(model, knobs).items()
+        if name in retype
+    }
+
+
+def _layer_inputs(run: StageRunner, plan: TrialPlan, i: int, diagnostics: bool) -> LayerInputs:
+    """What layer i's stages read, as loaders (the teacher's experts, the trace's layer)."""
+    trace = plan.trace
+    return LayerInputs(
+        plan.model,
+        i,
+        plan.knobs,
+        plan.calibration,
+        plan.types[i],
+        trace,
+        once(partial(stages.expert_weights, plan.model, i)),
+        once(partial(run.timed, "calib_trace", partial(trace.layer, i), i)) if trace else _no_trace,
+        diagnostics,
+        plan.shexp_targets.get(i),
+    )
+
+
+def _streamed_student(plan: TrialPlan, report: dict[str, Any], key: str, alphas: list[float],
+                      shexp_types: dict[int, int]) -> Student:  # fmt: skip
+    """The student of ``plan``: its layers read back from the stage cache when asked for."""
+    hp = plan.model.hparams
+    outside = {split_block(name)[0] for name in plan.retyped_keys}  # None: outside the layers
+    extra = [HEAD] if None in outside else []
+    extra += [i for i in range(hp.n_leading_dense) if i in outside]
+    layers = LayerMap([*hp.moe_layers, *extra], partial(_student_layer, plan))
+    replacements = LayerMap(layers, partial(field_of, layers, "replacement"))
+    shexp = LayerMap(hp.moe_layers if plan.part_b else (), partial(field_of, layers, "shexp_raw"))
+    return Student(plan.model, replacements, report, key, plan.knobs, alphas, shexp, shexp_types)
+
+
+def _student_layer(plan: TrialPlan, i: int) -> StudentLayer:
+    """Layer i of the student, from its stage entries (each recomputed, as the build computed
+    it, if it has been evicted since); the read is charged to phase ``student_layer``."""
+    run = StageRunner(plan.cache, PhaseProfile())  # its stages' seconds are the phase's below
+    run.layer = i
+    with phase("student_layer", i):
+        tensors = _retyped_weights(run, plan, None if i == HEAD else i) or None
+        if i not in plan.model.hparams.moe_layers:
+            return StudentLayer(LayerReplacement(tensors=tensors), None)
+        healed = _heal_layer(run, _layer_inputs(run, plan, i, diagnostics=False))
+        down = fold_alpha(plan.knobs, plan.types[i].d, healed.experts.down, healed.alpha)
+        shexp = healed.shexp
+        replacement = LayerReplacement(
+            gate_exps=healed.experts.gate,
+            up_exps=healed.experts.up,
+            down_exps=down,
+            down_shexp=None if shexp is None else shexp.dense,
+            tensors=tensors,
+        )
+        return StudentLayer(replacement, None if shexp is None else shexp.raw)
 
 
 def _basis_ahead(
@@ -539,27 +671,44 @@ def _layer_line(report: dict[str, Any]) -> str:
     return line
 
 
-def _retyped(
-    run: StageRunner,
-    model: GGUFModel,
-    retype: dict[str, Any],
-    moments: InputMoments | None,
-    importance_key: str | None,
-    *,
-    skip: set[str],
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """Each tensor of ``retype`` (name → type) but those in ``skip`` (Part B stores them) in
-    its type, as the forward takes it, from the ``requant_tensor`` stage; and their keys."""
-    found, keys = {}, {}
-    for name, chosen in retype.items():
-        if name in skip:
-            continue
-        keys[name] = tensor_types.requant_key(model, name, chosen, importance_key)
-        compute = partial(tensor_types.requantize_tensor, model, name, chosen, moments)
-        found[name] = run.value(Stage.REQUANT_TENSOR, keys[name], RequantTensor, compute).weight()
-    return found, keys
-
-
 def _retyped_line(knobs: Knobs, retype: dict[str, Any]) -> str:
     groups = ", ".join(f"{group} {name}" for group, name in knobs.file_types().items())
     return f"{len(retype)} tensors of other groups requantized ({groups})"
+
+
+def _retyped_keys(
+    run: StageRunner,
+    model: GGUFModel,
+    knobs: Knobs,
+    retype: dict[str, Any],
+    moments: InputMoments | None,
+    importance_key: str | None,
+) -> dict[str, str]:
+    """The ``requant_tensor`` key of each tensor of ``retype`` (name → type) but those Part B
+    stores, each entry computed now where missing (and let go: a layer reads its own back)."""
+    skip = set(_healed_shexp(model, knobs).values())
+    keys = {}
+    for name, chosen in retype.items():
+        if name not in skip:
+            keys[name] = tensor_types.requant_key(model, name, chosen, importance_key)
+            _requantized(run, model, retype, moments, name, keys[name])
+    return keys
+
+
+def _requantized(run: StageRunner, model: GGUFModel, retype: dict[str, Any],
+                 moments: InputMoments | None, name: str, key: str) -> Any:  # fmt: skip
+    """Tensor ``name`` in its ``retype`` type, as the forward takes it (``requant_tensor``)."""
+    compute = partial(tensor_types.requantize_tensor, model, name, retype[name], moments)
+    return run.value(Stage.REQUANT_TENSOR, key, RequantTensor, compute).weight()
+
+
+def _retyped_weights(run: StageRunner, plan: TrialPlan, layer: int | None) -> dict[str, Any]:
+    """The requantized tensors of block ``layer`` by suffix, or (``layer`` None) those outside
+    the layers by name."""
+    found = {}
+    for name, key in plan.retyped_keys.items():
+        index, suffix = split_block(name)
+        if index == layer:
+            weight = _requantized(run, plan.model, plan.retype, plan.moments, name, key)
+            found[suffix if layer is not None else name] = weight
+    return found

@@ -14,20 +14,19 @@ calibration that starves a stratum or an expert is visible.
 Storage: one small summary entry (report + per-layer expert counts) keyed by the model
 fingerprint, the calibration settings and the content of the calibration documents; each layer's
 arrays are their own entry keyed by (summary key, layer), so later stages load one layer at a time.
-Each layer's entry is written as soon as that layer is assembled (batches spill to disk first).
+The trace runs layer-major (every calibration token through layer l before layer l + 1 is
+read), and each layer's entry is written as soon as that layer is done.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -39,11 +38,10 @@ from healsweep.data.chat_template import ChatFormat, model_chat_format, render_d
 from healsweep.data.corpus import load_corpus
 from healsweep.errors import CacheError, CorpusError
 from healsweep.heal.knobs import CalibrationConfig
-from healsweep.heal.stage_names import VERSIONS, Stage
 from healsweep.heal.stages import expert_weights
-from healsweep.model import forward
+from healsweep.model.forward import capture_layers
 from healsweep.quant.importance import expert_hidden_moments, expert_input_moments
-from healsweep.threads import available_memory, host_threads
+from healsweep.stage_names import VERSIONS, Stage
 
 if TYPE_CHECKING:
     from healsweep.data.corpus import Corpus, Document
@@ -57,6 +55,7 @@ LENGTH_BUCKET = 64  # smallest padded chunk length; buckets double from here
 # The trace is computed by functions of this module: the closure of its imports is its code.
 CODE_ROOTS = ("healsweep.heal.trace",)
 FIELDS = ("x", "ids", "weights", "y_ref", "gate")  # per token, as captured
+_CAPTURED = ("ffn_input", "topk_ids", "topk_weights", "routed_output", "shexp_gate")  # their fields
 # The stored FFN input: float16 moved alpha by 2.6e-6 (relative), dW by <= 1.9e-4 and the ridge's
 # in-sample and held-out changes by <= 6e-7 (absolute) on the demo's four layers (35k tokens).
 X_DTYPE = np.float16
@@ -247,107 +246,94 @@ def _batches(
     return batches
 
 
+def _batch_sequences(
+    chunks: list[CalibrationChunk], padded: int, batch: list[int], batch_tokens: int
+) -> list[np.ndarray]:
+    """A batch's sequences: its chunks, then fillers that give every batch of a bucket the
+    same [B, P] shape (one of exactly P tokens, the rest of one token)."""
+    filler = np.resize(chunks[batch[0]].tokens, padded)  # sets the batch's length to P
+    fillers = max(1, batch_tokens // padded - len(batch))
+    return [chunks[i].tokens for i in batch] + [filler] + [filler[:1]] * (fillers - 1)
+
+
+def _layer_arrays(
+    captures: list[Any], rows: list[int], order: np.ndarray, no_shexp: bool
+) -> dict[str, np.ndarray]:
+    """One layer's captured fields over every batch (their real chunks' rows, ``rows[n]`` of
+    batch n), put back in chunk order (``order``: the captured row of each row in that order)."""
+    arrays = {}
+    for name, field in zip(FIELDS, _CAPTURED, strict=True):
+        pieces = [getattr(cap, field)[:n] if getattr(cap, field).size else getattr(cap, field)
+                  for cap, n in zip(captures, rows, strict=True)]  # fmt: skip
+        if not pieces[0].size:
+            arrays[name] = pieces[0]
+            continue
+        stacked = np.concatenate(pieces)
+        arrays[name] = stacked[order].astype(np.int32 if name == "ids" else stacked.dtype)
+    if no_shexp:
+        arrays["gate"] = np.zeros((0,), np.float32)
+    return arrays
+
+
 def run_trace(
     model: GGUFModel,
     chunks: list[CalibrationChunk],
     sink: Callable[[int, dict], None],
-    spill: str,
     batch_tokens: int = BATCH_TOKENS,
     uniform: bool | None = None,
 ) -> np.ndarray:
-    """Teacher forward with captures over every chunk; hands each layer's arrays to ``sink``.
+    """Teacher forward with captures over every chunk, layer-major; hands each layer's arrays
+    to ``sink(layer, arrays)``, layers in order.
 
-    Arrays are in chunk order (document order), whatever order the batches ran in. Each batch's
-    captures are spilled to ``spill`` (a scratch directory) layer by layer as soon as the forward
-    returns them, and each layer is assembled, given its importance sums and passed to
-    ``sink(layer, arrays)`` (from a thread of a pool, layers in any order), as many layers at
-    once as the host's threads and its free memory allow: on a 2-core laptop two layers' traces,
-    never every layer's of a deep model unless memory holds them. ``uniform`` (default: on accelerators) runs every batch in one
-    shape (see :func:`_batches`). Returns the tokens each expert received, [L_moe, E] (the
-    layers of ``hp.moe_layers``; leading dense layers have no experts and no trace).
+    Every batch of chunks advances through layer l before layer l + 1 is read
+    (:func:`~healsweep.model.forward.capture_layers`): what is held is the hidden states of every
+    calibration token, one layer's weights and one layer's captures (two where a layer's
+    importance sums run on a thread beside the next layer's forward, on an accelerator), never
+    a whole model's captures. Arrays are in chunk order (document order), whatever order the
+    batches ran in. ``uniform`` (default: on accelerators) runs every batch in one shape (see
+    :func:`_batches`). Returns the tokens each expert received, [L_moe, E] (the layers of
+    ``hp.moe_layers``; leading dense layers have no experts and no trace).
     """
-
     hp = model.hparams
-
-    order: list[int] = []  # chunk index of each spilled piece, per layer the same
     if uniform is None:
         uniform = jax.default_backend() != "cpu"
     batches = _batches(chunks, batch_tokens, uniform)
-    for n, (padded, batch) in enumerate(batches):
-        filler = np.resize(chunks[batch[0]].tokens, padded)  # sets the batch's length to P
-        fillers = max(1, batch_tokens // padded - len(batch))
-        sequences = [chunks[i].tokens for i in batch] + [filler] + [filler[:1]] * (fillers - 1)
-        # Only the captures are needed: ask for one logit row per sequence, not [T, V].
-        result = forward(
-            model, sequences, capture=True, logits_for=[np.zeros(1, np.int64)] * len(sequences)
-        )
-        rows = int(sum(len(chunks[i].tokens) for i in batch))
-        for layer, cap in enumerate(result.captures):
-            values = dict(
-                zip(
-                    FIELDS,
-                    (
-                        cap.ffn_input,
-                        cap.topk_ids.astype(np.int32),
-                        cap.topk_weights,
-                        cap.routed_output,
-                        cap.shexp_gate,
-                    ),
-                    strict=True,
-                )
-            )
-            np.savez(
-                Path(spill) / f"{layer}-{n}.npz",
-                **{k: v[:rows] if v.size else v for k, v in values.items()},
-            )
-        order += batch
-    bounds = np.cumsum([0] + [len(chunks[i].tokens) for i in order])
-    lengths = {i: (bounds[j], bounds[j + 1]) for j, i in enumerate(order)}
-    n_batches = len(batches)
+    sequences = [_batch_sequences(chunks, p, batch, batch_tokens) for p, batch in batches]
+    rows = [int(sum(len(chunks[i].tokens) for i in batch)) for _, batch in batches]
+    ran = [i for _, batch in batches for i in batch]  # chunk index of each captured chunk
+    starts = np.cumsum([0] + [len(chunks[i].tokens) for i in ran])
+    where = {chunk: j for j, chunk in enumerate(ran)}
+    order = np.concatenate(
+        [np.arange(starts[where[c]], starts[where[c] + 1]) for c in range(len(chunks))]
+    )
     grid = np.arange(hp.n_expert, dtype=np.int32)
 
-    def assemble(spilled: int, layer: int) -> np.ndarray:
-        pieces = [np.load(Path(spill) / f"{spilled}-{n}.npz") for n in range(n_batches)]
-        stacked = {
-            k: np.concatenate([p[k] for p in pieces]) if pieces[0][k].size else pieces[0][k]
-            for k in FIELDS
-        }
-        arrays = {
-            k: v
-            if not v.size
-            else np.concatenate(
-                [v[lengths[i][0] : lengths[i][1]] for i in range(len(chunks))]
-            ).astype(v.dtype)
-            for k, v in stacked.items()
-        }
-        del stacked, pieces
-        for n in range(n_batches):
-            (Path(spill) / f"{spilled}-{n}.npz").unlink()
-        if hp.n_ff_shexp == 0:
-            arrays["gate"] = np.zeros((0,), np.float32)
+    def finish(layer: int, arrays: dict[str, np.ndarray]) -> np.ndarray:
         x_sq, layer_counts = expert_input_moments(arrays["x"], arrays["ids"], grid)
         weights = expert_weights(model, layer, ("gate", "up"))  # decoded on the device
         h_sq, _ = expert_hidden_moments(
-            arrays["x"],
-            arrays["ids"],
-            weights["ffn_gate_exps.weight"],
+            arrays["x"], arrays["ids"], weights["ffn_gate_exps.weight"],
             weights["ffn_up_exps.weight"],
-        )
+        )  # fmt: skip
         del weights
         arrays.update(x_sq_sums=np.asarray(x_sq), h_sq_sums=h_sq, counts=np.asarray(layer_counts))
         arrays["x"] = arrays["x"].astype(X_DTYPE)  # after the importance sums, which read f32
         sink(layer, arrays)
         return np.asarray(layer_counts)
 
-    # Layers are assembled side by side on the host's threads (reading the spill, reordering,
-    # the importance sums, the cache's write: copies that run outside the GIL), as many at once
-    # as the threads and the memory allow: a layer holds about three copies of its trace.
-    spill_bytes = sum(f.stat().st_size for f in Path(spill).glob("0-*.npz"))
-    side_by_side = max(1, min(host_threads(), len(hp.moe_layers),
-                              available_memory() // max(1, 4 * spill_bytes)))  # fmt: skip
-    with ThreadPoolExecutor(side_by_side, thread_name_prefix="trace-layer") as pool:
-        counts = list(pool.map(assemble, range(len(hp.moe_layers)), hp.moe_layers))
-    return np.stack(counts).astype(np.int64)
+    # On an accelerator a layer's host work (importance sums, the cache write) runs beside the
+    # next layer's forward; on the CPU both would share the same cores, so it runs in turn.
+    beside = 1 if jax.default_backend() != "cpu" else 0
+    counts: list[Future] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="trace-layer") as pool:
+        for layer, captures in capture_layers(model, sequences):
+            arrays = _layer_arrays(captures, rows, order, hp.n_ff_shexp == 0)
+            del captures
+            counts.append(pool.submit(finish, layer, arrays))
+            del arrays
+            for done in counts[: len(counts) - beside]:
+                done.result()  # at most ``beside`` layers' arrays held beside this one's
+    return np.stack([c.result() for c in counts]).astype(np.int64)
 
 
 def _report(
@@ -421,13 +407,6 @@ class Trace:
         return found[0]
 
 
-def _scratch(cache: StageCache) -> str:
-    """A scratch directory next to the cache entries (same disk, cleaned up by the caller)."""
-    root = Path(cache.root)
-    root.mkdir(parents=True, exist_ok=True)
-    return str(root)
-
-
 def calibration_trace(
     model: GGUFModel,
     calibration: CalibrationConfig,
@@ -454,8 +433,7 @@ def calibration_trace(
             seconds = time.perf_counter() - start
             cache.put(LAYER_STAGE, layer_key(key, i), arrays, seconds=seconds)
 
-        with tempfile.TemporaryDirectory(prefix="trace-spill-", dir=_scratch(cache)) as spill:
-            counts = run_trace(model, chunks, store, spill)  # [L, E]
+        counts = run_trace(model, chunks, store)  # [L, E]
         return {"tokens_per_expert": counts}, _report(chunks, info, counts, calibration)
 
     def recompute() -> None:

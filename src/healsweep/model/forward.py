@@ -13,7 +13,7 @@ call and recompilation is rare. Causal attention makes the padding invisible to 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, NamedTuple
@@ -273,11 +273,76 @@ def _gather_capture(cap: dict[str, jax.Array], real: np.ndarray) -> LayerCapture
     return LayerCapture(**{f: host.get(f, empty.get(f)) for f in LayerCapture._fields})
 
 
+class _Batch(NamedTuple):
+    """One batch in flight between layers: its hidden states and what places its tokens."""
+
+    h: jax.Array  # [B, T, D]
+    positions: jax.Array  # [T] int32
+    tile: int  # expert tile rows (a static argument of the layer function)
+    lengths: list[int]  # real tokens per sequence
+    real: np.ndarray  # flat indices of the real tokens in [B*T]
+
+
+def _embedded(
+    model: GGUFModel, sequences: Sequence[np.ndarray], replacements: Mapping[int, Any]
+) -> _Batch:
+    """``sequences`` padded into one batch and embedded, before layer 0."""
+    hp = model.hparams
+    tokens, lengths = _pad_batch(sequences, hp.n_vocab)
+    n_batch, padded_len = tokens.shape
+    real = np.concatenate([b * padded_len + np.arange(n) for b, n in enumerate(lengths)])
+    tile = expert_tile_rows(n_batch * padded_len * hp.n_expert_used, hp.n_expert)
+    h = jnp.asarray(_embed(model, tokens, _head(replacements, "token_embd.weight")))  # [B, T, D]
+    positions = jnp.arange(padded_len, dtype=jnp.int32)
+    return _Batch(h, positions, tile, lengths, real)
+
+
+def _layers(
+    model: GGUFModel,
+    replacements: Mapping[int, LayerReplacement],
+    prefetch: bool | None,
+    done: Callable[[], None],
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(i, layer i's device weights)`` for every layer, in order; what runs layer-major.
+
+    With ``prefetch`` (default: on an accelerator) layer i + 1 is read on a thread while the
+    caller computes layer i. Without (the CPU, where the read would compete with the layer's
+    own threads for the same cores and keep two layers in memory), ``done()`` (the caller's
+    results of layer i, ready) is awaited and layer i's buffers dropped before layer i + 1 is
+    read."""
+    n_layer = model.hparams.n_layer
+    if prefetch is None:
+        prefetch = jax.devices()[0].platform != "cpu"
+    load = partial(_layer_weights, model)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(load, 0, replacements.get(0))
+        for i in range(n_layer):
+            weights = pending.result()
+            if prefetch and i + 1 < n_layer:
+                pending = pool.submit(load, i + 1, replacements.get(i + 1))
+            yield i, weights
+            weights = None
+            if not prefetch and i + 1 < n_layer:
+                done()  # this layer's buffers go before the next one's arrive
+                pending = pool.submit(load, i + 1, replacements.get(i + 1))
+
+
+def _wanted_rows(batch: _Batch, logits_for: Sequence[np.ndarray] | None) -> list[np.ndarray]:
+    """Per sequence, the positions whose logits are asked for (all of them when None)."""
+    if logits_for is None:
+        return [np.arange(n) for n in batch.lengths]
+    wanted = [np.asarray(p, np.int64) for p in logits_for]
+    for b, (pos, n) in enumerate(zip(wanted, batch.lengths, strict=True)):
+        if pos.size and (pos.min() < 0 or pos.max() >= n):
+            raise ValueError(f"forward: logits_for[{b}] has positions outside [0, {n})")
+    return wanted
+
+
 def forward(
     model: GGUFModel,
     sequences: Sequence[np.ndarray],
     *,
-    replacements: dict[int, LayerReplacement] | None = None,
+    replacements: Mapping[int, LayerReplacement] | None = None,
     capture: bool = False,
     logits_for: Sequence[np.ndarray] | None = None,
     prefetch: bool | None = None,
@@ -286,69 +351,49 @@ def forward(
     """Teacher-forced logits of ``sequences`` (int token ids), one layer at a time.
 
     ``replacements[i]`` swaps layer i's routed experts and/or shared-expert down weight (dense
-    or quantized pytrees) — how a student runs. ``capture`` returns a :class:`LayerCapture` per
-    MoE layer (leading dense layers route nothing and are left out, as in ``router``).
-    ``logits_for[b]`` lists the positions of sequence b whose logits are wanted (all of them
-    when None), so a ``[T, V]`` matrix is built only for the rows asked for.
+    or quantized pytrees) — how a student runs; it is read layer by layer (a mapping that loads
+    a layer when asked for, as a healed student's does, is read once per layer). ``capture``
+    returns a :class:`LayerCapture` per MoE layer (leading dense layers route nothing and are
+    left out, as in ``router``). ``logits_for[b]`` lists the positions of sequence b whose
+    logits are wanted (all of them when None), so a ``[T, V]`` matrix is built only for the
+    rows asked for.
 
-    ``prefetch`` reads the next layer on a thread while this one computes; by default only on an
-    accelerator. On the CPU the read would compete with the layer's own threads for the same
-    cores (measured: half the tokens/s at 512 tokens on 2 cores) and keep two layers in memory.
-
-    ``expert_cache`` routes every MoE layer through an LRU cache of routed experts with the
-    MoCE bonus (:mod:`healsweep.model.expert_cache`), the sequences in order.
+    ``prefetch``: see :func:`_layers`. ``expert_cache`` routes every MoE layer through an LRU
+    cache of routed experts with the MoCE bonus (:mod:`healsweep.model.expert_cache`), the
+    sequences in order.
     """
     hp = model.hparams
-    if prefetch is None:
-        prefetch = jax.devices()[0].platform != "cpu"
-    tokens, lengths = _pad_batch(sequences, hp.n_vocab)
-    n_batch, padded_len = tokens.shape
-    real = np.concatenate([b * padded_len + np.arange(n) for b, n in enumerate(lengths)])
-    positions = jnp.arange(padded_len, dtype=jnp.int32)
-    tile = expert_tile_rows(n_batch * padded_len * hp.n_expert_used, hp.n_expert)
-    replacements = replacements or {}
-
-    h = jnp.asarray(_embed(model, tokens, _head(replacements, "token_embd.weight")))  # [B, T, D]
+    replacements = replacements if replacements is not None else {}
+    batch = _embedded(model, sequences, replacements)
+    n_batch, padded_len = batch.h.shape[:2]
     captures: list[LayerCapture] = []
     router: list[np.ndarray] = []
     misses: list[np.ndarray] = []
     states: list[CacheState] = []
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        load = partial(_layer_weights, model)
-        pending = pool.submit(load, 0, replacements.get(0))
-        for i in range(hp.n_layer):
-            weights = pending.result()
-            if i + 1 < hp.n_layer:
-                if prefetch:
-                    pending = pool.submit(load, i + 1, replacements.get(i + 1))
-            dense = i < hp.n_leading_dense
-            routing = None
-            if expert_cache is not None and not dense:
-                # cache capacities and states are counted over MoE layers, as the states come back
-                moe_index = i - hp.n_leading_dense
-                routing = layer_routing(expert_cache, moe_index, hp.n_expert, lengths, padded_len)
-            h, cap = _block(hp, tile, capture, dense, weights, h, positions, routing)
-            if not dense:
-                router.append(np.asarray(cap["topk_ids"])[real])
-                if expert_cache is not None:
-                    misses.append(np.asarray(cap["cache_misses"])[real])
-                    states.append(CacheState(np.asarray(cap["cache_stamp"]),
-                                             np.asarray(cap["cache_clock"])))  # fmt: skip
-                if capture:
-                    captures.append(_gather_capture(cap, real))
-            if not prefetch and i + 1 < hp.n_layer:
-                h.block_until_ready()  # this layer's buffers go before the next one's arrive
-                weights = cap = None
-                pending = pool.submit(load, i + 1, replacements.get(i + 1))
-            weights = None
-
-    if logits_for is None:
-        wanted = [np.arange(n) for n in lengths]
-    else:
-        wanted = [np.asarray(p, np.int64) for p in logits_for]
-        for b, (pos, n) in enumerate(zip(wanted, lengths, strict=True)):
-            if pos.size and (pos.min() < 0 or pos.max() >= n):
-                raise ValueError(f"forward: logits_for[{b}] has positions outside [0, {n})")
+    carried = [batch.h]  # the hidden states between layers ([B, T, D]), awaited by _layers
+    for i, weights in _layers(
+        model, replacements, prefetch, partial(jax.block_until_ready, carried)
+    ):
+        dense = i < hp.n_leading_dense
+        routing = None
+        if expert_cache is not None and not dense:
+            # cache capacities and states are counted over MoE layers, as the states come back
+            moe_index = i - hp.n_leading_dense
+            routing = layer_routing(expert_cache, moe_index, hp.n_expert, batch.lengths,
+                                    padded_len)  # fmt: skip
+        h, cap = _block(hp, batch.tile, capture, dense, weights, carried[0], batch.positions,
+                        routing)  # fmt: skip
+        carried[0] = h
+        if not dense:
+            router.append(np.asarray(cap["topk_ids"])[batch.real])
+            if expert_cache is not None:
+                misses.append(np.asarray(cap["cache_misses"])[batch.real])
+                states.append(CacheState(np.asarray(cap["cache_stamp"]),
+                                         np.asarray(cap["cache_clock"])))  # fmt: skip
+            if capture:
+                captures.append(_gather_capture(cap, batch.real))
+        weights = cap = None  # let go before the next layer is read
+    wanted = _wanted_rows(batch, logits_for)
     rows = np.concatenate([b * padded_len + p for b, p in enumerate(wanted)]).astype(np.int32)
     hidden = _final_norm(hp.rms_norm_eps, h, jnp.asarray(model.tensor("output_norm.weight")), rows)
     head = _head(replacements, "output.weight")
@@ -357,7 +402,7 @@ def forward(
     logits = _logits(model, hidden, replaced=head)
     logits = np.split(logits, np.cumsum([len(p) for p in wanted])[:-1])
     per_token = np.stack(router, axis=1)  # [T_real, L, k]
-    cuts = np.cumsum(lengths)[:-1]
+    cuts = np.cumsum(batch.lengths)[:-1]
     return ForwardResult(
         logits=list(logits),
         captures=captures if capture else None,
@@ -365,6 +410,35 @@ def forward(
         cache_misses=list(np.split(np.stack(misses, axis=1), cuts)) if misses else None,
         cache_states=states or None,
     )
+
+
+def capture_layers(
+    model: GGUFModel, batches: Sequence[Sequence[np.ndarray]], prefetch: bool | None = None
+) -> Iterator[tuple[int, list[LayerCapture]]]:
+    """The teacher's captures of every MoE layer, layer-major: ``(i, [LayerCapture per
+    batch])`` for each MoE layer i in order, every batch advanced through layer i before layer
+    i + 1 is read (each layer's weights are read once, however many batches). What is carried
+    between layers is the batches' hidden states, never a layer; a layer's captures are the
+    caller's once yielded. A batch runs exactly as it would in :func:`forward` (same shapes,
+    same layer function): its captures are the same, bit for bit."""
+    hp = model.hparams
+    states = [_embedded(model, sequences, {}) for sequences in batches]
+
+    def ready() -> None:
+        jax.block_until_ready([s.h for s in states])
+
+    for i, weights in _layers(model, {}, prefetch, ready):
+        dense = i < hp.n_leading_dense
+        found = []
+        for n, s in enumerate(states):
+            h, cap = _block(hp, s.tile, True, dense, weights, s.h, s.positions, None)
+            states[n] = s._replace(h=h)
+            if not dense:
+                found.append(_gather_capture(cap, s.real))
+            cap = None
+        weights = None  # let go before the next layer is read
+        if not dense:
+            yield i, found
 
 
 def forward_each(
@@ -385,31 +459,20 @@ def forward_each(
     is computed this way, so an entry rebuilt in any batch equals the original bit for bit.
     """
     hp = model.hparams
-    if prefetch is None:
-        prefetch = jax.devices()[0].platform != "cpu"
     padded = [_pad_batch([seq], hp.n_vocab) for seq in sequences]  # ([1, T_b], [n_b])
     hs = [jnp.asarray(_embed(model, tokens)) for tokens, _ in padded]  # [1, T_b, D] each
     router: list[list[np.ndarray]] = [[] for _ in sequences]
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        load = partial(_layer_weights, model)
-        pending = pool.submit(load, 0, None)
-        for i in range(hp.n_layer):
-            weights = pending.result()
-            if prefetch and i + 1 < hp.n_layer:
-                pending = pool.submit(load, i + 1, None)
-            dense = i < hp.n_leading_dense
-            for b, (tokens, (n,)) in enumerate(padded):
-                t = tokens.shape[1]
-                tile = expert_tile_rows(t * hp.n_expert_used, hp.n_expert)
-                positions = jnp.arange(t, dtype=jnp.int32)
-                hs[b], cap = _block(hp, tile, False, dense, weights, hs[b], positions, None)
-                if not dense:
-                    router[b].append(np.asarray(cap["topk_ids"])[:n])
-            if not prefetch and i + 1 < hp.n_layer:
-                jax.block_until_ready(hs)
-                weights = cap = None
-                pending = pool.submit(load, i + 1, None)
-            weights = None
+    for i, weights in _layers(model, {}, prefetch, partial(jax.block_until_ready, hs)):
+        dense = i < hp.n_leading_dense
+        for b, (tokens, (n,)) in enumerate(padded):
+            t = tokens.shape[1]
+            tile = expert_tile_rows(t * hp.n_expert_used, hp.n_expert)
+            positions = jnp.arange(t, dtype=jnp.int32)
+            hs[b], cap = _block(hp, tile, False, dense, weights, hs[b], positions, None)
+            if not dense:
+                router[b].append(np.asarray(cap["topk_ids"])[:n])
+            cap = None
+        weights = None  # let go before the next layer is read
     norm = jnp.asarray(model.tensor("output_norm.weight"))
     wanted = []
     for b, (_, (n,)) in enumerate(padded):

@@ -65,7 +65,7 @@ def expert_bytes(student: StudentModel) -> list[int]:
     expert (gate + up + down) of the student: its replacement weights' bytes where the layer is
     replaced, else the GGUF tensors' bytes."""
     model = getattr(student, "base", student)
-    replacements = dict(getattr(student, "replacements", None) or {})
+    replacements = getattr(student, "replacements", None) or {}  # read layer by layer
     n_expert = model.hparams.n_expert
     sizes = []
     for layer in model.hparams.moe_layers:
