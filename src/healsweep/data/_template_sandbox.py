@@ -263,13 +263,12 @@ _HOOKS = {f.__name__: f for f in (hs_tick, hs_items, hs_emit, hs_value)}
 _HOOK_FUNCS = frozenset(_HOOKS.values())
 
 
-def make_environment(**options: Any) -> Any:
-    """An immutable sandboxed Jinja environment whose renders are held to the budget set with
-    :class:`budgeted` (outside one it renders without limits). Call :func:`guard_filters` once
-    its filters are all in place."""
+@functools.cache
+def _instrument_class() -> Any:
+    """The node transformer that routes loop items and bodies, output pieces and ``~`` through
+    the budget (one class, made on first use: jinja2 is imported only then)."""
     # lazy: heavy (jinja2)
     from jinja2 import nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.visitor import NodeTransformer
 
     def hook(name: str, *args: Any, lineno: int) -> Any:
@@ -295,6 +294,18 @@ def make_environment(**options: Any) -> Any:
         def visit_Concat(self, node: Any) -> Any:
             return hook("hs_value", self.generic_visit(node), lineno=node.lineno)
 
+    return Instrument
+
+
+@functools.cache
+def _sandbox_class() -> Any:
+    """The bounded sandbox's class: every binary operator, attribute, item and call of a render
+    goes through the budget, and templates are parsed through :func:`_instrument_class`."""
+    # lazy: heavy (jinja2)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    instrument = _instrument_class()
+
     class BoundedSandbox(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"+", "*", "**", "%"})
 
@@ -304,7 +315,7 @@ def make_environment(**options: Any) -> Any:
                 setattr(self, name, func)
 
         def _parse(self, source: str, name: Any, filename: Any) -> Any:
-            tree = Instrument().visit(super()._parse(source, name, filename))
+            tree = instrument().visit(super()._parse(source, name, filename))
             tree.set_environment(self)
             return tree
 
@@ -351,10 +362,17 @@ def make_environment(**options: Any) -> Any:
             finally:
                 budget.depth -= 1
 
+    return BoundedSandbox
+
+
+def make_environment(**options: Any) -> Any:
+    """An immutable sandboxed Jinja environment whose renders are held to the budget set with
+    :class:`budgeted` (outside one it renders without limits). Call :func:`guard_filters` once
+    its filters are all in place."""
     # No constant folding: Jinja's optimizer evaluates constant filters while it compiles,
     # before any render and so outside its budget (``{{ 'x'|center(1500000000)|length }}``
     # built 1.5 GB that way); unfolded, they run in the render, through the guards.
-    return BoundedSandbox(**{**options, "optimized": False})
+    return _sandbox_class()(**{**options, "optimized": False})
 
 
 def guard_filters(env: Any) -> None:

@@ -174,7 +174,6 @@ def write_random_model(
     """
     tokenizer = tokenizer or train_tiny_tokenizer()
     if vocab_size is not None:
-
         tokenizer = grown_tokenizer(tokenizer, vocab_size)
     tok_meta = tokenizer_metadata_from_tokenizer(tokenizer, bos=bos, eos=eos, pad=bos)
     if pre is not None:
@@ -189,8 +188,7 @@ def write_random_model(
         rope_freq_base=rope_freq_base, rms_norm_eps=rms_norm_eps, context_length=context_length,
         norm_topk_prob=layout.norm_topk_prob, rope_kind=layout.rope_kind,
     )  # fmt: skip
-    hp = layout.random_hparams(hp)
-    hp = hp.replace(**routing)
+    hp = layout.random_hparams(hp).replace(**routing)
     if hp.kv_b_split:  # llama.cpp's MLA layout caches one latent "head": MQA
         hp = hp.replace(n_head_kv=1)
     if hp.n_expert_shared:
