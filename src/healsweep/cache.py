@@ -146,7 +146,15 @@ def _writer() -> ThreadPoolExecutor:
     return current().executor("cache-write", 1)
 
 
-_frames = threading.local()  # per thread: the computes of get_or_compute running, innermost last
+class _Frames(threading.local):
+    """Per thread, the computes of ``get_or_compute`` running, innermost last (the runtime owns
+    the one instance: :meth:`~healsweep.runtime.Runtime.owned`)."""
+
+    def __init__(self) -> None:
+        self.stack: list[_Frame] = []
+
+    def clear(self) -> None:
+        self.stack = []
 
 
 class _Frame:
@@ -164,7 +172,7 @@ class _Frame:
 
 @contextmanager
 def _computing() -> Iterator[_Frame]:
-    stack = _frames.__dict__.setdefault("stack", [])
+    stack = current().owned(_Frames).stack
     frame = _Frame()
     stack.append(frame)
     try:
@@ -180,7 +188,7 @@ def recompute_seconds(seconds: float) -> None:
     costs, in wall seconds, in place of the compute's measured own time (work done once for
     several entries, such as the teacher's forward over a batch of windows, is shared out).
     Outside a compute, nothing."""
-    stack = getattr(_frames, "stack", None)
+    stack = current().owned(_Frames).stack
     if stack:
         stack[-1].stated = float(seconds)
 

@@ -17,7 +17,7 @@ from healsweep.gguf_io._ggml_types import (
 from healsweep.gguf_io._header import GGUFHeader, read_header
 from healsweep.gguf_io._hparams import ModelHparams
 from healsweep.gguf_io._model import GGUFModel, check_tensors, file_fingerprint, read_gguf
-from healsweep.gguf_io._names import block_prefix, layer_tensor, split_block, tensor_name
+from healsweep.gguf_io._names import HEAD, block_prefix, layer_tensor, split_block, tensor_name
 from healsweep.gguf_io._slice import parse_layer_range, slice_model
 from healsweep.gguf_io._summary import (
     chat_template_summary,
@@ -38,6 +38,7 @@ from healsweep.gguf_io._writer import encode_tensor, write_gguf
 __all__ = [
     "FOLDABLE_TYPES",
     "GGML_Q2_0",
+    "HEAD",
     "QUANT_SIZES",
     "TensorType",
     "GGUFHeader",

@@ -9,6 +9,9 @@ from __future__ import annotations
 from gguf import MODEL_TENSOR, TENSOR_NAMES
 
 _BLOCK = TENSOR_NAMES[MODEL_TENSOR.ATTN_NORM].split("{bid}")[0]  # "blk."
+# The layer key of the tensors outside every block (token_embd, output) where tensors are keyed
+# by layer, as a student's replacements are: no block has it.
+HEAD = -1
 
 
 def block_prefix(layer: int) -> str:

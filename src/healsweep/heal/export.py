@@ -32,10 +32,16 @@ from gguf import GGMLQuantizationType
 
 from healsweep._atomic import atomic_file, atomic_path
 from healsweep.errors import GGUFFormatError
-from healsweep.gguf_io import TensorType, add_tensor_info, block_prefix, element_shape, split_block
+from healsweep.gguf_io import (
+    HEAD,
+    TensorType,
+    add_tensor_info,
+    block_prefix,
+    element_shape,
+    split_block,
+)
 from healsweep.heal.knobs import LayerTypes
 from healsweep.kernels.ggml_types import ggml_type, stored_type
-from healsweep.model.forward import HEAD
 from healsweep.quant.formats import Q2_0, stack_format, stack_type_name
 
 if TYPE_CHECKING:

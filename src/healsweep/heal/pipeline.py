@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from healsweep.cache import StageCache, content_key
-from healsweep.gguf_io import block_prefix, split_block
+from healsweep.gguf_io import HEAD, block_prefix, split_block
 from healsweep.heal import expert_alpha, quantize, ridge, stages, tensor_types
 from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import (
@@ -49,7 +49,6 @@ from healsweep.heal.tensor_types import InputMoments, RequantTensor
 from healsweep.heal.trace import Trace, calibration_trace, report_lines
 from healsweep.kernels import alpha as alpha_kernels
 from healsweep.model import LayerReplacement
-from healsweep.model.forward import HEAD
 from healsweep.profile import PhaseProfile, phase
 from healsweep.quant.registry import QuantizedGroup
 from healsweep.quant.values import GROUPS, Group

@@ -42,14 +42,9 @@ import numpy as np
 from healsweep.data.chat_template import model_chat_format
 from healsweep.data.corpus import load_corpus
 from healsweep.gguf_io import split_block
-from healsweep.gguf_io._ggml_lib import requires_imatrix
 from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import Knobs
-from healsweep.heal.stages import stage_key
-from healsweep.heal.trace import _batches, budgeted, calibration_documents, make_chunks, trace_key
-from healsweep.kernels.ggml_decode import GGMLWeight
 from healsweep.kernels.ggml_types import GGMLType, fitting_type, tensor_type
-from healsweep.model.moments import input_moments
 from healsweep.quant.formats import format_of
 from healsweep.stage_names import Stage
 
@@ -177,6 +172,9 @@ class InputMoments(NamedTuple):
 
 def importance_key(model: GGUFModel, calibration: CalibrationConfig, corpus: Corpus) -> str:
     """Key of the input moments: the calibration trace's inputs (model, settings, documents)."""
+    # lazy: heavy (jax)
+    from healsweep.heal.stages import stage_key
+    from healsweep.heal.trace import calibration_documents, trace_key
 
     docs = calibration_documents(corpus, calibration)
     return stage_key(Stage.TENSOR_IMPORTANCE, {"trace": trace_key(model, calibration, docs)})
@@ -186,6 +184,10 @@ def compute_moments(
     model: GGUFModel, calibration: CalibrationConfig, corpus: Corpus
 ) -> InputMoments:
     """The teacher's input moments over the calibration pool's chunks (those the trace runs)."""
+    # lazy: heavy (jax)
+    from healsweep.heal.trace import _batches, budgeted, calibration_documents, make_chunks
+    from healsweep.model.moments import input_moments
+
     calibration = budgeted(model, calibration)
     docs = calibration_documents(corpus, calibration)
     chunks, _ = make_chunks(docs, model.tokenizer(), calibration, model_chat_format(model))
@@ -232,6 +234,7 @@ class RequantTensor(NamedTuple):
 
     def weight(self) -> Any:
         """The tensor as the forward takes it: a ``GGMLWeight`` of its bytes."""
+        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: jax is heavy
 
         return GGMLWeight(self.raw, tensor_type(self.type_name).ggml_id, self.n_in)
 
@@ -239,6 +242,7 @@ class RequantTensor(NamedTuple):
 def requant_key(model: GGUFModel, name: str, chosen: GGMLType, importance: str | None) -> str:
     """Key of tensor ``name`` of ``model`` in type ``chosen`` with the importance of key
     ``importance``."""
+    from healsweep.heal.stages import stage_key  # lazy: heavy (jax)
 
     inputs = {"model": model.fingerprint, "tensor": name, "type": chosen.name}
     return stage_key(Stage.REQUANT_TENSOR, {**inputs, "importance": importance})
@@ -249,6 +253,8 @@ def requantize_tensor(
 ) -> RequantTensor:
     """Tensor ``name`` of ``model`` quantized by ggml to ``chosen`` with its importance row,
     :data:`ROW_CHUNK` rows at a time (one slice of float32 on the host)."""
+    # lazy: optional (llama-cpp-python, an optional extra)
+    from healsweep.gguf_io._ggml_lib import requires_imatrix
 
     shape = tuple(model.tensor_shape(name))
     n_in = shape[-1]
@@ -268,9 +274,7 @@ def requantize_tensor(
     return RequantTensor(raw, chosen.name, n_in)
 
 
-def layer_tensors(
-    retyped: dict[str, Any], layer: int | None
-) -> dict[str, Any]:
+def layer_tensors(retyped: dict[str, Any], layer: int | None) -> dict[str, Any]:
     """The weights of ``retyped`` (name → weight) of block ``layer`` by suffix, or (``layer``
     None) those outside the layers by name."""
     found = {}

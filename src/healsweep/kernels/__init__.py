@@ -9,11 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Q2Weight", "iq4_nl", "q2_0"]
+__all__ = ["Q2Weight", "ggml_decode", "iq4_nl", "q2_0"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("iq4_nl", "q2_0"):
+    if name in ("ggml_decode", "iq4_nl", "q2_0"):
         return importlib.import_module(f"healsweep.kernels.{name}")
     if name == "Q2Weight":
         return importlib.import_module("healsweep.kernels.q2_0").Q2Weight

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from healsweep.gguf_io import GGUFModel, ModelHparams, block_prefix
+from healsweep.gguf_io import HEAD, GGUFModel, ModelHparams, block_prefix
 from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES, GGMLWeight
 from healsweep.model.expert_cache import CacheState, ExpertCacheInput, layer_routing
 from healsweep.model.layers import expert_tile_rows, matmul, rms_norm, swiglu
@@ -61,7 +61,6 @@ class LayerReplacement(NamedTuple):
     tensors: Mapping[str, Any] | None = None  # suffix (or, at HEAD, name) -> weight
 
 
-HEAD = -1  # the key of ``replacements`` whose ``tensors`` replace token_embd / output
 
 
 class ForwardResult(NamedTuple):

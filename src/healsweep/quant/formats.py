@@ -28,11 +28,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from healsweep import kernels  # its modules load on first use: the knobs read this one
 from healsweep.errors import GGUFFormatError
 from healsweep.gguf_io import QUANT_SIZES, TensorType, fold_scale, q2_0_type
 from healsweep.gguf_io._ggml_lib import quantize_rows
-from healsweep.kernels import iq4_nl, q2_0
-from healsweep.kernels.ggml_decode import GGMLWeight, decode_rows
 from healsweep.kernels.ggml_types import ggml_type, stored_type
 
 GGML_Q2_0 = ggml_type("q2_0").ggml_id
@@ -135,7 +134,7 @@ class StorageFormat:
         every block's fp16 scale(s) rewritten."""
 
         raw = fold_scale(np.asarray(stack.raw), stack.qtype, factor)
-        return GGMLWeight(raw, stack.qtype, stack.n_in)
+        return kernels.ggml_decode.GGMLWeight(raw, stack.qtype, stack.n_in)
 
     @classmethod
     def gguf_type(cls, stack: Any) -> TensorType:
@@ -183,13 +182,13 @@ class IQ4NL(StorageFormat, ids=(int(TensorType.IQ4_NL),)):
     @classmethod
     def encode(cls, name: str, values: np.ndarray, qtype: int) -> np.ndarray:
         rows, cols = values.shape
-        d, idx = iq4_nl.quantize(values.reshape(-1, 32))
-        return np.asarray(iq4_nl.pack(d, idx), np.uint8).reshape(rows, cols // 32 * 18)
+        d, idx = kernels.iq4_nl.quantize(values.reshape(-1, 32))
+        return np.asarray(kernels.iq4_nl.pack(d, idx), np.uint8).reshape(rows, cols // 32 * 18)
 
     @classmethod
     def decode(cls, raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
-        d, idx = iq4_nl.unpack(np.asarray(raw, np.uint8).reshape(-1, 18))
-        return np.asarray(iq4_nl.dequantize(d, idx), np.float32).reshape(shape)
+        d, idx = kernels.iq4_nl.unpack(np.asarray(raw, np.uint8).reshape(-1, 18))
+        return np.asarray(kernels.iq4_nl.dequantize(d, idx), np.float32).reshape(shape)
 
 
 class Q2_0(StorageFormat, ids=(GGML_Q2_0,)):
@@ -202,12 +201,12 @@ class Q2_0(StorageFormat, ids=(GGML_Q2_0,)):
     def encode(cls, name: str, values: np.ndarray, qtype: int) -> np.ndarray:
         """The codec's signed-scale search without importance or gain."""
 
-        return cls.gguf_rows(q2_0.quantize_matrix(values, None, 0.0, packed=True))
+        return cls.gguf_rows(kernels.q2_0.quantize_matrix(values, None, 0.0, packed=True))
 
     @classmethod
     def decode(cls, raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
         rows = np.asarray(raw, np.uint8).reshape(shape[0], -1)
-        return np.asarray(decode_rows(rows, GGML_Q2_0, shape[-1]), np.float32).reshape(shape)
+        return np.asarray(kernels.ggml_decode.decode_rows(rows, GGML_Q2_0, shape[-1]), np.float32).reshape(shape)
 
     @classmethod
     def scale_stack(cls, stack: Any, factor: np.ndarray) -> Any:

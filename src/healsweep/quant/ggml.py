@@ -30,9 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from healsweep.kernels.ggml_decode import GGMLWeight
 from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
-from healsweep.quant import ggml_gptq, kgrid
 from healsweep.quant._base import Arrays, GroupInputs, GroupQuantizer
 from healsweep.quant.imatrix import expert_importance, quantize_expert_stack
 from healsweep.quant.values import Q2_0, DownInput, Group, Quantizer
@@ -51,11 +49,15 @@ class GGMLStored(GroupQuantizer):
 
     @classmethod
     def from_arrays(cls, arrays: Arrays, meta: Mapping[str, Any], count: int) -> tuple[Any, ...]:
+        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: jax is heavy
+
         qtype = ggml_type(meta["type"]).ggml_id
         return tuple(GGMLWeight(arrays[f"{n}.raw"], qtype, meta["n_in"]) for n in range(count))
 
     @classmethod
     def _stacks(cls, inputs: GroupInputs, raws: list[np.ndarray]) -> tuple[Any, ...]:
+        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: jax is heavy
+
         qtype, n_in = ggml_type(inputs.stored_as).ggml_id, inputs.stacks()[0].shape[-1]
         return tuple(GGMLWeight(raw, qtype, n_in) for raw in raws)
 
@@ -94,6 +96,8 @@ class KGridGptq(GGMLStored, types=("q2_k", "q3_k"), quantizer=Quantizer.GPTQ):
 
     @classmethod
     def quantize(cls, inputs: GroupInputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        from healsweep.quant import kgrid  # lazy: jax is heavy (knobs read this module)
+
         qtype = ggml_type(inputs.stored_as).ggml_id
         rows = expert_importance(inputs.trace_layer, inputs.min_tokens)
         stacks = inputs.stacks()
@@ -124,6 +128,8 @@ class IQ2GridGptq(GGMLStored, types=("iq2_xxs", "iq2_xs"), quantizer=Quantizer.G
 
     @classmethod
     def quantize(cls, inputs: GroupInputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        from healsweep.quant import ggml_gptq  # lazy: jax is heavy (knobs read this module)
+
         rows = expert_importance(inputs.trace_layer, inputs.min_tokens)
         importance = rows[f"ffn_{inputs.group.tensors[0]}_exps.weight"]  # gate's = up's
         student = None

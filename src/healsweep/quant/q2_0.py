@@ -24,10 +24,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from healsweep.kernels import q2_0, q2_0_plain
-from healsweep.kernels.q2_0 import Q2Packed, pack_codes
-from healsweep.quant import gptq
-from healsweep.quant import importance as imp
 from healsweep.quant._base import Arrays, GroupInputs, GroupQuantizer
 from healsweep.quant.values import Q2_0, Group, Importance, ImportanceDown, Quantizer
 
@@ -52,6 +48,7 @@ class Q2Stored(GroupQuantizer):
     def from_arrays(cls, arrays: Arrays, meta: Mapping[str, Any], count: int) -> tuple[Any, ...]:
         """Packed ``Q2Packed`` pytrees: unpacking 3 x 173M codes per layer on the host cost a
         warm trial seconds a layer."""
+        from healsweep.kernels.q2_0 import Q2Packed  # lazy: jax is heavy (knobs read this module)
 
         return tuple(Q2Packed(arrays[f"{n}.d"], arrays[f"{n}.codes"]) for n in range(count))
 
@@ -112,6 +109,9 @@ class Q2Plain(Q2Stored, types=(Q2_0,), quantizer=Quantizer.PLAIN):
 
     @classmethod
     def quantize(cls, inputs: GroupInputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        from healsweep.kernels import q2_0_plain  # lazy: jax is heavy (knobs read this module)
+        from healsweep.kernels.q2_0 import Q2Packed, pack_codes  # lazy: jax, as above
+
         stacks = []
         for w in inputs.stacks():  # [E, out, in]
             d, q = q2_0_plain.quantize(w)
@@ -121,6 +121,7 @@ class Q2Plain(Q2Stored, types=(Q2_0,), quantizer=Quantizer.PLAIN):
 
 def _importance(inputs: GroupInputs) -> np.ndarray | None:
     """The search's importance of the group's input channels (its knob, the trace for ``act``)."""
+    from healsweep.quant import importance as imp  # lazy: jax is heavy (knobs read this module)
 
     kind = inputs.read[_IMPORTANCE[inputs.group]]
     if inputs.group is Group.GU:
@@ -140,6 +141,8 @@ def _search_experts(w, importance, gain, d=None, codes=None, rest=None) -> Any:
     """The codec's search (:func:`q2_0.quantize_matrix`) of ``w`` [E, out, in] as a
     ``Q2Packed``: of every expert, or with ``rest`` (expert indices) of those only, the others
     taken from ``d``, ``codes`` (GPTQ's)."""
+    from healsweep.kernels import q2_0  # lazy: jax is heavy (knobs read this module)
+    from healsweep.kernels.q2_0 import Q2Packed  # lazy: jax, as above
 
     if rest is None:
         q2 = q2_0.quantize_matrix(w, importance, gain, packed=True)
@@ -159,6 +162,8 @@ def _gptq_experts(inputs: GroupInputs, gain: float) -> list[tuple[Any, ...]]:
     tokens. Returns per stack ``(d, codes, rest, fallback)``: the packed arrays with the GPTQ
     experts filled, the indices of the experts left to the search (too few tokens, or an ``H``
     that did not factor), and the fallback counts."""
+    from healsweep.kernels.q2_0 import pack_codes  # lazy: jax is heavy (knobs read this module)
+    from healsweep.quant import gptq  # lazy: jax, as above
 
     weights, read = inputs.weights, inputs.read
     counts = np.asarray(inputs.trace("counts"))

@@ -19,8 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from healsweep.errors import KnobError
 from healsweep.gguf_io import block_prefix
-from healsweep.model import forward
-from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
 from healsweep.score.record import CacheWindowStats, per_token
 from healsweep.score.student import StudentModel, student_model
 
@@ -127,6 +125,10 @@ class CachedStudent:
 
     def run(self, windows: Sequence[Window], positions: Sequence[np.ndarray]) -> Any:
         """``(ForwardResult, [CacheWindowStats per window])`` of one batched forward."""
+        # lazy: heavy (jax)
+        from healsweep.model import forward
+        from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
+
 
         model, replacements = student_model(self.student)
         hp = model.hparams

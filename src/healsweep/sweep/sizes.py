@@ -9,11 +9,12 @@ from healsweep.bundled import resolve_model
 from healsweep.errors import KnobError
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.size import ConfigSize, ModelShapes
-from healsweep.model import open_model
 
 
 @functools.lru_cache(maxsize=8)
 def _shapes(path: str, size: int, mtime_ns: int) -> ModelShapes:
+    from healsweep.model import open_model  # lazy: the model package brings jax
+
     return ModelShapes.of(open_model(path))
 
 

@@ -24,12 +24,8 @@ from healsweep.bundled import is_bundled
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import load_split
 from healsweep.errors import HealsweepError, SpecError
-from healsweep.gguf_io._ggml_lib import libggml
 from healsweep.heal.knobs import Knobs
-from healsweep.heal.llama_baseline import check_baseline
-from healsweep.model import open_model
 from healsweep.results.schema import REFERENCES, Role
-from healsweep.score.report import check_same_tokenizer
 from healsweep.settings_errors import (
     SearchSpaceRules,
     key_lines,
@@ -216,6 +212,9 @@ def check_paths(spec: SweepSpec, where: str) -> None:
 def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
     """Each ``external`` GGUF opens, and has the token list of the sweep's model; else one
     ``SpecError`` line naming the entry (before anything is started)."""
+    # lazy: heavy (gguf, jax): `sweep status` reads a spec without starting jax
+    from healsweep.model import open_model
+    from healsweep.score.report import check_same_tokenizer
 
     teacher = open_model(spec.model)
     for i, entry in enumerate(spec.external):
@@ -235,6 +234,9 @@ def check_externals(spec: SweepSpec, where: str = "sweep spec") -> None:
 def _check_recipe(teacher: GGUFModel, recipe: LlamaRecipe, at: str) -> None:
     """A recipe's type fits the model's experts and ggml's quantizer is installed; else one
     ``SpecError`` line."""
+    # lazy: heavy (gguf, jax): `sweep status` reads a spec without starting jax
+    from healsweep.gguf_io._ggml_lib import libggml
+    from healsweep.heal.llama_baseline import check_baseline
 
     try:
         libggml()
