@@ -136,7 +136,8 @@ def healsweep_metadata(model: GGUFModel) -> dict[str, Any] | None:
                 value = json.loads(value)
             except ValueError:
                 pass
-        elif isinstance(value, Sequence):  # a list, or gguf_io's arrays held as stored bytes
+        elif isinstance(value, Sequence) and not isinstance(value, str):  # a list, or gguf_io's
+            # arrays held as stored bytes (a string is a Sequence too: it stays a string)
             value = [float(v) if not isinstance(v, str) else v for v in value]
         out[key[len(HEAL_PREFIX) :]] = value
     return out
