@@ -364,8 +364,9 @@ class StageCache:
     def holding(self) -> Iterator[None]:
         """Within the block, every entry this cache reads or writes (or names in :meth:`hold`)
         is held: no eviction, by this process or another sharing the root, deletes it until
-        the block ends. Blocks nest (the outermost lets go). A trial holds its stages while
-        it builds its student, and its teacher records while it scores."""
+        the block ends. Blocks nest (the outermost lets go). A sweep trial holds its stages from
+        the build of its student to its last scored window (the student reads its layers back
+        from them), and its teacher records while it scores."""
         with self._lock:
             self._holding += 1
         try:

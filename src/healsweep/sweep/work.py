@@ -130,18 +130,21 @@ def _score_dev(
     index = {w.window_id: i for i, w in enumerate(windows)}
     # None: this worker's own ($HEALSWEEP_CACHE), bounded by $HEALSWEEP_CACHE_MAX_GB if set
     cache = StageCache(spec.cache_root, spec.cache_max_gb)
-    scored = score_windows(
-        teacher,
-        make_student(teacher, cache),
-        todo,
-        cache,
-        batch=spec.scoring.batch,
-        teacher_cache=spec.scoring.teacher_cache,
-        expert_cache=expert_cache,
-    )
-    for window, metrics in scored:
-        wi = index[window.window_id]
-        yield WindowRecord.of(window, metrics, wi, len(windows), position[wi])
+    # A streamed student reads its layers back from the stage entries while it is scored: they
+    # stay held until its last window (else a tight cache evicts and recomputes them mid-trial).
+    with cache.holding():
+        scored = score_windows(
+            teacher,
+            make_student(teacher, cache),
+            todo,
+            cache,
+            batch=spec.scoring.batch,
+            teacher_cache=spec.scoring.teacher_cache,
+            expert_cache=expert_cache,
+        )
+        for window, metrics in scored:
+            wi = index[window.window_id]
+            yield WindowRecord.of(window, metrics, wi, len(windows), position[wi])
 
 
 def check_documents(spec: SweepSpec, model: GGUFModel) -> None:
