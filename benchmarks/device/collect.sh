@@ -9,7 +9,7 @@ wait_s=${1:-540}
 end=$((SECONDS + wait_s))
 # The jobs start.sh started (sequence.sh and its jobs), not this script: it matched itself and
 # always waited the whole SECONDS.
-jobs_running() { pgrep -af "benchmarks/device/[a-z0-9-]*\.sh" | grep -v "device/collect\.sh" > /dev/null; }
+jobs_running() { pgrep -af "benchmarks/device/[a-z0-9-]*\.sh" | grep -v "device/\(collect\|sample\)\.sh" > /dev/null; }
 while jobs_running && [ $SECONDS -lt $end ]; do sleep 5; done
 if jobs_running; then echo "collect: still running"; else echo "collect: all jobs ended"; fi
 for log in "$HS"/out/*.log; do echo "== $log"; tail -n 25 "$log"; done

@@ -28,12 +28,10 @@ write_random_model(sys.argv[1], n_layer=int(sys.argv[2]), n_embd=2048, n_head=16
 PY
   echo "model written in $((SECONDS - start)) s: $(du -h "$model" | cut -f1)"
 fi
-# GPU busy share over the whole night, sampled beside bench night's own sampler
-smi=""
-if [ -n "$gpu" ]; then
-  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$out/nvidia-smi.csv" 2>/dev/null &
-  smi=$!
-fi
+# GPU busy share and host used memory, once a second, for each trial's span (busy.py)
+rm -f "$out/night-samples.txt"
+bash benchmarks/device/sample.sh "$out/night-samples.txt" &
+smi=$!
 start=$SECONDS
 python3 -m healsweep bench night "$model" $gpu --grid "$grid" --windows "$windows" --json \
   --out "$out/night" > "$out/night.json"
@@ -41,6 +39,8 @@ echo "bench night exit $? after $((SECONDS - start)) s"
 cp "$out/night/night.md" "$out/night.md" 2>/dev/null && cat "$out/night.md"
 echo "== phase table of each trial (trials.parquet)"
 python3 benchmarks/device/phases.py "$out/night"
+kill "$smi" 2>/dev/null
+echo "== GPU busy and host memory per trial"
+python3 benchmarks/device/busy.py "$out/night-samples.txt" "$out/night"
 du -sh "${HEALSWEEP_CACHE:-$HS/cache}" "$out/night" 2>/dev/null
-[ -n "$smi" ] && kill "$smi" 2>/dev/null
 echo "night24 done"

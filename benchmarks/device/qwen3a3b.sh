@@ -43,11 +43,9 @@ write_random_model(sys.argv[1], "qwen3moe", n_layer=int(sys.argv[2]), n_embd=204
 PY
   echo "model written in $((SECONDS - start)) s: $(du -h "$model" | cut -f1)"
 fi
-smi=""
-if [ -n "$gpu" ]; then
-  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$out/qwen3a3b-nvidia-smi.csv" 2>/dev/null &
-  smi=$!
-fi
+rm -f "$out/qwen3a3b-samples.txt"
+bash benchmarks/device/sample.sh "$out/qwen3a3b-samples.txt" &
+smi=$!
 start=$SECONDS
 python3 -m healsweep bench night "$model" $gpu --grid "$grid" --windows "$windows" --knobs "$knobs" --json \
   --out "$out/qwen3a3b" > "$out/qwen3a3b.json"
@@ -55,6 +53,8 @@ echo "bench night exit $? after $((SECONDS - start)) s"
 cat "$out/qwen3a3b/night.md" 2>/dev/null
 echo "== phase table of each trial (trials.parquet)"
 python3 benchmarks/device/phases.py "$out/qwen3a3b"
+kill "$smi" 2>/dev/null
+echo "== GPU busy and host memory per trial"
+python3 benchmarks/device/busy.py "$out/qwen3a3b-samples.txt" "$out/qwen3a3b"
 du -sh "${HEALSWEEP_CACHE:-$HS/cache}" "$out/qwen3a3b" 2>/dev/null
-[ -n "$smi" ] && kill "$smi" 2>/dev/null
 echo "qwen3a3b done"
