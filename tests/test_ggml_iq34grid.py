@@ -130,6 +130,7 @@ def brute_force_iq3(target, omega, scale, table, qtype):
 def test_iq3_group_choice_is_the_weighted_optimum(qtype):
     rng = np.random.default_rng(20 + qtype)
     raw = random_rows(qtype, 10, 1, rng)
+    raw[1, 1] |= 0x80  # a negative d: every sign mirrored
     grid = ggml_iq3grid.IQ3Grid(raw, qtype)
     k = grid.width
     table = ggml_iq3grid.grid_table(qtype).astype(np.float64)

@@ -20,8 +20,8 @@ them alike):
 exactly: the lowest ``Σ ω_i (t_i − v_i)²``. With free signs each weight takes the sign of its
 target; under IQ3_XXS's parity, an odd count of minus signs costs the one cheapest flip
 (``4·ω·|t|·db·G``) in either grid row of the group, so the optimum is the better of "flip in the
-first row" and "flip in the second", each a sum of two independent minima over 256 rows. ggml
-writes ``d ≥ 0``, which the magnitude form assumes. Values are formed in float32 in the
+first row" and "flip in the second", each a sum of two independent minima over 256 rows (ggml
+writes ``d ≥ 0``; a negative ``d`` mirrors every sign). Values are formed in float32 in the
 decoders' order (``(db · grid) · ±1``), equal to gguf-py's and ggml's dequantization bit for
 bit. It is what column-wise error feedback (:mod:`healsweep.quant.ggml_gptq`) rounds with, as
 :class:`~healsweep.quant.ggml_iqgrid.IQ2Grid` does on the IQ2 grids. Host numpy.
@@ -98,11 +98,12 @@ class IQ3Grid:
         per-column weights ``omega`` [width] (> 0); returns the decoded values [out, width]."""
         table = grid_table(self.qtype).astype(np.float64)  # [N, 4]
         rows = g * self.width // ROW  # the group's first grid row
-        scale = self.scale[:, rows].astype(np.float64)[:, None]  # [out, 1], one scale a group
+        signed = self.scale[:, rows].astype(np.float64)[:, None]  # [out, 1], one scale a group
+        scale = np.abs(signed)  # a negative d mirrors every sign (8 flips keep the parity)
         target = np.asarray(target, np.float32)
         magnitude = np.abs(target).astype(np.float64)
         omega = np.asarray(omega, np.float64)
-        negative = target < 0
+        negative = (target < 0) ^ (signed < 0)
         if self.qtype == GGML_IQ3_S:
             best = [np.argmin(_row_costs(magnitude, omega, scale, table), axis=1)]
         else:
