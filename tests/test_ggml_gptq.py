@@ -265,8 +265,8 @@ def test_options_that_do_not_apply_are_one_line_knob_errors():
     ggml_gptq.check_options("iq2_xxs", "column", 256, "conditional")
     ggml_gptq.check_options("iq1_s", "column", 256, "conditional")
     ggml_gptq.check_options("iq1_m", "column", 512, "hessian")
-    with pytest.raises(KnobError, match="IQ2_XS grid, not iq3_xxs"):
-        ggml_gptq.check_options("iq3_xxs", "column", 256, "conditional")
+    with pytest.raises(KnobError, match=r"re-rounds on \(iq1_m, .*\), not iq2_s"):
+        ggml_gptq.check_options("iq2_s", "column", 256, "conditional")
     with pytest.raises(KnobError, match="multiple of the iq2_xs block"):
         ggml_gptq.check_options("iq2_xs", "block", 128, "conditional")
     with pytest.raises(KnobError, match="not a routed-expert type"):

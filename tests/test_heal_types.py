@@ -271,6 +271,27 @@ def test_gptq_on_the_k_grids_lowers_the_routed_error_and_is_keyed_by_its_knobs(r
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["iq3_xxs", "iq3_s", "iq4_xs"])
+def test_gptq_on_the_iq3_and_iq4_grids_lowers_the_routed_error_on_ggmls_scales(rows256, name):
+    """Issue 49: column-wise error feedback on IQ3_XXS, IQ3_S and IQ4_XS (quant.ggml_iq3grid,
+    quant.ggml_iq4grid) lowers the layers' routed residual against ggml's own quantizer with the
+    imatrix, every expert fed, and keyed by the gptq knobs."""
+    model, corpus, cache = rows256
+    n = model.hparams.n_layer
+    plain = Knobs(type_gu=name, type_d=name, alpha="none", ridge=False)
+    ggml = build_student(model, plain, CAL, cache, corpus=corpus)
+    before = dict(cache.computed)
+    fed = build_student(model, plain.replace(quantizer="gptq"), CAL, cache, corpus=corpus)
+    assert _delta(cache, before)["quantize"] == 2 * n
+    for layer in fed.report["layers"]:
+        assert set(layer["quantize"]["gptq_fallback"]) == {"gate", "up", "down"}
+    error = {s: sum(r["residual_alpha_1"] for r in b.report["layers"])
+             for s, b in (("ggml", ggml), ("gptq", fed))}  # fmt: skip
+    print(f"{name}, routed residual at alpha 1, summed over layers: {error}")
+    assert error["gptq"] < error["ggml"]
+
+
+@pytest.mark.slow
 def test_bench_trial_ends_with_a_type_only_trial_that_requantizes_the_down_group_only(tmp_path):
     from healsweep.bench.trial import bench_trials, format_trials
 

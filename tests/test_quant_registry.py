@@ -20,7 +20,15 @@ from healsweep.gguf_io import TensorType
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import stage_reads
 from healsweep.kernels.ggml_types import ROUTED_TYPES, STORED_TYPES, ggml_type
-from healsweep.quant.ggml import GGMLImatrix, GGMLStored, IQ1GridGptq, IQ2GridGptq, KGridGptq
+from healsweep.quant.ggml import (
+    GGMLImatrix,
+    GGMLStored,
+    IQ1GridGptq,
+    IQ2GridGptq,
+    IQ3GridGptq,
+    IQ4GridGptq,
+    KGridGptq,
+)
 from healsweep.quant.q2_0 import Q2Gptq, Q2Plain, Q2Search
 from healsweep.quant.registry import (
     GroupInputs,
@@ -48,13 +56,16 @@ def test_every_type_under_every_quantizer_has_one_class():
         ("iq2_xs", Quantizer.GPTQ): IQ2GridGptq,
         ("iq1_s", Quantizer.GPTQ): IQ1GridGptq,
         ("iq1_m", Quantizer.GPTQ): IQ1GridGptq,
+        ("iq3_xxs", Quantizer.GPTQ): IQ3GridGptq,
+        ("iq3_s", Quantizer.GPTQ): IQ3GridGptq,
+        ("iq4_xs", Quantizer.GPTQ): IQ4GridGptq,
     }
     for kind in ROUTED_TYPES:
         for quantizer in Quantizer:
             found = quantizer_for(kind.name, quantizer)
             assert found is expected.get((kind.name, quantizer), GGMLImatrix), (kind, quantizer)
     assert types_with(Quantizer.GPTQ) == (
-        "iq1_m", "iq1_s", "iq2_xs", "iq2_xxs", "q2_0", "q2_k", "q3_k"
+        "iq1_m", "iq1_s", "iq2_xs", "iq2_xxs", "iq3_s", "iq3_xxs", "iq4_xs", "q2_0", "q2_k", "q3_k"
     )  # fmt: skip
     with pytest.raises(KnobError, match="no quantizer stores routed experts as 'q8_0'"):
         quantizer_for("q8_0", Quantizer.SEARCH)
@@ -89,7 +100,7 @@ def test_the_classes_of_a_type_share_its_storage_format():
 def test_what_a_class_reads_is_what_its_key_holds():
     # the key's knobs come from the class: a knob it does not name never reaches its key
     knobs = Knobs(quantizer="gptq", gptq_damp=0.2, gain_gu=1.1, importance="act")
-    assert stage_reads(knobs, "quantize", group=Group.GU, stored_as="iq3_s") == {"type": "iq3_s"}
+    assert stage_reads(knobs, "quantize", group=Group.GU, stored_as="iq2_s") == {"type": "iq2_s"}
     assert stage_reads(knobs, "quantize", group=Group.GU, stored_as="q2_k") == {
         "type": "q2_k", "quantizer": "gptq", "gptq_damp": 0.2,
     }  # fmt: skip
@@ -131,21 +142,21 @@ def test_a_new_class_registers_by_being_defined_and_a_taken_pair_is_refused():
         class Twice(Q2Gptq, types=("q2_0",), quantizer=Quantizer.GPTQ):
             pass
 
-    class Refined(GGMLStored, types=("iq3_s",), quantizer=Quantizer.GPTQ):
-        """A stand-in for the next type's GPTQ (issue 39: the IQ1 grids): one class."""
+    class Refined(GGMLStored, types=("iq2_s",), quantizer=Quantizer.GPTQ):
+        """A stand-in for the next type's GPTQ (issue 39: the IQ1 grids; IQ2_S has none yet): one class."""
 
         @classmethod
         def quantize(cls, inputs: GroupInputs):
             return (), {}
 
     try:
-        assert quantizer_for("iq3_s", "gptq") is Refined
-        assert quantizer_for("iq3_s", "search") is GGMLImatrix
-        assert "iq3_s" in types_with(Quantizer.GPTQ)
+        assert quantizer_for("iq2_s", "gptq") is Refined
+        assert quantizer_for("iq2_s", "search") is GGMLImatrix
+        assert "iq2_s" in types_with(Quantizer.GPTQ)
     finally:
         del Refined
         gc.collect()
-    assert quantizer_for("iq3_s", "gptq") is GGMLImatrix
+    assert quantizer_for("iq2_s", "gptq") is GGMLImatrix
 
 
 def test_a_class_that_serves_a_type_defines_every_part():

@@ -137,8 +137,8 @@ def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
     assert stage_reads(Knobs(), "quantize") == {
         "importance": "norm_proxy", "importance_down": "none", "gain_gu": 0.3, "gain_d": 0.3
     }  # fmt: skip
-    ggml = Knobs(type_gu="iq2_s", type_d="iq3_s")
-    assert stage_reads(ggml, "quantize") == {"type_gu": "iq2_s", "type_d": "iq3_s"}
+    ggml = Knobs(type_gu="iq2_s", type_d="iq4_nl")
+    assert stage_reads(ggml, "quantize") == {"type_gu": "iq2_s", "type_d": "iq4_nl"}
     # the same student, whatever the quantizer knobs say (no grid for gptq to refine)...
     twin = ggml.replace(quantizer="gptq", gain_gu=1.5, importance_down="act")
     assert all(stage_reads(twin, s) == stage_reads(ggml, s) for s in STUDENT_STAGES)
@@ -151,8 +151,9 @@ def test_a_group_stored_in_a_ggml_type_reads_no_quantizer_knob():
     assert stage_reads(grid, "quantize", group="d", stored_as="q3_k") == {
         "type": "q3_k", "quantizer": "gptq", "gptq_damp": 0.1
     }  # fmt: skip
-    assert stage_reads(grid, "quantize", group="d", stored_as="iq3_s") == {"type": "iq3_s"}
-    for name in ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs"):  # ...and the IQ grids (quant.ggml_gptq)
+    assert stage_reads(grid, "quantize", group="d", stored_as="iq2_s") == {"type": "iq2_s"}
+    # ...and the IQ grids (quant.ggml_gptq)
+    for name in ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq3_xxs", "iq3_s", "iq4_xs"):
         assert stage_reads(grid, "quantize", group="gu", stored_as=name) == {
             "type": name, "quantizer": "gptq", "gptq_damp": 0.1
         }  # fmt: skip

@@ -17,6 +17,8 @@ Every class here reads the calibration trace (its importance rows) and names the
   conditional metric; with ``down_input: student``, down on the quantized gate and up's output.
 * :class:`IQ1GridGptq` (``quantizer: gptq`` on IQ1_S, IQ1_M): the same on ggml's IQ1 grids, each
   8-weight group's grid row (and on IQ1_M its ``δ`` sign) chosen on ggml's scales.
+* :class:`IQ3GridGptq` (IQ3_XXS, IQ3_S) and :class:`IQ4GridGptq` (IQ4_XS): the same on ggml's
+  IQ3 grids (grid rows of 4 with their signs) and on IQ4_XS's 16 values (each weight's code).
 
 Experts with too few routed tokens, or whose ``H_e`` does not factor, keep plain ggml (counted in
 the stage's report). The GPTQ classes read ``quantizer`` and ``gptq_damp`` (those on the IQ grids
@@ -161,3 +163,14 @@ class IQ1GridGptq(IQ2GridGptq, types=("iq1_s", "iq1_m"), quantizer=Quantizer.GPT
     """Column-wise error feedback on ggml's IQ1 grids (8-weight grid rows and their ``δ``
     shift, :mod:`healsweep.quant.ggml_iq1grid`): the knobs, inputs and fallbacks of
     :class:`IQ2GridGptq`, whose ``quantize`` serves any grid of ``ggml_gptq.COLUMN_GRIDS``."""
+
+
+class IQ3GridGptq(IQ2GridGptq, types=("iq3_xxs", "iq3_s"), quantizer=Quantizer.GPTQ):
+    """Column-wise error feedback on ggml's IQ3 grids (4-weight grid rows with their signs,
+    :mod:`healsweep.quant.ggml_iq3grid`): the knobs, inputs and fallbacks of :class:`IQ2GridGptq`."""
+
+
+class IQ4GridGptq(IQ2GridGptq, types=("iq4_xs",), quantizer=Quantizer.GPTQ):
+    """Column-wise error feedback on IQ4_XS's non-linear grid (each weight's code on ggml's
+    6-bit scales, :mod:`healsweep.quant.ggml_iq4grid`): the knobs, inputs and fallbacks of
+    :class:`IQ2GridGptq`."""

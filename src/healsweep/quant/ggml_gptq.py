@@ -18,12 +18,14 @@ by GPTQ's block update ``W_R −= (W_S − Q_S)·u_SS⁻¹·u_SR`` (the least-sq
 exactly). Superblocks are quantized independently by ggml, so the bytes are laid out exactly as
 ggml's quantizer lays out a whole row.
 
-``method="column"`` (Q2_K, Q3_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS): as ``block``, but inside the
+``method="column"`` (the types of :data:`COLUMN_GRIDS`): as ``block``, but inside the
 chunk the scales (and Q2_K's mins, IQ1_S's shifts) ggml chose for the error-updated weights are
 kept, read from its bytes, and the chunk is re-rounded onto that fixed grid group by group, GPTQ proper: a group of ``k`` columns
 (``k = 1`` on the K grids, :mod:`healsweep.quant.ggml_kgrid`; ``k = 8``, one grid row with its
 signs, on the IQ2 grids, :mod:`healsweep.quant.ggml_iqgrid`; one grid row with its shift
-``δ`` on the IQ1 grids, :mod:`healsweep.quant.ggml_iq1grid`) is chosen under the diagonal of its
+``δ`` on the IQ1 grids, :mod:`healsweep.quant.ggml_iq1grid`; two grid rows of 4 with their
+signs on IQ3_XXS, one on IQ3_S, :mod:`healsweep.quant.ggml_iq3grid`; ``k = 1`` on IQ4_XS,
+:mod:`healsweep.quant.ggml_iq4grid`) is chosen under the diagonal of its
 conditional metric ``(u_ggᵀu_gg)⁻¹``, and its error ``E_g`` updates the chunk's later columns by
 ``E_g·u_gg⁻¹·u_g,later``. The new codes are packed back into ggml's bytes.
 
@@ -72,7 +74,7 @@ from healsweep.errors import KnobError
 from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
 from healsweep.kernels._precision import healing_jit
 from healsweep.kernels.ggml_types import GGMLType, ggml_type
-from healsweep.quant import ggml_iq1grid, ggml_iqgrid, ggml_kgrid
+from healsweep.quant import ggml_iq1grid, ggml_iq3grid, ggml_iq4grid, ggml_iqgrid, ggml_kgrid
 from healsweep.quant.gptq import _HIGHEST, _routed_rows, damped, hidden_rows, second_moments
 from healsweep.quant.imatrix import quantize_expert_stack
 from healsweep.threads import host_threads, one_thread
@@ -84,6 +86,8 @@ COLUMN_GRIDS = {
     **dict.fromkeys(ggml_kgrid.K_TYPES, ggml_kgrid.KGrid),
     **dict.fromkeys(ggml_iqgrid.IQ_TYPES, ggml_iqgrid.IQ2Grid),
     **dict.fromkeys(ggml_iq1grid.IQ1_TYPES, ggml_iq1grid.IQ1Grid),
+    **dict.fromkeys(ggml_iq3grid.IQ3_TYPES, ggml_iq3grid.IQ3Grid),
+    **dict.fromkeys(ggml_iq4grid.IQ4_TYPES, ggml_iq4grid.IQ4Grid),
 }  # ggml id -> the grid that column-wise feedback re-rounds on
 REFINE_STEP = 0.5  # fraction of the GPTQ-consistent correction each refinement round takes
 
@@ -212,9 +216,9 @@ def check_options(
     if method not in METHODS:
         raise KnobError(f"error feedback method {method!r} is unknown; choose one of {METHODS}")
     if method == "column" and found.ggml_id not in COLUMN_GRIDS:
+        grids = ", ".join(sorted(ggml_type(i).name for i in COLUMN_GRIDS))
         raise KnobError(
-            f"column-wise error feedback needs a Q2_K, Q3_K, IQ1_S, IQ1_M, IQ2_XXS or IQ2_XS "
-            f"grid, not "
+            f"column-wise error feedback needs a grid healsweep re-rounds on ({grids}), not "
             f"{found.name}; use method 'block' for that type"
         )
     if chunk <= 0 or chunk % found.block_weights:
@@ -230,10 +234,9 @@ def check_options(
 
 
 def _column_feedback(ws: np.ndarray, grid, u_ss: np.ndarray, inverse: np.ndarray):
-    """GPTQ group by group (``grid.width`` columns: 1 on Q2_K/Q3_K, 8 on IQ1/IQ2) on the grid
-    of ggml's bytes held by ``grid`` (:class:`~healsweep.quant.ggml_kgrid.KGrid`,
-    :class:`~healsweep.quant.ggml_iqgrid.IQ2Grid`, :class:`~healsweep.quant.ggml_iq1grid.IQ1Grid`)
-    for the chunk ``ws`` [out, c], each group's
+    """GPTQ group by group (``grid.width`` columns: 1 on Q2_K/Q3_K/IQ4_XS, 4 on IQ3_S, 8 on
+    IQ1/IQ2/IQ3_XXS) on the grid of ggml's bytes held by ``grid`` (a class of
+    :data:`COLUMN_GRIDS`) for the chunk ``ws`` [out, c], each group's
     error fed to the chunk's later columns through ``u_ss`` [c, c] (``inverse`` = ``u_ss⁻¹``,
     whose diagonal blocks are those of ``u_ss`` inverted); returns the re-packed bytes and
     their values [out, c]."""
