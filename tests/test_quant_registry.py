@@ -20,7 +20,14 @@ from healsweep.gguf_io import TensorType
 from healsweep.heal.knobs import Knobs
 from healsweep.heal.reads import stage_reads
 from healsweep.kernels.ggml_types import ROUTED_TYPES, STORED_TYPES, ggml_type
-from healsweep.quant.ggml import GGMLImatrix, GGMLStored, IQ1GridGptq, IQ2GridGptq, KGridGptq
+from healsweep.quant.ggml import (
+    GGMLImatrix,
+    GGMLStored,
+    IQ1GridGptq,
+    IQ2GridGptq,
+    KGridColumnGptq,
+    KGridGptq,
+)
 from healsweep.quant.q2_0 import Q2Gptq, Q2Plain, Q2Search
 from healsweep.quant.registry import (
     GroupInputs,
@@ -48,13 +55,15 @@ def test_every_type_under_every_quantizer_has_one_class():
         ("iq2_xs", Quantizer.GPTQ): IQ2GridGptq,
         ("iq1_s", Quantizer.GPTQ): IQ1GridGptq,
         ("iq1_m", Quantizer.GPTQ): IQ1GridGptq,
+        ("q4_k", Quantizer.GPTQ): KGridColumnGptq,
+        ("q5_k", Quantizer.GPTQ): KGridColumnGptq,
     }
     for kind in ROUTED_TYPES:
         for quantizer in Quantizer:
             found = quantizer_for(kind.name, quantizer)
             assert found is expected.get((kind.name, quantizer), GGMLImatrix), (kind, quantizer)
     assert types_with(Quantizer.GPTQ) == (
-        "iq1_m", "iq1_s", "iq2_xs", "iq2_xxs", "q2_0", "q2_k", "q3_k"
+        "iq1_m", "iq1_s", "iq2_xs", "iq2_xxs", "q2_0", "q2_k", "q3_k", "q4_k", "q5_k"
     )  # fmt: skip
     with pytest.raises(KnobError, match="no quantizer stores routed experts as 'q8_0'"):
         quantizer_for("q8_0", Quantizer.SEARCH)

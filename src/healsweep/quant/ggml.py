@@ -17,6 +17,9 @@ Every class here reads the calibration trace (its importance rows) and names the
   conditional metric; with ``down_input: student``, down on the quantized gate and up's output.
 * :class:`IQ1GridGptq` (``quantizer: gptq`` on IQ1_S, IQ1_M): the same on ggml's IQ1 grids, each
   8-weight group's grid row (and on IQ1_M its ``δ`` sign) chosen on ggml's scales.
+* :class:`KGridColumnGptq` (``quantizer: gptq`` on Q4_K, Q5_K): the same on ggml's Q4_K/Q5_K
+  grids (:mod:`healsweep.quant.ggml_kgrid`), each weight's code chosen on the scale and min ggml
+  picked for its 32 weights.
 
 Experts with too few routed tokens, or whose ``H_e`` does not factor, keep plain ggml (counted in
 the stage's report). The GPTQ classes read ``quantizer`` and ``gptq_damp`` (those on the IQ grids
@@ -161,3 +164,11 @@ class IQ1GridGptq(IQ2GridGptq, types=("iq1_s", "iq1_m"), quantizer=Quantizer.GPT
     """Column-wise error feedback on ggml's IQ1 grids (8-weight grid rows and their ``δ``
     shift, :mod:`healsweep.quant.ggml_iq1grid`): the knobs, inputs and fallbacks of
     :class:`IQ2GridGptq`, whose ``quantize`` serves any grid of ``ggml_gptq.COLUMN_GRIDS``."""
+
+
+class KGridColumnGptq(IQ2GridGptq, types=("q4_k", "q5_k"), quantizer=Quantizer.GPTQ):
+    """Column-wise error feedback on ggml's Q4_K / Q5_K grids (``d·sc·q − dmin·m``, one scale
+    and min per 32 weights, :class:`healsweep.quant.ggml_kgrid.KGrid`): the knobs, inputs and
+    fallbacks of :class:`IQ2GridGptq`. Per 256-column chunk ggml picks the scales for the
+    error-updated weights and each column's codes are then chosen on them; on these types this
+    beats keeping ggml's whole-row grid as :class:`KGridGptq` does (``docs/sizing.md``)."""

@@ -213,7 +213,7 @@ def check_options(
         raise KnobError(f"error feedback method {method!r} is unknown; choose one of {METHODS}")
     if method == "column" and found.ggml_id not in COLUMN_GRIDS:
         raise KnobError(
-            f"column-wise error feedback needs a Q2_K, Q3_K, IQ1_S, IQ1_M, IQ2_XXS or IQ2_XS "
+            f"column-wise error feedback needs a Q2_K, Q3_K, Q4_K, Q5_K, IQ1_S, IQ1_M, IQ2_XXS or IQ2_XS "
             f"grid, not "
             f"{found.name}; use method 'block' for that type"
         )
