@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.pipeline import build_student
 from healsweep.heal.reads import stage_reads
 from healsweep.kernels.ggml_decode import GGMLWeight, decode_rows
 from healsweep.quant import ggml_gptq, ggml_kgrid
@@ -24,9 +25,12 @@ from healsweep.quant.ggml_gptq import inverse_factor
 from healsweep.quant.registry import quantizer_for
 from healsweep.quant.values import Group
 from test_ggml_gptq import correlated_problem, ef_and_plain
+from test_heal_types import CAL, _delta
+from test_heal_types import rows256 as heal_rows256
 
 K45 = (int(T.Q4_K), int(T.Q5_K))
 NAMES = ["q4_k", "q5_k"]
+rows256 = heal_rows256  # a random qwen2moe with rows of 256, its corpus and a stage cache
 REL = 2.0**-11 + 2.0**-20  # fp16 rounding of a folded scale, plus float32 rounding of the decode
 
 
@@ -189,3 +193,31 @@ def test_column_feedback_beats_plain_ggml_and_block_feedback_on_a_correlated_h(n
     assert np.all(column < plain), (column / plain).round(3)
     assert column.sum() < 0.7 * plain.sum(), (column / plain).round(3)
     assert column.sum() < 0.85 * block.sum(), (column / block).round(3)
+
+
+@pytest.mark.slow
+def test_gptq_on_q4_k_and_q5_k_lowers_the_routed_error_and_is_keyed_by_its_knobs(rows256):
+    """Through the heal pipeline (real trace, real cache): gate/up in Q4_K and down in Q5_K under
+    ``quantizer: gptq`` are quantized again (both groups), every expert reports its fallback,
+    the routed residual at alpha 1 is below ggml's, and ``gptq_damp`` keys both groups."""
+    model, corpus, cache = rows256
+    n = model.hparams.n_layer
+    plain = Knobs(type_gu="q4_k", type_d="q5_k", alpha="none", ridge=False)
+    ggml = build_student(model, plain, CAL, cache, corpus=corpus)
+    before = dict(cache.computed)
+    fed = build_student(model, plain.replace(quantizer="gptq"), CAL, cache, corpus=corpus)
+    assert _delta(cache, before)["quantize"] == 2 * n
+    for layer in fed.report["layers"]:
+        assert set(layer["quantize"]["gptq_fallback"]) == {"gate", "up", "down"}
+    error = {s: sum(r["residual_alpha_1"] for r in b.report["layers"])
+             for s, b in (("ggml", ggml), ("gptq", fed))}  # fmt: skip
+    print(f"q4_k gate/up, q5_k down, routed residual at alpha 1: {error}")
+    assert error["gptq"] < error["ggml"]
+    for i in range(n):
+        for tensor, qtype in (("gate", int(T.Q4_K)), ("down", int(T.Q5_K))):
+            stack = getattr(fed.replacements[i], f"{tensor}_exps")
+            assert stack.qtype == qtype
+            assert not np.array_equal(stack.raw, getattr(ggml.replacements[i], f"{tensor}_exps").raw)
+    before = dict(cache.computed)
+    build_student(model, plain.replace(quantizer="gptq", gptq_damp=0.1), CAL, cache, corpus=corpus)
+    assert _delta(cache, before)["quantize"] == 2 * n
