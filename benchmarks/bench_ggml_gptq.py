@@ -19,7 +19,8 @@ summed over gate, up and down (``T`` the tokens of the set, so the two sets are 
 - ``block/<importance>``: :func:`healsweep.quant.ggml_gptq.quantize_experts_ef`, ``method="block"``
   with that chunk importance (conditional, hessian, imatrix);
 - ``block/conditional+N``: the same with ``rounds=N`` of in-chunk refinement;
-- ``column``: ``method="column"`` (Q2_K, Q3_K, IQ2_XXS, IQ2_XS), conditional importance.
+- ``column``: ``method="column"`` (the grids of ``ggml_gptq.COLUMN_GRIDS``: Q2_K-Q5_K, IQ1_S,
+  IQ1_M, IQ2_XXS, IQ2_XS), conditional importance.
 
 Error feedback is fitted on the calibration tokens only. Seconds are wall time per layer (all
 three projections) on this machine, second moments and factorizations included; CPU seconds
@@ -74,10 +75,7 @@ def heldout_layers(model, tokens: int) -> dict[int, dict[str, np.ndarray]]:
         docs, model.tokenizer(), CalibrationConfig(max_tokens=tokens), model_chat_format(model)
     )
     found: dict[int, dict[str, np.ndarray]] = {}
-    with tempfile.TemporaryDirectory(prefix="heldout-") as spill:
-        run_trace(
-            model, chunks, lambda i, a: found.setdefault(i, {"x": a["x"], "ids": a["ids"]}), spill
-        )
+    run_trace(model, chunks, lambda i, a: found.setdefault(i, {"x": a["x"], "ids": a["ids"]}))
     return found
 
 

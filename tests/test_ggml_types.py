@@ -21,7 +21,8 @@ T = GGMLQuantizationType
 # DESIGN.md
 PUBLISHED_BPW = {"iq1_s": 1.5625, "iq1_m": 1.75, "iq2_xxs": 2.0625, "q2_0": 2.25, "iq2_xs": 2.3125,
                  "iq2_s": 2.5625, "q2_k": 2.625, "iq3_xxs": 3.0625, "iq3_s": 3.4375,
-                 "q3_k": 3.4375, "iq4_xs": 4.25, "iq4_nl": 4.5, "q4_k": 4.5}  # fmt: skip
+                 "q3_k": 3.4375, "iq4_xs": 4.25, "iq4_nl": 4.5, "q4_k": 4.5,
+                 "q5_k": 5.5}  # fmt: skip
 
 
 def test_table_matches_gguf_py_and_the_decoders():

@@ -123,9 +123,9 @@ def test_alpha_folded_into_scales_is_alpha_on_the_outputs_within_fp16_rounding(n
     w = np.asarray(stack.dequantize(), np.float64)  # [E, out, in]
     x = rng.standard_normal((16, w.shape[-1]))
     # one scale per block (or super-block): every weight moves by at most fp16's half ulp
-    # (Q2_0 forms d * alpha in float32 first); two fp16 fields (Q2_K, Q4_K: d, dmin) bound the
-    # error of the whole output instead
-    single = name not in ("q2_k", "q4_k")  # ggml-common.h: only these carry a dmin
+    # (Q2_0 forms d * alpha in float32 first); two fp16 fields (Q2_K, Q4_K, Q5_K: d, dmin) bound
+    # the error of the whole output instead
+    single = name not in ("q2_k", "q4_k", "q5_k")  # ggml-common.h: only these carry a dmin
     eps = 2.0**-11 * (1 + 2.0**-12)
     for alpha in (0.8731, np.array([0.9, 1.07, 1.31], np.float32)):
         a = np.asarray(alpha, np.float64).reshape(-1, 1, 1)

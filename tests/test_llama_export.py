@@ -286,13 +286,14 @@ def test_each_type_exports_the_student_llama_cpp_runs(typed_setup, name, tmp_pat
 
 
 @pytest.mark.parametrize("name", ["iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq3_xxs", "iq3_s",
-                                  "iq4_xs"])  # fmt: skip
+                                  "iq4_xs", "q4_k", "q5_k"])  # fmt: skip
 def test_a_gptq_iq_student_exports_what_was_scored_and_llama_cpp_runs_it(
     typed_setup, name, tmp_path, record_property
 ):
-    """``quantizer: gptq`` on an IQ1-IQ4 type (quant.ggml_gptq's column-wise error feedback): the
-    exported experts are the scored ones by gguf-py's dequantizer (independent of healsweep's
-    decoders), llama.cpp runs the file as the student, and the codes are not plain ggml's."""
+    """``quantizer: gptq`` on an IQ1-IQ4 type or Q4_K/Q5_K (quant.ggml_gptq's column-wise error
+    feedback): the exported experts are the scored ones by gguf-py's dequantizer (independent of
+    healsweep's decoders), llama.cpp runs the file as the student, and the codes are not plain
+    ggml's."""
     import gguf
     from gguf.quants import dequantize
 

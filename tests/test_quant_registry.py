@@ -27,6 +27,7 @@ from healsweep.quant.ggml import (
     IQ2GridGptq,
     IQ3GridGptq,
     IQ4GridGptq,
+    KGridColumnGptq,
     KGridGptq,
 )
 from healsweep.quant.q2_0 import Q2Gptq, Q2Plain, Q2Search
@@ -59,13 +60,16 @@ def test_every_type_under_every_quantizer_has_one_class():
         ("iq3_xxs", Quantizer.GPTQ): IQ3GridGptq,
         ("iq3_s", Quantizer.GPTQ): IQ3GridGptq,
         ("iq4_xs", Quantizer.GPTQ): IQ4GridGptq,
+        ("q4_k", Quantizer.GPTQ): KGridColumnGptq,
+        ("q5_k", Quantizer.GPTQ): KGridColumnGptq,
     }
     for kind in ROUTED_TYPES:
         for quantizer in Quantizer:
             found = quantizer_for(kind.name, quantizer)
             assert found is expected.get((kind.name, quantizer), GGMLImatrix), (kind, quantizer)
     assert types_with(Quantizer.GPTQ) == (
-        "iq1_m", "iq1_s", "iq2_xs", "iq2_xxs", "iq3_s", "iq3_xxs", "iq4_xs", "q2_0", "q2_k", "q3_k"
+        "iq1_m", "iq1_s", "iq2_xs", "iq2_xxs", "iq3_s", "iq3_xxs", "iq4_xs", "q2_0", "q2_k", "q3_k",
+        "q4_k", "q5_k",
     )  # fmt: skip
     with pytest.raises(KnobError, match="no quantizer stores routed experts as 'q8_0'"):
         quantizer_for("q8_0", Quantizer.SEARCH)

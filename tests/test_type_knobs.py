@@ -79,7 +79,7 @@ def test_the_ladder_steps_to_the_next_type_with_more_bits():
         else:
             assert up == t  # the top of the ladder stays
     assert [step_up(n) for n in ("iq2_xxs", "q2_0", "iq2_xs", "q3_k", "q4_k")] == [
-        "q2_0", "iq2_xs", "iq2_s", "iq4_xs", "q4_k"
+        "q2_0", "iq2_xs", "iq2_s", "iq4_xs", "q5_k"
     ]  # fmt: skip
     # with a row width: the next one up whose blocks fill the rows (1408 = 44 * 32, not 256's)
     assert step_up("iq2_xs", 1536) == "iq2_s" and step_up("q2_0", 1408) == "iq4_nl"

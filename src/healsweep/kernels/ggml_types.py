@@ -68,6 +68,7 @@ ROUTED_TYPES: tuple[GGMLType, ...] = (
     GGMLType("iq4_xs", 23, 256, 136, False),
     GGMLType("iq4_nl", 20, 32, 18, False),
     GGMLType("q4_k", 12, 256, 144, False, (0, 2)),  # d, dmin
+    GGMLType("q5_k", 13, 256, 176, False, (0, 2)),  # d, dmin
 )
 _BY_NAME = {t.name: t for t in ROUTED_TYPES}
 _BY_ID = {t.ggml_id: t for t in ROUTED_TYPES}
@@ -81,7 +82,6 @@ TENSOR_TYPES: tuple[GGMLType, ...] = tuple(
             *ROUTED_TYPES,
             GGMLType("q4_0", 2, 32, 18, False),
             GGMLType("q5_0", 6, 32, 22, False),
-            GGMLType("q5_k", 13, 256, 176, False, (0, 2)),
             GGMLType("q6_k", 14, 256, 210, False, (208,)),
             GGMLType("q8_0", 8, 32, 34, False),
         ),
@@ -165,9 +165,9 @@ def fitting_type(name: str, width: int) -> GGMLType:
 def step_up(name: str, width: int | None = None) -> str:
     """One step up the ladder of :data:`ROUTED_TYPES`: the first type after ``name`` in the table
     with more bits per weight (``iq2_xxs`` → ``q2_0`` → ``iq2_xs`` → ``iq2_s`` → ``q2_k`` →
-    ``iq3_xxs`` → ``iq3_s`` → ``iq4_xs`` → ``iq4_nl``; ``q3_k`` → ``iq4_xs``); with ``width``,
-    the first such type whose blocks fill rows of ``width`` weights. Where there is none (the
-    largest types, ``iq4_nl`` and ``q4_k``), ``name`` itself."""
+    ``iq3_xxs`` → ``iq3_s`` → ``iq4_xs`` → ``iq4_nl`` → ``q5_k``; ``q3_k`` → ``iq4_xs``,
+    ``q4_k`` → ``q5_k``); with ``width``, the first such type whose blocks fill rows of ``width``
+    weights. Where there is none (the largest type, ``q5_k``), ``name`` itself."""
     start = ggml_type(name)
     later = ROUTED_TYPES[ROUTED_TYPES.index(start) + 1 :]
     fits = [t for t in later if width is None or width % t.block_weights == 0]

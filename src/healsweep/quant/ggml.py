@@ -19,6 +19,9 @@ Every class here reads the calibration trace (its importance rows) and names the
   8-weight group's grid row (and on IQ1_M its ``δ`` sign) chosen on ggml's scales.
 * :class:`IQ3GridGptq` (IQ3_XXS, IQ3_S) and :class:`IQ4GridGptq` (IQ4_XS): the same on ggml's
   IQ3 grids (grid rows of 4 with their signs) and on IQ4_XS's 16 values (each weight's code).
+* :class:`KGridColumnGptq` (``quantizer: gptq`` on Q4_K, Q5_K): the same on ggml's Q4_K/Q5_K
+  grids (:mod:`healsweep.quant.ggml_kgrid`), each weight's code chosen on the scale and min ggml
+  picked for its 32 weights.
 
 Experts with too few routed tokens, or whose ``H_e`` does not factor, keep plain ggml (counted in
 the stage's report). The GPTQ classes read ``quantizer`` and ``gptq_damp`` (those on the IQ grids
@@ -174,3 +177,9 @@ class IQ4GridGptq(IQ2GridGptq, types=("iq4_xs",), quantizer=Quantizer.GPTQ):
     """Column-wise error feedback on IQ4_XS's non-linear grid (each weight's code on ggml's
     6-bit scales, :mod:`healsweep.quant.ggml_iq4grid`): the knobs, inputs and fallbacks of
     :class:`IQ2GridGptq`."""
+class KGridColumnGptq(IQ2GridGptq, types=("q4_k", "q5_k"), quantizer=Quantizer.GPTQ):
+    """Column-wise error feedback on ggml's Q4_K / Q5_K grids (``d·sc·q − dmin·m``, one scale
+    and min per 32 weights, :class:`healsweep.quant.ggml_kgrid.KGrid`): the knobs, inputs and
+    fallbacks of :class:`IQ2GridGptq`. Per 256-column chunk ggml picks the scales for the
+    error-updated weights and each column's codes are then chosen on them; on these types this
+    beats keeping ggml's whole-row grid as :class:`KGridGptq` does (``docs/sizing.md``)."""

@@ -19,7 +19,7 @@ exactly). Superblocks are quantized independently by ggml, so the bytes are laid
 ggml's quantizer lays out a whole row.
 
 ``method="column"`` (the types of :data:`COLUMN_GRIDS`): as ``block``, but inside the
-chunk the scales (and Q2_K's mins, IQ1_S's shifts) ggml chose for the error-updated weights are
+chunk the scales (and the mins of Q2_K, Q4_K and Q5_K, IQ1_S's shifts) ggml chose for the error-updated weights are
 kept, read from its bytes, and the chunk is re-rounded onto that fixed grid group by group, GPTQ proper: a group of ``k`` columns
 (``k = 1`` on the K grids, :mod:`healsweep.quant.ggml_kgrid`; ``k = 8``, one grid row with its
 signs, on the IQ2 grids, :mod:`healsweep.quant.ggml_iqgrid`; one grid row with its shift
@@ -34,7 +34,7 @@ conditional metric ``(u_ggᵀu_gg)⁻¹``, and its error ``E_g`` updates the chu
 once later columns re-fit (the Schur complement of the not-yet-quantized columns); ``hessian``
 the damped ``diag(H_e)`` slice; ``imatrix`` the caller's importance row (the calibration
 ``E[x²]``/``E[h²]`` that plain ggml gets). With ``H = c·I`` nothing propagates and ``block``
-is chunk-by-chunk ggml quantization with that row (``column`` too on Q2_K/Q3_K, whose final codes
+is chunk-by-chunk ggml quantization with that row (``column`` too on Q2_K-Q5_K, whose final codes
 ggml picks as the nearest on its own grid; on IQ2 ``column`` then picks each group's exact
 optimum on ggml's scales, never worse per row than ggml's neighbour search).
 
