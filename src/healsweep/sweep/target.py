@@ -29,15 +29,17 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from healsweep.errors import SettingError
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.size import MIB, Budget, ModelShapes
 from healsweep.kernels.ggml_types import ggml_type
 from healsweep.sweep.allocator import FILE_GROUPS, Proposal, allocate
-from healsweep.sweep.sensitivity import SensitivityTable, group_widths
-from healsweep.sweep.spec import SweepSpec
+
+if TYPE_CHECKING:  # the pass and its spec import Ray: the range check must not wait for it
+    from healsweep.sweep.sensitivity import SensitivityTable
+    from healsweep.sweep.spec import SweepSpec
 
 # The ladder of a target (the table's routed types from IQ1_S to Q4_K, less q2_0, which only
 # the routed experts can take, q2_k and q3_k, which the I-quants of their size beat, and iq4_nl,
@@ -91,7 +93,7 @@ def usable_ladder(shapes: ModelShapes, ladder: Sequence[str] | None) -> tuple[st
     """``ladder`` (else :data:`LADDER`) ordered by bits per weight, less the types whose blocks
     do not fill every routed row of the model; ``SettingError`` when fewer than one is left."""
     names = sorted(dict.fromkeys(ladder or LADDER), key=lambda t: ggml_type(t).bits_per_weight)
-    widths = set(group_widths(shapes).values())
+    widths = {shape[-1] for _, _, _, shape, _ in shapes.routed}
     fits = tuple(t for t in names if all(w % ggml_type(t).block_weights == 0 for w in widths))
     if not fits:
         raise SettingError(
@@ -165,6 +167,8 @@ def target_spec(
 ) -> SweepSpec:
     """The sweep spec whose sensitivity pass is the target's: ``base``, the corpus's split,
     its first ``windows`` dev windows, one config at a time on every core of this machine."""
+    from healsweep.sweep.spec import SweepSpec  # lazy: heavy (ray)
+
     budget = ({"routed_bpw": [target.value]} if target.measure == "routed_bpw"
               else {"file_bytes": [int(target.value)]})  # fmt: skip
     spec = SweepSpec.model_validate({
