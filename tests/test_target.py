@@ -83,7 +83,7 @@ def test_the_whole_file_knapsack_is_the_brute_force_optimum(model):
         routed = chosen[:4]
         layer_types = ",".join(f"{i}:{routed[2 * i].type}/{routed[2 * i + 1].type}" for i in (0, 1))
         knobs = base.replace(layer_types=layer_types,
-                             **{f"type_{g}": o.type for g, o in zip(others, chosen[4:])})  # fmt: skip
+                             **{f"type_{g}": o.type for g, o in zip(others, chosen[4:], strict=True)})  # fmt: skip
         size = shapes.size(knobs).file_bytes  # the budget's own sizing, not group_size's
         kld = sum(o.kld for o in chosen)
         if size <= limit and (best is None or kld < best[0]):
