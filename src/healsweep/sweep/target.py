@@ -35,7 +35,7 @@ from healsweep.errors import SettingError
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.size import MIB, Budget, ModelShapes
 from healsweep.kernels.ggml_types import ggml_type
-from healsweep.sweep.allocator import FILE_GROUPS, Proposal, allocate
+from healsweep.sweep.allocator import Proposal, allocate, file_groups_of
 
 if TYPE_CHECKING:  # the pass and its spec import Ray: the range check must not wait for it
     from healsweep.sweep.sensitivity import SensitivityTable
@@ -104,10 +104,10 @@ def usable_ladder(shapes: ModelShapes, ladder: Sequence[str] | None) -> tuple[st
     return fits
 
 
-def uniform(knobs: Knobs, type_name: str, whole_file: bool) -> Knobs:
+def uniform(knobs: Knobs, type_name: str, shapes: ModelShapes, whole_file: bool) -> Knobs:
     """``knobs`` with every routed group in ``type_name`` (no steps, no per-layer types) and,
-    with ``whole_file``, every other group too."""
-    others = {f"type_{g}": type_name for g in FILE_GROUPS} if whole_file else {}
+    with ``whole_file``, every other group the model has too."""
+    others = {f"type_{g}": type_name for g in file_groups_of(shapes)} if whole_file else {}
     return knobs.replace(type_gu=type_name, type_d=type_name, up_first=0, up_last=0,
                          layer_types="", **others)  # fmt: skip
 
@@ -118,7 +118,7 @@ def reachable(
     """The smallest and the largest size (in the target's measure) of an allocation along
     ``ladder``: every group in its smallest type, or in its largest."""
     budget = target.budget()
-    low, high = (uniform(knobs, t, target.whole_file) for t in (ladder[0], ladder[-1]))
+    low, high = (uniform(knobs, t, shapes, target.whole_file) for t in (ladder[0], ladder[-1]))
     return budget.value(shapes.size(low)), budget.value(shapes.size(high))
 
 
@@ -148,9 +148,9 @@ def target_base(
     """The base the pass moves groups of: ``knobs`` uniform in the largest ladder type whose
     config fits ``target`` (call :func:`check_target` first: the smallest fits)."""
     budget = target.budget()
-    fitting = [t for t in ladder
-               if budget.fits(shapes.size(uniform(knobs, t, target.whole_file)), target.value)]  # fmt: skip
-    return uniform(knobs, fitting[-1], target.whole_file)
+    fitting = [t for t in ladder if budget.fits(
+        shapes.size(uniform(knobs, t, shapes, target.whole_file)), target.value)]  # fmt: skip
+    return uniform(knobs, fitting[-1], shapes, target.whole_file)
 
 
 def target_spec(
