@@ -171,6 +171,9 @@ def heal(
     chosen = load_knobs(knobs, need_ggml=False)
     calibration = _calibration(corpus, max_tokens, chunk_length, min_tokens_per_expert)
     recorded: dict = {}
+    if ladder is not None and target_bpw is None and target_size_mib is None:
+        raise typer.BadParameter("a ladder is for a target: add --target-bpw or "
+                                 "--target-size-mib", param_hint="--ladder")  # fmt: skip
     if target_bpw is not None or target_size_mib is not None:
         chosen, recorded = _allocated(model, chosen, calibration, target_bpw, target_size_mib,
                                       ladder, windows, cache, parse_gb(cache_max_gb, "--cache-max-gb"))  # fmt: skip
