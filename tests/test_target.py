@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -33,7 +34,15 @@ from healsweep.heal.knobs import Knobs
 from healsweep.heal.size import MIB, Budget, ModelShapes
 from healsweep.model import open_model
 from healsweep.sweep.allocator import Group, Option, allocate, file_groups_of, group_size
-from healsweep.sweep.sensitivity import STAGE, file_steps, moves
+from healsweep.sweep.sensitivity import (
+    STAGE,
+    MoveResult,
+    Scores,
+    SensitivityTable,
+    file_steps,
+    moved_knobs,
+    moves,
+)
 
 ray_cluster = test_sweep_tune.ray_cluster  # one embedded Ray cluster for this module
 
@@ -109,6 +118,30 @@ def test_the_other_groups_move_only_under_a_file_budget(model):
     # from the teacher's bytes: one step down, to the ladder's largest; q2_0 is routed-only
     assert file_steps("teacher", LADDER) == ("iq2_xs",)
     assert file_steps("iq2_xxs", None) == ("iq1_m", "iq2_xs")
+
+
+def test_the_table_offers_the_other_groups_to_a_file_budget_only(model):
+    shapes = ModelShapes.of(open_model(model))
+    base = Knobs(type_gu="iq2_xxs", type_d="iq2_xxs", type_attn="iq2_xxs", type_embd="iq2_xxs")
+    ids = ("w0", "w1")
+    base_scores = Scores(ids, np.array([1.0, 2.0]), np.array([10, 10]), np.array([9, 9]))
+    results = []
+    for n, m in enumerate(moves(base, shapes, LADDER, whole_file=True)):
+        scores = base_scores._replace(kld_sum=base_scores.kld_sum + 0.1 * (n + 1))
+        results.append(MoveResult(m, moved_knobs(base, shapes, m), 0, 0, scores, base_scores))
+    table = SensitivityTable(base, base_scores, LADDER, tuple(results), 1)
+    routed = table.groups(shapes, "routed_bpw")
+    assert [(g.layer, g.group) for g in routed] == [(0, "gu"), (0, "d"), (1, "gu"), (1, "d")]
+    whole = table.groups(shapes, "file_bytes")
+    assert [(g.layer, g.group) for g in whole][4:] == [(None, g) for g in file_groups_of(shapes)]
+    attn = whole[4]
+    assert [o.type for o in attn.options] == ["iq2_xxs", "iq1_m", "iq2_xs"]
+    for option in attn.options[1:]:  # the size change is the whole file's, by ModelShapes.size
+        moved = shapes.size(base.replace(type_attn=option.type)).file_bytes
+        assert option.size == moved - shapes.size(base).file_bytes
+    shexp = whole[5]  # the teacher's bytes: one move, down to the ladder's largest
+    assert [o.type for o in shexp.options] == ["teacher", "iq2_xs"] and shexp.options[1].size < 0
+    assert table.to_dict()["moves"][-1]["layer"] is None
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
