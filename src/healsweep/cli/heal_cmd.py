@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from healsweep._inputs import check_output
-from healsweep.cache import StageCache
+from healsweep.cache import StageCache, parse_gb
 from healsweep.cli._apps import CacheMaxGb, app, bench_app
 from healsweep.data.corpus import load_corpus
 from healsweep.heal.knobs import NIGHT, CalibrationConfig, Knobs, load_knobs, require_ggml_in
@@ -57,6 +57,64 @@ def _progress(stage: str, message: str) -> None:
     typer.echo(f"[{stage}] {message}")
 
 
+def _ladder(value: str | None) -> list[str] | None:
+    """``--ladder``: comma-separated routed-expert types, or None (the target's default)."""
+    if value is None:
+        return None
+    from healsweep.heal.knobs import EXPERT_TYPES
+
+    names = [t.strip().lower() for t in value.split(",") if t.strip()]
+    bad = [t for t in names if t not in EXPERT_TYPES]
+    if bad or not names:
+        raise typer.BadParameter(f"{value!r}: give comma-separated types of {', '.join(EXPERT_TYPES)}")
+    return names
+
+
+TargetBpwOpt = Annotated[float | None, typer.Option(
+    "--target-bpw",
+    help="Allocate the types on MODEL's own sensitivity under this routed bits per weight "
+         "(the other groups keep --knobs' types), then heal with --knobs' healing knobs.")]
+TargetMibOpt = Annotated[float | None, typer.Option(
+    "--target-size-mib",
+    help="Allocate every group's type (routed per layer and projection, attention, shared "
+         "expert, embeddings, output, dense) under this whole-file size in MiB, then heal.")]
+LadderOpt = Annotated[str | None, typer.Option(
+    "--ladder", callback=_ladder, help="With a target: the types the allocator moves groups "
+    "along, comma-separated (default iq1_s,iq1_m,iq2_xxs,iq2_xs,iq2_s,iq3_xxs,iq3_s,iq4_xs,q4_k).")]
+WindowsOpt = Annotated[int, typer.Option(
+    "--windows", min=1, help="With a target: dev windows of --corpus's split the sensitivity "
+    "pass scores each config on.")]
+
+
+def _allocated(model: str, chosen: Knobs, calibration: CalibrationConfig, target_bpw: float | None,
+               target_mib: float | None, ladder: list[str] | None, windows: int,
+               cache: Path | None, cache_max_gb: float | None) -> tuple[Knobs, dict]:
+    """The knobs a target allocates on ``model`` (its sensitivity pass, cached), and the
+    ``healsweep.*`` fields recording it; a target out of reach is refused before any work."""
+    # lazy: heavy (gguf, ray, jax)
+    from healsweep.heal.size import ModelShapes
+    from healsweep.model import open_model
+    from healsweep.sweep import target as targets
+
+    goal = targets.Target.of(target_bpw, target_mib)
+    shapes = ModelShapes.of(open_model(model))
+    rungs = targets.usable_ladder(shapes, ladder)
+    low, high = targets.check_target(chosen, shapes, goal, rungs)
+    base = targets.target_base(chosen, shapes, goal, rungs)
+    _progress("target", f"{goal.label()}: reachable {goal.label(low)} to {goal.label(high)} on "
+              f"the ladder {', '.join(rungs)}; base {base.type_gu} everywhere"
+              + ("" if goal.whole_file else " routed"))  # fmt: skip
+    spec = targets.target_spec(model, calibration.corpus, calibration, base, goal, rungs,
+                               windows=windows, cache_root=None if cache is None else str(cache),
+                               cache_max_gb=cache_max_gb)  # fmt: skip
+    table, allocation = targets.allocate_target(
+        spec, shapes, goal, say=lambda line: _progress("sensitivity", line))
+    _progress("allocate", targets.describe(allocation, goal))
+    record = {"target": goal.metadata(),
+              "allocation": targets.allocation_record(table, allocation, goal)}  # fmt: skip
+    return allocation.knobs, record
+
+
 @app.command("heal")
 def heal(
     model: ModelArg,
@@ -77,9 +135,18 @@ def heal(
     min_tokens_per_expert: MinTokensOpt = 16,
     cache: CacheOpt = None,
     cache_max_gb: CacheMaxGb = None,
+    target_bpw: TargetBpwOpt = None,
+    target_size_mib: TargetMibOpt = None,
+    ladder: LadderOpt = None,
+    windows: WindowsOpt = 24,
 ) -> None:
     """Quantize the routed experts (Q2_0, or the types the knobs choose) and heal them under one
     knob file; write a GGUF.
+
+    With ``--target-bpw`` or ``--target-size-mib`` the types are MODEL's own allocation under
+    the target (a sensitivity pass on ``--corpus``'s dev windows, cached; the knapsack over
+    every group), healed with the knob file's healing knobs; the file records the target and
+    the allocation (``healsweep.target``, ``healsweep.allocation``).
 
     The GGUF holds the healed experts in their types (Q2_0 as ggml type 42; alpha folded into
     the scales) or, with ``--experts f16``, dequantized to F16; every other tensor as the model
@@ -103,6 +170,13 @@ def heal(
     stage_cache = StageCache(cache, cache_max_gb)
     chosen = load_knobs(knobs, need_ggml=False)
     calibration = _calibration(corpus, max_tokens, chunk_length, min_tokens_per_expert)
+    recorded: dict = {}
+    if ladder is not None and target_bpw is None and target_size_mib is None:
+        raise typer.BadParameter("a ladder is for a target: add --target-bpw or "
+                                 "--target-size-mib", param_hint="--ladder")  # fmt: skip
+    if target_bpw is not None or target_size_mib is not None:
+        chosen, recorded = _allocated(model, chosen, calibration, target_bpw, target_size_mib,
+                                      ladder, windows, cache, parse_gb(cache_max_gb, "--cache-max-gb"))  # fmt: skip
     teacher = open_model(model)
     # Whether the knobs' types fit this model's rows first (the error names where they do fit),
     # then whether ggml's quantizer is there for them.
@@ -117,7 +191,7 @@ def heal(
     for warning in {(r.get("ridge") or {}).get("warning") for r in student.report["layers"]}:
         if warning:
             typer.echo(f"[warning] {warning}")
-    export.write_healed_gguf(student, out, experts=experts)
+    export.write_healed_gguf(student, out, experts=experts, metadata=recorded)
     written = export.heal_metadata(student, experts)
     typer.echo(f"[write] {out} (routed experts {written['experts']}: "
                f"{written['routed_bpw']:.4g} bits a weight)")

@@ -24,7 +24,9 @@ from healsweep.results.aggregate import ConfigResult, SweepSummary, paired
 from healsweep.results.schema import Role, TrialStatus, is_candidate
 
 MAX_LISTED = 20  # over-budget configs listed one by one (the count is always given)
-GROUP_NAMES = {"gu": "gate/up", "d": "down"}  # the routed experts' tensor groups
+# the routed experts' tensor groups, then the whole file's others (one group each, every layer)
+GROUP_NAMES = {"gu": "gate/up", "d": "down", "attn": "attention", "shexp": "shared expert",
+               "embd": "token embeddings", "output": "output", "dense": "dense layers"}  # fmt: skip
 
 
 @dataclass
@@ -239,7 +241,8 @@ def sensitivity_lines(record: dict[str, Any]) -> list[str]:
         bpw = row["delta_routed_bpw"]
         per = f"{row['delta_kld'] / bpw:+.5f}" if bpw else "-"
         lines.append(
-            f"| {row['layer']} | {GROUP_NAMES[row['group']]} | {row['from']}→{row['to']} | "
+            f"| {'all' if row['layer'] is None else row['layer']} | {GROUP_NAMES[row['group']]} | "
+            f"{row['from']}→{row['to']} | "
             f"{bpw:+.4f} | {row['kld']:.5f} | {100 * row['rel_change']:+.2f}% "
             f"[{100 * lo:+.2f}, {100 * hi:+.2f}] | {per} |"
         )

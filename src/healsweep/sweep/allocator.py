@@ -1,7 +1,13 @@
 """The allocator: each tensor group's type chosen under a size budget from measured sensitivities.
 
 A tensor group is one MoE layer's routed gate and up experts (``gu``) or its down experts
-(``d``). The sensitivity pass (:mod:`healsweep.sweep.sensitivity`) measured, on dev windows, what
+(``d``), or one of the other groups of the whole file, each typed by one knob for every layer
+(``type_attn`` ... ``type_dense``, so one group each, not one per layer: attention ``attn``, the
+shared expert ``shexp``, the token embeddings ``embd``, the output ``output``, the leading dense
+layers' FFN ``dense``; :data:`FILE_GROUPS`, their ``layer`` None). The other groups change no
+routed bit, so under a routed-bpw budget they stay in their base type (the pass does not move
+them); under a file budget (``file_bytes``/``file_mib``/``file_gib``) every group takes part.
+The sensitivity pass (:mod:`healsweep.sweep.sensitivity`) measured, on dev windows, what
 moving each group one step down or up the type ladder does to the pooled KLD of a base config.
 Taking those changes as additive over groups, the allocation of least predicted KLD within a size
 limit is a multiple-choice knapsack: each group picks one of its options (its base type, one step
@@ -28,12 +34,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from healsweep.heal.knobs import Knobs, LayerTypes
+from healsweep.heal.knobs import TEACHER, Knobs, LayerTypes
 from healsweep.heal.size import Budget, ConfigSize, ModelShapes
-from healsweep.kernels.ggml_types import ggml_type
+from healsweep.heal.tensor_types import GROUPS as FILE_GROUPS
+from healsweep.kernels.ggml_types import fitting_type, ggml_type
 
 MAX_STATES = 200_000  # distinct summed size changes kept at once by the dynamic programme
-GROUP_NAMES = {"gu": "gate/up", "d": "down"}
+GROUP_NAMES = {"gu": "gate/up", "d": "down", "attn": "attention", "shexp": "shared expert",
+               "embd": "token embeddings", "output": "output", "dense": "dense layers"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -47,10 +55,11 @@ class Option:
 
 @dataclass(frozen=True)
 class Group:
-    """One MoE layer's gate/up or down experts and the types it may take (its base type first)."""
+    """One MoE layer's gate/up or down experts, or one other group of the whole file (``layer``
+    None), and the types it may take (its base type first)."""
 
-    layer: int
-    group: str  # gu | d
+    layer: int | None
+    group: str  # gu | d, or one of FILE_GROUPS
     options: tuple[Option, ...]
 
 
@@ -90,9 +99,14 @@ def best_allocations(groups: Sequence[Group], room: int, k: int = 1) -> list[All
     return [Allocation(kld, size, picks) for kld, size, picks in found[:k]]
 
 
-def group_size(shapes: ModelShapes, layer: int, group: str, type_name: str, measure: str) -> int:
-    """The stored size of one layer's group in ``type_name``, in ``measure``'s unit: bits
-    (``routed_bpw``) or padded file bytes (``file_bytes``)."""
+def group_size(
+    shapes: ModelShapes, layer: int | None, group: str, type_name: str, measure: str
+) -> int:
+    """The stored size of one layer's group (or one of :data:`FILE_GROUPS`, ``layer`` None) in
+    ``type_name``, in ``measure``'s unit: bits (``routed_bpw``; 0 for the other groups, which
+    hold no routed weight) or padded file bytes (``file_bytes``)."""
+    if group in FILE_GROUPS:
+        return 0 if measure == "routed_bpw" else _file_group_bytes(shapes, group, type_name)
     total = 0
     kind = ggml_type(type_name)
     for _, at, name, shape, _ in shapes.routed:
@@ -107,6 +121,30 @@ def group_size(shapes: ModelShapes, layer: int, group: str, type_name: str, meas
             else -(-nbytes // shapes.alignment) * (shapes.alignment)
         )
     return total
+
+
+def _file_group_bytes(shapes: ModelShapes, group: str, type_name: str) -> int:
+    """The padded bytes of ``group``'s tensors in ``type_name`` (each in the type that fits its
+    rows, as :func:`healsweep.heal.tensor_types.planned_types` stores it; ``teacher``: as
+    stored)."""
+    total = 0
+    for tensor in shapes.others:
+        if tensor.group != group:
+            continue
+        nbytes = tensor.nbytes
+        if type_name != TEACHER:
+            chosen = fitting_type(type_name, tensor.shape[-1])
+            if chosen.ggml_id != tensor.stored:
+                nbytes = math.prod(tensor.shape[:-1]) * chosen.row_bytes(tensor.shape[-1])
+        total += -(-nbytes // shapes.alignment) * shapes.alignment
+    return total
+
+
+def file_groups_of(shapes: ModelShapes) -> tuple[str, ...]:
+    """The groups of :data:`FILE_GROUPS` the model has tensors of (a tied model has no
+    ``output``, a model without leading dense layers no ``dense``)."""
+    present = {t.group for t in shapes.others}
+    return tuple(g for g in FILE_GROUPS if g in present)
 
 
 def room_for(shapes: ModelShapes, base: Knobs, budget: Budget, limit: float) -> int:
@@ -152,7 +190,7 @@ class Proposal:
     knobs: Knobs
     predicted_kld: float  # predicted change of pooled dev KLD against the base
     size: ConfigSize
-    moves: tuple[tuple[int, str, str], ...]  # (layer, group, type) where it differs from the base
+    moves: tuple[tuple[int | None, str, str], ...]  # (layer, group, type) off the base
 
     def to_dict(self) -> dict:
         """JSON-ready (``allocator.json``)."""
@@ -175,28 +213,16 @@ def propose(
 ) -> list[Proposal]:
     """Up to ``per_limit`` allocations per limit of ``budget`` (ascending), best predicted first,
     each inside its limit and different from the base and from every earlier proposal."""
-    base_types = base.expert_types(shapes.moe_layers, shapes.n_layer)
     out: list[Proposal] = []
-    seen = {_types_key(base_types)}
+    seen = {student_types(base, shapes)}
     for limit in budget.limits:
         room = room_for(shapes, base, budget, limit)
         # one more than asked: the base allocation may be among the best
         for found in best_allocations(groups, room, per_limit + len(out) + 1):
-            types = dict(base_types)
-            moves = []
-            for group, pick in zip(groups, found.picks, strict=True):
-                option = group.options[pick]
-                if pick:
-                    moves.append((group.layer, group.group, option.type))
-                    old = types[group.layer]
-                    types[group.layer] = (
-                        old._replace(gu=option.type) if group.group == "gu" else
-                        old._replace(d=option.type)
-                    )  # fmt: skip
-            key = _types_key(types)
+            knobs, moves = apply_picks(base, shapes, groups, found.picks)
+            key = student_types(knobs, shapes)
             if key in seen:
                 continue
-            knobs = allocation_knobs(base, types, shapes.moe_layers, shapes.n_layer)
             size = shapes.size(knobs)
             if not budget.fits(size, limit):  # cannot happen: sizes are exact; kept as a guard
                 continue
@@ -207,5 +233,47 @@ def propose(
     return out
 
 
-def _types_key(types: Mapping[int, LayerTypes]) -> tuple:
-    return tuple(sorted((i, t.gu, t.d) for i, t in types.items()))
+def apply_picks(
+    base: Knobs, shapes: ModelShapes, groups: Sequence[Group], picks: Sequence[int]
+) -> tuple[Knobs, tuple[tuple[int | None, str, str], ...]]:
+    """``base`` with each group in its picked option's type (as knobs), and the moves
+    ``(layer, group, type)`` where that is not the base type."""
+    types = dict(base.expert_types(shapes.moe_layers, shapes.n_layer))
+    files: dict[str, str] = {}
+    moves = []
+    for group, pick in zip(groups, picks, strict=True):
+        if not pick:
+            continue
+        chosen = group.options[pick].type
+        moves.append((group.layer, group.group, chosen))
+        if group.layer is None:
+            files[f"type_{group.group}"] = chosen
+        else:
+            old = types[group.layer]
+            types[group.layer] = (
+                old._replace(gu=chosen) if group.group == "gu" else old._replace(d=chosen)
+            )
+    knobs = allocation_knobs(base, types, shapes.moe_layers, shapes.n_layer)
+    return (knobs.replace(**files) if files else knobs), tuple(moves)
+
+
+def allocate(
+    base: Knobs, shapes: ModelShapes, budget: Budget, groups: Sequence[Group], limit: float
+) -> Proposal | None:
+    """The allocation of least predicted KLD within ``limit`` (the base itself when no move is
+    predicted to help), or None when none fits."""
+    found = best_allocations(groups, room_for(shapes, base, budget, limit), 1)
+    if not found:
+        return None
+    knobs, moves = apply_picks(base, shapes, groups, found[0].picks)
+    size = shapes.size(knobs)
+    if not budget.fits(size, limit):  # cannot happen: sizes are exact; kept as a guard
+        return None
+    return Proposal(limit, knobs, found[0].kld, size, moves)
+
+
+def student_types(knobs: Knobs, shapes: ModelShapes) -> tuple:
+    """What a config stores each group in: two configs of equal key are one student's types."""
+    routed = knobs.expert_types(shapes.moe_layers, shapes.n_layer)
+    return (tuple(sorted((i, t.gu, t.d) for i, t in routed.items())),
+            tuple(sorted(knobs.file_types().items())))  # fmt: skip

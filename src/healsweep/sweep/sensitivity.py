@@ -1,7 +1,10 @@
 """The sensitivity pass: what moving one tensor group one step down or up the type ladder costs.
 
 A tensor group is one MoE layer's routed gate and up experts (``gu``) or its down experts
-(``d``). Around a base config (a sweep's baseline with its ``fixed`` knobs), each group is moved
+(``d``) or, under a file budget, one of the whole file's other groups (attention, shared expert,
+token embeddings, output, dense layers: one knob each types every layer's, so each is one group;
+:data:`healsweep.sweep.allocator.FILE_GROUPS`). Under a routed-bpw budget (or none) those stay in
+their base type and are not moved: they hold no routed weight. Around a base config (a sweep's baseline with its ``fixed`` knobs), each group is moved
 one step down and one step up the ladder (the spec's ``allocator.ladder``, else the table of
 :mod:`healsweep.kernels.ggml_types`: :func:`step_down`/:func:`step_up`, among the types whose
 blocks fill the group's rows), every other group staying in its base type. Each such config, and
@@ -17,7 +20,10 @@ sweep or ``healsweep sensitivity`` over the same inputs scores nothing again, an
 kept by hand. An entry whose windows are not the ones asked for is recomputed.
 
 The moved configs are knobs (:func:`healsweep.sweep.allocator.allocation_knobs`): the base's,
-with the group's layer in ``layer_types``.
+with the group's layer in ``layer_types``, or the other group's ``type_*`` knob changed. The
+other groups move along the same ladder less the types only healsweep's own quantizers make
+(``q2_0``: those groups go through ggml's quantizer); one stored as the teacher stores it
+(``teacher``) moves one step down only, to the ladder's largest type.
 """
 
 from __future__ import annotations
@@ -38,11 +44,11 @@ from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key
 from healsweep.data.corpus import load_corpus
 from healsweep.errors import HealsweepError, ResultsError
-from healsweep.heal.knobs import Knobs, LayerTypes
+from healsweep.heal.knobs import TEACHER, Knobs, LayerTypes
 from healsweep.heal.reads import student_key
 from healsweep.heal.size import ModelShapes
 from healsweep.heal.trace import calibration_documents, documents_digest
-from healsweep.kernels.ggml_types import ggml_type, step_down, step_up
+from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type, step_down, step_up
 from healsweep.model import open_model
 from healsweep.score.record import WindowRecord
 from healsweep.score.stats import bootstrap_replicates
@@ -52,6 +58,7 @@ from healsweep.sweep.allocator import (
     Option,
     Proposal,
     allocation_knobs,
+    file_groups_of,
     group_size,
     propose,
 )
@@ -76,26 +83,31 @@ Say = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Move:
-    """One group of one MoE layer moved from its base type to the next type down or up."""
+    """One group of one MoE layer (or one other group of the file, ``layer`` None) moved from
+    its base type to the next type down or up."""
 
-    layer: int
-    group: str  # gu | d
+    layer: int | None
+    group: str  # gu | d, or one of FILE_GROUPS
     source: str
     target: str
 
     @property
     def direction(self) -> str:
-        """``down`` or ``up`` the ladder."""
-        return "up" if self.bits > 0 else "down"
+        """``down`` or ``up`` the ladder (from ``teacher``: down)."""
+        return "down" if self.source == TEACHER or self.bits < 0 else "up"
 
     @property
-    def bits(self) -> float:
-        """The change of the group's bits per weight."""
+    def bits(self) -> float | None:
+        """The change of the group's bits per weight (None from ``teacher``: its tensors'
+        stored types differ)."""
+        if TEACHER in (self.source, self.target):
+            return None
         return ggml_type(self.target).bits_per_weight - ggml_type(self.source).bits_per_weight
 
     def label(self) -> str:
-        """``layer 2 down iq2_xxs→iq2_xs``."""
-        return f"layer {self.layer} {GROUP_NAMES[self.group]} {self.source}→{self.target}"
+        """``layer 2 down iq2_xxs→iq2_xs``, ``attention iq2_xxs→iq2_xs``."""
+        where = "" if self.layer is None else f"layer {self.layer} "
+        return f"{where}{GROUP_NAMES[self.group]} {self.source}→{self.target}"
 
 
 def group_widths(shapes: ModelShapes) -> dict[tuple[int, str], int]:
@@ -116,8 +128,26 @@ def steps(type_name: str, width: int, ladder: Sequence[str] | None) -> tuple[str
     return fits[max(at - 1, 0)], fits[min(at + 1, len(fits) - 1)]
 
 
-def moves(base: Knobs, shapes: ModelShapes, ladder: Sequence[str] | None) -> list[Move]:
-    """Every one-step move of the base config, by layer, group (gate/up first), down then up."""
+def file_steps(type_name: str, ladder: Sequence[str] | None) -> tuple[str, ...]:
+    """The types one step down and up from ``type_name`` for one of the other groups: along
+    ``ladder`` (else the table's routed types) less the types only healsweep's own quantizers
+    make; from ``teacher``, the ladder's largest type alone; none for a type off the ladder."""
+    own = {t.name for t in ROUTED_TYPES if t.own_quantizer}
+    names = ladder if ladder is not None else [t.name for t in ROUTED_TYPES]
+    rungs = [t for t in names if t not in own]
+    if type_name == TEACHER:
+        return (rungs[-1],) if rungs else ()
+    if type_name not in rungs:
+        return ()
+    at = rungs.index(type_name)
+    return tuple(rungs[i] for i in (at - 1, at + 1) if 0 <= i < len(rungs))
+
+
+def moves(
+    base: Knobs, shapes: ModelShapes, ladder: Sequence[str] | None, whole_file: bool = False
+) -> list[Move]:
+    """Every one-step move of the base config, by layer, group (gate/up first), down then up;
+    with ``whole_file`` (a file budget) then each other group's the model has."""
     types = base.expert_types(shapes.moe_layers, shapes.n_layer)
     widths = group_widths(shapes)
     out = []
@@ -127,11 +157,16 @@ def moves(base: Knobs, shapes: ModelShapes, ladder: Sequence[str] | None) -> lis
             for target in steps(source, widths[(layer, group)], ladder):
                 if target != source:
                     out.append(Move(layer, group, source, target))
+    for group in file_groups_of(shapes) if whole_file else ():
+        source = getattr(base, f"type_{group}")
+        out.extend(Move(None, group, source, target) for target in file_steps(source, ladder))
     return out
 
 
 def moved_knobs(base: Knobs, shapes: ModelShapes, move: Move) -> Knobs:
     """The base config with ``move`` applied (as knobs)."""
+    if move.layer is None:
+        return base.replace(**{f"type_{move.group}": move.target})
     types = dict(base.expert_types(shapes.moe_layers, shapes.n_layer))
     old = types[move.layer]
     types[move.layer] = LayerTypes(
@@ -227,19 +262,23 @@ class SensitivityTable:
 
     def groups(self, shapes: ModelShapes, measure: str) -> list[Group]:
         """The allocator's view: per (layer, group), its base type and each measured move as
-        options (size change in ``measure``'s unit, KLD change)."""
+        options (size change in ``measure``'s unit, KLD change); the other groups of the file
+        (one each) only under a file measure (under ``routed_bpw`` they stay in their base
+        type: a move of theirs changes no routed bit)."""
         types = self.base.expert_types(shapes.moe_layers, shapes.n_layer)
+        where = [(layer, group, types[layer].of(group))
+                 for layer in shapes.moe_layers for group in ("gu", "d")]  # fmt: skip
+        if measure != "routed_bpw":
+            where += [(None, g, getattr(self.base, f"type_{g}")) for g in file_groups_of(shapes)]
         out = []
-        for layer in shapes.moe_layers:
-            for group in ("gu", "d"):
-                source = types[layer].of(group)
-                here = group_size(shapes, layer, group, source, measure)
-                options = [Option(source, 0, 0.0)]
-                for r in self.results:
-                    if (r.move.layer, r.move.group) == (layer, group):
-                        size = group_size(shapes, layer, group, r.move.target, measure) - here
-                        options.append(Option(r.move.target, size, r.delta_kld))
-                out.append(Group(layer, group, tuple(options)))
+        for layer, group, source in where:
+            here = group_size(shapes, layer, group, source, measure)
+            options = [Option(source, 0, 0.0)]
+            for r in self.results:
+                if (r.move.layer, r.move.group) == (layer, group):
+                    size = group_size(shapes, layer, group, r.move.target, measure) - here
+                    options.append(Option(r.move.target, size, r.delta_kld))
+            out.append(Group(layer, group, tuple(options)))
         return out
 
     def to_dict(self, n_boot: int = N_BOOT) -> dict[str, Any]:
@@ -353,8 +392,9 @@ def run_sensitivity(
     base = sensitivity_base(spec)
     ladder = tuple(spec.allocator.ladder) if spec.allocator and spec.allocator.ladder else None
     shapes = ModelShapes.of(open_model(spec.model))
+    whole_file = spec.budget is not None and spec.budget.budget().measure == "file_bytes"
     configs = [_Config(base, None, entry_key(scored_spec, identity, base, base, None, work_fn))]
-    for move in moves(base, shapes, ladder):
+    for move in moves(base, shapes, ladder, whole_file):
         knobs = moved_knobs(base, shapes, move)
         configs.append(_Config(knobs, move, entry_key(scored_spec, identity, knobs, base, move,
                                                       work_fn)))  # fmt: skip
@@ -405,7 +445,8 @@ def _expected_windows(found: Mapping[str, Scores], configs: Sequence[_Config]) -
 def _describe(base: Knobs, shapes: ModelShapes) -> str:
     size = shapes.size(base)
     types = f"{base.type_gu}/{base.type_d}" + (f" ({base.layer_types})" if base.layer_types else "")
-    return f"{types} at {size.routed_bpw:.4g} routed bpw"
+    others = "".join(f", {g} {t}" for g, t in base.file_types().items())
+    return f"{types}{others} at {size.routed_bpw:.4g} routed bpw, {size.file_mib:.4g} MiB"
 
 
 def _score(spec: SweepSpec, pending: Sequence[_Config], work_fn: WorkFn, holders: Any) -> Any:
