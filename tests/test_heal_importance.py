@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from healsweep.quant.expert_moments import expert_hidden_moments, expert_input_moments
 from healsweep.quant.importance import (
     down_importance,
-    expert_hidden_moments,
-    expert_input_moments,
     gate_up_importance,
     gaussian_probe_scale,
     norm_proxy,

@@ -33,7 +33,7 @@ def test_a_type_whose_blocks_do_not_fill_the_rows_is_refused_before_the_trace(se
     with pytest.raises(GGUFFormatError) as info:
         build_student(model, Knobs(type_d="iq2_xs"), CAL, cache, corpus=corpus)
     assert str(info.value) == (
-        f"{model.path}: the rows of blk.0.ffn_down_exps hold 64 values, not a multiple of the "
+        f"{model.path}: the rows of ffn_down_exps hold 64 values, not a multiple of the "
         "IQ2_XS block of 256; they cannot be stored as iq2_xs. The types that fit this model, "
         "smallest first: q2_0 (2.25 bits), iq4_nl (4.5 bits); these knobs fit the packaged model "
         "demo-medium-cpu (rows of 256): run them there (`healsweep heal demo-medium-cpu --knobs "

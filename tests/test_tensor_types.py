@@ -272,7 +272,7 @@ def test_a_student_of_retyped_groups_runs_as_its_export_and_requantizes_with_the
     from healsweep.gguf_io._ggml_lib import quantize_rows
     from healsweep.heal.export import write_healed_gguf
     from healsweep.heal.pipeline import build_student
-    from healsweep.heal.tensor_types import input_importance
+    from healsweep.heal.tensor_importance import input_importance
 
     model = open_model(write_random_model(
         tmp_path / "m.gguf", n_layer=2, n_embd=256, n_ff_exp=256, n_ff_shexp=256, n_expert=4,

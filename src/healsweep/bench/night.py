@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from healsweep.bench.localpool import NodeSpec, local_pool
 from healsweep.bench.trial import phase_table
 from healsweep.cache import disk_entries as cache_entries
 from healsweep.errors import HealsweepError
@@ -382,9 +383,6 @@ def run_night(
 ) -> dict[str, Any]:
     """Run the night once per placement; ``{"placements": {placement: figures}, ...}``.
     ``cache_max_gb``: the spec's size limit of each stage cache (None: none)."""
-    # lazy: optional (psutil, a test extra)
-    from healsweep.bench.localpool import NodeSpec, local_pool
-
     work_dir.mkdir(parents=True, exist_ok=True)
     # no cpu: a trial takes its node's share of the cores (cores ÷ the trials there at once)
     resources = {"gpu": 1} if gpu else {}

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from gguf.quants import dequantize
 
+from healsweep import kernels  # a lazy face: jax is imported where a decoder runs
 from healsweep._inputs import open_regular
 from healsweep.bundled import resolve_model
 from healsweep.errors import GGUFFormatError
@@ -36,6 +37,7 @@ from healsweep.gguf_io._tokenizer import (
     load_tokenizer_file,
     tokenizer_metadata_from_gguf,
 )
+from healsweep.kernels.ggml_types import row_bytes, stored_ids
 from healsweep.runtime import current
 
 _GGUF_MAGIC = b"GGUF"
@@ -128,10 +130,7 @@ class GGUFModel:
 
     def row_bytes(self, name: str) -> int:
         """Stored bytes of one row (the last numpy axis) of the tensor."""
-        # lazy: heavy (jax)
-        from healsweep.kernels import ggml_decode  # jax: imported only when bytes are read
-
-        return ggml_decode.row_bytes(int(self.tensor_type(name)), self.tensor_shape(name)[-1])
+        return row_bytes(int(self.tensor_type(name)), self.tensor_shape(name)[-1])
 
     def tensors(self) -> Mapping[str, np.ndarray]:
         """Every tensor by name, in file order, dequantized to float32 when accessed (one at a
@@ -220,11 +219,8 @@ def _dequantize(raw: np.ndarray, qtype: Any, n_in: int) -> np.ndarray:
 
     if host_decodable(qtype):
         return np.asarray(dequantize(raw, qtype), dtype=np.float32)
-    # lazy: heavy (jax)
-    from healsweep.kernels import ggml_decode
-
-    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, ggml_decode.row_bytes(qtype, n_in))
-    return np.asarray(ggml_decode.decode_rows(rows, int(qtype), n_in))
+    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, row_bytes(qtype, n_in))
+    return np.asarray(kernels.ggml_decode.decode_rows(rows, int(qtype), n_in))
 
 
 class _LazyTensors(Mapping):
@@ -360,11 +356,7 @@ def check_tensors(header: GGUFHeader, expected: dict[str, tuple], arch: str) -> 
     the file with that shape and a type healsweep can decode."""
     path, infos = header.path, {t.name: t for t in header.tensors}
     decodable = {int(t.type) for t in header.tensors if host_decodable(t.type)}
-    if any(int(t.type) not in decodable for t in header.tensors):
-        # lazy: heavy (jax)
-        from healsweep.kernels.ggml_decode import IN_GRAPH_TYPES  # jax: only for such files
-
-        decodable |= IN_GRAPH_TYPES
+    decodable |= stored_ids()  # the in-graph decoders' types (kernels.ggml_decode)
     for name, shape in expected.items():
         if name not in infos:
             raise GGUFFormatError(

@@ -119,8 +119,7 @@ def write_gguf(
                 for tensor_name, shape in zip(names, shapes, strict=True):
                     qtype = chosen_type(tensor_name, len(shape))
                     stored, dtype, nbytes = _stored_layout(tensor_name, shape, qtype)
-                    writer.add_tensor_info(tensor_name, stored, dtype, nbytes,
-                                           raw_dtype=_raw_dtype(dtype, qtype))  # fmt: skip
+                    writer.add_tensor_info(tensor_name, stored, dtype, nbytes, raw_dtype=qtype)
                 writer.write_header_to_file()
                 writer.write_kv_data_to_file()
                 writer.write_ti_data_to_file()
@@ -130,7 +129,7 @@ def write_gguf(
                 if shapes is not None:
                     writer.write_tensor_data(data)
                 else:
-                    writer.add_tensor(tensor_name, data, raw_dtype=_raw_dtype(data.dtype, qtype))
+                    writer.add_tensor(tensor_name, data, raw_dtype=qtype)
                 del data
             if shapes is None:
                 writer.write_header_to_file()
@@ -158,11 +157,6 @@ def _stored_layout(name: str, shape: tuple[int, ...], qtype: Any) -> tuple[tuple
     row = encode_tensor(name, np.zeros((1, shape[-1]), np.float32), qtype)
     stored = (*shape[:-1], row.shape[-1])
     return stored, row.dtype, int(np.prod(stored, dtype=np.int64)) * row.dtype.itemsize
-
-
-def _raw_dtype(dtype: np.dtype, qtype: Any) -> Any:
-    """gguf-py's ``raw_dtype`` of an encoded tensor: its type where the bytes are packed."""
-    return qtype if dtype == np.uint8 or qtype == GGMLQuantizationType.BF16 else None
 
 
 def _in_order(

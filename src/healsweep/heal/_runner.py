@@ -1,4 +1,5 @@
-"""One call for a cached, timed stage value: :class:`StageRunner`.
+"""One call for a cached, timed stage value: :class:`StageRunner`; a heal stage's key:
+:func:`stage_key`.
 
 A stage's output is a NamedTuple that converts itself to and from a cache entry (``to_entry()
 -> (arrays, meta)``, ``from_entry(arrays, meta)``); the entry format on disk is the cache's
@@ -6,6 +7,9 @@ A stage's output is a NamedTuple that converts itself to and from a cache entry 
 serves it from the cache or computes it, and charges the wall time to the stage;
 :meth:`StageRunner.lazy` does the same on first use only, so a trial whose stages are all
 cached never runs (nor reads the inputs of) an upstream stage it does not need.
+
+The key sits here, jax-free, so a module that only names a stage's key (the requantized tensors'
+planner, read when a sweep's sizes are) need not import the stages' jax.
 """
 
 from __future__ import annotations
@@ -16,8 +20,21 @@ from typing import Any, NamedTuple, Protocol, Self, TypeVar
 
 import numpy as np
 
-from healsweep.cache import StageCache
+from healsweep._code import code_digest
+from healsweep.cache import StageCache, content_key
 from healsweep.profile import PhaseProfile, active
+from healsweep.stage_names import VERSIONS, Stage
+
+# The code a stage runs is one of its inputs: a fix in the codec or the forward must not be
+# served stale results from the cache. Every heal stage is computed by functions and closures of
+# heal.pipeline, and heal.evaluate computes quantize and routed_q entries with its own; their
+# import closure (healsweep._code, read from the source) holds every module these stages run.
+CODE_ROOTS = ("healsweep.heal.pipeline", "healsweep.heal.evaluate")
+
+
+def stage_key(stage: Stage | str, inputs: dict[str, Any]) -> str:
+    """Content key of ``stage`` over ``inputs`` plus its version and its code digest."""
+    return content_key(stage, VERSIONS[stage], {**inputs, "code": code_digest(CODE_ROOTS)})
 
 
 class Entry(Protocol):

@@ -276,7 +276,7 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
 
 def _check_shape(base: GGUFModel, name: str, shape: tuple, dtype: np.dtype, qtype: Any) -> None:
     shape = tuple(shape)
-    if dtype == np.uint8 and qtype not in (GGMLQuantizationType.I8,):
+    if dtype == np.uint8:  # packed blocks (an 8-bit integer type's geometry is (1, 1))
         shape = element_shape(shape, qtype)
     want = tuple(base.tensor_shape(name))
     if shape != want:

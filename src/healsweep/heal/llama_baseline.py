@@ -35,12 +35,8 @@ from healsweep.gguf_io import TensorType, _ggml_lib, block_prefix
 from healsweep.gguf_io._ggml_lib import block_geometry, library_source
 from healsweep.heal.export import write_replacing
 from healsweep.heal.knobs import Knobs
-from healsweep.heal.tensor_types import (
-    group_tensors,
-    input_importance,
-    planned_types,
-    requantize_tensor,
-)
+from healsweep.heal.tensor_importance import input_importance
+from healsweep.heal.tensor_types import group_tensors, planned_types, requantize_tensor
 from healsweep.heal.trace import calibration_trace
 from healsweep.kernels.ggml_types import ROUTED_TYPES
 from healsweep.quant.imatrix import EXPERT_TENSORS, expert_importance, quantize_expert_stack

@@ -31,7 +31,7 @@ import numpy as np
 
 from healsweep.cache import StageCache, content_key
 from healsweep.gguf_io import HEAD, block_prefix, split_block
-from healsweep.heal import expert_alpha, quantize, ridge, stages, tensor_types
+from healsweep.heal import expert_alpha, quantize, ridge, stages, tensor_importance, tensor_types
 from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import (
     AlphaGranularity,
@@ -280,7 +280,7 @@ def _plan(
     if retype:
         mkey, moments = run.timed(
             Stage.TENSOR_IMPORTANCE,
-            lambda: tensor_types.input_importance(model, calibration, cache, corpus),
+            lambda: tensor_importance.input_importance(model, calibration, cache, corpus),
         )
     keys = _retyped_keys(run, model, knobs, retype, moments, mkey)
     targets = _shexp_targets(model, knobs, retype, moments)

@@ -136,7 +136,9 @@ def check_quantizable(
     hp = model.hparams
     widths = {Group.GU: hp.n_embd, Group.D: hp.n_ff_exp}
     named = "/".join(f"ffn_{n}_exps" for n in group.tensors)
-    where = named if found.name == Q2_0 else f"blk.{layer}.{named}"
+    # a misfit every MoE layer shares (the knob default's, a type asked for all) names no layer
+    every_layer = all(ggml_type(t.of(group)) == found for t in _layer_types(model, knobs))
+    where = named if every_layer else f"blk.{layer}.{named}"
     ladder = "; ".join(
         f"{label} (rows of {widths[g]}): {fitting_types(widths[g])}"
         for g, label in ((Group.GU, "gate/up"), (Group.D, "down"))
@@ -163,13 +165,17 @@ def fitting_types(width: int) -> str:
     return ", ".join(f"{t.name} ({t.bits_per_weight:g} bits)" for t in fits) or "none"
 
 
+def _layer_types(model: GGUFModel, knobs: Knobs | None) -> list[LayerTypes]:
+    """The routed types of each MoE layer, in order (without ``knobs``: Q2_0's, the default)."""
+    types = expert_types(model, knobs) if knobs is not None else {}
+    return [types.get(layer, LayerTypes(Q2_0, Q2_0)) for layer in model.hparams.moe_layers]
+
+
 def _misfit(model: GGUFModel, knobs: Knobs | None) -> tuple[int, Group, Any] | None:
     """The first (layer, group, type) whose blocks do not fill the rows, or None."""
     hp = model.hparams
-    types = expert_types(model, knobs) if knobs is not None else {}
     widths = {Group.GU: hp.n_embd, Group.D: hp.n_ff_exp}
-    for layer in hp.moe_layers:
-        chosen = types.get(layer, LayerTypes(Q2_0, Q2_0))
+    for layer, chosen in zip(hp.moe_layers, _layer_types(model, knobs), strict=True):
         for group in GROUPS:
             found = ggml_type(chosen.of(group))
             if widths[group] % found.block_weights:

@@ -21,17 +21,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from healsweep._code import code_digest
-from healsweep.cache import content_key
 from healsweep.gguf_io import block_prefix
-from healsweep.heal._runner import join_entry, split_entry
+from healsweep.heal._runner import CODE_ROOTS as CODE_ROOTS  # the stages' code roots
+from healsweep.heal._runner import join_entry, split_entry, stage_key
 from healsweep.heal.knobs import Knobs
 from healsweep.kernels import alpha as alpha_kernels
 from healsweep.model import architecture
 from healsweep.model.forward import dense_on_device
 from healsweep.model.layers import expert_tile_rows, routed_experts
 from healsweep.quant import importance as imp
-from healsweep.stage_names import VERSIONS, Stage
+from healsweep.stage_names import Stage
 
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
@@ -39,18 +38,6 @@ if TYPE_CHECKING:
 EXPERT_TENSORS = ("gate", "up", "down")
 ROUTED_CHUNK = 2048  # tokens per routed-output call (padded), bounds memory and recompiles
 Arrays = dict[str, np.ndarray]
-
-
-# The code a stage runs is one of its inputs: a fix in the codec or the forward must not be
-# served stale results from the cache. Every stage here is computed by functions and closures of
-# heal.pipeline, and heal.evaluate computes quantize and routed_q entries with its own; their
-# import closure (healsweep._code, read from the source) holds every module these stages run.
-CODE_ROOTS = ("healsweep.heal.pipeline", "healsweep.heal.evaluate")
-
-
-def stage_key(stage: Stage | str, inputs: dict[str, Any]) -> str:
-    """Content key of ``stage`` over ``inputs`` plus its version and its code digest."""
-    return content_key(stage, VERSIONS[stage], {**inputs, "code": code_digest(CODE_ROOTS)})
 
 
 # --- quantize ----------------------------------------------------------------------------------

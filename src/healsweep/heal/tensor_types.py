@@ -21,8 +21,8 @@ type it would get keeps its bytes.
 Requantizing (stage ``requant_tensor``, one entry per tensor, type and importance) is ggml's
 quantizer (``ggml_quantize_chunk``) on the teacher's values with one importance row per tensor,
 E[x²] of the tensor's input over the calibration tokens, as ``llama-imatrix`` records it for
-``llama-quantize --imatrix`` (stage ``tensor_importance``: :mod:`healsweep.model.moments` over
-the calibration pool's chunks). Which input each matrix reads: the attention norm's output for
+``llama-quantize --imatrix`` (stage ``tensor_importance``, :mod:`healsweep.heal.tensor_importance`:
+:mod:`healsweep.model.moments` over the calibration pool's chunks). Which input each matrix reads: the attention norm's output for
 the attention matrices that read the hidden state, the heads' mix for ``attn_output``, MLA's
 normed q/kv latents for ``attn_q_b``/``attn_kv_b``, the FFN norm's output for the shared expert's
 (and a dense FFN's) gate and up, their ``silu(g)·u`` for their down, the output norm's output for
@@ -34,25 +34,21 @@ requantized by Part B itself, to the same type with the same row (:mod:`healswee
 
 from __future__ import annotations
 
-from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from healsweep.data.chat_template import model_chat_format
-from healsweep.data.corpus import load_corpus
+from healsweep import kernels  # a lazy face: jax is imported where a kernel runs
 from healsweep.gguf_io import split_block
-from healsweep.heal._runner import StageRunner
+from healsweep.gguf_io._ggml_lib import requires_imatrix
+from healsweep.heal._runner import stage_key
 from healsweep.heal.knobs import Knobs
 from healsweep.kernels.ggml_types import GGMLType, fitting_type, tensor_type
 from healsweep.quant.formats import format_of
 from healsweep.stage_names import Stage
 
 if TYPE_CHECKING:
-    from healsweep.cache import StageCache
-    from healsweep.data.corpus import Corpus
     from healsweep.gguf_io import GGUFModel
-    from healsweep.heal.knobs import CalibrationConfig
 
 GROUPS = ("attn", "shexp", "embd", "output", "dense")
 _SHEXP = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
@@ -170,51 +166,6 @@ class InputMoments(NamedTuple):
         return np.ones(n_in, np.float32) if required else None
 
 
-def importance_key(model: GGUFModel, calibration: CalibrationConfig, corpus: Corpus) -> str:
-    """Key of the input moments: the calibration trace's inputs (model, settings, documents)."""
-    # lazy: heavy (jax)
-    from healsweep.heal.stages import stage_key
-    from healsweep.heal.trace import calibration_documents, trace_key
-
-    docs = calibration_documents(corpus, calibration)
-    return stage_key(Stage.TENSOR_IMPORTANCE, {"trace": trace_key(model, calibration, docs)})
-
-
-def compute_moments(
-    model: GGUFModel, calibration: CalibrationConfig, corpus: Corpus
-) -> InputMoments:
-    """The teacher's input moments over the calibration pool's chunks (those the trace runs)."""
-    # lazy: heavy (jax)
-    from healsweep.heal.trace import _batches, budgeted, calibration_documents, make_chunks
-    from healsweep.model.moments import input_moments
-
-    calibration = budgeted(model, calibration)
-    docs = calibration_documents(corpus, calibration)
-    chunks, _ = make_chunks(docs, model.tokenizer(), calibration, model_chat_format(model))
-    sums: dict[str, np.ndarray] = {}
-    tokens = 0
-    for _, batch in _batches(chunks):
-        found, n = input_moments(model, [chunks[i].tokens for i in batch])
-        for site, value in found.items():
-            sums[site] = sums[site] + value if site in sums else value
-        tokens += n
-    return InputMoments(sums, tokens)
-
-
-def input_importance(
-    model: GGUFModel,
-    calibration: CalibrationConfig,
-    cache: StageCache,
-    corpus: Corpus | None = None,
-) -> tuple[str, InputMoments]:
-    """The cached input moments of ``model`` on ``calibration`` (computed once per key) and
-    their key."""
-    corpus = corpus if corpus is not None else load_corpus(calibration.corpus)
-    key = importance_key(model, calibration, corpus)
-    compute = partial(compute_moments, model, calibration, corpus)
-    return key, StageRunner(cache).value(Stage.TENSOR_IMPORTANCE, key, InputMoments, compute)
-
-
 # --- stage requant_tensor -----------------------------------------------------------------------
 
 
@@ -234,16 +185,12 @@ class RequantTensor(NamedTuple):
 
     def weight(self) -> Any:
         """The tensor as the forward takes it: a ``GGMLWeight`` of its bytes."""
-        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: jax is heavy
-
-        return GGMLWeight(self.raw, tensor_type(self.type_name).ggml_id, self.n_in)
+        return kernels.ggml_decode.GGMLWeight(self.raw, tensor_type(self.type_name).ggml_id, self.n_in)
 
 
 def requant_key(model: GGUFModel, name: str, chosen: GGMLType, importance: str | None) -> str:
     """Key of tensor ``name`` of ``model`` in type ``chosen`` with the importance of key
     ``importance``."""
-    from healsweep.heal.stages import stage_key  # lazy: heavy (jax)
-
     inputs = {"model": model.fingerprint, "tensor": name, "type": chosen.name}
     return stage_key(Stage.REQUANT_TENSOR, {**inputs, "importance": importance})
 
@@ -253,9 +200,6 @@ def requantize_tensor(
 ) -> RequantTensor:
     """Tensor ``name`` of ``model`` quantized by ggml to ``chosen`` with its importance row,
     :data:`ROW_CHUNK` rows at a time (one slice of float32 on the host)."""
-    # lazy: optional (llama-cpp-python, an optional extra)
-    from healsweep.gguf_io._ggml_lib import requires_imatrix
-
     shape = tuple(model.tensor_shape(name))
     n_in = shape[-1]
     row = None

@@ -40,7 +40,7 @@ from healsweep.errors import CacheError, CorpusError
 from healsweep.heal.knobs import CalibrationConfig
 from healsweep.heal.stages import expert_weights
 from healsweep.model.forward import capture_layers
-from healsweep.quant.importance import expert_hidden_moments, expert_input_moments
+from healsweep.quant.expert_moments import expert_hidden_moments, expert_input_moments
 from healsweep.stage_names import VERSIONS, Stage
 
 if TYPE_CHECKING:

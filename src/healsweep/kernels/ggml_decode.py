@@ -22,7 +22,7 @@ from healsweep.errors import GGUFFormatError
 from healsweep.kernels import _decode_iquants as iq
 from healsweep.kernels import _decode_kquants as kq
 from healsweep.kernels import _decode_legacy as lg
-from healsweep.kernels.ggml_types import stored_type
+from healsweep.kernels.ggml_types import block_geometry, row_bytes
 
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
 GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
@@ -60,35 +60,6 @@ _DECODERS: dict[int, Callable[[jax.Array], jax.Array]] = {
 }
 
 IN_GRAPH_TYPES: frozenset[int] = frozenset(_DECODERS)
-
-
-def block_geometry(qtype: int) -> tuple[int, int]:
-    """``(weights per block, bytes per block)`` of ggml type ``qtype`` (an int id).
-
-    Covers every in-graph type, Q2_0 (42) included, and any other type gguf-py knows (for the
-    host fallback); an unknown id raises :class:`GGUFFormatError`.
-    """
-    qtype = int(qtype)
-    if qtype in _DECODERS:
-        kind = stored_type(qtype)
-        return kind.block_weights, kind.block_bytes
-    # lazy: heavy (gguf)
-    from gguf import GGML_QUANT_SIZES
-
-    sizes = {int(t): s for t, s in GGML_QUANT_SIZES.items()}
-    if qtype not in sizes:
-        raise GGUFFormatError(f"unknown ggml tensor type {qtype}: no block geometry for it")
-    return sizes[qtype]
-
-
-def row_bytes(qtype: int, n_in: int) -> int:
-    """Stored bytes of one row of ``n_in`` weights of type ``qtype``."""
-    block, size = block_geometry(qtype)
-    if n_in % block:
-        raise GGUFFormatError(
-            f"rows of {n_in} weights do not fill whole blocks of {block} (ggml type {int(qtype)})"
-        )
-    return n_in // block * size
 
 
 def decode_rows(raw, qtype: int, n_in: int) -> jax.Array:

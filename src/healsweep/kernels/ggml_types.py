@@ -129,6 +129,35 @@ def stored_ids() -> frozenset[int]:
     return frozenset(_STORED_BY_ID)
 
 
+def block_geometry(qtype: int) -> tuple[int, int]:
+    """``(weights per block, bytes per block)`` of ggml type ``qtype`` (an int id).
+
+    Covers every in-graph type, Q2_0 (42) included, and any other type gguf-py knows (for the
+    host fallback); an unknown id raises :class:`GGUFFormatError`.
+    """
+    qtype = int(qtype)
+    if qtype in _STORED_BY_ID:  # the in-graph types (kernels.ggml_decode has a decoder for each)
+        kind = _STORED_BY_ID[qtype]
+        return kind.block_weights, kind.block_bytes
+    # lazy: heavy (gguf)
+    from gguf import GGML_QUANT_SIZES
+
+    sizes = {int(t): s for t, s in GGML_QUANT_SIZES.items()}
+    if qtype not in sizes:
+        raise GGUFFormatError(f"unknown ggml tensor type {qtype}: no block geometry for it")
+    return sizes[qtype]
+
+
+def row_bytes(qtype: int, n_in: int) -> int:
+    """Stored bytes of one row of ``n_in`` weights of type ``qtype``."""
+    block, size = block_geometry(qtype)
+    if n_in % block:
+        raise GGUFFormatError(
+            f"rows of {n_in} weights do not fill whole blocks of {block} (ggml type {int(qtype)})"
+        )
+    return n_in // block * size
+
+
 def tensor_type(name: str) -> GGMLType:
     """The storage type named ``name`` among :data:`TENSOR_TYPES` (the routed types and q4_0,
     q5_0, q5_k, q6_k, q8_0); raises :class:`KnobError` for any other."""

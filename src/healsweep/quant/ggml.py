@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from healsweep import kernels  # a lazy face: jax is imported where a kernel runs
 from healsweep.kernels.ggml_types import ROUTED_TYPES, ggml_type
 from healsweep.quant._base import Arrays, GroupInputs, GroupQuantizer
 from healsweep.quant.imatrix import expert_importance, quantize_expert_stack
@@ -54,17 +55,16 @@ class GGMLStored(GroupQuantizer):
 
     @classmethod
     def from_arrays(cls, arrays: Arrays, meta: Mapping[str, Any], count: int) -> tuple[Any, ...]:
-        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: jax is heavy
-
         qtype = ggml_type(meta["type"]).ggml_id
-        return tuple(GGMLWeight(arrays[f"{n}.raw"], qtype, meta["n_in"]) for n in range(count))
+        return tuple(
+            kernels.ggml_decode.GGMLWeight(arrays[f"{n}.raw"], qtype, meta["n_in"])
+            for n in range(count)
+        )
 
     @classmethod
     def _stacks(cls, inputs: GroupInputs, raws: list[np.ndarray]) -> tuple[Any, ...]:
-        from healsweep.kernels.ggml_decode import GGMLWeight  # lazy: jax is heavy
-
         qtype, n_in = ggml_type(inputs.stored_as).ggml_id, inputs.stacks()[0].shape[-1]
-        return tuple(GGMLWeight(raw, qtype, n_in) for raw in raws)
+        return tuple(kernels.ggml_decode.GGMLWeight(raw, qtype, n_in) for raw in raws)
 
 
 GGML_TYPES = tuple(t.name for t in ROUTED_TYPES if t.name != Q2_0)

@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from healsweep import kernels  # a lazy face: jax is imported where a kernel runs
+from healsweep.quant import importance as imp
 from healsweep.quant._base import Arrays, GroupInputs, GroupQuantizer
 from healsweep.quant.values import Q2_0, Group, Importance, ImportanceDown, Quantizer
 
@@ -48,9 +50,9 @@ class Q2Stored(GroupQuantizer):
     def from_arrays(cls, arrays: Arrays, meta: Mapping[str, Any], count: int) -> tuple[Any, ...]:
         """Packed ``Q2Packed`` pytrees: unpacking 3 x 173M codes per layer on the host cost a
         warm trial seconds a layer."""
-        from healsweep.kernels.q2_0 import Q2Packed  # lazy: jax is heavy (knobs read this module)
-
-        return tuple(Q2Packed(arrays[f"{n}.d"], arrays[f"{n}.codes"]) for n in range(count))
+        return tuple(
+            kernels.q2_0.Q2Packed(arrays[f"{n}.d"], arrays[f"{n}.codes"]) for n in range(count)
+        )
 
 
 class Q2Search(Q2Stored, types=(Q2_0,), quantizer=Quantizer.SEARCH):
@@ -109,20 +111,16 @@ class Q2Plain(Q2Stored, types=(Q2_0,), quantizer=Quantizer.PLAIN):
 
     @classmethod
     def quantize(cls, inputs: GroupInputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        from healsweep.kernels import q2_0_plain  # lazy: jax is heavy (knobs read this module)
-        from healsweep.kernels.q2_0 import Q2Packed, pack_codes  # lazy: jax, as above
-
+        q2_0 = kernels.q2_0
         stacks = []
         for w in inputs.stacks():  # [E, out, in]
-            d, q = q2_0_plain.quantize(w)
-            stacks.append(Q2Packed(np.asarray(d, np.float16), np.asarray(pack_codes(q))))
+            d, q = kernels.q2_0_plain.quantize(w)
+            stacks.append(q2_0.Q2Packed(np.asarray(d, np.float16), np.asarray(q2_0.pack_codes(q))))
         return tuple(stacks), {}
 
 
 def _importance(inputs: GroupInputs) -> np.ndarray | None:
     """The search's importance of the group's input channels (its knob, the trace for ``act``)."""
-    from healsweep.quant import importance as imp  # lazy: jax is heavy (knobs read this module)
-
     kind = inputs.read[_IMPORTANCE[inputs.group]]
     if inputs.group is Group.GU:
         return imp.gate_up_importance(
@@ -141,12 +139,10 @@ def _search_experts(w, importance, gain, d=None, codes=None, rest=None) -> Any:
     """The codec's search (:func:`q2_0.quantize_matrix`) of ``w`` [E, out, in] as a
     ``Q2Packed``: of every expert, or with ``rest`` (expert indices) of those only, the others
     taken from ``d``, ``codes`` (GPTQ's)."""
-    from healsweep.kernels import q2_0  # lazy: jax is heavy (knobs read this module)
-    from healsweep.kernels.q2_0 import Q2Packed  # lazy: jax, as above
-
+    q2_0 = kernels.q2_0
     if rest is None:
         q2 = q2_0.quantize_matrix(w, importance, gain, packed=True)
-        return Q2Packed(np.asarray(q2.d, np.float16), np.asarray(q2.codes))
+        return q2_0.Q2Packed(np.asarray(q2.d, np.float16), np.asarray(q2.codes))
     if len(rest):
         per_expert = importance is not None and np.ndim(importance) == 2
         q2 = q2_0.quantize_matrix(
@@ -154,7 +150,7 @@ def _search_experts(w, importance, gain, d=None, codes=None, rest=None) -> Any:
         )
         d[rest] = np.asarray(q2.d, np.float16)
         codes[rest] = np.asarray(q2.codes)
-    return Q2Packed(d, codes)
+    return q2_0.Q2Packed(d, codes)
 
 
 def _gptq_experts(inputs: GroupInputs, gain: float) -> list[tuple[Any, ...]]:
@@ -162,8 +158,7 @@ def _gptq_experts(inputs: GroupInputs, gain: float) -> list[tuple[Any, ...]]:
     tokens. Returns per stack ``(d, codes, rest, fallback)``: the packed arrays with the GPTQ
     experts filled, the indices of the experts left to the search (too few tokens, or an ``H``
     that did not factor), and the fallback counts."""
-    from healsweep.kernels.q2_0 import pack_codes  # lazy: jax is heavy (knobs read this module)
-    from healsweep.quant import gptq  # lazy: jax, as above
+    from healsweep.quant import gptq  # lazy: jax is heavy (knobs read this module)
 
     weights, read = inputs.weights, inputs.read
     counts = np.asarray(inputs.trace("counts"))
@@ -189,6 +184,6 @@ def _gptq_experts(inputs: GroupInputs, gain: float) -> list[tuple[Any, ...]]:
         d = np.zeros((n_expert, n_out, n_in // 64), np.float16)
         codes = np.zeros((n_expert, n_out, n_in // 4), np.uint8)
         d[done] = d_g[ok]
-        codes[done] = np.asarray(pack_codes(q_g[ok]))
+        codes[done] = np.asarray(kernels.q2_0.pack_codes(q_g[ok]))
         out.append((d, codes, np.setdiff1d(np.arange(n_expert), done), dict(fallback)))
     return out

@@ -2,9 +2,9 @@
 
 A :class:`ExpertCacheConfig` (bonus, size in experts or MiB, warm or cold) turns into per-layer
 capacities for a student (:func:`layer_capacities`, from the student's stored bytes of one routed
-expert, :func:`expert_bytes`). :class:`CachedStudent` runs the student's batched forwards through
-the cache (``model.expert_cache``) and keeps, with ``warm``, each document's final cache states
-for its next window. :class:`CacheWindowStats` counts a window's lookups and misses at its scored
+expert, :func:`expert_bytes`). ``healsweep.score.runner.CachedStudent`` runs the student's batched
+forwards through the cache (``model.expert_cache``) and keeps, with ``warm``, each document's final
+cache states for its next window. :class:`CacheWindowStats` counts a window's lookups and misses at its scored
 positions (the positions whose logits are scored, as for router agreement); the context before
 them runs through the same cache first, so it warms it. See docs/expert-cache.md.
 """
@@ -12,18 +12,14 @@ them runs through the same cache first, so it warms it. See docs/expert-cache.md
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from healsweep.errors import KnobError
 from healsweep.gguf_io import block_prefix
 from healsweep.score.record import CacheWindowStats, per_token
-from healsweep.score.student import StudentModel, student_model
-
-if TYPE_CHECKING:
-    from healsweep.data.windows import Window
+from healsweep.score.student import StudentModel
 
 MIB = float(1 << 20)
 _EXPERT_TENSORS = ("gate_exps", "up_exps", "down_exps")
@@ -113,60 +109,8 @@ def pooled_cache(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
             "mib": mib, **per_token(tokens, lookups, misses, mib)}  # fmt: skip
 
 
-class CachedStudent:
-    """Runs a student's forwards through the expert cache and measures each window."""
-
-    def __init__(self, student: StudentModel, config: ExpertCacheConfig) -> None:
-        self.student = student
-        self.config = config
-        self.capacities = layer_capacities(config, student)
-        self.mib_per_miss = np.asarray(expert_bytes(student), np.float64) / MIB  # [L]
-        self._last: dict[str, list[Any]] = {}  # doc_id -> per-layer final state (warm)
-
-    def run(self, windows: Sequence[Window], positions: Sequence[np.ndarray]) -> Any:
-        """``(ForwardResult, [CacheWindowStats per window])`` of one batched forward."""
-        # lazy: heavy (jax)
-        from healsweep.model import forward
-        from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
-
-
-        model, replacements = student_model(self.student)
-        hp = model.hparams
-        init, continues = None, None
-        if self.config.warm:
-            continues = [b > 0 and w.doc_id == windows[b - 1].doc_id
-                         for b, w in enumerate(windows)]  # fmt: skip
-            init = []
-            n_moe = len(hp.moe_layers)
-            for layer in range(n_moe):
-                cold = empty_state(hp.n_expert)
-                starts = [self._last.get(w.doc_id, [cold] * n_moe)[layer] for w in windows]
-                init.append(CacheState(np.stack([np.asarray(s.stamp) for s in starts]),
-                                       np.stack([np.asarray(s.clock) for s in starts])))  # fmt: skip
-        cache = ExpertCacheInput(self.config.bonus, self.capacities, init, continues)
-        result = forward(model, [w.tokens for w in windows], replacements=replacements,
-                         logits_for=positions, expert_cache=cache)  # fmt: skip
-        if self.config.warm:
-            for b, window in enumerate(windows):
-                self._last[window.doc_id] = [CacheState(s.stamp[b], s.clock[b])
-                                             for s in result.cache_states]  # fmt: skip
-        stats = []
-        for misses, pos in zip(result.cache_misses, positions, strict=True):
-            scored = misses[pos].astype(np.int64)  # [n, L]
-            stats.append(
-                CacheWindowStats(
-                    tokens=len(pos),
-                    lookups=len(pos) * len(hp.moe_layers) * hp.n_expert_used,
-                    misses=int(scored.sum()),
-                    mib=float((scored.sum(axis=0) * self.mib_per_miss).sum()),
-                )
-            )
-        return result, stats
-
-
 __all__ = [
     "CacheWindowStats",
-    "CachedStudent",
     "ExpertCacheConfig",
     "expert_bytes",
     "layer_capacities",

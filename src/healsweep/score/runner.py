@@ -21,10 +21,12 @@ import numpy as np
 from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
 from healsweep.model import forward
+from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
 from healsweep.profile import phase
 from healsweep.score.compact import COMPACT, TeacherCacheFormat, cache_format
-from healsweep.score.expert_cache import CachedStudent, ExpertCacheConfig
+from healsweep.score.expert_cache import MIB, ExpertCacheConfig, expert_bytes, layer_capacities
 from healsweep.score.metrics import WindowMetrics, compact_window_metrics, window_metrics
+from healsweep.score.record import CacheWindowStats
 from healsweep.score.student import StudentModel, student_model
 from healsweep.score.teacher_cache import TeacherOutput, scored_positions, teacher_outputs
 
@@ -44,11 +46,57 @@ def check_same_vocab(teacher: GGUFModel, student: StudentModel) -> None:
         )
 
 
+class CachedStudent:
+    """Runs a student's forwards through the expert cache and measures each window."""
+
+    def __init__(self, student: StudentModel, config: ExpertCacheConfig) -> None:
+        self.student = student
+        self.config = config
+        self.capacities = layer_capacities(config, student)
+        self.mib_per_miss = np.asarray(expert_bytes(student), np.float64) / MIB  # [L]
+        self._last: dict[str, list[Any]] = {}  # doc_id -> per-layer final state (warm)
+
+    def run(self, windows: Sequence[Window], positions: Sequence[np.ndarray]) -> Any:
+        """``(ForwardResult, [CacheWindowStats per window])`` of one batched forward."""
+        model, replacements = student_model(self.student)
+        hp = model.hparams
+        init, continues = None, None
+        if self.config.warm:
+            continues = [b > 0 and w.doc_id == windows[b - 1].doc_id
+                         for b, w in enumerate(windows)]  # fmt: skip
+            init = []
+            n_moe = len(hp.moe_layers)
+            for layer in range(n_moe):
+                cold = empty_state(hp.n_expert)
+                starts = [self._last.get(w.doc_id, [cold] * n_moe)[layer] for w in windows]
+                init.append(CacheState(np.stack([np.asarray(s.stamp) for s in starts]),
+                                       np.stack([np.asarray(s.clock) for s in starts])))  # fmt: skip
+        cache = ExpertCacheInput(self.config.bonus, self.capacities, init, continues)
+        result = forward(model, [w.tokens for w in windows], replacements=replacements,
+                         logits_for=positions, expert_cache=cache)  # fmt: skip
+        if self.config.warm:
+            for b, window in enumerate(windows):
+                self._last[window.doc_id] = [CacheState(s.stamp[b], s.clock[b])
+                                             for s in result.cache_states]  # fmt: skip
+        stats = []
+        for misses, pos in zip(result.cache_misses, positions, strict=True):
+            scored = misses[pos].astype(np.int64)  # [n, L]
+            stats.append(
+                CacheWindowStats(
+                    tokens=len(pos),
+                    lookups=len(pos) * len(hp.moe_layers) * hp.n_expert_used,
+                    misses=int(scored.sum()),
+                    mib=float((scored.sum(axis=0) * self.mib_per_miss).sum()),
+                )
+            )
+        return result, stats
+
+
 def run_student(
     student: StudentModel, windows: Sequence[Window], cached: CachedStudent | None = None
 ) -> list[tuple[np.ndarray, np.ndarray, Any]]:
     """One batched student forward: per window ``(logits [n, V], topk_ids [n, L, k], cache
-    stats)``; through ``cached`` (a :class:`~healsweep.score.expert_cache.CachedStudent`)
+    stats)``; through ``cached`` (a :class:`CachedStudent`)
     when given, else the stats are None."""
 
     model, replacements = student_model(student)
@@ -145,4 +193,4 @@ def _metrics(window: Window, t_out: Any, s_logits: np.ndarray, s_topk: np.ndarra
     return metrics
 
 
-__all__ = ["check_same_vocab", "run_student", "score_windows"]
+__all__ = ["CachedStudent", "check_same_vocab", "run_student", "score_windows"]

@@ -27,10 +27,13 @@ from collections.abc import Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import numpy as np
 
 from healsweep._code import code_digest
 from healsweep.cache import StageCache, content_key, recompute_seconds
+from healsweep.kernels.kld import log_softmax
+from healsweep.model import forward_each
 from healsweep.score.compact import (
     COMPACT,
     CompactTeacher,
@@ -39,6 +42,7 @@ from healsweep.score.compact import (
     compact_record,
     router_dtype,
 )
+from healsweep.score.metrics import _bucket, _pad_rows
 from healsweep.stage_names import Stage
 
 if TYPE_CHECKING:
@@ -90,10 +94,6 @@ def teacher_key(model: GGUFModel, window: Window, fmt: str | TeacherCacheFormat 
 def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutput]:
     """The teacher's outputs over ``windows`` (no cache), each window's a function of that
     window alone (:func:`~healsweep.model.forward_each`)."""
-    # lazy: heavy (gguf, jax)
-    from healsweep.model import forward_each
-    from healsweep.score.metrics import _bucket, _pad_rows
-
     positions = [scored_positions(w) for w in windows]
     result = forward_each(model, [w.tokens for w in windows], logits_for=positions)
     outputs = []
@@ -110,12 +110,6 @@ def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutp
 @cache
 def _log_softmax() -> Any:
     """:func:`~healsweep.kernels.kld.log_softmax`, jitted once."""
-    # lazy: heavy (jax)
-    import jax
-
-    # lazy: heavy (jax)
-    from healsweep.kernels.kld import log_softmax
-
     return jax.jit(log_softmax)
 
 

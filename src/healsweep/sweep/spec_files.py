@@ -24,6 +24,7 @@ from healsweep.bundled import is_bundled
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import load_split
 from healsweep.errors import HealsweepError, SpecError
+from healsweep.gguf_io._ggml_lib import libggml
 from healsweep.heal.knobs import Knobs
 from healsweep.results.schema import REFERENCES, Role
 from healsweep.settings_errors import (
@@ -235,7 +236,6 @@ def _check_recipe(teacher: GGUFModel, recipe: LlamaRecipe, at: str) -> None:
     """A recipe's type fits the model's experts and ggml's quantizer is installed; else one
     ``SpecError`` line."""
     # lazy: heavy (gguf, jax): `sweep status` reads a spec without starting jax
-    from healsweep.gguf_io._ggml_lib import libggml
     from healsweep.heal.llama_baseline import check_baseline
 
     try:

@@ -17,21 +17,28 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from healsweep.cache import StageCache
+from healsweep.data.chat_template import model_chat_format, render_document
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import load_split, parity_split, resolve_split, split_lock_id
 from healsweep.errors import SpecError, SplitError
 from healsweep.heal.knobs import Knobs
+from healsweep.heal.pipeline import build_student
+from healsweep.heal.quantize import check_quantizable
+from healsweep.heal.trace import calibration_documents
+from healsweep.model import open_model
+from healsweep.score.expert_cache import ExpertCacheConfig
 from healsweep.score.record import WindowRecord
+from healsweep.score.runner import score_windows
+from healsweep.score.windows import scoring_windows
+from healsweep.score.windows import window_options as scoring_window_options
 from healsweep.sweep.space import GRIDDED, grid_configs
 from healsweep.sweep.spec import ScoringSpec, SweepSpec
 
 if TYPE_CHECKING:
-    from healsweep.cache import StageCache
     from healsweep.data.corpus import Corpus
     from healsweep.data.split import SplitConfig
     from healsweep.data.windows import Window
     from healsweep.gguf_io import GGUFModel
-    from healsweep.score.expert_cache import ExpertCacheConfig
     from healsweep.score.student import StudentModel
 
 # A work function: (spec, knobs, ids of the windows done, seed) -> a record per window it scores.
@@ -53,17 +60,11 @@ def spec_split(spec: SweepSpec) -> tuple[Corpus, SplitConfig]:
 def window_options(scoring: ScoringSpec, teacher: GGUFModel) -> dict[str, Any]:
     """``make_windows`` options of a spec's ``scoring`` (:func:`healsweep.score.windows
     .window_options`: the teacher's chat format, the context capped to the teacher's)."""
-    # lazy: heavy (gguf)
-    from healsweep.score import windows as scoring_windows
-
-    return scoring_windows.window_options(teacher, scoring.max_scored, scoring.max_context)
+    return scoring_window_options(teacher, scoring.max_scored, scoring.max_context)
 
 
 def dev_windows(spec: SweepSpec, teacher: GGUFModel) -> list[Window]:
     """The sweep's dev windows in the fixed global order (sorted ids), the first max_windows."""
-    # lazy: heavy (gguf)
-    from healsweep.score.windows import scoring_windows
-
     corpus, split_cfg = spec_split(spec)
     options = window_options(spec.scoring, teacher)
     windows = scoring_windows(
@@ -85,12 +86,6 @@ def run_trial_work(
     Windows come in the trial's seeded order (:func:`trial_order`); the student is built only
     when at least one window is left to score.
     """
-    # lazy: heavy (gguf, jax)
-    from healsweep.heal.pipeline import build_student
-
-    # lazy: heavy (gguf)
-    from healsweep.score.expert_cache import ExpertCacheConfig
-
     def healed(teacher: GGUFModel, cache: StageCache) -> StudentModel:
         # no held-out diagnostic: the sweep scores its own held-out windows (see build_student)
         return build_student(teacher, knobs, spec.calibration, cache, diagnostics=False)
@@ -103,9 +98,6 @@ def run_external_work(
 ) -> Iterator[WindowRecord]:
     """Score the GGUF at ``path`` as the student on the sweep's dev windows (an ``external``
     entry of the spec), like :func:`run_trial_work` scores a healed config."""
-    # lazy: heavy (gguf, jax)
-    from healsweep.model import open_model
-
     yield from _score_dev(spec, lambda teacher, cache: open_model(path), windows_done, seed)
 
 
@@ -116,10 +108,6 @@ def _score_dev(
     seed: int,
     expert_cache: ExpertCacheConfig | None = None,
 ) -> Iterator[WindowRecord]:
-    # lazy: heavy (gguf, jax)
-    from healsweep.model import open_model
-    from healsweep.score.runner import score_windows
-
     teacher = open_model(spec.model)
     windows = dev_windows(spec, teacher)
     order = trial_order(len(windows), seed)
@@ -151,12 +139,6 @@ def check_documents(spec: SweepSpec, model: GGUFModel) -> None:
     """Build the dev windows and render the calibration documents in the model's chat format,
     as the trials will (raises what they would raise, once), and refuse a calibration document
     whose text is a test document's (a calibration corpus of its own could hold one)."""
-    # lazy: heavy (gguf)
-    from healsweep.data.chat_template import model_chat_format, render_document
-
-    # lazy: heavy (gguf, jax)
-    from healsweep.heal.trace import calibration_documents
-
     dev_windows(spec, model)
     corpus, split_cfg = spec_split(spec)
     resolved = resolve_split(split_cfg, corpus)
@@ -181,10 +163,6 @@ def sweep_identity(spec: SweepSpec) -> dict[str, Any]:
     does not fit the model's context, and documents the model's chat template cannot render
     (the dev windows are built and the calibration documents rendered once here, as every
     trial would: a failing or runaway template stops the sweep in one line, not each trial)."""
-    # lazy: heavy (gguf, jax)
-    from healsweep.heal.quantize import check_quantizable
-    from healsweep.model import open_model
-
     model = open_model(spec.model)
     # a grid's configs are known now; a sampler's points are checked when their trial starts
     for knobs in grid_configs(spec) if spec.sampler.type in GRIDDED else [spec.baseline]:
