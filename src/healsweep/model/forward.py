@@ -392,6 +392,31 @@ def forward(
             if capture:
                 captures.append(_gather_capture(cap, batch.real))
         weights = cap = None  # let go before the next layer is read
+    result = _finished(model, batch, h, replacements, logits_for)
+    return result._replace(
+        captures=captures if capture else None,
+        router=_per_sequence(router, batch.lengths),
+        cache_misses=_per_sequence(misses, batch.lengths) if misses else None,
+        cache_states=states or None,
+    )
+
+
+def _per_sequence(per_layer: list[np.ndarray], lengths: list[int]) -> list[np.ndarray]:
+    """``L x [T_real, ...]`` over a batch's real tokens → per sequence ``[T_b, L, ...]``."""
+    return list(np.split(np.stack(per_layer, axis=1), np.cumsum(lengths)[:-1]))
+
+
+def _finished(
+    model: GGUFModel,
+    batch: _Batch,
+    h: jax.Array,
+    replacements: Mapping[int, LayerReplacement],
+    logits_for: Sequence[np.ndarray] | None,
+) -> ForwardResult:
+    """A batch's logits after its last layer (final norm and output head of the rows asked
+    for); the router fields are the caller's to fill."""
+    hp = model.hparams
+    padded_len = h.shape[1]
     wanted = _wanted_rows(batch, logits_for)
     rows = np.concatenate([b * padded_len + p for b, p in enumerate(wanted)]).astype(np.int32)
     hidden = _final_norm(hp.rms_norm_eps, h, jnp.asarray(model.tensor("output_norm.weight")), rows)
@@ -400,15 +425,50 @@ def forward(
         head = _head(replacements, "token_embd.weight")
     logits = _logits(model, hidden, replaced=head)
     logits = np.split(logits, np.cumsum([len(p) for p in wanted])[:-1])
-    per_token = np.stack(router, axis=1)  # [T_real, L, k]
-    cuts = np.cumsum(batch.lengths)[:-1]
-    return ForwardResult(
-        logits=list(logits),
-        captures=captures if capture else None,
-        router=list(np.split(per_token, cuts)),
-        cache_misses=list(np.split(np.stack(misses, axis=1), cuts)) if misses else None,
-        cache_states=states or None,
-    )
+    return ForwardResult(logits=list(logits), captures=None, router=[])
+
+
+def forward_batches(
+    model: GGUFModel,
+    batches: Sequence[Sequence[np.ndarray]],
+    *,
+    replacements: Mapping[int, LayerReplacement] | None = None,
+    logits_for: Sequence[Sequence[np.ndarray]] | None = None,
+    prefetch: bool | None = None,
+) -> Iterator[ForwardResult]:
+    """:func:`forward` of each of ``batches``, layer-major: every batch advances through layer
+    i before layer i + 1 is read (each layer of ``replacements`` is read once, however many
+    batches), then the final norm and output head run batch by batch, one
+    :class:`ForwardResult` yielded at a time (only one batch's logits exist at once).
+
+    What is carried between layers is each batch's hidden states ``[B, T, D]`` (float32). A
+    batch runs exactly as in :func:`forward` (same shapes, same layer function): its logits and
+    router ids are the same, bit for bit. ``logits_for[n]`` is ``forward``'s ``logits_for`` of
+    batch n."""
+    hp = model.hparams
+    replacements = replacements if replacements is not None else {}
+    outside = replacements.get(HEAD)  # read once for every batch (embedding and head)
+    head_only = {} if outside is None else {HEAD: outside}
+    states = [_embedded(model, sequences, head_only) for sequences in batches]
+    routers: list[list[np.ndarray]] = [[] for _ in states]
+
+    def ready() -> None:
+        jax.block_until_ready([s.h for s in states])
+
+    for i, weights in _layers(model, replacements, prefetch, ready):
+        dense = i < hp.n_leading_dense
+        for n, s in enumerate(states):
+            h, cap = _block(hp, s.tile, False, dense, weights, s.h, s.positions, None)
+            states[n] = s._replace(h=h)
+            if not dense:
+                routers[n].append(np.asarray(cap["topk_ids"])[s.real])
+            cap = None
+        weights = None  # let go before the next layer is read
+    for n, s in enumerate(states):
+        wanted = None if logits_for is None else logits_for[n]
+        result = _finished(model, s, s.h, head_only, wanted)
+        states[n] = None  # its hidden states go before the next batch's logits are built
+        yield result._replace(router=_per_sequence(routers[n], s.lengths))
 
 
 def capture_layers(
