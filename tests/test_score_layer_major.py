@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, fields
 
+import jax
 import numpy as np
 import pytest
 
@@ -18,7 +19,10 @@ from healsweep.heal.streamed import LayerMap
 from healsweep.model import LayerReplacement, open_model
 from healsweep.model.synthetic import write_random_model
 from healsweep.score import score_windows
+from healsweep.score.compact import cache_format
+from healsweep.score.metrics import compact_window_metrics
 from healsweep.score.runner import run_student, student_batches
+from healsweep.score.teacher_cache import teacher_outputs
 
 BATCH = 3
 N_WINDOWS = 7  # not a multiple of BATCH: the last batch is short
@@ -64,16 +68,29 @@ def _student(base, reads: Counter) -> HealedStudent:
     return HealedStudent(base, LayerMap(base.hparams.moe_layers, load))
 
 
-def test_layer_major_batches_equal_batch_by_batch_forwards_bit_for_bit(base, windows):
+def test_layer_major_batches_equal_batch_by_batch_forwards_bit_for_bit(base, windows, tmp_path):
+    """Logits kept on the device (jax arrays, padded there) give the metrics of the host
+    logits of a batch's own forward, bit for bit."""
     student = _student(base, Counter())
     batches = [windows[a : a + BATCH] for a in range(0, len(windows), BATCH)]
     together = list(student_batches(student, batches))
     assert len(together) == len(batches) == 3
+    cache = StageCache(tmp_path / "cache")
     for group, found in zip(batches, together, strict=True):
         alone = run_student(student, group)  # the forward of one batch, as before issue 46
-        for (logits, topk, _), (ref_logits, ref_topk, _) in zip(found, alone, strict=True):
-            np.testing.assert_array_equal(logits, ref_logits)
+        records = teacher_outputs(base, group, cache, cache_format("compact"))
+        for window, record, (logits, topk, _), (ref_logits, ref_topk, _) in zip(
+            group, records, found, alone, strict=True
+        ):
+            assert isinstance(logits, jax.Array) and isinstance(ref_logits, np.ndarray)
+            np.testing.assert_array_equal(np.asarray(logits), ref_logits)
             np.testing.assert_array_equal(topk, ref_topk)
+            on_device = compact_window_metrics(record, logits, window.scored_tokens)
+            on_host = compact_window_metrics(record, ref_logits, window.scored_tokens)
+            assert on_device.kld_count not in (8, 16)  # rows padded (on the device)
+            for f in fields(on_host):
+                np.testing.assert_array_equal(getattr(on_device, f.name),
+                                              getattr(on_host, f.name), f.name)  # fmt: skip
 
 
 def test_a_group_reads_each_layer_once_and_scores_as_batch_by_batch(base, windows, tmp_path):

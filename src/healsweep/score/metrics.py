@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from healsweep.kernels.kld import token_stats, topk_jaccard
@@ -29,9 +31,14 @@ def _bucket(n: int) -> int:
     return max(_MIN_ROWS, 1 << max(0, n - 1).bit_length())
 
 
-def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+def _pad_rows(x: np.ndarray | jax.Array, rows: int) -> np.ndarray | jax.Array:
     """``x`` with zero rows appended up to ``rows`` (zero logits: a uniform row, KL 0; the
-    results of padded rows are dropped)."""
+    results of padded rows are dropped). A device array (a student's logits) is padded on the
+    device: the same values reach the kernel without a host copy of ``[n, V]``."""
+    if isinstance(x, jax.Array):
+        if x.shape[0] == rows:
+            return x
+        return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
     x = np.asarray(x)
     if x.shape[0] == rows:
         return x

@@ -74,7 +74,8 @@ def student_batches(
 ) -> Iterator[list[tuple[np.ndarray, np.ndarray, Any]]]:
     """:func:`run_student` of each of ``batches``, in order, layer-major
     (:func:`~healsweep.model.forward.forward_batches`): the student's layers are read once for
-    all of them, the results are the same bit for bit. Through ``cached`` the batches run one
+    all of them, the results are the same bit for bit; the logits stay on the device (jax
+    arrays) for the metrics' kernels. Through ``cached`` the batches run one
     after the other (its cache states pass from batch to batch)."""
     if cached is not None:
         for windows in batches:
@@ -83,7 +84,8 @@ def student_batches(
     model, replacements = student_model(student)
     positions = [[scored_positions(w) for w in windows] for windows in batches]
     tokens = [[w.tokens for w in windows] for windows in batches]
-    results = forward_batches(model, tokens, replacements=replacements, logits_for=positions)
+    results = forward_batches(model, tokens, replacements=replacements, logits_for=positions,
+                              device_logits=True)  # fmt: skip
     for result, wanted in zip(results, positions, strict=True):
         yield _per_window(result, wanted, [None] * len(wanted))
 
