@@ -67,7 +67,7 @@ class ForwardResult(NamedTuple):
     """Logits per sequence, optional per-layer captures, and top-k expert ids per token; with an
     expert cache, its misses per token and layer and each layer's final cache states."""
 
-    logits: list[Any]  # [T_b or len(logits_for[b]), V] float32: numpy (jax: device_logits)
+    logits: list[Any]  # [T_b or len(logits_for[b]), V] float32: numpy (jax: pad_rows)
     captures: list[LayerCapture] | None  # one per MoE layer (``hp.moe_layers``)
     router: list[np.ndarray]  # per sequence: [T_b, L_moe, k] int32 top-k ids, MoE layers only
     cache_misses: list[np.ndarray] | None = None  # per sequence: [T_b, L_moe] int32
@@ -424,10 +424,11 @@ def _finished(
     h: jax.Array,
     replacements: Mapping[int, LayerReplacement],
     logits_for: Sequence[np.ndarray] | None,
-    on_device: bool = False,
+    pad_rows: Callable[[int], int] | None = None,
 ) -> ForwardResult:
     """A batch's logits after its last layer (final norm and output head of the rows asked
-    for; device arrays with ``on_device``); the router fields are the caller's to fill."""
+    for); with ``pad_rows``, device arrays of each sequence's ``n`` rows and zero rows up to
+    ``pad_rows(n)``. The router fields are the caller's to fill."""
     hp = model.hparams
     padded_len = h.shape[1]
     wanted = _wanted_rows(batch, logits_for)
@@ -436,10 +437,24 @@ def _finished(
     head = _head(replacements, "output.weight")
     if head is None and "output.weight" not in model.tensor_names:  # tied: the embedding's
         head = _head(replacements, "token_embd.weight")
-    logits = _logits(model, hidden, replaced=head, on_device=on_device)
+    logits = _logits(model, hidden, replaced=head, on_device=pad_rows is not None)
     cuts = np.cumsum([0, *(len(p) for p in wanted)])
-    per_sequence = [logits[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    if pad_rows is None:
+        per_sequence = [logits[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    else:
+        per_sequence = [_padded_rows(logits, a, b - a, pad_rows(int(b - a)))
+                        for a, b in zip(cuts[:-1], cuts[1:], strict=True)]  # fmt: skip
     return ForwardResult(logits=per_sequence, captures=None, router=[])
+
+
+@partial(jax.jit, static_argnums=(3,))
+def _padded_rows(logits, start, n, rows: int):
+    """Rows ``start : start + n`` of ``logits [N, V]`` with zero rows after them up to
+    ``rows``: one compile per (N, rows), not per window's offset and count (issue 47: every
+    executable stays in memory)."""
+    index = jnp.arange(rows)
+    taken = logits[jnp.minimum(start + index, logits.shape[0] - 1)]  # [rows, V]
+    return jnp.where((index < n)[:, None], taken, jnp.zeros((), logits.dtype))
 
 
 def forward_batches(
@@ -449,7 +464,7 @@ def forward_batches(
     replacements: Mapping[int, LayerReplacement] | None = None,
     logits_for: Sequence[Sequence[np.ndarray]] | None = None,
     prefetch: bool | None = None,
-    device_logits: bool = False,
+    pad_rows: Callable[[int], int] | None = None,
 ) -> Iterator[ForwardResult]:
     """:func:`forward` of each of ``batches``, layer-major: every batch advances through layer
     i before layer i + 1 is read (each layer of ``replacements`` is read once, however many
@@ -459,8 +474,9 @@ def forward_batches(
     What is carried between layers is each batch's hidden states ``[B, T, D]`` (float32). A
     batch runs exactly as in :func:`forward` (same shapes, same layer function): its logits and
     router ids are the same, bit for bit. ``logits_for[n]`` is ``forward``'s ``logits_for`` of
-    batch n. ``device_logits``: the logits stay on the device (jax arrays of the same values),
-    for a caller that reduces them there."""
+    batch n. ``pad_rows``: the logits stay on the device for a caller that reduces them there,
+    a sequence's ``n`` rows followed by zero rows up to ``pad_rows(n)`` (jax arrays; a
+    handful of shapes for the caller's kernels; the same values)."""
     hp = model.hparams
     replacements = replacements if replacements is not None else {}
     outside = replacements.get(HEAD)  # read once for every batch (embedding and head)
@@ -482,7 +498,7 @@ def forward_batches(
         weights = None  # let go before the next layer is read
     for n, s in enumerate(states):
         wanted = None if logits_for is None else logits_for[n]
-        result = _finished(model, s, s.h, head_only, wanted, device_logits)
+        result = _finished(model, s, s.h, head_only, wanted, pad_rows)
         states[n] = None  # its hidden states go before the next batch's logits are built
         yield result._replace(router=_per_sequence(routers[n], s.lengths))
 

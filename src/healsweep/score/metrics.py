@@ -26,15 +26,19 @@ QUANTILES = {"kld_p50": 0.5, "kld_p90": 0.9, "kld_p99": 0.99, "kld_p999": 0.999}
 _MIN_ROWS = 8
 
 
-def _bucket(n: int) -> int:
+def bucket_rows(n: int) -> int:
     """Rows padded to a power of two (>= 8): a handful of shapes for the jitted kernels."""
     return max(_MIN_ROWS, 1 << max(0, n - 1).bit_length())
 
 
+_bucket = bucket_rows
+
+
 def _pad_rows(x: np.ndarray | jax.Array, rows: int) -> np.ndarray | jax.Array:
     """``x`` with zero rows appended up to ``rows`` (zero logits: a uniform row, KL 0; the
-    results of padded rows are dropped). A device array (a student's logits) is padded on the
-    device: the same values reach the kernel without a host copy of ``[n, V]``."""
+    results of padded rows are dropped). A student's logits kept on the device come padded
+    already (``forward_batches(pad_rows=bucket_rows)``); another device array is padded there:
+    the same values reach the kernel without a host copy of ``[n, V]``."""
     if isinstance(x, jax.Array):
         if x.shape[0] == rows:
             return x

@@ -25,7 +25,12 @@ from healsweep.model.forward import PAD_MULTIPLE
 from healsweep.profile import phase
 from healsweep.score.compact import COMPACT, TeacherCacheFormat, cache_format
 from healsweep.score.expert_cache import CachedStudent, ExpertCacheConfig
-from healsweep.score.metrics import WindowMetrics, compact_window_metrics, window_metrics
+from healsweep.score.metrics import (
+    WindowMetrics,
+    bucket_rows,
+    compact_window_metrics,
+    window_metrics,
+)
 from healsweep.score.student import StudentModel, student_model
 from healsweep.score.teacher_cache import TeacherOutput, scored_positions, teacher_outputs
 
@@ -75,7 +80,8 @@ def student_batches(
     """:func:`run_student` of each of ``batches``, in order, layer-major
     (:func:`~healsweep.model.forward.forward_batches`): the student's layers are read once for
     all of them, the results are the same bit for bit; the logits stay on the device (jax
-    arrays) for the metrics' kernels. Through ``cached`` the batches run one
+    arrays, zero rows appended up to the metrics' row bucket: the same values reach their
+    kernels). Through ``cached`` the batches run one
     after the other (its cache states pass from batch to batch)."""
     if cached is not None:
         for windows in batches:
@@ -85,7 +91,7 @@ def student_batches(
     positions = [[scored_positions(w) for w in windows] for windows in batches]
     tokens = [[w.tokens for w in windows] for windows in batches]
     results = forward_batches(model, tokens, replacements=replacements, logits_for=positions,
-                              device_logits=True)  # fmt: skip
+                              pad_rows=bucket_rows)  # fmt: skip
     for result, wanted in zip(results, positions, strict=True):
         yield _per_window(result, wanted, [None] * len(wanted))
 
