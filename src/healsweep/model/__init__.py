@@ -7,6 +7,7 @@ from healsweep.model.forward import (
     LayerCapture,
     LayerReplacement,
     forward,
+    forward_batches,
     forward_each,
 )
 from healsweep.model.layers import matmul
@@ -23,6 +24,7 @@ __all__ = [
     "describe_model",
     "expected_tensor_shapes",
     "forward",
+    "forward_batches",
     "forward_each",
     "matmul",
     "open_model",

@@ -67,7 +67,7 @@ class ForwardResult(NamedTuple):
     """Logits per sequence, optional per-layer captures, and top-k expert ids per token; with an
     expert cache, its misses per token and layer and each layer's final cache states."""
 
-    logits: list[np.ndarray]  # [T_b or len(logits_for[b]), V] float32
+    logits: list[Any]  # [T_b or len(logits_for[b]), V] float32: numpy (jax: pad_rows)
     captures: list[LayerCapture] | None  # one per MoE layer (``hp.moe_layers``)
     router: list[np.ndarray]  # per sequence: [T_b, L_moe, k] int32 top-k ids, MoE layers only
     cache_misses: list[np.ndarray] | None = None  # per sequence: [T_b, L_moe] int32
@@ -227,13 +227,21 @@ def _head_chunk(hidden, w):
 
 
 def _logits(
-    model: GGUFModel, hidden: jax.Array, row_block: int | None = None, replaced: Any = None
-) -> np.ndarray:
+    model: GGUFModel,
+    hidden: jax.Array,
+    row_block: int | None = None,
+    replaced: Any = None,
+    on_device: bool = False,
+) -> np.ndarray | jax.Array:
     """``hidden [N, D] @ output.weightᵀ`` → ``[N, V]``, reading the vocab in chunks of rows
     sent as stored bytes and decoded in the graph. With ``row_block``, the rows go through the
     head in blocks of exactly that many (the last one padded), so that a row's logits do not
     depend on how many other rows came with it. ``replaced``: the student's requantized output
-    matrix (a ``GGMLWeight``), read in the same chunks."""
+    matrix (a ``GGMLWeight``), read in the same chunks. ``on_device`` (without ``row_block``):
+    the chunks' products are joined on the device and a device array returned (the same
+    values; a scorer that reduces them there copies no ``[N, V]`` to the host)."""
+    if on_device and row_block is not None:
+        raise ValueError("_logits: on_device takes every row in one block (no row_block)")
     name = "output.weight" if "output.weight" in model.tensor_names else "token_embd.weight"
     n_vocab, n_embd = model.tensor_shape(name)
     chunk = max(1, _LOGIT_CHUNK_BYTES // (4 * n_embd))
@@ -243,7 +251,8 @@ def _logits(
         (a, min(a + row_block, n_rows)) for a in range(0, n_rows, row_block)]  # fmt: skip
     if row_block is not None and n_rows % row_block:
         hidden = jnp.pad(hidden, ((0, row_block - n_rows % row_block), (0, 0)))
-    out = np.empty((n_rows, n_vocab), np.float32)
+    out = None if on_device else np.empty((n_rows, n_vocab), np.float32)
+    pieces = []  # on_device: [N, C] per chunk of the vocabulary
     stat = model.path.stat()
     replaced_raw = None if replaced is None else np.asarray(replaced.raw)
 
@@ -262,8 +271,11 @@ def _logits(
             w = resident_layers().get(key, partial(load, start))["w"]
         for a, b in blocks:
             rows = hidden[a:b] if row_block is None else hidden[a : a + row_block]
-            out[a:b, start : start + w.shape[0]] = np.asarray(_head_chunk(rows, w))[: b - a]
-    return out
+            if out is None:
+                pieces.append(_head_chunk(rows, w))
+            else:
+                out[a:b, start : start + w.shape[0]] = np.asarray(_head_chunk(rows, w))[: b - a]
+    return jnp.concatenate(pieces, axis=1) if out is None else out
 
 
 def _gather_capture(cap: dict[str, jax.Array], real: np.ndarray) -> LayerCapture:
@@ -392,23 +404,103 @@ def forward(
             if capture:
                 captures.append(_gather_capture(cap, batch.real))
         weights = cap = None  # let go before the next layer is read
+    result = _finished(model, batch, h, replacements, logits_for)
+    return result._replace(
+        captures=captures if capture else None,
+        router=_per_sequence(router, batch.lengths),
+        cache_misses=_per_sequence(misses, batch.lengths) if misses else None,
+        cache_states=states or None,
+    )
+
+
+def _per_sequence(per_layer: list[np.ndarray], lengths: list[int]) -> list[np.ndarray]:
+    """``L x [T_real, ...]`` over a batch's real tokens → per sequence ``[T_b, L, ...]``."""
+    return list(np.split(np.stack(per_layer, axis=1), np.cumsum(lengths)[:-1]))
+
+
+def _finished(
+    model: GGUFModel,
+    batch: _Batch,
+    h: jax.Array,
+    replacements: Mapping[int, LayerReplacement],
+    logits_for: Sequence[np.ndarray] | None,
+    pad_rows: Callable[[int], int] | None = None,
+) -> ForwardResult:
+    """A batch's logits after its last layer (final norm and output head of the rows asked
+    for); with ``pad_rows``, device arrays of each sequence's ``n`` rows and zero rows up to
+    ``pad_rows(n)``. The router fields are the caller's to fill."""
+    hp = model.hparams
+    padded_len = h.shape[1]
     wanted = _wanted_rows(batch, logits_for)
     rows = np.concatenate([b * padded_len + p for b, p in enumerate(wanted)]).astype(np.int32)
     hidden = _final_norm(hp.rms_norm_eps, h, jnp.asarray(model.tensor("output_norm.weight")), rows)
     head = _head(replacements, "output.weight")
     if head is None and "output.weight" not in model.tensor_names:  # tied: the embedding's
         head = _head(replacements, "token_embd.weight")
-    logits = _logits(model, hidden, replaced=head)
-    logits = np.split(logits, np.cumsum([len(p) for p in wanted])[:-1])
-    per_token = np.stack(router, axis=1)  # [T_real, L, k]
-    cuts = np.cumsum(batch.lengths)[:-1]
-    return ForwardResult(
-        logits=list(logits),
-        captures=captures if capture else None,
-        router=list(np.split(per_token, cuts)),
-        cache_misses=list(np.split(np.stack(misses, axis=1), cuts)) if misses else None,
-        cache_states=states or None,
-    )
+    logits = _logits(model, hidden, replaced=head, on_device=pad_rows is not None)
+    cuts = np.cumsum([0, *(len(p) for p in wanted)])
+    if pad_rows is None:
+        per_sequence = [logits[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    else:
+        per_sequence = [_padded_rows(logits, a, b - a, pad_rows(int(b - a)))
+                        for a, b in zip(cuts[:-1], cuts[1:], strict=True)]  # fmt: skip
+    return ForwardResult(logits=per_sequence, captures=None, router=[])
+
+
+@partial(jax.jit, static_argnums=(3,))
+def _padded_rows(logits, start, n, rows: int):
+    """Rows ``start : start + n`` of ``logits [N, V]`` with zero rows after them up to
+    ``rows``: one compile per (N, rows), not per window's offset and count (issue 47: every
+    executable stays in memory)."""
+    index = jnp.arange(rows)
+    taken = logits[jnp.minimum(start + index, logits.shape[0] - 1)]  # [rows, V]
+    return jnp.where((index < n)[:, None], taken, jnp.zeros((), logits.dtype))
+
+
+def forward_batches(
+    model: GGUFModel,
+    batches: Sequence[Sequence[np.ndarray]],
+    *,
+    replacements: Mapping[int, LayerReplacement] | None = None,
+    logits_for: Sequence[Sequence[np.ndarray]] | None = None,
+    prefetch: bool | None = None,
+    pad_rows: Callable[[int], int] | None = None,
+) -> Iterator[ForwardResult]:
+    """:func:`forward` of each of ``batches``, layer-major: every batch advances through layer
+    i before layer i + 1 is read (each layer of ``replacements`` is read once, however many
+    batches), then the final norm and output head run batch by batch, one
+    :class:`ForwardResult` yielded at a time (only one batch's logits exist at once).
+
+    What is carried between layers is each batch's hidden states ``[B, T, D]`` (float32). A
+    batch runs exactly as in :func:`forward` (same shapes, same layer function): its logits and
+    router ids are the same, bit for bit. ``logits_for[n]`` is ``forward``'s ``logits_for`` of
+    batch n. ``pad_rows``: the logits stay on the device for a caller that reduces them there,
+    a sequence's ``n`` rows followed by zero rows up to ``pad_rows(n)`` (jax arrays; a
+    handful of shapes for the caller's kernels; the same values)."""
+    hp = model.hparams
+    replacements = replacements if replacements is not None else {}
+    outside = replacements.get(HEAD)  # read once for every batch (embedding and head)
+    head_only = {} if outside is None else {HEAD: outside}
+    states = [_embedded(model, sequences, head_only) for sequences in batches]
+    routers: list[list[np.ndarray]] = [[] for _ in states]
+
+    def ready() -> None:
+        jax.block_until_ready([s.h for s in states])
+
+    for i, weights in _layers(model, replacements, prefetch, ready):
+        dense = i < hp.n_leading_dense
+        for n, s in enumerate(states):
+            h, cap = _block(hp, s.tile, False, dense, weights, s.h, s.positions, None)
+            states[n] = s._replace(h=h)
+            if not dense:
+                routers[n].append(np.asarray(cap["topk_ids"])[s.real])
+            cap = None
+        weights = None  # let go before the next layer is read
+    for n, s in enumerate(states):
+        wanted = None if logits_for is None else logits_for[n]
+        result = _finished(model, s, s.h, head_only, wanted, pad_rows)
+        states[n] = None  # its hidden states go before the next batch's logits are built
+        yield result._replace(router=_per_sequence(routers[n], s.lengths))
 
 
 def capture_layers(

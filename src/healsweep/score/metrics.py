@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from healsweep.kernels.kld import token_stats, topk_jaccard
@@ -24,14 +26,23 @@ QUANTILES = {"kld_p50": 0.5, "kld_p90": 0.9, "kld_p99": 0.99, "kld_p999": 0.999}
 _MIN_ROWS = 8
 
 
-def _bucket(n: int) -> int:
+def bucket_rows(n: int) -> int:
     """Rows padded to a power of two (>= 8): a handful of shapes for the jitted kernels."""
     return max(_MIN_ROWS, 1 << max(0, n - 1).bit_length())
 
 
-def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+_bucket = bucket_rows
+
+
+def _pad_rows(x: np.ndarray | jax.Array, rows: int) -> np.ndarray | jax.Array:
     """``x`` with zero rows appended up to ``rows`` (zero logits: a uniform row, KL 0; the
-    results of padded rows are dropped)."""
+    results of padded rows are dropped). A student's logits kept on the device come padded
+    already (``forward_batches(pad_rows=bucket_rows)``); another device array is padded there:
+    the same values reach the kernel without a host copy of ``[n, V]``."""
+    if isinstance(x, jax.Array):
+        if x.shape[0] == rows:
+            return x
+        return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
     x = np.asarray(x)
     if x.shape[0] == rows:
         return x

@@ -20,12 +20,18 @@ import numpy as np
 
 from healsweep.cache import StageCache
 from healsweep.errors import TokenizerError
-from healsweep.model import forward
+from healsweep.model import forward, forward_batches
 from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
+from healsweep.model.forward import PAD_MULTIPLE
 from healsweep.profile import phase
 from healsweep.score.compact import COMPACT, TeacherCacheFormat, cache_format
 from healsweep.score.expert_cache import MIB, ExpertCacheConfig, expert_bytes, layer_capacities
-from healsweep.score.metrics import WindowMetrics, compact_window_metrics, window_metrics
+from healsweep.score.metrics import (
+    WindowMetrics,
+    bucket_rows,
+    compact_window_metrics,
+    window_metrics,
+)
 from healsweep.score.record import CacheWindowStats
 from healsweep.score.student import StudentModel, student_model
 from healsweep.score.teacher_cache import TeacherOutput, scored_positions, teacher_outputs
@@ -33,6 +39,11 @@ from healsweep.score.teacher_cache import TeacherOutput, scored_positions, teach
 if TYPE_CHECKING:
     from healsweep.data.windows import Window
     from healsweep.gguf_io import GGUFModel
+
+
+# Hidden states a group of windows carries between layers by default: 64 windows of 1,024
+# tokens at D = 2,048 (Qwen1.5-MoE: 64 dev windows of up to 512 tokens fit in one group).
+GROUP_BYTES = 512 << 20
 
 
 def check_same_vocab(teacher: GGUFModel, student: StudentModel) -> None:
@@ -108,6 +119,34 @@ def run_student(
         stats = [None] * len(windows)
     else:
         result, stats = cached.run(windows, positions)
+    return _per_window(result, positions, stats)
+
+
+def student_batches(
+    student: StudentModel, batches: Sequence[Sequence[Window]], cached: CachedStudent | None = None
+) -> Iterator[list[tuple[np.ndarray, np.ndarray, Any]]]:
+    """:func:`run_student` of each of ``batches``, in order, layer-major
+    (:func:`~healsweep.model.forward.forward_batches`): the student's layers are read once for
+    all of them, the results are the same bit for bit; the logits stay on the device (jax
+    arrays, zero rows appended up to the metrics' row bucket: the same values reach their
+    kernels). Through ``cached`` the batches run one
+    after the other (its cache states pass from batch to batch)."""
+    if cached is not None:
+        for windows in batches:
+            yield run_student(student, windows, cached)
+        return
+    model, replacements = student_model(student)
+    positions = [[scored_positions(w) for w in windows] for windows in batches]
+    tokens = [[w.tokens for w in windows] for windows in batches]
+    results = forward_batches(model, tokens, replacements=replacements, logits_for=positions,
+                              pad_rows=bucket_rows)  # fmt: skip
+    for result, wanted in zip(results, positions, strict=True):
+        yield _per_window(result, wanted, [None] * len(wanted))
+
+
+def _per_window(
+    result: Any, positions: list[np.ndarray], stats: Sequence[Any]
+) -> list[tuple[np.ndarray, np.ndarray, Any]]:
     return [
         (logits, np.asarray(router[pos], dtype=np.int32), stat)
         for logits, router, pos, stat in zip(
@@ -135,14 +174,22 @@ def score_windows(
     batch: int = 8,
     teacher_cache: str | TeacherCacheFormat = COMPACT,
     expert_cache: ExpertCacheConfig | None = None,
+    group: int | None = None,
 ) -> Iterator[tuple[Window, WindowMetrics]]:
     """Yield ``(window, WindowMetrics)`` for each window, in order.
 
     Teacher outputs come from ``cache`` (computed and stored on a miss) in the format
     ``teacher_cache`` names: ``compact`` (default; KLD estimated without bias, everything else
     exact) or ``exact`` (the full log-softmax). The student runs in batches of ``batch``
-    windows. Router agreement compares top-k expert sets at the positions that predict the
-    scored tokens.
+    windows, layer-major over groups of ``group`` windows (whole batches, rounded up; None: as
+    many as carry at most :data:`GROUP_BYTES` of hidden states): every batch of a group
+    advances through layer l before layer l + 1 is read, so a streamed student's layers are
+    read once per group, then each batch's logits and metrics are made and its windows
+    yielded. A window's metrics do not depend on ``group``
+    (each batch runs the same shapes as alone); a smaller group yields its first window sooner
+    (a pruner's reports) and carries fewer hidden states (``[batch, T, D]`` float32 a batch).
+    Router agreement compares top-k expert sets at the positions that predict the scored
+    tokens.
 
     ``expert_cache`` (an :class:`~healsweep.score.expert_cache.ExpertCacheConfig`) runs the
     student's routing through a simulated expert cache with the MoCE bonus and adds the
@@ -150,32 +197,68 @@ def score_windows(
     """
     if batch < 1:
         raise ValueError(f"score_windows: batch must be >= 1, got {batch}")
+    if group is not None and group < 1:
+        raise ValueError(f"score_windows: group must be >= 1 or None, got {group}")
     fmt = cache_format(teacher_cache)
     check_same_vocab(teacher, student)
     cached = None
     if expert_cache is not None:
         cached = CachedStudent(student, expert_cache)
     with cache.holding():  # the teacher records read or written: held until scoring ends
-        yield from _scored(teacher, student, windows, cache, batch, fmt, cached)
+        n_embd = teacher.hparams.n_embd
+        for batches in _groups(_batches(windows, batch), group, n_embd):
+            yield from _scored(teacher, student, batches, cache, fmt, cached)
+
+
+def _carried_bytes(windows: Sequence[Window], n_embd: int) -> int:
+    """A batch's hidden states between layers: ``[B, T, D]`` float32, T padded as the forward
+    pads it."""
+    longest = max(len(w.tokens) for w in windows)
+    return len(windows) * -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE * n_embd * 4
+
+
+def _groups(
+    batches: Iterable[list[Window]], group: int | None, n_embd: int
+) -> Iterator[list[list[Window]]]:
+    """Batches gathered into groups that advance through the layers together: whole batches
+    up to ``group`` windows (at least one batch), or with ``group`` None as many as carry at
+    most :data:`GROUP_BYTES` of hidden states."""
+    found: list[list[Window]] = []
+    size = carried = 0
+    for windows in batches:
+        more = _carried_bytes(windows, n_embd)
+        full = size >= group if group is not None else carried + more > GROUP_BYTES
+        if found and full:
+            yield found
+            found, size, carried = [], 0, 0
+        found.append(windows)
+        size += len(windows)
+        carried += more
+    if found:
+        yield found
 
 
 def _scored(
     teacher: GGUFModel,
     student: StudentModel,
-    windows: Iterable[Window],
+    batches: Sequence[Sequence[Window]],
     cache: StageCache,
-    batch: int,
     fmt: TeacherCacheFormat,
     cached: CachedStudent | None,
 ) -> Iterator[tuple[Window, WindowMetrics]]:
-    for group in _batches(windows, batch):
+    """One group of windows: the student's layers once for all its batches, then batch by
+    batch the teacher's records, the student's logits and the metrics (one batch's logits and
+    teacher records exist at a time)."""
+    studied = student_batches(student, batches, cached)
+    for windows_of_batch in batches:
         with phase("teacher_record"):
-            taught = teacher_outputs(teacher, group, cache, fmt)
+            taught = teacher_outputs(teacher, windows_of_batch, cache, fmt)
         with phase("scoring"):
-            studied = run_student(student, group, cached)
             scored = [
                 (window, _metrics(window, t_out, *student_out))
-                for window, t_out, student_out in zip(group, taught, studied, strict=True)
+                for window, t_out, student_out in zip(
+                    windows_of_batch, taught, next(studied), strict=True
+                )
             ]
         yield from scored
 
@@ -193,4 +276,4 @@ def _metrics(window: Window, t_out: Any, s_logits: np.ndarray, s_topk: np.ndarra
     return metrics
 
 
-__all__ = ["CachedStudent", "check_same_vocab", "run_student", "score_windows"]
+__all__ = ["CachedStudent", "check_same_vocab", "run_student", "score_windows", "student_batches"]

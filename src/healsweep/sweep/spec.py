@@ -112,6 +112,26 @@ class ScoringSpec(_Strict):
     """an integer in [1, 256] (windows per student forward)"""
     teacher_cache: Literal["compact", "exact"] = "compact"
     """compact (default) or exact"""
+    group: int | None = Field(default=None, ge=1)
+    """an integer >= 1 (windows whose batches advance through the student's layers together,
+    each layer read once per group), or null: with a pruner 4 batches, so that a trial still
+    reports often; without, every window that fits the hidden-state budget"""
+
+    @model_serializer(mode="wrap")
+    def _dump_group(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # left out when not given, so a spec from before is stored (and hashed) as it was
+        dumped = handler(self)
+        if dumped.get("group") is None:
+            dumped.pop("group", None)
+        return dumped
+
+    def group_for(self, pruned: bool) -> int | None:
+        """The windows advanced together (None: as many as the hidden-state budget carries):
+        the spec's ``group``, else 4 batches where a pruner judges the trial after each
+        window."""
+        if self.group is not None:
+            return self.group
+        return 4 * self.batch if pruned else None
 
 
 class LlamaRecipe(_Strict):

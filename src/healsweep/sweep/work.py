@@ -129,6 +129,7 @@ def _score_dev(
             batch=spec.scoring.batch,
             teacher_cache=spec.scoring.teacher_cache,
             expert_cache=expert_cache,
+            group=spec.scoring.group_for(spec.pruner.type != "none"),
         )
         for window, metrics in scored:
             wi = index[window.window_id]
