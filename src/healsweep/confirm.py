@@ -27,6 +27,7 @@ for exactly the config hashes frozen at the opening, and scores them again from 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -34,10 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
 import pyarrow as pa
 
 from healsweep._atomic import atomic_write_text
 from healsweep._inputs import MIB, read_text
+from healsweep._malloc import trim
 from healsweep.cache import StageCache, canonical_json
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import split_lock_id
@@ -303,7 +306,9 @@ def score_config(
     """Build one frozen config's student through the caches and score it on every window."""
 
     knobs = config.knobs
+    release_compiled()  # the scoring shapes of the config before: none serves the build
     student = build_student(ctx.teacher, knobs, ctx.spec.calibration, cache)
+    release_compiled()  # the build's stages: scoring never runs them
     columns = {
         "sweep": ctx.spec.name,
         "trial_id": config.trial_id,
@@ -328,6 +333,17 @@ def score_config(
         record = WindowRecord.of(window, metrics, i, len(windows), i)
         rows.append({**record.to_dict(), **columns})
     return rows
+
+
+def release_compiled() -> None:
+    """Drop JAX's compiled executables and give their memory back to the OS. Each holds about
+    1.4-3.6 MiB, JAX keeps every one for the life of the process, and a student's build and
+    its scoring compile different functions: without this a confirm held the build's, then the
+    scoring's, then the next config's build's (a 2-config demo confirm peaked at 2.0 GB, issue
+    47). What runs again is compiled again, to the same code: the results are the same bits."""
+    jax.clear_caches()
+    gc.collect()  # executables referenced from cycles go now, not at the next collection
+    trim()
 
 
 def summarize_test(

@@ -112,15 +112,21 @@ def _final_norm_rows(eps: float, h, weight, rows):
 
 def _final_norm(eps: float, h, weight, rows) -> np.ndarray:
     """The final norm of the ``rows`` (flat token indices) of ``h``: ``[N, D]`` on the host.
-    The rows are padded to a multiple of :data:`PAD_MULTIPLE` (repeating row 0) and the
-    padding dropped on the host, so a handful of shapes compile: a compile per distinct row
+    The rows are padded to a power of two, at least :data:`PAD_MULTIPLE` (repeating row
+    0), and the padding dropped on the host, so a handful of shapes compile: a compile per distinct row
     count (and a device slice per count) kept every executable in memory, several MB a
     scored window over a test split (issue 47)."""
     rows = np.asarray(rows, np.int32)
     n = len(rows)
-    padded = np.zeros(-(-max(n, 1) // PAD_MULTIPLE) * PAD_MULTIPLE, np.int32)
+    padded = np.zeros(max(PAD_MULTIPLE, 1 << max(n - 1, 0).bit_length()), np.int32)
     padded[:n] = rows
-    return np.asarray(_final_norm_rows(eps, h, weight, jnp.asarray(padded)))[:n]
+    return np.asarray(_final_norm_rows(eps, h, weight, _on_device(padded)))[:n]
+
+
+def _on_device(values: np.ndarray) -> jax.Array:
+    """A host array on the device as it is. ``jnp.asarray`` compiles (and keeps) an identity
+    per shape, 1-2 MiB each, and a forward's inputs take a shape per padded length (issue 47)."""
+    return jax.device_put(values)
 
 
 def device_weight(model: GGUFModel, name: str) -> Any:
@@ -241,8 +247,8 @@ def _logits(
     n_rows = hidden.shape[0]
     blocks = [(0, n_rows)] if row_block is None else [
         (a, min(a + row_block, n_rows)) for a in range(0, n_rows, row_block)]  # fmt: skip
-    if row_block is not None and n_rows % row_block:
-        hidden = jnp.pad(hidden, ((0, row_block - n_rows % row_block), (0, 0)))
+    if row_block is not None and n_rows % row_block:  # on the host: no pad or slice compiled
+        hidden = np.pad(np.asarray(hidden), ((0, row_block - n_rows % row_block), (0, 0)))
     out = np.empty((n_rows, n_vocab), np.float32)
     stat = model.path.stat()
     replaced_raw = None if replaced is None else np.asarray(replaced.raw)
@@ -291,8 +297,8 @@ def _embedded(
     n_batch, padded_len = tokens.shape
     real = np.concatenate([b * padded_len + np.arange(n) for b, n in enumerate(lengths)])
     tile = expert_tile_rows(n_batch * padded_len * hp.n_expert_used, hp.n_expert)
-    h = jnp.asarray(_embed(model, tokens, _head(replacements, "token_embd.weight")))  # [B, T, D]
-    positions = jnp.arange(padded_len, dtype=jnp.int32)
+    h = _on_device(_embed(model, tokens, _head(replacements, "token_embd.weight")))  # [B, T, D]
+    positions = _on_device(np.arange(padded_len, dtype=np.int32))
     return _Batch(h, positions, tile, lengths, real)
 
 
@@ -398,7 +404,9 @@ def forward(
     head = _head(replacements, "output.weight")
     if head is None and "output.weight" not in model.tensor_names:  # tied: the embedding's
         head = _head(replacements, "token_embd.weight")
-    logits = _logits(model, hidden, replaced=head)
+    # the head in fixed blocks of rows: one shape, where a batch's row count (its windows'
+    # scored tokens) compiled and kept a head product per distinct count (issue 47)
+    logits = _logits(model, hidden, row_block=HEAD_ROWS, replaced=head)
     logits = np.split(logits, np.cumsum([len(p) for p in wanted])[:-1])
     per_token = np.stack(router, axis=1)  # [T_real, L, k]
     cuts = np.cumsum(batch.lengths)[:-1]
@@ -459,14 +467,14 @@ def forward_each(
     """
     hp = model.hparams
     padded = [_pad_batch([seq], hp.n_vocab) for seq in sequences]  # ([1, T_b], [n_b])
-    hs = [jnp.asarray(_embed(model, tokens)) for tokens, _ in padded]  # [1, T_b, D] each
+    hs = [_on_device(_embed(model, tokens)) for tokens, _ in padded]  # [1, T_b, D] each
     router: list[list[np.ndarray]] = [[] for _ in sequences]
     for i, weights in _layers(model, {}, prefetch, partial(jax.block_until_ready, hs)):
         dense = i < hp.n_leading_dense
         for b, (tokens, (n,)) in enumerate(padded):
             t = tokens.shape[1]
             tile = expert_tile_rows(t * hp.n_expert_used, hp.n_expert)
-            positions = jnp.arange(t, dtype=jnp.int32)
+            positions = _on_device(np.arange(t, dtype=np.int32))
             hs[b], cap = _block(hp, tile, False, dense, weights, hs[b], positions, None)
             if not dense:
                 router[b].append(np.asarray(cap["topk_ids"])[:n])
