@@ -41,7 +41,7 @@ import pyarrow as pa
 from healsweep._atomic import atomic_write_text
 from healsweep._inputs import MIB, read_text
 from healsweep._malloc import trim
-from healsweep.cache import StageCache, canonical_json
+from healsweep.cache import StageCache, canonical_json, forget_recent
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import split_lock_id
 from healsweep.errors import LedgerError, ResultsError, SplitError
@@ -309,6 +309,7 @@ def score_config(
     release_compiled()  # the scoring shapes of the config before: none serves the build
     student = build_student(ctx.teacher, knobs, ctx.spec.calibration, cache)
     release_compiled()  # the build's stages: scoring never runs them
+    forget_recent()  # nor reads the trace and upstream entries the build kept mapped
     columns = {
         "sweep": ctx.spec.name,
         "trial_id": config.trial_id,
