@@ -62,6 +62,7 @@ from healsweep.score.expert_cache import ExpertCacheConfig
 from healsweep.score.record import WindowMetrics, WindowRecord
 from healsweep.score.runner import score_windows
 from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
+from healsweep.score.teacher_cache import teacher_outputs
 from healsweep.score.windows import scoring_windows
 from healsweep.sweep.manifest import append_ledger_head, ledger_head, read_spec, recorded_ledger
 from healsweep.sweep.status import driver_running
@@ -336,6 +337,18 @@ def score_config(
     return rows
 
 
+def teach_windows(ctx: _Context, windows: list[Window], cache: StageCache, say: Progress) -> None:
+    """The teacher's records of every test window, into the stage cache, before any config is
+    scored (each config then reads them). A record is a function of its window alone, so this
+    changes none of them; what it changes is what is compiled at once: the teacher's forward
+    takes a shape per window length, the students' a shape per batch, and computed beside the
+    first config's scoring both sets stayed compiled together (issue 47)."""
+    fmt, batch = ctx.spec.scoring.teacher_cache, ctx.spec.scoring.batch
+    say(f"teacher records of {len(windows)} test windows")
+    for start in range(0, len(windows), batch):
+        teacher_outputs(ctx.teacher, windows[start : start + batch], cache, fmt)
+
+
 def release_compiled() -> None:
     """Drop JAX's compiled executables and give their memory back to the OS. Each holds about
     1.4-3.6 MiB, JAX keeps every one for the life of the process, and a student's build and
@@ -558,10 +571,12 @@ def _score_configs(
 ) -> list[dict[str, Any]]:
     """Every frozen config healed and scored on the test windows: the result rows."""
     rows: list[dict[str, Any]] = []
-    for n, config in enumerate(configs, start=1):
-        label = "baseline" if config.is_baseline else f"trial {config.trial_id}"
-        say(f"config {n}/{len(configs)} ({label}, {config.frozen_hash[:12]}...): healing")
-        rows += score_config(ctx, config, windows, cache, say)
+    with cache.holding():  # the teacher records, computed first, stay until the last config
+        teach_windows(ctx, windows, cache, say)
+        for n, config in enumerate(configs, start=1):
+            label = "baseline" if config.is_baseline else f"trial {config.trial_id}"
+            say(f"config {n}/{len(configs)} ({label}, {config.frozen_hash[:12]}...): healing")
+            rows += score_config(ctx, config, windows, cache, say)
     for row in rows:
         row.update(milestone=milestone, split_lock_id=ctx.lock_id)
     return rows
