@@ -16,7 +16,8 @@ The order of events is the discipline (audit section 3.2):
 4. build the test windows with the grant in this process (all of them, or the first
    ``max_windows`` by window id, as a sweep selects dev windows: ``first_windows``), compute
    every window's teacher record, then score every frozen config (baseline included) on every
-   window (JAX's compiled code dropped around each student's build: :func:`release_compiled`), write ``RESULTS/<sweep>/test/<milestone>/windows.parquet``;
+   window (JAX's compiled code dropped around each student's build: :func:`release_compiled`),
+   write ``RESULTS/<sweep>/test/<milestone>/windows.parquet``;
 5. write ``confirm.json`` (pooled figures per config, paired comparisons vs the baseline with
    CIs, decision-rule verdicts), then record the sha256 of the windows file as the milestone's
    ``confirm-result`` (``confirm.json`` then also names that entry).
