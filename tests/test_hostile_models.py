@@ -425,5 +425,74 @@ def test_scoring_compiles_a_handful_of_shapes_whatever_the_row_counts(tmp_path, 
                       scored_from=4, n_scored=n) for n in (3, 9, 17, 40)]  # fmt: skip
     before = _log_softmax()._cache_size()
     outputs = run_teacher(model, windows)
-    assert [len(o.logprobs) for o in outputs] == [w.n_scored for w in windows]
     assert _log_softmax()._cache_size() - before <= 4  # 8, 16, 32, 64 rows
+    # the log-probs stay padded to the bucket, the rows past the window's zero (as the scorer
+    # pads them); each real row a distribution (its logsumexp 0, in float64)
+    from healsweep.score.metrics import _bucket
+
+    for out, window in zip(outputs, windows, strict=True):
+        logprobs = np.asarray(out.logprobs, np.float64)
+        assert logprobs.shape[0] == _bucket(window.n_scored)
+        assert not logprobs[window.n_scored :].any()
+        real = logprobs[: window.n_scored]
+        top = real.max(axis=1, keepdims=True)
+        assert np.allclose(top[:, 0] + np.log(np.exp(real - top).sum(axis=1)), 0.0, atol=1e-5)
+
+
+def _window(n_tokens: int, n_scored: int, tag: str):
+    import numpy as np
+
+    from healsweep.data.windows import Window
+
+    return Window(window_id=f"w{tag}", doc_id="d", source="s", doc_index=1, stratum="think",
+                  split="dev", kind="think", tokens=np.arange(2, 2 + n_tokens, dtype=np.int32),
+                  scored_from=n_tokens - n_scored, n_scored=n_scored)  # fmt: skip
+
+
+class _Compiles:
+    """XLA compilations counted while the block runs (JAX's monitoring events)."""
+
+    count = 0
+    _listening = False
+
+    @classmethod
+    def _heard(cls, event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            cls.count += 1
+
+    def __enter__(self):
+        import jax.monitoring
+
+        if not _Compiles._listening:  # JAX has no public way to remove a listener: add one once
+            jax.monitoring.register_event_duration_secs_listener(_Compiles._heard)
+            _Compiles._listening = True
+        self.start = _Compiles.count
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.compiled = _Compiles.count - self.start
+
+
+def test_teacher_records_and_student_logits_compile_nothing_new_for_new_row_counts(random_gguf):
+    """A test split's windows have every scored-row count from 1 to max_scored, and the
+    student's batches every total: on main before issue 47's item 9, each new count compiled a
+    device slice and a pad of the teacher's log-probs and a student output-head product, each
+    executable kept (1.4-3.6 MiB): a 2-config demo confirm peaked at 2.0 GB. Windows of new row
+    counts in the same buckets and padded lengths now compile nothing."""
+    from healsweep.model import open_model
+    from healsweep.score.compact import compact_record
+    from healsweep.score.runner import run_student
+    from healsweep.score.teacher_cache import run_teacher
+
+    model = open_model(random_gguf())
+
+    def score(counts: tuple[int, ...], tag: str) -> None:
+        windows = [_window(40, n, f"{tag}{n}") for n in counts]
+        for window, out in zip(windows, run_teacher(model, windows), strict=True):
+            compact_record(out.logprobs, window.scored_tokens, out.topk_ids, window.window_id)
+        run_student(model, windows)  # one batch: its head takes every window's scored rows
+
+    score((3, 9, 17, 33), "a")  # warm: buckets 8, 16, 32, 64 (62 rows in all: 64), 40 tokens
+    with _Compiles() as fresh:
+        score((1, 10, 18, 34), "b")  # other counts, the same buckets (63 rows: 64 too)
+    assert fresh.compiled == 0

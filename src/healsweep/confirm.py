@@ -14,8 +14,10 @@ The order of events is the discipline (audit section 3.2):
 3. append the ``confirm-open`` entry *before* any test window exists (a second confirm of the same
    split lock id and milestone is refused there, atomically, under the ledger's file lock);
 4. build the test windows with the grant in this process (all of them, or the first
-   ``max_windows`` by window id, as a sweep selects dev windows: ``first_windows``), score every
-   frozen config (baseline included) on every window, write ``RESULTS/<sweep>/test/<milestone>/windows.parquet``;
+   ``max_windows`` by window id, as a sweep selects dev windows: ``first_windows``), compute
+   every window's teacher record, then score every frozen config (baseline included) on every
+   window (JAX's compiled code dropped around each student's build: :func:`release_compiled`),
+   write ``RESULTS/<sweep>/test/<milestone>/windows.parquet``;
 5. write ``confirm.json`` (pooled figures per config, paired comparisons vs the baseline with
    CIs, decision-rule verdicts), then record the sha256 of the windows file as the milestone's
    ``confirm-result`` (``confirm.json`` then also names that entry).
@@ -27,6 +29,7 @@ for exactly the config hashes frozen at the opening, and scores them again from 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -34,11 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
 import pyarrow as pa
 
 from healsweep._atomic import atomic_write_text
 from healsweep._inputs import MIB, read_text
-from healsweep.cache import StageCache, canonical_json
+from healsweep._malloc import trim
+from healsweep.cache import StageCache, canonical_json, forget_recent
 from healsweep.data.corpus import load_corpus
 from healsweep.data.split import split_lock_id
 from healsweep.errors import LedgerError, ResultsError, SplitError
@@ -59,6 +64,7 @@ from healsweep.score.expert_cache import ExpertCacheConfig
 from healsweep.score.record import WindowMetrics, WindowRecord
 from healsweep.score.runner import score_windows
 from healsweep.score.stats import DecisionRule, decision, paired_compare, pooled
+from healsweep.score.teacher_cache import teacher_outputs
 from healsweep.score.windows import scoring_windows
 from healsweep.sweep.manifest import append_ledger_head, ledger_head, read_spec, recorded_ledger
 from healsweep.sweep.status import driver_running
@@ -303,7 +309,10 @@ def score_config(
     """Build one frozen config's student through the caches and score it on every window."""
 
     knobs = config.knobs
+    release_compiled()  # the scoring shapes of the config before: none serves the build
     student = build_student(ctx.teacher, knobs, ctx.spec.calibration, cache)
+    release_compiled()  # the build's stages: scoring never runs them
+    forget_recent()  # nor reads the trace and upstream entries the build kept mapped
     columns = {
         "sweep": ctx.spec.name,
         "trial_id": config.trial_id,
@@ -328,6 +337,29 @@ def score_config(
         record = WindowRecord.of(window, metrics, i, len(windows), i)
         rows.append({**record.to_dict(), **columns})
     return rows
+
+
+def teach_windows(ctx: _Context, windows: list[Window], cache: StageCache, say: Progress) -> None:
+    """The teacher's records of every test window, into the stage cache, before any config is
+    scored (each config then reads them). A record is a function of its window alone, so this
+    changes none of them; what it changes is what is compiled at once: the teacher's forward
+    takes a shape per window length, the students' a shape per batch, and computed beside the
+    first config's scoring both sets stayed compiled together (issue 47)."""
+    fmt, batch = ctx.spec.scoring.teacher_cache, ctx.spec.scoring.batch
+    say(f"teacher records of {len(windows)} test windows")
+    for start in range(0, len(windows), batch):
+        teacher_outputs(ctx.teacher, windows[start : start + batch], cache, fmt)
+
+
+def release_compiled() -> None:
+    """Drop JAX's compiled executables and give their memory back to the OS. Each holds about
+    1.4-3.6 MiB, JAX keeps every one for the life of the process, and a student's build and
+    its scoring compile different functions: without this a confirm held the build's, then the
+    scoring's, then the next config's build's (a 2-config demo confirm peaked at 2.0 GB, issue
+    47). What runs again is compiled again, to the same code: the results are the same bits."""
+    jax.clear_caches()
+    gc.collect()  # executables referenced from cycles go now, not at the next collection
+    trim()
 
 
 def summarize_test(
@@ -541,10 +573,12 @@ def _score_configs(
 ) -> list[dict[str, Any]]:
     """Every frozen config healed and scored on the test windows: the result rows."""
     rows: list[dict[str, Any]] = []
-    for n, config in enumerate(configs, start=1):
-        label = "baseline" if config.is_baseline else f"trial {config.trial_id}"
-        say(f"config {n}/{len(configs)} ({label}, {config.frozen_hash[:12]}...): healing")
-        rows += score_config(ctx, config, windows, cache, say)
+    with cache.holding():  # the teacher records, computed first, stay until the last config
+        teach_windows(ctx, windows, cache, say)
+        for n, config in enumerate(configs, start=1):
+            label = "baseline" if config.is_baseline else f"trial {config.trial_id}"
+            say(f"config {n}/{len(configs)} ({label}, {config.frozen_hash[:12]}...): healing")
+            rows += score_config(ctx, config, windows, cache, say)
     for row in rows:
         row.update(milestone=milestone, split_lock_id=ctx.lock_id)
     return rows

@@ -112,15 +112,21 @@ def _final_norm_rows(eps: float, h, weight, rows):
 
 def _final_norm(eps: float, h, weight, rows) -> np.ndarray:
     """The final norm of the ``rows`` (flat token indices) of ``h``: ``[N, D]`` on the host.
-    The rows are padded to a multiple of :data:`PAD_MULTIPLE` (repeating row 0) and the
-    padding dropped on the host, so a handful of shapes compile: a compile per distinct row
+    The rows are padded to a power of two, at least :data:`PAD_MULTIPLE` (repeating row
+    0), and the padding dropped on the host, so a handful of shapes compile: a compile per distinct row
     count (and a device slice per count) kept every executable in memory, several MB a
     scored window over a test split (issue 47)."""
     rows = np.asarray(rows, np.int32)
     n = len(rows)
-    padded = np.zeros(-(-max(n, 1) // PAD_MULTIPLE) * PAD_MULTIPLE, np.int32)
+    padded = np.zeros(max(PAD_MULTIPLE, 1 << max(n - 1, 0).bit_length()), np.int32)
     padded[:n] = rows
-    return np.asarray(_final_norm_rows(eps, h, weight, jnp.asarray(padded)))[:n]
+    return np.asarray(_final_norm_rows(eps, h, weight, _on_device(padded)))[:n]
+
+
+def _on_device(values: np.ndarray) -> jax.Array:
+    """A host array on the device as it is. ``jnp.asarray`` compiles (and keeps) an identity
+    per shape, 1-2 MiB each, and a forward's inputs take a shape per padded length (issue 47)."""
+    return jax.device_put(values)
 
 
 def device_weight(model: GGUFModel, name: str) -> Any:
@@ -237,11 +243,10 @@ def _logits(
     sent as stored bytes and decoded in the graph. With ``row_block``, the rows go through the
     head in blocks of exactly that many (the last one padded), so that a row's logits do not
     depend on how many other rows came with it. ``replaced``: the student's requantized output
-    matrix (a ``GGMLWeight``), read in the same chunks. ``on_device`` (without ``row_block``):
-    the chunks' products are joined on the device and a device array returned (the same
-    values; a scorer that reduces them there copies no ``[N, V]`` to the host)."""
-    if on_device and row_block is not None:
-        raise ValueError("_logits: on_device takes every row in one block (no row_block)")
+    matrix (a ``GGMLWeight``), read in the same chunks. ``on_device``: the chunks' products
+    are joined on the device and a device array returned, its rows padded to whole
+    ``row_block``s (the same values; a scorer that reduces them there copies no ``[N, V]`` to
+    the host, and slicing the padding off would compile a slice per row count)."""
     name = "output.weight" if "output.weight" in model.tensor_names else "token_embd.weight"
     n_vocab, n_embd = model.tensor_shape(name)
     chunk = max(1, _LOGIT_CHUNK_BYTES // (4 * n_embd))
@@ -249,8 +254,8 @@ def _logits(
     n_rows = hidden.shape[0]
     blocks = [(0, n_rows)] if row_block is None else [
         (a, min(a + row_block, n_rows)) for a in range(0, n_rows, row_block)]  # fmt: skip
-    if row_block is not None and n_rows % row_block:
-        hidden = jnp.pad(hidden, ((0, row_block - n_rows % row_block), (0, 0)))
+    if row_block is not None and n_rows % row_block:  # on the host: no pad or slice compiled
+        hidden = np.pad(np.asarray(hidden), ((0, row_block - n_rows % row_block), (0, 0)))
     out = None if on_device else np.empty((n_rows, n_vocab), np.float32)
     pieces = []  # on_device: [N, C] per chunk of the vocabulary
     stat = model.path.stat()
@@ -269,12 +274,15 @@ def _logits(
         else:
             key = (str(model.path), stat.st_size, stat.st_mtime_ns, name, start, chunk)
             w = resident_layers().get(key, partial(load, start))["w"]
+        products = []  # per block of rows: [rows of the block, C]
         for a, b in blocks:
             rows = hidden[a:b] if row_block is None else hidden[a : a + row_block]
             if out is None:
-                pieces.append(_head_chunk(rows, w))
+                products.append(_head_chunk(rows, w))
             else:
                 out[a:b, start : start + w.shape[0]] = np.asarray(_head_chunk(rows, w))[: b - a]
+        if products:
+            pieces.append(products[0] if len(products) == 1 else jnp.concatenate(products))
     return jnp.concatenate(pieces, axis=1) if out is None else out
 
 
@@ -303,8 +311,8 @@ def _embedded(
     n_batch, padded_len = tokens.shape
     real = np.concatenate([b * padded_len + np.arange(n) for b, n in enumerate(lengths)])
     tile = expert_tile_rows(n_batch * padded_len * hp.n_expert_used, hp.n_expert)
-    h = jnp.asarray(_embed(model, tokens, _head(replacements, "token_embd.weight")))  # [B, T, D]
-    positions = jnp.arange(padded_len, dtype=jnp.int32)
+    h = _on_device(_embed(model, tokens, _head(replacements, "token_embd.weight")))  # [B, T, D]
+    positions = _on_device(np.arange(padded_len, dtype=np.int32))
     return _Batch(h, positions, tile, lengths, real)
 
 
@@ -437,7 +445,10 @@ def _finished(
     head = _head(replacements, "output.weight")
     if head is None and "output.weight" not in model.tensor_names:  # tied: the embedding's
         head = _head(replacements, "token_embd.weight")
-    logits = _logits(model, hidden, replaced=head, on_device=pad_rows is not None)
+    # the head in fixed blocks of rows: one shape, where a batch's row count (its windows'
+    # scored tokens) compiled and kept a head product per distinct count (issue 47)
+    logits = _logits(model, hidden, row_block=HEAD_ROWS, replaced=head,
+                     on_device=pad_rows is not None)  # fmt: skip
     cuts = np.cumsum([0, *(len(p) for p in wanted)])
     if pad_rows is None:
         per_sequence = [logits[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
@@ -551,14 +562,14 @@ def forward_each(
     """
     hp = model.hparams
     padded = [_pad_batch([seq], hp.n_vocab) for seq in sequences]  # ([1, T_b], [n_b])
-    hs = [jnp.asarray(_embed(model, tokens)) for tokens, _ in padded]  # [1, T_b, D] each
+    hs = [_on_device(_embed(model, tokens)) for tokens, _ in padded]  # [1, T_b, D] each
     router: list[list[np.ndarray]] = [[] for _ in sequences]
     for i, weights in _layers(model, {}, prefetch, partial(jax.block_until_ready, hs)):
         dense = i < hp.n_leading_dense
         for b, (tokens, (n,)) in enumerate(padded):
             t = tokens.shape[1]
             tile = expert_tile_rows(t * hp.n_expert_used, hp.n_expert)
-            positions = jnp.arange(t, dtype=jnp.int32)
+            positions = _on_device(np.arange(t, dtype=np.int32))
             hs[b], cap = _block(hp, tile, False, dense, weights, hs[b], positions, None)
             if not dense:
                 router[b].append(np.asarray(cap["topk_ids"])[:n])

@@ -150,7 +150,9 @@ def compact_record(
     window_id: str,
     fmt: TeacherCacheFormat = COMPACT,
 ) -> CompactTeacher:
-    """The compact record of one window from its exact teacher log-probs ``[n, V]``.
+    """The compact record of one window from its exact teacher log-probs ``[n, V]`` (or
+    ``[_bucket(n), V]``, the rows past ``n`` zero, as :func:`~healsweep.score.teacher_cache.
+    run_teacher` leaves them on the device).
 
     ``next_ids [n]`` are the scored tokens, ``topk_ids [n, L, k]`` the router's expert ids;
     the tail draws are seeded by ``window_id``. K is capped at the vocabulary size.
@@ -165,7 +167,8 @@ def compact_record(
     # stay on the device: top-K and the draws run there, only the record comes back.
     rows = _bucket(n)
     logprobs = jnp.asarray(logprobs, jnp.float32)
-    logprobs = jnp.pad(logprobs, ((0, rows - n), (0, 0)))  # zero rows, as _pad_rows
+    if logprobs.shape[0] != rows:  # run_teacher's come padded (a pad compiled per n otherwise)
+        logprobs = jnp.pad(logprobs, ((0, rows - n), (0, 0)))  # zero rows, as _pad_rows
     ids = _pad_rows(np.asarray(next_ids, np.int32), rows)
     logp, top_ids, top_logp, logp_next = teacher_top(logprobs, ids, top_k)  # on the device
     strata = _pad_rows(tail_strata(window_seed(window_id), n, fmt.tail_samples), rows)

@@ -28,6 +28,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from healsweep._code import code_digest
@@ -61,7 +62,9 @@ CODE_ROOTS = ("healsweep.score.teacher_cache",)
 class TeacherOutput(NamedTuple):
     """The teacher's view of one window's scored positions."""
 
-    logprobs: Any  # [n, V] float32 log-softmax (run_teacher: a device array, kept there)
+    # [n, V] float32 log-softmax; run_teacher's is a device array, kept there, of
+    # _bucket(n) rows, the rows past n zero (as the scorer pads them)
+    logprobs: Any
     topk_ids: np.ndarray  # [n, L, k] int32
 
 
@@ -98,27 +101,37 @@ def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutp
     result = forward_each(model, [w.tokens for w in windows], logits_for=positions)
     outputs = []
     for logits, router, pos in zip(result.logits, result.router, positions, strict=True):
-        # rows padded as the scorer pads them: one compiled log-softmax per bucket, not each
-        # primitive per row count (which kept ~20 executables per distinct count in memory);
-        # the [n, V] log-probs stay on the device, where the compact record is made
+        # rows padded as the scorer pads them, and left padded: one compiled log-softmax per
+        # bucket. Each primitive per row count (~20 executables per distinct count), and then
+        # a device slice to n rows and the record's pad back to the bucket, each compiled per
+        # count, all kept in memory: several MB a window over a test split (issue 47). The
+        # log-probs stay on the device, where the compact record is made.
         n = len(pos)
-        logprobs = _log_softmax()(_pad_rows(logits, _bucket(n)))[:n]  # [n, V]
+        logprobs = _log_softmax()(_pad_rows(logits, _bucket(n)), n)  # [_bucket(n), V]
         outputs.append(TeacherOutput(logprobs, np.asarray(router[pos], dtype=np.int32)))
     return outputs
 
 
 @cache
 def _log_softmax() -> Any:
-    """:func:`~healsweep.kernels.kld.log_softmax`, jitted once."""
-    return jax.jit(log_softmax)
+    """``(logits [R, V], n) -> [R, V]``: :func:`~healsweep.kernels.kld.log_softmax` of every
+    row, rows ``n`` and later zeroed (padding, as :func:`~healsweep.score.metrics._pad_rows`
+    pads a record's rows); jitted once, ``n`` traced, so a shape per bucket of rows."""
+
+    def padded_log_softmax(logits: Any, n: Any) -> Any:
+        real = jnp.arange(logits.shape[0])[:, None] < n  # [R, 1]
+        return jnp.where(real, log_softmax(logits), 0.0)
+
+    return jax.jit(padded_log_softmax)
 
 
 def _entry(
     model: GGUFModel, window: Window, out: TeacherOutput, fmt: TeacherCacheFormat
 ) -> dict[str, np.ndarray]:
     """The arrays stored for one window in ``fmt``."""
-    if fmt.kind == "exact":
-        return {"logprobs": np.asarray(out.logprobs, np.float32), "topk_ids": out.topk_ids}
+    if fmt.kind == "exact":  # the real rows only (run_teacher's are padded)
+        logprobs = np.asarray(out.logprobs, np.float32)[: window.n_scored]
+        return {"logprobs": logprobs, "topk_ids": out.topk_ids}
     # the scored tokens from the fields the key holds (not Window.scored_tokens: its module is
     # no part of this stage's code digest)
     scored = window.tokens[window.scored_from : window.scored_from + window.n_scored]
