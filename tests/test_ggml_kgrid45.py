@@ -25,7 +25,7 @@ from healsweep.quant.ggml_gptq import inverse_factor
 from healsweep.quant.registry import quantizer_for
 from healsweep.quant.values import Group
 from test_ggml_gptq import correlated_problem, ef_and_plain
-from test_heal_types import CAL, _delta
+from test_heal_types import CAL, _delta, gptq_against_ggml
 from test_heal_types import rows256 as heal_rows256
 
 K45 = (int(T.Q4_K), int(T.Q5_K))
@@ -202,17 +202,7 @@ def test_gptq_on_q4_k_and_q5_k_lowers_the_routed_error_and_is_keyed_by_its_knobs
     the routed residual at alpha 1 is below ggml's, and ``gptq_damp`` keys both groups."""
     model, corpus, cache = rows256
     n = model.hparams.n_layer
-    plain = Knobs(type_gu="q4_k", type_d="q5_k", alpha="none", ridge=False)
-    ggml = build_student(model, plain, CAL, cache, corpus=corpus)
-    before = dict(cache.computed)
-    fed = build_student(model, plain.replace(quantizer="gptq"), CAL, cache, corpus=corpus)
-    assert _delta(cache, before)["quantize"] == 2 * n
-    for layer in fed.report["layers"]:
-        assert set(layer["quantize"]["gptq_fallback"]) == {"gate", "up", "down"}
-    error = {s: sum(r["residual_alpha_1"] for r in b.report["layers"])
-             for s, b in (("ggml", ggml), ("gptq", fed))}  # fmt: skip
-    print(f"q4_k gate/up, q5_k down, routed residual at alpha 1: {error}")
-    assert error["gptq"] < error["ggml"]
+    plain, ggml, fed = gptq_against_ggml(rows256, "q4_k", "q5_k")
     for i in range(n):
         for tensor, qtype in (("gate", int(T.Q4_K)), ("down", int(T.Q5_K))):
             stack = getattr(fed.replacements[i], f"{tensor}_exps")

@@ -270,15 +270,14 @@ def test_gptq_on_the_k_grids_lowers_the_routed_error_and_is_keyed_by_its_knobs(r
     assert error["gptq"] < error["ggml"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["iq3_xxs", "iq3_s", "iq4_xs"])
-def test_gptq_on_the_iq3_and_iq4_grids_lowers_the_routed_error_on_ggmls_scales(rows256, name):
-    """Issue 49: column-wise error feedback on IQ3_XXS, IQ3_S and IQ4_XS (quant.ggml_iq3grid,
-    quant.ggml_iq4grid) lowers the layers' routed residual against ggml's own quantizer with the
-    imatrix, every expert fed, and keyed by the gptq knobs."""
+def gptq_against_ggml(rows256, type_gu: str, type_d: str) -> tuple:
+    """``(plain knobs, ggml's student, gptq's student)`` of ``type_gu``/``type_d`` without
+    healing, after the checks every ``quantizer: gptq`` class owes: both groups quantized again
+    (2 per layer), every expert's fallback reported, and the routed residual at alpha 1, summed
+    over layers, below ggml's own quantizer with the imatrix."""
     model, corpus, cache = rows256
     n = model.hparams.n_layer
-    plain = Knobs(type_gu=name, type_d=name, alpha="none", ridge=False)
+    plain = Knobs(type_gu=type_gu, type_d=type_d, alpha="none", ridge=False)
     ggml = build_student(model, plain, CAL, cache, corpus=corpus)
     before = dict(cache.computed)
     fed = build_student(model, plain.replace(quantizer="gptq"), CAL, cache, corpus=corpus)
@@ -287,8 +286,18 @@ def test_gptq_on_the_iq3_and_iq4_grids_lowers_the_routed_error_on_ggmls_scales(r
         assert set(layer["quantize"]["gptq_fallback"]) == {"gate", "up", "down"}
     error = {s: sum(r["residual_alpha_1"] for r in b.report["layers"])
              for s, b in (("ggml", ggml), ("gptq", fed))}  # fmt: skip
-    print(f"{name}, routed residual at alpha 1, summed over layers: {error}")
+    print(f"{type_gu} gate/up, {type_d} down, routed residual at alpha 1: {error}")
     assert error["gptq"] < error["ggml"]
+    return plain, ggml, fed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["iq3_xxs", "iq3_s", "iq4_xs"])
+def test_gptq_on_the_iq3_and_iq4_grids_lowers_the_routed_error_on_ggmls_scales(rows256, name):
+    """Issue 49: column-wise error feedback on IQ3_XXS, IQ3_S and IQ4_XS (quant.ggml_iq3grid,
+    quant.ggml_iq4grid) lowers the layers' routed residual against ggml's own quantizer with the
+    imatrix, every expert fed, and keyed by the gptq knobs."""
+    gptq_against_ggml(rows256, name, name)
 
 
 @pytest.mark.slow
