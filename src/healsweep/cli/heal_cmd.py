@@ -13,7 +13,14 @@ from healsweep._inputs import check_output
 from healsweep.cache import StageCache, parse_gb
 from healsweep.cli._apps import CacheMaxGb, app, bench_app
 from healsweep.data.corpus import load_corpus
-from healsweep.heal.knobs import NIGHT, CalibrationConfig, Knobs, load_knobs, require_ggml_in
+from healsweep.heal.knobs import (
+    EXPERT_TYPES,
+    NIGHT,
+    CalibrationConfig,
+    Knobs,
+    load_knobs,
+    require_ggml_in,
+)
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a packaged model: `demo`, `demo-medium-cpu`.")]
 CorpusOpt = Annotated[str, typer.Option(
@@ -61,8 +68,6 @@ def _ladder(value: str | None) -> list[str] | None:
     """``--ladder``: comma-separated routed-expert types, or None (the target's default)."""
     if value is None:
         return None
-    from healsweep.heal.knobs import EXPERT_TYPES
-
     names = [t.strip().lower() for t in value.split(",") if t.strip()]
     bad = [t for t in names if t not in EXPERT_TYPES]
     if bad or not names:
