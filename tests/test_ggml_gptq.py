@@ -382,15 +382,9 @@ def test_a_scaled_identity_h_rechooses_iq_groups_at_most_ggmls_error(qtype):
     under the flat metric, so no row's error exceeds ggml's answer's, and the total is lower
     (ggml searches its grid's neighbours with its own weights; on IQ1 it chose the rows for its
     scales before rounding them to 3 bits)."""
-    from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
+    from healsweep.gguf_io._ggml_lib import dequantize_rows
 
-    kind = ggml_gptq.ggml_type(qtype)
-    w, _ = correlated_problem(8, n_in=512)
-    c, damp = 2.0, 0.05
-    u, _ = inverse_factor(np.eye(512, dtype=np.float32)[None] * c, damp)
-    factor = ggml_gptq.feedback_factor(u[0], np.full(512, c * (1 + damp)), 256)
-    raw = ggml_gptq.quantize_matrix(w, qtype, factor, method="column")
-    ggml = quantize_rows(w, kind.ggml_id, factor.conditional)
+    kind, w, raw, ggml = flat_h_column(qtype)
     ours, theirs = (
         np.square(w - dequantize_rows(r, kind.ggml_id, 512)).sum(1) for r in (raw, ggml)
     )
@@ -398,6 +392,21 @@ def test_a_scaled_identity_h_rechooses_iq_groups_at_most_ggmls_error(qtype):
     assert ours.sum() < theirs.sum()
     kept = slice(48, 56) if qtype == "iq1_m" else slice(0, 2)  # the first super-block's d kept
     np.testing.assert_array_equal(raw[:, kept], ggml[:, kept])
+
+
+def flat_h_column(qtype: str) -> tuple:
+    """Column-wise feedback and ggml's own quantizer on one problem (8 rows of 512) under
+    H = 2·I, damping 0.05, chunks of 256: ``(its type, the weights, column's bytes, ggml's
+    bytes with the chunks' conditional importance)``."""
+    from healsweep.gguf_io._ggml_lib import quantize_rows
+
+    kind = ggml_gptq.ggml_type(qtype)
+    w, _ = correlated_problem(8, n_in=512)
+    c, damp = 2.0, 0.05
+    u, _ = inverse_factor(np.eye(512, dtype=np.float32)[None] * c, damp)
+    factor = ggml_gptq.feedback_factor(u[0], np.full(512, c * (1 + damp)), 256)
+    raw = ggml_gptq.quantize_matrix(w, qtype, factor, method="column")
+    return kind, w, raw, quantize_rows(w, kind.ggml_id, factor.conditional)
 
 
 def routed_problem(seed: int, n_expert: int = 4, n_in: int = 512, tokens: int = 600):

@@ -18,7 +18,6 @@ from gguf.quants import IQ4_NL, dequantize
 from healsweep.kernels.ggml_decode import GGMLWeight, decode_rows
 from healsweep.quant import ggml_gptq, ggml_iq3grid, ggml_iq4grid
 from healsweep.quant.formats import format_of
-from healsweep.quant.ggml_gptq import inverse_factor
 
 IQ3_XXS, IQ3_S, IQ4_XS = int(T.IQ3_XXS), int(T.IQ3_S), int(T.IQ4_XS)
 TYPES = (IQ3_XXS, IQ3_S, IQ4_XS)
@@ -198,16 +197,10 @@ def test_a_scaled_identity_h_rechooses_at_most_ggmls_error_per_row(qtype):
     the flat metric, so no row's error exceeds ggml's answer's (on the IQ3 grids, where ggml
     searches its grid's neighbours, the total is lower), and the bytes decode alike in ggml,
     gguf-py and the graph."""
-    from healsweep.gguf_io._ggml_lib import dequantize_rows, quantize_rows
-    from test_ggml_gptq import correlated_problem
+    from healsweep.gguf_io._ggml_lib import dequantize_rows
+    from test_ggml_gptq import flat_h_column
 
-    kind = ggml_gptq.ggml_type(qtype)
-    w, _ = correlated_problem(8, n_in=512)
-    c, damp = 2.0, 0.05
-    u, _ = inverse_factor(np.eye(512, dtype=np.float32)[None] * c, damp)
-    factor = ggml_gptq.feedback_factor(u[0], np.full(512, c * (1 + damp)), 256)
-    raw = ggml_gptq.quantize_matrix(w, qtype, factor, method="column")
-    ggml = quantize_rows(w, kind.ggml_id, factor.conditional)
+    kind, w, raw, ggml = flat_h_column(qtype)
     ours, theirs = (dequantize_rows(r, kind.ggml_id, 512) for r in (raw, ggml))
     np.testing.assert_array_equal(dequantize(raw, T(kind.ggml_id)), ours)
     np.testing.assert_array_equal(np.asarray(decode_rows(raw, kind.ggml_id, 512)), ours)
