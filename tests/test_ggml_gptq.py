@@ -334,16 +334,23 @@ def test_column_feedback_on_the_grid_beats_block_feedback(qtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", EF_TYPES)
 def test_stored_bytes_decode_alike_in_gguf_py_ggml_and_the_graph(qtype):
-    from healsweep.gguf_io._ggml_lib import dequantize_rows
-
     kind = ggml_gptq.ggml_type(qtype)
     methods = ("block", "column") if kind.ggml_id in ggml_gptq.COLUMN_GRIDS else ("block",)
     for method in methods:
-        _, _, raw = ef_and_plain(qtype, 5, method=method)
-        assert raw.shape == (32, kind.row_bytes(512)) and raw.dtype == np.uint8
-        ggml = dequantize_rows(raw, kind.ggml_id, 512)
-        np.testing.assert_array_equal(dequantize(raw, T(kind.ggml_id)), ggml)
-        np.testing.assert_array_equal(np.asarray(decode_rows(raw, kind.ggml_id, 512)), ggml)
+        decodes_alike(qtype, method)
+
+
+def decodes_alike(qtype: str, method: str) -> None:
+    """Error feedback's bytes of :func:`ef_and_plain` (seed 5) have the type's row size and
+    decode to the same values in ggml, gguf-py and healsweep's graph decoder."""
+    from healsweep.gguf_io._ggml_lib import dequantize_rows
+
+    kind = ggml_gptq.ggml_type(qtype)
+    _, _, raw = ef_and_plain(qtype, 5, method=method)
+    assert raw.shape == (32, kind.row_bytes(512)) and raw.dtype == np.uint8
+    ggml = dequantize_rows(raw, kind.ggml_id, 512)
+    np.testing.assert_array_equal(dequantize(raw, T(kind.ggml_id)), ggml)
+    np.testing.assert_array_equal(np.asarray(decode_rows(raw, kind.ggml_id, 512)), ggml)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from healsweep.quant.ggml import KGridColumnGptq
 from healsweep.quant.ggml_gptq import inverse_factor
 from healsweep.quant.registry import quantizer_for
 from healsweep.quant.values import Group
-from test_ggml_gptq import correlated_problem, ef_and_plain
+from test_ggml_gptq import correlated_problem, decodes_alike, ef_and_plain
 from test_heal_types import CAL, _delta, gptq_against_ggml
 from test_heal_types import rows256 as heal_rows256
 
@@ -142,14 +142,7 @@ def test_alpha_folds_into_d_and_dmin_within_fp16_rounding(qtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_column_bytes_decode_alike_in_gguf_py_ggml_and_the_graph(name):
-    from healsweep.gguf_io._ggml_lib import dequantize_rows
-
-    kind = ggml_gptq.ggml_type(name)
-    _, _, raw = ef_and_plain(name, 5, method="column")
-    assert raw.shape == (32, kind.row_bytes(512)) and raw.dtype == np.uint8
-    ggml = dequantize_rows(raw, kind.ggml_id, 512)
-    np.testing.assert_array_equal(dequantize(raw, T(kind.ggml_id)), ggml)
-    np.testing.assert_array_equal(np.asarray(decode_rows(raw, kind.ggml_id, 512)), ggml)
+    decodes_alike(name, "column")
 
 
 @pytest.mark.slow
