@@ -191,13 +191,17 @@ def test_the_budget_recipes_load_with_their_types_and_sizes():
     from healsweep.sweep.spec_files import load_spec
 
     recipes = {p.stem: load_knobs(p) for p in PRESETS if p.stem.startswith("budget-")}
-    assert set(recipes) == {"budget-1.75", "budget-2.06", "budget-2.31", "budget-2.56"}
-    for name in ("budget-2.06", "budget-2.31"):  # uniform: one type for every routed tensor
+    uniform = ("budget-2.06", "budget-2.31", "budget-3.06", "budget-4.25")
+    assert set(recipes) == {"budget-1.75", "budget-2.56", *uniform}
+    for name in uniform:  # one type for every routed tensor
         knobs = recipes[name]
         limit = float(name.removeprefix("budget-"))
         assert knobs.type_gu == knobs.type_d and knobs.quantizer == "gptq"
         assert (knobs.alpha, knobs.ridge) == ("mse", True)
         assert round(ggml_type(knobs.type_gu).bits_per_weight, 2) == limit
+    for name in ("budget-3.06", "budget-4.25"):  # issue 49: the config its confirm spec scored
+        spec = load_spec(ROOT / "sweeps" / f"medium-cpu-confirm-{name[7:]}.yaml", check_paths=False)
+        assert recipes[name] in grid_configs(spec) and recipes[name] != spec.baseline
     # issue 39: an allocation per tensor group within its budget on the demo model, a config
     # its confirm spec scored against llama.cpp's bytes (IQ2_XXS; IQ2_S)
     shapes = ModelShapes.of(open_model("demo-medium-cpu"))
