@@ -330,6 +330,10 @@ def score_config(
         batch=ctx.spec.scoring.batch,
         teacher_cache=ctx.spec.scoring.teacher_cache,
         expert_cache=ExpertCacheConfig.from_knobs(knobs),  # as the sweep scored it on dev
+        # one batch at a time unless the spec says otherwise: the test split's windows in one
+        # layer-major group would carry all their hidden states at once (issue 47: confirm
+        # stays under 1 GB); the metrics are the same either way
+        group=ctx.spec.scoring.group or ctx.spec.scoring.batch,
     )
     rows: list[dict[str, Any]] = []
     for i, (window, metrics) in enumerate(scored):
