@@ -549,6 +549,7 @@ def forward_each(
     *,
     logits_for: Sequence[np.ndarray] | None = None,
     prefetch: bool | None = None,
+    pad_rows: Callable[[int], int] | None = None,
 ) -> ForwardResult:
     """The logits and router ids of :func:`forward`, each sequence computed as if it were alone.
 
@@ -559,20 +560,23 @@ def forward_each(
     fixed blocks of :data:`HEAD_ROWS`: a sequence's result is a function of its own tokens only, whatever came with
     it, and a layer's weights are still read once for all of them. What the teacher cache stores
     is computed this way, so an entry rebuilt in any batch equals the original bit for bit.
+    ``pad_rows``: as :func:`forward_batches`' (the logits stay on the device, each sequence's
+    ``n`` rows then zero rows up to ``pad_rows(n)``; the same values).
     """
     hp = model.hparams
     padded = [_pad_batch([seq], hp.n_vocab) for seq in sequences]  # ([1, T_b], [n_b])
     hs = [_on_device(_embed(model, tokens)) for tokens, _ in padded]  # [1, T_b, D] each
+    # per sequence, its expert tile rows and token positions (sent once, not once a layer)
+    placed = [(expert_tile_rows(tokens.shape[1] * hp.n_expert_used, hp.n_expert),
+               _on_device(np.arange(tokens.shape[1], dtype=np.int32)))
+              for tokens, _ in padded]  # fmt: skip
     router: list[list[np.ndarray]] = [[] for _ in sequences]
     for i, weights in _layers(model, {}, prefetch, partial(jax.block_until_ready, hs)):
         dense = i < hp.n_leading_dense
-        for b, (tokens, (n,)) in enumerate(padded):
-            t = tokens.shape[1]
-            tile = expert_tile_rows(t * hp.n_expert_used, hp.n_expert)
-            positions = _on_device(np.arange(t, dtype=np.int32))
+        for b, (tile, positions) in enumerate(placed):
             hs[b], cap = _block(hp, tile, False, dense, weights, hs[b], positions, None)
-            if not dense:
-                router[b].append(np.asarray(cap["topk_ids"])[:n])
+            if not dense:  # copied to the host after the last layer: no wait per window here
+                router[b].append(cap["topk_ids"])
             cap = None
         weights = None  # let go before the next layer is read
     norm = jnp.asarray(model.tensor("output_norm.weight"))
@@ -584,9 +588,13 @@ def forward_each(
         wanted.append(pos)
     hidden = np.concatenate([_final_norm(hp.rms_norm_eps, h, norm, p)
                              for h, p in zip(hs, wanted, strict=True)])  # fmt: skip
-    logits = _logits(model, hidden, row_block=HEAD_ROWS)
-    return ForwardResult(
-        logits=list(np.split(logits, np.cumsum([len(p) for p in wanted])[:-1])),
-        captures=None,
-        router=[np.stack(r, axis=1) for r in router],  # [T_b, L_moe, k]
-    )
+    logits = _logits(model, hidden, row_block=HEAD_ROWS, on_device=pad_rows is not None)
+    cuts = np.cumsum([0, *(len(p) for p in wanted)])
+    if pad_rows is None:
+        per_sequence = list(np.split(logits, cuts[1:-1]))
+    else:
+        per_sequence = [_padded_rows(logits, a, b - a, pad_rows(int(b - a)))
+                        for a, b in zip(cuts[:-1], cuts[1:], strict=True)]  # fmt: skip
+    routed = [np.stack([np.asarray(ids)[:n] for ids in r], axis=1)  # [T_b, L_moe, k]
+              for r, (_, (n,)) in zip(router, padded, strict=True)]  # fmt: skip
+    return ForwardResult(logits=per_sequence, captures=None, router=routed)

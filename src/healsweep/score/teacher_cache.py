@@ -43,7 +43,7 @@ from healsweep.score.compact import (
     compact_record,
     router_dtype,
 )
-from healsweep.score.metrics import _bucket, _pad_rows
+from healsweep.score.metrics import _bucket
 from healsweep.stage_names import Stage
 
 if TYPE_CHECKING:
@@ -98,16 +98,16 @@ def run_teacher(model: GGUFModel, windows: Sequence[Window]) -> list[TeacherOutp
     """The teacher's outputs over ``windows`` (no cache), each window's a function of that
     window alone (:func:`~healsweep.model.forward_each`)."""
     positions = [scored_positions(w) for w in windows]
-    result = forward_each(model, [w.tokens for w in windows], logits_for=positions)
+    # The logits stay on the device, each window's rows padded as the scorer pads them (zero
+    # rows up to its bucket): one compiled log-softmax per bucket, where a shape per row count
+    # kept ~20 executables per distinct count in memory (issue 47), and no [n, V] crosses to
+    # the host and back (issue 46: the H100 night's cold trial spent 99 s there). The
+    # log-probs stay on the device, where the compact record is made.
+    result = forward_each(model, [w.tokens for w in windows], logits_for=positions,
+                          pad_rows=_bucket)  # fmt: skip
     outputs = []
     for logits, router, pos in zip(result.logits, result.router, positions, strict=True):
-        # rows padded as the scorer pads them, and left padded: one compiled log-softmax per
-        # bucket. Each primitive per row count (~20 executables per distinct count), and then
-        # a device slice to n rows and the record's pad back to the bucket, each compiled per
-        # count, all kept in memory: several MB a window over a test split (issue 47). The
-        # log-probs stay on the device, where the compact record is made.
-        n = len(pos)
-        logprobs = _log_softmax()(_pad_rows(logits, _bucket(n)), n)  # [_bucket(n), V]
+        logprobs = _log_softmax()(logits, len(pos))  # [_bucket(n), V]
         outputs.append(TeacherOutput(logprobs, np.asarray(router[pos], dtype=np.int32)))
     return outputs
 
