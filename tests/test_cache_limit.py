@@ -133,22 +133,28 @@ def test_eviction_weighs_recompute_seconds_against_bytes(tmp_path):
     assert _present(tmp_path, "basis", "q2", "q3", "dear") == ["basis", "q3", "dear"]
 
 
-def test_one_knob_points_entries_go_before_what_every_point_of_a_quantization_reads(tmp_path):
+def test_the_entries_fewer_configs_read_go_first(tmp_path):
     """Issue 46: on the H100 night each rho/eta follow-up wrote 1.6 GB of ridge_fit and part_b,
     and eviction by worth alone deleted the other quantization's `quantize` entries (cheap per
-    byte on a GPU), which its next trial recomputed. A point's entries go first, by worth."""
+    byte on a GPU), which its next trial recomputed. Part B (one rho/eta point's) goes first,
+    then the ridge fits (one rho's, read by every eta at it), then a quantization's entries."""
     cache = StageCache(tmp_path, max_gb=_gib(3.5))  # three entries of 1 MiB fit, four do not
     _put_worth(cache, "quant", 0.05, stage="quantize")
     _tick()
-    _put_worth(cache, "fit1", 5.0, stage="ridge_fit")
+    _put_worth(cache, "fit1", 0.5, stage="ridge_fit")
     _tick()
     _put_worth(cache, "partb1", 2.0, stage="part_b")
     _tick()
-    _put_worth(cache, "fit2", 5.0, stage="ridge_fit")  # four: the cheaper point entry goes
+    _put_worth(cache, "partb2", 2.0, stage="part_b")  # four: the older Part B goes
+    assert _present(tmp_path, "partb1", "partb2", stage="part_b") == ["partb2"]
+    _tick()
+    _put_worth(cache, "fit2", 5.0, stage="ridge_fit")  # four: the last Part B goes
+    assert _present(tmp_path, "partb2", stage="part_b") == []
+    _tick()
+    _put_worth(cache, "fit3", 5.0, stage="ridge_fit")  # four: the cheapest fit, not the quant
     assert _present(tmp_path, "quant", stage="quantize") == ["quant"]
-    assert _present(tmp_path, "partb1", stage="part_b") == []
-    assert _present(tmp_path, "fit1", "fit2", stage="ridge_fit") == ["fit1", "fit2"]
-    assert disk.POINT_STAGES <= {stage.value for stage in Stage}
+    assert _present(tmp_path, "fit1", "fit2", "fit3", stage="ridge_fit") == ["fit2", "fit3"]
+    assert set(disk.POINT_TIERS) <= {stage.value for stage in Stage}
 
 
 def test_an_entry_unused_for_hours_loses_its_worth(tmp_path):

@@ -36,12 +36,13 @@ stops the kernel's own updates); its modification time is left alone, since it i
 identity under which the cache keeps entries in memory. A new entry's access time is its
 creation.
 
-**What goes first.** The entries of :data:`POINT_STAGES` (the ridge fit of one rho, Part B of
-one rho and eta) are read by one knob point alone, where a quantization's entries are read by
-every rho/eta point tried on it: they go before any other entry no trial holds, by value among
-themselves. On the H100 night each rho/eta follow-up wrote 1.6 GB of them, and eviction by
-value alone deleted the other quantization's `quantize` entries (cheap per byte on a GPU), so
-every switch of quantization recomputed 9-22 layers of it.
+**What goes first.** Part B's entries (one rho and eta point's) are read by one config, the
+ridge fits (:data:`POINT_TIERS`) by the eta points of one rho, where a quantization's entries are
+read by every rho/eta point tried on it: Part B goes before any other entry no trial holds, then
+the fits, each by value among themselves. On the H100 night each rho/eta follow-up wrote 1.6 GB
+of them, and eviction by value alone deleted the other quantization's `quantize` entries (cheap
+per byte on a GPU), so every switch of quantization recomputed 9-22 layers of it; with the fits
+and Part B in one tier, the fit an eta follow-up was about to read went first (cheapest per byte).
 
 **Holds.** A process that works on entries holds them (:meth:`healsweep.cache.StageCache.holding`):
 each holding block has its own file ``.holds/<host>-<pid>-<random>.holds`` under the root, on
@@ -89,12 +90,12 @@ STALE_S = 24 * 3600.0
 # them; tests/test_cache_limit.py checks they are stages): evicted last while fresh (docstring).
 SHARED_STAGES = frozenset({"calib_trace", "calib_trace_layer", "tensor_importance", "teacher_logits"})
 SHARED_FRESH_S = 24 * 3600.0  # a night: a shared entry unused for longer is evicted like any
-# Stage folders whose entries one knob point alone reads (rho and eta: the ridge fit, its
-# held-out check and Part B's shared expert): evicted first, before the entries every config of a
-# quantization reads (its quantize, routed_q, part_a, residuals, ridge_rhs; the bases). The H100
+# Stage folders whose entries fewer configs read than a quantization's (its quantize, routed_q,
+# part_a, residuals, ridge_rhs; the bases): Part B, one (rho, eta) point's, first, then the ridge
+# fit (and its held-out check), one rho's, which every eta tried at that rho reads. The H100
 # night's follow-ups each wrote 1.6 GB of them, and eviction by worth alone deleted the other
 # quantization's `quantize`, which its next trial recomputed (docstring, "What goes first").
-POINT_STAGES = frozenset({"ridge_fit", "ridge_heldout", "part_b"})
+POINT_TIERS = {"part_b": 0, "ridge_fit": 1, "ridge_heldout": 1}
 # An entry's value halves for every hour unused: within a night's trials (seconds to minutes
 # apart) the seconds per byte decide; an entry of a sweep that ended hours ago goes first.
 HALF_LIFE_S = 3600.0
@@ -358,14 +359,15 @@ def value(recompute_s: float, size: int, idle_s: float) -> float:
 
 
 def _eviction_order(root: Path, now_ns: int, seconds: Seconds):
-    """The sort key of :func:`_evict`: the entries of :data:`POINT_STAGES` first, then those
-    of other stages and stale shared ones, then the fresh entries of :data:`SHARED_STAGES`;
-    within each the least valuable (:func:`value`) first, then the least recently used."""
+    """The sort key of :func:`_evict`: the entries of :data:`POINT_TIERS` first (Part B, then
+    the ridge fits), then those of other stages and stale shared ones, then the fresh entries
+    of :data:`SHARED_STAGES`; within each the least valuable (:func:`value`) first, then the
+    least recently used."""
     fresh_after = now_ns - int(SHARED_FRESH_S * 1e9)
 
     def order(entry: Entry) -> tuple[int, float, int, str]:
         fresh_shared = entry.stage in SHARED_STAGES and entry.used_ns >= fresh_after
-        tier = 2 if fresh_shared else 0 if entry.stage in POINT_STAGES else 1
+        tier = 3 if fresh_shared else POINT_TIERS.get(entry.stage, 2)
         idle_s = (now_ns - entry.used_ns) / 1e9
         worth = value(seconds(root / entry.relpath, entry.size), entry.size, idle_s)
         return tier, worth, entry.used_ns, entry.relpath

@@ -195,11 +195,21 @@ def _layer_weights(model: GGUFModel, i: int, replacement: LayerReplacement | Non
     return weights
 
 
-def _pad_batch(sequences: Sequence[np.ndarray], n_vocab: int) -> tuple[np.ndarray, list[int]]:
+def _pad_batch(
+    sequences: Sequence[np.ndarray], n_vocab: int, bucket_within: int = 0
+) -> tuple[np.ndarray, list[int]]:
+    """``sequences`` right-padded with token 0 to a multiple of :data:`PAD_MULTIPLE`, or with
+    ``bucket_within`` (a context length) to a power of two as long as that stays within it: a
+    forward compiles once per padded length, several seconds of host cores each on a GPU
+    (the H100 night's cold trial spent most of its 84 s of teacher record compiling one length
+    per window's multiple of 64)."""
     lengths = [int(len(s)) for s in sequences]
     if not sequences or min(lengths) == 0:
         raise ValueError("forward: needs at least one sequence and no empty sequence")
     padded_len = -(-max(lengths) // PAD_MULTIPLE) * PAD_MULTIPLE
+    bucket = max(PAD_MULTIPLE, 1 << (max(lengths) - 1).bit_length())
+    if bucket <= bucket_within:
+        padded_len = bucket
     tokens = np.zeros((len(sequences), padded_len), np.int32)
     for b, seq in enumerate(sequences):
         seq = np.asarray(seq)
@@ -564,7 +574,8 @@ def forward_each(
     ``n`` rows then zero rows up to ``pad_rows(n)``; the same values).
     """
     hp = model.hparams
-    padded = [_pad_batch([seq], hp.n_vocab) for seq in sequences]  # ([1, T_b], [n_b])
+    # ([1, T_b], [n_b]): T_b a power of two within the context, a handful of compiled lengths
+    padded = [_pad_batch([seq], hp.n_vocab, hp.context_length) for seq in sequences]
     hs = [_on_device(_embed(model, tokens)) for tokens, _ in padded]  # [1, T_b, D] each
     # per sequence, its expert tile rows and token positions (sent once, not once a layer)
     placed = [(expert_tile_rows(tokens.shape[1] * hp.n_expert_used, hp.n_expert),
