@@ -182,9 +182,9 @@ KLD_VS_BPW_CAPTION = (
     "pooled KLD against routed bits per weight: each config with its paired-bootstrap CI, "
     "healsweep's Pareto front, llama.cpp's files (external) and the budget"
 )
-# The routed bpw the plot always spans (issue 39): llama.cpp's IQ1_S (1.5625) to IQ3_XXS
-# (3.0625), so sweeps of different types share one axis and the reference points line up.
-BPW_RANGE = (1.5, 3.1)
+# The routed bpw the plot always spans (issues 39, 49): llama.cpp's IQ1_S (1.5625) to Q4_K
+# (4.5), so sweeps of different types share one axis and the reference points line up.
+BPW_RANGE = (1.5, 4.5)
 
 
 def own_front(configs: list[ConfigResult]) -> list[ConfigResult]:
