@@ -128,7 +128,7 @@ def test_the_report_labels_each_of_the_three(tmp_path):
     ]
     assert [r.split(" | ")[1] for r in rows] == ["the allocator's best", "best uniform",
                                                  "best search"]  # fmt: skip
-    assert "allocator proposal, sweep alloc" in rows[0] and "tpe trial, sweep tpe" in rows[2]
+    assert "the allocator's choice, sweep alloc" in rows[0] and "tpe trial, sweep tpe" in rows[2]
     assert "grid point, sweep alloc" in rows[1] and "iq2_xs/iq2_xs" in rows[1]
     # a grid or TPE sweep without allocator proposals has no such table
     plain = write_report(other, n_boot=300)["markdown"].read_text()
@@ -146,3 +146,18 @@ def test_a_sweep_of_another_model_is_refused_beside_it(tmp_path):
                          timeout=120)  # fmt: skip
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.strip().startswith("error:") and "model_fingerprint" in run.stderr
+
+
+def test_a_grid_point_another_sweeps_allocator_proposed_is_the_allocators(tmp_path):
+    """A grid sweep that scores the allocator's choice as one of its points: alone it has no
+    allocator row; with the allocator's sweep beside it, that point is the allocator's."""
+    alloc = summarize(_allocator_sweep(tmp_path), n_boot=200)
+    configs = {"base": ALLOCATOR_SWEEP["base"], "chosen": (PROPOSAL, 0.6 * np.ones(N), 2.25)}
+    grid = summarize(_write_sweep(tmp_path / "grid", "grid", configs, "grid"), n_boot=200)
+    assert contenders(grid) == []
+    low = contenders(grid, [alloc])[0]
+    assert low.rows[0].origin == Origin.ALLOCATOR
+    assert (low.rows[0].candidate.sweep, low.rows[0].candidate.config.trial_ids) == (
+        "grid",
+        ["chosen"],
+    )  # the better of the two scorings of that student (0.6 against 0.7)

@@ -45,7 +45,7 @@ class Candidate:
     config: ConfigResult
     sweep: str
     sampler: str
-    proposed: bool  # one of its sweep's allocator proposals
+    proposed: bool  # the student of an allocator proposal (of any sweep compared)
 
 
 @dataclass
@@ -66,9 +66,15 @@ class TierContenders:
     rows: list[Contender]
 
 
-def candidates(summary: SweepSummary) -> list[Candidate]:
-    """The sweep's completed trials (the baseline included) that have a size and a pooled KLD."""
-    proposed = {student_key(Knobs(**p["knobs"])) for p in summary.allocator.get("proposals", [])}
+def proposals(summary: SweepSummary) -> set[str]:
+    """The students of the allocator's proposals in the sweep (``allocator.json``)."""
+    return {student_key(Knobs(**p["knobs"])) for p in summary.allocator.get("proposals", [])}
+
+
+def candidates(summary: SweepSummary, proposed: set[str] = frozenset()) -> list[Candidate]:
+    """The sweep's completed trials (the baseline included) that have a size and a pooled KLD;
+    those whose student is in ``proposed`` (or its own proposals) are the allocator's."""
+    proposed = proposed | proposals(summary)
     return [
         Candidate(c, summary.name, summary.sampler, student_key(c.knobs) in proposed)
         for c in summary.configs
@@ -98,12 +104,16 @@ def _origin_of(candidate: Candidate) -> list[Origin]:
 
 
 def contenders(summary: SweepSummary, beside: list[SweepSummary] = ()) -> list[TierContenders]:
-    """Per budget tier of ``summary`` with a completed allocator proposal inside it: the
-    allocator's best, the best uniform config and the best config of a search (tpe/random), each
-    from ``summary`` or the sweeps ``beside`` it, the last two with the allocator's best paired
-    against them. [] without a budget or without allocator proposals."""
+    """Per budget tier of ``summary`` with a completed allocator proposal inside it (a config
+    of any of the sweeps whose student an allocator proposed): the allocator's best, the best
+    uniform config and the best config of a search (tpe/random), each from ``summary`` or the
+    sweeps ``beside`` it, the last two with the allocator's best paired against them. [] without
+    a budget or without allocator proposals."""
     budget = summary.budget
-    pool = [c for s in (summary, *beside) for c in candidates(s)]
+    sweeps = (summary, *beside)
+    # a grid point of one sweep that another sweep's allocator proposed is the allocator's too
+    proposed = set().union(*(proposals(s) for s in sweeps))
+    pool = [c for s in sweeps for c in candidates(s, proposed)]
     if budget is None or not any(c.proposed for c in pool):
         return []
     out = []
@@ -129,7 +139,7 @@ def contenders(summary: SweepSummary, beside: list[SweepSummary] = ()) -> list[T
 def role_word(candidate: Candidate) -> str:
     """How the report names a contender's provenance: its sweep and sampler."""
     if candidate.proposed:
-        what = "allocator proposal"
+        what = "the allocator's choice"
     elif candidate.config.role == Role.BASELINE:
         what = "baseline"
     else:
