@@ -18,7 +18,7 @@ from healsweep.heal.knobs import Knobs
 from healsweep.results.aggregate import summarize
 from healsweep.results.contenders import Origin, beside_sweep, contenders
 from healsweep.results.report import write_report
-from healsweep.results.schema import knob_columns, to_table, trial_schema, window_schema
+from healsweep.results.schema import Role, knob_columns, to_table, trial_schema, window_schema
 from healsweep.results.store import atomic_write_table
 from healsweep.sweep.space import config_hash
 
@@ -161,3 +161,28 @@ def test_a_grid_point_another_sweeps_allocator_proposed_is_the_allocators(tmp_pa
         "grid",
         ["chosen"],
     )  # the better of the two scorings of that student (0.6 against 0.7)
+
+
+def test_the_labels_of_close_points_do_not_overprint():
+    """llama.cpp's files a few hundredths of a bit apart (IQ3_S and Q3_K share 3.4375): each
+    label finds a spot where it overprints none placed before it."""
+    from healsweep.results.aggregate import ConfigResult
+    from healsweep.results.plots import _label_points, _pyplot
+
+    fig, ax = _pyplot().subplots(figsize=(8.4, 5.0))
+    points = [(1.5625, 0.024), (1.75, 0.022), (2.5625, 0.0068), (2.625, 0.0094), (3.4375, 0.0034),
+              (3.4375, 0.0035), (4.25, 0.00088), (4.25, 0.00068)]  # fmt: skip
+    files = [
+        ConfigResult(f"h{i}", None, False, "completed", [f"e{i}"], {}, pooled={"kld_mean": y},
+                     role=Role.EXTERNAL, label=f"llama-file-{i}", routed_bpw=x)
+        for i, (x, y) in enumerate(points)
+    ]  # fmt: skip
+    ax.plot([x for x, _ in points], [y for _, y in points], "s")
+    ax.set_yscale("log")
+    ax.set_xlim(1.44, 4.56)
+    _label_points(ax, files, label=lambda c: c.label)
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert len(boxes) == len(points)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    _pyplot().close(fig)
