@@ -186,3 +186,25 @@ def test_the_labels_of_close_points_do_not_overprint():
     assert len(boxes) == len(points)
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
     _pyplot().close(fig)
+
+
+@pytest.mark.parametrize(
+    "layer_types",
+    ["0:iq1_s/iq1_s,1:iq1_s/iq1_s,2:iq1_s/iq1_s,3:iq1_s/iq1_s",
+     "0:iq2_xxs/iq2_xxs,1:iq1_s/iq1_s,2:iq1_m/iq2_xxs,3:iq1_m/iq1_s",
+     "0:iq2_xs/iq3_xxs,1:iq2_xs/iq3_xxs,-1:iq2_xs/iq3_xxs", "-2:q2_k/q2_k,-1:q2_k/q2_k", ""],
+)  # fmt: skip
+def test_a_compact_layer_list_names_the_same_layers(layer_types):
+    """The report's short form of ``layer_types`` expands back to the canonical value."""
+    from healsweep.results.budget import compact_layers
+
+    short = compact_layers(layer_types)
+    expanded = []
+    for entry in filter(None, short.split(",")):
+        layers, types = entry.split(":")
+        first, _, last = layers.partition("-") if not layers.startswith("-") else (layers, "", "")
+        expanded += [f"{i}:{types}" for i in range(int(first), int(last or first) + 1)]
+    assert ",".join(expanded) == layer_types
+    assert len(short) <= len(layer_types)
+    if layer_types.startswith("0:iq1_s"):
+        assert short == "0-3:iq1_s/iq1_s"

@@ -15,6 +15,7 @@ from healsweep.results.aggregate import ConfigResult, SweepSummary, summarize
 from healsweep.results.budget import (
     allocation,
     allocation_rows,
+    compact_layers,
     file_mib,
     healing_pairs,
     over_budget_lines,
@@ -54,7 +55,8 @@ def _name(role: Role, label: str | None, knobs: Knobs | None, baseline: ConfigRe
         return str(label)
     base = baseline.knob_values
     values = {} if knobs is None else knobs.model_dump()
-    changed = [f"{k}={_value(v)}" for k, v in values.items() if v != base.get(k)]
+    changed = [f"{k}={compact_layers(v) if k == 'layer_types' else _value(v)}"
+               for k, v in values.items() if v != base.get(k)]  # fmt: skip
     return ", ".join(changed) or "= baseline"
 
 
