@@ -208,3 +208,19 @@ def test_a_compact_layer_list_names_the_same_layers(layer_types):
     assert len(short) <= len(layer_types)
     if layer_types.startswith("0:iq1_s"):
         assert short == "0-3:iq1_s/iq1_s"
+
+
+def test_under_a_file_budget_a_uniform_config_retypes_every_group_alike():
+    """Routed IQ2_XS with IQ4_XS attention is the allocator's kind of file, not a uniform one;
+    every retyped group in IQ2_XS (or left as the teacher stores it) is."""
+    from healsweep.results.aggregate import ConfigResult
+    from healsweep.results.contenders import is_uniform_under
+
+    def config(**types):
+        return ConfigResult("h", _knobs("iq2_xs", "iq2_xs").replace(**types), False, "completed",
+                            ["t"], {})  # fmt: skip
+
+    mixed, alike = config(type_attn="iq4_xs"), config(type_attn="iq2_xs", type_embd="iq2_xs")
+    assert is_uniform_under(mixed, "routed_bpw") and not is_uniform_under(mixed, "file_bytes")
+    assert is_uniform_under(alike, "file_bytes") and is_uniform_under(config(), "file_bytes")
+    assert not is_uniform_under(ConfigResult("h", PROPOSAL, False, "completed", [], {}), "routed_bpw")

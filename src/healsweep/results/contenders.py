@@ -2,10 +2,11 @@
 
 A recipe under a size budget can come from three places: the allocator (sampler ``allocator``:
 its proposals, ``allocator.json``, scored as grid points of the sweep), one type for every
-routed expert (a *uniform* config), or a search (sampler ``tpe`` or ``random``: every trial it
-ran, the baseline it starts from included). Per budget tier, :func:`contenders` takes the best
-completed config of each, so the report shows them side by side with the allocator's paired
-change against the other two (negative: the allocator's choice is better).
+routed expert (a *uniform* config; under a file budget every other group it retypes takes that
+type too), or a search (sampler ``tpe`` or ``random``: every trial it ran, the baseline it starts
+from included). Per budget tier, :func:`contenders` takes the best completed config of each, so
+the report shows them side by side with the allocator's paired change against the other two
+(negative: the allocator's choice is better).
 
 The three rarely come from one sweep (a sweep has one sampler), so the search may be another
 sweep's: :func:`beside_sweep` admits it when it scored the same model on the same split, and a
@@ -19,7 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from healsweep.errors import ResultsError
-from healsweep.heal.knobs import Knobs
+from healsweep.heal.knobs import TEACHER, Knobs
 from healsweep.heal.reads import student_key
 from healsweep.results.aggregate import ConfigResult, SweepSummary, paired
 from healsweep.results.budget import is_uniform, measured
@@ -97,9 +98,21 @@ def beside_sweep(summary: SweepSummary, other: SweepSummary) -> SweepSummary:
     return other
 
 
-def _origin_of(candidate: Candidate) -> list[Origin]:
+def is_uniform_under(config: ConfigResult, measure: str) -> bool:
+    """One type for every routed expert (:func:`~healsweep.results.budget.is_uniform`); under a
+    file budget also for every other tensor group the config retypes (a group left as the
+    teacher stores it is not retyped): llama.cpp's one-type file, healed."""
+    if not is_uniform(config):
+        return False
+    values = config.knob_values
+    return measure == "routed_bpw" or all(
+        values[k] in (TEACHER, values["type_gu"]) for k in Knobs.FILE_TYPES
+    )
+
+
+def _origin_of(candidate: Candidate, measure: str) -> list[Origin]:
     found = [Origin.ALLOCATOR] if candidate.proposed else []
-    found += [Origin.UNIFORM] if is_uniform(candidate.config) else []
+    found += [Origin.UNIFORM] if is_uniform_under(candidate.config, measure) else []
     return found + ([Origin.SEARCH] if candidate.sampler in SEARCHES else [])
 
 
@@ -122,7 +135,7 @@ def contenders(summary: SweepSummary, beside: list[SweepSummary] = ()) -> list[T
                   and budget.within(size, limit)]  # fmt: skip
         best = {}
         for candidate in sorted(inside, key=lambda c: c.config.pooled["kld_mean"]):
-            for origin in _origin_of(candidate):
+            for origin in _origin_of(candidate, budget.measure):
                 best.setdefault(origin, candidate)
         mine = best.get(Origin.ALLOCATOR)
         if mine is None:

@@ -319,7 +319,7 @@ def contenders_table(summary: SweepSummary, beside: list[SweepSummary] = ()) -> 
     for tier in contenders(summary, beside):
         for row in tier.rows:
             config = row.candidate.config
-            same = row.comparison is None and row.candidate is not tier.rows[0].candidate
+            same = row.comparison is None and row is not tier.rows[0]  # the allocator's own
             rows.append([tier.label, str(row.origin),
                          f"{describe(config, summary.baseline)} ({allocation(config)})",
                          role_word(row.candidate), _fmt(config.routed_bpw, ".5g"),
