@@ -22,6 +22,7 @@ _JSON = typer.Option(
 _BESIDE = typer.Option(
     None,
     "--beside",
+    metavar="<path>",
     help="Another sweep's results folder (repeatable), of the same model and split: its best "
     "uniform and tpe/random configs of each budget tier go beside the allocator's choice.",
 )
