@@ -19,11 +19,22 @@ _JSON = typer.Option(
     help="Print one JSON object (what the sweep found, the leaderboard, the files written) "
     "instead of the text tables; the report files are written all the same.",
 )
+_BESIDE = typer.Option(
+    None,
+    "--beside",
+    metavar="<path>",
+    help="Another sweep's results folder (repeatable), of the same model and split: its best "
+    "uniform and tpe/random configs of each budget tier go beside the allocator's choice.",
+)
 
 
 @app.command("report")
 def report(
-    sweep_dir: Path = _SWEEP_DIR, n_boot: int = _BOOT, seed: int = _SEED, as_json: bool = _JSON
+    sweep_dir: Path = _SWEEP_DIR,
+    n_boot: int = _BOOT,
+    seed: int = _SEED,
+    as_json: bool = _JSON,
+    beside: list[Path] | None = _BESIDE,
 ) -> None:
     """What the sweep found, the leaderboard vs the baseline with CIs and verdicts, strata, knob
     effects, pruning, plots: report/report.md and report/report.html."""
@@ -36,10 +47,12 @@ def report(
     from healsweep.results.report import counts_line, found_lines, leaderboard, write_report
     from healsweep.results.store import read_manifest
 
-    read_manifest(sweep_dir)  # a clear error when this is not a sweep folder
+    for folder in [sweep_dir, *(beside or [])]:
+        read_manifest(folder)  # a clear error when this is not a sweep folder
     check_output_folder(sweep_dir, "report")  # it goes to SWEEP/report/, after the bootstrap
     summary = summarize(sweep_dir, n_boot=n_boot, seed=seed)
-    paths = write_report(sweep_dir, summary=summary, confirmed=read_confirmed(sweep_dir))
+    paths = write_report(sweep_dir, summary=summary, confirmed=read_confirmed(sweep_dir),
+                         beside=beside or [])  # fmt: skip
     header, rows = leaderboard(summary)
     if as_json:
         found = to_json(summary, findings(summary), str(sweep_dir))

@@ -123,6 +123,7 @@ class SweepSummary:
     rows: dict[str, int] = field(default_factory=dict)  # trials.parquet rows by role
     window_counts: dict[str, int] = field(default_factory=dict)  # :func:`window_counts`
     allocator: dict[str, Any] = field(default_factory=dict)  # allocator.json (its sampler's)
+    sampler: str = "grid"  # the spec's sampler type (grid, tpe, random, allocator)
 
 
 # Which status a config shows when its rows differ, and which row names it first.
@@ -212,6 +213,7 @@ def summarize(
         key=lambda c: (c.status != TrialStatus.COMPLETED, c.pooled["kld_mean"]),
     )
     windows_total = max((int(r["windows_total"]) for r in rows if r["windows_total"]), default=0)
+    spec = read_stored_spec(sweep_dir)
     return SweepSummary(
         name=manifest.get("sweep", sweep_dir.name),
         manifest=manifest,
@@ -226,14 +228,22 @@ def summarize(
         pruning=pruning_summary([t for t in trials if row_role(t).tuned], windows_total),
         rule=rule,
         pool=pool_summary(trials),
-        budget=Budget.from_mapping(read_stored_spec(sweep_dir).get("budget")),
+        budget=Budget.from_mapping(spec.get("budget")),
         over_budget=read_over_budget(sweep_dir),
         n_boot=n_boot,
         seed=seed,
         rows=dict(Counter(str(row_role(t)) for t in trials)),
         window_counts=window_counts(rows),
         allocator=read_allocator(sweep_dir),
+        sampler=_sampler_type(spec.get("sampler")),
     )
+
+
+def _sampler_type(sampler: Any) -> str:
+    """A stored spec's sampler (``tpe`` or ``{type: tpe, seed: 0}``) as its type name."""
+    if isinstance(sampler, dict):
+        return str(sampler.get("type", "grid"))
+    return "grid" if sampler is None else str(sampler)
 
 
 def paired(base: ConfigResult, config: ConfigResult, *, n_boot: int, seed: int) -> Any:

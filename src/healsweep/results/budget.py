@@ -132,8 +132,21 @@ def allocation(config: ConfigResult) -> str:
 def _types(values: dict[str, Any]) -> str:
     parts = [f"{values['type_gu']}/{values['type_d']}"]
     parts += [f"{k}={values[k]}" for k in ("up_first", "up_last") if values.get(k)]
-    parts += [f"layers {values['layer_types']}"] if values.get("layer_types") else []
+    parts += [f"layers {compact_layers(values['layer_types'])}"] if values.get("layer_types") else []
     return ", ".join(parts)
+
+
+def compact_layers(layer_types: str) -> str:
+    """A ``layer_types`` value with each run of consecutive layers (counted from the first; a
+    negative index, counted from the last, stays alone) of one type pair written once: ``0:iq1_s/iq1_s,1:iq1_s/iq1_s,2:iq1_m/iq2_xs`` -> ``0-1:iq1_s/iq1_s,2:iq1_m/iq2_xs``."""
+    runs: list[list] = []  # [first layer, last layer, types]
+    for entry in filter(None, layer_types.split(",")):
+        layer, types = entry.split(":", 1)
+        if runs and runs[-1][2] == types and int(layer) == runs[-1][1] + 1 > 0:
+            runs[-1][1] = int(layer)
+        else:
+            runs.append([int(layer), int(layer), types])
+    return ",".join(f"{a}{'' if a == b else f'-{b}'}:{t}" for a, b, t in runs)
 
 
 def pareto_front(configs: list[ConfigResult]) -> list[ConfigResult]:

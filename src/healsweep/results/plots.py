@@ -182,9 +182,9 @@ KLD_VS_BPW_CAPTION = (
     "pooled KLD against routed bits per weight: each config with its paired-bootstrap CI, "
     "healsweep's Pareto front, llama.cpp's files (external) and the budget"
 )
-# The routed bpw the plot always spans (issue 39): llama.cpp's IQ1_S (1.5625) to IQ3_XXS
-# (3.0625), so sweeps of different types share one axis and the reference points line up.
-BPW_RANGE = (1.5, 3.1)
+# The routed bpw the plot always spans (issues 39, 49): llama.cpp's IQ1_S (1.5625) to Q4_K
+# (4.5), so sweeps of different types share one axis and the reference points line up.
+BPW_RANGE = (1.5, 4.5)
 
 
 def own_front(configs: list[ConfigResult]) -> list[ConfigResult]:
@@ -204,7 +204,7 @@ def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
 
     level = summary.rule.ci_level
     sized = [c for c in summary.configs if c.routed_bpw is not None and c.pooled]
-    fig, ax = _pyplot().subplots(figsize=(7.2, 4.8))
+    fig, ax = _pyplot().subplots(figsize=(8.4, 5.0))
     for config in sized:
         x, y = config.routed_bpw, config.pooled["kld_mean"]
         comp = config.comparison
@@ -222,9 +222,6 @@ def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
             ax.plot(x, y, marker, color=colour, ms=4, alpha=0.35, label=legend)
             continue
         ax.errorbar(x, y, yerr=yerr, fmt=marker, color=colour, capsize=2, ms=6, label=legend)
-        if config.role == Role.EXTERNAL or config.is_baseline:
-            ax.annotate(label(config)[:24], (x, y), fontsize=6, xytext=(4, 3),
-                        textcoords="offset points")  # fmt: skip
     front = own_front(sized)
     if len(front) > 1:
         ax.step([c.routed_bpw for c in front], [c.pooled["kld_mean"] for c in front],
@@ -235,12 +232,14 @@ def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
     budget = summary.budget
     if budget is not None and budget.measure == "routed_bpw":
         for limit in budget.limits:
-            ax.axvline(limit, color="tab:red", ls="--", lw=0.9, label="budget")
+            ax.axvline(limit, color="tab:red", ls="--", lw=0.8, alpha=0.45, label="budget")
     if any(c.pooled["kld_mean"] > 0 for c in sized):
         ax.set_yscale("log")
     xs = [c.routed_bpw for c in sized]
     lo, hi = min([BPW_RANGE[0], *xs]), max([BPW_RANGE[1], *xs])
     ax.set_xlim(lo - 0.02 * (hi - lo), hi + 0.02 * (hi - lo))
+    _label_points(ax, [c for c in sized if c.status == TrialStatus.COMPLETED
+                       and (c.role == Role.EXTERNAL or c.is_baseline)], label)  # fmt: skip
     ax.set_xlabel("routed experts: stored bits per weight")
     ax.set_ylabel(f"pooled KLD ({level:.0%} paired CI vs baseline)")
     ax.set_title("quality against size (lower left is better)", fontsize=9)
@@ -251,6 +250,32 @@ def kld_vs_bpw(summary: SweepSummary, path: Path, label: Callable[[ConfigResult]
     else:
         ax.text(0.5, 0.5, "no config has a recorded size", ha="center", transform=ax.transAxes)
     return save(fig, path)
+
+
+# where a label may sit beside its point (offset in points, alignment), tried in turn until it
+# overprints no label placed before it: right and above, right and below, then the left side
+_LABEL_SPOTS = (((5, 4), "left"), ((5, -10), "left"), ((-5, 4), "right"), ((-5, -10), "right"),
+                ((5, 12), "left"), ((5, -18), "left"))  # fmt: skip
+
+
+def _label_points(ax, configs: list[ConfigResult], label: Callable[[ConfigResult], str]) -> None:
+    """Name each of ``configs`` beside its point (llama.cpp's files, the baseline) on a white
+    ground, so that a budget line or an error bar behind it does not hide it, each at the first
+    spot where it overprints no earlier label (by bpw; the axes' limits are set before)."""
+    renderer = ax.figure.canvas.get_renderer()
+    placed = []
+    for config in sorted(configs, key=lambda c: c.routed_bpw):
+        for offset, align in _LABEL_SPOTS:
+            text = ax.annotate(label(config)[:24], (config.routed_bpw, config.pooled["kld_mean"]),
+                               xytext=offset, textcoords="offset points", ha=align, fontsize=6.5,
+                               bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none",
+                                     "alpha": 0.8})  # fmt: skip
+            box = text.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            if (offset, align) != _LABEL_SPOTS[-1]:
+                text.remove()  # the last spot stays, overprinting or not
+        placed.append(box)
 
 
 def write_plots(

@@ -15,12 +15,14 @@ from healsweep.results.aggregate import ConfigResult, SweepSummary, summarize
 from healsweep.results.budget import (
     allocation,
     allocation_rows,
+    compact_layers,
     file_mib,
     healing_pairs,
     over_budget_lines,
     sensitivity_lines,
     tiers,
 )
+from healsweep.results.contenders import beside_sweep, contenders, role_word
 from healsweep.results.findings import (
     best_accepted,
     best_by_kld,
@@ -53,7 +55,8 @@ def _name(role: Role, label: str | None, knobs: Knobs | None, baseline: ConfigRe
         return str(label)
     base = baseline.knob_values
     values = {} if knobs is None else knobs.model_dump()
-    changed = [f"{k}={_value(v)}" for k, v in values.items() if v != base.get(k)]
+    changed = [f"{k}={compact_layers(v) if k == 'layer_types' else _value(v)}"
+               for k, v in values.items() if v != base.get(k)]  # fmt: skip
     return ", ".join(changed) or "= baseline"
 
 
@@ -305,7 +308,29 @@ def allocations_table(summary: SweepSummary) -> Table:
     return header, rows
 
 
-def _budget_sections(summary: SweepSummary) -> list[tuple[str, list[str]]]:
+def contenders_table(summary: SweepSummary, beside: list[SweepSummary] = ()) -> Table:
+    """Per budget tier, the allocator's best beside the best uniform config and the best config
+    of a search (tpe/random; from this sweep or one put beside it), each labelled, with the
+    allocator's paired Δ against the other two (negative: the allocator's choice is better)."""
+    level = summary.rule.ci_level
+    header = ["budget", "which", "config (gate-up/down)", "from", "bpw", "file MiB", "pooled KLD",
+              f"the allocator's Δ KLD against it [{level:.0%} CI]"]  # fmt: skip
+    rows = []
+    for tier in contenders(summary, beside):
+        for row in tier.rows:
+            config = row.candidate.config
+            same = row.comparison is None and row is not tier.rows[0]  # the allocator's own
+            rows.append([tier.label, str(row.origin),
+                         f"{describe(config, summary.baseline)} ({allocation(config)})",
+                         role_word(row.candidate), _fmt(config.routed_bpw, ".5g"),
+                         _fmt(file_mib(config), ".2f"), f"{config.pooled['kld_mean']:.5f}",
+                         "the same config" if same else _delta(row.comparison, level)])  # fmt: skip
+    return header, rows
+
+
+def _budget_sections(
+    summary: SweepSummary, beside: list[SweepSummary] = ()
+) -> list[tuple[str, list[str]]]:
     """The size budget's sections (none without a budget), the healing pairs, and the
     allocations beside uniform recipes (with the allocator's sensitivity table)."""
     pairs = healing_table(summary)
@@ -319,8 +344,11 @@ def _budget_sections(summary: SweepSummary) -> list[tuple[str, list[str]]]:
     if summary.budget is None:
         return healing + allocations
     found = tiers(summary)
+    three = contenders_table(summary, beside)
+    side_by_side = "The allocator beside the best uniform and searched configs per budget"
     return [
         ("Best config per budget against llama.cpp", _md(best_per_tier_table(summary, found))),
+        *([(side_by_side, _md(three))] if three[1] else []),
         *((f"Configs within {tier.label}", _md(tier_table(summary, tier))) for tier in found),
         *allocations,
         *healing,
@@ -411,6 +439,7 @@ def _sections(
     plots: dict[str, str],
     confirmed: list[dict] | None = None,
     sweep_dir: str = "RESULTS/NAME",
+    beside: list[SweepSummary] = (),
 ) -> list[tuple[str, list[str]]]:
     """Each section's title and Markdown lines, in order (``plots``: {caption: file name})."""
 
@@ -432,7 +461,7 @@ def _sections(
         ("What the sweep found", found_lines(summary, sweep_dir)),
         ("Leaderboard against the baseline and the references", _md(leaderboard(summary))),
         *([("Every config against the baseline", first)] if first else []),
-        *_budget_sections(summary),
+        *_budget_sections(summary, beside),
         *(
             (f"Dev and test (milestone {ms['milestone']})", _md(confirmed_table(summary, ms)))
             for ms in confirmed or []
@@ -496,11 +525,13 @@ def render_markdown(
     plots: dict[str, str],
     confirmed: list[dict] | None = None,
     sweep_dir: str = "RESULTS/NAME",
+    beside: list[SweepSummary] = (),
 ) -> str:
     """The Markdown report (``sweep_dir``: the folder as the user names it, for the commands
-    it prints)."""
+    it prints; ``beside``: other sweeps of the same model and split whose configs the
+    allocator's table compares)."""
     out = [f"# Sweep report: {summary.name}", "", _intro(summary), ""]
-    for title, lines in _sections(summary, plots, confirmed, sweep_dir):
+    for title, lines in _sections(summary, plots, confirmed, sweep_dir, beside):
         out += [f"## {title}", "", *lines, ""]
     return "\n".join(out)
 
@@ -531,20 +562,25 @@ def write_report(
     seed: int = 0,
     summary: SweepSummary | None = None,
     confirmed: list[dict[str, Any]] | None = None,
+    beside: list[str | Path] = (),
 ) -> dict[str, Path]:
     """Write ``report/report.md``, ``report/report.html`` and the PNG plots; return their paths
     (``summary`` = an already computed :func:`summarize` of the same folder; ``confirmed`` = the
     milestones `healsweep confirm` opened, :func:`healsweep.confirm.read_confirmed`, shown dev
-    beside test — passed in, since results sit below confirm in the layer order)."""
+    beside test — passed in, since results sit below confirm in the layer order; ``beside`` =
+    other sweeps' folders, of the same model and split, whose best uniform and searched configs
+    the allocator's table compares with the allocator's choice)."""
 
     sweep_dir = Path(sweep_dir)
     summary = summary or summarize(sweep_dir, n_boot=n_boot, seed=seed)
+    others = [beside_sweep(summary, summarize(d, n_boot=summary.n_boot, seed=summary.seed))
+              for d in beside]  # fmt: skip
     out = sweep_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(summary, out, label=lambda c: describe(c, summary.baseline))
     relative = {caption: path.name for caption, path in plots.items()}
     md, page = out / "report.md", out / "report.html"
-    markdown = render_markdown(summary, relative, confirmed, str(sweep_dir))
+    markdown = render_markdown(summary, relative, confirmed, str(sweep_dir), others)
     atomic_write_text(md, markdown)
     atomic_write_text(page, render_html(summary.name, markdown))
     return {"markdown": md, "html": page, **plots}
