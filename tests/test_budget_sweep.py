@@ -357,8 +357,12 @@ def test_the_whole_file_and_pareto_sweeps_load_with_their_references():
 
 
 @needs_ggml
-@pytest.mark.parametrize(("size", "type_name", "inside"), [("iq3", "iq3_xxs", 7), ("iq4", "iq4_xs", 5)])
-def test_the_iq3_and_iq4_file_budget_sweeps_hold_llama_cpps_file_of_that_type(size, type_name, inside):
+@pytest.mark.parametrize(
+    ("size", "type_name", "inside"), [("iq3", "iq3_xxs", 7), ("iq4", "iq4_xs", 5)]
+)
+def test_the_iq3_and_iq4_file_budget_sweeps_hold_llama_cpps_file_of_that_type(
+    size, type_name, inside
+):
     """Issue 49's whole-file sizes: each sweep's budget is the teacher's file with every matrix
     in the type (llama.cpp's --pure file less its metadata, its external row), its allocator's
     base is that file healed, the ladder steps every routed group and every other group one type
@@ -374,7 +378,8 @@ def test_the_iq3_and_iq4_file_budget_sweeps_hold_llama_cpps_file_of_that_type(si
                     **dict.fromkeys(Knobs.FILE_TYPES, type_name))  # fmt: skip
     assert spec.budget.budget().limits == (config_size(model, uniform).file_bytes,)
     (llama,) = spec.external
-    assert (llama.llama.type, llama.llama.all_tensors, llama.llama.imatrix) == (type_name, True, True)
+    recipe = llama.llama
+    assert (recipe.type, recipe.all_tensors, recipe.imatrix) == (type_name, True, True)
     base = sensitivity_base(spec)
     assert {getattr(base, f"type_{g}") for g in ("gu", "d", "attn", "shexp", "embd", "output")} == {
         type_name}  # fmt: skip
