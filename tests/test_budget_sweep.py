@@ -357,6 +357,39 @@ def test_the_whole_file_and_pareto_sweeps_load_with_their_references():
 
 
 @needs_ggml
+@pytest.mark.parametrize(
+    ("size", "type_name", "inside"), [("iq3", "iq3_xxs", 7), ("iq4", "iq4_xs", 5)]
+)
+def test_the_iq3_and_iq4_file_budget_sweeps_hold_llama_cpps_file_of_that_type(
+    size, type_name, inside
+):
+    """Issue 49's whole-file sizes: each sweep's budget is the teacher's file with every matrix
+    in the type (llama.cpp's --pure file less its metadata, its external row), its allocator's
+    base is that file healed, the ladder steps every routed group and every other group one type
+    down and up, and its grid's trades lie partly inside the budget."""
+    from healsweep.heal.size import config_size
+    from healsweep.sweep.budget import split_grid
+    from healsweep.sweep.sensitivity import moves, sensitivity_base
+    from healsweep.sweep.spec_files import load_spec
+
+    spec = load_spec(ROOT / "sweeps" / f"medium-cpu-file-budget-{size}.yaml", check_paths=False)
+    model = open_model("demo-medium-cpu")
+    uniform = Knobs(type_gu=type_name, type_d=type_name,
+                    **dict.fromkeys(Knobs.FILE_TYPES, type_name))  # fmt: skip
+    assert spec.budget.budget().limits == (config_size(model, uniform).file_bytes,)
+    (llama,) = spec.external
+    recipe = llama.llama
+    assert (recipe.type, recipe.all_tensors, recipe.imatrix) == (type_name, True, True)
+    base = sensitivity_base(spec)
+    assert {getattr(base, f"type_{g}") for g in ("gu", "d", "attn", "shexp", "embd", "output")} == {
+        type_name}  # fmt: skip
+    shapes = ModelShapes.of(model)
+    assert len(moves(base, shapes, spec.allocator.ladder, whole_file=True)) == 2 * (
+        2 * len(shapes.moe_layers) + 4)  # fmt: skip
+    assert len(split_grid(spec)[0]) == inside  # the baseline and the grid points that fit
+
+
+@needs_ggml
 def test_readme_command_1_runs_the_two_recipes_against_llama_cpps_files_of_their_sizes():
     """sweeps/medium-cpu-recipes.yaml (README command (1)): its baseline is
     configs/knobs/budget-2.06.yaml, its one grid point budget-2.31.yaml, its tiers the two sizes

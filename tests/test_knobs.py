@@ -216,7 +216,7 @@ def test_the_budget_recipes_load_with_their_types_and_sizes():
     # whole-file recipes: every tensor group typed, the file within its budget (the name's MiB),
     # the config its confirm spec scored against the reference file of that size
     files = {p.stem: load_knobs(p) for p in PRESETS if p.stem.startswith("file-")}
-    assert set(files) == {"file-3.13mib", "file-5.96mib"}
+    assert set(files) == {"file-3.13mib", "file-5.96mib", "file-4.54mib", "file-6.21mib"}
     for name, knobs in files.items():
         assert all(getattr(knobs, f"type_{g}") != "teacher" for g in ("attn", "shexp", "embd", "output"))
         confirm = load_spec(ROOT / "sweeps" / f"medium-cpu-confirm-{name}.yaml", check_paths=False)
