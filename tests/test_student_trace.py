@@ -17,7 +17,7 @@ from healsweep.cache import StageCache
 from healsweep.gguf_io import HEAD, TensorType
 from healsweep.heal import ridge, student_trace
 from healsweep.heal.knobs import CalibrationConfig, Knobs
-from healsweep.heal.pipeline import StageRunner, _plan
+from healsweep.heal.pipeline import StageRunner, _layer_inputs, _plan
 from healsweep.heal.trace import budgeted, calibration_trace, make_chunks
 from healsweep.kernels.ggml_decode import GGMLWeight
 from healsweep.model import LayerReplacement, forward
@@ -161,4 +161,7 @@ def test_a_config_that_retypes_nothing_upstream_fits_the_teachers_trace(setup, t
     knobs = Knobs(alpha="mse", ridge=False)
     plan, _ = _plan(run, model, knobs, CAL, corpus, lambda s, m: None, False)
     assert plan.trace is not None and plan.student is None and not plan.retype
-    assert "student_trace" not in run.cache.computed or not run.cache.computed["student_trace"]
+    assert not run.cache.computed.get("student_trace")
+    layer = _layer_inputs(run, plan, 0, False)  # what routed_q, Part A and Part B read
+    assert layer.fit_trace is plan.trace
+    np.testing.assert_array_equal(layer.fit_layer()["x"], plan.trace.layer(0)["x"])
