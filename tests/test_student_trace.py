@@ -3,7 +3,7 @@ retyped layers produce. Checked against a forward with the retyped layers captur
 for the shared expert's gap and Part B's right-hand side, the teacher's trace bit for bit when
 the "retyped" tensors are the teacher's own, and the keys.
 
-Here the retyped tensors are made by healsweep's own IQ4_NL codec (no ggml: default tier); the
+Here the retyped tensors are made by gguf-py's Q4_0 quantizer (no ggml: default tier); the
 pipeline with ggml's types is tests/test_student_trace_pipeline.py (slow tier, where ggml is).
 """
 
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from _heal_fixtures import heal_setup
 from healsweep.cache import StageCache
-from healsweep.gguf_io import HEAD, TensorType
+from healsweep.gguf_io import HEAD
 from healsweep.heal import ridge, student_trace
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import StageRunner, _layer_inputs, _plan
@@ -22,30 +24,28 @@ from healsweep.heal.trace import budgeted, calibration_trace, make_chunks
 from healsweep.kernels.ggml_decode import GGMLWeight
 from healsweep.model import LayerReplacement, forward
 from healsweep.model.forward import device_weight
-from healsweep.quant.formats import format_of
 
 setup = heal_setup
 CAL = CalibrationConfig(chunk_length=64, min_tokens_per_expert=4)
-IQ4_NL = int(TensorType.IQ4_NL)
+Q4_0 = GGMLQuantizationType.Q4_0
 RETYPED = ("blk.0.attn_q.weight", "blk.0.attn_output.weight", "blk.1.attn_v.weight",
            "blk.0.ffn_gate_shexp.weight", "blk.0.ffn_up_shexp.weight",
            "blk.0.ffn_down_shexp.weight", "token_embd.weight")  # fmt: skip
 
 
-def _iq4(model, name):
-    """Tensor ``name`` in IQ4_NL by healsweep's own codec, as the forward takes it."""
+def _q4(model, name):
+    """Tensor ``name`` in Q4_0 by gguf-py's quantizer, as the forward takes it."""
     values = model.tensor(name).reshape(-1, model.tensor_shape(name)[-1])
-    raw = format_of(IQ4_NL).encode(name, values.astype(np.float32), IQ4_NL)
-    return GGMLWeight(raw, IQ4_NL, values.shape[-1])
+    return GGMLWeight(quantize(values.astype(np.float32), Q4_0), int(Q4_0), values.shape[-1])
 
 
 @pytest.fixture(scope="module")
 def traced(setup, tmp_path_factory):
-    """The teacher's trace and the student's with RETYPED in IQ4_NL, in one cache."""
+    """The teacher's trace and the student's with RETYPED in Q4_0, in one cache."""
     model, corpus = setup
     cache = StageCache(tmp_path_factory.mktemp("st"))
     teacher = calibration_trace(model, CAL, cache, corpus)
-    weights = {name: _iq4(model, name) for name in RETYPED}
+    weights = {name: _q4(model, name) for name in RETYPED}
     tensors = {name: f"key-of-{name}" for name in RETYPED}
     student = student_trace.student_trace(
         model, CAL, cache, teacher, tensors, weights.__getitem__, corpus
@@ -54,12 +54,11 @@ def traced(setup, tmp_path_factory):
 
 
 def _direct(model, corpus, replacements):
-    """The captures of one forward per calibration chunk with ``replacements``."""
+    """The captures of one forward of every calibration chunk with ``replacements``, per MoE
+    layer over the chunks' tokens in order."""
     chunks, _ = make_chunks(corpus.pool("calibration"), model.tokenizer(), budgeted(model, CAL))
-    return [
-        forward(model, [c.tokens], capture=True, replacements=replacements).captures
-        for c in chunks
-    ]
+    tokens = [c.tokens for c in chunks]
+    return forward(model, tokens, capture=True, replacements=replacements).captures
 
 
 def test_the_student_trace_is_the_forward_of_the_retyped_layers_captured(traced):
@@ -76,11 +75,10 @@ def test_the_student_trace_is_the_forward_of_the_retyped_layers_captured(traced)
         arrays, before = student.layer(layer), teacher.layer(layer)
         for name, field in (("x", "ffn_input"), ("y_ref", "routed_output"),
                             ("gate", "shexp_gate"), ("weights", "topk_weights")):  # fmt: skip
-            want = np.concatenate([getattr(d[layer], field) for d in direct])
+            want = getattr(direct[layer], field)
             tol = 2**-11 if name == "x" else 2e-4  # x is stored in float16
             np.testing.assert_allclose(arrays[name], want, rtol=tol, atol=2e-5)
-        ids = np.concatenate([d[layer].topk_ids for d in direct])
-        np.testing.assert_array_equal(arrays["ids"], ids)
+        np.testing.assert_array_equal(arrays["ids"], direct[layer].topk_ids)
         # the retyping moved the inputs: what the teacher's trace holds is another thing
         moved = np.abs(arrays["x"].astype(np.float32) - before["x"].astype(np.float32)).max()
         assert moved > 100 * 2**-11 * np.abs(before["x"].astype(np.float32)).max()
