@@ -24,7 +24,7 @@ from healsweep._code import code_digest, module_closure
 from healsweep.cache import StageCache
 from healsweep.data.windows import Window
 from healsweep.errors import CacheError
-from healsweep.heal import stages, trace
+from healsweep.heal import stages, student_trace, trace
 from healsweep.heal.knobs import CalibrationConfig, Knobs
 from healsweep.heal.pipeline import build_student
 from healsweep.score import teacher_cache
@@ -98,9 +98,14 @@ CONFIGS = {
 ROOTS_OF = {
     trace.STAGE: trace.CODE_ROOTS,
     trace.LAYER_STAGE: trace.CODE_ROOTS,
+    student_trace.STAGE: student_trace.CODE_ROOTS,
+    student_trace.LAYER_STAGE: student_trace.CODE_ROOTS,
     teacher_cache.STAGE: teacher_cache.CODE_ROOTS,
     sensitivity.STAGE: sensitivity.CODE_ROOTS,
-    **dict.fromkeys(set(VERSIONS) - {trace.STAGE, trace.LAYER_STAGE}, stages.CODE_ROOTS),
+    **dict.fromkeys(
+        set(VERSIONS) - {trace.STAGE, trace.LAYER_STAGE, student_trace.STAGE,
+                         student_trace.LAYER_STAGE}, stages.CODE_ROOTS,
+    ),  # fmt: skip
 }
 
 
@@ -203,6 +208,7 @@ def test_every_module_that_computes_a_stage_entry_is_in_its_digest():
 ROOT_SETS = {
     "heal": stages.CODE_ROOTS,
     "trace": trace.CODE_ROOTS,
+    "student_trace": student_trace.CODE_ROOTS,
     "teacher": teacher_cache.CODE_ROOTS,
     "sensitivity": sensitivity.CODE_ROOTS,
 }
@@ -338,10 +344,11 @@ def test_stage_keys_from_an_installed_copy_change_with_one_byte_of_its_code(setu
 
 
 # The modules that write stage entries: the stage runner for every heal stage, the two
-# streaming writers of their own stages (the trace's layers, the teacher's windows), and the
-# allocator's sensitivity pass (a config's dev scores, no heal stage: issue 39).
-_WRITERS = {"healsweep.heal._runner", "healsweep.heal.trace", "healsweep.score.teacher_cache",
-            "healsweep.sweep.sensitivity"}  # fmt: skip
+# streaming writers of their own stages (the traces' layers, the teacher's and the student's,
+# and the teacher's windows), and the allocator's sensitivity pass (a config's dev scores, no
+# heal stage: issue 39).
+_WRITERS = {"healsweep.heal._runner", "healsweep.heal.trace", "healsweep.heal.student_trace",
+            "healsweep.score.teacher_cache", "healsweep.sweep.sensitivity"}  # fmt: skip
 
 
 def test_the_stage_runner_writes_every_heal_stage():

@@ -19,6 +19,8 @@ class Stage(StrEnum):
 
     CALIB_TRACE = "calib_trace"  # the teacher's pass over the calibration pool
     CALIB_TRACE_LAYER = "calib_trace_layer"  # one layer of it
+    STUDENT_TRACE = "student_trace"  # the same pass with the retyped attention, shexp, ...
+    STUDENT_TRACE_LAYER = "student_trace_layer"  # one layer of it
     QUANTIZE = "quantize"  # a group in its type; each entry's key names its class's key stage:
     QUANTIZE_GPTQ = "quantize_gptq"
     QUANTIZE_PLAIN = "quantize_plain"
@@ -39,6 +41,8 @@ class Stage(StrEnum):
 VERSIONS: dict[Stage, int] = {
     Stage.CALIB_TRACE: 3,
     Stage.CALIB_TRACE_LAYER: 3,
+    Stage.STUDENT_TRACE: 1,
+    Stage.STUDENT_TRACE_LAYER: 1,
     Stage.QUANTIZE: 2,  # 2: one entry per tensor group (gate+up, down) instead of per layer
     Stage.QUANTIZE_GPTQ: 3,
     Stage.QUANTIZE_PLAIN: 2,

@@ -31,7 +31,15 @@ import numpy as np
 
 from healsweep.cache import StageCache, content_key
 from healsweep.gguf_io import HEAD, block_prefix, split_block
-from healsweep.heal import expert_alpha, quantize, ridge, stages, tensor_importance, tensor_types
+from healsweep.heal import (
+    expert_alpha,
+    quantize,
+    ridge,
+    stages,
+    student_trace,
+    tensor_importance,
+    tensor_types,
+)
 from healsweep.heal._runner import StageRunner
 from healsweep.heal.knobs import (
     AlphaGranularity,
@@ -149,6 +157,19 @@ class LayerInputs:
     diagnostics: bool = True  # Part B's held-out diagnostic beside the fit (build_student)
     shexp_target: Any = None  # (GGMLType, importance row) Part B stores down_shexp in, if not
     # the teacher's type (knob type_shexp)
+    student: Trace | None = None  # the student's trace Part A and B fit on, where retyped
+    student_layer: Callable[[], dict[str, np.ndarray]] | None = None  # its layer's arrays
+
+    @property
+    def fit_trace(self) -> Trace | None:
+        """The trace routed_q, Part A and Part B read: the student's where the config retypes
+        a group upstream of the MoE layers (:mod:`healsweep.heal.student_trace`), else the
+        teacher's (the quantizers always read the teacher's)."""
+        return self.student if self.student is not None else self.trace
+
+    def fit_layer(self) -> dict[str, np.ndarray]:
+        """This layer's arrays of :attr:`fit_trace`."""
+        return (self.student_layer or self.trace_layer)()
 
 
 class HealedLayer(NamedTuple):
@@ -180,6 +201,7 @@ class TrialPlan:
     moments: InputMoments | None  # the importance the requantized tensors read
     shexp_targets: dict[int, tuple[Any, np.ndarray]]  # see _shexp_targets
     diagnostics: bool
+    student: Trace | None  # the student's trace, where the knobs retype upstream groups
 
     @property
     def part_b(self) -> bool:
@@ -234,6 +256,7 @@ def build_student(
         "knobs": knobs.model_dump(),
         "calibration": trace.report if trace else None,
         "trace_key": trace.key if trace else None,
+        **({"student_trace_key": plan.student.key} if plan.student else {}),
         "layers": healed.reports,
         "notices": [notice.text for notice in notices],
         "tensor_types": dict(Counter(chosen.name for chosen in plan.retype.values())),
@@ -284,11 +307,37 @@ def _plan(
         )
     keys = _retyped_keys(run, model, knobs, retype, moments, mkey)
     targets = _shexp_targets(model, knobs, retype, moments)
+    student = None
+    if trace is not None and student_trace.upstream(model, retype):
+        student = run.timed(Stage.STUDENT_TRACE, partial(_student_trace, run, model, calibration,
+                            corpus, trace, retype, moments, keys, mkey))  # fmt: skip
+        retyped = len(student.report["retyped"])
+        say(Stage.STUDENT_TRACE, f"Part A and B fit the student's own trace ({retyped} retyped "
+            "tensors upstream of the MoE layers)")  # fmt: skip
     plan = TrialPlan(model, knobs, calibration, cache, trace, quantize.expert_types(model, knobs),
-                     retype, keys, moments, targets, diagnostics)  # fmt: skip
+                     retype, keys, moments, targets, diagnostics, student)  # fmt: skip
     if retype:
         say("requant_tensor", _retyped_line(knobs, retype))
     return plan, notices
+
+
+def _student_trace(run: StageRunner, model: GGUFModel, calibration: CalibrationConfig,
+                   corpus: Corpus | None, trace: Trace, retype: dict[str, Any],
+                   moments: InputMoments | None, keys: dict[str, str],
+                   importance_key: str | None) -> Trace:  # fmt: skip
+    """The student's trace over the upstream retyped tensors, each as the student stores it
+    before healing (Part B's ``ffn_down_shexp`` too: its requantized teacher weight)."""
+    found = {
+        name: keys.get(name) or tensor_types.requant_key(model, name, chosen, importance_key)
+        for name, chosen in student_trace.upstream(model, retype).items()
+    }
+    weight = partial(_retyped_weight, run, model, retype, moments, found)
+    return student_trace.student_trace(model, calibration, run.cache, trace, found, weight, corpus)
+
+
+def _retyped_weight(run: StageRunner, model: GGUFModel, retype: dict[str, Any],
+                    moments: InputMoments | None, keys: dict[str, str], name: str) -> Any:  # fmt: skip
+    return _requantized(run, model, retype, moments, name, keys[name])
 
 
 class _Healed(NamedTuple):
@@ -308,7 +357,7 @@ def _heal_layers(run: StageRunner, plan: TrialPlan, say: Progress) -> _Healed:
     hp = plan.model.hparams
     healed = _Healed([], [], [], {})
     heldout: list[tuple[dict[str, Any], Future]] = []  # (layer report, its fold sums)
-    ahead = _basis_ahead(run, plan.model, plan.knobs, plan.trace)
+    ahead = _basis_ahead(run, plan.model, plan.knobs, plan.student or plan.trace)
     backlog = _heldout_backlog()
     for n, i in enumerate(hp.moe_layers):
         run.layer = i
@@ -378,7 +427,7 @@ def _shexp_targets(
 
 def _layer_inputs(run: StageRunner, plan: TrialPlan, i: int, diagnostics: bool) -> LayerInputs:
     """What layer i's stages read, as loaders (the teacher's experts, the trace's layer)."""
-    trace = plan.trace
+    trace, student = plan.trace, plan.student
     return LayerInputs(
         plan.model,
         i,
@@ -390,6 +439,10 @@ def _layer_inputs(run: StageRunner, plan: TrialPlan, i: int, diagnostics: bool) 
         once(partial(run.timed, "calib_trace", partial(trace.layer, i), i)) if trace else _no_trace,
         diagnostics,
         plan.shexp_targets.get(i),
+        student,
+        once(partial(run.timed, Stage.STUDENT_TRACE, partial(student.layer, i), i))
+        if student
+        else None,
     )
 
 
@@ -472,7 +525,7 @@ def _heal_layer(run: StageRunner, layer: LayerInputs) -> HealedLayer:
     stage that needs them computes, so a trial that changes only ``eta`` reads the quantized
     experts, the basis and the fit, nothing else.
     """
-    knobs, trace = layer.knobs, layer.trace
+    knobs, trace = layer.knobs, layer.fit_trace
     qkeys: dict[str, str] = {}
     groups: dict[str, QuantizedGroup] = {}
     for g in GROUPS:  # gate/up first: a down quantized from the student's h reads it
@@ -553,7 +606,7 @@ def _routed_q(
     n_expert = layer.model.hparams.n_expert
 
     def compute() -> RoutedOutput:
-        return RoutedOutput(stages.routed_output(experts, layer.trace_layer(), n_expert))
+        return RoutedOutput(stages.routed_output(experts, layer.fit_layer(), n_expert))
 
     load = run.lazy(Stage.ROUTED_Q, key, RoutedOutput, compute)
     return lambda: load().y_q
@@ -571,13 +624,13 @@ def _part_a(
             return LayerAlpha(1.0, found)
         return LayerAlpha(stages.gaussian_alpha(layer.weights(), experts, knobs.gamma))
     if knobs.alpha == AlphaMode.MSE:
-        y_ref = layer.trace_layer()["y_ref"]
+        y_ref = layer.fit_layer()["y_ref"]
         value = float(alpha_kernels.alpha_mse(y_ref, y_q(), knobs.gamma))
         if per_expert:  # starved experts keep the layer's alpha
             found = expert_alpha.mse_alphas(
                 layer.weights(),
                 experts,
-                layer.trace_layer(),
+                layer.fit_layer(),
                 knobs.gamma,
                 value,
                 layer.calibration.min_tokens_per_expert,
@@ -595,7 +648,7 @@ def _residuals(
 ) -> Residuals:
     """The residuals of the healed experts at ``alpha``; at alpha 1 means before Part A, i.e.
     of the experts before any expert alpha was folded into them."""
-    y_ref = layer.trace_layer()["y_ref"]
+    y_ref = layer.fit_layer()["y_ref"]
     found = stages.residual_report(y_ref, y_healed(), alpha)
     if y_raw is not y_healed:
         unscaled = stages.residual_report(y_ref, y_raw(), 1.0)
@@ -615,8 +668,8 @@ def _part_b(
     (per eta), each cached and each read only when a stage after it computes; the held-out
     diagnostic of the fit on a background thread (its fold sums are the returned future; None
     without ``layer.diagnostics``)."""
-    model, i, knobs, trace_layer = layer.model, layer.index, layer.knobs, layer.trace_layer
-    nkey = ridge.basis_key(model, layer.trace.key, i)
+    model, i, knobs, trace_layer = layer.model, layer.index, layer.knobs, layer.fit_layer
+    nkey = ridge.basis_key(model, layer.fit_trace.key, i)
     basis = run.lazy(
         Stage.RIDGE_BASIS, nkey, RidgeBasis, lambda: ridge.compute_basis(model, i, trace_layer())
     )

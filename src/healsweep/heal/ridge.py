@@ -256,9 +256,11 @@ Design = Callable[[int, int], jax.Array]  # (a, b) → Z' of tokens a..b [b - a,
 
 
 def layer_design(model: GGUFModel, layer: int, trace_layer: dict[str, np.ndarray]) -> Design:
-    """Z' of the layer's trace tokens, recomputed from X and the shared-expert weights."""
+    """Z' of the layer's trace tokens, recomputed from X and the shared-expert weights: the
+    student's gate and up where a student's trace hands them (``shexp_weights``: a retyped
+    shared expert, :mod:`healsweep.heal.student_trace`), else the teacher's."""
     x, gate = trace_layer["x"], trace_layer["gate"]
-    weights = shexp_weights(model, layer)
+    weights = trace_layer.get("shexp_weights") or shexp_weights(model, layer)
     return lambda a, b: gated_design(x, gate, weights, a, b)
 
 
@@ -371,8 +373,12 @@ def compute_rhs(
 
 
 def _target(trace_layer: dict[str, np.ndarray], y_q: np.ndarray, alpha: float) -> np.ndarray:
-    """dY = y_ref - alpha * y_q [T, D], float32."""
-    return (trace_layer["y_ref"] - np.float32(alpha) * y_q).astype(np.float32)
+    """dY = y_ref - alpha * y_q [T, D], float32; plus, in a student's trace whose shared
+    expert is retyped, ``shexp_gap`` (what its gate and up change of the teacher's shared output
+    at the same input, :mod:`healsweep.heal.student_trace`)."""
+    target = (trace_layer["y_ref"] - np.float32(alpha) * y_q).astype(np.float32)
+    gap = trace_layer.get("shexp_gap")
+    return target if gap is None else target + gap
 
 
 @full_float32

@@ -24,7 +24,7 @@ import hashlib
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -281,6 +281,7 @@ def run_trace(
     sink: Callable[[int, dict], None],
     batch_tokens: int = BATCH_TOKENS,
     uniform: bool | None = None,
+    replacements: Mapping[int, Any] | None = None,
 ) -> np.ndarray:
     """Teacher forward with captures over every chunk, layer-major; hands each layer's arrays
     to ``sink(layer, arrays)``, layers in order.
@@ -292,7 +293,8 @@ def run_trace(
     a whole model's captures. Arrays are in chunk order (document order), whatever order the
     batches ran in. ``uniform`` (default: on accelerators) runs every batch in one shape (see
     :func:`_batches`). Returns the tokens each expert received, [L_moe, E] (the layers of
-    ``hp.moe_layers``; leading dense layers have no experts and no trace).
+    ``hp.moe_layers``; leading dense layers have no experts and no trace). ``replacements``:
+    the forward's, for a student's trace (:mod:`healsweep.heal.student_trace`).
     """
     hp = model.hparams
     if uniform is None:
@@ -326,7 +328,7 @@ def run_trace(
     beside = 1 if jax.default_backend() != "cpu" else 0
     counts: list[Future] = []
     with ThreadPoolExecutor(1, thread_name_prefix="trace-layer") as pool:
-        for layer, captures in capture_layers(model, sequences):
+        for layer, captures in capture_layers(model, sequences, replacements=replacements):
             arrays = _layer_arrays(captures, rows, order, hp.n_ff_shexp == 0)
             del captures
             counts.append(pool.submit(finish, layer, arrays))
@@ -382,29 +384,35 @@ def report_lines(report: dict[str, Any]) -> list[str]:
 
 @dataclass(frozen=True)
 class Trace:
-    """A cached calibration trace: its key, report and per-layer loader."""
+    """A cached calibration trace: its key, report and per-layer loader. A student's trace
+    (:mod:`healsweep.heal.student_trace`) stores its layers under its own ``layer_stage`` and
+    hands Part B the student's shared-expert gate and up (``shexp(i)``, where retyped) with
+    each layer, as ``shexp_weights``."""
 
     key: str
     report: dict[str, Any]
     tokens_per_expert: np.ndarray  # [L, E]
     cache: StageCache
     recompute: Callable[[], None]
+    layer_stage: str = LAYER_STAGE
+    shexp: Callable[[int], Any] | None = None
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
         """Layer i's arrays (x, ids, weights, y_ref, gate, x_sq_sums, h_sq_sums, counts).
 
         A layer entry that was deleted or failed its checksum is rebuilt by re-running the trace.
         """
-        found = self.cache.get(LAYER_STAGE, layer_key(self.key, i))
+        found = self.cache.get(self.layer_stage, layer_key(self.key, i))
         if found is None:
             self.recompute()
-            found = self.cache.get(LAYER_STAGE, layer_key(self.key, i))
+            found = self.cache.get(self.layer_stage, layer_key(self.key, i))
         if found is None:
             raise CacheError(
                 f"calibration trace layer {i} could not be stored under "
                 f"{self.cache.root}; check that the cache directory is writable"
             )
-        return found[0]
+        student = None if self.shexp is None else self.shexp(i)
+        return found[0] if student is None else {**found[0], "shexp_weights": student}
 
 
 def calibration_trace(

@@ -525,21 +525,29 @@ def forward_batches(
 
 
 def capture_layers(
-    model: GGUFModel, batches: Sequence[Sequence[np.ndarray]], prefetch: bool | None = None
+    model: GGUFModel,
+    batches: Sequence[Sequence[np.ndarray]],
+    prefetch: bool | None = None,
+    replacements: Mapping[int, LayerReplacement] | None = None,
 ) -> Iterator[tuple[int, list[LayerCapture]]]:
     """The teacher's captures of every MoE layer, layer-major: ``(i, [LayerCapture per
     batch])`` for each MoE layer i in order, every batch advanced through layer i before layer
     i + 1 is read (each layer's weights are read once, however many batches). What is carried
     between layers is the batches' hidden states, never a layer; a layer's captures are the
     caller's once yielded. A batch runs exactly as it would in :func:`forward` (same shapes,
-    same layer function): its captures are the same, bit for bit."""
+    same layer function): its captures are the same, bit for bit. ``replacements`` (as in
+    :func:`forward`, read layer by layer): the captures of a student instead, such as the
+    teacher with its attention requantized (:mod:`healsweep.heal.student_trace`)."""
     hp = model.hparams
-    states = [_embedded(model, sequences, {}) for sequences in batches]
+    replacements = replacements if replacements is not None else {}
+    outside = replacements.get(HEAD)
+    head_only = {} if outside is None else {HEAD: outside}
+    states = [_embedded(model, sequences, head_only) for sequences in batches]
 
     def ready() -> None:
         jax.block_until_ready([s.h for s in states])
 
-    for i, weights in _layers(model, {}, prefetch, ready):
+    for i, weights in _layers(model, replacements, prefetch, ready):
         dense = i < hp.n_leading_dense
         found = []
         for n, s in enumerate(states):
