@@ -122,7 +122,7 @@ def _allocated(model: str, chosen: Knobs, calibration: CalibrationConfig, target
     table, allocation, steps = targets.allocate_target(
         spec_for, base, shapes, goal, rounds=rounds,
         say=lambda line: _progress("sensitivity", line))  # fmt: skip
-    _progress("allocate", targets.describe(allocation, goal))
+    _progress("allocate", targets.describe(allocation, goal, measured=rounds > 1))
     record = {"target": goal.metadata(),
               "allocation": targets.allocation_record(table, allocation, goal, steps)}  # fmt: skip
     return allocation.knobs, record

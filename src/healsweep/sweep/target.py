@@ -310,8 +310,9 @@ def allocation_record(
     }, sort_keys=True)  # fmt: skip
 
 
-def describe(chosen: Proposal, target: Target) -> str:
-    """One line: the allocation's types and sizes."""
+def describe(chosen: Proposal, target: Target, measured: bool = False) -> str:
+    """One line: the allocation's types and sizes, and its predicted (``measured``: measured,
+    on the pass's windows) change of pooled KLD against the first base."""
     knobs = chosen.knobs
     types = f"routed {knobs.type_gu}/{knobs.type_d}"
     if knobs.layer_types:
@@ -320,4 +321,5 @@ def describe(chosen: Proposal, target: Target) -> str:
     sizes = f"{chosen.size.routed_bpw:.4f} routed bpw, {chosen.size.file_mib:.4f} MiB"
     moved = f"{len(chosen.moves)} group{'s' * (len(chosen.moves) != 1)} moved off the base"
     return (f"{types}{', ' + others if others else ''} at {sizes} (target {target.label()}); "
-            f"{moved}, predicted ΔKLD {chosen.predicted_kld:+.5f}")  # fmt: skip
+            f"{moved}, {'measured' if measured else 'predicted'} ΔKLD "
+            f"{chosen.predicted_kld:+.5f}")  # fmt: skip
