@@ -89,7 +89,8 @@ LadderOpt = Annotated[str | None, typer.Option(
 RoundsOpt = Annotated[int, typer.Option(
     "--rounds", min=1, help="With a target: sensitivity passes at most. Each further round "
     "scores the last allocation, stops unless it beat every earlier one, else moves every group "
-    "one step from it and allocates anew; the answer is the best allocation measured.")]
+    "one step from it and allocates anew; the answer is the best allocation measured (1: the "
+    "first allocation, as predicted).")]
 WindowsOpt = Annotated[int, typer.Option(
     "--windows", min=1, help="With a target: dev windows of --corpus's split the sensitivity "
     "pass scores each config on.")]
@@ -152,7 +153,7 @@ def heal(
     target_size_mib: TargetMibOpt = None,
     ladder: LadderOpt = None,
     windows: WindowsOpt = 24,
-    rounds: RoundsOpt = 1,
+    rounds: RoundsOpt = 3,  # sweep.target.ROUNDS (not imported here: --help stays instant)
 ) -> None:
     """Quantize the routed experts (Q2_0, or the types the knobs choose) and heal them under one
     knob file; write a GGUF.
@@ -185,7 +186,7 @@ def heal(
     chosen = load_knobs(knobs, need_ggml=False)
     calibration = _calibration(corpus, max_tokens, chunk_length, min_tokens_per_expert)
     recorded: dict = {}
-    for given, hint in ((ladder is not None, "--ladder"), (rounds != 1, "--rounds")):
+    for given, hint in ((ladder is not None, "--ladder"), (rounds != 3, "--rounds")):
         if given and target_bpw is None and target_size_mib is None:
             raise typer.BadParameter(f"{hint[2:]} is for a target: add --target-bpw or "
                                      "--target-size-mib", param_hint=hint)  # fmt: skip

@@ -18,10 +18,10 @@ takes the healing knobs of a recipe (``--knobs``) and chooses every type itself:
    base is the same type scores nothing again;
 3. the allocation of least predicted KLD within the target (:func:`healsweep.sweep.allocator
    .allocate`; the base itself where no move is predicted to help);
-4. with ``--rounds N`` (N > 1), up to N - 1 further rounds (:func:`allocate_target`): the last
-   allocation is scored on the pass's windows, and unless it beat every centre before it, the
-   search stops; else the pass runs again around it (every group one step from there) and the
-   knapsack allocates anew. The additive prediction is optimistic where groups' gains overlap,
+4. with ``--rounds N`` (default :data:`ROUNDS`; 1: the first allocation as predicted), up to
+   N - 1 further rounds (:func:`allocate_target`): the last allocation is scored on the pass's
+   windows, and unless it beat every centre before it, the search stops; else the pass runs
+   again around it (every group one step from there) and the knapsack allocates anew. The additive prediction is optimistic where groups' gains overlap,
    and one pass sees one step of the ladder only: rounds correct the first and walk past the
    second. The answer is then the centre of least measured KLD, never an unmeasured prediction.
 
@@ -52,6 +52,10 @@ if TYPE_CHECKING:  # the pass and its spec import Ray: the range check must not 
 # IQ4_XS's grid in blocks of 32)
 LADDER = ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq4_xs", "q4_k")
 WINDOWS = 24  # dev windows the pass scores each config on (a sweep's allocator.windows)
+# Passes at most (--rounds): on demo-medium-cpu at the all-IQ2_XXS file size, three rounds gave
+# 0.0765 on 96 dev windows where one gave 0.1029 (docs/demo-model.md); a round that does not
+# improve stops the search, so a converged allocation costs one base-only score more than one
+ROUNDS = 3
 Say = Callable[[str], None]
 
 
@@ -204,7 +208,7 @@ def allocate_target(
     shapes: ModelShapes,
     target: Target,
     *,
-    rounds: int = 1,
+    rounds: int = ROUNDS,
     say: Say | None = None,
     **pass_options: Any,
 ) -> tuple[SensitivityTable, Proposal, list[Round]]:
