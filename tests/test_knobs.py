@@ -191,7 +191,9 @@ def test_the_budget_recipes_load_with_their_types_and_sizes():
     from healsweep.sweep.spec_files import load_spec
 
     recipes = {p.stem: load_knobs(p) for p in PRESETS if p.stem.startswith("budget-")}
-    uniform = ("budget-2.06", "budget-2.31", "budget-3.06", "budget-4.25")
+    # budget-1.56: IQ1_S everywhere, the best found on dev; it missed its target there and has
+    # no confirm spec (docs/demo-model.md)
+    uniform = ("budget-1.56", "budget-2.06", "budget-2.31", "budget-3.06", "budget-4.25")
     assert set(recipes) == {"budget-1.75", "budget-2.56", *uniform}
     for name in uniform:  # one type for every routed tensor
         knobs = recipes[name]

@@ -227,11 +227,11 @@ def test_heal_to_a_routed_and_a_file_target_on_ggml_types(ray_cluster, model, tm
     shapes = ModelShapes.of(teacher)
     _register()
 
-    def heal(out: str, *target: str) -> str:
+    def heal(out: str, *target: str) -> str:  # one pass (the rounds: test_target_rounds)
         result = CliRunner().invoke(app, [
             "heal", str(model), "--knobs", str(knobs), "--out", str(tmp_path / out),
             "--corpus", str(corpus), *CALIBRATION, "--cache", str(cache), *target,
-            "--ladder", "iq1_m,iq2_xxs,iq2_xs", "--windows", "2",
+            "--ladder", "iq1_m,iq2_xxs,iq2_xs", "--windows", "2", "--rounds", "1",
         ])  # fmt: skip
         assert result.exit_code == 0, result.output
         return result.output

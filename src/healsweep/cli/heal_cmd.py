@@ -86,13 +86,18 @@ TargetMibOpt = Annotated[float | None, typer.Option(
 LadderOpt = Annotated[str | None, typer.Option(
     "--ladder", callback=_ladder, help="With a target: the types the allocator moves groups "
     "along, comma-separated (default iq1_s,iq1_m,iq2_xxs,iq2_xs,iq2_s,iq3_xxs,iq3_s,iq4_xs,q4_k).")]
+RoundsOpt = Annotated[int, typer.Option(
+    "--rounds", min=1, help="With a target: sensitivity passes at most. Each further round "
+    "scores the last allocation, stops unless it beat every earlier one, else moves every group "
+    "one step from it and allocates anew; the answer is the best allocation measured (1: the "
+    "first allocation, as predicted).")]
 WindowsOpt = Annotated[int, typer.Option(
     "--windows", min=1, help="With a target: dev windows of --corpus's split the sensitivity "
     "pass scores each config on.")]
 
 
 def _allocated(model: str, chosen: Knobs, calibration: CalibrationConfig, target_bpw: float | None,
-               target_mib: float | None, ladder: list[str] | None, windows: int,
+               target_mib: float | None, ladder: list[str] | None, windows: int, rounds: int,
                cache: Path | None, cache_max_gb: float | None) -> tuple[Knobs, dict]:
     """The knobs a target allocates on ``model`` (its sensitivity pass, cached), and the
     ``healsweep.*`` fields recording it; a target out of reach is refused before any work."""
@@ -109,14 +114,18 @@ def _allocated(model: str, chosen: Knobs, calibration: CalibrationConfig, target
     _progress("target", f"{goal.label()}: reachable {goal.label(low)} to {goal.label(high)} on "
               f"the ladder {', '.join(rungs)}; base {base.type_gu} everywhere"
               + ("" if goal.whole_file else " routed"))  # fmt: skip
-    spec = targets.target_spec(model, calibration.corpus, calibration, base, goal, rungs,
-                               windows=windows, cache_root=None if cache is None else str(cache),
-                               cache_max_gb=cache_max_gb)  # fmt: skip
-    table, allocation = targets.allocate_target(
-        spec, shapes, goal, say=lambda line: _progress("sensitivity", line))
-    _progress("allocate", targets.describe(allocation, goal))
+
+    def spec_for(centre: Knobs):
+        return targets.target_spec(model, calibration.corpus, calibration, centre, goal, rungs,
+                                   windows=windows, cache_root=None if cache is None else str(cache),
+                                   cache_max_gb=cache_max_gb)  # fmt: skip
+
+    table, allocation, steps = targets.allocate_target(
+        spec_for, base, shapes, goal, rounds=rounds,
+        say=lambda line: _progress("sensitivity", line))  # fmt: skip
+    _progress("allocate", targets.describe(allocation, goal, measured=rounds > 1))
     record = {"target": goal.metadata(),
-              "allocation": targets.allocation_record(table, allocation, goal)}  # fmt: skip
+              "allocation": targets.allocation_record(table, allocation, goal, steps)}  # fmt: skip
     return allocation.knobs, record
 
 
@@ -144,6 +153,7 @@ def heal(
     target_size_mib: TargetMibOpt = None,
     ladder: LadderOpt = None,
     windows: WindowsOpt = 24,
+    rounds: RoundsOpt = 3,  # sweep.target.ROUNDS (not imported here: --help stays instant)
 ) -> None:
     """Quantize the routed experts (Q2_0, or the types the knobs choose) and heal them under one
     knob file; write a GGUF.
@@ -176,12 +186,14 @@ def heal(
     chosen = load_knobs(knobs, need_ggml=False)
     calibration = _calibration(corpus, max_tokens, chunk_length, min_tokens_per_expert)
     recorded: dict = {}
-    if ladder is not None and target_bpw is None and target_size_mib is None:
-        raise typer.BadParameter("a ladder is for a target: add --target-bpw or "
-                                 "--target-size-mib", param_hint="--ladder")  # fmt: skip
+    for given, hint in ((ladder is not None, "--ladder"), (rounds != 3, "--rounds")):
+        if given and target_bpw is None and target_size_mib is None:
+            raise typer.BadParameter(f"{hint[2:]} is for a target: add --target-bpw or "
+                                     "--target-size-mib", param_hint=hint)  # fmt: skip
     if target_bpw is not None or target_size_mib is not None:
         chosen, recorded = _allocated(model, chosen, calibration, target_bpw, target_size_mib,
-                                      ladder, windows, cache, parse_gb(cache_max_gb, "--cache-max-gb"))  # fmt: skip
+                                      ladder, windows, rounds, cache,
+                                      parse_gb(cache_max_gb, "--cache-max-gb"))  # fmt: skip
     teacher = open_model(model)
     # Whether the knobs' types fit this model's rows first (the error names where they do fit),
     # then whether ggml's quantizer is there for them.

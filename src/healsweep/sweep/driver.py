@@ -475,15 +475,18 @@ def sensitivity_pass(
     work_fn: WorkFn = run_trial_work,
     identity_fn: Callable[[SweepSpec], dict[str, Any]] = sweep_identity,
     say: Say | None = None,
+    base_only: bool = False,
 ) -> tuple[SensitivityTable, list[Any]]:
     """The allocator's sensitivity pass of ``spec`` outside a sweep (``healsweep
     sensitivity``): on a Ray session as ``run`` uses, into the stage cache a sweep of the same
-    inputs reads; returns the table and, with a budget, the allocator's proposals."""
+    inputs reads; returns the table and, with a budget, the allocator's proposals. With
+    ``base_only``, the base config's scores alone (no moves, no proposals)."""
     identity = identity_fn(spec)
     with ray_session(spec, address, num_cpus):
         holders = open_holders({}, spec.trial_resources())
-        table = run_sensitivity(spec, identity, work_fn=work_fn, holders=holders, say=say)
-    proposals = proposals_of(spec, table) if spec.budget is not None else []
+        table = run_sensitivity(spec, identity, work_fn=work_fn, holders=holders, say=say,
+                                base_only=base_only)  # fmt: skip
+    proposals = proposals_of(spec, table) if spec.budget is not None and not base_only else []
     return table, proposals
 
 

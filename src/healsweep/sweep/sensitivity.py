@@ -380,12 +380,14 @@ def run_sensitivity(
     work_fn: WorkFn = run_trial_work,
     holders: Any = None,
     say: Say | None = None,
+    base_only: bool = False,
 ) -> SensitivityTable:
     """The pass over ``spec``'s base config (in a running Ray session; ``identity`` the
     sweep's, :func:`healsweep.sweep.work.sweep_identity`): cached configs are read, the others
     scored as Ray tasks, ``max_concurrent`` at once, each placed by ``holders`` (the sweep's
     :class:`~healsweep.sweep.holders.StageHolders`) when given. ``say`` gets a line as each
-    config is done."""
+    config is done. With ``base_only`` the base config alone is scored (a table of no moves,
+    under the key a full pass around it reads back)."""
 
     say = say or (lambda line: None)
     scored_spec = pass_spec(spec)
@@ -394,7 +396,7 @@ def run_sensitivity(
     shapes = ModelShapes.of(open_model(spec.model))
     whole_file = spec.budget is not None and spec.budget.budget().measure == "file_bytes"
     configs = [_Config(base, None, entry_key(scored_spec, identity, base, base, None, work_fn))]
-    for move in moves(base, shapes, ladder, whole_file):
+    for move in () if base_only else moves(base, shapes, ladder, whole_file):
         knobs = moved_knobs(base, shapes, move)
         configs.append(_Config(knobs, move, entry_key(scored_spec, identity, knobs, base, move,
                                                       work_fn)))  # fmt: skip
@@ -406,7 +408,8 @@ def run_sensitivity(
             found[config.key] = Scores.from_entry(*entry)
     windows = _expected_windows(found, configs)
     pending = [c for c in configs if c.key not in found or found[c.key].window_ids != windows]
-    say(f"sensitivity of {len(configs) - 1} moves around {_describe(base, shapes)}: "
+    say(f"{'score of' if base_only else f'sensitivity of {len(configs) - 1} moves around'} "
+        f"{_describe(base, shapes)}: "
         f"{len(configs) - len(pending)} of {len(configs)} configs cached, {len(pending)} to "
         f"score on {scored_spec.scoring.max_windows or 'all'} dev windows")  # fmt: skip
     for n, (config, scores, seconds) in enumerate(

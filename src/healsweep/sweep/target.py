@@ -17,7 +17,13 @@ takes the healing knobs of a recipe (``--knobs``) and chooses every type itself:
    calibration documents), cached in the stage cache: a second target on the same model whose
    base is the same type scores nothing again;
 3. the allocation of least predicted KLD within the target (:func:`healsweep.sweep.allocator
-   .allocate`; the base itself where no move is predicted to help).
+   .allocate`; the base itself where no move is predicted to help);
+4. with ``--rounds N`` (default :data:`ROUNDS`; 1: the first allocation as predicted), up to
+   N - 1 further rounds (:func:`allocate_target`): the last allocation is scored on the pass's
+   windows, and unless it beat every centre before it, the search stops; else the pass runs
+   again around it (every group one step from there) and the knapsack allocates anew. The additive prediction is optimistic where groups' gains overlap,
+   and one pass sees one step of the ladder only: rounds correct the first and walk past the
+   second. The answer is then the centre of least measured KLD, never an unmeasured prediction.
 
 A target outside what the ladder can reach (every group in its smallest type, or in its largest)
 is refused by :func:`check_target` before any of this runs.
@@ -46,6 +52,10 @@ if TYPE_CHECKING:  # the pass and its spec import Ray: the range check must not 
 # IQ4_XS's grid in blocks of 32)
 LADDER = ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq4_xs", "q4_k")
 WINDOWS = 24  # dev windows the pass scores each config on (a sweep's allocator.windows)
+# Passes at most (--rounds): on demo-medium-cpu at the all-IQ2_XXS file size, three rounds gave
+# 0.0765 on 96 dev windows where one gave 0.1029 (docs/demo-model.md); a round that does not
+# improve stops the search, so a converged allocation costs one base-only score more than one
+ROUNDS = 3
 Say = Callable[[str], None]
 
 
@@ -182,33 +192,115 @@ def target_spec(
     return spec.with_cpu_share(float(os.cpu_count() or 1))
 
 
+@dataclass(frozen=True)
+class Round:
+    """One round of :func:`allocate_target`: its centre, the centre's measured pooled KLD on
+    the pass's windows, and the allocation the pass around it proposed (None: not passed)."""
+
+    centre: Knobs
+    kld: float
+    proposal: Proposal | None
+
+
 def allocate_target(
-    spec: SweepSpec,
+    spec_for: Callable[[Knobs], SweepSpec],
+    base: Knobs,
     shapes: ModelShapes,
     target: Target,
     *,
+    rounds: int = ROUNDS,
     say: Say | None = None,
     **pass_options: Any,
-) -> tuple[SensitivityTable, Proposal]:
-    """The sensitivity pass of ``spec`` (:func:`target_spec`; ``pass_options`` to
-    :func:`healsweep.sweep.driver.sensitivity_pass`) and the allocation of least predicted KLD
-    within ``target``."""
+) -> tuple[SensitivityTable, Proposal, list[Round]]:
+    """The allocation of least KLD within ``target``, from ``rounds`` sensitivity passes
+    (:func:`healsweep.sweep.driver.sensitivity_pass` of ``spec_for(centre)``; ``pass_options``
+    to it). Returns the first pass's table, the allocation and the rounds.
+
+    One round is the pass around ``base`` and the knapsack's allocation, the base itself where
+    no move is predicted to help. Its prediction adds the moves' measured changes, which is
+    optimistic where groups' gains overlap, and it sees one step of the ladder only. Each further
+    round measures the last allocation on the pass's windows first (the base-only score a pass
+    around it reads back) and stops, keeping the best centre measured, unless it beat every
+    earlier one; else it moves every group again, one step from there, and allocates anew.
+    With more than one round the answer is a measured centre: the one of least pooled KLD
+    (the last allocation too, once measured)."""
     # lazy: heavy (ray, jax)
-    from healsweep.sweep.driver import sensitivity_pass
+    from healsweep.sweep.driver import ray_session, sensitivity_pass
 
-    table, _ = sensitivity_pass(spec, say=say, **pass_options)
+    if rounds < 1:
+        raise SettingError(f"allocate_target: rounds must be >= 1, got {rounds}")
+    say = say or (lambda line: None)
     budget = target.budget()
-    groups = table.groups(shapes, budget.measure)
-    chosen = allocate(table.base, shapes, budget, groups, target.value)
-    if chosen is None:  # cannot happen: the base fits (target_base)
-        raise SettingError(f"no allocation fits {target.label()}")
-    return table, chosen
+    history: list[Round] = []
+    first: SensitivityTable | None = None
+    centre = base
+    session = ray_session(spec_for(base), pass_options.get("address"),
+                          pass_options.get("num_cpus"))  # fmt: skip
+    with session:  # one Ray session for every round
+        for n in range(1, rounds + 1):
+            if history:  # the last allocation, measured before anything is moved from it
+                scored, _ = sensitivity_pass(spec_for(centre), say=say, base_only=True,
+                                             **pass_options)  # fmt: skip
+                best = min(r.kld for r in history)
+                if scored.base_scores.kld >= best:
+                    history.append(Round(centre, scored.base_scores.kld, None))
+                    say(f"round {n}: the allocation scores {scored.base_scores.kld:.5f}, no "
+                        f"better than the best measured ({best:.5f}): stop")  # fmt: skip
+                    break
+            table, _ = sensitivity_pass(spec_for(centre), say=say, **pass_options)
+            first = first or table
+            chosen = allocate(table.base, shapes, budget, table.groups(shapes, budget.measure),
+                              target.value)  # fmt: skip
+            if chosen is None:  # cannot happen: every centre fits
+                raise SettingError(f"no allocation fits {target.label()}")
+            history.append(Round(centre, table.base_scores.kld, chosen))
+            say(f"round {n}: centre {table.base_scores.kld:.5f}, {len(chosen.moves)} groups "
+                f"moved, predicted ΔKLD {chosen.predicted_kld:+.5f}")  # fmt: skip
+            if not chosen.moves:  # nothing predicted to help: converged
+                break
+            centre = chosen.knobs
+        else:
+            if rounds > 1:  # the last allocation, measured too
+                scored, _ = sensitivity_pass(spec_for(centre), say=say, base_only=True,
+                                             **pass_options)  # fmt: skip
+                history.append(Round(centre, scored.base_scores.kld, None))
+    assert first is not None
+    if rounds == 1:
+        return first, history[0].proposal, history  # type: ignore[return-value]
+    winner = min(history, key=lambda r: r.kld)
+    return first, measured_proposal(base, winner, shapes, target, history[0].kld), history
 
 
-def allocation_record(table: SensitivityTable, chosen: Proposal, target: Target) -> str:
+def measured_proposal(
+    base: Knobs, measured: Round, shapes: ModelShapes, target: Target, base_kld: float
+) -> Proposal:
+    """``measured``'s centre as a proposal against ``base``: its moves off the base, and its
+    measured change of pooled KLD in place of a prediction."""
+    before = dict(base.expert_types(shapes.moe_layers, shapes.n_layer))
+    after = measured.centre.expert_types(shapes.moe_layers, shapes.n_layer)
+    moved: list[tuple[int | None, str, str]] = []
+    for layer in shapes.moe_layers:
+        for group in ("gu", "d"):
+            if after[layer].of(group) != before[layer].of(group):
+                moved.append((layer, group, after[layer].of(group)))
+    for group in file_groups_of(shapes):
+        chosen = getattr(measured.centre, f"type_{group}")
+        if chosen != getattr(base, f"type_{group}"):
+            moved.append((None, group, chosen))
+    size = shapes.size(measured.centre)
+    return Proposal(target.value, measured.centre, measured.kld - base_kld, size, tuple(moved))
+
+
+def allocation_record(
+    table: SensitivityTable, chosen: Proposal, target: Target, rounds: Sequence[Round] = ()
+) -> str:
     """The ``healsweep.allocation`` field of the written file (JSON): the target, the base,
-    each group moved off it, the predicted and the base's pooled dev KLD, the sizes."""
+    each group moved off it, the predicted (with rounds: measured) change and the base's pooled
+    dev KLD, the sizes, and with more than one round each round's centre and its KLD."""
+    steps = [{"types": {k: getattr(r.centre, k) for k in Knobs.TYPES}, "dev_kld": r.kld}
+             for r in rounds] if len(rounds) > 1 else []  # fmt: skip
     return json.dumps({
+        "rounds": steps,
         "target": target.metadata(),
         "base": {k: v for k, v in table.base.identity().items() if k in Knobs.TYPES},
         "types": {k: getattr(chosen.knobs, k) for k in Knobs.TYPES},
@@ -222,8 +314,9 @@ def allocation_record(table: SensitivityTable, chosen: Proposal, target: Target)
     }, sort_keys=True)  # fmt: skip
 
 
-def describe(chosen: Proposal, target: Target) -> str:
-    """One line: the allocation's types and sizes."""
+def describe(chosen: Proposal, target: Target, measured: bool = False) -> str:
+    """One line: the allocation's types and sizes, and its predicted (``measured``: measured,
+    on the pass's windows) change of pooled KLD against the first base."""
     knobs = chosen.knobs
     types = f"routed {knobs.type_gu}/{knobs.type_d}"
     if knobs.layer_types:
@@ -232,4 +325,5 @@ def describe(chosen: Proposal, target: Target) -> str:
     sizes = f"{chosen.size.routed_bpw:.4f} routed bpw, {chosen.size.file_mib:.4f} MiB"
     moved = f"{len(chosen.moves)} group{'s' * (len(chosen.moves) != 1)} moved off the base"
     return (f"{types}{', ' + others if others else ''} at {sizes} (target {target.label()}); "
-            f"{moved}, predicted ΔKLD {chosen.predicted_kld:+.5f}")  # fmt: skip
+            f"{moved}, {'measured' if measured else 'predicted'} ΔKLD "
+            f"{chosen.predicted_kld:+.5f}")  # fmt: skip
