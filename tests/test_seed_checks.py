@@ -17,6 +17,10 @@ from healsweep.model import open_model
 from healsweep.sweep.space import grid_configs
 from healsweep.sweep.spec_files import load_spec
 
+# The specs' configs load ggml types (IQ1_S ... IQ4_XS), which need ggml's quantizer at load:
+# the slow tier, where CI installs the [bench] extra (as test_knobs' recipes and test_budget_sweep)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = (1, 2)
 
