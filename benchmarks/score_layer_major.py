@@ -42,6 +42,25 @@ class Student:
         self.base, self.replacements = base, replacements
 
 
+def random_model_and_windows(root: Path, vocab: int, embd: int, layers: int, n_docs: int):
+    """A random model of ``layers`` layers, width ``embd`` and vocabulary ``vocab`` under
+    ``root``, and one dev window (up to 256 tokens, 128 scored) from each of ``n_docs``
+    documents: ``(model, windows)``. benchmarks/teacher_record.py builds its inputs here too."""
+    path = write_random_model(root / "m.gguf", n_layer=layers, n_embd=embd, n_head=8,
+                              n_head_kv=4, n_expert=8, n_expert_used=2, n_ff_exp=512,
+                              n_ff_shexp=1024, vocab_size=vocab, context_length=1024,
+                              seed=1)  # fmt: skip
+    model = open_model(path)
+    docs = [Document(f"t{i}", "docs", i, "docs",
+                     text=" ".join(f"word{(i * 7 + j) % 5000} {j}" for j in range(600)))
+            for i in range(1, 2 * n_docs + 1, 2)]  # fmt: skip
+    write_corpus(docs, root / "c.jsonl")
+    corpus = load_corpus(root / "c.jsonl")
+    windows = make_windows(corpus, model.tokenizer(), parity_split(corpus), max_scored=128,
+                           max_context=256, max_windows_per_doc=1)  # fmt: skip
+    return model, windows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=65536)
@@ -52,18 +71,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=None)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="score-bench-"))
-    path = write_random_model(root / "m.gguf", n_layer=args.layers, n_embd=args.embd, n_head=8,
-                              n_head_kv=4, n_expert=8, n_expert_used=2, n_ff_exp=512,
-                              n_ff_shexp=1024, vocab_size=args.vocab, context_length=1024,
-                              seed=1)  # fmt: skip
-    base = open_model(path)
-    docs = [Document(f"t{i}", "docs", i, "docs",
-                     text=" ".join(f"word{(i * 7 + j) % 5000} {j}" for j in range(600)))
-            for i in range(1, 2 * args.windows + 1, 2)]  # fmt: skip
-    write_corpus(docs, root / "c.jsonl")
-    corpus = load_corpus(root / "c.jsonl")
-    windows = make_windows(corpus, base.tokenizer(), parity_split(corpus), max_scored=128,
-                           max_context=256, max_windows_per_doc=1)[: args.windows]  # fmt: skip
+    base, windows = random_model_and_windows(root, args.vocab, args.embd, args.layers,
+                                             args.windows)
+    windows = windows[: args.windows]
     stored = {}
     for i in base.hparams.moe_layers:
         stored[i] = root / f"down{i}.npy"

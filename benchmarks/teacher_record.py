@@ -19,13 +19,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from score_layer_major import random_model_and_windows  # this folder: run as a script
 
 from healsweep.cache import StageCache
-from healsweep.data.corpus import Document, load_corpus, write_corpus
-from healsweep.data.split import parity_split
-from healsweep.data.windows import make_windows
-from healsweep.model import open_model
-from healsweep.model.synthetic import write_random_model
 from healsweep.score.teacher_cache import teacher_outputs
 
 
@@ -39,18 +35,8 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="teacher-bench-"))
     try:
-        path = write_random_model(root / "m.gguf", n_layer=args.layers, n_embd=args.embd,
-                                  n_head=8, n_head_kv=4, n_expert=8, n_expert_used=2,
-                                  n_ff_exp=512, n_ff_shexp=1024, vocab_size=args.vocab,
-                                  context_length=1024, seed=1)  # fmt: skip
-        model = open_model(path)
-        docs = [Document(f"t{i}", "docs", i, "docs",
-                         text=" ".join(f"word{(i * 7 + j) % 5000} {j}" for j in range(600)))
-                for i in range(1, 4 * args.windows + 1, 2)]  # fmt: skip
-        write_corpus(docs, root / "c.jsonl")
-        corpus = load_corpus(root / "c.jsonl")
-        windows = make_windows(corpus, model.tokenizer(), parity_split(corpus), max_scored=128,
-                               max_context=256, max_windows_per_doc=1)  # fmt: skip
+        model, windows = random_model_and_windows(root, args.vocab, args.embd, args.layers,
+                                                  2 * args.windows)
         warm, timed = windows[: args.batch], windows[args.batch : args.batch + args.windows]
         cache = StageCache(root / "cache")
         teacher_outputs(model, warm, cache)
