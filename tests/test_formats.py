@@ -24,6 +24,7 @@ from healsweep.kernels.ggml_types import STORED_TYPES, stored_ids, stored_type
 from healsweep.quant.formats import (
     IQ4NL,
     Q2_0,
+    Q8_0,
     Float16,
     Float32,
     StorageFormat,
@@ -49,7 +50,7 @@ def test_one_table_gives_every_decoder_its_geometry_and_gguf_py_agrees():
 def test_each_type_is_served_by_its_class():
     assert format_of(T.F32) is Float32 and format_of(T.F16) is Float16
     assert format_of(T.IQ4_NL) is IQ4NL and format_of(42) is Q2_0
-    assert format_of(T.Q8_0) is StorageFormat and format_of(T.IQ2_XS) is StorageFormat
+    assert format_of(T.Q8_0) is Q8_0 and format_of(T.IQ2_XS) is StorageFormat
 
 
 @pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q8_0, T.Q4_0, T.IQ4_NL])
@@ -111,21 +112,21 @@ def test_a_new_format_registers_by_being_defined_and_a_taken_type_is_refused():
         class Again(StorageFormat, ids=(42,)):
             pass
 
-    class Q8Own(StorageFormat, ids=(int(T.Q8_0),)):
+    class Q4Own(StorageFormat, ids=(int(T.Q4_0),)):
         """A stand-in for a codec of healsweep's own: the next type's class in this shape."""
 
         @classmethod
         def encode(cls, name, values, qtype):
-            return np.zeros((values.shape[0], values.shape[1] // 32 * 34), np.uint8)
+            return np.zeros((values.shape[0], values.shape[1] // 32 * 18), np.uint8)
 
     try:
-        assert format_of(T.Q8_0) is Q8Own
-        raw, dense = requantize("w", np.ones((2, 64), np.float32), T.Q8_0)
+        assert format_of(T.Q4_0) is Q4Own
+        raw, dense = requantize("w", np.ones((2, 64), np.float32), T.Q4_0)
         assert not raw.any() and not dense.any()  # all-zero blocks: d = 0
     finally:
-        del Q8Own
+        del Q4Own
         gc.collect()
-    assert format_of(T.Q8_0) is StorageFormat
+    assert format_of(T.Q4_0) is StorageFormat
 
 
 def test_fold_scale_reads_the_iq1_m_nibbles_from_the_table():

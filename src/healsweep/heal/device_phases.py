@@ -1,11 +1,11 @@
 """The phases a CUDA device does for a trial, each checked against its host path and float64.
 
-On CUDA the teacher's compact record (top-K and the tail draws), ``routed_q`` and the ridge
-basis run on the device (DESIGN.md, "A trial streams"). ``healsweep doctor`` runs
-:func:`phase_cases` after the kernel conformance suite, with the same runner
-(:func:`healsweep.conformance.run_case`): each phase down its production path on the CPU and, on
-an accelerator, on the default device, judged by a float64 reference and, where the device path
-replaced a host one, by that host path too:
+On CUDA the teacher's compact record (top-K and the tail draws), ``routed_q``, the ridge
+basis and Part B's requantization run on the device (DESIGN.md, "A trial streams").
+``healsweep doctor`` runs :func:`phase_cases` after the kernel conformance suite, with the same
+runner (:func:`healsweep.conformance.run_case`): each phase down its production path on the CPU
+and, on an accelerator, on the default device, judged by a float64 reference and, where the
+device path replaced a host one, by that host path too:
 
 - ``phase.teacher_record``: :func:`healsweep.score.compact.compact_record` against the float64
   top-K and inverse CDF the host used to compute (draws may move only within float32 rounding
@@ -13,6 +13,10 @@ replaced a host one, by that host path too:
 - ``phase.routed_q``: :func:`healsweep.heal.stages.routed_output` (experts resident, f16 inputs
   widened on the device, chunks in flight) against the float64 routed experts, at the forward's
   tolerance (the backend's default matmul precision: TF32 on NVIDIA GPUs);
+- ``phase.part_b_requant``: Part B's healed shared-expert down requantized to Q8_0 where it was
+  made (:func:`healsweep.quant.formats.requantize_on_device`) against gguf-py's bytes and the
+  values gguf-py decodes them to, both exactly (the host path it replaces, as float64 judges
+  an encoder: bit for bit);
 - ``phase.ridge_basis[host]`` / ``[device]``: :func:`healsweep.heal.ridge.eigen_basis` down each
   path, the ridge solve it gives against the float64 direct solve and (the device path) against
   the host path's, within :data:`RIDGE_RTOL` on an ill-conditioned Gram.
@@ -27,11 +31,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from gguf.quants import dequantize, quantize
 
 from healsweep.conformance import KernelCase
 from healsweep.conformance import references as ref
+from healsweep.gguf_io import TensorType
 from healsweep.heal import ridge, stages
 from healsweep.kernels.kld import log_softmax
+from healsweep.quant.formats import requantize_on_device
 from healsweep.score.compact import TeacherCacheFormat, compact_record, tail_strata, window_seed
 
 # The ridge's tolerance: dW's relative (Frobenius) error against a float64 direct solve at
@@ -119,6 +126,28 @@ def _routed_check(got: Any, want: Any, inputs: tuple) -> tuple[float, str | None
     return err, None if err <= rtol else f"max rel err {err:.2e} vs float64, beyond {rtol:.0e}"
 
 
+# --- part_b's requantization -------------------------------------------------------------------
+
+
+def _requant_inputs(rng: np.random.Generator) -> tuple[np.ndarray]:
+    """A shared-expert down projection's shape in small ([96, 256]), one block all zeros and
+    one of codes at exact halves (where a rounding rule shows)."""
+    values = (rng.standard_normal((96, 256)) * 0.02).astype(np.float32)
+    values[0, :32] = 0.0
+    values[1, :32] = (np.arange(32) - 15.5) / 15.5 * 0.03
+    return (values,)
+
+
+def _requant(values: np.ndarray, platform: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    raw, stored = requantize_on_device("doctor", jax.numpy.asarray(values), TensorType.Q8_0)
+    return raw, np.asarray(stored)
+
+
+def _requant_reference(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    raw = quantize(values, TensorType.Q8_0)
+    return raw, np.asarray(dequantize(raw, TensorType.Q8_0), np.float32).reshape(values.shape)
+
+
 # --- ridge_basis -------------------------------------------------------------------------------
 
 
@@ -196,6 +225,16 @@ def phase_cases() -> list[KernelCase]:
             check=_routed_check,
             device_rtol=None,  # TF32 on NVIDIA: the float64 reference judges each run
             driver=True,
+        ),
+        KernelCase(
+            "phase.part_b_requant",
+            _requant,
+            _requant_inputs,
+            _requant_reference,
+            rtol=0.0,  # bytes and values exactly gguf-py's
+            device_rtol=0.0,
+            driver=True,
+            path=lambda platform: "Q8_0 on the device",
         ),
         *ridge_cases,
     ]

@@ -45,7 +45,7 @@ from healsweep.kernels import ridge as kr
 from healsweep.kernels._precision import full_float32, healing_jit, matmul
 from healsweep.model.forward import dense_on_device
 from healsweep.model.layers import swiglu_hidden
-from healsweep.quant.formats import dequantized, requantize, requantize_ggml
+from healsweep.quant.formats import dequantized, requantize_ggml, requantize_on_device
 
 if TYPE_CHECKING:
     from healsweep.gguf_io import GGUFModel
@@ -129,14 +129,15 @@ class HeldoutFolds(NamedTuple):
 
 class HealedShexp(NamedTuple):
     """``part_b``: the healed ``ffn_down_shexp`` as stored (``raw``, the writer's bytes or
-    values) and as read back (``dense`` float32 [D, Fs]), and the fit's figures at eta.
+    values) and as read back (``dense`` float32 [D, Fs]: a device array where the storage
+    format's device codec made it, numpy where the entry was read), and the fit's figures at eta.
 
     The entry keeps ``raw`` alone (a quarter to two thirds of the bytes): ``dense`` is decoded
     from it when read, bit for bit what the requantization returned
     (:func:`healsweep.quant.formats.dequantized`)."""
 
     raw: np.ndarray
-    dense: np.ndarray
+    dense: Any
     stats: dict[str, Any]
 
     def to_entry(self) -> tuple[Arrays, dict[str, Any]]:
@@ -516,7 +517,6 @@ def ridge_layer(
     instead, by ggml's quantizer with that row (:mod:`healsweep.heal.tensor_types`).
     """
 
-
     name = tensor_name(MODEL_TENSOR.FFN_DOWN_SHEXP, layer)
     qtype = model.tensor_type(name)
     w = dense_on_device(model, name)  # [D, Fs] as the teacher stores it
@@ -524,14 +524,14 @@ def ridge_layer(
     if target is not None:
         qtype = TensorType(target[0].ggml_id)
         raw, stored = requantize_ggml(np.asarray(new), qtype, target[1])
-    else:  # its storage format's class: F32 and F16 as they are, the block types by their codec
-        raw, stored = requantize(name, np.asarray(new), qtype)
+    else:  # its storage format's class, on the device where it has a device codec (F32, F16,
+        raw, stored = requantize_on_device(name, new, qtype)  # Q8_0): the bytes come back alone
     quad, lin, moved, size = (
         float(v) for v in kr.step_moments(basis.basis, basis.sigma, rhs.rhs, w, stored)
     )
     stats = _stats(basis, fit, eta, quad, lin)
     stats.update(relative_update=moved / max(size, 1e-30), storage_type=qtype.name)
-    return HealedShexp(raw, np.asarray(stored, np.float32), stats)
+    return HealedShexp(raw, stored, stats)
 
 
 def ridge_stats(

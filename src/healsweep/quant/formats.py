@@ -119,6 +119,15 @@ class StorageFormat:
         return raw, cls.decode(raw, qtype, values.shape)
 
     @classmethod
+    def requantize_on_device(cls, name: str, values: Any, qtype: int) -> tuple[np.ndarray, Any]:
+        """:meth:`requantize` of a device array ``values``: (raw for the writer, on the host;
+        the values a reader decodes, float32 on the device). Here through the host codec (the
+        values cross to the host and back); the formats with a device codec keep them there
+        and send back the bytes alone."""
+        raw, stored = cls.requantize(name, np.asarray(values), qtype)
+        return raw, kernels.requant.on_device(stored)
+
+    @classmethod
     def fold_alpha(cls, stack: Any, factor: float | np.ndarray) -> Any:
         """``stack`` with ``factor`` (a scalar, or one per expert ``[E]``) folded into its fp16
         scales: it decodes to ``factor`` times what ``stack`` decodes to, up to the fp16
@@ -163,6 +172,10 @@ class Float32(StorageFormat, ids=(int(TensorType.F32),)):
     def decode(cls, raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
         return np.asarray(raw, np.float32).reshape(shape)
 
+    @classmethod
+    def requantize_on_device(cls, name: str, values: Any, qtype: int) -> tuple[np.ndarray, Any]:
+        return np.asarray(values, np.float32), values
+
 
 class Float16(StorageFormat, ids=(int(TensorType.F16),)):
     """F16: the values rounded once to half precision."""
@@ -174,6 +187,36 @@ class Float16(StorageFormat, ids=(int(TensorType.F16),)):
     @classmethod
     def decode(cls, raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
         return np.asarray(raw, np.float16).astype(np.float32).reshape(shape)
+
+    @classmethod
+    def requantize_on_device(cls, name: str, values: Any, qtype: int) -> tuple[np.ndarray, Any]:
+        half, stored = kernels.requant.round_half(values)
+        return np.asarray(half), stored
+
+
+class Q8_0(StorageFormat, ids=(int(TensorType.Q8_0),)):
+    """Q8_0: blocks of 32 int8 codes and an fp16 scale, by healsweep's device codec
+    (:mod:`healsweep.kernels.requant`, gguf-py's bytes bit for bit) on whatever device holds the
+    values: the host's rows go through the CPU backend, a device array stays on its device."""
+
+    @classmethod
+    def encode(cls, name: str, values: np.ndarray, qtype: int) -> np.ndarray:
+        return np.asarray(cls._encode(name, values))
+
+    @classmethod
+    def requantize_on_device(cls, name: str, values: Any, qtype: int) -> tuple[np.ndarray, Any]:
+        raw = cls._encode(name, values)
+        stored = kernels.ggml_decode.decode_rows(raw, int(qtype), values.shape[-1])
+        return np.asarray(raw), stored
+
+    @classmethod
+    def _encode(cls, name: str, values: Any) -> Any:
+        if values.shape[-1] % kernels.requant.QK:
+            raise GGUFFormatError(
+                f"cannot requantize {name} {tuple(values.shape)} to Q8_0: rows of "
+                f"{values.shape[-1]} are not a multiple of its block size {kernels.requant.QK}"
+            )
+        return kernels.requant.encode_q8_0(values)
 
 
 class IQ4NL(StorageFormat, ids=(int(TensorType.IQ4_NL),)):
@@ -206,7 +249,9 @@ class Q2_0(StorageFormat, ids=(GGML_Q2_0,)):
     @classmethod
     def decode(cls, raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
         rows = np.asarray(raw, np.uint8).reshape(shape[0], -1)
-        return np.asarray(kernels.ggml_decode.decode_rows(rows, GGML_Q2_0, shape[-1]), np.float32).reshape(shape)
+        return np.asarray(
+            kernels.ggml_decode.decode_rows(rows, GGML_Q2_0, shape[-1]), np.float32
+        ).reshape(shape)
 
     @classmethod
     def scale_stack(cls, stack: Any, factor: np.ndarray) -> Any:
@@ -279,6 +324,12 @@ def stack_type_name(stack: Any) -> str:
 def requantize(name: str, values: np.ndarray, qtype: Any) -> tuple[np.ndarray, np.ndarray]:
     """(raw for the writer, dequantized float32) of ``values`` [rows, cols] in ``qtype``."""
     return format_of(qtype).requantize(name, values, qtype)
+
+
+def requantize_on_device(name: str, values: Any, qtype: Any) -> tuple[np.ndarray, Any]:
+    """(raw for the writer, on the host; dequantized float32, on the device) of the device array
+    ``values`` [rows, cols] in ``qtype``: :meth:`StorageFormat.requantize_on_device`."""
+    return format_of(qtype).requantize_on_device(name, values, qtype)
 
 
 def requantize_ggml(
