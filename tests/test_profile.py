@@ -44,6 +44,27 @@ def test_nested_phases_are_each_charged_their_own_time(own_runtime):
     )
 
 
+def test_a_new_shape_s_compile_is_charged_to_the_phase_that_ran_it(own_runtime):
+    import jax
+    import jax.numpy as jnp
+
+    # a function of its own, so no earlier test compiled it (and no persistent cache holds it)
+    step = jax.jit(lambda x: jnp.tanh(x @ x.T).sum(axis=0) * 0.37 + 1.3e-3)
+    ones, twos = (jax.device_put(np.full((96, 40), v, np.float32)) for v in (1.0, 2.0))
+    with profiling() as profile:
+        with phase("first", 0):
+            step(ones).block_until_ready()
+        with phase("again", 0):  # the same shape: compiled already
+            step(twos).block_until_ready()
+    rows = {r["phase"]: r for r in profile.rows()}
+    assert 0 < rows["first"]["compile_s"] <= rows["first"]["wall_s"]
+    assert rows["again"]["compile_s"] == 0
+    totals = phase_totals([*profile.rows(), {**rows["again"], "compile_s": None}])
+    assert totals["first"]["compile_s"] == pytest.approx(rows["first"]["compile_s"], abs=1e-3)
+    old = {k: v for k, v in rows["first"].items() if k != "compile_s"}  # a row from before it
+    assert phase_totals([old])["first"]["compile_s"] == 0
+
+
 def test_stored_entries_are_charged_to_the_phase_that_computed_them(own_runtime, tmp_path):
     cache = StageCache(tmp_path)
     arrays = {"a": np.zeros(1000, np.float32), "b": np.ones((10, 10), np.float64)}

@@ -13,6 +13,9 @@ phases inside it, so the rows add up to the work's wall time. Per phase:
   background thread (the ridge's held-out solves) is charged to whatever phase runs meanwhile;
 - ``device_s``: seconds the trial's GPU was busy (NVML's utilization, sampled every
   :data:`SAMPLE_S` and charged to the phase open at the sample), None where no GPU is visible;
+- ``compile_s``: of its wall seconds, those JAX spent tracing, lowering and compiling
+  (``jax.monitoring``'s compile durations on the phase's thread; a persistent compilation cache
+  hit costs none): what the phase's first call of a new shape costs on top of the work;
 - ``cache_bytes``: bytes of the stage-cache entries the phase computed and stored.
 
 The profile of the work now running is the runtime's (:meth:`Runtime.owned`), so stages, the
@@ -46,6 +49,7 @@ class PhaseTotals:
     device_s: float | None = None
     cache_bytes: int = 0
     calls: int = 0
+    compile_s: float = 0.0
 
     def as_row(self, phase: str, layer: int | None) -> dict[str, Any]:
         return {
@@ -56,6 +60,7 @@ class PhaseTotals:
             "device_s": None if self.device_s is None else round(self.device_s, 4),
             "cache_bytes": self.cache_bytes,
             "calls": self.calls,
+            "compile_s": round(self.compile_s, 4),
         }
 
 
@@ -134,6 +139,18 @@ class PhaseProfile:
         with self._lock:
             self._entry(phase, layer).cache_bytes += int(n)
 
+    def add_compile(self, seconds: float) -> None:
+        """Charge ``seconds`` of JAX tracing, lowering or compiling to the phase open on this
+        thread, else on the profiled thread (nothing when none is open)."""
+        stack = getattr(self._stacks, "open", None) or self._main
+        try:
+            top = stack[-1] if stack else None
+        except IndexError:  # the profiled thread's phase closed meanwhile
+            top = None
+        if top is not None:
+            with self._lock:
+                self._entry(top.phase, top.layer).compile_s += seconds
+
     def _sample_device(self, busy_s: float) -> None:
         """Charge ``busy_s`` device seconds to the phase open on the profiled thread now."""
         stack = self._main
@@ -174,27 +191,55 @@ def phase_totals(rows: list[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
         total = out.setdefault(
             row["phase"],
             {"wall_s": 0.0, "cpu_s": 0.0, "device_s": None, "cache_bytes": 0, "calls": 0,
-             "layers": 0},
+             "layers": 0, "compile_s": 0.0},
         )  # fmt: skip
         total["wall_s"] += row["wall_s"]
         total["cpu_s"] += row["cpu_s"]
+        total["compile_s"] += row.get("compile_s") or 0.0  # rows written before it: none
         if row.get("device_s") is not None:
             total["device_s"] = (total["device_s"] or 0.0) + row["device_s"]
         total["cache_bytes"] += row["cache_bytes"]
         total["calls"] += row["calls"]
         total["layers"] += row["layer"] is not None
     for total in out.values():
-        for key in ("wall_s", "cpu_s", "device_s"):
+        for key in ("wall_s", "cpu_s", "device_s", "compile_s"):
             if total[key] is not None:
                 total[key] = round(total[key], 3)
     return out
 
 
 class _Slot:
-    """The runtime's profile of the work now running (None: nothing charged)."""
+    """The runtime's profile of the work now running (None: nothing charged), and whether JAX's
+    compile durations are reported to it (:func:`_listen_to_compiles`, once a process)."""
 
     def __init__(self) -> None:
         self.profile: PhaseProfile | None = None
+        self.listening = False
+
+
+# JAX's durations of a new shape's trace, lowering and XLA compile (jax._src.dispatch's events,
+# the same names from jax 0.4.30 to 0.11).
+COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+})  # fmt: skip
+
+
+def _listen_to_compiles(slot: _Slot) -> None:
+    """Report JAX's compile durations to the active profile, from now on in this process."""
+    if slot.listening:
+        return
+    # lazy: heavy (jax); a profile is only opened around work that runs JAX
+    import jax.monitoring
+
+    def charge(event: str, seconds: float, **_: Any) -> None:
+        profile = slot.profile
+        if profile is not None and event in COMPILE_EVENTS:
+            profile.add_compile(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(charge)
+    slot.listening = True
 
 
 def active() -> PhaseProfile | None:
@@ -218,6 +263,7 @@ def profiling() -> Iterator[PhaseProfile]:
     """A fresh profile for the block, active in this process's runtime (the one before is put
     back after), with the visible GPU's busy time sampled where NVML can read it."""
     slot = current().owned(_Slot)
+    _listen_to_compiles(slot)
     previous, slot.profile = slot.profile, PhaseProfile()
     profile = slot.profile
     profile._stack()  # the calling thread is the one whose phases the device samples charge

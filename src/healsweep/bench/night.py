@@ -293,7 +293,7 @@ def phases_by_kind(
         n = len(grouped[kind])
         totals = phase_totals([r for trial in grouped[kind] for r in trial])
         for total in totals.values():
-            for key in ("wall_s", "cpu_s", "device_s", "cache_bytes", "calls"):
+            for key in ("wall_s", "cpu_s", "device_s", "cache_bytes", "calls", "compile_s"):
                 if total[key] is not None:
                     total[key] = round(total[key] / n, 3)
             total["trials"] = n

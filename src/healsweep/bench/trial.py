@@ -123,15 +123,16 @@ def format_trials(rows: list[dict[str, Any]]) -> str:
 
 def phase_table(phases: Mapping[str, Mapping[str, Any]]) -> str:
     """Per phase (:func:`~healsweep.profile.phase_totals`): wall, CPU and device-busy seconds,
-    CPU over wall (the cores a host phase kept busy) and stage-cache MiB written, as Markdown."""
-    lines = ["| phase | layers | wall s | CPU s | CPU/wall | device s | cache MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    CPU over wall (the cores a host phase kept busy), the wall seconds JAX spent compiling and
+    stage-cache MiB written, as Markdown."""
+    lines = ["| phase | layers | wall s | CPU s | CPU/wall | device s | compile s | cache MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, p in phases.items():
         ratio = p["cpu_s"] / p["wall_s"] if p["wall_s"] > 0.005 else None
         device = "-" if p["device_s"] is None else f"{p['device_s']:.2f}"
         lines.append(
             f"| {name} | {p['layers'] or '-'} | {p['wall_s']:.2f} | {p['cpu_s']:.2f} "
             f"| {'-' if ratio is None else f'{ratio:.2f}'} | {device} "
-            f"| {p['cache_bytes'] / 2**20:.1f} |"
+            f"| {p.get('compile_s') or 0.0:.2f} | {p['cache_bytes'] / 2**20:.1f} |"
         )
     return "\n".join(lines)
