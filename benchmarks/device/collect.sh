@@ -18,7 +18,8 @@ du -sh "$HS/cache" 2>/dev/null
 # Only what a person reads (a night's stage cache lives under out/night/*/cache: 43 GB on the
 # 24-layer night, and the device tool brings back nothing over its size limit).
 (cd "$HS" && find out -type f \( -name "*.log" -o -name "*.json" -o -name "*.md" -o -name "*.csv" \
-  -o -name "*.yaml" -o -name "*.txt" -o -name "*.parquet" -o -name "*.png" \) -size -20M \
+  -o -name "*.yaml" -o -name "*.txt" -o -name "*.parquet" -o -name "*.png" -o -name "*.jsonl" \
+  -o -name "*.head" \) -size -20M \
   -not -path "*/cache/cache/*" | tar -czf "$OUT/hs-out.tgz" -T -) && ls -la "$OUT"
 # seeds.sh's model parts (15 MiB each) come back as files of their own
 [ -d "$HS/out/seeds" ] && cp "$HS"/out/seeds/*.part* "$OUT/" 2>/dev/null && ls -la "$OUT"
