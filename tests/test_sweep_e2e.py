@@ -64,7 +64,10 @@ def test_cli_sweep_on_the_real_pipeline_then_status_and_report(tmp_path, tiny_to
     }
     spec_path = tmp_path / "e2e.yaml"
     spec_path.write_text(json.dumps(spec))  # JSON is YAML
-    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache")}
+    # The teacher's records made ahead of scoring, as on a GPU (score.runner.teacher_ahead): a
+    # real sweep's trials build their student beside that thread, in fresh processes (where the
+    # stage keys' first parse of the sources met the thread's: _code's parse lock).
+    env = {**os.environ, "HEALSWEEP_CACHE": str(tmp_path / "cache"), "HEALSWEEP_TEACHER_AHEAD": "on"}
     run = _cli("sweep", "run", str(spec_path), "--results", str(tmp_path / "results"), env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert (

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import threading
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -26,6 +27,10 @@ from healsweep.errors import CacheError
 
 PACKAGE = "healsweep"
 _DYNAMIC_IMPORTS = frozenset({"import_module", "__import__"})
+# One parse at a time in a process: CPython 3.11's AST constructor counts its recursion depth
+# per interpreter, so two threads parsing at once (a trial's stage keys beside the teacher's
+# records ahead of scoring) fail with "AST constructor recursion depth mismatch" (gh-106905).
+_PARSING = threading.Lock()
 
 
 def package_root() -> Path:
@@ -57,7 +62,9 @@ def _imports(
     package = name if is_package else name.rpartition(".")[0]
     found: list[tuple[str, bool]] = []
     dynamic = False
-    for node in ast.walk(ast.parse(source, filename=name)):
+    with _PARSING:
+        tree = ast.parse(source, filename=name)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(alias.name, True) for alias in node.names if _ours(alias.name)]
         elif isinstance(node, ast.ImportFrom):

@@ -12,10 +12,15 @@ student exposing ``base`` (the teacher's ``GGUFModel``) and ``replacements`` (pe
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from healsweep.cache import StageCache
@@ -24,6 +29,7 @@ from healsweep.model import forward, forward_batches
 from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
 from healsweep.model.forward import PAD_MULTIPLE
 from healsweep.profile import phase
+from healsweep.runtime import current
 from healsweep.score.compact import COMPACT, TeacherCacheFormat, cache_format
 from healsweep.score.expert_cache import MIB, ExpertCacheConfig, expert_bytes, layer_capacities
 from healsweep.score.metrics import (
@@ -44,6 +50,62 @@ if TYPE_CHECKING:
 # Hidden states a group of windows carries between layers by default: 64 windows of 1,024
 # tokens at D = 2,048 (Qwen1.5-MoE: 64 dev windows of up to 512 tokens fit in one group).
 GROUP_BYTES = 512 << 20
+TEACHER_AHEAD_ENV = "HEALSWEEP_TEACHER_AHEAD"  # on | off | auto (accelerators: on)
+
+log = logging.getLogger(__name__)
+
+
+def teacher_ahead_on() -> bool:
+    """Whether :func:`teacher_ahead` runs: on a CUDA or ROCm GPU, unless
+    :data:`TEACHER_AHEAD_ENV` says ``off``; elsewhere only where it says ``on`` (on the CPU
+    backend the teacher's forward and the student's build would share the same cores, and on
+    Metal the same memory, the host's)."""
+    chosen = os.environ.get(TEACHER_AHEAD_ENV, "auto")
+    gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    return chosen == "on" or (chosen != "off" and gpu)
+
+
+@contextmanager
+def teacher_ahead(
+    teacher: GGUFModel,
+    windows: Sequence[Window],
+    cache: StageCache,
+    batch: int = 8,
+    teacher_cache: str | TeacherCacheFormat = COMPACT,
+) -> Iterator[None]:
+    """While the block runs (a trial building its student: the calibration trace, the
+    healing), the teacher's records of ``windows`` are computed on a thread of the runtime's
+    (``teacher-ahead``), batch by batch in scoring order (:func:`teacher_outputs`), and stored,
+    where :func:`score_windows` finds them. A record is a function of its window alone, so it
+    is the same bytes whichever thread makes it; scoring that reaches a batch the thread is
+    computing waits on its entries' locks, and one the thread has not reached it computes
+    itself. The teacher's forward (on a cold trial of a real-size model, its XLA compiles
+    above all) thus overlaps the host-bound stages before scoring. Entries are held by the
+    cache's :meth:`~healsweep.cache.StageCache.holding` block around it. At the block's end
+    the thread stops after its batch in flight; a failure there is logged and leaves the rest
+    to scoring. A no-op unless :func:`teacher_ahead_on`; charged to phase ``teacher_ahead``.
+    """
+    if not teacher_ahead_on() or not windows:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        with phase("teacher_ahead"):
+            for windows_of_batch in _batches(windows, batch):
+                if stop.is_set():
+                    return
+                teacher_outputs(teacher, windows_of_batch, cache, teacher_cache)
+
+    done = current().executor("teacher-ahead", 1).submit(run)
+    try:
+        yield
+    finally:
+        stop.set()
+        failed = done.exception()  # waits for the batch in flight
+        if failed is not None:
+            log.warning("the teacher's records ahead of scoring stopped (%s: %s); scoring "
+                        "computes the rest", type(failed).__name__, failed)  # fmt: skip
 
 
 def check_same_vocab(teacher: GGUFModel, student: StudentModel) -> None:
@@ -276,4 +338,11 @@ def _metrics(window: Window, t_out: Any, s_logits: np.ndarray, s_topk: np.ndarra
     return metrics
 
 
-__all__ = ["CachedStudent", "check_same_vocab", "run_student", "score_windows", "student_batches"]
+__all__ = [
+    "CachedStudent",
+    "check_same_vocab",
+    "run_student",
+    "score_windows",
+    "student_batches",
+    "teacher_ahead",
+]

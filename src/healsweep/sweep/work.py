@@ -28,7 +28,7 @@ from healsweep.heal.trace import calibration_documents
 from healsweep.model import open_model
 from healsweep.score.expert_cache import ExpertCacheConfig
 from healsweep.score.record import WindowRecord
-from healsweep.score.runner import score_windows
+from healsweep.score.runner import score_windows, teacher_ahead
 from healsweep.score.windows import scoring_windows
 from healsweep.score.windows import window_options as scoring_window_options
 from healsweep.sweep.space import GRIDDED, grid_configs
@@ -120,14 +120,17 @@ def _score_dev(
     cache = StageCache(spec.cache_root, spec.cache_max_gb)
     # A streamed student reads its layers back from the stage entries while it is scored: they
     # stay held until its last window (else a tight cache evicts and recomputes them mid-trial).
-    with cache.holding():
+    # On an accelerator the teacher's records are made on a thread while the student is built
+    # (score.runner.teacher_ahead): a cold trial's teacher pass overlaps its host-bound stages.
+    batch, fmt = spec.scoring.batch, spec.scoring.teacher_cache
+    with cache.holding(), teacher_ahead(teacher, todo, cache, batch, fmt):
         scored = score_windows(
             teacher,
             make_student(teacher, cache),
             todo,
             cache,
-            batch=spec.scoring.batch,
-            teacher_cache=spec.scoring.teacher_cache,
+            batch=batch,
+            teacher_cache=fmt,
             expert_cache=expert_cache,
             group=spec.scoring.group_for(spec.pruner.type != "none"),
         )
