@@ -28,17 +28,22 @@ def _round_half_away(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def encode_q8_0(values: jax.Array) -> jax.Array:
-    """float32 ``[rows, cols]`` (cols a multiple of 32) to Q8_0 rows, uint8 ``[rows, cols/32*34]``."""
+def encode_q8_0(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 ``[rows, cols]`` (cols a multiple of 32) to Q8_0: (the rows' bytes, uint8
+    ``[rows, cols/32*34]``; the values they decode to, float32 ``[rows, cols]``: each code
+    times its block's fp16 scale widened to float32, as ``gguf.quants.dequantize`` computes)."""
     rows, cols = values.shape
     blocks = jnp.asarray(values, jnp.float32).reshape(rows, cols // QK, QK)
     d = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / jnp.float32(127)
     inverse = jnp.where(d == 0, jnp.float32(0), jnp.float32(1) / jnp.where(d == 0, 1, d))
     codes = _round_half_away(blocks * inverse).astype(jnp.int8)
-    bits = jax.lax.bitcast_convert_type(d.astype(jnp.float16), jnp.uint16)  # [rows, nb, 1]
+    half = d.astype(jnp.float16)
+    bits = jax.lax.bitcast_convert_type(half, jnp.uint16)  # [rows, nb, 1]
     head = jnp.concatenate([bits & 0xFF, bits >> 8], axis=-1).astype(jnp.uint8)  # little-endian
     body = jax.lax.bitcast_convert_type(codes, jnp.uint8)  # two's complement, as written
-    return jnp.concatenate([head, body], axis=-1).reshape(rows, cols // QK * BYTES_PER_BLOCK)
+    raw = jnp.concatenate([head, body], axis=-1).reshape(rows, cols // QK * BYTES_PER_BLOCK)
+    stored = codes.astype(jnp.float32) * half.astype(jnp.float32)
+    return raw, stored.reshape(rows, cols)
 
 
 def round_half(values: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -201,16 +201,15 @@ class Q8_0(StorageFormat, ids=(int(TensorType.Q8_0),)):
 
     @classmethod
     def encode(cls, name: str, values: np.ndarray, qtype: int) -> np.ndarray:
-        return np.asarray(cls._encode(name, values))
+        return np.asarray(cls._encode(name, values)[0])
 
     @classmethod
     def requantize_on_device(cls, name: str, values: Any, qtype: int) -> tuple[np.ndarray, Any]:
-        raw = cls._encode(name, values)
-        stored = kernels.ggml_decode.decode_rows(raw, int(qtype), values.shape[-1])
+        raw, stored = cls._encode(name, values)
         return np.asarray(raw), stored
 
     @classmethod
-    def _encode(cls, name: str, values: Any) -> Any:
+    def _encode(cls, name: str, values: Any) -> tuple[Any, Any]:
         if values.shape[-1] % kernels.requant.QK:
             raise GGUFFormatError(
                 f"cannot requantize {name} {tuple(values.shape)} to Q8_0: rows of "
