@@ -24,13 +24,10 @@ from functools import cache
 from pathlib import Path
 
 from healsweep.errors import CacheError
+from healsweep.runtime import current
 
 PACKAGE = "healsweep"
 _DYNAMIC_IMPORTS = frozenset({"import_module", "__import__"})
-# One parse at a time in a process: CPython 3.11's AST constructor counts its recursion depth
-# per interpreter, so two threads parsing at once (a trial's stage keys beside the teacher's
-# records ahead of scoring) fail with "AST constructor recursion depth mismatch" (gh-106905).
-_PARSING = threading.Lock()
 
 
 def package_root() -> Path:
@@ -62,7 +59,11 @@ def _imports(
     package = name if is_package else name.rpartition(".")[0]
     found: list[tuple[str, bool]] = []
     dynamic = False
-    with _PARSING:
+    # One parse at a time in a process: CPython 3.11's AST constructor counts its recursion
+    # depth per interpreter, so two threads parsing at once (a trial's stage keys beside the
+    # teacher's records ahead of scoring) fail with "AST constructor recursion depth mismatch"
+    # (gh-106905). The lock is the runtime's.
+    with current().memo(("healsweep._code", "parsing"), threading.Lock):
         tree = ast.parse(source, filename=name)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -217,8 +217,8 @@ class _Slot:
         self.listening = False
 
 
-# JAX's durations of a new shape's trace, lowering and XLA compile (jax._src.dispatch's events,
-# the same names from jax 0.4.30 to 0.11).
+# JAX's durations of a new shape's trace, lowering and XLA compile: the events it reports through
+# jax.monitoring, under the same names from jax 0.4.30 to 0.11.
 COMPILE_EVENTS = frozenset({
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",

@@ -23,6 +23,7 @@ from healsweep.kernels import (
     kld_compact,
     q2_0,
     q2_0_plain,
+    requant,
     ridge,
     tail_draws,
 )
@@ -33,6 +34,15 @@ Q2_TIE_ALLOWANCE = 0.01  # blocks at a near-tie, at most this fraction (measured
 
 def _f32(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _q8_rows(rng: np.random.Generator) -> tuple[np.ndarray]:
+    """Rows of a shared-expert down projection in small, with an all-zero block and one whose
+    codes fall on exact halves (where the rounding rule shows)."""
+    values = _f32(rng, 24, 128, scale=0.02)
+    values[0, :32] = 0.0
+    values[1, :32] = (np.arange(32) - 15.5) / 15.5 * 0.03
+    return (values,)
 
 
 # --- Q2_0 search ---------------------------------------------------------------------------------
@@ -500,6 +510,7 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
             ("iq4_nl.quantize_weighted", _iq4_weighted),
         )
     ),
+    _exact("requant.encode_q8_0", requant.encode_q8_0, _q8_rows, ref.q8_0_encode),
     _exact("iq4_nl.dequantize", iq4_nl.dequantize, _iq4_codes, ref.iq4_values),
     _exact("iq4_nl.pack", iq4_nl.pack, _iq4_codes, ref.iq4_block_bytes),
     _exact("iq4_nl.unpack", iq4_nl.unpack, _iq4_packed, _iq4_unpacked),

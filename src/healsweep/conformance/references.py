@@ -196,6 +196,26 @@ def iq4_block_bytes(d: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return np.concatenate([np.asarray(d, "<f2").reshape(-1, 1).view(np.uint8), body], axis=1)
 
 
+def q8_0_encode(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's reference Q8_0 quantizer in float64, each float32 step of its C rounded to float32
+    where the C rounds (a division or product of two float32 values computed in float64 and
+    rounded once is the float32 result: 53 >= 2·24 + 2 bits): per block of 32, ``d = max|x| /
+    127``, ``q = roundf(x · (1/d))`` (half away from zero; 0 where d is 0), stored as fp16 ``d``
+    then 32 int8 ``q``. Returns (bytes ``uint8 [rows, cols/32*34]``, values ``q · fp16(d)``)."""
+    x = np.asarray(values, np.float32).astype(np.float64)
+    rows, cols = x.shape
+    blocks = x.reshape(rows, cols // 32, 32)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / 127).astype(np.float32).astype(np.float64)
+    inverse = np.where(d == 0, 0.0, (1 / np.where(d == 0, 1, d)).astype(np.float32))
+    scaled = (blocks * inverse).astype(np.float32).astype(np.float64)
+    q = np.sign(scaled) * np.floor(np.abs(scaled) + 0.5)  # exact in float64 for |q| <= 127
+    half = d.astype(np.float16)
+    raw = np.concatenate([half.astype("<f2").view(np.uint8), q.astype(np.int8).view(np.uint8)],
+                         axis=-1)  # fmt: skip
+    stored = (q * half.astype(np.float64)).astype(np.float32)
+    return raw.reshape(rows, -1), stored.reshape(rows, cols)
+
+
 # --- KL divergence and the compact teacher record ----------------------------------------------
 
 
