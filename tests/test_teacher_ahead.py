@@ -17,6 +17,7 @@ from healsweep.cache import StageCache
 from healsweep.data.corpus import Document, load_corpus, write_corpus
 from healsweep.data.split import parity_split
 from healsweep.data.windows import make_windows
+from healsweep.errors import SettingError
 from healsweep.model import LayerReplacement, open_model
 from healsweep.model.synthetic import write_random_model
 from healsweep.profile import phase_totals, profiling
@@ -99,3 +100,25 @@ def test_it_runs_on_cuda_by_default_and_where_asked(setting, expected, monkeypat
     monkeypatch.setenv(TEACHER_AHEAD_ENV, setting)
     gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     assert teacher_ahead_on() is (gpu if expected is None else expected)
+
+
+def test_a_bad_setting_is_a_clear_error_before_a_sweep_starts(tmp_path, monkeypatch):
+    """`sweep run` refuses it with exit code 1, one line, before Ray starts or a folder exists."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv(TEACHER_AHEAD_ENV, "yes")
+    with pytest.raises(SettingError, match="HEALSWEEP_TEACHER_AHEAD='yes' is not on, off or auto"):
+        teacher_ahead_on()
+    root = Path(__file__).resolve().parents[1]
+    spec = root / "sweeps" / "demo-ablation.yaml"
+    env = {**__import__("os").environ, TEACHER_AHEAD_ENV: "yes"}
+    done = subprocess.run(
+        [sys.executable, str(root / "cli.py"), "sweep", "run", str(spec), "--results",
+         str(tmp_path / "results")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "HEALSWEEP_TEACHER_AHEAD='yes' is not on, off or auto" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "results").exists()

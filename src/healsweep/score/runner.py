@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from healsweep.cache import StageCache
-from healsweep.errors import TokenizerError
+from healsweep.errors import SettingError, TokenizerError
 from healsweep.model import forward, forward_batches
 from healsweep.model.expert_cache import CacheState, ExpertCacheInput, empty_state
 from healsweep.model.forward import PAD_MULTIPLE
@@ -60,9 +60,15 @@ def teacher_ahead_on() -> bool:
     :data:`TEACHER_AHEAD_ENV` says ``off``; elsewhere only where it says ``on`` (on the CPU
     backend the teacher's forward and the student's build would share the same cores, and on
     Metal the same memory, the host's)."""
-    chosen = os.environ.get(TEACHER_AHEAD_ENV, "auto")
+    chosen = os.environ.get(TEACHER_AHEAD_ENV, "auto").strip().lower() or "auto"
+    if chosen not in ("on", "off", "auto"):
+        raise SettingError(
+            f"{TEACHER_AHEAD_ENV}={os.environ[TEACHER_AHEAD_ENV]!r} is not on, off or auto; set "
+            "it to on (the teacher's records made on a thread while the student is built), off, "
+            "or unset it (auto: on CUDA and ROCm GPUs)"
+        )
     gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    return chosen == "on" or (chosen != "off" and gpu)
+    return chosen == "on" or (chosen == "auto" and gpu)
 
 
 @contextmanager

@@ -42,6 +42,7 @@ from healsweep.results.store import (
     record_over_budget,
     write_allocator,
 )
+from healsweep.score.runner import teacher_ahead_on
 from healsweep.sweep.budget import MAX_ASKS, BudgetGate, split_grid
 from healsweep.sweep.devices import cpu_share
 from healsweep.sweep.fixed import build_externals, run_fixed
@@ -383,6 +384,7 @@ def run_sweep(
     """Run a new sweep into ``RESULTS/<spec.name>/``; refuse a folder that already holds one.
     ``on_note`` gets the lines of the allocator's sensitivity pass (sampler allocator)."""
     cache_limit(spec.cache_max_gb, "cache_max_gb")  # a bad HEALSWEEP_CACHE_MAX_GB: refused now
+    teacher_ahead_on()  # a bad HEALSWEEP_TEACHER_AHEAD too, before every trial fails on it
     root = Path(results_root or spec.results).resolve()
     sweep_dir = root / spec.name
     _refuse_existing(sweep_dir, spec.name)
@@ -442,6 +444,7 @@ def resume_sweep(
     if cache_max_gb is not None:  # like the cache's location, not part of the spec's hash
         spec = spec.model_copy(update={"cache_max_gb": cache_max_gb})
     cache_limit(spec.cache_max_gb, "cache_max_gb")  # a bad HEALSWEEP_CACHE_MAX_GB: refused now
+    teacher_ahead_on()  # and a bad HEALSWEEP_TEACHER_AHEAD
     with sweep_lock(sweep_dir), ray_session(spec, address, num_cpus):
         start_manifest(sweep_dir, spec, None, kind="resume")
         repair_journal(sweep_dir / JOURNAL_FILE)
