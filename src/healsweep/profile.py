@@ -131,25 +131,25 @@ class PhaseProfile:
         """Charge ``n`` bytes of a ``stage`` entry stored in the stage cache to the phase open
         on this thread (its layer's row), else to the one open on the profiled thread (work it
         handed to a pool, such as the trace's layers), else to a phase named ``stage``."""
-        stack = getattr(self._stacks, "open", None) or self._main
-        try:
-            phase, layer = (stack[-1].phase, stack[-1].layer) if stack else (stage, None)
-        except IndexError:  # the profiled thread's phase closed meanwhile
-            phase, layer = stage, None
+        phase, layer = self._open_here() or (stage, None)
         with self._lock:
             self._entry(phase, layer).cache_bytes += int(n)
 
     def add_compile(self, seconds: float) -> None:
         """Charge ``seconds`` of JAX tracing, lowering or compiling to the phase open on this
         thread, else on the profiled thread (nothing when none is open)."""
+        found = self._open_here()
+        if found is not None:
+            with self._lock:
+                self._entry(*found).compile_s += seconds
+
+    def _open_here(self) -> tuple[str, int | None] | None:
+        """``(phase, layer)`` open on this thread, else on the profiled thread, else None."""
         stack = getattr(self._stacks, "open", None) or self._main
         try:
-            top = stack[-1] if stack else None
+            return (stack[-1].phase, stack[-1].layer) if stack else None
         except IndexError:  # the profiled thread's phase closed meanwhile
-            top = None
-        if top is not None:
-            with self._lock:
-                self._entry(top.phase, top.layer).compile_s += seconds
+            return None
 
     def _sample_device(self, busy_s: float) -> None:
         """Charge ``busy_s`` device seconds to the phase open on the profiled thread now."""

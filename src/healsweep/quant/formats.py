@@ -49,6 +49,16 @@ def _geometry(qtype: int) -> tuple[int, int]:
     return kind.block_weights, kind.block_bytes
 
 
+def _check_rows(name: str, shape: tuple[int, ...], qtype: int) -> None:
+    """:class:`GGUFFormatError` unless rows of ``shape`` fill whole blocks of ``qtype``."""
+    block, _ = _geometry(qtype)
+    if shape[-1] % block:
+        raise GGUFFormatError(
+            f"cannot requantize {name} {tuple(shape)} to {TensorType(int(qtype)).name}: rows "
+            f"of {shape[-1]} are not a multiple of its block size {block}"
+        )
+
+
 def registered() -> Iterator[type[StorageFormat]]:
     """Every subclass of :class:`StorageFormat` defined so far."""
     todo = list(StorageFormat.__subclasses__())
@@ -109,12 +119,7 @@ class StorageFormat:
         """(raw for the writer, dequantized float32) of ``values`` ``[rows, cols]`` (tensor
         ``name``) in ``qtype``; :class:`GGUFFormatError` where its rows do not fill blocks."""
         values = np.ascontiguousarray(values, dtype=np.float32)
-        block, _ = _geometry(qtype)
-        if values.shape[-1] % block:
-            raise GGUFFormatError(
-                f"cannot requantize {name} {values.shape} to {TensorType(int(qtype)).name}: rows "
-                f"of {values.shape[-1]} are not a multiple of its block size {block}"
-            )
+        _check_rows(name, values.shape, qtype)
         raw = cls.encode(name, values, qtype)
         return raw, cls.decode(raw, qtype, values.shape)
 
@@ -201,21 +206,13 @@ class Q8_0(StorageFormat, ids=(int(TensorType.Q8_0),)):
 
     @classmethod
     def encode(cls, name: str, values: np.ndarray, qtype: int) -> np.ndarray:
-        return np.asarray(cls._encode(name, values)[0])
+        return np.asarray(kernels.requant.encode_q8_0(values)[0])
 
     @classmethod
     def requantize_on_device(cls, name: str, values: Any, qtype: int) -> tuple[np.ndarray, Any]:
-        raw, stored = cls._encode(name, values)
+        _check_rows(name, values.shape, qtype)
+        raw, stored = kernels.requant.encode_q8_0(values)
         return np.asarray(raw), stored
-
-    @classmethod
-    def _encode(cls, name: str, values: Any) -> tuple[Any, Any]:
-        if values.shape[-1] % kernels.requant.QK:
-            raise GGUFFormatError(
-                f"cannot requantize {name} {tuple(values.shape)} to Q8_0: rows of "
-                f"{values.shape[-1]} are not a multiple of its block size {kernels.requant.QK}"
-            )
-        return kernels.requant.encode_q8_0(values)
 
 
 class IQ4NL(StorageFormat, ids=(int(TensorType.IQ4_NL),)):
@@ -248,9 +245,7 @@ class Q2_0(StorageFormat, ids=(GGML_Q2_0,)):
     @classmethod
     def decode(cls, raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
         rows = np.asarray(raw, np.uint8).reshape(shape[0], -1)
-        return np.asarray(
-            kernels.ggml_decode.decode_rows(rows, GGML_Q2_0, shape[-1]), np.float32
-        ).reshape(shape)
+        return np.asarray(kernels.ggml_decode.decode_rows(rows, GGML_Q2_0, shape[-1]), np.float32).reshape(shape)
 
     @classmethod
     def scale_stack(cls, stack: Any, factor: np.ndarray) -> Any:
