@@ -157,6 +157,55 @@ def test_the_entries_fewer_configs_read_go_first(tmp_path):
     assert set(disk.POINT_TIERS) <= {stage.value for stage in Stage}
 
 
+@pytest.mark.parametrize(
+    ("axes", "beside", "routed_q_goes"),
+    [
+        ({"gain_d", "rho", "eta"}, None, True),  # the night's grid: nobody reads y_q again
+        ({"gain_d", "gamma"}, None, False),  # a new gamma's Part A reads the same y_q
+        ({"gain_d", "rho"}, {"ridge"}, False),  # another sweep on the root switches the ridge
+        ({"gain_d", "rho"}, "plain", False),  # a `heal` at work beside: it may read anything
+    ],
+)
+def test_a_sweep_that_no_reader_of_an_entry_varies_lets_it_go_first(
+    tmp_path, axes, beside, routed_q_goes
+):
+    """Issue 46: on the H100 night (grid over gain_d, rho, eta) the routed outputs of the two
+    quantizations (5.3 GB of the 28 GB cache) were never read after their trials, yet outlived
+    the ridge fits the eta follow-ups then recomputed: no stage after routed_q reads a knob the
+    night varies. A sweep trial states the knobs its sweep varies in its holds; while every live
+    holder does and none varies a knob of SPENT_UNLESS, routed_q goes first whatever its worth."""
+    done = StageCache(tmp_path, max_gb=_gib(3.5))  # earlier trials' entries, held by nobody now
+    _put_worth(done, "rq", 4.0, stage="routed_q")
+    _tick()
+    _put_worth(done, "fit1", 0.5, stage="ridge_fit")
+    _tick()
+    _put_worth(done, "fit2", 0.5, stage="ridge_fit")
+    _tick()
+    other = StageCache(tmp_path, axes=beside) if beside != "plain" else StageCache(tmp_path)
+    trial = StageCache(tmp_path, max_gb=_gib(3.5), axes=axes)
+    with other.holding(), trial.holding():
+        if beside is not None:
+            other.hold("stage", _key("elsewhere"))  # a live holds file, naming no entry here
+        _put_worth(trial, "partb", 2.0, stage="part_b")  # four entries: one goes
+        holders = disk.held(tmp_path)
+        assert holders.holders == (2 if beside is not None else 1)
+    rq = _present(tmp_path, "rq", stage="routed_q")
+    fits = _present(tmp_path, "fit1", "fit2", stage="ridge_fit")
+    if routed_q_goes:
+        assert rq == [] and fits == ["fit1", "fit2"]
+    else:  # the order without axes: the ridge fits before a quantization's entries
+        assert rq == ["rq"] and fits == ["fit2"]
+    assert all(knob in Knobs.model_fields for knob in disk.SPENT_UNLESS["routed_q"])
+    assert set(disk.SPENT_UNLESS) <= {stage.value for stage in Stage}
+
+
+def test_the_knobs_that_open_routed_q_cover_part_a(tmp_path):
+    """Every knob Part A's key reads, under each alpha setting, is one that makes a sweep read
+    an old routed_q again (SPENT_UNLESS): a Part A knob added later must be added there."""
+    for knobs in (Knobs(), Knobs(alpha="mse"), Knobs(alpha="mse", alpha_granularity="expert")):
+        assert set(knobs.for_stage(Stage.PART_A)) <= disk.SPENT_UNLESS["routed_q"]
+
+
 def test_an_entry_unused_for_hours_loses_its_worth(tmp_path):
     cache = StageCache(tmp_path, max_gb=_gib(3.5))
     _put_worth(cache, "old", 4.0)
@@ -271,8 +320,9 @@ def test_blocks_nest_and_the_outermost_lets_go(tmp_path):
         assert disk.held(tmp_path) == (
             {f"stage/{k[:2]}/{k}.hsc" for k in map(_key, ("outer", "inner"))},
             1,
+            None,  # not a sweep trial: it states no axes
         )
-    assert disk.held(tmp_path) == (set(), 0) and not holds.exists()
+    assert disk.held(tmp_path) == (set(), 0, None) and not holds.exists()
 
 
 def test_a_block_never_left_lets_go_when_collected(tmp_path):
@@ -282,10 +332,10 @@ def test_a_block_never_left_lets_go_when_collected(tmp_path):
     block = cache.holding()
     block.__enter__()
     _put(cache, "a")
-    assert disk.held(tmp_path)[1] == 1
+    assert disk.held(tmp_path).holders == 1
     del block, cache
     gc.collect()
-    assert disk.held(tmp_path) == (set(), 0)
+    assert disk.held(tmp_path) == (set(), 0, None)
 
 
 def test_a_root_that_takes_no_holds_is_still_read_with_one_warning(tmp_path, caplog):

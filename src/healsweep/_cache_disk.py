@@ -83,6 +83,7 @@ MARGIN = 0.1  # an eviction frees down to 90% of the limit, so the next writes d
 RESCAN_S = 30.0
 HOLDS_DIR = ".holds"
 ENTRY_SUFFIX = ".hsc"
+AXES_LINE = "#axes "  # a holds file's first line: the knobs its sweep varies (not a path)
 # A holds file on a file system that cannot lock is taken for a live process's until it is this
 # old without a new line (no trial holds an entry for a day without reading another).
 STALE_S = 24 * 3600.0
@@ -96,6 +97,20 @@ SHARED_FRESH_S = 24 * 3600.0  # a night: a shared entry unused for longer is evi
 # night's follow-ups each wrote 1.6 GB of them, and eviction by worth alone deleted the other
 # quantization's `quantize`, which its next trial recomputed (docstring, "What goes first").
 POINT_TIERS = {"part_b": 0, "ridge_fit": 1, "ridge_heldout": 1}
+# Stage folders whose entries only stages after them read, with the knobs that make such a
+# reader read an entry again once the readers of its own config are cached: a `routed_q` (y_q of
+# one quantization) is read by `part_a`, `residuals` and `ridge_rhs`, whose keys add Part A's
+# knobs, the ridge switch and the shared expert's type (through the basis) to its own. While every
+# process at work on the root is a sweep trial that states the knobs its sweep varies
+# (:class:`Holds`' ``axes``) and none of them varies one of these, no trial to come reads such an
+# entry unless its readers are evicted: it is *spent* and goes before any other entry no trial
+# holds. On the H100 night (grid over gain_d, rho and eta) the routed outputs of the two
+# quantizations took 5.3 GB of the 28 GB cache and were never read after their trials, while the
+# ridge fits an eta follow-up was about to read (1.1 GB a rho) were evicted. A sweep trial
+# builds its students without Part B's held-out diagnostic, which reads routed_q at every rho.
+SPENT_UNLESS = {
+    "routed_q": frozenset({"alpha", "gamma", "alpha_granularity", "ridge", "type_shexp"}),
+}
 # An entry's value halves for every hour unused: within a night's trials (seconds to minutes
 # apart) the seconds per byte decide; an entry of a sweep that ended hours ago goes first.
 HALF_LIFE_S = 3600.0
@@ -195,9 +210,11 @@ def _subdirs(folder: Path) -> Iterable[os.DirEntry]:
 
 class Holds:
     """The entries one holding block holds: its holds file, locked for as long as it lives
-    (see the module docstring). Thread-safe through its owner's lock."""
+    (see the module docstring). Thread-safe through its owner's lock. ``axes``: the knobs the
+    sweep of the trial holding varies, stated on the file's first line (:data:`SPENT_UNLESS`);
+    None for a process that is not a sweep trial (nothing is then spent while it lives)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, axes: Iterable[str] | None = None) -> None:
         folder = root / HOLDS_DIR
         folder.mkdir(parents=True, exist_ok=True)
         name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(6)}"
@@ -215,6 +232,8 @@ class Holds:
             except OSError as exc:
                 if exc.errno not in _NO_LOCKING:
                     raise
+            if axes is not None:  # before the rename: an evictor reads whole files only
+                os.write(self._fd, (AXES_LINE + ",".join(sorted(axes)) + "\n").encode())
             os.rename(making, self.path)
         except OSError:
             os.close(self._fd)
@@ -245,11 +264,22 @@ def _let_go(fd: int, path: Path) -> None:
         os.close(fd)
 
 
-def held(root: Path) -> tuple[set[str], int]:
-    """The paths (under ``root``) of the entries held by live processes, and how many holds
-    files they are in; holds files left by processes that died are deleted."""
+class Held(NamedTuple):
+    """What live processes hold under a root: the entries' paths, how many holds files name
+    them, and the knobs their sweeps vary (the union; None when one of them states none, or
+    none is alive)."""
+
+    paths: set[str]
+    holders: int
+    axes: frozenset[str] | None
+
+
+def held(root: Path) -> Held:
+    """The entries held by live processes under ``root`` (:class:`Held`); holds files left by
+    processes that died are deleted."""
     found: set[str] = set()
     live = 0
+    axes: set[str] | None = set()
     folder = root / HOLDS_DIR
     try:
         files = [item for item in os.scandir(folder) if item.name.endswith(".holds")]
@@ -269,9 +299,14 @@ def held(root: Path) -> tuple[set[str], int]:
             continue
         finally:
             os.close(fd)
-        found.update(line for line in lines if line)
+        stated = lines[0][len(AXES_LINE):] if lines and lines[0].startswith(AXES_LINE) else None
+        if stated is None:
+            axes = None
+        elif axes is not None:
+            axes.update(knob for knob in stated.split(",") if knob)
+        found.update(line for line in lines if line and not line.startswith(AXES_LINE))
         live += 1
-    return found, live
+    return Held(found, live, frozenset(axes) if axes is not None and live else None)
 
 
 def _alive(fd: int, item: os.DirEntry) -> bool:
@@ -330,14 +365,14 @@ def evict(
 def _evict(root: Path, limit: int, margin: float, seconds: Seconds) -> Eviction:
     found = entries(root)  # before the holds are read: see the module docstring
     total = before = sum(e.size for e in found)
-    holding, holders = held(root)
+    holding, holders, axes = held(root)
     if total <= limit:
         return Eviction(before, total, 0, {}, False, holders)
     held_bytes = sum(e.size for e in found if e.relpath in holding)
     target = int(limit * (1.0 - margin))
     evicted: dict[str, tuple[int, int]] = {}
     candidates = [e for e in found if e.relpath not in holding]
-    for entry in sorted(candidates, key=_eviction_order(root, time.time_ns(), seconds)):
+    for entry in sorted(candidates, key=_eviction_order(root, time.time_ns(), seconds, axes)):
         if total <= target:
             break
         try:
@@ -358,16 +393,30 @@ def value(recompute_s: float, size: int, idle_s: float) -> float:
     return recompute_s / max(size, 1) * 0.5 ** (max(idle_s, 0.0) / HALF_LIFE_S)
 
 
-def _eviction_order(root: Path, now_ns: int, seconds: Seconds):
-    """The sort key of :func:`_evict`: the entries of :data:`POINT_TIERS` first (Part B, then
-    the ridge fits), then those of other stages and stale shared ones, then the fresh entries
-    of :data:`SHARED_STAGES`; within each the least valuable (:func:`value`) first, then the
-    least recently used."""
+def spent_stages(axes: frozenset[str] | None) -> frozenset[str]:
+    """The stages of :data:`SPENT_UNLESS` whose entries no sweep varying ``axes`` reads again
+    (while their readers are cached); none when ``axes`` is None (a process that is not a
+    sweep trial is at work: it may read anything)."""
+    if axes is None:
+        return frozenset()
+    return frozenset(stage for stage, opens in SPENT_UNLESS.items() if not opens & axes)
+
+
+def _eviction_order(
+    root: Path, now_ns: int, seconds: Seconds, axes: frozenset[str] | None = None
+):
+    """The sort key of :func:`_evict`: spent entries first (:func:`spent_stages` of the live
+    sweeps' ``axes``), then the entries of :data:`POINT_TIERS` (Part B, then the ridge fits),
+    then those of other stages and stale shared ones, then the fresh entries of
+    :data:`SHARED_STAGES`; within each the least valuable (:func:`value`) first, then the least
+    recently used."""
     fresh_after = now_ns - int(SHARED_FRESH_S * 1e9)
+    spent = spent_stages(axes)
 
     def order(entry: Entry) -> tuple[int, float, int, str]:
         fresh_shared = entry.stage in SHARED_STAGES and entry.used_ns >= fresh_after
         tier = 3 if fresh_shared else POINT_TIERS.get(entry.stage, 2)
+        tier = -1 if entry.stage in spent else tier
         idle_s = (now_ns - entry.used_ns) / 1e9
         worth = value(seconds(root / entry.relpath, entry.size), entry.size, idle_s)
         return tier, worth, entry.used_ns, entry.relpath

@@ -57,7 +57,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -343,13 +343,21 @@ class StageCache:
     spec's ``cache_max_gb``); None reads ``HEALSWEEP_CACHE_MAX_GB``, unset means no limit
     (:func:`healsweep._cache_disk.cache_limit`; a bad value is a
     :class:`~healsweep.errors.SettingError` here).
+
+    ``axes``: the knobs the sweep of the trial using this cache varies (a sweep trial's; None
+    otherwise), stated in its holds (:class:`healsweep._cache_disk.Holds`) so that eviction
+    knows which entries no trial of the sweep reads again (:data:`~healsweep._cache_disk.SPENT_UNLESS`).
     """
 
     def __init__(
-        self, root: str | os.PathLike | None = None, max_gb: float | str | None = None
+        self,
+        root: str | os.PathLike | None = None,
+        max_gb: float | str | None = None,
+        axes: Iterable[str] | None = None,
     ) -> None:
         self.root = Path(root) if root is not None else default_cache_dir()
         self.max_bytes = disk.cache_limit(max_gb)
+        self.axes = None if axes is None else frozenset(axes)
         self.computed: Counter[str] = _Tally("computed")
         self.hits: Counter[str] = _Tally("hits")
         self.waited: Counter[str] = _Tally("waited")
@@ -400,7 +408,7 @@ class StageCache:
                 return
             try:
                 if self._holds is None:
-                    self._holds = disk.Holds(self.root)
+                    self._holds = disk.Holds(self.root, self.axes)
                 self._holds.add(path.relative_to(self.root).as_posix())
                 return
             except OSError as exc:

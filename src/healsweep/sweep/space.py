@@ -185,6 +185,14 @@ def optuna_space(spec: SweepSpec) -> dict[str, BaseDistribution]:
     return space
 
 
+def varied_knobs(spec: SweepSpec) -> frozenset[str]:
+    """The knobs whose value differs between two trials of the sweep: its search space's, and
+    those ``fixed`` sets to another value than the baseline's (the baseline runs with its own)."""
+    fixed = spec.fixed.model_dump(exclude_unset=True)
+    moved = {knob for knob, value in fixed.items() if getattr(spec.baseline, knob) != value}
+    return frozenset(spec.search_space.dimensions()) | moved
+
+
 def baseline_point(spec: SweepSpec) -> dict[str, Any]:
     """The baseline's values of the searched knobs (the first point a tpe/random sweep runs)."""
     return {knob: getattr(spec.baseline, knob) for knob in spec.search_space.dimensions()}

@@ -31,7 +31,7 @@ from healsweep.score.record import WindowRecord
 from healsweep.score.runner import score_windows, teacher_ahead
 from healsweep.score.windows import scoring_windows
 from healsweep.score.windows import window_options as scoring_window_options
-from healsweep.sweep.space import GRIDDED, grid_configs
+from healsweep.sweep.space import GRIDDED, grid_configs, varied_knobs
 from healsweep.sweep.spec import ScoringSpec, SweepSpec
 
 if TYPE_CHECKING:
@@ -116,8 +116,10 @@ def _score_dev(
     if not todo:
         return
     index = {w.window_id: i for i, w in enumerate(windows)}
-    # None: this worker's own ($HEALSWEEP_CACHE), bounded by $HEALSWEEP_CACHE_MAX_GB if set
-    cache = StageCache(spec.cache_root, spec.cache_max_gb)
+    # None: this worker's own ($HEALSWEEP_CACHE), bounded by $HEALSWEEP_CACHE_MAX_GB if set.
+    # The knobs the sweep varies tell eviction which entries no later trial reads (routed_q
+    # when no Part A knob varies: _cache_disk.SPENT_UNLESS).
+    cache = StageCache(spec.cache_root, spec.cache_max_gb, axes=varied_knobs(spec))
     # A streamed student reads its layers back from the stage entries while it is scored: they
     # stay held until its last window (else a tight cache evicts and recomputes them mid-trial).
     # On an accelerator the teacher's records are made on a thread while the student is built
