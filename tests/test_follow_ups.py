@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 
 import pytest
 
@@ -104,3 +105,54 @@ def test_a_bounded_cache_evicts_what_is_cheap_to_redo_not_the_basis_or_the_trace
     assert all(s > 0 for s in seconds.values())
     trace_s = [s for path, s in seconds.items() if path.startswith("calib_trace_layer/")]
     assert len(trace_s) == model.hparams.n_layer
+
+
+# A night's grid in sweep order (bench night's: eta, then rho, then the quantization, the last
+# fastest), each trial holding its entries while it builds, as a sweep trial does.
+NIGHT = [(eta, rho, gain_d) for eta in (0.15, 0.3) for rho in (6.0, 2.0) for gain_d in (0.3, 0.5)]
+
+
+def _night(model, corpus, cache_for):
+    """What each trial of :data:`NIGHT` computed, by stage (all layers); ``cache_for()`` is
+    the trial's own cache over the one root (a sweep trial opens one)."""
+    computed = []
+    for eta, rho, gain_d in NIGHT:
+        cache = cache_for()
+        knobs = BASE.replace(eta=eta, rho=rho, gain_d=gain_d)
+        with cache.holding():
+            student = build_student(model, knobs, CAL, cache, corpus=corpus, diagnostics=False)
+        computed.append({str(s): c for s, c in student.report["executed"].items()})
+    return computed
+
+
+def test_in_a_bounded_cache_the_eta_follow_ups_of_a_night_compute_part_b_alone(setup, tmp_path):
+    """Issue 46: on the H100 night 15 of 18 eta follow-ups recomputed ridge fits evicted before
+    they were read, while the routed outputs of both quantizations (read by no later trial of a
+    grid over gain_d, rho and eta) stayed. With the limit under all the night's entries but over
+    them less the routed outputs, a sweep's trials (stating their axes) keep every fit: the
+    second eta's four trials compute Part B alone; the same trials stating none (the order
+    before) recompute fits."""
+    model, corpus = setup
+    n = model.hparams.n_layer
+    free = tmp_path / "free"
+    _night(model, corpus, lambda: StageCache(free))
+    sizes: dict[str, int] = {}
+    for entry in disk.entries(free):
+        sizes[entry.stage] = sizes.get(entry.stage, 0) + entry.size
+    total, routed = sum(sizes.values()), sizes["routed_q"]
+    # Room, after an eviction pass, for every entry but one quantization's routed outputs (a
+    # trial holds the other's while it builds): the night's proportions, where a trial holds
+    # far less than the limit and the routed outputs are a fifth of the entries.
+    limit = 1.01 * (total - routed / 2) / (1 - disk.MARGIN)
+    assert limit < total, sizes  # the limit is hit: the night's entries do not fit in it
+    axes = {"eta", "rho", "gain_d"}
+    for stated, root in ((axes, tmp_path / "sweep"), (None, tmp_path / "unstated")):
+        trial_cache = partial(StageCache, root, max_gb=limit / 2**30, axes=stated)
+        done = _night(model, corpus, trial_cache)
+        evicted = {e.stage for e in disk.entries(free)} - {e.stage for e in disk.entries(root)}
+        second_eta = done[len(NIGHT) // 2:]
+        if stated is not None:
+            assert all(c == {"part_b": n} for c in second_eta), done
+            assert "ridge_fit" not in evicted
+        else:
+            assert any(c.get("ridge_fit") for c in second_eta), done
