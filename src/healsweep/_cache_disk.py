@@ -44,6 +44,13 @@ of them, and eviction by value alone deleted the other quantization's `quantize`
 per byte on a GPU), so every switch of quantization recomputed 9-22 layers of it; with the fits
 and Part B in one tier, the fit an eta follow-up was about to read went first (cheapest per byte).
 
+**What is spent.** Before even Part B go the entries no trial to come reads: a sweep trial states
+the knobs its sweep varies (:class:`Holds`' ``axes``), and an entry whose readers add none of them
+(:data:`SPENT_UNLESS`: a quantization's ``routed_q`` when no Part A knob, the ridge switch nor the
+shared expert's type varies) is read again only if those readers are evicted. This holds only
+while every live holder is such a trial: a ``heal`` or ``confirm`` at work on the root states no
+axes, and nothing is spent while it lives.
+
 **Holds.** A process that works on entries holds them (:meth:`healsweep.cache.StageCache.holding`):
 each holding block has its own file ``.holds/<host>-<pid>-<random>.holds`` under the root, on
 which it keeps an exclusive ``flock`` while the block lasts, and to which it appends the path of
