@@ -18,6 +18,7 @@ from healsweep.sweep.space import (
     grid_configs,
     optuna_space,
     trial_identity,
+    varied_knobs,
 )
 from healsweep.sweep.spec import FutilitySpec
 from healsweep.sweep.spec_files import load_spec, spec_from_dict
@@ -207,6 +208,23 @@ def test_grid_puts_baseline_first_applies_fixed_and_drops_repeats():
     # without fixed knobs, the grid point equal to the baseline is not run twice
     plain = spec_from_dict({"name": "x", "search_space": {"gain_d": [0.3, 0.0]}})
     assert [c.gain_d for c in grid_configs(plain)] == [0.3, 0.0]
+
+
+def test_the_knobs_a_sweep_varies_are_its_space_and_the_fixed_ones_off_the_baseline():
+    """What a sweep trial states in its cache holds (eviction's spent entries, issue 46): a
+    fixed knob equal to the baseline's is the same in every trial, one set off it is not (the
+    baseline runs with its own value)."""
+    spec = spec_from_dict(
+        {
+            "name": "x",
+            "baseline": {"gamma": 0.5},
+            "fixed": {"eta": 0.3, "gamma": 0.5, "rho": 6.0},
+            "search_space": {"gain_d": [0.3, 0.0]},
+        }
+    )
+    assert varied_knobs(spec) == {"gain_d", "eta"}  # rho 6.0 is the baseline's default too
+    assert varied_knobs(load_spec(ROOT / "sweeps" / "demo-tune.yaml")) == {
+        "gamma", "gain_gu", "gain_d", "rho", "eta"}  # fmt: skip
 
 
 def test_grid_drops_points_that_repeat_an_earlier_student():
