@@ -195,8 +195,33 @@ def test_a_sweep_that_no_reader_of_an_entry_varies_lets_it_go_first(
         assert rq == [] and fits == ["fit1", "fit2"]
     else:  # the order without axes: the ridge fits before a quantization's entries
         assert rq == ["rq"] and fits == ["fit2"]
-    assert all(knob in Knobs.model_fields for knob in disk.SPENT_UNLESS["routed_q"])
+    assert all(knob in Knobs.model_fields for opens in disk.SPENT_UNLESS.values() for knob in opens)
     assert set(disk.SPENT_UNLESS) <= {stage.value for stage in Stage}
+
+
+@pytest.mark.parametrize(
+    ("axes", "rhs_goes"),
+    [({"type_gu", "type_d"}, True), ({"type_d", "rho"}, False), ({"type_d", "eta"}, False)],
+)
+def test_a_sweep_over_types_alone_lets_its_ridge_right_hand_sides_go_first(
+    tmp_path, axes, rhs_goes
+):
+    """A ridge_rhs is read by the ridge fits (rho) and by Part B (eta): a sweep that varies the
+    experts' types alone makes each quantization's fit and Part B once, and its B is spent after
+    that; one that varies rho or eta reads it again."""
+    done = StageCache(tmp_path, max_gb=_gib(3.5))
+    _put_worth(done, "rhs", 4.0, stage="ridge_rhs")
+    _tick()
+    _put_worth(done, "fit1", 0.5, stage="ridge_fit")
+    _tick()
+    _put_worth(done, "fit2", 0.5, stage="ridge_fit")
+    _tick()
+    trial = StageCache(tmp_path, max_gb=_gib(3.5), axes=axes)
+    with trial.holding():
+        _put_worth(trial, "partb", 2.0, stage="part_b")  # four entries: one goes
+    rhs = _present(tmp_path, "rhs", stage="ridge_rhs")
+    fits = _present(tmp_path, "fit1", "fit2", stage="ridge_fit")
+    assert (rhs, fits) == (([], ["fit1", "fit2"]) if rhs_goes else (["rhs"], ["fit2"]))
 
 
 def test_the_knobs_that_open_routed_q_cover_part_a(tmp_path):

@@ -47,7 +47,8 @@ and Part B in one tier, the fit an eta follow-up was about to read went first (c
 **What is spent.** Before even Part B go the entries no trial to come reads: a sweep trial states
 the knobs its sweep varies (:class:`Holds`' ``axes``), and an entry whose readers add none of them
 (:data:`SPENT_UNLESS`: a quantization's ``routed_q`` when no Part A knob, the ridge switch nor the
-shared expert's type varies) is read again only if those readers are evicted. This holds only
+shared expert's type varies; its ``ridge_rhs`` when neither rho nor eta does) is read again only
+if those readers are evicted. This holds only
 while every live holder is such a trial: a ``heal`` or ``confirm`` at work on the root states no
 axes, and nothing is spent while it lives.
 
@@ -115,8 +116,12 @@ POINT_TIERS = {"part_b": 0, "ridge_fit": 1, "ridge_heldout": 1}
 # quantizations took 5.3 GB of the 28 GB cache and were never read after their trials, while the
 # ridge fits an eta follow-up was about to read (1.1 GB a rho) were evicted. A sweep trial
 # builds its students without Part B's held-out diagnostic, which reads routed_q at every rho.
+# A `ridge_rhs` (B = Z'ᵀdY of one quantization) is read by the ridge fits (their keys add rho)
+# and by Part B (eta, and the shared expert's storage type): in a sweep that varies none of
+# these, e.g. over the experts' types alone, it is spent once its Part B is made.
 SPENT_UNLESS = {
     "routed_q": frozenset({"alpha", "gamma", "alpha_granularity", "ridge", "type_shexp"}),
+    "ridge_rhs": frozenset({"rho", "eta", "ridge", "type_shexp"}),
 }
 # An entry's value halves for every hour unused: within a night's trials (seconds to minutes
 # apart) the seconds per byte decide; an entry of a sweep that ended hours ago goes first.
