@@ -157,6 +157,22 @@ def test_the_entries_fewer_configs_read_go_first(tmp_path):
     assert set(disk.POINT_TIERS) <= {stage.value for stage in Stage}
 
 
+def _earlier_trials(root: Path, name: str, stage: str) -> None:
+    """Three entries of 1 MiB that finished trials left, held by nobody now: one of ``stage``
+    worth 4 s, then two cheap ridge fits (a bounded cache's limit fits three of them, not four)."""
+    done = StageCache(root, max_gb=_gib(3.5))
+    _put_worth(done, name, 4.0, stage=stage)
+    for fit in ("fit1", "fit2"):
+        _tick()
+        _put_worth(done, fit, 0.5, stage="ridge_fit")
+    _tick()
+
+
+def _left(root: Path, name: str, stage: str) -> tuple[list[str], list[str]]:
+    """Which of :func:`_earlier_trials`' entries an eviction left: its ``stage`` one, the fits."""
+    return _present(root, name, stage=stage), _present(root, "fit1", "fit2", stage="ridge_fit")
+
+
 @pytest.mark.parametrize(
     ("axes", "beside", "routed_q_goes"),
     [
@@ -174,14 +190,8 @@ def test_a_sweep_that_no_reader_of_an_entry_varies_lets_it_go_first(
     the ridge fits the eta follow-ups then recomputed: no stage after routed_q reads a knob the
     night varies. A sweep trial states the knobs its sweep varies in its holds; while every live
     holder does and none varies a knob of SPENT_UNLESS, routed_q goes first whatever its worth."""
-    done = StageCache(tmp_path, max_gb=_gib(3.5))  # earlier trials' entries, held by nobody now
-    _put_worth(done, "rq", 4.0, stage="routed_q")
-    _tick()
-    _put_worth(done, "fit1", 0.5, stage="ridge_fit")
-    _tick()
-    _put_worth(done, "fit2", 0.5, stage="ridge_fit")
-    _tick()
-    other = StageCache(tmp_path, axes=beside) if beside != "plain" else StageCache(tmp_path)
+    _earlier_trials(tmp_path, "rq", "routed_q")
+    other = StageCache(tmp_path, axes=None if beside == "plain" else beside)
     trial = StageCache(tmp_path, max_gb=_gib(3.5), axes=axes)
     with other.holding(), trial.holding():
         if beside is not None:
@@ -189,8 +199,7 @@ def test_a_sweep_that_no_reader_of_an_entry_varies_lets_it_go_first(
         _put_worth(trial, "partb", 2.0, stage="part_b")  # four entries: one goes
         holders = disk.held(tmp_path)
         assert holders.holders == (2 if beside is not None else 1)
-    rq = _present(tmp_path, "rq", stage="routed_q")
-    fits = _present(tmp_path, "fit1", "fit2", stage="ridge_fit")
+    rq, fits = _left(tmp_path, "rq", "routed_q")
     if routed_q_goes:
         assert rq == [] and fits == ["fit1", "fit2"]
     else:  # the order without axes: the ridge fits before a quantization's entries
@@ -209,18 +218,11 @@ def test_a_sweep_over_types_alone_lets_its_ridge_right_hand_sides_go_first(
     """A ridge_rhs is read by the ridge fits (rho) and by Part B (eta): a sweep that varies the
     experts' types alone makes each quantization's fit and Part B once, and its B is spent after
     that; one that varies rho or eta reads it again."""
-    done = StageCache(tmp_path, max_gb=_gib(3.5))
-    _put_worth(done, "rhs", 4.0, stage="ridge_rhs")
-    _tick()
-    _put_worth(done, "fit1", 0.5, stage="ridge_fit")
-    _tick()
-    _put_worth(done, "fit2", 0.5, stage="ridge_fit")
-    _tick()
+    _earlier_trials(tmp_path, "rhs", "ridge_rhs")
     trial = StageCache(tmp_path, max_gb=_gib(3.5), axes=axes)
     with trial.holding():
         _put_worth(trial, "partb", 2.0, stage="part_b")  # four entries: one goes
-    rhs = _present(tmp_path, "rhs", stage="ridge_rhs")
-    fits = _present(tmp_path, "fit1", "fit2", stage="ridge_fit")
+    rhs, fits = _left(tmp_path, "rhs", "ridge_rhs")
     assert (rhs, fits) == (([], ["fit1", "fit2"]) if rhs_goes else (["rhs"], ["fit2"]))
 
 

@@ -48,9 +48,8 @@ and Part B in one tier, the fit an eta follow-up was about to read went first (c
 the knobs its sweep varies (:class:`Holds`' ``axes``), and an entry whose readers add none of them
 (:data:`SPENT_UNLESS`: a quantization's ``routed_q`` when no Part A knob, the ridge switch nor the
 shared expert's type varies; its ``ridge_rhs`` when neither rho nor eta does) is read again only
-if those readers are evicted. This holds only
-while every live holder is such a trial: a ``heal`` or ``confirm`` at work on the root states no
-axes, and nothing is spent while it lives.
+if those readers are evicted. This holds only while every live holder is such a trial: a ``heal``
+or ``confirm`` at work on the root states no axes, and nothing is spent while it lives.
 
 **Holds.** A process that works on entries holds them (:meth:`healsweep.cache.StageCache.holding`):
 each holding block has its own file ``.holds/<host>-<pid>-<random>.holds`` under the root, on
@@ -426,9 +425,12 @@ def _eviction_order(
     spent = spent_stages(axes)
 
     def order(entry: Entry) -> tuple[int, float, int, str]:
-        fresh_shared = entry.stage in SHARED_STAGES and entry.used_ns >= fresh_after
-        tier = 3 if fresh_shared else POINT_TIERS.get(entry.stage, 2)
-        tier = -1 if entry.stage in spent else tier
+        if entry.stage in spent:
+            tier = -1
+        elif entry.stage in SHARED_STAGES and entry.used_ns >= fresh_after:
+            tier = 3
+        else:
+            tier = POINT_TIERS.get(entry.stage, 2)
         idle_s = (now_ns - entry.used_ns) / 1e9
         worth = value(seconds(root / entry.relpath, entry.size), entry.size, idle_s)
         return tier, worth, entry.used_ns, entry.relpath

@@ -118,7 +118,7 @@ def _score_dev(
     index = {w.window_id: i for i, w in enumerate(windows)}
     # None: this worker's own ($HEALSWEEP_CACHE), bounded by $HEALSWEEP_CACHE_MAX_GB if set.
     # The knobs the sweep varies tell eviction which entries no later trial reads (routed_q
-    # when no Part A knob varies: _cache_disk.SPENT_UNLESS).
+    # when no Part A knob varies, ridge_rhs when neither rho nor eta does: SPENT_UNLESS).
     cache = StageCache(spec.cache_root, spec.cache_max_gb, axes=varied_knobs(spec))
     # A streamed student reads its layers back from the stage entries while it is scored: they
     # stay held until its last window (else a tight cache evicts and recomputes them mid-trial).
